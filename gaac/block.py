@@ -1,0 +1,179 @@
+"""One 16-token block of one layer's K or V: the public encode/decode API and the stream container.
+
+The container (FORMAT.md section 7) is what a block looks like outside the
+GPU cache -- on disk, on the wire, in a test vector: a header, the block table
+entries of its tiles, the compressed slots, the raw tiles, and a CRC-32.
+Inside the paged cache the same slots and raw tiles live in two pools and
+the same table entries point into them.
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import layout as L
+from .arrays import as_bits
+from .calibration import Calibration
+from .errors import CalibrationError, FormatError, InputError
+from .reference.codec import decode_tiles, encode_tiles
+from .tiles import block_tiles, tile_bases, untile
+
+
+def parse_kind(kind) -> int:
+    """``'k'``/``'v'`` (any case) or ``0``/``1`` -> the kind byte."""
+    if isinstance(kind, str) and kind.lower() in ("k", "v"):
+        return L.KIND_K if kind.lower() == "k" else L.KIND_V
+    if kind in (L.KIND_K, L.KIND_V) and not isinstance(kind, bool):
+        return int(kind)
+    raise InputError(f"kind must be 'k' or 'v', got {kind!r}")
+
+
+@dataclass(frozen=True)
+class EncodedBlock:
+    """An encoded block: its container bytes and what it costs."""
+
+    data: bytes
+    layer: int
+    kind: int
+    kv_heads: int
+    head_dim: int
+    modes: np.ndarray            # [n_tiles, groups] mode tag of every group
+    raw_tiles: tuple             # indices of tiles kept as raw BF16 (slot overflow)
+    payload_bytes: int           # codes, tags, sign/mantissa and used escapes; raw tiles at 2 bytes/element
+    resident_bytes: int          # what the paged cache holds: slots, raw tiles, table entries
+
+    @property
+    def n_tiles(self) -> int:
+        return self.modes.shape[0]
+
+    @property
+    def fell_back(self) -> bool:
+        """True when at least one tile overflowed its slot and stays raw BF16."""
+        return bool(self.raw_tiles)
+
+    @property
+    def bf16_bytes(self) -> int:
+        return self.kv_heads * L.BLOCK_TOKENS * self.head_dim * 2
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data)
+
+    def __bytes__(self) -> bytes:
+        return self.data
+
+
+def encode_block(x, calibration: Calibration, layer: int, kind) -> EncodedBlock:
+    """Encode one block ``[kv_heads, 16, head_dim]`` of layer ``layer``'s K (``kind='k'``) or V."""
+    kind = parse_kind(kind)
+    bits = as_bits(x, "block", ndim=3)
+    heads, tokens, dim = bits.shape
+    if tokens != L.BLOCK_TOKENS:
+        raise InputError(f"a block has {L.BLOCK_TOKENS} tokens; got shape {list(bits.shape)} "
+                         "([kv_heads, tokens, head_dim])")
+    if dim not in L.SUPPORTED_HEAD_DIMS:
+        raise InputError(f"head_dim {dim} is not supported; GAAC v1 supports {L.SUPPORTED_HEAD_DIMS}")
+    calibration.check_shape(None, heads, dim)
+    calibration.check_layer(layer)
+    capacity = int(calibration.capacity[kind, layer])
+    b3, b4 = tile_bases(*calibration.bases(layer, kind))
+    enc = encode_tiles(block_tiles(bits), b3, b4, capacity)
+
+    entries, slots, raws = [], [], []
+    for t in range(len(enc.fits)):
+        if enc.fits[t]:
+            entries.append(len(slots))
+            slots.append(enc.slots[t])
+        else:
+            entries.append(L.TABLE_RAW_FLAG | len(raws))
+            raws.append(enc.raw[t])
+    header = L.STREAM_HEADER.pack(L.STREAM_MAGIC, L.FORMAT_VERSION, L.ELEMENT_BF16, kind, L.BLOCK_TOKENS,
+                                  layer, heads, dim, capacity, calibration.id, 0)
+    body = header + np.array(entries, dtype="<u4").tobytes() + b"".join(s.tobytes() for s in slots) \
+        + b"".join(r.tobytes() for r in raws)
+    data = body + np.uint32(zlib.crc32(body)).astype("<u4").tobytes()
+
+    fits = enc.fits
+    geo = L.geometry(dim)
+    payload = int(enc.payload_bytes[fits].sum()) + int((~fits).sum()) * geo.raw_bytes
+    resident = int(fits.sum()) * geo.slot_bytes(capacity) + int((~fits).sum()) * geo.raw_bytes \
+        + len(entries) * L.TABLE_ENTRY_BYTES
+    return EncodedBlock(data=data, layer=layer, kind=kind, kv_heads=heads, head_dim=dim, modes=enc.modes,
+                        raw_tiles=tuple(int(t) for t in np.flatnonzero(~fits)),
+                        payload_bytes=payload, resident_bytes=resident)
+
+
+def decode_block(block, calibration: Calibration) -> np.ndarray:
+    """Decode a block container (bytes or :class:`EncodedBlock`) to ``uint16[kv_heads, 16, head_dim]``.
+
+    Every rule of FORMAT.md section 8 is checked; a stream that breaks one
+    raises :class:`FormatError` (or :class:`CalibrationError` when the stream
+    is valid but was made with another calibration).
+    """
+    data = bytes(block)
+    if not isinstance(block, (bytes, bytearray, memoryview, EncodedBlock)):
+        raise InputError(f"expected bytes or EncodedBlock, got {type(block).__name__}")
+    need = L.STREAM_HEADER_BYTES + L.STREAM_CRC_BYTES
+    if len(data) < need:
+        raise FormatError(f"truncated stream: {len(data)} bytes, a block container has at least {need}")
+    (magic, version, element, kind, tokens, layer, heads, dim, capacity, cal_id,
+     reserved) = L.STREAM_HEADER.unpack_from(data)
+    if magic != L.STREAM_MAGIC:
+        raise FormatError(f"bad magic {magic!r}: not a GAAC block stream (expected {L.STREAM_MAGIC!r})")
+    if version != L.FORMAT_VERSION:
+        raise FormatError(f"stream version {version} is not supported (this decoder reads {L.FORMAT_VERSION})")
+    if element != L.ELEMENT_BF16:
+        raise FormatError(f"element format {element} is not supported (BF16 is {L.ELEMENT_BF16})")
+    if kind not in L.KIND_NAMES or tokens != L.BLOCK_TOKENS or reserved != 0:
+        raise FormatError(f"bad header: kind={kind}, tokens={tokens}, reserved={reserved}")
+    if dim not in L.SUPPORTED_HEAD_DIMS or heads == 0:
+        raise FormatError(f"bad header: kv_heads={heads}, head_dim={dim}")
+    if capacity % L.SLOT_ALIGN:
+        raise FormatError(f"bad header: escape capacity {capacity} is not a multiple of {L.SLOT_ALIGN}")
+
+    geo = L.geometry(dim)
+    n_tiles = heads * L.tiles_per_head(dim)
+    table_end = L.STREAM_HEADER_BYTES + n_tiles * L.TABLE_ENTRY_BYTES
+    if len(data) < table_end + L.STREAM_CRC_BYTES:
+        raise FormatError(f"truncated stream: {len(data)} bytes, its tile table alone ends at {table_end}")
+    entries = np.frombuffer(data, dtype="<u4", count=n_tiles, offset=L.STREAM_HEADER_BYTES).astype(np.int64)
+    is_raw = (entries & L.TABLE_RAW_FLAG) != 0
+    n_raw = int(is_raw.sum())
+    n_slot = n_tiles - n_raw
+    slot_size = geo.slot_bytes(capacity)
+    expected = table_end + n_slot * slot_size + n_raw * geo.raw_bytes + L.STREAM_CRC_BYTES
+    if len(data) != expected:
+        what = "truncated" if len(data) < expected else "trailing bytes after"
+        raise FormatError(f"{what} stream: {len(data)} bytes, its header and tile table make it {expected}")
+    crc = int(np.frombuffer(data, dtype="<u4", count=1, offset=len(data) - 4)[0])
+    if crc != zlib.crc32(data[:-4]):
+        raise FormatError(f"CRC-32 mismatch (stored {crc:08x}, computed {zlib.crc32(data[:-4]):08x}): "
+                          "the stream is corrupt")
+    index = entries & L.TABLE_INDEX_MASK
+    want = np.where(is_raw, np.cumsum(is_raw) - 1, np.cumsum(~is_raw) - 1)
+    if (index != want).any():
+        t = int(np.flatnonzero(index != want)[0])
+        raise FormatError(f"tile table entry {t} points at index {index[t]}, expected {want[t]} "
+                          "(tiles of each class are numbered in tile order)")
+
+    if cal_id != calibration.id:
+        raise CalibrationError(f"stream was encoded with calibration {cal_id:08x}, this calibration is "
+                               f"{calibration.id:08x} (model {calibration.model!r})")
+    calibration.check_shape(None, heads, dim)
+    calibration.check_layer(layer)
+    if capacity != calibration.capacity[kind, layer]:
+        raise CalibrationError(f"stream escape capacity {capacity} differs from the calibration's "
+                               f"{calibration.capacity[kind, layer]} for layer {layer} {L.KIND_NAMES[kind]}")
+
+    b3, b4 = tile_bases(*calibration.bases(layer, kind))
+    out = np.empty((n_tiles, L.BLOCK_TOKENS, geo.channels), dtype=np.uint16)
+    body = np.frombuffer(data, dtype=np.uint8, offset=table_end, count=len(data) - table_end - 4)
+    slots = body[: n_slot * slot_size].reshape(n_slot, slot_size)
+    raws = body[n_slot * slot_size:].view("<u2").reshape(n_raw, L.BLOCK_TOKENS, geo.channels)
+    slot_tiles = np.flatnonzero(~is_raw)
+    if n_slot:
+        out[slot_tiles] = decode_tiles(slots, b3[slot_tiles], b4[slot_tiles], capacity, geo.channels)
+    out[is_raw] = raws
+    return untile(out, heads, dim)

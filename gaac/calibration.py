@@ -1,0 +1,230 @@
+"""Calibration: per-channel exponent windows and per-layer escape capacities.
+
+``calibrate(k, v)`` looks at sample caches ``[layers, kv_heads, tokens, head_dim]``
+and, for each layer, K and V separately, each (head, channel):
+
+* ``b3`` -- the start of the 8-wide exponent window covering the most values;
+* ``b4`` -- the start of the 16-wide window covering the most values;
+
+and for each layer and kind the escape capacity of a slot that makes the
+resident cache smallest: a larger slot wastes its unused bytes on every tile,
+a smaller one sends more tiles to the raw BF16 pool (FORMAT.md section 6).
+
+Ties go to the smallest base and the smallest capacity, so calibration is a
+pure function of its input.  A calibration only changes sizes: any value,
+in a window or not, round-trips.
+"""
+from __future__ import annotations
+
+import json
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from . import layout as L
+from .arrays import as_bits
+from .errors import CalibrationError
+from .progress import progress
+
+CALIBRATION_FORMAT = "gaac-calibration"
+
+
+@dataclass
+class Calibration:
+    """Bases ``b3``/``b4`` of shape ``[2 (K, V), layers, kv_heads, head_dim]`` and capacities ``[2, layers]``."""
+
+    b3: np.ndarray
+    b4: np.ndarray
+    capacity: np.ndarray
+    model: str | None = None
+    notes: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.b3 = np.asarray(self.b3, dtype=np.int64)
+        self.b4 = np.asarray(self.b4, dtype=np.int64)
+        self.capacity = np.asarray(self.capacity, dtype=np.int64)
+        self.validate()
+        self.b3 = self.b3.astype(np.uint8)
+        self.b4 = self.b4.astype(np.uint8)
+
+    # -- shape ---------------------------------------------------------------
+    @property
+    def layers(self) -> int:
+        return self.b3.shape[1]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.b3.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.b3.shape[3]
+
+    def validate(self) -> None:
+        """FORMAT.md 3.2: the rules a calibration must satisfy before any stream is read with it."""
+        if self.b3.ndim != 4 or self.b3.shape[0] != 2:
+            raise CalibrationError(f"b3 must be [2, layers, kv_heads, head_dim], got {list(self.b3.shape)}")
+        if self.b4.shape != self.b3.shape:
+            raise CalibrationError(f"b4 shape {list(self.b4.shape)} differs from b3 shape {list(self.b3.shape)}")
+        if self.capacity.shape != (2, self.b3.shape[1]):
+            raise CalibrationError(f"capacity must be [2, {self.b3.shape[1]}], got {list(self.capacity.shape)}")
+        if self.b3.shape[3] not in L.SUPPORTED_HEAD_DIMS:
+            raise CalibrationError(f"head_dim {self.b3.shape[3]} is not one of {L.SUPPORTED_HEAD_DIMS}")
+        if self.b3.min() < 0 or self.b3.max() > L.B3_MAX:
+            raise CalibrationError(f"3-bit bases must lie in 0..{L.B3_MAX} so that base + 7 <= 255")
+        if self.b4.min() < 0 or self.b4.max() > L.B4_MAX:
+            raise CalibrationError(f"4-bit bases must lie in 0..{L.B4_MAX} so that base + 15 <= 255")
+        bad = (self.capacity < 0) | (self.capacity > L.MAX_ESCAPE_CAPACITY) | (self.capacity % L.SLOT_ALIGN != 0)
+        if bad.any():
+            raise CalibrationError(f"escape capacities must be multiples of {L.SLOT_ALIGN} in "
+                                   f"0..{L.MAX_ESCAPE_CAPACITY}, got {self.capacity.tolist()}")
+
+    def check_shape(self, layers: int | None, kv_heads: int, head_dim: int) -> None:
+        """Raise :class:`CalibrationError` unless this calibration is for caches of that shape."""
+        if (kv_heads, head_dim) != (self.kv_heads, self.head_dim) or (layers is not None and layers != self.layers):
+            have = f"{self.layers} layers x {self.kv_heads} KV heads x head_dim {self.head_dim}"
+            want = f"{'?' if layers is None else layers} layers x {kv_heads} KV heads x head_dim {head_dim}"
+            raise CalibrationError(f"calibration is for {have} (model {self.model!r}); the cache has {want}")
+
+    def check_layer(self, layer: int) -> None:
+        if not 0 <= layer < self.layers:
+            raise CalibrationError(f"layer {layer} out of range: calibration has {self.layers} layers")
+
+    # -- identity ------------------------------------------------------------
+    def canonical_bytes(self) -> bytes:
+        """FORMAT.md 3.3: the bytes whose CRC-32 is the calibration id."""
+        head = b"GAACCAL" + bytes([L.FORMAT_VERSION])
+        dims = np.array([self.layers, self.kv_heads, self.head_dim], dtype="<u4").tobytes()
+        return head + dims + self.b3.tobytes() + self.b4.tobytes() + self.capacity.astype("<u2").tobytes()
+
+    @property
+    def id(self) -> int:
+        return zlib.crc32(self.canonical_bytes())
+
+    def bases(self, layer: int, kind: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(b3, b4)`` of one layer and kind, each ``[kv_heads, head_dim]``."""
+        self.check_layer(layer)
+        return self.b3[kind, layer], self.b4[kind, layer]
+
+    # -- files ---------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {
+            "format": CALIBRATION_FORMAT,
+            "version": L.FORMAT_VERSION,
+            "model": self.model,
+            "layers": self.layers, "kv_heads": self.kv_heads, "head_dim": self.head_dim,
+            "id": f"{self.id:08x}",
+            "k": {"b3": self.b3[0].tolist(), "b4": self.b4[0].tolist(), "capacity": self.capacity[0].tolist()},
+            "v": {"b3": self.b3[1].tolist(), "b4": self.b4[1].tolist(), "capacity": self.capacity[1].tolist()},
+            "notes": self.notes,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Calibration":
+        if not isinstance(d, dict) or d.get("format") != CALIBRATION_FORMAT:
+            raise CalibrationError(f"not a GAAC calibration (expected \"format\": \"{CALIBRATION_FORMAT}\")")
+        if d.get("version") != L.FORMAT_VERSION:
+            raise CalibrationError(f"calibration version {d.get('version')} is not supported "
+                                   f"(this gaac reads version {L.FORMAT_VERSION})")
+        try:
+            cal = cls(b3=[d["k"]["b3"], d["v"]["b3"]], b4=[d["k"]["b4"], d["v"]["b4"]],
+                      capacity=[d["k"]["capacity"], d["v"]["capacity"]], model=d.get("model"),
+                      notes=d.get("notes") or {})
+        except (KeyError, TypeError, ValueError) as exc:
+            if isinstance(exc, CalibrationError):
+                raise
+            raise CalibrationError(f"malformed calibration: {exc!r}") from exc
+        dims = (d.get("layers"), d.get("kv_heads"), d.get("head_dim"))
+        if dims != (cal.layers, cal.kv_heads, cal.head_dim):
+            raise CalibrationError(f"calibration header says {dims} but its tables are "
+                                   f"{(cal.layers, cal.kv_heads, cal.head_dim)}")
+        if "id" in d and d["id"] != f"{cal.id:08x}":
+            raise CalibrationError(f"calibration id {d['id']} does not match its tables ({cal.id:08x}): "
+                                   "the file was edited or damaged")
+        return cal
+
+    def save(self, path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), separators=(",", ":")) + "\n")
+
+    @classmethod
+    def load(cls, path) -> "Calibration":
+        try:
+            d = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as exc:
+            raise CalibrationError(f"{path}: not JSON ({exc})") from exc
+        return cls.from_dict(d)
+
+
+def exponent_histograms(x: np.ndarray) -> np.ndarray:
+    """Counts of each exponent per (layer, head, channel): ``[layers, heads, head_dim, 256]``."""
+    layers, heads, tokens, dim = x.shape
+    hist = np.zeros((layers, heads, dim, 256), dtype=np.int64)
+    cell = (np.arange(heads)[:, None, None] * dim + np.arange(dim)[None, None, :]) * 256
+    for layer in range(layers):
+        e = ((x[layer] >> 7) & 0xFF).astype(np.int64)
+        hist[layer] = np.bincount((cell + e).ravel(), minlength=heads * dim * 256).reshape(heads, dim, 256)
+    return hist
+
+
+def best_windows(hist: np.ndarray, width: int) -> np.ndarray:
+    """Start of the ``width``-wide window covering the most counts (smallest start on ties)."""
+    cs = np.concatenate([np.zeros(hist.shape[:-1] + (1,), dtype=np.int64), np.cumsum(hist, axis=-1)], axis=-1)
+    cover = cs[..., width:] - cs[..., :-width]          # [..., 257 - width] window sums
+    return np.argmax(cover, axis=-1)                      # argmax returns the first maximum
+
+
+def tile_escape_bytes(x: np.ndarray, b3: np.ndarray, b4: np.ndarray) -> np.ndarray:
+    """Escape bytes of every tile of one layer's cache ``[heads, tokens, head_dim]`` (whole blocks only)."""
+    from .reference.codec import choose_modes, escape_bytes
+    from .tiles import block_tiles, cache_blocks, tile_bases
+
+    blocks = cache_blocks(x)
+    tiles = block_tiles(blocks)
+    t3, t4 = (np.tile(t, (blocks.shape[0], 1)) for t in tile_bases(b3, b4))
+    exponent = ((tiles.reshape(tiles.shape[0], -1) >> 7) & 0xFF).astype(np.uint8)
+    return escape_bytes(choose_modes(exponent, t3, t4))
+
+
+def best_capacity(escapes: np.ndarray, head_dim: int) -> int:
+    """The escape capacity that minimises resident bytes over tiles with ``escapes`` escape bytes."""
+    geo = L.geometry(head_dim)
+    candidates = np.arange(0, geo.max_useful_capacity + 1, L.SLOT_ALIGN)
+    if escapes.size == 0:
+        return 0
+    fits = escapes[None, :] <= candidates[:, None]
+    cost = np.where(fits, geo.fixed_bytes + candidates[:, None], geo.raw_bytes).sum(axis=1)
+    return int(candidates[np.argmin(cost)])
+
+
+def calibrate(k, v, *, model: str | None = None, capacity: int | None = None,
+              show_progress: bool | None = None) -> Calibration:
+    """Calibrate on sample caches ``k``, ``v`` shaped ``[layers, kv_heads, tokens, head_dim]``.
+
+    Inputs are torch BF16 tensors or uint16 NumPy arrays of BF16 bit patterns.
+    ``capacity`` forces one escape capacity everywhere instead of choosing it.
+    """
+    ks, vs = as_bits(k, "k", ndim=4), as_bits(v, "v", ndim=4)
+    if ks.shape[0] != vs.shape[0] or ks.shape[1] != vs.shape[1] or ks.shape[3] != vs.shape[3]:
+        raise CalibrationError(f"k {list(ks.shape)} and v {list(vs.shape)} disagree on layers, heads or head_dim")
+    layers, heads, tokens, dim = ks.shape
+    L.tile_channels(dim)
+    if min(tokens, vs.shape[2]) < L.BLOCK_TOKENS and capacity is None:
+        raise CalibrationError(f"calibration needs at least one full block of {L.BLOCK_TOKENS} tokens "
+                               f"to choose a slot capacity; got {tokens} (k) / {vs.shape[2]} (v)")
+    b3 = np.zeros((2, layers, heads, dim), dtype=np.int64)
+    b4 = np.zeros_like(b3)
+    cap = np.zeros((2, layers), dtype=np.int64)
+    for kind, x in progress(list(enumerate((ks, vs))), desc="calibrate", unit="kind", enable=show_progress):
+        hist = exponent_histograms(x)
+        b3[kind] = best_windows(hist, L.WINDOW_3BIT)
+        b4[kind] = best_windows(hist, L.WINDOW_4BIT)
+        for layer in range(layers):
+            if capacity is not None:
+                cap[kind, layer] = capacity
+            else:
+                esc = tile_escape_bytes(x[layer], b3[kind, layer], b4[kind, layer])
+                cap[kind, layer] = best_capacity(esc, dim)
+    return Calibration(b3=b3, b4=b4, capacity=cap, model=model,
+                       notes={"tokens": {"k": int(tokens), "v": int(vs.shape[2])}})

@@ -1,0 +1,15 @@
+"""Progress bars for long work: tqdm on a terminal, silent in pipes and tests unless asked."""
+from __future__ import annotations
+
+import sys
+
+
+def progress(iterable, *, desc: str, unit: str = "it", enable: bool | None = None, total: int | None = None):
+    """Wrap ``iterable`` in a tqdm bar when ``enable`` (default: stderr is a terminal)."""
+    if enable is None:
+        enable = sys.stderr.isatty()
+    if not enable:
+        return iterable
+    from tqdm import tqdm
+
+    return tqdm(iterable, desc=desc, unit=unit, total=total, leave=False)
