@@ -1,0 +1,154 @@
+"""Loading KV caches from files, and the real sample shipped inside the package.
+
+A cache file holds one kind (K or V) of a whole cache ``[layers, kv_heads,
+tokens, head_dim]`` of BF16 values, in one of three containers:
+
+* ``.npy``  -- the raw bit patterns as ``uint16`` (or ``int16``), as ``../shared/data/kv`` holds them;
+* ``.safetensors`` -- a ``BF16`` (or ``U16``/``I16``) tensor, either under the key ``k`` / ``v``
+  (one file holding both) or as the file's only tensor;
+* ``.pt``   -- a ``torch.bfloat16`` tensor saved with ``torch.save`` (or a dict with keys ``k`` / ``v``).
+
+``.safetensors`` is read here directly rather than through the ``safetensors``
+package: its NumPy front end cannot represent BF16, and its torch front end
+would make torch a requirement for a format that is only a JSON header and
+raw little-endian bytes.  Every dtype rule is :func:`gaac.arrays.as_bits`'s.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+
+from . import layout as L
+from .arrays import as_bits
+from .errors import InputError
+
+CACHE_SUFFIXES = (".npy", ".safetensors", ".pt")
+
+# safetensors dtypes that carry BF16 bit patterns without conversion.
+_SAFETENSORS_BITS = {"BF16": "<u2", "U16": "<u2", "I16": "<i2"}
+
+
+def check_cache(bits: np.ndarray, name: str) -> np.ndarray:
+    """``bits`` if it is a cache ``[layers, kv_heads, tokens, head_dim]`` gaac can code, else :class:`InputError`."""
+    bits = as_bits(bits, name)
+    if bits.ndim != 4:
+        raise InputError(f"{name}: expected a cache shaped [layers, kv_heads, tokens, head_dim], "
+                         f"got shape {list(bits.shape)}")
+    if bits.shape[3] not in L.SUPPORTED_HEAD_DIMS:
+        raise InputError(f"{name}: head_dim {bits.shape[3]} (last axis of shape {list(bits.shape)}) is not "
+                         f"supported; GAAC v1 supports {L.SUPPORTED_HEAD_DIMS}")
+    if 0 in bits.shape:
+        raise InputError(f"{name}: empty cache, shape {list(bits.shape)}")
+    return bits
+
+
+def load_cache(path, kind: str) -> np.ndarray:
+    """The ``kind`` (``'k'`` or ``'v'``) cache in ``path`` as ``uint16[layers, kv_heads, tokens, head_dim]``."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{kind} cache {str(path)!r}: no such file")
+    suffix = path.suffix.lower()
+    name = f"{kind} cache {path.name}"
+    if suffix == ".npy":
+        try:
+            x = np.load(path, allow_pickle=False)
+        except ValueError as exc:
+            raise InputError(f"{name}: not a plain NumPy array file ({exc})") from exc
+    elif suffix == ".safetensors":
+        x = _read_safetensors(path, kind, name)
+    elif suffix == ".pt":
+        x = _read_torch(path, kind, name)
+    else:
+        raise InputError(f"{name}: unknown file type {suffix!r}; expected one of {', '.join(CACHE_SUFFIXES)}")
+    return check_cache(x, name)
+
+
+def _pick(tensors: dict, kind: str, name: str):
+    """The tensor for ``kind`` from a file of several: key ``kind``, or the only tensor there is."""
+    if kind in tensors:
+        return tensors[kind]
+    if len(tensors) == 1:
+        return next(iter(tensors.values()))
+    raise InputError(f"{name}: holds tensors {sorted(tensors)}; expected a key {kind!r} or a single tensor")
+
+
+def _read_safetensors(path: Path, kind: str, name: str) -> np.ndarray:
+    """One tensor of a ``.safetensors`` file: 8-byte LE header length, JSON header, then the data."""
+    data = path.read_bytes()
+    if len(data) < 8:
+        raise InputError(f"{name}: truncated safetensors file ({len(data)} bytes)")
+    (n,) = struct.unpack_from("<Q", data)
+    if n > len(data) - 8:
+        raise InputError(f"{name}: safetensors header of {n} bytes exceeds the file ({len(data)} bytes)")
+    try:
+        header = json.loads(data[8:8 + n])
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InputError(f"{name}: safetensors header is not JSON ({exc})") from exc
+    if not isinstance(header, dict):
+        raise InputError(f"{name}: safetensors header is not a JSON object")
+    header.pop("__metadata__", None)
+    entry = _pick(header, kind, name)
+    try:
+        dtype, shape, (begin, end) = entry["dtype"], [int(s) for s in entry["shape"]], entry["data_offsets"]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InputError(f"{name}: malformed safetensors entry {entry!r}") from exc
+    if dtype not in _SAFETENSORS_BITS:
+        raise InputError(f"{name}: dtype {dtype} is not BF16; gaac codes BF16 caches "
+                         f"(safetensors dtypes {sorted(_SAFETENSORS_BITS)})")
+    count = int(np.prod(shape))
+    body = data[8 + n:]
+    if not 0 <= begin <= end <= len(body) or end - begin != 2 * count:
+        raise InputError(f"{name}: data offsets {begin}..{end} do not hold a {dtype} tensor of shape {shape} "
+                         f"in {len(body)} data bytes")
+    return np.frombuffer(body, dtype=_SAFETENSORS_BITS[dtype], count=count, offset=begin).reshape(shape)
+
+
+def _read_torch(path: Path, kind: str, name: str):
+    try:
+        import torch
+    except ImportError as exc:
+        raise InputError(f"{name}: reading .pt files needs torch (pip install 'gaac[torch]')") from exc
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises many types for a file it cannot read
+        raise InputError(f"{name}: not a torch tensor file ({type(exc).__name__}: {exc})") from exc
+    if isinstance(obj, dict):
+        obj = _pick(obj, kind, name)
+    if not isinstance(obj, torch.Tensor):
+        raise InputError(f"{name}: holds a {type(obj).__name__}, expected a torch.bfloat16 tensor")
+    return obj
+
+
+def parse_token_range(text: str, tokens: int) -> slice:
+    """``'A:B'`` (either side may be empty) -> a slice of ``tokens`` tokens, checked."""
+    parts = text.split(":")
+    try:
+        if len(parts) != 2:
+            raise ValueError
+        start = int(parts[0]) if parts[0] else 0
+        stop = int(parts[1]) if parts[1] else tokens
+    except ValueError:
+        raise InputError(f"token range {text!r}: expected A:B with integers, e.g. 0:512") from None
+    if not 0 <= start < stop <= tokens:
+        raise InputError(f"token range {text!r}: need 0 <= A < B <= {tokens} (the cache has {tokens} tokens)")
+    return slice(start, stop)
+
+
+# -- the shipped sample --------------------------------------------------------
+
+SAMPLE_PROMPTS = ("prose", "code")
+
+
+def load_sample(prompt: str) -> tuple[np.ndarray, np.ndarray, dict]:
+    """K, V and a description of one prompt of the real sample in ``gaac/data`` (see its README.md)."""
+    if prompt not in SAMPLE_PROMPTS:
+        raise InputError(f"sample prompt {prompt!r}: the package ships {SAMPLE_PROMPTS}")
+    ref = resources.files("gaac") / "data" / f"smollm2-135m__{prompt}.npz"
+    with resources.as_file(ref) as path, np.load(path, allow_pickle=False) as z:
+        k, v, layers = z["k"], z["v"], z["layers"]
+        meta = {"model": str(z["model"]), "prompt": prompt, "layers": [int(i) for i in layers]}
+    return check_cache(k, f"sample {prompt} k"), check_cache(v, f"sample {prompt} v"), meta
