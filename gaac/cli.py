@@ -1,0 +1,206 @@
+"""The ``gaac`` command: calibrate on a cache, measure what the codec makes of one, capture one.
+
+    gaac calibrate --k K.npy --v V.npy -o cal.json [--model NAME] [--tokens A:B]
+    gaac stats [--k K.npy --v V.npy] [--calibration cal.json] [--json] [--per-layer] [--plot out.png]
+    gaac capture ...            (gaac.capture, where installed)
+
+Every error a user can cause -- a missing file, a wrong dtype or shape, a
+calibration for another model -- ends the command with one line on stderr
+and exit status 2; anything else is a bug and keeps its traceback.  ``gaac
+stats`` exits 1 if a block does not decode to its exact bits (never expected).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+
+import numpy as np
+
+from .calibration import Calibration, calibrate
+from .errors import GAACError, InputError
+from .io import load_cache, load_sample, parse_token_range
+from .stats import CacheStats, measure
+
+EXIT_USAGE = 2
+
+# `gaac stats` with no files: calibrate on one shipped prompt, measure another (a cross-task transfer).
+SAMPLE_CALIBRATION, SAMPLE_MEASURED = "prose", "code"
+
+
+class UsageError(GAACError):
+    """A command line argparse refused."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):          # one line and exit 2, like every other user error
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="gaac", description="Lossless GAAC compression of BF16 KV caches.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    cal = sub.add_parser("calibrate", help="choose exponent windows and slot capacities from sample caches",
+                         description="Calibrate on K/V caches [layers, kv_heads, tokens, head_dim] and write "
+                                     "the calibration as JSON.")
+    cal.add_argument("--k", required=True, help="K cache: .npy (uint16 BF16 bits), .safetensors or .pt (BF16)")
+    cal.add_argument("--v", required=True, help="V cache, same formats")
+    cal.add_argument("-o", "--output", required=True, help="calibration file to write (JSON)")
+    cal.add_argument("--model", help="model name recorded in the calibration")
+    cal.add_argument("--tokens", metavar="A:B", help="calibrate on tokens A..B-1 only, e.g. 0:512")
+    cal.set_defaults(func=cmd_calibrate)
+
+    st = sub.add_parser("stats", help="encode, decode and measure a cache",
+                        description="Encode every complete 16-token block, decode it, check it bit for bit and "
+                                    "report ratios and mode fractions. With no files: the real sample shipped "
+                                    f"in the package ({SAMPLE_MEASURED} measured with a calibration from "
+                                    f"{SAMPLE_CALIBRATION}).")
+    st.add_argument("--k", help="K cache: .npy (uint16 BF16 bits), .safetensors or .pt (BF16)")
+    st.add_argument("--v", help="V cache, same formats")
+    st.add_argument("--calibration", help="calibration JSON (default: calibrate on the measured caches)")
+    st.add_argument("--json", action="store_true", help='print {"k": {...}, "v": {...}} as JSON')
+    st.add_argument("--per-layer", action="store_true", help="add the per-layer view")
+    st.add_argument("--plot", metavar="PNG", help="write exponent histograms with the calibrated windows "
+                                                  "(needs gaac[plot])")
+    st.set_defaults(func=cmd_stats)
+
+    sub.add_parser("capture", help="capture a real K/V cache from a model (gaac.capture; see `gaac capture "
+                                   "--help`)", add_help=False)
+    return parser
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        if argv[:1] == ["capture"]:
+            return run_capture(argv[1:])
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    except (GAACError, OSError) as exc:
+        print(f"gaac: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def run_capture(argv: list[str]) -> int:
+    """``gaac capture``: imported only when asked, since it pulls in transformers and torch."""
+    try:
+        capture = importlib.import_module("gaac.capture")
+    except ModuleNotFoundError as exc:
+        if exc.name != "gaac.capture":
+            raise InputError(f"gaac capture needs {exc.name!r}: pip install 'gaac[torch,hf]'") from exc
+        raise InputError("gaac capture is not available in this version of gaac (no gaac.capture module)") \
+            from exc
+    return capture.main(argv) or 0
+
+
+# -- calibrate -------------------------------------------------------------------
+
+def cmd_calibrate(args) -> int:
+    k, v = load_cache(args.k, "k"), load_cache(args.v, "v")
+    notes = {"source": {"k": args.k, "v": args.v}}
+    if args.tokens:
+        k = k[:, :, parse_token_range(args.tokens, k.shape[2])]
+        v = v[:, :, parse_token_range(args.tokens, v.shape[2])]
+        notes["token_range"] = args.tokens
+    cal = calibrate(k, v, model=args.model)
+    cal.notes.update(notes)
+    cal.save(args.output)
+    print(f"wrote {args.output}: calibration {cal.id:08x} for {cal.layers} layers x {cal.kv_heads} KV heads x "
+          f"head_dim {cal.head_dim} (model {cal.model!r}), from {k.shape[2]} K / {v.shape[2]} V tokens; "
+          f"escape capacity K {_span(cal.capacity[0])}, V {_span(cal.capacity[1])} bytes")
+    return 0
+
+
+def _span(values) -> str:
+    lo, hi = int(np.min(values)), int(np.max(values))
+    return str(lo) if lo == hi else f"{lo}..{hi}"
+
+
+# -- stats -----------------------------------------------------------------------
+
+def cmd_stats(args) -> int:
+    if (args.k is None) != (args.v is None):
+        raise InputError("--k and --v go together: give both cache files, or neither to use the shipped sample")
+    layer_ids = None
+    if args.k is None:
+        k, v, meta = load_sample(SAMPLE_MEASURED)
+        layer_ids = meta["layers"]
+        where = (f"the sample shipped with gaac: {meta['model']} layers {', '.join(map(str, layer_ids))}, "
+                 f"{SAMPLE_MEASURED} prompt")
+        if args.calibration:
+            cal, how = Calibration.load(args.calibration), f"calibration {args.calibration}"
+        else:
+            ck, cv, _ = load_sample(SAMPLE_CALIBRATION)
+            cal = calibrate(ck, cv, model=meta["model"])
+            how = f"calibrated on the shipped {SAMPLE_CALIBRATION} prompt (a different text: cross-task transfer)"
+    else:
+        k, v = load_cache(args.k, "k"), load_cache(args.v, "v")
+        where = f"K {args.k}, V {args.v}"
+        if args.calibration:
+            cal, how = Calibration.load(args.calibration), f"calibration {args.calibration}"
+        else:
+            cal = calibrate(k, v)
+            how = "no --calibration given: calibrated on these caches themselves (self-calibration, a best case)"
+
+    stats = measure(k, v, cal, layer_ids=layer_ids)
+    notes = [f"cache: {where}", f"calibration: {how}"]
+    if args.plot:
+        from .plot import plot_windows
+
+        drawn = plot_windows(k, v, cal, args.plot, layer_ids=layer_ids, title=f"{where}\n{how}")
+        notes.append(f"wrote {args.plot} ({len(drawn)} layers)")
+    if args.json:
+        for line in notes:
+            print(f"gaac: {line}", file=sys.stderr)
+        print(json.dumps(stats.as_dict(per_layer=args.per_layer), indent=2))
+    else:
+        print("\n".join(notes))
+        print(format_table(stats, per_layer=args.per_layer))
+    return 0 if stats.k.total.mismatched == 0 and stats.v.total.mismatched == 0 else 1
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.2f}%"
+
+
+def format_table(stats: CacheStats, per_layer: bool = False) -> str:
+    """The readable view of :meth:`CacheStats.as_dict`."""
+    d = stats.as_dict(per_layer=per_layer)
+    k, v = d["k"], d["v"]
+    rows = [
+        ("ratio_stream (BF16 / payload)", lambda s: f"{s['ratio_stream']:.4f}"),
+        ("ratio_resident (BF16 / slots+raw+table)", lambda s: f"{s['ratio_resident']:.4f}"),
+        ("bits per element, stream", lambda s: f"{s['bits_per_element_stream']:.3f}"),
+        ("bits per element, resident", lambda s: f"{s['bits_per_element_resident']:.3f}"),
+        ("groups 3-bit", lambda s: _pct(s["frac_3bit"])),
+        ("groups 4-bit", lambda s: _pct(s["frac_4bit"])),
+        ("groups raw", lambda s: _pct(s["frac_raw"])),
+        ("tiles raw (slot overflow)", lambda s: f"{_pct(s['frac_raw_tiles'])} ({s['raw_tiles']}/{s['tiles']})"),
+        ("exponent entropy (bits)", lambda s: f"{s['exponent_entropy']:.3f}"),
+        ("escape capacity (bytes/slot)", lambda s: _span(s["capacity"])),
+        ("roundtrip bit-exact", lambda s: "yes" if s["roundtrip"] else "NO"),
+    ]
+    rows += [(f"  resident bits/elem: {part}", lambda s, p=part: f"{s['resident_bits_per_element'][p]:.3f}")
+             for part in k["resident_bits_per_element"]]
+    width = max(len(name) for name, _ in rows)
+    lines = [f"{'':{width}}  {'K':>16}  {'V':>16}"]
+    lines += [f"{name:{width}}  {fmt(k):>16}  {fmt(v):>16}" for name, fmt in rows]
+    lines.append(f"{k['layers']} layers, {k['tokens']} K / {v['tokens']} V tokens = {k['blocks']} / {v['blocks']} "
+                 f"complete blocks; {k['tail_tokens']} / {v['tail_tokens']} tail tokens stay BF16 and are not in "
+                 "the numbers above")
+    if per_layer:
+        head = f"{'layer':>5} |" + " |".join(f" {kind}: {'cap':>4} {'stream':>7} {'resident':>8} {'3-bit':>7} "
+                                             f"{'4-bit':>7} {'raw':>6} {'rawtile':>7}" for kind in "KV")
+        lines += ["", head]
+        for lk, lv in zip(d["per_layer"]["k"], d["per_layer"]["v"]):
+            cells = [f" {kind}: {s['capacity']:>4} {s['ratio_stream']:>7.4f} {s['ratio_resident']:>8.4f} "
+                     f"{_pct(s['frac_3bit']):>7} {_pct(s['frac_4bit']):>7} {_pct(s['frac_raw']):>6} "
+                     f"{_pct(s['frac_raw_tiles']):>7}" for kind, s in (("K", lk), ("V", lv))]
+            lines.append(f"{lk['layer']:>5} |" + " |".join(cells))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
