@@ -115,9 +115,11 @@ def measure_layer(x: np.ndarray, b3: np.ndarray, b4: np.ndarray, capacity: int) 
     enc = encode_tiles(tiles, t3, t4, capacity)
     fits = enc.fits
 
-    decoded = decode_tiles(enc.slots[fits], t3[fits], t4[fits], capacity, tiles.shape[2])
     stored_raw = enc.raw[~fits].view("<u2").reshape(-1, *tiles.shape[1:])
-    mismatched = int((decoded != tiles[fits]).sum()) + int((stored_raw != tiles[~fits]).sum())
+    mismatched = int((stored_raw != tiles[~fits]).sum())
+    if fits.any():       # decode_tiles wants at least one slot
+        decoded = decode_tiles(enc.slots[fits], t3[fits], t4[fits], capacity, tiles.shape[2])
+        mismatched += int((decoded != tiles[fits]).sum())
 
     return Tally(
         head_dim=x.shape[-1], tiles=len(fits), slot_tiles=int(fits.sum()),
