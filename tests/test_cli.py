@@ -1,0 +1,196 @@
+"""The `gaac` command end to end, and the cache loaders it reads files with."""
+import json
+import re
+import shutil
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gaac import layout as L
+from gaac.calibration import Calibration, calibrate
+from gaac.cli import main
+from gaac.errors import InputError
+from gaac.io import load_cache, load_sample
+
+FIELDS = {"ratio_stream", "ratio_resident", "frac_3bit", "frac_4bit", "frac_raw", "frac_raw_tiles",
+          "exponent_entropy", "roundtrip", "capacity", "tail_tokens", "bits_per_element_stream",
+          "bits_per_element_resident"}
+ALL_3BIT_RATIO = 16 / (8 + L.CODE_BITS + L.TAG_BITS / L.GROUP_SIZE)
+
+
+def run(capsys, *argv):
+    """``main(argv)`` -> (exit status, stdout, stderr)."""
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def check_kind(s: dict, layers: int):
+    assert FIELDS <= set(s)
+    assert s["roundtrip"] is True
+    assert 1.0 < s["ratio_resident"] <= s["ratio_stream"] <= ALL_3BIT_RATIO + 1e-12
+    assert s["frac_3bit"] + s["frac_4bit"] + s["frac_raw"] == pytest.approx(1)
+    assert all(0 <= s[f] <= 1 for f in ("frac_3bit", "frac_4bit", "frac_raw", "frac_raw_tiles"))
+    assert 0 < s["exponent_entropy"] <= 8
+    assert len(s["capacity"]) == layers and all(c % L.SLOT_ALIGN == 0 for c in s["capacity"])
+
+
+@pytest.fixture(scope="module")
+def sample_files(tmp_path_factory):
+    """Two layers of the shipped code sample as .npy files."""
+    d = tmp_path_factory.mktemp("cache")
+    k, v, _ = load_sample("code")
+    np.save(d / "k.npy", k[:2])
+    np.save(d / "v.npy", v[:2])
+    return d
+
+
+def test_stats_on_the_shipped_sample(capsys):
+    rc, out, err = run(capsys, "stats", "--json")
+    assert rc == 0
+    d = json.loads(out)
+    assert set(d) == {"k", "v"}
+    for s in d.values():
+        check_kind(s, layers=4)
+    assert "calibrated on the shipped prose prompt" in err and "code prompt" in err
+
+    rc, out, _ = run(capsys, "stats", "--json", "--per-layer")
+    per = json.loads(out)["per_layer"]
+    assert [p["layer"] for p in per["k"]] == [0, 10, 20, 29] and len(per["v"]) == 4
+
+
+def test_stats_table(capsys):
+    rc, out, _ = run(capsys, "stats", "--per-layer")
+    assert rc == 0
+    assert "calibrated on the shipped prose prompt" in out
+    assert "roundtrip bit-exact" in out and " NO" not in out
+    assert out.count("\n   29 |") == 1                    # the per-layer view, labelled with model layers
+
+
+def test_calibrate_then_stats(capsys, sample_files, tmp_path):
+    cal_path = tmp_path / "cal.json"
+    rc, out, _ = run(capsys, "calibrate", "--k", str(sample_files / "k.npy"), "--v", str(sample_files / "v.npy"),
+                     "-o", str(cal_path), "--model", "smollm2-slice", "--tokens", "0:128")
+    assert rc == 0 and str(cal_path) in out
+    cal = Calibration.load(cal_path)
+    k, v = np.load(sample_files / "k.npy"), np.load(sample_files / "v.npy")
+    assert cal.id == calibrate(k[:, :, :128], v[:, :, :128]).id        # the token range was honoured
+    assert cal.model == "smollm2-slice" and cal.notes["token_range"] == "0:128"
+
+    rc, out, err = run(capsys, "stats", "--k", str(sample_files / "k.npy"), "--v", str(sample_files / "v.npy"),
+                       "--calibration", str(cal_path), "--json")
+    assert rc == 0 and str(cal_path) in err
+    d = json.loads(out)
+    for kind, name in ((L.KIND_K, "k"), (L.KIND_V, "v")):
+        check_kind(d[name], layers=2)
+        assert d[name]["tokens"] == 256 and d[name]["capacity"] == cal.capacity[kind].tolist()
+
+
+def test_self_calibration_says_so(capsys, sample_files):
+    rc, out, _ = run(capsys, "stats", "--k", str(sample_files / "k.npy"), "--v", str(sample_files / "v.npy"))
+    assert rc == 0 and "calibrated on these caches themselves" in out
+
+
+def test_plot(capsys, sample_files, tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "hist.png"
+    rc, out, _ = run(capsys, "stats", "--k", str(sample_files / "k.npy"), "--v", str(sample_files / "v.npy"),
+                     "--plot", str(png))
+    assert rc == 0 and f"wrote {png}" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+
+
+@pytest.mark.parametrize("make, args, message", [
+    (lambda d: None, ["--k", "missing.npy", "--v", "missing.npy"], "no such file"),
+    (lambda d: np.save(d / "f.npy", np.zeros((1, 1, 16, 64), np.float32)), ["--k", "f.npy", "--v", "f.npy"],
+     "float32"),
+    (lambda d: np.save(d / "s.npy", np.zeros((3, 16, 64), np.uint16)), ["--k", "s.npy", "--v", "s.npy"],
+     r"shape \[3, 16, 64\]"),
+    (lambda d: np.save(d / "h.npy", np.zeros((1, 1, 16, 48), np.uint16)), ["--k", "h.npy", "--v", "h.npy"],
+     "head_dim 48"),
+    (lambda d: (d / "x.txt").write_text("hi"), ["--k", "x.txt", "--v", "x.txt"], "unknown file type"),
+    (lambda d: np.save(d / "o.npy", np.zeros((1, 1, 16, 64), np.uint16)), ["--k", "o.npy"], "go together"),
+    (lambda d: None, ["--nope"], "unrecognized arguments"),
+])
+def test_bad_input_exits_2_naming_the_problem(capsys, tmp_path, monkeypatch, make, args, message):
+    monkeypatch.chdir(tmp_path)
+    make(tmp_path)
+    rc, out, err = run(capsys, "stats", *args)
+    assert rc == 2 and out == ""
+    assert err.startswith("gaac: error: ") and err.count("\n") == 1
+    assert re.search(message, err)
+
+
+def test_calibration_for_another_cache_exits_2(capsys, sample_files, tmp_path):
+    other = tmp_path / "other.json"
+    k, v, _ = load_sample("code")
+    calibrate(k, v).save(other)                                          # 4 layers; the files have 2
+    rc, _, err = run(capsys, "stats", "--k", str(sample_files / "k.npy"), "--v", str(sample_files / "v.npy"),
+                     "--calibration", str(other))
+    assert rc == 2 and "calibration is for 4 layers" in err
+    rc, _, err = run(capsys, "calibrate", "--k", str(sample_files / "k.npy"), "--v", str(sample_files / "v.npy"),
+                     "-o", str(tmp_path / "c.json"), "--tokens", "300:400")
+    assert rc == 2 and "token range '300:400'" in err and not (tmp_path / "c.json").exists()
+
+
+def test_capture_is_dispatched_lazily(capsys, monkeypatch):
+    seen = []
+    monkeypatch.setitem(sys.modules, "gaac.capture", types.SimpleNamespace(main=lambda argv: seen.append(argv)))
+    assert main(["capture", "--model", "x", "-o", "y"]) == 0 and seen == [["--model", "x", "-o", "y"]]
+    monkeypatch.setitem(sys.modules, "gaac.capture", None)              # as if gaac/capture.py did not exist
+    rc, _, err = run(capsys, "capture", "--model", "x")
+    assert rc == 2 and "gaac capture is not available" in err
+
+
+# -- loaders -------------------------------------------------------------------
+
+def test_safetensors_and_torch_files(tmp_path):
+    torch = pytest.importorskip("torch")
+    save_file = pytest.importorskip("safetensors.torch").save_file
+    k, v, _ = load_sample("code")
+    tk, tv = (torch.from_numpy(a[:1].view(np.int16)).view(torch.bfloat16) for a in (k, v))
+    save_file({"k": tk, "v": tv}, tmp_path / "both.safetensors")
+    save_file({"cache": tv}, tmp_path / "one.safetensors")
+    save_file({"a": tk, "b": tv}, tmp_path / "two.safetensors")
+    save_file({"k": tk.float()}, tmp_path / "f32.safetensors")
+    torch.save(tk, tmp_path / "k.pt")
+    torch.save({"k": tk, "v": tv}, tmp_path / "kv.pt")
+    np.testing.assert_array_equal(load_cache(tmp_path / "both.safetensors", "k"), k[:1])
+    np.testing.assert_array_equal(load_cache(tmp_path / "both.safetensors", "v"), v[:1])
+    np.testing.assert_array_equal(load_cache(tmp_path / "one.safetensors", "k"), v[:1])
+    np.testing.assert_array_equal(load_cache(tmp_path / "k.pt", "k"), k[:1])
+    np.testing.assert_array_equal(load_cache(tmp_path / "kv.pt", "v"), v[:1])
+    with pytest.raises(InputError, match=r"holds tensors \['a', 'b'\]"):
+        load_cache(tmp_path / "two.safetensors", "k")
+    with pytest.raises(InputError, match="dtype F32 is not BF16"):
+        load_cache(tmp_path / "f32.safetensors", "k")
+    (tmp_path / "bad.safetensors").write_bytes(b"\xff" * 12)
+    with pytest.raises(InputError, match="header of .* bytes exceeds the file"):
+        load_cache(tmp_path / "bad.safetensors", "k")
+    torch.save(tk.float(), tmp_path / "f32.pt")
+    with pytest.raises(InputError, match="torch.float32 is not BF16"):
+        load_cache(tmp_path / "f32.pt", "k")
+
+
+def installed_gaac():
+    """The `gaac` console script of the environment running the tests, if it is installed."""
+    return shutil.which("gaac", path=str(Path(sys.executable).parent)) or shutil.which("gaac")
+
+
+def test_installed_console_script(tmp_path):
+    script = installed_gaac()
+    if script is None:
+        pytest.skip("the gaac console script is not installed (pip install . installs it)")
+    # run outside the checkout, so that the installed package (and its shipped sample) is what runs
+    proc = subprocess.run([script, "stats", "--json"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    d = json.loads(proc.stdout)
+    for s in d.values():
+        check_kind(s, layers=4)
+    bad = subprocess.run([script, "stats", "--k", "nope.npy", "--v", "nope.npy"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "nope.npy': no such file" in bad.stderr
