@@ -112,9 +112,9 @@ def decode_block(block, calibration: Calibration) -> np.ndarray:
     raises :class:`FormatError` (or :class:`CalibrationError` when the stream
     is valid but was made with another calibration).
     """
-    data = bytes(block)
     if not isinstance(block, (bytes, bytearray, memoryview, EncodedBlock)):
         raise InputError(f"expected bytes or EncodedBlock, got {type(block).__name__}")
+    data = bytes(block)
     need = L.STREAM_HEADER_BYTES + L.STREAM_CRC_BYTES
     if len(data) < need:
         raise FormatError(f"truncated stream: {len(data)} bytes, a block container has at least {need}")
