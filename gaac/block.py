@@ -8,6 +8,7 @@ the same table entries point into them.
 """
 from __future__ import annotations
 
+import numbers
 import zlib
 from dataclasses import dataclass
 
@@ -68,6 +69,9 @@ class EncodedBlock:
 def encode_block(x, calibration: Calibration, layer: int, kind) -> EncodedBlock:
     """Encode one block ``[kv_heads, 16, head_dim]`` of layer ``layer``'s K (``kind='k'``) or V."""
     kind = parse_kind(kind)
+    if isinstance(layer, bool) or not isinstance(layer, numbers.Integral):
+        raise InputError(f"layer must be an integer, got {layer!r}")
+    layer = int(layer)
     bits = as_bits(x, "block", ndim=3)
     heads, tokens, dim = bits.shape
     if tokens != L.BLOCK_TOKENS:
