@@ -31,6 +31,13 @@ def parse_kind(kind) -> int:
     raise InputError(f"kind must be 'k' or 'v', got {kind!r}")
 
 
+def check_calibration(calibration) -> None:
+    """A path or dict where a :class:`Calibration` belongs is refused by name, not by an AttributeError."""
+    if not isinstance(calibration, Calibration):
+        raise CalibrationError(f"expected a gaac.Calibration, got {type(calibration).__name__} "
+                               "(read a file with gaac.Calibration.load)")
+
+
 @dataclass(frozen=True)
 class EncodedBlock:
     """An encoded block: its container bytes and what it costs."""
@@ -68,6 +75,7 @@ class EncodedBlock:
 
 def encode_block(x, calibration: Calibration, layer: int, kind) -> EncodedBlock:
     """Encode one block ``[kv_heads, 16, head_dim]`` of layer ``layer``'s K (``kind='k'``) or V."""
+    check_calibration(calibration)
     kind = parse_kind(kind)
     if isinstance(layer, bool) or not isinstance(layer, numbers.Integral):
         raise InputError(f"layer must be an integer, got {layer!r}")
@@ -118,6 +126,7 @@ def decode_block(block, calibration: Calibration) -> np.ndarray:
     """
     if not isinstance(block, (bytes, bytearray, memoryview, EncodedBlock)):
         raise InputError(f"expected bytes or EncodedBlock, got {type(block).__name__}")
+    check_calibration(calibration)
     data = bytes(block)
     need = L.STREAM_HEADER_BYTES + L.STREAM_CRC_BYTES
     if len(data) < need:
