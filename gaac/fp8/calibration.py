@@ -1,0 +1,267 @@
+"""FP8 calibration: scales, exponent windows and slot capacities for a GAAC-FP8 cache.
+
+FP8 needs its own calibration because all three of its parts depend on the
+element format: the scale that maps the cache into the format's range
+(:mod:`gaac.fp8.convert`), the windows -- chosen on FP8 exponent fields, with
+the widths of the format's mode set -- and the capacities, whose cost model is
+the FP8 tile geometry.  The procedure is v1's (gaac/calibration.py): per
+(kind, layer, head, channel) the window covering the most values
+(:func:`gaac.calibration.best_windows`), per (kind, layer) the capacity that
+minimises resident bytes, ties to the smallest; it runs on the sample
+converted with the scales it has just chosen.
+"""
+from __future__ import annotations
+
+import json
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .. import layout as L
+from ..arrays import as_bits
+from ..calibration import best_windows
+from ..errors import CalibrationError
+from ..tiles import block_tiles, cache_blocks, tile_bases
+from .codec import choose_modes, escape_bytes, tile_exponents
+from .convert import cache_scales, cache_to_fp8
+from .layout import FP8_FORMAT_VERSION, FP8TileGeometry, ModeSet, fp8_format, mode_set
+
+FP8_CALIBRATION_FORMAT = "gaac-fp8-calibration"
+SCALE_LOG2_RANGE = (-127, 127)    # a scale exponent is stored as a signed byte
+
+
+@dataclass
+class FP8Calibration:
+    """Everything a GAAC-FP8 cache of one model needs besides its data.
+
+    ``scale_log2`` ``[2 (K, V), layers, kv_heads]``: the cache holds ``x * 2**-scale_log2`` in FP8;
+    ``b_narrow``/``b_wide`` ``[2, layers, kv_heads, head_dim]``; ``capacity`` ``[2, layers]``.
+    """
+
+    format: str
+    scale_log2: np.ndarray
+    b_narrow: np.ndarray
+    b_wide: np.ndarray
+    capacity: np.ndarray
+    model: str | None = None
+    notes: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        try:
+            self.format = fp8_format(self.format).name
+        except ValueError as exc:
+            raise CalibrationError(str(exc)) from None
+        self.scale_log2 = np.asarray(self.scale_log2, dtype=np.int64)
+        self.b_narrow = np.asarray(self.b_narrow, dtype=np.int64)
+        self.b_wide = np.asarray(self.b_wide, dtype=np.int64)
+        self.capacity = np.asarray(self.capacity, dtype=np.int64)
+        self.validate()
+        self.scale_log2 = self.scale_log2.astype(np.int8)
+        self.b_narrow = self.b_narrow.astype(np.uint8)
+        self.b_wide = self.b_wide.astype(np.uint8)
+
+    @property
+    def modes(self) -> ModeSet:
+        return mode_set(self.format)
+
+    @property
+    def element(self) -> int:
+        return self.modes.fmt.element
+
+    @property
+    def layers(self) -> int:
+        return self.b_narrow.shape[1]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.b_narrow.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.b_narrow.shape[3]
+
+    @property
+    def geometry(self) -> FP8TileGeometry:
+        return self.modes.geometry(self.head_dim)
+
+    def validate(self) -> None:
+        """FORMAT-FP8.md section 5: the rules a calibration satisfies before any stream is read with it."""
+        ms = self.modes
+        bn, bw, cap, sc = self.b_narrow, self.b_wide, self.capacity, self.scale_log2
+        if bn.ndim != 4 or bn.shape[0] != 2:
+            raise CalibrationError(f"b_narrow must be [2, layers, kv_heads, head_dim], got {list(bn.shape)}")
+        if bw.shape != bn.shape:
+            raise CalibrationError(f"b_wide shape {list(bw.shape)} differs from b_narrow shape {list(bn.shape)}")
+        if cap.shape != (2, bn.shape[1]):
+            raise CalibrationError(f"capacity must be [2, {bn.shape[1]}], got {list(cap.shape)}")
+        if sc.shape != bn.shape[:3]:
+            raise CalibrationError(f"scale_log2 must be {list(bn.shape[:3])}, got {list(sc.shape)}")
+        if bn.shape[3] not in L.SUPPORTED_HEAD_DIMS:
+            raise CalibrationError(f"head_dim {bn.shape[3]} is not one of {L.SUPPORTED_HEAD_DIMS}")
+        if bn.size and (bn.min() < 0 or bn.max() > ms.narrow_base_max):
+            raise CalibrationError(f"{self.format}: narrow bases must lie in 0..{ms.narrow_base_max}")
+        if bw.size and (bw.min() < 0 or bw.max() > ms.wide_base_max):
+            raise CalibrationError(f"{self.format}: wide bases must lie in 0..{ms.wide_base_max}")
+        if sc.size and (sc.min() < SCALE_LOG2_RANGE[0] or sc.max() > SCALE_LOG2_RANGE[1]):
+            raise CalibrationError(f"scale exponents must lie in {SCALE_LOG2_RANGE[0]}..{SCALE_LOG2_RANGE[1]}")
+        bad = (cap < 0) | (cap > L.MAX_ESCAPE_CAPACITY) | (cap % L.SLOT_ALIGN != 0)
+        if bad.any():
+            raise CalibrationError(f"escape capacities must be multiples of {L.SLOT_ALIGN} in "
+                                   f"0..{L.MAX_ESCAPE_CAPACITY}, got {cap.tolist()}")
+
+    def check_shape(self, layers: int | None, kv_heads: int, head_dim: int) -> None:
+        if (kv_heads, head_dim) != (self.kv_heads, self.head_dim) or (layers is not None and layers != self.layers):
+            have = f"{self.layers} layers x {self.kv_heads} KV heads x head_dim {self.head_dim}"
+            want = f"{'?' if layers is None else layers} layers x {kv_heads} KV heads x head_dim {head_dim}"
+            raise CalibrationError(f"FP8 calibration is for {have} (model {self.model!r}); the cache has {want}")
+
+    def check_layer(self, layer: int) -> None:
+        if not 0 <= layer < self.layers:
+            raise CalibrationError(f"layer {layer} out of range: calibration has {self.layers} layers")
+
+    def bases(self, layer: int, kind: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(b_narrow, b_wide)`` of one layer and kind, each ``[kv_heads, head_dim]``."""
+        self.check_layer(layer)
+        return self.b_narrow[kind, layer], self.b_wide[kind, layer]
+
+    # -- identity ------------------------------------------------------------
+    def canonical_bytes(self) -> bytes:
+        """FORMAT-FP8.md 5.2: the bytes whose CRC-32 is the calibration id."""
+        head = b"GAACF8C" + bytes([FP8_FORMAT_VERSION, self.element])
+        dims = np.array([self.layers, self.kv_heads, self.head_dim], dtype="<u4").tobytes()
+        return (head + dims + self.scale_log2.astype(np.int8).tobytes() + self.b_narrow.tobytes()
+                + self.b_wide.tobytes() + self.capacity.astype("<u2").tobytes())
+
+    @property
+    def id(self) -> int:
+        return zlib.crc32(self.canonical_bytes())
+
+    # -- files ---------------------------------------------------------------
+    def to_dict(self) -> dict:
+        def kind(i):
+            return {"scale_log2": self.scale_log2[i].tolist(), "b_narrow": self.b_narrow[i].tolist(),
+                    "b_wide": self.b_wide[i].tolist(), "capacity": self.capacity[i].tolist()}
+        return {"format": FP8_CALIBRATION_FORMAT, "version": FP8_FORMAT_VERSION, "element_format": self.format,
+                "model": self.model, "layers": self.layers, "kv_heads": self.kv_heads, "head_dim": self.head_dim,
+                "id": f"{self.id:08x}", "k": kind(0), "v": kind(1), "notes": self.notes}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "FP8Calibration":
+        if not isinstance(d, dict) or d.get("format") != FP8_CALIBRATION_FORMAT:
+            raise CalibrationError(f"not a GAAC-FP8 calibration (expected \"format\": \"{FP8_CALIBRATION_FORMAT}\")")
+        if d.get("version") != FP8_FORMAT_VERSION:
+            raise CalibrationError(f"FP8 calibration version {d.get('version')} is not supported "
+                                   f"(this gaac reads version {FP8_FORMAT_VERSION})")
+        try:
+            cal = cls(format=d["element_format"],
+                      scale_log2=[d["k"]["scale_log2"], d["v"]["scale_log2"]],
+                      b_narrow=[d["k"]["b_narrow"], d["v"]["b_narrow"]], b_wide=[d["k"]["b_wide"], d["v"]["b_wide"]],
+                      capacity=[d["k"]["capacity"], d["v"]["capacity"]], model=d.get("model"),
+                      notes=d.get("notes") or {})
+        except CalibrationError:
+            raise
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CalibrationError(f"malformed FP8 calibration: {exc!r}") from exc
+        dims = (d.get("layers"), d.get("kv_heads"), d.get("head_dim"))
+        if dims != (cal.layers, cal.kv_heads, cal.head_dim):
+            raise CalibrationError(f"calibration header says {dims} but its tables are "
+                                   f"{(cal.layers, cal.kv_heads, cal.head_dim)}")
+        if "id" in d and d["id"] != f"{cal.id:08x}":
+            raise CalibrationError(f"calibration id {d['id']} does not match its tables ({cal.id:08x}): "
+                                   "the file was edited or damaged")
+        return cal
+
+    def save(self, path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), separators=(",", ":")) + "\n")
+
+    @classmethod
+    def load(cls, path) -> "FP8Calibration":
+        try:
+            d = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as exc:
+            raise CalibrationError(f"{path}: not JSON ({exc})") from exc
+        return cls.from_dict(d)
+
+
+def fp8_exponent_histograms(fp8: np.ndarray, modes: ModeSet) -> np.ndarray:
+    """Counts of each exponent field per (layer, head, channel): ``[layers, heads, head_dim, 2**E]``."""
+    fmt = modes.fmt
+    layers, heads, _, dim = fp8.shape
+    bins = fmt.exponent_values
+    cell = (np.arange(heads)[:, None, None] * dim + np.arange(dim)[None, None, :]) * bins
+    hist = np.zeros((layers, heads, dim, bins), dtype=np.int64)
+    for layer in range(layers):
+        e = ((fp8[layer] >> fmt.mantissa_bits) & fmt.max_exponent_field).astype(np.int64)
+        hist[layer] = np.bincount((cell + e).ravel(), minlength=heads * dim * bins).reshape(heads, dim, bins)
+    return hist
+
+
+def layer_escape_bytes(fp8_layer: np.ndarray, b_narrow: np.ndarray, b_wide: np.ndarray, modes: ModeSet) -> np.ndarray:
+    """Escape bytes of every tile of one layer's FP8 cache ``[heads, tokens, head_dim]`` (whole blocks only)."""
+    blocks = cache_blocks(fp8_layer)
+    tiles = block_tiles(blocks)
+    tn, tw = (np.tile(t, (blocks.shape[0], 1)) for t in tile_bases(b_narrow, b_wide))
+    return escape_bytes(choose_modes(tile_exponents(tiles, modes.fmt), tn, tw, modes), modes)
+
+
+def best_capacity(escapes: np.ndarray, geo: FP8TileGeometry) -> int:
+    """The escape capacity that minimises resident bytes (v1's rule with the FP8 tile geometry)."""
+    if escapes.size == 0:
+        return 0
+    candidates = np.arange(0, geo.max_useful_capacity + 1, L.SLOT_ALIGN)
+    fits = escapes[None, :] <= candidates[:, None]
+    cost = np.where(fits, geo.fixed_bytes + candidates[:, None], geo.raw_bytes).sum(axis=1)
+    return int(candidates[np.argmin(cost)])
+
+
+@dataclass
+class FP8Windows:
+    """Windows and capacities of one mode set for one kind of an FP8 cache (the calibration's core)."""
+
+    b_narrow: np.ndarray     # [layers, heads, head_dim]
+    b_wide: np.ndarray
+    capacity: np.ndarray     # [layers]
+
+
+def fit_windows(fp8: np.ndarray, modes: ModeSet, capacity: int | None = None) -> FP8Windows:
+    """Windows and capacities for one kind of an FP8 cache ``uint8[layers, heads, tokens, head_dim]``."""
+    hist = fp8_exponent_histograms(fp8, modes)
+    bn = best_windows(hist, modes.narrow_window)
+    bw = best_windows(hist, modes.wide_window)
+    geo = modes.geometry(fp8.shape[-1])
+    cap = np.array([capacity if capacity is not None else
+                    best_capacity(layer_escape_bytes(fp8[layer], bn[layer], bw[layer], modes), geo)
+                    for layer in range(fp8.shape[0])], dtype=np.int64)
+    return FP8Windows(bn, bw, cap)
+
+
+def calibrate_fp8(k, v, fmt: str, *, scale: str = "tensor", model: str | None = None,
+                  capacity: int | None = None) -> FP8Calibration:
+    """Calibrate a GAAC-FP8 cache of format ``fmt`` on BF16 sample caches ``k``, ``v``.
+
+    ``scale`` is the scale policy of :func:`gaac.fp8.convert.cache_scales`
+    (``'tensor'``: one power of two per layer and kind; ``'head'``: per KV head;
+    ``'one'``: no scaling).  ``capacity`` forces one escape capacity everywhere.
+    """
+    ks, vs = as_bits(k, "k", ndim=4), as_bits(v, "v", ndim=4)
+    if ks.shape[0] != vs.shape[0] or ks.shape[1] != vs.shape[1] or ks.shape[3] != vs.shape[3]:
+        raise CalibrationError(f"k {list(ks.shape)} and v {list(vs.shape)} disagree on layers, heads or head_dim")
+    L.tile_channels(ks.shape[3])
+    if min(ks.shape[2], vs.shape[2]) < L.BLOCK_TOKENS and capacity is None:
+        raise CalibrationError(f"calibration needs at least one full block of {L.BLOCK_TOKENS} tokens "
+                               f"to choose a slot capacity; got {ks.shape[2]} (k) / {vs.shape[2]} (v)")
+    try:
+        modes = mode_set(fmt)
+    except ValueError as exc:
+        raise CalibrationError(str(exc)) from None
+    scales, parts = [], []
+    for x in (ks, vs):
+        s = cache_scales(x, modes.fmt, scale)
+        scales.append(s)
+        parts.append(fit_windows(cache_to_fp8(x, modes.fmt, s), modes, capacity))
+    return FP8Calibration(format=modes.fmt.name, scale_log2=scales,
+                          b_narrow=[p.b_narrow for p in parts], b_wide=[p.b_wide for p in parts],
+                          capacity=[p.capacity for p in parts], model=model,
+                          notes={"scale": scale, "tokens": {"k": int(ks.shape[2]), "v": int(vs.shape[2])}})

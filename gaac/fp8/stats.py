@@ -1,0 +1,233 @@
+"""What a GAAC-FP8 calibration makes of a cache: the BF16 ``gaac stats`` fields, plus the ratios over FP8.
+
+:func:`measure_fp8` converts a BF16 cache to FP8 with the calibration's scales
+(:mod:`gaac.fp8.convert`), codes every complete 16-token block the way a paged
+cache holds it, decodes it again and compares the FP8 bytes bit for bit.  The
+fields mean what they mean for BF16 (gaac/stats.py), with FP8 as the
+uncompressed reference:
+
+* ``ratio_stream``   = FP8 bytes / payload bytes (sign+mantissa fields, low codes,
+  tags and the escape bytes the groups need; no slot rounding, no fallback);
+* ``ratio_resident`` = FP8 bytes / what the paged cache holds (slots of
+  ``fixed + capacity`` bytes, raw FP8 tiles, 4-byte table entries);
+* ``ratio_over_fp8`` = ``ratio_stream``: the paper's "additional ratio" (Table 7),
+  in the same sense as its BF16 1.405;
+* ``ratio_total_vs_bf16`` = 2 x ``ratio_stream``: BF16 bytes / payload bytes,
+  the paper's "total vs. BF16"; ``ratio_total_resident_vs_bf16`` = 2 x ``ratio_resident``;
+* ``frac_<mode>`` -- the share of groups in each mode, named by code width
+  (e.g. ``frac_2bit``, ``frac_3bit``, ``frac_raw``); ``mode_names`` lists them;
+* ``exponent_entropy`` -- of the FP8 exponent fields; ``roundtrip`` -- every FP8 byte decoded back;
+* ``conversion`` -- the scale exponents and how many values saturated or
+  flushed to zero: what the FP8 conversion itself changed (the codec changes nothing).
+
+The last ``tokens % 16`` tokens form no block and are left out, as for BF16.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import layout as L
+from ..arrays import as_bits
+from ..errors import InputError
+from ..tiles import block_tiles, cache_blocks, tile_bases
+from .calibration import FP8Calibration, calibrate_fp8
+from .codec import decode_tiles, encode_tiles, tile_exponents
+from .convert import bf16_to_float, cache_to_fp8, fp8_to_float
+from .layout import MODE_NARROW, MODE_RAW, MODE_WIDE, ModeSet, mode_set
+
+BITS_PER_BYTE = 8
+BF16_BYTES_PER_FP8_BYTE = 2
+
+
+@dataclass
+class FP8Tally:
+    """Additive counts over the complete blocks of one or more layers of one kind of an FP8 cache."""
+
+    modes: ModeSet
+    head_dim: int
+    tiles: int
+    slot_tiles: int                  # tiles whose escapes fit the capacity
+    slot_capacity_bytes: int         # sum of the capacity over slot tiles
+    escapes_needed: int              # escape bytes of every tile (stream sense)
+    escapes_in_slots: int            # escape bytes of slot tiles
+    mode_counts: np.ndarray          # [3] groups per mode tag
+    exponents: np.ndarray            # [2**E] exponent-field histogram
+    mismatched: int                  # elements whose decoded bytes differ
+
+    def __add__(self, o: "FP8Tally") -> "FP8Tally":
+        return FP8Tally(self.modes, self.head_dim, self.tiles + o.tiles, self.slot_tiles + o.slot_tiles,
+                        self.slot_capacity_bytes + o.slot_capacity_bytes, self.escapes_needed + o.escapes_needed,
+                        self.escapes_in_slots + o.escapes_in_slots, self.mode_counts + o.mode_counts,
+                        self.exponents + o.exponents, self.mismatched + o.mismatched)
+
+    @property
+    def geometry(self):
+        return self.modes.geometry(self.head_dim)
+
+    @property
+    def elements(self) -> int:
+        return self.tiles * self.geometry.elements
+
+    def resident_parts(self) -> dict[str, int]:
+        """Resident bytes by what they hold; they add up to the resident size."""
+        g = self.geometry
+        return {
+            "sign_mantissa": self.tiles * g.sm_bytes,
+            "codes": self.tiles * g.code_bytes,
+            "tags": self.tiles * g.tag_bytes,
+            "escapes": self.escapes_in_slots,
+            "unused_slot": self.slot_capacity_bytes - self.escapes_in_slots,
+            "raw_fallback": (self.tiles - self.slot_tiles) * (g.raw_bytes - g.fixed_bytes),
+            "table": self.tiles * L.TABLE_ENTRY_BYTES,
+        }
+
+    def summary(self) -> dict:
+        g = self.geometry
+        fp8 = self.tiles * g.raw_bytes
+        stream = self.tiles * g.fixed_bytes + self.escapes_needed
+        parts = self.resident_parts()
+        resident = sum(parts.values())
+        groups = int(self.mode_counts.sum())
+        names = self.modes.mode_names
+        p = self.exponents[self.exponents > 0] / self.exponents.sum()
+        return {
+            "ratio_stream": fp8 / stream,
+            "ratio_resident": fp8 / resident,
+            "ratio_over_fp8": fp8 / stream,
+            "ratio_total_vs_bf16": BF16_BYTES_PER_FP8_BYTE * fp8 / stream,
+            "ratio_total_resident_vs_bf16": BF16_BYTES_PER_FP8_BYTE * fp8 / resident,
+            "bits_per_element_stream": BITS_PER_BYTE * stream / self.elements,
+            "bits_per_element_resident": BITS_PER_BYTE * resident / self.elements,
+            **{f"frac_{names[m]}": int(self.mode_counts[m]) / groups for m in (MODE_NARROW, MODE_WIDE, MODE_RAW)},
+            "frac_raw_tiles": (self.tiles - self.slot_tiles) / self.tiles,
+            "exponent_entropy": float(-(p * np.log2(p)).sum()),
+            "roundtrip": self.mismatched == 0,
+            "resident_bits_per_element": {k: BITS_PER_BYTE * v / self.elements for k, v in parts.items()},
+            "tiles": self.tiles,
+            "raw_tiles": self.tiles - self.slot_tiles,
+            "mode_names": [names[m] for m in (MODE_NARROW, MODE_WIDE, MODE_RAW)],
+        }
+
+
+def measure_fp8_layer(fp8: np.ndarray, b_narrow: np.ndarray, b_wide: np.ndarray, capacity: int,
+                      modes: ModeSet) -> FP8Tally:
+    """Encode, decode and count one layer of FP8 bytes ``[kv_heads, tokens, head_dim]``."""
+    blocks = cache_blocks(fp8)
+    tiles = block_tiles(blocks)
+    tn, tw = (np.tile(t, (blocks.shape[0], 1)) for t in tile_bases(b_narrow, b_wide))
+    enc = encode_tiles(tiles, tn, tw, capacity, modes)
+    fits = enc.fits
+    decoded = decode_tiles(enc.slots[fits], tn[fits], tw[fits], capacity, tiles.shape[2], modes)
+    stored_raw = enc.raw[~fits].reshape(-1, *tiles.shape[1:])
+    mismatched = int((decoded != tiles[fits]).sum()) + int((stored_raw != tiles[~fits]).sum())
+    return FP8Tally(
+        modes, fp8.shape[-1], tiles=len(fits), slot_tiles=int(fits.sum()),
+        slot_capacity_bytes=int(fits.sum()) * capacity,
+        escapes_needed=int(enc.escape_used.sum()), escapes_in_slots=int(enc.escape_used[fits].sum()),
+        mode_counts=np.bincount(enc.modes.ravel(), minlength=3)[:3].astype(np.int64),
+        exponents=np.bincount(tile_exponents(tiles, modes.fmt).ravel(),
+                              minlength=modes.fmt.exponent_values).astype(np.int64),
+        mismatched=mismatched)
+
+
+def conversion_counts(bits: np.ndarray, fp8: np.ndarray, modes: ModeSet, scale_log2: np.ndarray) -> dict:
+    """What the BF16 -> FP8 conversion changed: saturated values, non-zeros flushed to zero, worst error."""
+    x = bf16_to_float(bits)
+    y = fp8_to_float(fp8, modes.fmt, np.asarray(scale_log2)[:, :, None, None])
+    limit = np.ldexp(modes.fmt.max_finite, np.asarray(scale_log2, dtype=np.int64))[:, :, None, None]
+    finite = np.isfinite(x)
+    nonzero = finite & (x != 0)
+    rel = np.abs(y[nonzero] - x[nonzero]) / np.abs(x[nonzero])
+    return {"elements": int(x.size), "saturated": int((finite & (np.abs(x) > limit)).sum()),
+            "flushed_to_zero": int((nonzero & (y == 0)).sum()),
+            "max_rel_error_nonzero": float(rel.max()) if rel.size else 0.0}
+
+
+@dataclass
+class FP8KindStats:
+    name: str
+    tokens: int
+    layers: list[FP8Tally]
+    capacity: list[int]
+    layer_ids: list[int]
+    scale_log2: list[list[int]]
+    conversion: dict
+
+    @property
+    def total(self) -> FP8Tally:
+        total = self.layers[0]
+        for t in self.layers[1:]:
+            total = total + t
+        return total
+
+    def summary(self) -> dict:
+        return {**self.total.summary(), "capacity": self.capacity, "layers": len(self.layers),
+                "tokens": self.tokens, "blocks": self.tokens // L.BLOCK_TOKENS,
+                "tail_tokens": self.tokens % L.BLOCK_TOKENS, "ratios_include_tail": False,
+                "conversion": {"scale_log2": self.scale_log2, **self.conversion}}
+
+    def per_layer(self) -> list[dict]:
+        return [{"layer": i, "capacity": c, **t.summary()}
+                for i, c, t in zip(self.layer_ids, self.capacity, self.layers)]
+
+
+@dataclass
+class FP8CacheStats:
+    format: str
+    k: FP8KindStats
+    v: FP8KindStats
+
+    def as_dict(self, per_layer: bool = False) -> dict:
+        """``{"k": {...}, "v": {...}}`` (and ``"per_layer"`` when asked), as ``gaac.stats.CacheStats``."""
+        out = {"k": self.k.summary(), "v": self.v.summary()}
+        if per_layer:
+            out["per_layer"] = {"k": self.k.per_layer(), "v": self.v.per_layer()}
+        return out
+
+
+def measure_fp8(k, v, calibration: FP8Calibration, *, layer_ids=None) -> FP8CacheStats:
+    """Convert BF16 caches ``k``, ``v`` ``[layers, kv_heads, tokens, head_dim]`` to FP8 and measure them."""
+    modes = calibration.modes
+    out = {}
+    for kind, name, x in ((L.KIND_K, "k", k), (L.KIND_V, "v", v)):
+        bits = as_bits(x, name, ndim=4)
+        layers, heads, tokens, dim = bits.shape
+        if dim not in L.SUPPORTED_HEAD_DIMS:
+            raise InputError(f"{name}: head_dim {dim} is not supported; GAAC supports {L.SUPPORTED_HEAD_DIMS}")
+        if tokens < L.BLOCK_TOKENS:
+            raise InputError(f"{name}: {tokens} tokens make no complete block of {L.BLOCK_TOKENS}; "
+                             "there is nothing to measure")
+        calibration.check_shape(layers, heads, dim)
+        ids = list(range(layers)) if layer_ids is None else [int(i) for i in layer_ids]
+        if len(ids) != layers:
+            raise InputError(f"{len(ids)} layer ids given for {layers} layers")
+        scales = calibration.scale_log2[kind].astype(np.int64)
+        fp8 = cache_to_fp8(bits, modes.fmt, scales)
+        tallies = [measure_fp8_layer(fp8[layer], *calibration.bases(layer, kind),
+                                     int(calibration.capacity[kind, layer]), modes) for layer in range(layers)]
+        out[name] = FP8KindStats(name, tokens, tallies, [int(c) for c in calibration.capacity[kind]], ids,
+                                 scales.tolist(), conversion_counts(bits, fp8, modes, scales))
+    return FP8CacheStats(calibration.format, **out)
+
+
+def fp8_stats(k, v, fmt: str, *, calibration: FP8Calibration | None = None, scale: str = "tensor",
+              per_layer: bool = False, layer_ids=None, model: str | None = None) -> dict:
+    """What ``gaac stats --format fp8_e4m3|fp8_e5m2`` prints: the ``CacheStats.as_dict`` shape.
+
+    Without ``calibration`` the cache is calibrated on itself (scales by ``scale``).
+    A given calibration must be for ``fmt``.
+    """
+    try:
+        want = mode_set(fmt)
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+    if calibration is None:
+        calibration = calibrate_fp8(k, v, want.fmt.name, scale=scale, model=model)
+    elif calibration.modes != want:
+        raise InputError(f"calibration is for {calibration.format}, not {want.fmt.name}")
+    out = measure_fp8(k, v, calibration, layer_ids=layer_ids).as_dict(per_layer=per_layer)
+    out["format"] = calibration.format
+    out["calibration_id"] = f"{calibration.id:08x}"
+    return out
