@@ -66,6 +66,9 @@ class Calibration:
         """FORMAT.md 3.2: the rules a calibration must satisfy before any stream is read with it."""
         if self.b3.ndim != 4 or self.b3.shape[0] != 2:
             raise CalibrationError(f"b3 must be [2, layers, kv_heads, head_dim], got {list(self.b3.shape)}")
+        if min(self.b3.shape[1:3]) < 1:
+            raise CalibrationError(f"a calibration needs at least one layer and one KV head, got "
+                                   f"{self.b3.shape[1]} layers x {self.b3.shape[2]} KV heads")
         if self.b4.shape != self.b3.shape:
             raise CalibrationError(f"b4 shape {list(self.b4.shape)} differs from b3 shape {list(self.b3.shape)}")
         if self.capacity.shape != (2, self.b3.shape[1]):
