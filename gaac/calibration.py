@@ -25,7 +25,7 @@ import numpy as np
 
 from . import layout as L
 from .arrays import as_bits
-from .errors import CalibrationError
+from .errors import CalibrationError, InputError
 from .progress import progress
 
 CALIBRATION_FORMAT = "gaac-calibration"
@@ -212,7 +212,10 @@ def calibrate(k, v, *, model: str | None = None, capacity: int | None = None,
     if ks.shape[0] != vs.shape[0] or ks.shape[1] != vs.shape[1] or ks.shape[3] != vs.shape[3]:
         raise CalibrationError(f"k {list(ks.shape)} and v {list(vs.shape)} disagree on layers, heads or head_dim")
     layers, heads, tokens, dim = ks.shape
-    L.tile_channels(dim)
+    try:
+        L.tile_channels(dim)
+    except ValueError as exc:
+        raise InputError(str(exc)) from exc
     if min(tokens, vs.shape[2]) < L.BLOCK_TOKENS and capacity is None:
         raise CalibrationError(f"calibration needs at least one full block of {L.BLOCK_TOKENS} tokens "
                                f"to choose a slot capacity; got {tokens} (k) / {vs.shape[2]} (v)")
