@@ -439,7 +439,8 @@ def reject_vectors(valid: dict, cals) -> list[tuple[str, bytes, dict]]:
          join_container(head._replace(capacity=40), table, body)),
         ("reject_truncated", "R11", "FormatError", "truncated stream", "last 100 bytes before the CRC cut off",
          join_container(head, table, body[:-100])),
-        ("reject_trailing", "R11", "FormatError", "trailing bytes", "16 zero bytes appended before the CRC",
+        ("reject_trailing", "R11", "FormatError", "trailing bytes after stream",
+         "16 zero bytes appended before the CRC",
          join_container(head, table, body + bytes(16))),
         ("reject_crc", "R12", "FormatError", "CRC-32 mismatch", "bit 4 of sign+mantissa byte 5 of slot 0 "
          "flipped, CRC left as it was", bytes(corrupt)),

@@ -1,0 +1,284 @@
+"""An independent GAAC v1 decoder, written from ``format_spec/FORMAT.md`` alone.
+
+Plain Python: no NumPy, no ``gaac`` import, not even ``zlib`` (the CRC-32 is
+built from the parameters of FORMAT.md 7.4).  It exists to prove that the spec
+is enough for a third party to decode the test vectors; it is slow on purpose
+and follows the spec's sections in order.  Every error carries the id of the
+FORMAT.md section 8 rule (``R1`` .. ``R20``) or the calibration rule it enforces.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class SpecError(Exception):
+    """Base of this decoder's errors; ``rule`` is the FORMAT.md rule that failed."""
+
+    def __init__(self, rule: str, message: str):
+        super().__init__(f"{rule}: {message}")
+        self.rule = rule
+
+
+class FormatError(SpecError):
+    """FORMAT.md section 8: the bytes are not a valid version 1 block container."""
+
+
+class CalibrationError(SpecError):
+    """FORMAT.md 3.2, 3.4 and R14-R17: a bad calibration, or a stream of another calibration."""
+
+
+# -- section 1: bytes, bit streams, CRC-32 -------------------------------------------------------
+
+def u16(data: bytes, offset: int) -> int:
+    return data[offset] | data[offset + 1] << 8
+
+
+def u32(data: bytes, offset: int) -> int:
+    return u16(data, offset) | u16(data, offset + 2) << 16
+
+
+def bits(stream: bytes, position: int, width: int) -> int:
+    """The ``width``-bit field at bit ``position``: bit k of a stream is bit k % 8 of byte k // 8."""
+    value = 0
+    for j in range(width):
+        k = position + j
+        value |= ((stream[k // 8] >> (k % 8)) & 1) << j
+    return value
+
+
+def _crc_table() -> list[int]:
+    table = []
+    for n in range(256):
+        c = n
+        for _ in range(8):
+            c = (c >> 1) ^ 0xEDB88320 if c & 1 else c >> 1
+        table.append(c)
+    return table
+
+
+_CRC_TABLE = _crc_table()
+
+
+def crc32(data: bytes) -> int:
+    """CRC-32/ISO-HDLC (FORMAT.md 7.4): reflected 0x04C11DB7, init and final XOR 0xFFFFFFFF."""
+    c = 0xFFFFFFFF
+    for byte in data:
+        c = _CRC_TABLE[(c ^ byte) & 0xFF] ^ (c >> 8)
+    return c ^ 0xFFFFFFFF
+
+
+# -- section 3: calibration ------------------------------------------------------------------
+
+@dataclass
+class Calibration:
+    """Bases ``b3[kind][layer][head][channel]``, ``b4`` likewise, and ``capacity[kind][layer]``."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    b3: list
+    b4: list
+    capacity: list
+
+    def canonical_bytes(self) -> bytes:
+        """FORMAT.md 3.3."""
+        out = bytearray(b"GAACCAL") + bytes([1])
+        for n in (self.layers, self.kv_heads, self.head_dim):
+            out += n.to_bytes(4, "little")
+        for table in (self.b3, self.b4):
+            for kind in table:
+                for layer in kind:
+                    for head in layer:
+                        out += bytes(head)
+        for kind in self.capacity:
+            for cap in kind:
+                out += cap.to_bytes(2, "little")
+        return bytes(out)
+
+    @property
+    def id(self) -> int:
+        return crc32(self.canonical_bytes())
+
+
+def _int_table(value, shape: tuple, what: str, low: int, high: int) -> list:
+    """A nested list of integers of exactly ``shape``, each in ``low..high`` (FORMAT.md 3.2, 3.4)."""
+    if not shape:
+        if type(value) is not int:
+            raise CalibrationError("3.4", f"{what}: {value!r} is not an integer")
+        if not low <= value <= high:
+            raise CalibrationError("3.2", f"{what}: {value} is outside {low}..{high}")
+        return value
+    if not isinstance(value, list) or len(value) != shape[0]:
+        raise CalibrationError("3.4", f"{what}: expected a list of {shape[0]}")
+    return [_int_table(v, shape[1:], f"{what}[{i}]", low, high) for i, v in enumerate(value)]
+
+
+def load_calibration(source) -> Calibration:
+    """Read a calibration file (a path) or its parsed JSON object, checking FORMAT.md 3.2 and 3.4."""
+    d = json.loads(Path(source).read_text()) if not isinstance(source, dict) else source
+    if not isinstance(d, dict) or d.get("format") != "gaac-calibration":
+        raise CalibrationError("3.4", "not a gaac-calibration object")
+    if d.get("version") != 1 or type(d.get("version")) is not int:
+        raise CalibrationError("3.4", f"calibration version {d.get('version')!r} is not 1")
+    dims = [d.get(k) for k in ("layers", "kv_heads", "head_dim")]
+    if any(type(n) is not int or n < 1 for n in dims):
+        raise CalibrationError("3.2", f"layers, kv_heads and head_dim must be positive integers, got {dims}")
+    layers, heads, dim = dims
+    if dim not in (64, 128, 256):
+        raise CalibrationError("3.2", f"head_dim {dim} is not 64, 128 or 256")
+    tables = {}
+    for kind in ("k", "v"):
+        t = d.get(kind)
+        if not isinstance(t, dict):
+            raise CalibrationError("3.4", f"missing table {kind!r}")
+        tables[kind] = (_int_table(t.get("b3"), (layers, heads, dim), f"{kind}.b3", 0, 248),
+                        _int_table(t.get("b4"), (layers, heads, dim), f"{kind}.b4", 0, 240),
+                        _int_table(t.get("capacity"), (layers,), f"{kind}.capacity", 0, 65520))
+        if any(c % 16 for c in tables[kind][2]):
+            raise CalibrationError("3.2", f"{kind}.capacity {tables[kind][2]} has a value not a multiple of 16")
+    cal = Calibration(layers, heads, dim, b3=[tables["k"][0], tables["v"][0]], b4=[tables["k"][1], tables["v"][1]],
+                      capacity=[tables["k"][2], tables["v"][2]])
+    if "id" in d and d["id"] != f"{cal.id:08x}":
+        raise CalibrationError("3.4", f"id {d['id']!r} differs from the tables' id {cal.id:08x}")
+    return cal
+
+
+# -- sections 4-7: decoding a block container -------------------------------------------------
+
+ESCAPES = {0: 0, 1: 1, 2: 5}      # FORMAT.md 5.2: escape bytes per group of each mode
+
+
+@dataclass
+class Decoded:
+    """A decoded block: ``values[head][token][channel]`` BF16 patterns, and what the stream held."""
+
+    values: list
+    storage: list = field(default_factory=list)     # per tile: "slot" or "raw"
+    modes: list = field(default_factory=list)       # per tile: the mode tags of a slot, None for a raw tile
+    escape_bytes: list = field(default_factory=list)
+    payload_bytes: int = 0
+    resident_bytes: int = 0
+
+
+def decode_slot(slot: bytes, b3: list, b4: list, capacity: int, channels: int, tile: int) -> tuple[list, list, int]:
+    """FORMAT.md sections 5 and 6: tile ``tile``'s slot -> (BF16 patterns in element order, tags, used escapes)."""
+    n_elems = 16 * channels
+    n_groups = n_elems // 8
+    sm = slot[0:n_elems]
+    codes = slot[n_elems:n_elems + 3 * n_elems // 8]
+    tags = slot[n_elems + 3 * n_elems // 8:45 * n_elems // 32]
+    area = slot[45 * n_elems // 32:]
+
+    modes = [bits(tags, 2 * g, 2) for g in range(n_groups)]
+    for g, m in enumerate(modes):
+        if m == 3:
+            raise FormatError("R18", f"tile {tile}, group {g}: reserved mode tag 3")
+    used = sum(ESCAPES[m] for m in modes)
+    if used > capacity:
+        raise FormatError("R19", f"tile {tile}: its tags need {used} escape bytes, the capacity is {capacity}")
+    if any(area[used:]):
+        raise FormatError("R20", f"tile {tile}: escape area not zero after its {used} used bytes")
+
+    out = []
+    offset = 0
+    for g, mode in enumerate(modes):
+        escape = area[offset:offset + ESCAPES[mode]]
+        offset += ESCAPES[mode]
+        for i in range(8):
+            n = 8 * g + i
+            code = bits(codes, 3 * n, 3)
+            for p, plane in enumerate(escape):          # 5.4: escape byte p is bit plane 3 + p
+                code |= ((plane >> i) & 1) << (3 + p)
+            c = n % channels
+            e = b3[c] + code if mode == 0 else b4[c] + code if mode == 1 else code
+            out.append(((sm[n] & 0x80) << 8) | (e << 7) | (sm[n] & 0x7F))
+    return out, modes, used
+
+
+def decode_block(data: bytes, cal: Calibration) -> Decoded:
+    """FORMAT.md section 7, with every check of section 8 in its order."""
+    data = bytes(data)
+    if len(data) < 28:
+        raise FormatError("R1", f"{len(data)} bytes: shorter than header and CRC")
+    if data[0:4] != b"GAAC":
+        raise FormatError("R2", f"magic {data[0:4]!r}")
+    version, element, kind, tokens = data[4], data[5], data[6], data[7]
+    layer, heads, dim, capacity = u16(data, 8), u16(data, 10), u16(data, 12), u16(data, 14)
+    cal_id, reserved = u32(data, 16), u32(data, 20)
+    if version != 1:
+        raise FormatError("R3", f"version {version}")
+    if element != 1:
+        raise FormatError("R4", f"element format {element}")
+    if kind not in (0, 1):
+        raise FormatError("R5", f"kind {kind}")
+    if tokens != 16:
+        raise FormatError("R6", f"tokens {tokens}")
+    if reserved != 0:
+        raise FormatError("R7", f"reserved field {reserved}")
+    if dim not in (64, 128, 256):
+        raise FormatError("R8", f"head_dim {dim}")
+    if heads == 0:
+        raise FormatError("R9", "kv_heads 0")
+    if capacity % 16:
+        raise FormatError("R10", f"escape capacity {capacity}")
+
+    channels = min(dim, 128)                  # section 4
+    per_head = dim // channels
+    n_tiles = heads * per_head
+    fixed = 45 * 16 * channels // 32          # 6.1
+    slot_size = fixed + capacity
+    raw_size = 2 * 16 * channels              # 6.4
+    table_end = 24 + 4 * n_tiles
+    if len(data) < table_end + 4:
+        raise FormatError("R11", f"{len(data)} bytes: the block table alone ends at {table_end}")
+    entries = [u32(data, 24 + 4 * t) for t in range(n_tiles)]
+    is_raw = [bool(e >> 31) for e in entries]
+    n_raw = sum(is_raw)
+    length = table_end + (n_tiles - n_raw) * slot_size + n_raw * raw_size + 4
+    if len(data) != length:
+        raise FormatError("R11", f"{len(data)} bytes; header and table say {length}")
+    if u32(data, len(data) - 4) != crc32(data[:-4]):
+        raise FormatError("R12", "CRC-32 mismatch")
+    counts = [0, 0]
+    for t, entry in enumerate(entries):
+        if entry & 0x7FFFFFFF != counts[is_raw[t]]:
+            raise FormatError("R13", f"table entry {t} has index {entry & 0x7FFFFFFF}, expected {counts[is_raw[t]]}")
+        counts[is_raw[t]] += 1
+
+    if cal_id != cal.id:
+        raise CalibrationError("R14", f"stream calibration id {cal_id:08x}, given calibration {cal.id:08x}")
+    if (heads, dim) != (cal.kv_heads, cal.head_dim):
+        raise CalibrationError("R15", f"stream has {heads} heads x {dim}, calibration {cal.kv_heads} x {cal.head_dim}")
+    if layer >= cal.layers:
+        raise CalibrationError("R16", f"layer {layer}; the calibration has {cal.layers}")
+    if capacity != cal.capacity[kind][layer]:
+        raise CalibrationError("R17", f"escape capacity {capacity}, calibration {cal.capacity[kind][layer]}")
+
+    result = Decoded(values=[[[0] * dim for _ in range(16)] for _ in range(heads)])
+    slots_at = table_end
+    raws_at = table_end + (n_tiles - n_raw) * slot_size
+    for t, entry in enumerate(entries):
+        h, j = divmod(t, per_head)
+        first = j * channels
+        index = entry & 0x7FFFFFFF
+        if is_raw[t]:
+            at = raws_at + index * raw_size
+            tile = [u16(data, at + 2 * n) for n in range(16 * channels)]
+            modes, used = None, None
+            result.payload_bytes += raw_size
+            result.resident_bytes += raw_size
+        else:
+            at = slots_at + index * slot_size
+            bases = (cal.b3[kind][layer][h][first:first + channels], cal.b4[kind][layer][h][first:first + channels])
+            tile, modes, used = decode_slot(data[at:at + slot_size], *bases, capacity, channels, t)
+            result.payload_bytes += fixed + used
+            result.resident_bytes += slot_size
+        result.resident_bytes += 4
+        result.storage.append("raw" if is_raw[t] else "slot")
+        result.modes.append(modes)
+        result.escape_bytes.append(used)
+        for n, x in enumerate(tile):              # element n = token * C + channel (section 4)
+            result.values[h][n // channels][first + n % channels] = x
+    return result
