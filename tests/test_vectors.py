@@ -53,6 +53,13 @@ def spec_cal(meta: dict) -> spec_decoder.Calibration:
     return spec_decoder.load_calibration(VECTORS / meta["calibration"])
 
 
+def test_spec_decoder_imports_nothing_but_the_standard_library_basics():
+    """Its whole point is that FORMAT.md alone suffices: no NumPy, no gaac, no zlib."""
+    source = (ROOT / "tests" / "spec_decoder.py").read_text()
+    imported = set(re.findall(r"^(?:from|import) (\w+)", source, flags=re.M))
+    assert imported == {"__future__", "json", "dataclasses", "pathlib"}
+
+
 def test_the_vector_set_covers_what_the_spec_promises():
     metas = [METAS[n] for n in VALID]
     assert {m["head_dim"] for m in metas} == set(L.SUPPORTED_HEAD_DIMS)
