@@ -1,0 +1,228 @@
+"""The numba.cuda tile codec against the reference codec, run in numba's CUDA simulator.
+
+Shapes stay tiny (one or two tiles a launch): the simulator runs one Python
+thread per CUDA thread.  What is checked: a fitting tile's slot holds exactly
+the reference's bytes, an overflowing tile's BF16 bits land in the raw pool,
+the block-table entries and escape counts agree, decode inverts encode, and
+nothing outside the popped slots and raw tiles is written.
+"""
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from strategies import block_cases, forced_blocks, overflow_blocks
+
+from gaac import layout as L
+from gaac.calibration import calibrate
+from gaac.cuda import BAD_ESCAPES, BAD_TAG, NO_STORAGE, DecodePlan, EncodePlan, decode_tiles, encode_tiles, pack_bases
+from gaac.cuda import bitops
+from gaac.errors import InputError
+from gaac.reference.bits import bit_planes, pack_bits, split_bf16
+from gaac.reference.codec import encode_tiles as ref_encode_tiles
+from gaac.tiles import block_tiles, cache_blocks, tile_bases
+from numba import cuda
+
+POISON = 0xA5
+SIM = settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def encode_checked(tiles: np.ndarray, b3: np.ndarray, b4: np.ndarray, capacity: int) -> dict:
+    """Encode with the kernel into poisoned pools and check everything against the reference."""
+    n, _, channels = tiles.shape
+    geo = L.TileGeometry(channels)
+    ref = ref_encode_tiles(tiles, b3, b4, capacity)
+    spare = 2                                           # pool entries nothing may touch
+    slots = np.full((n + spare, geo.slot_bytes(capacity)), POISON, np.uint8)
+    raw = np.full((n + spare, L.BLOCK_TOKENS, channels), POISON * 0x101, np.uint16).view(np.int16)
+    heads = np.zeros(2, np.int32)
+    entries, used = np.full(n, 7, np.int32), np.full(n, -7, np.int32)
+    plan = EncodePlan(channels, capacity, pack_bases(b3, b4), slots, np.arange(n + spare, dtype=np.int32)[::-1].copy(),
+                      raw, np.arange(n + spare, dtype=np.int32), heads)
+    plan(tiles.view(np.int16), entries, used)
+
+    np.testing.assert_array_equal(used, ref.escape_used)
+    assert list(heads) == [int(ref.fits.sum()), int((~ref.fits).sum())]
+    assert ((entries < 0) == ~ref.fits).all()
+    index = entries.astype(np.int64) & L.TABLE_INDEX_MASK
+    for t in range(n):
+        if ref.fits[t]:
+            np.testing.assert_array_equal(slots[index[t]], ref.slots[t], err_msg=f"slot of tile {t}")
+        else:
+            np.testing.assert_array_equal(raw[index[t]].view(np.uint16), tiles[t], err_msg=f"raw tile {t}")
+    untouched_slots = np.setdiff1d(np.arange(n + spare), index[ref.fits])
+    untouched_raw = np.setdiff1d(np.arange(n + spare), index[~ref.fits])
+    assert (slots[untouched_slots] == POISON).all()
+    assert (raw[untouched_raw].view(np.uint16) == POISON * 0x101).all()
+    return dict(slots=slots, raw=raw, entries=entries, ref=ref)
+
+
+def roundtrip(tiles, b3, b4, capacity):
+    enc = encode_checked(tiles, b3, b4, capacity)
+    out, status = decode_tiles(enc["slots"], enc["raw"], enc["entries"], b3, b4, capacity)
+    assert (status == 0).all()
+    np.testing.assert_array_equal(out.view(np.uint16), tiles)
+    return enc
+
+
+def case_tiles(case):
+    b3, b4 = tile_bases(*case.calibration.bases(case.layer, case.kind_index))
+    return block_tiles(case.bits), b3, b4
+
+
+@SIM
+@given(st.integers(1, 2).flatmap(lambda h: forced_blocks(head_dim=64, heads=h)))
+def test_forced_modes_match_reference(case):
+    tiles, b3, b4 = case_tiles(case)
+    enc = roundtrip(tiles, b3, b4, case.capacity)
+    np.testing.assert_array_equal(enc["ref"].modes, case.modes)
+
+
+@SIM
+@given(overflow_blocks(head_dim=64, heads=2))
+def test_slot_overflow_goes_to_the_raw_pool(case):
+    tiles, b3, b4 = case_tiles(case)
+    enc = roundtrip(tiles, b3, b4, case.capacity)
+    assert tuple(np.flatnonzero(enc["entries"] < 0)) == case.raw_tiles
+
+
+@SIM
+@given(block_cases(head_dim=64, heads=1))
+def test_any_patterns_any_bases(case):
+    tiles, b3, b4 = case_tiles(case)
+    roundtrip(tiles, b3, b4, case.capacity)
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_wide_heads_with_every_mode(head_dim):
+    """128-channel tiles (a 256 head is two): every mode, escapes past a 64-bit word, a spilled tile."""
+    rng = np.random.default_rng(head_dim)
+    c = L.tile_channels(head_dim)
+    b3 = rng.integers(0, L.B3_MAX + 1, size=(1, head_dim)).astype(np.uint8)
+    b4 = np.clip(b3.astype(int) - 4, 0, L.B4_MAX).astype(np.uint8)
+    e = b3[:, None, :] + rng.choice([0, 3, 7, 9, 11, -4, 40], size=(1, 16, head_dim), p=[.3, .3, .2, .08, .08, .02, .02])
+    sm = rng.integers(0, 256, size=e.shape)
+    bits = (((sm & 0x80) << 8) | ((e % 256) << 7) | (sm & 0x7F)).astype(np.uint16)
+    tiles = block_tiles(bits)
+    t3, t4 = tile_bases(b3, b4)
+    used = ref_encode_tiles(tiles, t3, t4, 0).escape_used
+    assert used.min() > 8                               # escapes span several 64-bit words
+    roundtrip(tiles, t3, t4, -(-int(used.max()) // 16) * 16)
+    roundtrip(tiles, t3, t4, int(used.min()) // 16 * 16)  # at least one tile spills
+
+
+def test_real_kv_blocks_with_shared_bases():
+    """Two blocks of a real layer, bases given once per block (row = tile % tiles_per_block)."""
+    from conftest import kv_dump
+
+    k, v = kv_dump("code", "k"), kv_dump("code", "v")
+    cal = calibrate(k[:2], v[:2], show_progress=False)
+    b3, b4 = tile_bases(*cal.bases(1, L.KIND_V))
+    tiles = block_tiles(cache_blocks(v[1])[:2])         # 2 blocks x 3 heads = 6 tiles
+    capacity = int(cal.capacity[L.KIND_V, 1])
+    n_ref = np.tile(b3, (2, 1)), np.tile(b4, (2, 1))
+    ref = ref_encode_tiles(tiles, *n_ref, capacity)
+    out = encode_tiles(tiles.view(np.int16), b3, b4, capacity)
+    for t in range(len(tiles)):
+        e = int(out["entries"][t])
+        assert (e >= 0) == bool(ref.fits[t])
+        if e >= 0:
+            np.testing.assert_array_equal(out["slots"][e], ref.slots[t])
+    dec, status = decode_tiles(out["slots"], out["raw"], out["entries"], b3, b4, capacity)
+    assert (status == 0).all()
+    np.testing.assert_array_equal(dec.view(np.uint16), tiles)
+
+
+def _one_slot(capacity=16):
+    rng = np.random.default_rng(1)
+    b3 = np.full((1, 64), 120, np.uint8)
+    b4 = np.full((1, 64), 116, np.uint8)
+    e = 120 + rng.integers(0, 8, size=(1, 16, 64))
+    tiles = ((e << 7) | rng.integers(0, 128, size=e.shape)).astype(np.uint16)
+    out = encode_tiles(tiles.view(np.int16), b3, b4, capacity)
+    return out, b3, b4
+
+
+def test_decoder_flags_reserved_tags_and_escape_overflow():
+    geo = L.TileGeometry(64)
+    out, b3, b4 = _one_slot()
+    entries = np.zeros(3, np.int32)
+    slots = np.repeat(out["slots"], 3, axis=0)
+    slots[1, geo.tag_offset + 5] |= 0b11 << 4            # group 22: tag 3
+    slots[2, geo.tag_offset: geo.tag_offset + 5] = 0xAA  # 20 raw groups: 100 escape bytes > 16
+    entries[:] = np.arange(3)
+    _, status = decode_tiles(slots, out["raw"], entries, b3, b4, 16)
+    assert list(status) == [0, BAD_TAG, BAD_ESCAPES]
+
+
+def test_exhausted_free_list_stores_nothing():
+    rng = np.random.default_rng(2)
+    tiles = ((120 + rng.integers(0, 8, size=(3, 16, 64))) << 7).astype(np.uint16)
+    b3, b4 = np.full((1, 64), 120, np.uint8), np.full((1, 64), 116, np.uint8)
+    slots = np.zeros((1, L.TileGeometry(64).slot_bytes(0)), np.uint8)
+    raw = np.zeros((1, 16, 64), np.int16)
+    heads = np.zeros(2, np.int32)
+    entries, used = np.zeros(3, np.int32), np.zeros(3, np.int32)
+    EncodePlan(64, 0, pack_bases(b3, b4), slots, np.zeros(1, np.int32), raw, np.zeros(1, np.int32), heads)(
+        tiles.view(np.int16), entries, used)
+    assert heads[0] == 3 and sorted(entries) == [NO_STORAGE, NO_STORAGE, 0]
+
+
+def test_input_errors_name_the_problem():
+    out, b3, b4 = _one_slot()
+    bases = pack_bases(b3, b4)
+    with pytest.raises(InputError, match="bits: dtype uint16"):
+        EncodePlan(64, 16, bases, out["slots"], np.arange(1, dtype=np.int32), out["raw"],
+                   np.arange(1, dtype=np.int32), np.zeros(2, np.int32))(
+            np.zeros((1, 16, 64), np.uint16), np.zeros(1, np.int32), np.zeros(1, np.int32))
+    with pytest.raises(InputError, match=r"slots: shape \[1, 1456\], expected \[\*, 1472\]"):
+        EncodePlan(64, 32, bases, out["slots"], np.arange(1, dtype=np.int32), out["raw"],
+                   np.arange(1, dtype=np.int32), np.zeros(2, np.int32))
+    with pytest.raises(InputError, match="capacity 8"):
+        DecodePlan(64, 8, bases, out["slots"], out["raw"])
+    with pytest.raises(InputError, match="96 channels"):
+        DecodePlan(96, 16, bases, out["slots"], out["raw"])
+    with pytest.raises(InputError, match="4-bit bases"):
+        pack_bases(b3, np.full_like(b4, L.B4_MAX + 1))
+    with pytest.raises(InputError, match="C-contiguous"):
+        DecodePlan(64, 16, bases, out["slots"], out["raw"])(
+            out["entries"], np.zeros((1, 64, 16), np.int16).transpose(0, 2, 1), np.zeros(1, np.int32))
+
+
+@cuda.jit
+def _bitops_kernel(words, out):
+    i = cuda.grid(1)
+    if i < words.shape[0]:
+        x = words[i]
+        sm, e = bitops.split_bf16x4(x)
+        out[i, 0] = bitops.join_bf16x4(sm, e)
+        out[i, 1] = bitops.narrow4(sm)
+        out[i, 2] = bitops.pack3x4(e)
+        out[i, 3] = bitops.unpack3x4(bitops.pack3x4(e))
+        out[i, 4] = bitops.gather4(e >> 3)
+        out[i, 5] = bitops.spread4(bitops.gather4(e >> 3))
+        out[i, 6] = bitops.widen4(bitops.narrow4(e))
+        out[i, 7] = bitops.spread_even(x & 0xFFFFFFFF)
+        out[i, 8] = bitops.window(x, words[(i + 1) % words.shape[0]], i % 64, 40)
+
+
+def test_bitops_against_numpy():
+    rng = np.random.default_rng(3)
+    n = 24
+    words = rng.integers(-(2**63), 2**63 - 1, size=n, dtype=np.int64)
+    out = np.zeros((n, 9), np.int64)
+    _bitops_kernel[1, n](words, out)
+    lanes = words.view(np.uint16).reshape(n, 4)
+    sm, e = split_bf16(lanes)
+    lane_words = lambda a: a.astype(np.uint16).view(np.int64).reshape(n)   # noqa: E731
+    np.testing.assert_array_equal(out[:, 0], words)
+    np.testing.assert_array_equal(out[:, 1], sm.view(np.uint32).reshape(n))
+    np.testing.assert_array_equal(out[:, 2], pack_bits(e & 7, 3).astype(np.int64) @ [1, 256])
+    np.testing.assert_array_equal(out[:, 3], lane_words(e & 7))
+    np.testing.assert_array_equal(out[:, 4], bit_planes(e, 3, 1)[:, 0])
+    np.testing.assert_array_equal(out[:, 5], lane_words((e >> 3) & 1))
+    np.testing.assert_array_equal(out[:, 6], lane_words(e))
+    low = words.view(np.uint32).reshape(n, 2)[:, 0].astype(np.int64)
+    np.testing.assert_array_equal(out[:, 7], [sum(((m >> b) & 1) << (2 * b) for b in range(32)) for m in low])
+    u = words.view(np.uint64)
+    big = [(int(u[(i + 1) % n]) << 64 | int(u[i])) >> (i % 64) & (2**40 - 1) for i in range(n)]
+    np.testing.assert_array_equal(out[:, 8], big)
