@@ -187,6 +187,7 @@ def decode_block(block, calibration: Calibration) -> np.ndarray:
     raws = body[n_slot * slot_size:].view("<u2").reshape(n_raw, L.BLOCK_TOKENS, geo.channels)
     slot_tiles = np.flatnonzero(~is_raw)
     if n_slot:
-        out[slot_tiles] = decode_tiles(slots, b3[slot_tiles], b4[slot_tiles], capacity, geo.channels)
+        out[slot_tiles] = decode_tiles(slots, b3[slot_tiles], b4[slot_tiles], capacity, geo.channels,
+                                      tile_ids=slot_tiles)
     out[is_raw] = raws
     return untile(out, heads, dim)

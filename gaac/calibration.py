@@ -131,6 +131,14 @@ class Calibration:
         if d.get("version") != L.FORMAT_VERSION:
             raise CalibrationError(f"calibration version {d.get('version')} is not supported "
                                    f"(this gaac reads version {L.FORMAT_VERSION})")
+        for kind in ("k", "v"):
+            for name in ("b3", "b4", "capacity"):
+                table = d.get(kind, {}).get(name) if isinstance(d.get(kind), dict) else None
+                if table is None:
+                    raise CalibrationError(f"malformed calibration: missing {kind}.{name}")
+                if not _all_ints(table):
+                    raise CalibrationError(f"malformed calibration: {kind}.{name} holds a value that is not "
+                                           "an integer (bases and capacities are whole numbers)")
         try:
             cal = cls(b3=[d["k"]["b3"], d["v"]["b3"]], b4=[d["k"]["b4"], d["v"]["b4"]],
                       capacity=[d["k"]["capacity"], d["v"]["capacity"]], model=d.get("model"),
@@ -158,6 +166,13 @@ class Calibration:
         except json.JSONDecodeError as exc:
             raise CalibrationError(f"{path}: not JSON ({exc})") from exc
         return cls.from_dict(d)
+
+
+def _all_ints(table) -> bool:
+    """True when a nested list holds only ints (JSON true/false and 121.5 are refused, not coerced)."""
+    if isinstance(table, list):
+        return all(_all_ints(t) for t in table)
+    return type(table) is int
 
 
 def exponent_histograms(x: np.ndarray) -> np.ndarray:

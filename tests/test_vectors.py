@@ -190,8 +190,6 @@ def test_spec_decoder_names_the_broken_tile():
         spec_decoder.decode_block(reserved_tag_in_tile_1(), spec_cal(METAS["slot_overflow"]))
 
 
-@pytest.mark.xfail(strict=True, reason="gaac.decode_block numbers slot errors by slot, not by tile "
-                   "(decode_tiles is called without the tiles' numbers)")
 def test_reference_names_the_broken_tile():
     with pytest.raises(gaac.FormatError, match="tile 1, group 0"):
         gaac.decode_block(reserved_tag_in_tile_1(), gaac_cal(METAS["slot_overflow"]))

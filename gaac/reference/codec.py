@@ -109,15 +109,16 @@ def encode_tiles(bits: np.ndarray, b3: np.ndarray, b4: np.ndarray, capacity: int
 
 
 def decode_tiles(slots: np.ndarray, b3: np.ndarray, b4: np.ndarray, capacity: int,
-                 channels: int, first_tile: int = 0) -> np.ndarray:
+                 channels: int, tile_ids=None) -> np.ndarray:
     """Decode slots ``[n, slot_bytes]`` into BF16 bit patterns ``[n, 16, channels]``.
 
-    Raises :class:`FormatError` naming the tile (numbered from ``first_tile``)
+    Raises :class:`FormatError` naming the tile (``tile_ids[i]`` for row ``i``, default ``i``)
     for every rule of FORMAT.md section 8 that a slot breaks.
     """
     geo = L.TileGeometry(channels)
     slots = np.asarray(slots, dtype=np.uint8)
     n = slots.shape[0]
+    tile_ids = np.arange(n) if tile_ids is None else np.asarray(tile_ids)
     if slots.shape[1] != geo.slot_bytes(capacity):
         raise FormatError(f"slot of {slots.shape[1]} bytes; a {channels}-channel tile with escape capacity "
                           f"{capacity} takes {geo.slot_bytes(capacity)}")
@@ -130,19 +131,19 @@ def decode_tiles(slots: np.ndarray, b3: np.ndarray, b4: np.ndarray, capacity: in
     bad = np.argwhere(modes == L.MODE_RESERVED)
     if bad.size:
         t, g = bad[0]
-        raise FormatError(f"tile {first_tile + t}, group {g}: mode tag 3 is reserved in GAAC v{L.FORMAT_VERSION}")
+        raise FormatError(f"tile {tile_ids[t]}, group {g}: mode tag 3 is reserved in GAAC v{L.FORMAT_VERSION}")
     lengths = _ESC_LEN[modes]
     used = lengths.sum(axis=1)
     over = np.flatnonzero(used > capacity)
     if over.size:
         t = over[0]
-        raise FormatError(f"tile {first_tile + t}: its mode tags need {used[t]} escape bytes but the slot "
+        raise FormatError(f"tile {tile_ids[t]}: its mode tags need {used[t]} escape bytes but the slot "
                           f"holds {capacity}")
     padding = np.arange(capacity) >= used[:, None]
     dirty = np.flatnonzero((area * padding).any(axis=1))
     if dirty.size:
         t = dirty[0]
-        raise FormatError(f"tile {first_tile + t}: escape area is not zero after its {used[t]} escape bytes")
+        raise FormatError(f"tile {tile_ids[t]}: escape area is not zero after its {used[t]} escape bytes")
 
     # Gather each group's escape bytes (zeros where the group has fewer than 5).
     start = np.cumsum(lengths, axis=1) - lengths                          # [n, G]
