@@ -17,8 +17,9 @@ uncompressed reference:
 * ``frac_<mode>`` -- the share of groups in each mode, named by code width
   (e.g. ``frac_2bit``, ``frac_3bit``, ``frac_raw``); ``mode_names`` lists them;
 * ``exponent_entropy`` -- of the FP8 exponent fields; ``roundtrip`` -- every FP8 byte decoded back;
-* ``conversion`` -- the scale exponents and how many values saturated or
-  flushed to zero: what the FP8 conversion itself changed (the codec changes nothing).
+* ``conversion`` -- the scale exponents, how many values saturated or flushed
+  to zero, and the relative RMS error: what the FP8 conversion itself changed
+  (the codec changes nothing).
 
 The last ``tokens % 16`` tokens form no block and are left out, as for BF16.
 """
@@ -133,16 +134,19 @@ def measure_fp8_layer(fp8: np.ndarray, b_narrow: np.ndarray, b_wide: np.ndarray,
 
 
 def conversion_counts(bits: np.ndarray, fp8: np.ndarray, modes: ModeSet, scale_log2: np.ndarray) -> dict:
-    """What the BF16 -> FP8 conversion changed: saturated values, non-zeros flushed to zero, worst error."""
+    """What the BF16 -> FP8 conversion changed: saturated values, non-zeros flushed to zero, the error.
+
+    ``rel_rms_error`` is ``||x' - x|| / ||x||`` over the finite values, ``x'`` the dequantised FP8.
+    """
     x = bf16_to_float(bits)
     y = fp8_to_float(fp8, modes.fmt, np.asarray(scale_log2)[:, :, None, None])
     limit = np.ldexp(modes.fmt.max_finite, np.asarray(scale_log2, dtype=np.int64))[:, :, None, None]
     finite = np.isfinite(x)
-    nonzero = finite & (x != 0)
-    rel = np.abs(y[nonzero] - x[nonzero]) / np.abs(x[nonzero])
+    xf, yf = x[finite], y[finite]
+    norm = float(np.sqrt(np.square(xf).sum()))
     return {"elements": int(x.size), "saturated": int((finite & (np.abs(x) > limit)).sum()),
-            "flushed_to_zero": int((nonzero & (y == 0)).sum()),
-            "max_rel_error_nonzero": float(rel.max()) if rel.size else 0.0}
+            "flushed_to_zero": int((finite & (x != 0) & (y == 0)).sum()),
+            "rel_rms_error": float(np.sqrt(np.square(yf - xf).sum())) / norm if norm else 0.0}
 
 
 @dataclass
