@@ -23,7 +23,9 @@ from dataclasses import dataclass
 
 from .. import layout as L
 
-FP8_FORMAT_VERSION = 1     # version of the FP8 extension (FORMAT-FP8.md); the container stays BF16 v1
+# Format version 2 is version 1 plus the FP8 element formats (FORMAT-FP8.md): an FP8 block container has
+# version byte 2 and element-format byte 2 or 3; BF16 streams stay version 1.
+FP8_FORMAT_VERSION = 2
 
 # Element formats (stream header byte 5); 1 is BF16 (gaac.layout.ELEMENT_BF16).
 ELEMENT_FP8_E4M3 = 2
