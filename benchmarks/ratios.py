@@ -38,9 +38,9 @@ ALL_3BIT = 16 / (8 + L.CODE_BITS + L.TAG_BITS / L.GROUP_SIZE)
 
 def commit() -> str:
     def git(*args):
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout
 
-    head = git("rev-parse", "--short=12", "HEAD") or "unknown"
+    head = git("rev-parse", "--short=12", "HEAD").strip() or "unknown"
     dirty = [line[3:] for line in git("status", "--porcelain", "--", "gaac", "benchmarks/ratios.py").splitlines()]
     return head + (f" (uncommitted changes in: {', '.join(dirty)})" if dirty else "")
 
@@ -131,14 +131,15 @@ a capacity fitted tightly to the calibration data costs on other data.
 **Reading.** Every measurement round-trips bit for bit ({'all' if all_ok else 'NOT all'} {2 * len(results)}).
 Self-calibrated stream ratios are {s_lo:.3f}-{s_hi:.3f}, cross-calibrated {c_lo:.3f}-{c_hi:.3f}
 (calibrated on prose, measured on the other three: {p_lo:.3f}-{p_hi:.3f}), against the paper's
-{PAPER} cross-task on larger models and the all-3-bit bound 16/11.25 = {ALL_3BIT:.3f}. 
+{PAPER} cross-task on larger models and the all-3-bit bound 16/11.25 = {ALL_3BIT:.3f}.
+
 Resident ratios pay for unused slot capacity, raw-tile fallbacks and block-table entries: {rs_lo:.3f}-{rs_hi:.3f}
 self-calibrated, {rp_lo:.3f}-{rp_hi:.3f} calibrated on prose, {r_lo:.3f}-{r_hi:.3f} over all pairs. They are
 far more sensitive to the calibration data than the stream ratio: a calibration from the short dumps
 (math, list: {caches['math'][0].shape[2]} and {caches['list'][0].shape[2]} tokens) sends {100 * tq_lo:.0f}-{100 * tq_hi:.0f}% of the other dumps' tiles
-to the raw pool (resident {rq_lo:.3f}-{rq_hi:.3f}), K worst (RoPE'd keys of later positions leave windows
-fitted to early ones), because the capacity is fitted tightly to the calibration data; the last two columns
-show how much a margin recovers.
+to the raw pool (resident {rq_lo:.3f}-{rq_hi:.3f}): their windows and their capacity, fitted tightly to few
+tokens, miss more of the other texts' exponents (the paper's RoPE positional drift of K is one candidate
+cause; this table does not separate it). The last two columns show how much a larger capacity recovers.
 """
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)
