@@ -128,6 +128,12 @@ def lanes_below(lane):
     return (int64(1) << lane) - 1
 
 
+def ballot_scratch(threads: int) -> int:
+    """Entries of the shared int32 ``scratch`` array :func:`ballot` needs in a block of ``threads``
+    (one per thread in the simulator, a placeholder of one on the GPU)."""
+    return threads if SIMULATOR else 1
+
+
 if SIMULATOR:
     @cuda.jit(device=True)
     def ballot(pred, scratch):

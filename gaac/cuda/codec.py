@@ -59,7 +59,7 @@ from numba import cuda, int32, int64, uint8
 
 from .. import layout as L
 from ..errors import InputError
-from .bitops import (LANES, SIMULATOR, WARP, ballot, gather4, join_bf16x4, lanes_below, narrow4, pack3x4,
+from .bitops import (LANES, SIMULATOR, WARP, ballot, ballot_scratch, gather4, join_bf16x4, lanes_below, narrow4, pack3x4,
                      spread4, spread_even, split_bf16x4, unpack3x4, widen4, window)
 
 NO_STORAGE = -1                                  # entry of a tile whose free list ran dry
@@ -115,6 +115,7 @@ def encode_source(channels: int):
     CODE_WORDS = geo.code_bytes // _WORD
     TAG_WORDS = geo.tag_bytes // _WORD
     STAGE = G * _ESCR
+    SCRATCH = ballot_scratch(G)
 
     def kernel(bits, bases, capacity, slots, slot_free, raw, raw_free, heads, entries, escape_used):
         code24 = cuda.shared.array(G, int32)
@@ -122,7 +123,7 @@ def encode_source(channels: int):
         tag_words = cuda.shared.array(WARPS, int64)
         warp_total = cuda.shared.array(WARPS, int32)
         dest = cuda.shared.array(1, int32)
-        scratch = cuda.shared.array(G, int32)
+        scratch = cuda.shared.array(SCRATCH, int32)
 
         tile = cuda.blockIdx.x
         g = cuda.threadIdx.x
