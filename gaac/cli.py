@@ -130,7 +130,7 @@ def cmd_stats(args) -> int:
         where = (f"the sample shipped with gaac: {meta['model']} layers {', '.join(map(str, layer_ids))}, "
                  f"{SAMPLE_MEASURED} prompt")
         if args.calibration:
-            cal, how = Calibration.load(args.calibration), f"calibration {args.calibration}"
+            cal, how = Calibration.load(args.calibration), f"loaded from {args.calibration}"
         else:
             ck, cv, _ = load_sample(SAMPLE_CALIBRATION)
             cal = calibrate(ck, cv, model=meta["model"])
@@ -139,7 +139,7 @@ def cmd_stats(args) -> int:
         k, v = load_cache(args.k, "k"), load_cache(args.v, "v")
         where = f"K {args.k}, V {args.v}"
         if args.calibration:
-            cal, how = Calibration.load(args.calibration), f"calibration {args.calibration}"
+            cal, how = Calibration.load(args.calibration), f"loaded from {args.calibration}"
         else:
             cal = calibrate(k, v)
             how = "no --calibration given: calibrated on these caches themselves (self-calibration, a best case)"

@@ -81,7 +81,8 @@ def plot_windows(k: np.ndarray, v: np.ndarray, calibration: Calibration, path, *
             fig.colorbar(mesh, ax=ax, pad=0.01, label="count")
     for ax in axes[-1]:
         ax.set_xlabel(f"channel (heads of {dim} side by side)")
-    fig.suptitle((title + "\n" if title else "") + "exponent counts per channel (colour); "
+    sampled = f"{len(layers)} of {k.shape[0]} layers shown; " if len(layers) < k.shape[0] else ""
+    fig.suptitle((title + "\n" if title else "") + sampled + "exponent counts per channel (colour); "
                  "8-wide window: red edges, dark band; 16-wide window: orange edges, light band", fontsize=10)
     fig.savefig(path, dpi=90)
     plt.close(fig)

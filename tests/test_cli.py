@@ -194,3 +194,11 @@ def test_installed_console_script(tmp_path):
     bad = subprocess.run([script, "stats", "--k", "nope.npy", "--v", "nope.npy"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "nope.npy': no such file" in bad.stderr
+
+
+def test_plot_samples_many_layers_evenly():
+    from gaac.plot import MAX_LAYERS, shown_layers
+
+    assert shown_layers(4) == [0, 1, 2, 3]
+    many = shown_layers(30)
+    assert len(many) == MAX_LAYERS and many[0] == 0 and many[-1] == 29 and many == sorted(set(many))
