@@ -106,7 +106,7 @@ def load_captures(pairs) -> list[Tensor]:
 
     out = []
     for k_path, v_path in pairs or []:
-        name = "capture:" + Path(k_path).stem
+        name = "capture:" + re.sub(r"[_.-]+k$", "", Path(k_path).stem)
         out += [Tensor(name, "k", load_cache(k_path, "k")), Tensor(name, "v", load_cache(v_path, "v"))]
     return out
 
@@ -238,7 +238,8 @@ def gaac_decode(enc, ctx):
 
     blocks, tail, (layers, heads, _, dim) = enc
     per_layer = len(blocks) // layers
-    dec = np.stack([decode_block(b, ctx.calibration) for b in blocks]).reshape(layers, per_layer, heads, BLOCK_TOKENS, dim)
+    dec = np.stack([decode_block(b, ctx.calibration) for b in blocks])
+    dec = dec.reshape(layers, per_layer, heads, BLOCK_TOKENS, dim)
     body = dec.transpose(0, 2, 1, 3, 4).reshape(layers, heads, per_layer * BLOCK_TOKENS, dim)
     return np.concatenate([body, tail], axis=2)
 
@@ -648,7 +649,8 @@ def plot(rows: list[dict], path: Path, subtitle: str) -> None:
     ax.set_ylabel("compression ratio (BF16 bytes / compressed bytes)")
     ax.set_title("Lossless codecs on real SmolLM2-135M K/V: ratio against decode throughput\n" + subtitle, fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
-    handles = [Line2D([], [], marker="o", ls="", color="gray", label="CPU, per CPU-second (NumPy rows: slow references)"),
+    handles = [Line2D([], [], marker="o", ls="", color="gray",
+                      label="CPU, per CPU-second (NumPy rows: slow references)"),
                Line2D([], [], marker="^", ls="", color="gray", label="GPU (H200), CUDA events")]
     handles += [Line2D([], [], marker="s", ls="", color=c, label=f) for f, c in colors.items()]
     ax.legend(handles=handles, loc="lower left", fontsize=8)
@@ -695,8 +697,9 @@ def cmd_cpu(args) -> None:
   (`encode_wall_s`, `decode_wall_s`).
 - zstd and lz4 run single-threaded on one tensor at a time; *byte-split* compresses the high bytes (sign and
   7 exponent bits) and the low bytes (1 exponent bit and the mantissa) as two streams, split and merge timed.
-  ZipNN does its own byte grouping and uses its default threads (2 here), each charged in CPU time. zipnn 0.5.4 overwrites the buffer it
-  compresses, so each call gets a private copy, made outside the timed region."""
+  ZipNN does its own byte grouping and uses its default threads (2 here), each charged in CPU time.
+  zipnn 0.5.4 overwrites the buffer it compresses, so each call gets a private copy, made outside the
+  timed region."""
     write_results(args.out, "Codec comparison on the CPU", env, records, missing, notes,
                   "process CPU seconds, see the notes")
 
@@ -773,8 +776,8 @@ def cmd_report(args) -> None:
     cited = cited_kernels(kernels, args.kernel_shape)
     reference = next((r for r in rows if r["codec"].startswith("GAAC reference") and "self" in r["codec"]), None)
     if cited and reference:
-        rows.append({**reference, "codec": "GAAC CUDA kernels (cited; 64K-token synthetic layer)", "device": "gpu", "enc_gbs": cited["encode"],
-                     "dec_gbs": cited["decode"], "datasets": {}})
+        rows.append({**reference, "codec": "GAAC CUDA kernels (cited; 64K-token synthetic layer)", "device": "gpu",
+                     "enc_gbs": cited["encode"], "dec_gbs": cited["decode"], "datasets": {}})
         rows.sort(key=lambda r: -r["ratio"])
         kernel_line = (f"*GAAC CUDA kernels (cited)* is not measured here: its throughput is the {args.kernel_shape} "
                        f"row of \"{cited['heading']}\" in `benchmarks/results/{kernels.name}` (gaac/cuda/codec.py, "
