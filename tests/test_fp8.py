@@ -511,3 +511,41 @@ def test_stats_counts_known_by_construction():
     assert out["conversion"]["saturated"] == 1 and out["roundtrip"] is True
     assert ms.geometry(64).raw_bytes * 2 + 8 == pytest.approx(
         out["bits_per_element_resident"] * 2 * 1024 / 8)
+
+
+@pytest.mark.parametrize("name", FORMAT_NAMES)
+def test_attention_over_gaac_fp8_cache(name):
+    """Attention over the compressed cache (blocks + FP8 tail) == float64 attention over the dequantised cache."""
+    from gaac.fp8.attention import build_layer_cache, decode_attention_fp8
+
+    k, v = _small_real()
+    cal = calibrate_fp8(k, v, name)
+    layer, tokens = 1, 59                                    # 3 complete blocks and an 11-token tail
+    kb, vb = k[layer, :, :tokens], v[layer, :, :tokens]
+    cache = build_layer_cache(kb, vb, cal, layer)
+    assert (len(cache.k_blocks), cache.k_tail.shape[1], cache.tokens) == (3, 11, tokens)
+    assert sum(map(len, cache.k_blocks)) < 3 * 3 * 16 * 64        # the blocks really are compressed
+
+    q = np.random.default_rng(7).normal(size=(9, 64))              # 9 query heads over 3 KV heads
+    out, lse = decode_attention_fp8(q, cache)
+
+    def attention(ks, vs):       # plain float64 softmax attention, one query head at a time
+        o, s = np.empty((9, 64)), np.empty(9)
+        for h in range(9):
+            z = ks[h // 3] @ q[h] / 8.0
+            w = np.exp(z - z.max())
+            o[h], s[h] = w @ vs[h // 3] / w.sum(), z.max() + np.log(w.sum())
+        return o, s
+
+    fmt = cal.modes.fmt
+    deq = [fp8_to_float(to_fp8(x, fmt, cal.scale_log2[i, layer].astype(int)[:, None, None]), fmt,
+                        cal.scale_log2[i, layer].astype(int)[:, None, None]) for i, x in enumerate((kb, vb))]
+    want, want_lse = attention(*deq)
+    np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-12)
+    # Against the BF16 cache the only difference is the FP8 conversion: small, and not zero.
+    exact, _ = attention(bf16_to_float(kb), bf16_to_float(vb))
+    err = np.linalg.norm(out - exact) / np.linalg.norm(exact)
+    assert 0 < err < (0.05 if name == "fp8_e4m3" else 0.1)
+    with pytest.raises(InputError, match="q must be"):
+        decode_attention_fp8(q[:8], cache)
