@@ -26,7 +26,7 @@ from gaac.fp8.calibration import FP8Calibration, calibrate_fp8, fp8_exponent_his
 from gaac.fp8.codec import choose_modes, decode_tiles, encode_tiles, join_fp8, split_fp8
 from gaac.fp8.convert import (bf16_to_float, cache_scales, cache_to_fp8, choose_scale_log2, fp8_to_float,
                               fp8_values, round_to_fp8, to_fp8)
-from gaac.fp8.stats import fp8_stats
+from gaac.fp8.stats import format_fp8_table, fp8_stats
 
 ROOT = Path(__file__).resolve().parents[1]
 VECTORS = ROOT / "format_spec" / "vectors" / "fp8"
@@ -488,6 +488,10 @@ def test_stats_on_real_cache(name):
         assert s["bits_per_element_stream"] == pytest.approx(8 / s["ratio_stream"])
         assert s["conversion"]["saturated"] == 0
         assert sum(s["resident_bits_per_element"].values()) == pytest.approx(s["bits_per_element_resident"])
+    table = format_fp8_table(out, per_layer=True)
+    assert f"{out['k']['ratio_over_fp8']:.4f}" in table and "groups 2bit" in table and "groups raw" in table
+    # title, column header, 16 rows, footnote, blank, per-layer header, 2 layers
+    assert len(table.splitlines()) == 2 + 16 + 1 + 1 + 1 + 2
     with pytest.raises(InputError, match="unknown FP8 format"):
         fp8_stats(k, v, "fp8_e3m4")
     other = "fp8_e5m2" if name == "fp8_e4m3" else "fp8_e4m3"

@@ -235,3 +235,44 @@ def fp8_stats(k, v, fmt: str, *, calibration: FP8Calibration | None = None, scal
     out["format"] = calibration.format
     out["calibration_id"] = f"{calibration.id:08x}"
     return out
+
+
+def format_fp8_table(d: dict, per_layer: bool = False) -> str:
+    """The readable view of :func:`fp8_stats`'s dict, K and V side by side (as ``gaac stats`` prints BF16)."""
+    k, v = d["k"], d["v"]
+
+    def pct(x: float) -> str:
+        return f"{100 * x:.2f}%"
+
+    rows = [
+        ("ratio_over_fp8 (FP8 / payload)", lambda s: f"{s['ratio_over_fp8']:.4f}"),
+        ("ratio_total_vs_bf16 (BF16 / payload)", lambda s: f"{s['ratio_total_vs_bf16']:.4f}"),
+        ("ratio_resident (FP8 / slots+raw+table)", lambda s: f"{s['ratio_resident']:.4f}"),
+        ("ratio_total_resident_vs_bf16", lambda s: f"{s['ratio_total_resident_vs_bf16']:.4f}"),
+        ("bits per element, stream", lambda s: f"{s['bits_per_element_stream']:.3f}"),
+        ("bits per element, resident", lambda s: f"{s['bits_per_element_resident']:.3f}"),
+        *[(f"groups {name}", lambda s, n=name: pct(s[f"frac_{n}"])) for name in k["mode_names"]],
+        ("tiles raw (slot overflow)", lambda s: f"{pct(s['frac_raw_tiles'])} ({s['raw_tiles']}/{s['tiles']})"),
+        ("exponent entropy (bits)", lambda s: f"{s['exponent_entropy']:.3f}"),
+        ("escape capacity (bytes/slot)", lambda s: f"{min(s['capacity'])}..{max(s['capacity'])}"),
+        ("scale exponents (2**s)", lambda s: f"{min(map(min, s['conversion']['scale_log2']))}.."
+                                             f"{max(map(max, s['conversion']['scale_log2']))}"),
+        ("conversion: saturated / flushed to 0", lambda s: f"{s['conversion']['saturated']} / "
+                                                           f"{s['conversion']['flushed_to_zero']}"),
+        ("conversion: relative RMS error", lambda s: f"{s['conversion']['rel_rms_error']:.4f}"),
+        ("roundtrip bit-exact (FP8)", lambda s: "yes" if s["roundtrip"] else "NO"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    lines = [f"{d['format']}, calibration {d['calibration_id']}", f"{'':{width}}  {'K':>16}  {'V':>16}"]
+    lines += [f"{name:{width}}  {fmt(k):>16}  {fmt(v):>16}" for name, fmt in rows]
+    lines.append(f"{k['layers']} layers, {k['tokens']} K / {v['tokens']} V tokens = {k['blocks']} / {v['blocks']} "
+                 f"complete blocks; {k['tail_tokens']} / {v['tail_tokens']} tail tokens are not in the numbers above")
+    if per_layer:
+        names = k["mode_names"]
+        lines += ["", f"{'layer':>5} |" + " |".join(f" {kind}: {'cap':>4} {'over':>7} {'resident':>8} "
+                                                    + " ".join(f"{n:>7}" for n in names) for kind in "KV")]
+        for lk, lv in zip(d["per_layer"]["k"], d["per_layer"]["v"]):
+            cells = [f" {kind}: {s['capacity']:>4} {s['ratio_over_fp8']:>7.4f} {s['ratio_resident']:>8.4f} "
+                     + " ".join(f"{pct(s['frac_' + n]):>7}" for n in names) for kind, s in (("K", lk), ("V", lv))]
+            lines.append(f"{lk['layer']:>5} |" + " |".join(cells))
+    return "\n".join(lines)
