@@ -180,7 +180,8 @@ def report(res: dict) -> str:
         w(f"### {fmt}: per prompt\n")
         w("| prompt | calibration | kind | additional | total vs BF16 | resident additional | "
           + " | ".join(n.replace("frac_", "") + " groups" for n in names)
-          + " | raw tiles | exp. entropy (bit) | scale exps (layer 0..) | saturated | flushed to 0 | rel. RMS error | roundtrip |")
+          + " | raw tiles | exp. entropy (bit) | scale exps (layer 0..) | saturated | flushed to 0 | "
+          "rel. RMS error | roundtrip |")
         w("|---" * (13 + len(names)) + "|")
         for r in res["v1"][fmt]:
             for kind in ("k", "v", "kv"):
@@ -220,8 +221,8 @@ def report(res: dict) -> str:
             name = f"**{lb}**" if rows[0]["v1"] else lb
             w(f"| {name}{' (best cross)' if lb == best else ''} | {fixed:.2f} | "
               f"{rng([s['ratio_stream'] for s in sel['self']])} | {rng([s['ratio_stream'] for s in sel['cross']])} | "
-              f"{rng([s['ratio_resident'] for s in sel['self']])} | {rng([s['ratio_resident'] for s in sel['cross']])} | "
-              f"{mix} |")
+              f"{rng([s['ratio_resident'] for s in sel['self']])} | "
+              f"{rng([s['ratio_resident'] for s in sel['cross']])} | {mix} |")
         w("")
 
     w("### Notes\n")
@@ -295,7 +296,7 @@ def main(argv=None) -> int:
     assert all(r["kv"]["roundtrip"] for r in rows), "a block did not decode back bit for bit"
     res["seconds"] = time.time() - t0
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "fp8-ratios.json").write_text(json.dumps(res, indent=1, default=float) + "\n")
+    (args.out / "fp8-ratios.json").write_text(json.dumps(res, separators=(",", ":"), default=float) + "\n")
     (args.out / "fp8-ratios.md").write_text(report(res))
     print(report(res))
     return 0

@@ -23,7 +23,7 @@ from gaac.errors import CalibrationError, FormatError, InputError
 from gaac.fp8 import layout as F
 from gaac.fp8.block import decode_fp8_block, encode_bf16_block, encode_fp8_block
 from gaac.fp8.calibration import FP8Calibration, calibrate_fp8, fp8_exponent_histograms
-from gaac.fp8.codec import choose_modes, decode_tiles, encode_tiles, join_fp8, split_fp8
+from gaac.fp8.codec import decode_tiles, encode_tiles, join_fp8, split_fp8
 from gaac.fp8.convert import (bf16_to_float, cache_scales, cache_to_fp8, choose_scale_log2, fp8_to_float,
                               fp8_values, round_to_fp8, to_fp8)
 from gaac.fp8.stats import format_fp8_table, fp8_stats

@@ -35,7 +35,7 @@ from gaac.fp8.codec import choose_modes, escape_bytes, join_fp8, tile_exponents 
 from gaac.fp8.convert import fp8_values  # noqa: E402
 from gaac.fp8.layout import (FORMATS, MODE_NARROW, MODE_RAW, MODE_RESERVED, MODE_SETS, MODE_WIDE,  # noqa: E402
                              ModeSet)
-from gaac.tiles import block_tiles, tile_bases, untile  # noqa: E402
+from gaac.tiles import tile_bases, untile  # noqa: E402
 
 KV_DIR = ROOT.parent / "shared" / "data" / "kv"
 REAL_DUMP = "smollm2-135m-instruct-q4_1__prose__{}.npy"
@@ -261,7 +261,8 @@ def format_vectors(fmt: str, kv_dir: Path | None):
         for g, mode in zip(perm, groups):
             b.group(t, g, mode)
     add(f"{s}_d256", "head_dim 256: two 128-channel tiles (lower and upper half-head); the lower one "
-        "(40 3-bit groups) is a slot, the upper one (40 3-bit and 20 raw groups) overflows the capacity of 64", f"cal_{s}_d256.json", cal4, untile(b.tiles(), 1, 256), 0, "k")
+        "(40 3-bit groups) is a slot, the upper one (40 3-bit and 20 raw groups) overflows the capacity of 64",
+        f"cal_{s}_d256.json", cal4, untile(b.tiles(), 1, 256), 0, "k")
 
     # 5. real data: the prose K and V of layer 0, converted with the calibration's scales.
     if kv_dir is not None and (kv_dir / REAL_DUMP.format("k")).exists():
