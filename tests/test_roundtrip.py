@@ -152,10 +152,9 @@ def test_cache_is_blocks_plus_tail(x, data):
     joined = np.concatenate([blocks.transpose(1, 0, 2, 3).reshape(heads, -1, dim), tail], axis=1)
     assert np.array_equal(joined, x)
 
-    cal = data.draw(st.builds(
-        lambda b, cap: Calibration(b3=np.broadcast_to(b[0], (2, 1, heads, dim)),
-                                   b4=np.broadcast_to(b[1], (2, 1, heads, dim)), capacity=np.full((2, 1), cap)),
-        bases(heads, dim), capacities(dim)))
+    b3, b4 = data.draw(bases(heads, dim))
+    cal = Calibration(b3=np.broadcast_to(b3, (2, 1, heads, dim)), b4=np.broadcast_to(b4, (2, 1, heads, dim)),
+                      capacity=np.full((2, 1), data.draw(capacities(dim))))
     decoded = [gaac.decode_block(gaac.encode_block(b, cal, 0, "k"), cal) for b in blocks]
     rebuilt = np.concatenate([np.stack(decoded, axis=1).reshape(heads, -1, dim) if decoded
                               else np.zeros((heads, 0, dim), np.uint16), tail], axis=1)
@@ -184,6 +183,10 @@ def check_forced(case):
     sizes = expected_sizes(case.modes, L.tile_channels(case.head_dim), case.capacity)
     assert (enc.payload_bytes, enc.resident_bytes, enc.nbytes) == \
         (sizes["payload"], sizes["resident"], sizes["container"])
+    kd = case.kind_index
+    tiles = encode_tiles(block_tiles(case.bits), *tile_bases(case.calibration.b3[kd, case.layer],
+                                                              case.calibration.b4[kd, case.layer]), case.capacity)
+    assert np.array_equal(tiles.escape_used, tile_escapes(case.modes))
     assert np.array_equal(gaac.decode_block(enc, case.calibration), case.bits)
     return enc
 
