@@ -210,5 +210,6 @@ def test_regenerating_every_vector_gives_the_committed_folder(tmp_path):
     if not (module.KV_DIR / module.REAL_DUMP.format("k")).exists():
         pytest.skip(f"real KV dumps not present in {module.KV_DIR}")
     written = module.generate(tmp_path, module.KV_DIR)
-    assert sorted(written) == sorted(p.name for p in VECTORS.iterdir())
+    # Sub-folders (fp8/) hold other element formats with generators of their own.
+    assert sorted(written) == sorted(p.name for p in VECTORS.iterdir() if p.is_file())
     assert {n: (tmp_path / n).read_bytes() for n in written} == _committed(written)
