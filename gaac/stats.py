@@ -10,7 +10,8 @@ answer two questions:
   need -- no slot rounding, no fallback.  It is what the format itself achieves
   and what the paper reports (1.402-1.406 across tasks; 16/11.25 = 1.422 if
   every group were 3-bit).  It ignores the capacity, so a tile that overflows
-  its slot still counts its escapes here.
+  its slot still counts its escapes here (``EncodedBlock.payload_bytes``, by
+  contrast, counts such a tile at its raw BF16 size).
 * ``ratio_resident`` = BF16 bytes / the bytes the paged cache really holds:
   a slot of ``fixed + capacity`` bytes for every tile that fits, a raw BF16
   tile for every tile that does not, and a 4-byte block-table entry per tile.
