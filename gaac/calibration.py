@@ -42,9 +42,12 @@ class Calibration:
     notes: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        self.b3 = np.asarray(self.b3, dtype=np.int64)
-        self.b4 = np.asarray(self.b4, dtype=np.int64)
-        self.capacity = np.asarray(self.capacity, dtype=np.int64)
+        try:
+            self.b3 = np.asarray(self.b3, dtype=np.int64)
+            self.b4 = np.asarray(self.b4, dtype=np.int64)
+            self.capacity = np.asarray(self.capacity, dtype=np.int64)
+        except (TypeError, ValueError, OverflowError) as exc:    # ragged, non-numeric or beyond int64
+            raise CalibrationError(f"malformed calibration tables: {exc}") from exc
         self.validate()
         self.b3 = self.b3.astype(np.uint8)
         self.b4 = self.b4.astype(np.uint8)
