@@ -234,11 +234,20 @@ def test_bad_table_shapes_rejected(shape, fragment):
     (lambda d: d.update(layers=d["layers"] + 1), "header says"),
     (lambda d: d["k"].pop("b4"), "malformed"),
     (lambda d: d["v"].update(b3="many"), "malformed"),
+    (lambda d: d["k"]["b4"][0][0].__setitem__(0, 2**70), "malformed"),
+    (lambda d: d["v"]["capacity"].__setitem__(0, -2**70), "malformed"),
+    (lambda d: d["k"]["b3"][1].append([1] * 64), "malformed"),
 ])
 def test_malformed_dict_rejected(edit, fragment):
     d = make().to_dict()
     edit(d)
     raises(CalibrationError, Calibration.from_dict, d, match=fragment)
+
+
+@pytest.mark.parametrize("b3", [[[[2**70] * 64]] * 2, [[["x"] * 64]] * 2, [[[1] * 64], [[1] * 63]]])
+def test_unconvertible_tables_rejected(b3):
+    raises(CalibrationError, Calibration, b3=b3, b4=np.zeros((2, 1, 1, 64)), capacity=np.zeros((2, 1)),
+           match="malformed")
 
 
 def test_not_json_rejected(tmp_path):
