@@ -118,6 +118,8 @@ def decode_tiles(slots: np.ndarray, b3: np.ndarray, b4: np.ndarray, capacity: in
     geo = L.TileGeometry(channels)
     slots = np.asarray(slots, dtype=np.uint8)
     n = slots.shape[0]
+    if n == 0:
+        return np.empty((0, L.BLOCK_TOKENS, channels), dtype=np.uint16)
     tile_ids = np.arange(n) if tile_ids is None else np.asarray(tile_ids)
     if slots.shape[1] != geo.slot_bytes(capacity):
         raise FormatError(f"slot of {slots.shape[1]} bytes; a {channels}-channel tile with escape capacity "
