@@ -1,0 +1,589 @@
+"""The paged GAAC KV cache: fill-then-finalize blocks in two fixed-size storage classes.
+
+Per layer and per kind (K, V) the cache holds two pools of fixed-size records:
+
+* a slot pool, uint8 ``[n_slots, slot_bytes]`` -- compressed tiles (FORMAT.md section 6);
+* a raw pool, int16 ``[n_raw, 16, C]`` -- tiles whose escapes overflow their slot, kept as BF16;
+
+and, per sequence, a row of the block table (FORMAT.md 7.2: a u32 entry per tile,
+bit 31 set = raw pool index, clear = slot index; stored as int32) plus an
+uncompressed BF16 tail of at most 15 tokens.  Fixed-size records are why the
+paper's serving system never manages variable-size allocations: a finished
+block costs ``tiles_per_block`` records, each from one of two free lists.
+
+Lifecycle (the paper's fill-then-finalize).  New tokens go to the tail; when a
+block's 16th token arrives, the block -- all KV heads of the layer, K and V --
+is encoded once, its tiles land in slots or raw tiles, the table records where,
+and the tail is reused for the next block.  A finalized block is never encoded
+again.  A prefill is the same step with many tokens: its complete blocks are
+encoded straight from the input and only the incomplete suffix stays in the tail.
+
+Every update is all-or-nothing: the encode runs first, the pools and tables are
+checked next, and only then is anything written, so an exhausted pool raises
+:class:`PoolExhaustedError` and leaves the cache as it was.  ``grow=True`` instead
+enlarges a pool or table that runs out (what a dynamic cache such as
+``gaac.hf.GAACCache`` wants).
+
+Arrays are torch tensors on the cache's device, in the dtypes of
+:class:`gaac.cachelayout.LayerView`, so :meth:`PagedKVCache.layer_view` hands
+attention the live storage without a copy.  The tile codec is the NumPy
+reference on the CPU; on a CUDA device it is :mod:`gaac.cuda.codec`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from . import layout as L
+from .arrays import as_bits
+from .cachelayout import LayerView
+from .calibration import Calibration
+from .errors import FormatError, GAACError, InputError
+from .reference.codec import decode_tiles, encode_tiles
+from .tiles import tile_bases
+
+KINDS = (L.KIND_K, L.KIND_V)
+
+
+class PoolExhaustedError(GAACError, RuntimeError):
+    """A slot pool, raw-tile pool, block table or sequence table of a :class:`PagedKVCache` is full.
+
+    Raised before anything is written: the cache is unchanged and the caller may
+    free sequences and retry.
+    """
+
+
+# ----------------------------------------------------------------------------------------------
+# Tiles of torch tensors.  gaac.tiles does the same for NumPy arrays; these run on any torch
+# device, so the cache never moves a block to the host to cut it into tiles.
+
+def blocks_to_tiles(blocks: torch.Tensor) -> torch.Tensor:
+    """``[n, heads, 16, head_dim]`` -> ``[n * tiles_per_block, 16, C]`` in tile order (gaac.tiles.block_tiles)."""
+    n, heads, tokens, dim = blocks.shape
+    c = L.tile_channels(dim)
+    x = blocks.reshape(n, heads, tokens, dim // c, c).movedim(-2, -3)
+    return x.reshape(-1, tokens, c)
+
+
+def tiles_to_tokens(tiles: torch.Tensor, seqs: int, blocks: int, heads: int, head_dim: int) -> torch.Tensor:
+    """Inverse of :func:`blocks_to_tiles` for ``seqs`` sequences of ``blocks`` blocks: ``[seqs, heads, blocks*16, D]``."""
+    c = L.tile_channels(head_dim)
+    x = tiles.reshape(seqs, blocks, heads, head_dim // c, L.BLOCK_TOKENS, c)
+    x = x.permute(0, 2, 1, 4, 3, 5)                      # [seqs, heads, blocks, 16, per, C]
+    return x.reshape(seqs, heads, blocks * L.BLOCK_TOKENS, head_dim)
+
+
+# ----------------------------------------------------------------------------------------------
+# The codec behind the cache: how tiles become slots and back, on the cache's device.
+
+class ReferenceCodec:
+    """The NumPy reference codec (gaac.reference.codec) on torch CPU tensors."""
+
+    name = "reference"
+
+    def encode(self, tiles: torch.Tensor, tb3: torch.Tensor, tb4: torch.Tensor, capacity: int):
+        """Tiles int16 ``[n, 16, C]`` -> (slots of the fitting tiles uint8 ``[n_fit, slot_bytes]``, fits bool ``[n]``).
+
+        ``tb3``/``tb4`` are one block's per-tile bases uint8 ``[P, C]``; tile ``i`` uses row ``i % P``.
+        """
+        reps = tiles.shape[0] // tb3.shape[0]
+        enc = encode_tiles(tiles.numpy().view(np.uint16), np.tile(tb3.numpy(), (reps, 1)),
+                           np.tile(tb4.numpy(), (reps, 1)), capacity)
+        return torch.from_numpy(enc.slots[enc.fits]), enc.fits
+
+    def decode(self, slots: torch.Tensor, raw: torch.Tensor, entries: torch.Tensor, tb3: torch.Tensor,
+               tb4: torch.Tensor, capacity: int) -> torch.Tensor:
+        """The tiles that table ``entries`` int32 ``[n]`` point at, int16 ``[n, 16, C]`` (row ``i % P`` bases)."""
+        tb3, tb4 = tb3.numpy(), tb4.numpy()
+        e = entries.numpy().view(np.uint32).astype(np.int64)
+        is_raw = (e & L.TABLE_RAW_FLAG) != 0
+        index = e & L.TABLE_INDEX_MASK
+        out = np.empty((len(e), L.BLOCK_TOKENS, raw.shape[2]), dtype=np.int16)
+        out[is_raw] = raw.numpy()[index[is_raw]]
+        comp = np.flatnonzero(~is_raw)
+        if comp.size:
+            p = tb3.shape[0]
+            out[comp] = decode_tiles(slots.numpy()[index[comp]], tb3[comp % p], tb4[comp % p], capacity,
+                                     raw.shape[2]).view(np.int16)
+        return torch.from_numpy(out)
+
+
+class CudaCodec:
+    """The numba.cuda kernels of :mod:`gaac.cuda.codec` (device tensors; NumPy/CPU tensors in the simulator).
+
+    Encoding goes through the one-shot helper into scratch pools and the
+    cache then copies the slots into its own pools: one small device-to-host
+    copy of the storage decisions per update, which keeps the cache's free
+    lists on the host.  Feeding the cache's free lists to an
+    :class:`gaac.cuda.codec.EncodePlan` directly would remove that copy.
+    """
+
+    name = "cuda"
+
+    def __init__(self):
+        from .cuda import codec
+
+        self._codec = codec
+
+    def encode(self, tiles, tb3, tb4, capacity):
+        out = self._codec.encode_tiles(tiles.contiguous(), tb3, tb4, capacity)
+        entries = out["entries"]
+        fits = (entries >= 0).cpu().numpy()
+        index = entries[torch.from_numpy(fits).to(entries.device)].long()
+        return out["slots"][index], fits
+
+    def decode(self, slots, raw, entries, tb3, tb4, capacity):
+        out, status = self._codec.decode_tiles(slots, raw, entries.contiguous(), tb3, tb4, capacity)
+        bad = torch.nonzero(status).flatten()
+        if bad.numel():
+            raise FormatError(f"slot of tile {int(bad[0])} does not decode (status {int(status[bad[0]])})")
+        return out
+
+
+def _codec_for(codec: str | None, device: torch.device):
+    if codec is None:
+        codec = "cuda" if device.type == "cuda" else "reference"
+    if codec == "reference":
+        if device.type != "cpu":
+            raise InputError(f"the reference codec runs on the CPU; the cache is on {device} (use codec='cuda')")
+        return ReferenceCodec()
+    if codec == "cuda":
+        return CudaCodec()
+    raise InputError(f"codec {codec!r}: one of 'reference', 'cuda' (or None for the device's default)")
+
+
+# ----------------------------------------------------------------------------------------------
+# Storage.
+
+class _Pool:
+    """Fixed-size records with a free list: a slot pool or a raw-tile pool of one layer and kind."""
+
+    def __init__(self, name: str, n: int, record: tuple, dtype: torch.dtype, device: torch.device):
+        self.name = name
+        self.data = torch.zeros((n, *record), dtype=dtype, device=device)
+        self.free = list(range(n - 1, -1, -1))        # a stack: the lowest free index is taken first
+
+    @property
+    def size(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def used(self) -> int:
+        return self.size - len(self.free)
+
+    def grow_to(self, n: int) -> None:
+        old = self.size
+        extra = torch.zeros((n - old, *self.data.shape[1:]), dtype=self.data.dtype, device=self.data.device)
+        self.data = torch.cat([self.data, extra])
+        self.free = list(range(n - 1, old - 1, -1)) + self.free
+
+    def take(self, k: int) -> np.ndarray:
+        taken = self.free[len(self.free) - k:][::-1]
+        del self.free[len(self.free) - k:]
+        return np.array(taken, dtype=np.int64)
+
+    def give(self, indices) -> None:
+        self.free.extend(int(i) for i in sorted(indices, reverse=True))
+
+
+@dataclass
+class _Kind:
+    """One layer's storage for K or for V."""
+
+    capacity: int
+    slots: _Pool
+    raw: _Pool
+    table: torch.Tensor          # int32 [max_seqs, max_blocks, tiles_per_block]
+    tail: torch.Tensor           # int16 [max_seqs, kv_heads, 16, head_dim]
+    b3: torch.Tensor             # uint8 [kv_heads, head_dim] on the device (for attention)
+    b4: torch.Tensor
+    tb3: torch.Tensor            # uint8 per-tile bases of one block [tiles_per_block, C] (for the codec)
+    tb4: torch.Tensor
+
+
+@dataclass
+class _Update:
+    """One layer's update, encoded but not yet written: what :meth:`PagedKVCache._commit` applies."""
+
+    layer: int
+    seqs: list
+    new: tuple                   # (K, V) int16 [b, heads, t, D] on the device
+    blocks: list                 # per sequence: how many blocks the new tokens finish
+    tiles: tuple                 # per kind: the finished blocks' tiles int16 [n_tiles, 16, C], or None
+    slots: tuple                 # per kind: slot bytes of the fitting tiles uint8 [n_fit, slot_bytes], tile order
+    fits: tuple                  # per kind: bool [n_tiles]
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Bytes a :class:`PagedKVCache` holds for its tokens, against a plain BF16 cache of the same tokens.
+
+    ``resident_bytes`` counts what the tokens occupy: used slots and raw tiles,
+    used block-table entries, and each live sequence's 16-token BF16 tails (K and
+    V of every layer).  ``allocated_bytes`` counts every pool record, table entry
+    and tail allocated, used or free.
+    """
+
+    tokens: int                  # tokens summed over sequences (layer 0's count)
+    slot_bytes: int
+    raw_bytes: int
+    table_bytes: int
+    tail_bytes: int
+    bf16_bytes: int              # K and V of every token in every layer at 2 bytes per element
+    allocated_bytes: int
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.slot_bytes + self.raw_bytes + self.table_bytes + self.tail_bytes
+
+    @property
+    def ratio(self) -> float:
+        """BF16 bytes per resident byte (above 1: the cache is smaller than BF16)."""
+        return self.bf16_bytes / self.resident_bytes if self.resident_bytes else float("nan")
+
+
+# ----------------------------------------------------------------------------------------------
+
+class PagedKVCache:
+    """A paged, compressed KV cache for the layers, heads and head size of ``calibration``.
+
+    ``max_seqs`` sequences of up to ``max_blocks`` complete blocks each; per layer and
+    kind, ``slots`` compressed-tile slots and ``raw_tiles`` BF16 tiles.  ``slots``
+    defaults to one per tile the table can address and ``raw_tiles`` to a quarter of
+    that: how many tiles overflow depends on how well the calibration fits the text
+    (none of the shipped prose sample calibrated on itself, 20% calibrated on the code
+    sample).  An update that needs more raises :class:`PoolExhaustedError` (or, with
+    ``grow=True``, enlarges the pool).
+    ``device`` is any torch device; ``codec`` is ``'reference'`` (CPU), ``'cuda'``
+    (gaac.cuda.codec), or None for the device's default.
+    """
+
+    def __init__(self, calibration: Calibration, *, max_seqs: int = 1, max_blocks: int = 64,
+                 slots: int | None = None, raw_tiles: int | None = None, device="cpu", grow: bool = False,
+                 codec: str | None = None):
+        if not isinstance(calibration, Calibration):
+            raise InputError(f"calibration: expected a gaac.Calibration, got {type(calibration).__name__}")
+        for name, value in (("max_seqs", max_seqs), ("max_blocks", max_blocks)):
+            if not isinstance(value, int) or value < 1:
+                raise InputError(f"{name} must be a positive integer, got {value!r}")
+        self.calibration = calibration
+        self.layers, self.kv_heads, self.head_dim = calibration.layers, calibration.kv_heads, calibration.head_dim
+        self.geometry = L.geometry(self.head_dim)
+        self.tiles_per_block = self.kv_heads * L.tiles_per_head(self.head_dim)
+        self.device = torch.device(device)
+        self.grow = grow
+        self.codec = _codec_for(codec, self.device)
+        n_slots = max_seqs * max_blocks * self.tiles_per_block if slots is None else slots
+        n_raw = -(-n_slots // 4) if raw_tiles is None else raw_tiles
+        for name, value in (("slots", n_slots), ("raw_tiles", n_raw)):
+            if not isinstance(value, int) or value < 0:
+                raise InputError(f"{name} must be a non-negative integer, got {value!r}")
+        self._store = [[self._make_kind(layer, kind, max_seqs, max_blocks, n_slots, n_raw) for kind in KINDS]
+                       for layer in range(self.layers)]
+        self._lens = np.zeros((self.layers, max_seqs), dtype=np.int64)       # host copy: the cache's logic
+        self._seq_lens = torch.zeros((self.layers, max_seqs), dtype=torch.int32, device=self.device)
+        self._live = np.zeros(max_seqs, dtype=bool)
+        self.blocks_encoded = 0      # (layer, sequence, block) finalizations, each encoding K and V once
+
+    def _make_kind(self, layer, kind, max_seqs, max_blocks, n_slots, n_raw) -> _Kind:
+        geo, dev = self.geometry, self.device
+        capacity = int(self.calibration.capacity[kind, layer])
+        b3, b4 = self.calibration.bases(layer, kind)
+        tb3, tb4 = tile_bases(b3, b4)
+        name = f"layer {layer} {L.KIND_NAMES[kind].upper()}"
+        return _Kind(capacity=capacity,
+                     slots=_Pool(f"{name} slot pool", n_slots, (geo.slot_bytes(capacity),), torch.uint8, dev),
+                     raw=_Pool(f"{name} raw-tile pool", n_raw, (L.BLOCK_TOKENS, geo.channels), torch.int16, dev),
+                     table=torch.zeros((max_seqs, max_blocks, self.tiles_per_block), dtype=torch.int32, device=dev),
+                     tail=torch.zeros((max_seqs, self.kv_heads, L.BLOCK_TOKENS, self.head_dim), dtype=torch.int16,
+                                      device=dev),
+                     b3=torch.from_numpy(np.ascontiguousarray(b3)).to(dev),
+                     b4=torch.from_numpy(np.ascontiguousarray(b4)).to(dev),
+                     tb3=torch.from_numpy(np.ascontiguousarray(tb3)).to(dev),
+                     tb4=torch.from_numpy(np.ascontiguousarray(tb4)).to(dev))
+
+    # -- shape ------------------------------------------------------------------
+    @property
+    def max_seqs(self) -> int:
+        return len(self._live)
+
+    @property
+    def max_blocks(self) -> int:
+        return self._store[0][0].table.shape[1]
+
+    @property
+    def sequences(self) -> list[int]:
+        """Ids of the live sequences (their rows in every layer's block table)."""
+        return [int(i) for i in np.flatnonzero(self._live)]
+
+    def seq_len(self, seq: int, layer: int = 0) -> int:
+        """Tokens sequence ``seq`` holds in ``layer``."""
+        self._check_seq(seq)
+        self._check_layer(layer)
+        return int(self._lens[layer, seq])
+
+    def _check_seq(self, seq) -> None:
+        if not isinstance(seq, (int, np.integer)) or not 0 <= seq < self.max_seqs or not self._live[seq]:
+            raise InputError(f"sequence {seq!r} is not in the cache (live sequences: {self.sequences})")
+
+    def _check_layer(self, layer) -> None:
+        if not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.layers:
+            raise InputError(f"layer {layer!r} out of range: the cache has {self.layers} layers")
+
+    # -- sequences --------------------------------------------------------------
+    def add_sequence(self, k=None, v=None) -> int:
+        """Start a sequence and return its id; ``k``/``v`` ``[layers, kv_heads, tokens, head_dim]`` prefill it."""
+        free = np.flatnonzero(~self._live)
+        if free.size == 0:
+            if not self.grow:
+                raise PoolExhaustedError(f"all {self.max_seqs} sequence rows are in use; remove a sequence first")
+            self._grow_rows(2 * self.max_seqs)
+            free = np.flatnonzero(~self._live)
+        seq = int(free[0])
+        self._live[seq] = True
+        if k is not None or v is not None:
+            try:
+                self.append(seq, k, v)
+            except Exception:
+                self._live[seq] = False
+                raise
+        return seq
+
+    def remove_sequence(self, seq: int) -> None:
+        """Drop a sequence: its slots and raw tiles go back to the free lists, its row is reusable."""
+        self._check_seq(seq)
+        for layer in range(self.layers):
+            nblocks = int(self._lens[layer, seq]) // L.BLOCK_TOKENS
+            for store in self._store[layer]:
+                e = store.table[seq, :nblocks].reshape(-1).cpu().numpy().view(np.uint32).astype(np.int64)
+                is_raw = (e & L.TABLE_RAW_FLAG) != 0
+                store.slots.give(e[~is_raw])
+                store.raw.give(e[is_raw] & L.TABLE_INDEX_MASK)
+                store.table[seq] = 0
+        self._lens[:, seq] = 0
+        self._seq_lens[:, seq] = 0
+        self._live[seq] = False
+
+    def _grow_rows(self, n: int) -> None:
+        extra = n - self.max_seqs
+        for layer_store in self._store:
+            for store in layer_store:
+                store.table = torch.cat([store.table, store.table.new_zeros((extra, *store.table.shape[1:]))])
+                store.tail = torch.cat([store.tail, store.tail.new_zeros((extra, *store.tail.shape[1:]))])
+        self._lens = np.concatenate([self._lens, np.zeros((self.layers, extra), np.int64)], axis=1)
+        self._seq_lens = torch.cat([self._seq_lens, self._seq_lens.new_zeros((self.layers, extra))], dim=1)
+        self._live = np.concatenate([self._live, np.zeros(extra, bool)])
+
+    # -- appending --------------------------------------------------------------
+    def append(self, seq: int, k, v) -> None:
+        """Append tokens ``[layers, kv_heads, t, head_dim]`` of K and V to sequence ``seq`` in every layer.
+
+        All layers or none: if any pool cannot take the finished blocks, nothing changes.
+        """
+        self._check_seq(seq)
+        k = self._bits(k, "k", 4)
+        v = self._bits(v, "v", 4)
+        if k.shape[0] != self.layers or v.shape[0] != self.layers:
+            raise InputError(f"k {list(k.shape)} / v {list(v.shape)}: expected {self.layers} layers first "
+                             "([layers, kv_heads, tokens, head_dim])")
+        updates = [self._prepare(layer, [seq], k[layer][None], v[layer][None]) for layer in range(self.layers)]
+        self._reserve(updates)
+        for u in updates:
+            self._commit(u)
+
+    def update_layer(self, layer: int, seqs, k, v) -> None:
+        """Append ``t`` tokens to each sequence of ``seqs`` in one layer: ``k``/``v`` ``[len(seqs), kv_heads, t, D]``.
+
+        The form a model's forward pass produces (one layer at a time, a batch of
+        sequences); every finished block of the batch is encoded in one codec call.
+        """
+        self._check_layer(layer)
+        seqs = [int(s) for s in seqs]
+        for s in seqs:
+            self._check_seq(s)
+        if len(set(seqs)) != len(seqs):
+            raise InputError(f"sequences {seqs}: each may appear once")
+        u = self._prepare(layer, seqs, self._bits(k, "k", 4), self._bits(v, "v", 4))
+        self._reserve([u])
+        self._commit(u)
+
+    def _bits(self, x, name: str, ndim: int) -> torch.Tensor:
+        """``x`` (torch BF16/int16/uint16 on any device, or NumPy bits) as int16 on the cache's device."""
+        if isinstance(x, torch.Tensor):
+            if x.dtype == torch.bfloat16 or x.dtype == torch.uint16:
+                x = x.contiguous().view(torch.int16)
+            elif x.dtype != torch.int16:
+                raise InputError(f"{name}: dtype {x.dtype} is not BF16; pass torch.bfloat16 or its int16 bits")
+            t = x.to(self.device)
+        else:
+            t = torch.from_numpy(as_bits(x, name).view(np.int16)).to(self.device)
+        if t.dim() != ndim or t.shape[-3] != self.kv_heads or t.shape[-1] != self.head_dim:
+            raise InputError(f"{name}: shape {list(t.shape)}, expected [..., kv_heads={self.kv_heads}, tokens, "
+                             f"head_dim={self.head_dim}] with {ndim} dimensions")
+        return t
+
+    def _prepare(self, layer: int, seqs: list, k: torch.Tensor, v: torch.Tensor) -> _Update:
+        """Cut the blocks the new tokens complete and encode them; nothing in the cache changes."""
+        if k.shape != v.shape or k.shape[0] != len(seqs):
+            raise InputError(f"k {list(k.shape)} and v {list(v.shape)} must both be [{len(seqs)} sequences, "
+                             f"kv_heads, tokens, head_dim]")
+        t = k.shape[2]
+        blocks, cut = [], ([], [])
+        for i, seq in enumerate(seqs):
+            r = int(self._lens[layer, seq]) % L.BLOCK_TOKENS
+            q = (r + t) // L.BLOCK_TOKENS
+            blocks.append(q)
+            if q == 0:
+                continue
+            for kind, new in zip(KINDS, (k, v)):
+                head = new[i, :, :q * L.BLOCK_TOKENS - r]
+                if r:          # the tail's tokens start the first finished block
+                    head = torch.cat([self._store[layer][kind].tail[seq, :, :r], head], dim=1)
+                cut[kind].append(head.reshape(self.kv_heads, q, L.BLOCK_TOKENS, self.head_dim).transpose(0, 1))
+        tiles, slots, fits = [], [], []
+        for kind in KINDS:
+            store = self._store[layer][kind]
+            if cut[kind]:
+                tiles.append(blocks_to_tiles(torch.cat(cut[kind]).contiguous()))
+                s, f = self.codec.encode(tiles[-1], store.tb3, store.tb4, store.capacity)
+            else:
+                tiles.append(None)
+                s, f = None, np.zeros(0, bool)
+            slots.append(s)
+            fits.append(f)
+        return _Update(layer=layer, seqs=seqs, new=(k, v), blocks=blocks, tiles=tuple(tiles), slots=tuple(slots),
+                       fits=tuple(fits))
+
+    def _reserve(self, updates: list) -> None:
+        """Make room for ``updates`` (growing, where allowed) or raise before anything is written."""
+        need_blocks = max(int(self._lens[u.layer, s]) // L.BLOCK_TOKENS + q
+                          for u in updates for s, q in zip(u.seqs, u.blocks))
+        short = []
+        if need_blocks > self.max_blocks:
+            short.append((None, need_blocks))
+        for u in updates:
+            for kind in KINDS:
+                store, fits = self._store[u.layer][kind], u.fits[kind]
+                for pool, n in ((store.slots, int(fits.sum())), (store.raw, int((~fits).sum()))):
+                    if n > len(pool.free):
+                        short.append((pool, pool.used + n))
+        if short and not self.grow:
+            pool, n = short[0]
+            if pool is None:
+                raise PoolExhaustedError(f"a sequence would hold {n} blocks; the block table holds {self.max_blocks} "
+                                         f"({self.max_blocks * L.BLOCK_TOKENS} tokens) per sequence")
+            raise PoolExhaustedError(f"{pool.name} is exhausted: this update needs {n - pool.used} records, "
+                                     f"{len(pool.free)} of {pool.size} are free; remove sequences or make the "
+                                     "pool larger")
+        for pool, n in short:
+            if pool is None:
+                self._grow_blocks(max(n, 2 * self.max_blocks))
+            else:
+                pool.grow_to(max(n, 2 * pool.size))
+
+    def _grow_blocks(self, n: int) -> None:
+        for layer_store in self._store:
+            for store in layer_store:
+                t = store.table
+                store.table = torch.cat([t, t.new_zeros((t.shape[0], n - t.shape[1], t.shape[2]))], dim=1)
+
+    def _commit(self, u: _Update) -> None:
+        """Write an update prepared and reserved for: slots, raw tiles, table entries, tails, lengths."""
+        per = self.tiles_per_block
+        for kind in KINDS:
+            store, tiles, fits = self._store[u.layer][kind], u.tiles[kind], u.fits[kind]
+            if tiles is not None:
+                slot_at = store.slots.take(int(fits.sum()))
+                raw_at = store.raw.take(int((~fits).sum()))
+                store.slots.data[torch.from_numpy(slot_at).to(self.device)] = u.slots[kind].to(self.device)
+                fits_t = torch.from_numpy(fits).to(self.device)
+                store.raw.data[torch.from_numpy(raw_at).to(self.device)] = tiles[~fits_t]
+                entries = np.empty(len(fits), dtype=np.int64)
+                entries[fits] = slot_at
+                entries[~fits] = raw_at | L.TABLE_RAW_FLAG
+                entries = torch.from_numpy(entries.astype(np.uint32).view(np.int32)).to(self.device)
+                start = 0
+                for seq, q in zip(u.seqs, u.blocks):
+                    first = int(self._lens[u.layer, seq]) // L.BLOCK_TOKENS
+                    store.table[seq, first:first + q] = entries[start:start + q * per].reshape(q, per)
+                    start += q * per
+            new = u.new[kind]
+            t = new.shape[2]
+            for i, (seq, q) in enumerate(zip(u.seqs, u.blocks)):
+                r = int(self._lens[u.layer, seq]) % L.BLOCK_TOKENS
+                if q == 0:
+                    store.tail[seq, :, r:r + t] = new[i]
+                else:
+                    rest = r + t - q * L.BLOCK_TOKENS
+                    store.tail[seq, :, :rest] = new[i, :, t - rest:]
+        for seq, q in zip(u.seqs, u.blocks):
+            self._lens[u.layer, seq] += u.new[0].shape[2]
+            self.blocks_encoded += q
+        self._seq_lens[u.layer] = torch.from_numpy(self._lens[u.layer].astype(np.int32)).to(self.device)
+
+    # -- reading ------------------------------------------------------------------
+    def read_layer(self, layer: int, seqs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode ``seqs`` (all of one length ``T``) in ``layer``: K and V int16 ``[len(seqs), kv_heads, T, D]``.
+
+        Finalized blocks are decoded from their slots (or copied from raw tiles),
+        the tail is appended: the exact BF16 bits that went in.
+        """
+        self._check_layer(layer)
+        seqs = [int(s) for s in seqs]
+        for s in seqs:
+            self._check_seq(s)
+        lens = {int(self._lens[layer, s]) for s in seqs}
+        if len(lens) != 1:
+            raise InputError(f"sequences {seqs} hold {sorted(lens)} tokens in layer {layer}; read_layer reads "
+                             "sequences of one length (read them one at a time)")
+        tokens = lens.pop()
+        nblocks, rest = divmod(tokens, L.BLOCK_TOKENS)
+        rows = torch.tensor(seqs, dtype=torch.long, device=self.device)
+        out = []
+        for kind in KINDS:
+            store = self._store[layer][kind]
+            entries = store.table[rows, :nblocks].reshape(-1)
+            tiles = self.codec.decode(store.slots.data, store.raw.data, entries, store.tb3, store.tb4, store.capacity)
+            full = tiles_to_tokens(tiles.to(self.device), len(seqs), nblocks, self.kv_heads, self.head_dim)
+            out.append(torch.cat([full, store.tail[rows, :, :rest]], dim=2))
+        return out[0], out[1]
+
+    def read(self, seq: int) -> tuple[np.ndarray, np.ndarray]:
+        """Sequence ``seq``'s whole cache: K and V as uint16 ``[layers, kv_heads, tokens, head_dim]``."""
+        self._check_seq(seq)
+        if len(set(self._lens[:, seq].tolist())) != 1:
+            raise InputError(f"sequence {seq} holds {self._lens[:, seq].tolist()} tokens per layer: it is mid-update")
+        per_layer = [self.read_layer(layer, [seq]) for layer in range(self.layers)]
+        return tuple(np.stack([p[kind][0].cpu().numpy() for p in per_layer]).view(np.uint16) for kind in KINDS)
+
+    def layer_view(self, layer: int) -> LayerView:
+        """Layer ``layer``'s live storage as a :class:`LayerView` (no copy): what decode attention reads.
+
+        Its batch is every sequence row; rows without a live sequence have ``seq_lens`` 0.
+        """
+        self._check_layer(layer)
+        k, v = self._store[layer]
+        return LayerView(slots=(k.slots.data, v.slots.data), raw=(k.raw.data, v.raw.data), table=(k.table, v.table),
+                         b3=(k.b3, v.b3), b4=(k.b4, v.b4), capacity=(k.capacity, v.capacity), tail_k=k.tail,
+                         tail_v=v.tail, seq_lens=self._seq_lens[layer], kv_heads=self.kv_heads,
+                         head_dim=self.head_dim)
+
+    # -- accounting ---------------------------------------------------------------
+    def memory(self) -> MemoryReport:
+        """What the live sequences occupy, against BF16 (see :class:`MemoryReport`)."""
+        geo, live = self.geometry, self._live
+        element_bytes = self.kv_heads * self.head_dim * 2           # one token of one kind in one layer
+        slot = raw = allocated = 0
+        for layer_store in self._store:
+            for store in layer_store:
+                slot += store.slots.used * geo.slot_bytes(store.capacity)
+                raw += store.raw.used * geo.raw_bytes
+                allocated += sum(t.nbytes for t in (store.slots.data, store.raw.data, store.table, store.tail))
+        blocks = int((self._lens[:, live] // L.BLOCK_TOKENS).sum())
+        return MemoryReport(tokens=int(self._lens[0, live].sum()), slot_bytes=slot, raw_bytes=raw,
+                            table_bytes=blocks * len(KINDS) * self.tiles_per_block * L.TABLE_ENTRY_BYTES,
+                            tail_bytes=int(live.sum()) * self.layers * len(KINDS) * L.BLOCK_TOKENS * element_bytes,
+                            bf16_bytes=int(self._lens[:, live].sum()) * len(KINDS) * element_bytes,
+                            allocated_bytes=allocated)
