@@ -1,0 +1,550 @@
+"""Decode attention over one layer of a GAAC paged cache (issue 4).
+
+``decode_attention(q, view)`` computes, for one new query token per sequence,
+softmax attention over everything the cache holds for that sequence: the
+finalized blocks (compressed slots or raw BF16 tiles, through the block table)
+and the BF16 tail, in one softmax.  Grouped-query attention maps query head
+``i`` to KV head ``i // g``.
+
+Two paths, one contract:
+
+* CUDA (``q`` and the view's arrays on a GPU): the fused kernel of
+  :mod:`gaac.cuda.attention` reads the compressed tiles and never writes a
+  decompressed copy.  :class:`AttentionPlan` is the FlashInfer-style split:
+  ``plan`` validates the view, reads ``seq_lens`` once, chooses the split-KV
+  work list and allocates the partial buffers; ``run`` only launches (two
+  kernels), so a decode step can reuse one plan for every layer, or capture
+  its launches in a CUDA graph.
+* CPU: the reference decoder rebuilds the cache and attention runs in float32.
+
+:func:`reference_attention` is the float64 oracle both are tested against;
+:func:`view_from_dense` and :func:`plain_view` build LayerViews from dense
+caches for tests and benchmarks (the serving path is ``gaac.PagedKVCache``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import layout as L
+from .cachelayout import LayerView
+from .errors import FormatError, InputError
+from .reference.codec import decode_tiles, encode_tiles
+from .tiles import block_tiles, tile_bases, untile
+
+MAX_GROUP = 8            # query heads per KV head: the MMA's N dimension
+
+
+def _is_torch(x) -> bool:
+    return type(x).__module__.startswith("torch")
+
+
+def _on_cuda(x) -> bool:
+    return _is_torch(x) and x.device.type == "cuda"
+
+
+# ----------------------------------------------------------------------------------------------
+# BF16 bits <-> floats, and the float64 reference.
+
+def bf16_to_float(bits) -> np.ndarray:
+    """BF16 bit patterns (uint16/int16) -> float32, exactly."""
+    b = np.asarray(bits).view(np.uint16) if np.asarray(bits).dtype == np.int16 else np.asarray(bits, np.uint16)
+    return (b.astype(np.uint32) << 16).view(np.float32)
+
+
+def float_to_bf16(x) -> np.ndarray:
+    """float32 -> BF16 bits (uint16), round to nearest even; NaN stays NaN."""
+    f = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    rounded = ((f + 0x7FFF + ((f >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = np.isnan(np.asarray(x, dtype=np.float32))
+    return np.where(nan, np.uint16(0x7FC0), rounded)
+
+
+def reference_attention(q, ks, vs, scale: float | None = None, dtype=np.float64):
+    """Attention of one query token per sequence: ``(out [B, Hq, D], lse [B, Hq])`` in ``dtype``.
+
+    ``q`` float ``[B, Hq, D]``; ``ks[b]``, ``vs[b]`` float ``[Hkv, L_b, D]`` (the whole
+    cache of sequence ``b``).  ``lse`` is the natural-log log-sum-exp of the scaled scores.
+    """
+    q = np.asarray(q, dtype=dtype)
+    batch, hq, d = q.shape
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    out = np.empty((batch, hq, d), dtype=dtype)
+    lse = np.empty((batch, hq), dtype=dtype)
+    for b in range(batch):
+        k = np.asarray(ks[b], dtype=dtype)
+        v = np.asarray(vs[b], dtype=dtype)
+        g = hq // k.shape[0]
+        kq = np.repeat(k, g, axis=0)                               # [Hq, L, D]
+        vq = np.repeat(v, g, axis=0)
+        s = np.einsum("hd,hld->hl", q[b], kq) * dtype(scale)
+        m = s.max(axis=1, keepdims=True)
+        p = np.exp(s - m)
+        den = p.sum(axis=1, keepdims=True)
+        out[b] = np.einsum("hl,hld->hd", p / den, vq)
+        lse[b] = (m + np.log(den))[:, 0]
+    return out, lse
+
+
+# ----------------------------------------------------------------------------------------------
+# Building LayerViews from dense caches (tests, benchmarks).
+
+def _pair_base_words(b3, b4) -> np.ndarray:
+    """Per-channel bases ``[Hkv, D]`` -> pair words ``[Hkv, 3, D/2]`` int32: rows b3, b4, zeros.
+
+    Word ``p`` of a row is ``b[2p] << 7 | b[2p+1] << 23``: the exponent fields of two BF16
+    lanes, which the kernel adds to a code pair (see gaac.cuda.attention).
+    """
+    rows = [np.asarray(b).astype(np.int32) for b in (b3, b4)]
+    rows = [(x[:, 0::2] << 7) | (x[:, 1::2] << 23) for x in rows]
+    return np.stack([rows[0], rows[1], np.zeros_like(rows[0])], axis=1)
+
+
+@dataclass
+class DenseLayer:
+    """The dense per-sequence caches of a view (BF16 bits, ``[Hkv, L_b, D]`` each)."""
+
+    k: list
+    v: list
+
+
+def _full_block_tiles(xs, nfull) -> np.ndarray:
+    """Tiles ``[n, 16, C]`` (uint16) of every complete block of every sequence, in table order."""
+    kv_heads, _, d = np.asarray(xs[0]).shape
+    blocks = [np.asarray(x).view(np.uint16)[:, :n * L.BLOCK_TOKENS].reshape(kv_heads, n, L.BLOCK_TOKENS, d)
+              .transpose(1, 0, 2, 3) for x, n in zip(xs, nfull)]
+    return block_tiles(np.concatenate(blocks, axis=0))
+
+
+def _table(entry: np.ndarray, nfull: np.ndarray, max_blocks: int, per_block: int) -> np.ndarray:
+    """Block table ``[B, max_blocks, per_block]`` int32 from the entries of all tiles in table order."""
+    table = np.zeros((len(nfull), max_blocks, per_block), np.uint32)
+    start = 0
+    for b, n in enumerate(nfull):
+        table[b, :n] = entry[start:start + n * per_block].reshape(n, per_block)
+        start += n * per_block
+    return table.view(np.int32)
+
+
+def _tail(xs, lens, fill: int) -> np.ndarray:
+    """The unfinished block of each sequence ``[B, Hkv, 16, D]`` int16; unused rows hold ``fill``."""
+    kv_heads, _, d = np.asarray(xs[0]).shape
+    tail = np.full((len(xs), kv_heads, L.BLOCK_TOKENS, d), fill, np.uint16)
+    for b, x in enumerate(xs):
+        start = lens[b] // L.BLOCK_TOKENS * L.BLOCK_TOKENS
+        tail[b, :, :lens[b] - start] = np.asarray(x).view(np.uint16)[:, start:]
+    return tail.view(np.int16)
+
+
+def _shape_of(k, max_blocks):
+    kv_heads, _, d = np.asarray(k[0]).shape
+    lens = np.array([np.asarray(x).shape[1] for x in k], dtype=np.int32)
+    nfull = lens // L.BLOCK_TOKENS
+    mb = max(int(nfull.max()), 1) if max_blocks is None else max_blocks
+    if mb < nfull.max():
+        raise InputError(f"max_blocks {mb} < {nfull.max()} complete blocks")
+    return kv_heads, d, lens, nfull, mb
+
+
+def view_from_dense(k, v, b3, b4, capacity, *, max_blocks: int | None = None, rng=None,
+                    tail_fill: int = 0x7FC1) -> LayerView:
+    """Encode dense caches into a compressed :class:`LayerView` (NumPy arrays).
+
+    ``k[b]``, ``v[b]``: BF16 bits ``[Hkv, L_b, D]`` of sequence ``b``; ``b3``/``b4``: ``(K, V)``
+    pairs of ``[Hkv, D]`` bases; ``capacity``: ``(K, V)`` escape capacities.  Complete blocks are
+    encoded with the reference codec (overflowing tiles go to the raw pool); the rest is the
+    tail, whose unused rows hold ``tail_fill`` (a NaN by default: attention must ignore them).
+    With ``rng``, physical slot and raw indices are shuffled so that the table's indirection is
+    exercised.
+    """
+    kv_heads, d, lens, nfull, mb = _shape_of(k, max_blocks)
+    geo = L.geometry(d)
+    per = kv_heads * L.tiles_per_head(d)
+    slots, raws, tables = [], [], []
+    for kind, xs in enumerate((k, v)):
+        tiles = _full_block_tiles(xs, nfull)
+        n = tiles.shape[0]
+        tb3, tb4 = tile_bases(np.asarray(b3[kind]), np.asarray(b4[kind]))
+        enc = encode_tiles(tiles, np.tile(tb3, (n // per, 1)), np.tile(tb4, (n // per, 1)), int(capacity[kind]))
+        fit, over = np.flatnonzero(enc.fits), np.flatnonzero(~enc.fits)
+        slot_at = rng.permutation(len(fit)) if rng is not None else np.arange(len(fit))
+        raw_at = rng.permutation(len(over)) if rng is not None else np.arange(len(over))
+        slot_pool = np.zeros((max(len(fit), 1), geo.slot_bytes(int(capacity[kind]))), np.uint8)
+        raw_pool = np.zeros((max(len(over), 1), L.BLOCK_TOKENS, geo.channels), np.int16)
+        slot_pool[slot_at] = enc.slots[fit]
+        raw_pool[raw_at] = tiles[over].view(np.int16)
+        entry = np.zeros(n, np.uint32)
+        entry[fit] = slot_at
+        entry[over] = raw_at | L.TABLE_RAW_FLAG
+        slots.append(slot_pool)
+        raws.append(raw_pool)
+        tables.append(_table(entry, nfull, mb, per))
+    return LayerView(slots=tuple(slots), raw=tuple(raws), table=tuple(tables),
+                     b3=tuple(np.asarray(x, np.uint8) for x in b3), b4=tuple(np.asarray(x, np.uint8) for x in b4),
+                     capacity=(int(capacity[0]), int(capacity[1])), tail_k=_tail(k, lens, tail_fill),
+                     tail_v=_tail(v, lens, tail_fill), seq_lens=lens, kv_heads=kv_heads, head_dim=d)
+
+
+def plain_view(k, v, *, max_blocks: int | None = None, tail_fill: int = 0x7FC1) -> LayerView:
+    """The same caches as a plain BF16 paged cache: every complete block's tiles in the raw pool.
+
+    The ablation baseline: ``decode_attention(..., plain=True)`` runs the same kernel structure
+    with the decode step compiled out.  Slot pools are empty (one zero slot of capacity 0).
+    """
+    kv_heads, d, lens, nfull, mb = _shape_of(k, max_blocks)
+    geo = L.geometry(d)
+    per = kv_heads * L.tiles_per_head(d)
+    raws, tables = [], []
+    for xs in (k, v):
+        tiles = _full_block_tiles(xs, nfull)
+        raws.append(np.ascontiguousarray(tiles.view(np.int16)) if len(tiles) else
+                    np.zeros((1, L.BLOCK_TOKENS, geo.channels), np.int16))
+        tables.append(_table(np.arange(len(tiles), dtype=np.uint32) | np.uint32(L.TABLE_RAW_FLAG), nfull, mb, per))
+    zeros = np.zeros((kv_heads, d), np.uint8)
+    empty = np.zeros((1, geo.slot_bytes(0)), np.uint8)
+    return LayerView(slots=(empty, empty), raw=tuple(raws), table=tuple(tables), b3=(zeros, zeros),
+                     b4=(zeros, zeros), capacity=(0, 0), tail_k=_tail(k, lens, tail_fill),
+                     tail_v=_tail(v, lens, tail_fill), seq_lens=lens, kv_heads=kv_heads, head_dim=d)
+
+
+def gather_dense(view: LayerView) -> DenseLayer:
+    """Rebuild every sequence's K and V (BF16 bits ``[Hkv, L_b, D]``) with the reference decoder."""
+    v_ = _host_view(view)
+    d, kv_heads = v_.head_dim, v_.kv_heads
+    c, tph = L.tile_channels(d), L.tiles_per_head(d)
+    lens = np.asarray(v_.seq_lens).astype(np.int64)
+    out = ([], [])
+    for kind in range(2):
+        table = np.asarray(v_.table[kind]).view(np.uint32)
+        tb3, tb4 = tile_bases(np.asarray(v_.b3[kind]), np.asarray(v_.b4[kind]))
+        slots = np.asarray(v_.slots[kind])
+        raw = np.asarray(v_.raw[kind]).view(np.uint16)
+        tail = np.asarray(v_.tail_k if kind == 0 else v_.tail_v).view(np.uint16)
+        for b in range(len(lens)):
+            nfull = int(lens[b]) // L.BLOCK_TOKENS
+            ent = table[b, :nfull].reshape(-1)
+            tiles = np.empty((len(ent), L.BLOCK_TOKENS, c), np.uint16)
+            is_raw = ent >= L.TABLE_RAW_FLAG
+            idx = (ent & L.TABLE_INDEX_MASK).astype(np.int64)
+            if is_raw.any():
+                tiles[is_raw] = raw[idx[is_raw]]
+            comp = np.flatnonzero(~is_raw)
+            if comp.size:
+                per = kv_heads * tph
+                tiles[comp] = decode_tiles(slots[idx[comp]], tb3[comp % per], tb4[comp % per],
+                                           v_.capacity[kind], c)
+            blocks = [untile(tiles[i * kv_heads * tph:(i + 1) * kv_heads * tph], kv_heads, d) for i in range(nfull)]
+            full = np.concatenate(blocks, axis=1) if blocks else np.zeros((kv_heads, 0, d), np.uint16)
+            rest = int(lens[b]) - nfull * L.BLOCK_TOKENS
+            out[kind].append(np.concatenate([full, tail[b, :, :rest]], axis=1))
+    return DenseLayer(k=out[0], v=out[1])
+
+
+def _host_view(view: LayerView) -> LayerView:
+    """The view with every array as a NumPy array on the host."""
+    def h(x):
+        if _is_torch(x):
+            return x.detach().cpu().numpy()
+        return np.asarray(x)
+    return LayerView(slots=tuple(h(x) for x in view.slots), raw=tuple(h(x) for x in view.raw),
+                     table=tuple(h(x) for x in view.table), b3=tuple(h(x) for x in view.b3),
+                     b4=tuple(h(x) for x in view.b4), capacity=view.capacity, tail_k=h(view.tail_k),
+                     tail_v=h(view.tail_v), seq_lens=h(view.seq_lens), kv_heads=view.kv_heads,
+                     head_dim=view.head_dim)
+
+
+def view_to(view: LayerView, device) -> LayerView:
+    """The view with every array as a torch tensor on ``device`` (e.g. ``"cuda"``)."""
+    import torch
+
+    def t(x):
+        x = x if _is_torch(x) else torch.from_numpy(np.ascontiguousarray(x))
+        return x.to(device).contiguous()
+    return LayerView(slots=tuple(t(x) for x in view.slots), raw=tuple(t(x) for x in view.raw),
+                     table=tuple(t(x) for x in view.table), b3=tuple(t(x) for x in view.b3),
+                     b4=tuple(t(x) for x in view.b4), capacity=view.capacity, tail_k=t(view.tail_k),
+                     tail_v=t(view.tail_v), seq_lens=t(view.seq_lens), kv_heads=view.kv_heads,
+                     head_dim=view.head_dim)
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation.
+
+def _dtype_name(x) -> str:
+    return str(x.dtype).replace("torch.", "")
+
+
+def _check(x, name: str, dtype: str, shape: tuple, device) -> None:
+    """``x`` must be a C-contiguous array of ``dtype`` and ``shape`` (None = any) on ``device``."""
+    if not (_is_torch(x) or isinstance(x, np.ndarray)):
+        raise InputError(f"{name}: expected a torch tensor or NumPy array, got {type(x).__name__}")
+    if _dtype_name(x) != dtype:
+        raise InputError(f"{name}: dtype {_dtype_name(x)}, expected {dtype}")
+    if len(x.shape) != len(shape) or any(s is not None and s != n for s, n in zip(shape, x.shape)):
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise InputError(f"{name}: shape {list(x.shape)}, expected {want}")
+    dev = x.device.type if _is_torch(x) else "cpu"
+    if device is not None and dev != device:
+        raise InputError(f"{name}: on {dev}, expected {device} (all arrays of a call on one device)")
+    contiguous = x.is_contiguous() if _is_torch(x) else x.flags.c_contiguous
+    if not contiguous:
+        raise InputError(f"{name}: must be C-contiguous")
+
+
+def _check_view(view: LayerView, device) -> None:
+    if view.head_dim not in L.SUPPORTED_HEAD_DIMS:
+        raise InputError(f"head_dim {view.head_dim} is not supported; one of {L.SUPPORTED_HEAD_DIMS}")
+    d, hk = view.head_dim, view.kv_heads
+    c, tph = L.tile_channels(d), L.tiles_per_head(d)
+    geo = L.TileGeometry(c)
+    batch = view.seq_lens.shape[0] if hasattr(view.seq_lens, "shape") else -1
+    _check(view.seq_lens, "seq_lens", "int32", (None,), device)
+    for kind, kn in enumerate("kv"):
+        cap = view.capacity[kind]
+        if cap % L.SLOT_ALIGN or not 0 <= cap <= geo.max_useful_capacity:
+            raise InputError(f"capacity[{kn}] = {cap}: must be a multiple of {L.SLOT_ALIGN} in "
+                             f"0..{geo.max_useful_capacity} for {c}-channel tiles")
+        _check(view.slots[kind], f"slots[{kn}]", "uint8", (None, geo.slot_bytes(cap)), device)
+        _check(view.raw[kind], f"raw[{kn}]", "int16", (None, L.BLOCK_TOKENS, c), device)
+        _check(view.table[kind], f"table[{kn}]", "int32", (batch, None, hk * tph), device)
+        _check(view.b3[kind], f"b3[{kn}]", "uint8", (hk, d), device)
+        _check(view.b4[kind], f"b4[{kn}]", "uint8", (hk, d), device)
+    _check(view.tail_k, "tail_k", "int16", (batch, hk, L.BLOCK_TOKENS, d), device)
+    _check(view.tail_v, "tail_v", "int16", (batch, hk, L.BLOCK_TOKENS, d), device)
+
+
+def _check_q(q, view: LayerView, device):
+    """``q`` BF16 ``[B, Hq, D]`` (torch bfloat16, or uint16/int16 bits) -> (bits as int16, q_heads)."""
+    if _is_torch(q):
+        import torch
+
+        if q.dtype == torch.bfloat16:
+            q = q.view(torch.int16)
+        elif q.dtype not in (torch.int16, torch.uint16):
+            raise InputError(f"q: dtype {q.dtype} is not BF16 (pass torch.bfloat16 or its int16 bits)")
+    elif isinstance(q, np.ndarray):
+        if q.dtype == np.uint16:
+            q = q.view(np.int16)
+        elif q.dtype != np.int16:
+            raise InputError(f"q: dtype {q.dtype} is not BF16 bits (pass uint16/int16 bit patterns)")
+    else:
+        raise InputError(f"q: expected a torch tensor or NumPy array, got {type(q).__name__}")
+    batch = view.seq_lens.shape[0]
+    if len(q.shape) != 3 or q.shape[0] != batch or q.shape[2] != view.head_dim:
+        raise InputError(f"q: shape {list(q.shape)}, expected [batch={batch}, q_heads, head_dim={view.head_dim}]")
+    hq = q.shape[1]
+    if hq % view.kv_heads or not 1 <= hq // view.kv_heads <= MAX_GROUP:
+        raise InputError(f"q: {hq} query heads for {view.kv_heads} KV heads; need 1..{MAX_GROUP} query "
+                         "heads per KV head")
+    _check(q, "q", _dtype_name(q), (batch, hq, view.head_dim), device)
+    return q, hq
+
+
+# ----------------------------------------------------------------------------------------------
+# The CUDA path: plan once, run per step.
+
+class AttentionPlan:
+    """Launch plan of decode attention for one LayerView shape and one set of sequence lengths.
+
+    ``plan`` (the constructor) validates the view, copies ``seq_lens`` to the host once, chooses
+    blocks per split so that one wave of one-warp thread blocks fills the GPU, and allocates the
+    split partials.  :meth:`run` launches the attention kernel and the merge kernel; nothing in it
+    synchronises with the host.  ``plain=True`` is the BF16 baseline (every tile raw);
+    ``variant`` selects the timing variants of :mod:`gaac.cuda.attention`.
+    """
+
+    def __init__(self, view: LayerView, q_heads: int, *, scale: float | None = None, plain: bool = False,
+                 variant: str = "full", nstage: int = 2, blocks_per_split: int | None = None):
+        from .cuda import attention as K
+
+        self._K = K
+        device = None if K.SIMULATOR else "cuda"
+        _check_view(view, device)
+        self.view = view
+        d, hk = view.head_dim, view.kv_heads
+        if q_heads % hk or not 1 <= q_heads // hk <= MAX_GROUP:
+            raise InputError(f"{q_heads} query heads for {hk} KV heads; need 1..{MAX_GROUP} per KV head")
+        self.q_heads, self.g = q_heads, q_heads // hk
+        self.scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+        self.plain = plain
+        lens = np.asarray(view.seq_lens.cpu() if _is_torch(view.seq_lens) else view.seq_lens).astype(np.int64)
+        if lens.size == 0 or lens.min() < 1:
+            raise InputError("seq_lens: every sequence needs at least one token")
+        mb = view.table[0].shape[1]
+        if (lens // L.BLOCK_TOKENS).max() > mb:
+            raise InputError(f"seq_lens: a sequence has {(lens // L.BLOCK_TOKENS).max()} complete blocks but the "
+                             f"block table holds {mb}")
+        self.batch = len(lens)
+        nblk = -(-lens // L.BLOCK_TOKENS)
+        tph = L.tiles_per_head(d)
+        c = L.tile_channels(d)
+        if blocks_per_split is None:
+            smem = K.smem_bytes(c, tph, nstage, plain) + 4 * K.MAX_BLOCKS_PER_SPLIT * 2 * tph
+            if K.SIMULATOR:
+                target = 4
+            else:
+                import torch
+
+                sms = torch.cuda.get_device_properties(view.slots[0].device).multi_processor_count
+                target = sms * max(1, min(32, (227 * 1024) // (smem + 1024)))
+            blocks_per_split = -(-int(nblk.sum()) * hk // target)
+        self.blocks_per_split = bps = int(min(max(blocks_per_split, 1), K.MAX_BLOCKS_PER_SPLIT))
+        splits = -(-nblk // bps)
+        work = []
+        for b in range(self.batch):
+            for s in range(splits[b]):
+                work.append((b, s * bps, min((s + 1) * bps, nblk[b])))
+        self.n_work = len(work)
+        split0 = np.concatenate([[0], np.cumsum(splits)]).astype(np.int32)
+        work = np.asarray(work, dtype=np.int32).reshape(-1)
+        self._kernel = K.attention_kernel(d, plain, variant, nstage)
+        self._merge = K.merge_kernel(d)
+        bases = np.stack([_pair_base_words(_host(view.b3[k]), _host(view.b4[k])) for k in range(2)]).astype(np.int32)
+        geo = L.TileGeometry(c)
+        self._sizes = (geo.slot_bytes(view.capacity[0]), geo.slot_bytes(view.capacity[1]))
+        if K.SIMULATOR:
+            alloc = lambda shape, dt: np.zeros(shape, dt)  # noqa: E731
+            self._work, self._split0, self._bases = work, split0, bases
+            flat = lambda x, dt=None: _host(x).reshape(-1) if dt is None else _host(x).view(dt).reshape(-1)  # noqa: E731
+        else:
+            import torch
+
+            dev = view.slots[0].device
+            alloc = lambda shape, dt: torch.empty(shape, dtype=getattr(torch, dt), device=dev)  # noqa: E731
+            self._work = torch.from_numpy(work).to(dev)
+            self._split0 = torch.from_numpy(split0).to(dev)
+            self._bases = torch.from_numpy(bases).to(dev)
+            flat = lambda x, dt=None: (x if dt is None else x.view(getattr(torch, dt))).reshape(-1)  # noqa: E731
+        self.o_part = alloc((self.n_work * hk * self.g * d,), "float32")
+        self.lse_part = alloc((self.n_work * hk * self.g,), "float32")
+        self.status = alloc((1,), "int32")
+        self.status[0] = 0
+        self._arrays = (flat(view.slots[0]), flat(view.slots[1]), flat(view.raw[0], "uint8"),
+                        flat(view.raw[1], "uint8"), flat(view.table[0]), flat(view.table[1]),
+                        flat(view.tail_k, "uint8"), flat(view.tail_v, "uint8"), flat(self._bases),
+                        flat(view.seq_lens), flat(self._work))
+        self._alloc = alloc
+        if not K.SIMULATOR:
+            from numba import cuda
+
+            self._dev_arrays = [cuda.as_cuda_array(x) for x in (*self._arrays, self.o_part, self.lse_part,
+                                                                 self.status)]
+            self._dev_merge = [cuda.as_cuda_array(x) for x in (self.o_part, self.lse_part, self._split0)]
+
+    def run(self, q, *, out=None, lse=None, return_lse: bool = False):
+        """Attention output ``[B, Hq, D]``: torch bfloat16 on the GPU, int16 BF16 bits in the simulator.
+
+        ``out`` (int16 ``[B, Hq, D]``) and ``lse`` (float32 ``[B, Hq]``) may be given to reuse buffers
+        (and to capture the call in a CUDA graph)."""
+        qb, hq = _check_q(q, self.view, None if self._K.SIMULATOR else "cuda")
+        if hq != self.q_heads:
+            raise InputError(f"q has {hq} query heads; this plan was made for {self.q_heads}")
+        d = self.view.head_dim
+        out = self._alloc((self.batch, hq, d), "int16") if out is None else out
+        lse = self._alloc((self.batch, hq), "float32") if lse is None else lse
+        _check(out, "out", "int16", (self.batch, hq, d), None)
+        _check(lse, "lse", "float32", (self.batch, hq), None)
+        self._launch_attention(qb)
+        self._launch_merge(out, lse)
+        if not self._K.SIMULATOR:
+            import torch
+
+            out = out.view(torch.bfloat16)
+        return (out, lse) if return_lse else out
+
+    def _stream(self):
+        import torch
+        from numba import cuda
+
+        return cuda.external_stream(torch.cuda.current_stream().cuda_stream)
+
+    def _launch_attention(self, qb) -> None:
+        """The split kernel: partial outputs and log-sum-exps of every split."""
+        K, view = self._K, self.view
+        hk = view.kv_heads
+        tail = (view.table[0].shape[1], hk, self.g, *self._sizes, *view.capacity,
+                np.float32(self.scale * 1.4426950408889634))
+        if K.SIMULATOR:
+            q32 = _host(qb).view(np.int32).reshape(-1)
+            self._kernel[(self.n_work, hk), K.WARP](q32, *self._arrays, self.o_part, self.lse_part, self.status,
+                                                    *tail)
+            return
+        import torch
+        from numba import cuda
+
+        q32 = cuda.as_cuda_array(qb.view(torch.int16).view(torch.int32).reshape(-1))
+        self._kernel[(self.n_work, hk), K.WARP, self._stream()](q32, *self._dev_arrays, *tail)
+
+    def _launch_merge(self, out, lse) -> None:
+        """The merge kernel: splits -> BF16 output and natural-log LSE."""
+        K, view = self._K, self.view
+        d, hk = view.head_dim, view.kv_heads
+        grid = (self.batch, self.q_heads)
+        if K.SIMULATOR:
+            self._merge[grid, K.merge_threads(d)](self.o_part, self.lse_part, self._split0, out.reshape(-1),
+                                                  lse.reshape(-1), hk, self.g)
+            return
+        import torch
+        from numba import cuda
+
+        a = cuda.as_cuda_array
+        self._merge[grid, K.merge_threads(d), self._stream()](
+            *self._dev_merge, a(out.view(torch.int16).reshape(-1)), a(lse.reshape(-1)), hk, self.g)
+
+    def check_status(self) -> None:
+        """Raise :class:`FormatError` if a kernel found a malformed slot (synchronises with the device)."""
+        s = int(self.status[0])
+        if s:
+            why = {self._K.STATUS_BAD_TAG: "a group has the reserved mode tag 3",
+                   self._K.STATUS_BAD_ESCAPES: "a slot's tags need more escape bytes than its capacity"}
+            raise FormatError(f"decode attention: {why.get(s, f'status {s}')}")
+
+
+def _host(x) -> np.ndarray:
+    return x.detach().cpu().numpy() if _is_torch(x) else np.asarray(x)
+
+
+# ----------------------------------------------------------------------------------------------
+# The public entry point and the CPU path.
+
+def decode_attention(q, view: LayerView, *, scale: float | None = None, return_lse: bool = False,
+                     plain: bool = False, backend: str = "auto"):
+    """Attention of one new query token per sequence over the cache ``view`` (one layer).
+
+    ``q`` BF16 ``[batch, q_heads, head_dim]`` (torch ``bfloat16``, or uint16 bits as NumPy);
+    ``q_heads`` = g x ``view.kv_heads`` with g in 1..8.  Returns the BF16 output in ``q``'s
+    kind (torch bfloat16 / uint16 bits) and, with ``return_lse``, the float32 natural-log
+    log-sum-exp ``[batch, q_heads]``.  ``scale`` defaults to ``1/sqrt(head_dim)``.
+
+    ``backend``: ``"auto"`` (CUDA when ``q`` is a CUDA tensor, else CPU), ``"cpu"`` or
+    ``"cuda"`` (under ``NUMBA_ENABLE_CUDASIM=1`` the kernel runs in the simulator on host
+    arrays).  ``plain=True`` runs the BF16 baseline kernel on a view of raw tiles only.
+    For repeated calls build an :class:`AttentionPlan` once and call its ``run``.
+    """
+    if backend not in ("auto", "cpu", "cuda"):
+        raise InputError(f"backend {backend!r}: one of 'auto', 'cpu', 'cuda'")
+    if backend == "auto":
+        backend = "cuda" if _on_cuda(q) else "cpu"
+    if backend == "cuda":
+        _check_q(q, view, None)
+        plan = AttentionPlan(view, q.shape[1], scale=scale, plain=plain)
+        return plan.run(q, return_lse=return_lse)
+    _check_view(view, None)
+    if _on_cuda(q):
+        raise InputError("q is on a CUDA device; backend='cpu' takes host arrays")
+    qb, hq = _check_q(q, view, "cpu")
+    dense = gather_dense(view)
+    qf = bf16_to_float(_host(qb))
+    ks = [bf16_to_float(x) for x in dense.k]
+    vs = [bf16_to_float(x) for x in dense.v]
+    out, lse = reference_attention(qf, ks, vs, scale, dtype=np.float32)
+    bits = float_to_bf16(out)
+    if _is_torch(q):
+        import torch
+
+        res = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)
+        lse_t = torch.from_numpy(lse.astype(np.float32))
+        return (res, lse_t) if return_lse else res
+    return (bits, lse.astype(np.float32)) if return_lse else bits

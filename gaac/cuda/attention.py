@@ -1,0 +1,1017 @@
+"""Fused split-KV decode attention on the GAAC paged cache, and a BF16 kernel of the same structure.
+
+Why this shape
+==============
+On an H200 the cache streams at ~4 TB/s, so the kernel has about 5 integer
+operations per element for reconstruction before it stops being memory-bound;
+CUDA-core FMAs for ``q.k`` and ``p.v`` alone would cost 2*g more per element
+(g = query heads per KV head).  So the arithmetic of attention goes to the
+tensor cores (``mma.sync m16n8k16`` BF16 -> FP32, FlashAttention-2 layout with
+the query heads as the M dimension), and the CUDA cores only rebuild BF16 bits.
+BF16 products are exact in FP32, so the scores are those of the exact cache.
+
+One thread block = one warp = one *split*: a run of 16-token blocks of one
+sequence and one KV head.  Per block the warp
+
+1. copies the K and V tiles of a block ``NSTAGE - 1`` blocks ahead into shared
+   memory with ``cp.async`` (16-byte copies, no registers, so loads of later
+   blocks are in flight while this one is computed);
+2. for a compressed slot, decodes the tile into a padded BF16 tile in shared
+   memory (:func:`decode_tile`: each lane rebuilds 8 consecutive-channel groups
+   with SIMD-within-a-register on pairs of BF16 lanes); a raw tile or the BF16
+   tail is already BF16 and is used where it was staged;
+3. loads MMA fragments with ``ldmatrix`` (``.trans`` for V), computes the 16
+   scores of every query head of the group, updates the online softmax in the
+   log2 domain, and accumulates ``P.V`` in FP32 registers.
+
+Each split writes its normalised partial output and log-sum-exp; a second small
+kernel merges the splits of a sequence (:func:`merge_kernel`).  The BF16
+baseline (``plain=True``) is the same kernel with every tile raw: the only
+difference between the two is step 2 and the bytes step 1 moves.
+
+Pair words
+==========
+Decoding builds each output word (two BF16 elements ``c, c+1`` of one token)
+directly: ``(prmt(sm, dup) & 0x807F807F) | (e_c << 7 | e_{c+1} << 23)``.  The
+exponent pair ``Z`` is ``code pair + base pair + escape bits``: the 3-bit codes
+of two elements move from bits ``0..5`` of a 12-bit code field to bits 7 and 23
+with one multiply (the two shifted copies cannot overlap, so no carries), the
+bases are stored pre-shifted per channel pair (rows b3, b4 and a zero row for
+raw groups, selected by the mode tag), and an escape byte's bits land on bits
+10 and 26 (exponent bit 3).  Raw groups add bit planes 1..4 on a slow path.
+
+Simulator
+=========
+Under ``NUMBA_ENABLE_CUDASIM=1`` the PTX intrinsics (``mma``, ``ldmatrix``,
+``cp.async``, ``prmt``, shuffles) are replaced by Python functions with the
+same per-lane semantics that exchange values through a shared ``scratch``
+array and ``syncthreads`` (the simulator has no warp primitives).  That is
+correct because every block is one warp with warp-uniform control flow
+around those calls, so the kernel source is the same on both.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+from numba import config, cuda, float32, int32, uint32
+
+from .. import layout as L
+
+SIMULATOR = bool(config.ENABLE_CUDASIM)
+WARP = 32
+
+if SIMULATOR:
+    # Fixed-width casts that wrap like the GPU's registers (numba's own casts raise on overflow in
+    # the simulator, and are slow there).
+    def u32(x):
+        return np.uint32(int(x) & 0xFFFFFFFF)
+
+    def i32(x):
+        v = int(x) & 0xFFFFFFFF
+        return np.int32(v - (1 << 32) if v >= 1 << 31 else v)
+
+    f32 = np.float32
+else:
+    u32, i32, f32 = uint32, int32, float32
+
+# Kernel variants: the full kernel, and the stage-skipping / stage-repeating ones that give the time breakdown.
+FULL = "full"
+LOAD_ONLY = "load_only"      # stage the tiles (cp.async) and nothing else
+NO_DECODE = "no_decode"      # stage, then run the MMAs on the staged bytes as if they were BF16
+DECODE_TWICE = "decode_twice"  # decode every compressed tile twice
+VARIANTS = (FULL, LOAD_ONLY, NO_DECODE, DECODE_TWICE)
+
+SMEM_ALIGN = None if SIMULATOR else 16   # 16-byte vector and cp.async accesses (the simulator takes no alignment)
+MAX_BLOCKS_PER_SPLIT = 128   # the split's block-table entries are staged in shared memory
+PAD_WORDS = 4                # 16 bytes of padding per BF16 row: ldmatrix and the decoder's stores are conflict-free
+GROUPS_MAX = 8               # MMA N = 8 query heads per KV head at most
+
+_LOG2E = 1.4426950408889634
+_NEG_INF = float("-inf")
+
+# Status bits (``status[0]``): set by the kernel when a slot breaks FORMAT.md section 8.
+STATUS_BAD_TAG = 1
+STATUS_BAD_ESCAPES = 2
+
+
+
+def device(fn):
+    """A device function on the GPU (inlined); a plain Python function in the simulator, where every
+    call of a ``cuda.jit`` device function takes a module-wide lock that the 32 threads of a block
+    contend for."""
+    return fn if SIMULATOR else cuda.jit(device=True, inline=True)(fn)
+
+
+# ----------------------------------------------------------------------------------------------
+# Primitives: PTX on the GPU, Python in the simulator.
+#
+# Shared memory is addressed in bytes through 32-bit shared-window addresses: ``smem_base(smem)``
+# is the address of ``smem[0]`` (0 in the simulator, where the functions index ``smem`` itself),
+# so that address arithmetic stays in 32-bit registers.  Global sources of ``cp16`` are 64-bit
+# addresses from ``gaddr(array, byte)`` (in the simulator, the byte index into the array).
+
+if not SIMULATOR:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    _I32 = ir.IntType(32)
+    _I64 = ir.IntType(64)
+    _F32 = ir.FloatType()
+
+    def _asm(builder, ret, args, text, constraints, side_effect=False):
+        fn = ir.FunctionType(ret, [a.type for a in args])
+        return builder.call(ir.InlineAsm(fn, text, constraints, side_effect=side_effect), args)
+
+    def _tuple(context, builder, rt, r, n):
+        return context.make_tuple(builder, rt, [builder.extract_value(r, i) for i in range(n)])
+
+    @intrinsic
+    def smem_base(typingctx, arr):
+        """32-bit shared-window address of ``arr[0]``."""
+        def codegen(context, builder, sig, args):
+            a = context.make_array(sig.args[0])(context, builder, value=args[0])
+            p = builder.ptrtoint(a.data, _I64)
+            return _asm(builder, _I32, [p], "{ .reg .u64 a; cvta.to.shared.u64 a, $1; cvt.u32.u64 $0, a; }",
+                        "=r,l")
+        return types.uint32(arr), codegen
+
+    @intrinsic
+    def gaddr(typingctx, arr, byte):
+        """64-bit global address of byte ``byte`` of ``arr``'s data."""
+        def codegen(context, builder, sig, args):
+            a = context.make_array(sig.args[0])(context, builder, value=args[0])
+            off = context.cast(builder, args[1], sig.args[1], types.int64)
+            return builder.add(builder.ptrtoint(a.data, _I64), off)
+        return types.int64(arr, byte), codegen
+
+    @intrinsic
+    def _mma(typingctx, a0, a2, b0, b1, c0, c1):
+        rt = types.UniTuple(types.float32, 2)
+
+        def codegen(context, builder, sig, args):
+            zi, zf = ir.Constant(_I32, 0), ir.Constant(_F32, 0.0)
+            a0_, a2_, b0_, b1_, c0_, c1_ = args
+            r = _asm(builder, ir.LiteralStructType([_F32] * 4), [a0_, zi, a2_, zi, b0_, b1_, c0_, c1_, zf, zf],
+                     "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                     "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};",
+                     "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
+            return _tuple(context, builder, rt, r, 2)
+        u = types.uint32
+        return rt(u, u, u, u, types.float32, types.float32), codegen
+
+    def _ldsm_intrinsic(trans):
+        text = f"ldmatrix.sync.aligned.m8n8.x4{'.trans' if trans else ''}.shared.b16 {{$0,$1,$2,$3}}, [$4];"
+
+        @intrinsic
+        def ldsm(typingctx, addr):
+            rt = types.UniTuple(types.uint32, 4)
+
+            def codegen(context, builder, sig, args):
+                r = _asm(builder, ir.LiteralStructType([_I32] * 4), list(args), text, "=r,=r,=r,=r,r,~{memory}",
+                         side_effect=True)
+                return _tuple(context, builder, rt, r, 4)
+            return rt(types.uint32), codegen
+        return ldsm
+
+    _ldsm = _ldsm_intrinsic(False)
+    _ldsm_t = _ldsm_intrinsic(True)
+
+    @intrinsic
+    def _lds4(typingctx, addr):
+        rt = types.UniTuple(types.uint32, 4)
+
+        def codegen(context, builder, sig, args):
+            r = _asm(builder, ir.LiteralStructType([_I32] * 4), list(args), "ld.shared.v4.u32 {$0,$1,$2,$3}, [$4];",
+                     "=r,=r,=r,=r,r,~{memory}", side_effect=True)
+            return _tuple(context, builder, rt, r, 4)
+        return rt(types.uint32), codegen
+
+    @intrinsic
+    def _lds2(typingctx, addr):
+        rt = types.UniTuple(types.uint32, 2)
+
+        def codegen(context, builder, sig, args):
+            r = _asm(builder, ir.LiteralStructType([_I32] * 2), list(args), "ld.shared.v2.u32 {$0,$1}, [$2];",
+                     "=r,=r,r,~{memory}", side_effect=True)
+            return _tuple(context, builder, rt, r, 2)
+        return rt(types.uint32), codegen
+
+    @intrinsic
+    def _lds(typingctx, addr):
+        def codegen(context, builder, sig, args):
+            return _asm(builder, _I32, list(args), "ld.shared.u32 $0, [$1];", "=r,r,~{memory}", side_effect=True)
+        return types.uint32(types.uint32), codegen
+
+    @intrinsic
+    def _lds_u8(typingctx, addr):
+        def codegen(context, builder, sig, args):
+            return _asm(builder, _I32, list(args), "ld.shared.u8 $0, [$1];", "=r,r,~{memory}", side_effect=True)
+        return types.uint32(types.uint32), codegen
+
+    @intrinsic
+    def _sts4(typingctx, addr, w0, w1, w2, w3):
+        def codegen(context, builder, sig, args):
+            _asm(builder, ir.VoidType(), list(args), "st.shared.v4.u32 [$0], {$1,$2,$3,$4};", "r,r,r,r,r,~{memory}",
+                 side_effect=True)
+            return context.get_dummy_value()
+        u = types.uint32
+        return types.void(u, u, u, u, u), codegen
+
+    @intrinsic
+    def _cp16(typingctx, addr, gptr):
+        def codegen(context, builder, sig, args):
+            _asm(builder, ir.VoidType(), list(args), "cp.async.cg.shared.global [$0], [$1], 16;", "r,l,~{memory}",
+                 side_effect=True)
+            return context.get_dummy_value()
+        return types.void(types.uint32, types.int64), codegen
+
+    @intrinsic
+    def _cp_commit(typingctx):
+        def codegen(context, builder, sig, args):
+            _asm(builder, ir.VoidType(), [], "cp.async.commit_group;", "~{memory}", side_effect=True)
+            return context.get_dummy_value()
+        return types.void(), codegen
+
+    @functools.lru_cache(maxsize=None)
+    def cp_wait_fn(count: int):
+        """``cp.async.wait_group count``: all but this lane's ``count`` newest copy groups are done."""
+        @intrinsic
+        def cp_wait(typingctx):
+            def codegen(context, builder, sig, args):
+                _asm(builder, ir.VoidType(), [], f"cp.async.wait_group {count};", "~{memory}", side_effect=True)
+                return context.get_dummy_value()
+            return types.void(), codegen
+        return cp_wait
+
+    @intrinsic
+    def _prmt(typingctx, a, sel):
+        def codegen(context, builder, sig, args):
+            return _asm(builder, _I32, [args[0], ir.Constant(_I32, 0), args[1]], "prmt.b32 $0, $1, $2, $3;",
+                        "=r,r,r,r")
+        return types.uint32(types.uint32, types.uint32), codegen
+
+    @intrinsic
+    def _pack_bf16x2(typingctx, lo, hi):
+        def codegen(context, builder, sig, args):
+            return _asm(builder, _I32, [args[1], args[0]], "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f")
+        return types.uint32(types.float32, types.float32), codegen
+
+    @intrinsic
+    def _ex2(typingctx, x):
+        def codegen(context, builder, sig, args):
+            return _asm(builder, _F32, list(args), "ex2.approx.ftz.f32 $0, $1;", "=f,f")
+        return types.float32(types.float32), codegen
+
+    SCRATCH_WORDS = 1                   # the simulator's exchange area; unused on the GPU
+
+    @device
+    def lane_id():
+        return u32(cuda.threadIdx.x & 31)
+
+    @device
+    def scratch_init(scr):
+        pass
+
+    @device
+    def warp_sync(scr):
+        cuda.syncwarp()
+
+    @device
+    def mma_chain(a0, a2, a0b, a2b, b0, b1, b2, b3, c0, c1, scr):
+        """Two chained m16n8k16 BF16 MMAs, ``C + A.B + A'.B'`` (A rows 8..15 zero): returns (d0, d1)."""
+        d0, d1 = _mma(a0, a2, b0, b1, c0, c1)
+        return _mma(a0b, a2b, b2, b3, d0, d1)
+
+    @device
+    def mma_pair(a0, a2, b0, b1, b2, b3, c0, c1, e0, e1, scr):
+        """One A against two B: ``(C + A.B, E + A.B')`` as (d0, d1, f0, f1)."""
+        d0, d1 = _mma(a0, a2, b0, b1, c0, c1)
+        f0, f1 = _mma(a0, a2, b2, b3, e0, e1)
+        return d0, d1, f0, f1
+
+    @device
+    def ldsm_k(smem, base, rowb, scr):
+        """``ldmatrix.x4`` of four 8x8 BF16 blocks: lane ``i`` gives row ``base + (i%8)*rowb + 16*(i//8)``."""
+        lane = lane_id()
+        return _ldsm(u32(base + (lane & 7) * rowb + 16 * (lane >> 3)))
+
+    @device
+    def ldsm_v(smem, base, rowb, scr):
+        """``ldmatrix.x4.trans``: lane ``i`` gives row ``base + (8*(i//8 % 2) + i%8)*rowb + 16*(i//16)``."""
+        lane = lane_id()
+        return _ldsm_t(u32(base + (((lane >> 3) & 1) * 8 + (lane & 7)) * rowb + 16 * (lane >> 4)))
+
+    @device
+    def lds4(smem, addr):
+        return _lds4(addr)
+
+    @device
+    def lds2(smem, addr):
+        return _lds2(addr)
+
+    @device
+    def lds(smem, addr):
+        return _lds(addr)
+
+    @device
+    def lds_u8(smem, addr):
+        return _lds_u8(addr)
+
+    @device
+    def sts4(smem, addr, w0, w1, w2, w3):
+        _sts4(addr, w0, w1, w2, w3)
+
+    @device
+    def cp16(smem, addr, src, gptr):
+        """Asynchronous 16-byte copy from global ``gptr`` to shared ``addr``."""
+        _cp16(addr, gptr)
+
+    @device
+    def cp_commit():
+        _cp_commit()
+
+    @device
+    def prmt(a, sel):
+        """Byte permute of ``a`` (bytes 4..7 are zero)."""
+        return _prmt(a, sel)
+
+    @device
+    def pack_bf16x2(lo, hi):
+        """Two floats -> a BF16 pair (round to nearest even), ``lo`` in bits 0..15."""
+        return _pack_bf16x2(lo, hi)
+
+    @device
+    def ex2(x):
+        return _ex2(x)
+
+    @device
+    def quad_max(x, scr):
+        """Max over the 4 lanes of a quad (lanes 4r .. 4r+3)."""
+        x = max(x, cuda.shfl_xor_sync(0xFFFFFFFF, x, 1))
+        return max(x, cuda.shfl_xor_sync(0xFFFFFFFF, x, 2))
+
+    @device
+    def quad_sum(x, scr):
+        x += cuda.shfl_xor_sync(0xFFFFFFFF, x, 1)
+        return x + cuda.shfl_xor_sync(0xFFFFFFFF, x, 2)
+
+    @device
+    def escape_scan(cnt, scr):
+        """Exclusive prefix of ``cnt`` in group order: lane ``t + 16h`` holds row t, half h (order 2t + h)."""
+        lane = i32(lane_id())
+        t = lane & 15
+        other = cuda.shfl_xor_sync(0xFFFFFFFF, cnt, 16)
+        row = i32(cnt + other)
+        incl = row
+        for d in (1, 2, 4, 8):
+            v = cuda.shfl_up_sync(0xFFFFFFFF, incl, d)
+            if t >= d:
+                incl = i32(incl + v)
+        return i32(incl - row + (other if lane >= 16 else 0))
+else:
+    # The simulator: an exchange publishes this lane's words in one of two alternating areas of a
+    # shared scratch array and synchronises once (a lane reuses an area only after the next
+    # exchange's barrier, when every lane has read it); the last WARP words count exchanges.
+    _AREA = 8 * WARP
+    SCRATCH_WORDS = 2 * _AREA + WARP
+
+    def _lane():
+        return cuda.threadIdx.x % WARP
+
+    def _exchange(scr, *words):
+        """Publish up to 8 words of this lane; returns the area: lane ``l``'s word ``i`` is ``area[8l + i]``."""
+        lane = _lane()
+        count = int(scr[2 * _AREA + lane])
+        area = scr[_AREA * (count & 1):_AREA * ((count & 1) + 1)]
+        for i, w in enumerate(words):
+            area[8 * lane + i] = int(w) & 0xFFFFFFFF
+        scr[2 * _AREA + lane] = count + 1
+        cuda.syncthreads()
+        return np.asarray(area)
+
+    def _pairs(words):
+        """BF16 pair words -> their 2n floats (low half first), as float64."""
+        w = np.asarray(words, dtype=np.uint32)
+        return np.stack([w << 16, w & 0xFFFF0000], axis=-1).view(np.float32).reshape(-1).astype(np.float64)
+
+    def _float_to_bf16(x) -> int:
+        f = int(np.float32(x).view(np.uint32))
+        if (f & 0x7F800000) == 0x7F800000 and f & 0x7FFFFF:
+            return 0x7FC0 | ((f >> 16) & 0x8000)
+        return ((f + 0x7FFF + ((f >> 16) & 1)) >> 16) & 0xFFFF
+
+    def _mma_sim(area, lane, a_words, b_words, c):
+        """Lane's (d0, d1) of ``C + sum_i A_i.B_i`` from the exchanged words (A: ``a_words`` = (a0, a2) word
+        indices per term, B: ``b_words`` = (b0, b1))."""
+        r, q = lane // 4, lane % 4
+        out = [float(c[0]), float(c[1])]
+        for (ia0, ia2), (ib0, ib1) in zip(a_words, b_words):
+            # Row r of A: k = 0..7 from a0 of lanes 4r..4r+3, k = 8..15 from a2; column n of B likewise.
+            a = _pairs(np.concatenate([area[32 * r + ia0:32 * r + 32:8], area[32 * r + ia2:32 * r + 32:8]]))
+            for j in range(2):
+                n = 2 * q + j
+                col = _pairs(np.concatenate([area[32 * n + ib0:32 * n + 32:8], area[32 * n + ib1:32 * n + 32:8]]))
+                out[j] += float(a @ col)
+        return f32(out[0]), f32(out[1])
+
+    @device
+    def lane_id():
+        return u32(_lane())
+
+    @device
+    def scratch_init(scr):
+        """Zero this lane's exchange counter (shared memory starts undefined)."""
+        scr[2 * _AREA + _lane()] = 0
+        cuda.syncthreads()
+
+    @device
+    def warp_sync(scr):
+        cuda.syncthreads()
+
+    @device
+    def smem_base(arr):
+        return u32(0)
+
+    @device
+    def gaddr(arr, byte):
+        return int(byte)
+
+    @device
+    def mma_chain(a0, a2, a0b, a2b, b0, b1, b2, b3, c0, c1, scr):
+        area = _exchange(scr, a0, a2, a0b, a2b, b0, b1, b2, b3)
+        d0, d1 = _mma_sim(area, _lane(), ((0, 1),), ((4, 5),), (c0, c1))
+        # Accumulate like the hardware: the second product is added to the rounded first result.
+        return _mma_sim(area, _lane(), ((2, 3),), ((6, 7),), (d0, d1))
+
+    @device
+    def mma_pair(a0, a2, b0, b1, b2, b3, c0, c1, e0, e1, scr):
+        area = _exchange(scr, a0, a2, b0, b1, b2, b3)
+        d0, d1 = _mma_sim(area, _lane(), ((0, 1),), ((2, 3),), (c0, c1))
+        f0, f1 = _mma_sim(area, _lane(), ((0, 1),), ((4, 5),), (e0, e1))
+        return d0, d1, f0, f1
+
+    def _ldsm_sim(smem, row_of, trans):
+        """Lane's 4 fragment words; ``row_of(i)`` is the row byte address lane ``i`` would give."""
+        lane = _lane()
+        r, q = lane // 4, lane % 4
+        out = []
+        for i in range(4):
+            if not trans:
+                out.append(u32(smem[(row_of(8 * i + r) >> 2) + q]))
+            else:
+                lo = (int(smem[(row_of(8 * i + 2 * q) >> 2) + r // 2]) >> (16 * (r % 2))) & 0xFFFF
+                hi = (int(smem[(row_of(8 * i + 2 * q + 1) >> 2) + r // 2]) >> (16 * (r % 2))) & 0xFFFF
+                out.append(u32(lo | (hi << 16)))
+        return out[0], out[1], out[2], out[3]
+
+    @device
+    def ldsm_k(smem, base, rowb, scr):
+        return _ldsm_sim(smem, lambda i: int(base) + (i & 7) * int(rowb) + 16 * (i >> 3), False)
+
+    @device
+    def ldsm_v(smem, base, rowb, scr):
+        return _ldsm_sim(smem, lambda i: int(base) + (((i >> 3) & 1) * 8 + (i & 7)) * int(rowb) + 16 * (i >> 4),
+                         True)
+
+    @device
+    def lds4(smem, addr):
+        w = int(addr) >> 2
+        return u32(smem[w]), u32(smem[w + 1]), u32(smem[w + 2]), u32(smem[w + 3])
+
+    @device
+    def lds2(smem, addr):
+        w = int(addr) >> 2
+        return u32(smem[w]), u32(smem[w + 1])
+
+    @device
+    def lds(smem, addr):
+        return u32(smem[int(addr) >> 2])
+
+    @device
+    def lds_u8(smem, addr):
+        i = int(addr)
+        return u32((int(smem[i >> 2]) >> (8 * (i & 3))) & 0xFF)
+
+    @device
+    def sts4(smem, addr, w0, w1, w2, w3):
+        w = int(addr) >> 2
+        smem[w:w + 4] = (int(w0), int(w1), int(w2), int(w3))
+
+    @device
+    def cp16(smem, addr, src, gptr):
+        b = int(gptr)
+        smem[int(addr) >> 2:(int(addr) >> 2) + 4] = np.asarray(src[b:b + 16]).view(np.uint8).view(np.uint32)
+
+    @device
+    def cp_commit():
+        pass
+
+    def cp_wait_fn(count: int):
+        @device
+        def cp_wait():
+            pass
+        return cp_wait
+
+    @device
+    def prmt(a, sel):
+        x = int(a)
+        out = 0
+        for i in range(4):
+            out |= ((x >> (8 * ((int(sel) >> (4 * i)) & 7))) & 0xFF) << (8 * i)
+        return u32(out & 0xFFFFFFFF)
+
+    @device
+    def pack_bf16x2(lo, hi):
+        return u32(_float_to_bf16(lo) | (_float_to_bf16(hi) << 16))
+
+    @device
+    def ex2(x):
+        with np.errstate(over="ignore", invalid="ignore"):
+            return np.exp2(np.float32(x))
+
+    @device
+    def quad_max(x, scr):
+        area = _exchange(scr, np.float32(x).view(np.uint32))
+        first = _lane() & ~3
+        v = [np.uint32(area[8 * (first + i)]).view(np.float32) for i in range(4)]
+        return np.fmax(np.fmax(v[0], v[1]), np.fmax(v[2], v[3]))      # NaN-ignoring, like the GPU's max
+
+    @device
+    def quad_sum(x, scr):
+        area = _exchange(scr, np.float32(x).view(np.uint32))
+        first = _lane() & ~3
+        v = [np.uint32(area[8 * (first + i)]).view(np.float32) for i in range(4)]
+        # The butterfly order of the GPU version: (x0 + x1) + (x2 + x3) for every lane of the quad.
+        return f32((v[0] + v[1]) + (v[2] + v[3]))
+
+    @device
+    def escape_scan(cnt, scr):
+        area = _exchange(scr, cnt)
+        lane = _lane()
+        order = lambda i: 2 * (i & 15) + (i >> 4)  # noqa: E731
+        mine = order(lane)
+        return i32(sum(int(area[8 * i]) for i in range(WARP) if order(i) < mine))
+
+
+@device
+def popc16(x):
+    """Population count of a value below 2**16 (portable: the simulator has no ``popc`` on NumPy ints)."""
+    x = u32(x - ((x >> 1) & 0x5555))
+    x = u32((x & 0x3333) + ((x >> 2) & 0x3333))
+    x = u32((x + (x >> 4)) & 0x0F0F)
+    return u32((x + (x >> 8)) & 0x1F)
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared-memory layout (bytes).
+
+def row_bytes(channels: int) -> int:
+    """Bytes per row of a staged or decoded BF16 tile: 2C plus 16 bytes of padding."""
+    return 2 * channels + 4 * PAD_WORDS
+
+
+def tile_bytes(channels: int) -> int:
+    """Bytes of one staging area: a padded BF16 tile, which also holds any slot (slot <= raw bytes)."""
+    return L.BLOCK_TOKENS * row_bytes(channels)
+
+
+def smem_bytes(channels: int, tph: int, nstage: int, plain: bool = False) -> int:
+    """Shared bytes of the tile area of one block: stages (K and V, ``tph`` tiles each), then, unless
+    ``plain``, one decode tile and the pre-shifted bases (2 kinds x 3 rows x ``tph*C/2`` pair words)."""
+    stages = nstage * 2 * tph * tile_bytes(channels)
+    return stages if plain else stages + tile_bytes(channels) + 4 * 2 * 3 * (tph * channels // 2)
+
+
+# ----------------------------------------------------------------------------------------------
+# The decode of one staged slot into a padded BF16 tile.
+
+def _decode_tile_fn(channels: int):
+    """Device function ``decode(smem, src, dst, base, base_stride, cap, status, scr)`` for C-wide tiles.
+
+    Lane ``l`` decodes row ``t = l % 16``, channels ``(l // 16) * C/2 ..`` (``C/16`` groups): with the
+    staging swizzle of the sign+mantissa chunks (chunk ``c`` at ``c ^ ((c >> 3) & SWZ)``) and the
+    16 bytes of row padding, every 16-byte shared access of a phase of 8 lanes is conflict-free.
+    ``src``/``dst``: byte addresses of the staged slot and of the BF16 tile; ``base``: of this lane's
+    first b3 pair word (rows b3, b4, zeros ``base_stride`` bytes apart).
+    """
+    geo = L.TileGeometry(channels)
+    C = channels
+    GPL = C // 16                       # groups per lane
+    CPL = C // 32                       # 16-byte sign+mantissa chunks per lane
+    SM_WORDS = 2 * GPL                  # sign+mantissa words per lane
+    CODE_WORDS = 3 * C // 64            # code words per lane (8-byte aligned for C=128, 4 for C=64)
+    CODE_ARRAY = CODE_WORDS + 1         # and a zero word after them
+    ROWB = row_bytes(C)
+    SWZ = 7 if C == 128 else 3
+    CODE_OFF, TAG_OFF, ESC_OFF = geo.code_offset, geo.tag_offset, geo.escape_offset
+    ESC_MAX = tile_bytes(C) - ESC_OFF - L.RAW_PLANES   # keeps escape reads inside the staging area
+    K_EVEN = (1 << 7) | (1 << 20)       # codes at bits 0-2, 3-5 of a 12-bit field -> bits 7, 23
+    K_ODD = (1 << 1) | (1 << 14)        # codes at bits 6-8, 9-11 -> bits 7, 23
+    ESC4 = L.ESCAPE_BYTES[L.MODE_4BIT]
+    ESCR = L.ESCAPE_BYTES[L.MODE_RAW]
+
+    @device
+    def spread_escape(e):
+        """Escape byte -> bit ``2p`` at ``4 + 2p`` and bit ``2p+1`` at ``20 + 2p`` (see :func:`escape_pair`)."""
+        return u32(((e & 0x55) << 4) | ((e & 0xAA) << 19))
+
+    @device
+    def escape_pair(v, p):
+        """Bits ``2p``, ``2p+1`` of the (spread) escape byte -> bits 10 and 26 (exponent bit 3 of both lanes)."""
+        return u32((v << (6 - 2 * p)) & 0x04000400)
+
+    @device
+    def decode(smem, src, dst, base, base_stride, cap, status, scr):
+        lane = lane_id()
+        t = lane & 15
+        h = lane >> 4
+        smw = cuda.local.array(SM_WORDS, uint32)
+        cw = cuda.local.array(CODE_ARRAY, uint32)
+        c0 = u32(t * (C // 16) + h * CPL)
+        for k in range(CPL):
+            c = u32(c0 + k)
+            w0, w1, w2, w3 = lds4(smem, u32(src + 16 * (c ^ ((c >> 3) & SWZ))))
+            smw[4 * k] = w0
+            smw[4 * k + 1] = w1
+            smw[4 * k + 2] = w2
+            smw[4 * k + 3] = w3
+        code = u32(src + CODE_OFF + t * (3 * C // 8) + h * (4 * CODE_WORDS))
+        if C == 128:
+            for i in range(CODE_WORDS // 2):
+                u0, u1 = lds2(smem, u32(code + 8 * i))
+                cw[2 * i] = u0
+                cw[2 * i + 1] = u1
+            tags = lds(smem, u32(src + TAG_OFF + 4 * t))
+            tags = u32(tags >> 16) if h else u32(tags & 0xFFFF)
+        else:
+            for i in range(CODE_WORDS):
+                cw[i] = lds(smem, u32(code + 4 * i))
+            tags = lds(smem, u32(src + TAG_OFF + 4 * (t >> 1)))
+            tags = u32(tags >> 16) if t & 1 else tags
+            tags = u32((tags >> 8) & 0xFF) if h else u32(tags & 0xFF)
+        cw[CODE_WORDS] = u32(0)
+        # Escape bytes of the tile's earlier groups: an exclusive scan in group order.
+        cnt = i32(popc16(tags & 0x5555) * ESC4 + popc16(tags & 0xAAAA) * ESCR)
+        off = escape_scan(cnt, scr)
+        if off + cnt > cap:
+            status[0] = STATUS_BAD_ESCAPES
+        if tags & (tags >> 1) & 0x5555:
+            status[0] = STATUS_BAD_TAG
+        esc = u32(src + ESC_OFF)
+        out = u32(dst + t * ROWB + h * C)
+        for k in range(GPL):
+            bit = 24 * k
+            sh = bit % 32
+            y = cw[bit // 32] >> sh
+            if sh > 8:
+                y = u32(y | (cw[bit // 32 + 1] << (32 - sh)))
+            y_lo = u32(y & 0xFFF)
+            y_hi = u32((y >> 12) & 0xFFF)
+            m = u32((tags >> (2 * k)) & 3)
+            pos = u32(esc + min(off, i32(ESC_MAX)))
+            e = lds_u8(smem, pos) if m != 0 else u32(0)
+            off = i32(off + (ESC4 if m == L.MODE_4BIT else (ESCR if m != 0 else 0)))
+            b0, b1, b2, b3 = lds4(smem, u32(base + min(m, u32(2)) * base_stride + 16 * k))
+            sp = spread_escape(e)
+            z0 = u32(((y_lo * K_EVEN) & 0x03800380) + b0 + escape_pair(sp, 0))
+            z1 = u32(((y_lo * K_ODD) & 0x03800380) + b1 + escape_pair(sp, 1))
+            z2 = u32(((y_hi * K_EVEN) & 0x03800380) + b2 + escape_pair(sp, 2))
+            z3 = u32(((y_hi * K_ODD) & 0x03800380) + b3 + escape_pair(sp, 3))
+            if m == L.MODE_RAW:
+                # Exponent bits 4..7 from bit planes 1..4 (plane 0, bit 3, came through ``e``).
+                for j in range(1, L.RAW_PLANES):
+                    pj = spread_escape(lds_u8(smem, u32(pos + j)))
+                    z0 = u32(z0 + (escape_pair(pj, 0) << j))
+                    z1 = u32(z1 + (escape_pair(pj, 1) << j))
+                    z2 = u32(z2 + (escape_pair(pj, 2) << j))
+                    z3 = u32(z3 + (escape_pair(pj, 3) << j))
+            s0 = smw[2 * k]
+            s1 = smw[2 * k + 1]
+            sts4(smem, u32(out + 16 * k),
+                 u32((prmt(s0, 0x1100) & 0x807F807F) | z0), u32((prmt(s0, 0x3322) & 0x807F807F) | z1),
+                 u32((prmt(s1, 0x1100) & 0x807F807F) | z2), u32((prmt(s1, 0x3322) & 0x807F807F) | z3))
+
+    return decode
+
+
+# ----------------------------------------------------------------------------------------------
+# The attention kernel.
+
+@functools.lru_cache(maxsize=None)
+def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: int = 2):
+    """The split-KV decode kernel for ``head_dim``; ``plain`` = every tile is BF16 (the baseline).
+
+    Arguments (all 1-D, C-contiguous; ``D = head_dim``, ``C = min(D, 128)``, ``T = D // C``):
+    ``q32`` int32 ``[B*Hq*D/2]`` (BF16 pairs); ``slots_k/v`` uint8 slot pools (flat);
+    ``raw_k/v`` uint8 raw-tile pools (flat, 32*C bytes a tile); ``table_k/v`` int32
+    ``[B*MB*Hkv*T]``; ``tail_k/v`` uint8 ``[B*Hkv*16*D*2]``; ``bases`` int32
+    ``[2, Hkv, 3, D/2]`` pair words (b3, b4, zeros); ``seq_lens`` int32 ``[B]``; ``work``
+    int32 ``[W*3]`` (sequence, first block, end block); out ``o_part`` float32 ``[W*Hkv*g*D]``,
+    ``lse_part`` float32 ``[W*Hkv*g]`` (log2 domain); ``status`` int32 ``[1]``; then
+    ``max_blocks, kv_heads, g, slot_bytes_k, slot_bytes_v, cap_k, cap_v`` and ``scale_log2``.
+    Grid ``(W, Hkv)``, one warp per block.
+    """
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; one of {VARIANTS}")
+    D = head_dim
+    C = L.tile_channels(D)
+    T = D // C
+    NS = nstage
+    ROWB = row_bytes(C)
+    TB = tile_bytes(C)
+    NCHUNK = D // 16                    # k-chunks of the score MMA
+    NOUT = D // 8                       # n-chunks of the P.V MMA
+    SM_CHUNKS = C                       # 16-byte chunks of a tile's sign+mantissa section
+    SM_PER_LANE = SM_CHUNKS // WARP
+    ROW_CHUNKS = C // 8                 # 16-byte chunks of a BF16 row
+    RAW_PER_LANE = L.BLOCK_TOKENS * ROW_CHUNKS // WARP
+    SWZ = 7 if C == 128 else 3
+    DEC = NS * 2 * T * TB               # byte offsets in the shared array
+    BASES = DEC + TB
+    PAIRS = D // 2                      # base pair words per row of one kind
+    SMEM_WORDS = smem_bytes(C, T, NS, plain) // 4
+    NENT = MAX_BLOCKS_PER_SPLIT * 2 * T
+    TILE_BYTES = L.BLOCK_TOKENS * C * 2
+    decode = _decode_tile_fn(C)
+    cp_wait = cp_wait_fn(NS - 1)
+    do_decode = not plain and variant in (FULL, DECODE_TWICE)
+    do_math = variant != LOAD_ONLY
+
+    @device
+    def stage_tile(smem, dst, is_tail, entry, slots, slot_bytes, raw, tail, tail_byte, valid, lane):
+        """Start copying one tile to the staging area at byte ``dst``: a slot (sign+mantissa chunks swizzled),
+        a raw tile or the tail (padded rows; tail rows at or after ``valid`` are zeroed so that
+        0 * garbage cannot make a NaN)."""
+        if is_tail:
+            g0 = gaddr(tail, tail_byte)
+            for k in range(RAW_PER_LANE):
+                i = u32(lane + WARP * k)
+                r = i // ROW_CHUNKS
+                a = u32(dst + r * ROWB + 16 * (i % ROW_CHUNKS))
+                if r < valid:
+                    cp16(smem, a, tail, g0 + i32(r * (2 * D) + 16 * (i % ROW_CHUNKS)))
+                else:
+                    sts4(smem, a, u32(0), u32(0), u32(0), u32(0))
+        elif plain or entry < 0:
+            g0 = gaddr(raw, (entry & 0x7FFFFFFF) * TILE_BYTES)
+            for k in range(RAW_PER_LANE):
+                i = u32(lane + WARP * k)
+                cp16(smem, u32(dst + (i // ROW_CHUNKS) * ROWB + 16 * (i % ROW_CHUNKS)), raw, g0 + i32(16 * i))
+        else:
+            g0 = gaddr(slots, entry * slot_bytes)
+            for k in range(SM_PER_LANE):
+                i = u32(lane + WARP * k)
+                cp16(smem, u32(dst + 16 * (i ^ ((i >> 3) & SWZ))), slots, g0 + i32(16 * i))
+            for i in range(SM_CHUNKS + lane, slot_bytes // 16, WARP):
+                cp16(smem, u32(dst + 16 * i), slots, g0 + i32(16 * i))
+
+    @device
+    def issue_block(smem, sb, ents, i, st, blk, nfull, slots_k, slots_v, slot_bytes_k, slot_bytes_v, raw_k, raw_v,
+                    tail_k, tail_v, tail_base, tail_valid, lane):
+        """Start the copies of block ``blk`` (split-relative ``i``) into stage ``st``."""
+        is_tail = blk >= nfull
+        for kind in range(2):
+            for j in range(T):
+                e = i32(-1) if is_tail else ents[(i * 2 + kind) * T + j]
+                dst = u32(sb + ((st * 2 + kind) * T + j) * TB)
+                if kind == 0:
+                    stage_tile(smem, dst, is_tail, e, slots_k, slot_bytes_k, raw_k, tail_k,
+                               tail_base + j * C * 2, tail_valid, lane)
+                else:
+                    stage_tile(smem, dst, is_tail, e, slots_v, slot_bytes_v, raw_v, tail_v,
+                               tail_base + j * C * 2, tail_valid, lane)
+
+    @device
+    def tile_of(smem, sb, ents, i, st, kind, j, is_tail, cap, status, scr):
+        """Byte address of the BF16 tile (kind, j) of the block in stage ``st``, decoding it if compressed."""
+        src = u32(sb + ((st * 2 + kind) * T + j) * TB)
+        if do_decode and not is_tail and ents[(i * 2 + kind) * T + j] >= 0:
+            base = u32(sb + BASES + 4 * (kind * 3 * PAIRS + j * (C // 2)) + C * (lane_id() >> 4))
+            decode(smem, src, u32(sb + DEC), base, 4 * PAIRS, cap, status, scr)
+            if variant == DECODE_TWICE:
+                warp_sync(scr)
+                decode(smem, src, u32(sb + DEC), base, 4 * PAIRS, cap, status, scr)
+            warp_sync(scr)
+            return u32(sb + DEC)
+        return src
+
+    @cuda.jit
+    def kernel(q32, slots_k, slots_v, raw_k, raw_v, table_k, table_v, tail_k, tail_v, bases, seq_lens, work,
+               o_part, lse_part, status, max_blocks, kv_heads, g, slot_bytes_k, slot_bytes_v, cap_k, cap_v,
+               scale_log2):
+        smem = cuda.shared.array(SMEM_WORDS, uint32, alignment=SMEM_ALIGN)
+        ents = cuda.shared.array(NENT, int32)
+        scr = cuda.shared.array(SCRATCH_WORDS, uint32)
+        scratch_init(scr)
+        sb = smem_base(smem)
+        w = i32(cuda.blockIdx.x)
+        h = i32(cuda.blockIdx.y)
+        lane = lane_id()
+        r = i32(lane >> 2)
+        q = i32(lane & 3)
+        b = work[3 * w]
+        blk0 = work[3 * w + 1]
+        blk1 = work[3 * w + 2]
+        seq = seq_lens[b]
+        nfull = seq // L.BLOCK_TOKENS
+        tail_valid = i32(seq - nfull * L.BLOCK_TOKENS)
+        hq = i32(kv_heads * g)
+
+        # Block-table entries of this split (K then V, T tiles each) and this head's base pair words.
+        ntab = i32((min(blk1, nfull) - blk0) * 2 * T)
+        for i in range(lane, max(ntab, 0), WARP):
+            blk = blk0 + i // (2 * T)
+            j = i % T
+            row = (b * max_blocks + blk) * (kv_heads * T) + h * T + j
+            ents[i] = table_k[row] if (i // T) % 2 == 0 else table_v[row]
+        for i in range(lane, 0 if plain else 2 * 3 * PAIRS, WARP):
+            smem[BASES // 4 + i] = bases[((i // (3 * PAIRS)) * kv_heads + h) * 3 * PAIRS + i % (3 * PAIRS)]
+        # Query fragments (A operand: rows = query heads of the group; rows >= g are zero).
+        qa0 = cuda.local.array(NCHUNK, uint32)
+        qa2 = cuda.local.array(NCHUNK, uint32)
+        qrow = (b * hq + h * g + r) * (D // 2)
+        for kk in range(NCHUNK):
+            qa0[kk] = u32(q32[qrow + 8 * kk + q]) if r < g else u32(0)
+            qa2[kk] = u32(q32[qrow + 8 * kk + 4 + q]) if r < g else u32(0)
+        acc0 = cuda.local.array(NOUT, float32)
+        acc1 = cuda.local.array(NOUT, float32)
+        for i in range(NOUT):
+            acc0[i] = f32(0)
+            acc1[i] = f32(0)
+        m_run = f32(_NEG_INF)
+        l_run = f32(0)
+        tail_base = (b * kv_heads + h) * (L.BLOCK_TOKENS * D * 2)
+        warp_sync(scr)
+
+        for s in range(NS - 1):                 # prologue: blocks blk0 .. blk0 + NS - 2
+            if blk0 + s < blk1:
+                issue_block(smem, sb, ents, s, s, blk0 + s, nfull, slots_k, slots_v, slot_bytes_k, slot_bytes_v,
+                            raw_k, raw_v, tail_k, tail_v, tail_base, tail_valid, lane)
+            cp_commit()
+
+        for i in range(blk1 - blk0):
+            blk = blk0 + i
+            ahead = i + NS - 1                  # into the stage the previous iteration finished with
+            if blk0 + ahead < blk1:
+                issue_block(smem, sb, ents, ahead, ahead % NS, blk0 + ahead, nfull, slots_k, slots_v, slot_bytes_k,
+                            slot_bytes_v, raw_k, raw_v, tail_k, tail_v, tail_base, tail_valid, lane)
+            cp_commit()
+            cp_wait()
+            warp_sync(scr)
+            if not do_math:
+                continue
+            st = i % NS
+            is_tail = blk >= nfull
+            valid = tail_valid if is_tail else i32(L.BLOCK_TOKENS)
+            # Scores S^T[head r][token]: the C fragment of token half nb holds tokens 8 nb + 2q, +1.
+            s00 = f32(0)
+            s01 = f32(0)
+            s10 = f32(0)
+            s11 = f32(0)
+            for j in range(T):
+                tile = tile_of(smem, sb, ents, i, st, 0, j, is_tail, cap_k, status, scr)
+                for kc in range(C // 32):
+                    kk = j * (C // 16) + 2 * kc
+                    x0, x1, x2, x3 = ldsm_k(smem, u32(tile + 64 * kc), ROWB, scr)
+                    y0, y1, y2, y3 = ldsm_k(smem, u32(tile + 8 * ROWB + 64 * kc), ROWB, scr)
+                    s00, s01 = mma_chain(qa0[kk], qa2[kk], qa0[kk + 1], qa2[kk + 1], x0, x1, x2, x3, s00, s01, scr)
+                    s10, s11 = mma_chain(qa0[kk], qa2[kk], qa0[kk + 1], qa2[kk + 1], y0, y1, y2, y3, s10, s11, scr)
+                warp_sync(scr)
+            # Online softmax in the log2 domain; tokens at or after ``valid`` are masked.
+            x00 = s00 * scale_log2 if 2 * q < valid else f32(_NEG_INF)
+            x01 = s01 * scale_log2 if 2 * q + 1 < valid else f32(_NEG_INF)
+            x10 = s10 * scale_log2 if 8 + 2 * q < valid else f32(_NEG_INF)
+            x11 = s11 * scale_log2 if 9 + 2 * q < valid else f32(_NEG_INF)
+            m_new = max(m_run, quad_max(max(max(x00, x01), max(x10, x11)), scr))
+            alpha = ex2(m_run - m_new)
+            p00 = ex2(x00 - m_new)
+            p01 = ex2(x01 - m_new)
+            p10 = ex2(x10 - m_new)
+            p11 = ex2(x11 - m_new)
+            l_run = l_run * alpha + ((p00 + p01) + (p10 + p11))
+            m_run = m_new
+            for c in range(NOUT):
+                acc0[c] *= alpha
+                acc1[c] *= alpha
+            pa0 = pack_bf16x2(p00, p01)
+            pa2 = pack_bf16x2(p10, p11)
+            for j in range(T):
+                tile = tile_of(smem, sb, ents, i, st, 1, j, is_tail, cap_v, status, scr)
+                for nc in range(C // 16):
+                    o = j * (C // 8) + 2 * nc
+                    x0, x1, x2, x3 = ldsm_v(smem, u32(tile + 32 * nc), ROWB, scr)
+                    acc0[o], acc1[o], acc0[o + 1], acc1[o + 1] = mma_pair(
+                        pa0, pa2, x0, x1, x2, x3, acc0[o], acc1[o], acc0[o + 1], acc1[o + 1], scr)
+                warp_sync(scr)
+
+        # This split's normalised partial output and log-sum-exp (log2 domain).
+        l_run = quad_sum(l_run, scr)
+        if r < g:
+            inv = f32(1) / l_run if l_run > 0 else f32(0)
+            orow = ((w * kv_heads + h) * g + r) * D
+            for c in range(NOUT):
+                o_part[orow + 8 * c + 2 * q] = acc0[c] * inv
+                o_part[orow + 8 * c + 2 * q + 1] = acc1[c] * inv
+            if q == 0:
+                lse_part[(w * kv_heads + h) * g + r] = m_run + math.log2(l_run) if l_run > 0 else m_run
+    return kernel
+
+
+# ----------------------------------------------------------------------------------------------
+# Merging the splits of each sequence.
+
+@device
+def as_int16(x):
+    """A 16-bit pattern as the int16 value with those bits."""
+    return i32((i32(x) ^ 0x8000) - 0x8000)
+
+
+def merge_threads(head_dim: int) -> int:
+    """Threads of a merge block: ``D/4`` channel quads x split lanes (1024 threads; one lane in the
+    simulator, where every barrier of a block costs milliseconds)."""
+    return head_dim // 4 if SIMULATOR else 1024
+
+
+@functools.lru_cache(maxsize=None)
+def merge_kernel(head_dim: int):
+    """Merge split partials: grid ``(B, Hq)``, :func:`merge_threads` threads = ``D/4`` channel quads x
+    ``lanes`` splits in parallel (independent loads in flight), then a shared-memory sum.
+
+    ``o_part`` float32 ``[W*Hkv*g*D]``, ``lse_part`` float32 ``[W*Hkv*g]`` (log2), ``split0`` int32
+    ``[B+1]`` (the splits of sequence ``b`` are ``split0[b] .. split0[b+1]-1``), out ``out`` int16
+    ``[B*Hq*D]`` (BF16 bits) and ``lse`` float32 ``[B*Hq]`` (natural log).
+    """
+    D = head_dim
+    QUADS = D // 4
+    THREADS = merge_threads(D)
+    LANES = THREADS // QUADS
+    RED = 4 * THREADS
+
+    @cuda.jit
+    def kernel(o_part, lse_part, split0, out, lse, kv_heads, g):
+        red = cuda.shared.array(RED, float32)
+        mx = cuda.shared.array(THREADS, float32)
+        b = cuda.blockIdx.x
+        hq = cuda.blockIdx.y
+        h = hq // g
+        r = hq % g
+        tid = cuda.threadIdx.x
+        quad = tid % QUADS
+        sl = tid // QUADS
+        s0 = split0[b]
+        s1 = split0[b + 1]
+        m = f32(_NEG_INF)
+        for s in range(s0 + sl, s1, LANES):
+            m = max(m, lse_part[(s * kv_heads + h) * g + r])
+        mx[tid] = m
+        cuda.syncthreads()
+        step = THREADS // 2
+        while step >= QUADS:
+            if tid < step:
+                mx[tid] = max(mx[tid], mx[tid + step])
+            cuda.syncthreads()
+            step //= 2
+        m = mx[quad]
+        a0 = f32(0)
+        a1 = f32(0)
+        a2 = f32(0)
+        a3 = f32(0)
+        den = f32(0)
+        for s in range(s0 + sl, s1, LANES):
+            wgt = ex2(lse_part[(s * kv_heads + h) * g + r] - m)
+            row = ((s * kv_heads + h) * g + r) * D + 4 * quad
+            a0 += wgt * o_part[row]
+            a1 += wgt * o_part[row + 1]
+            a2 += wgt * o_part[row + 2]
+            a3 += wgt * o_part[row + 3]
+            den += wgt
+        cuda.syncthreads()
+        red[4 * tid] = a0
+        red[4 * tid + 1] = a1
+        red[4 * tid + 2] = a2
+        red[4 * tid + 3] = a3
+        mx[tid] = den
+        cuda.syncthreads()
+        step = THREADS // 2
+        while step >= QUADS:
+            if tid < step:
+                for i in range(4):
+                    red[4 * tid + i] += red[4 * (tid + step) + i]
+                mx[tid] += mx[tid + step]
+            cuda.syncthreads()
+            step //= 2
+        if tid < QUADS:
+            inv = f32(1) / mx[tid]
+            base = (b * kv_heads * g + hq) * D + 4 * tid
+            lo = pack_bf16x2(red[4 * tid] * inv, red[4 * tid + 1] * inv)
+            hi = pack_bf16x2(red[4 * tid + 2] * inv, red[4 * tid + 3] * inv)
+            out[base] = as_int16(lo & 0xFFFF)
+            out[base + 1] = as_int16(lo >> 16)
+            out[base + 2] = as_int16(hi & 0xFFFF)
+            out[base + 3] = as_int16(hi >> 16)
+            if tid == 0:
+                lse[b * kv_heads * g + hq] = (m + math.log2(mx[0])) * f32(1 / _LOG2E)
+    return kernel
