@@ -330,6 +330,35 @@ def gpu_time(calls, iters=20, reps=7, sleep_cycles=None):
     return statistics.median(times), times
 
 
+def graph_time(calls, replays=10, reps=7):
+    """Median GPU time (us) per call: the calls (in rotation) captured once in a CUDA graph, whose
+    replays are timed with CUDA events (no host launch cost inside; a graph node costs ~1 us)."""
+    for c in calls:
+        c()
+        c()
+    if SIM:
+        t = time.perf_counter()
+        calls[0]()
+        return (time.perf_counter() - t) * 1e6
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / (replays * len(calls)))
+    return statistics.median(times)
+
+
 def host_time(call, n=200):
     """Host time per call (us), with the queue far from full."""
     call()
@@ -347,8 +376,10 @@ def rotation(nbytes):
     return max(1, math.ceil(3 * L2_BYTES / max(nbytes, 1)))
 
 
-def bench_config(cache, hq, batch, ctx, variants=("full",), with_torch=True, with_plain=True, rng=None):
-    """Times (us) for one shape: GAAC variants, plain, torch flash; and the bytes read."""
+def bench_config(cache, hq, batch, ctx, variants=(("full", 2),), with_torch=True, plain_variants=(("full", 2),),
+                 rng=None):
+    """GPU times (us, CUDA-graph replay) for one shape: GAAC variants (variant, nstage), our BF16 kernel
+    (same), torch flash; host launch time; bytes read."""
     d, hk = cache.d, cache.kv_heads
     res = {"hq": hq, "hk": hk, "d": d, "batch": batch, "ctx": ctx}
     view = cache.view(batch, ctx)
@@ -357,6 +388,7 @@ def bench_config(cache, hq, batch, ctx, variants=("full",), with_torch=True, wit
     res["gaac_bytes"] = nbytes
     res["bf16_bytes"] = bf16_bytes
     res["floor_us"] = nbytes / (COPY_TBPS * 1e12) * 1e6
+    res["bf16_floor_us"] = bf16_bytes / (COPY_TBPS * 1e12) * 1e6
     r = 1 if SIM else rotation(nbytes)
     views = [view] + [cache.view(batch, ctx) for _ in range(r - 1)]
     q = torch.from_numpy(float_to_bf16(rng.standard_normal((batch, hq, d)).astype(np.float32)).view(np.int16))
@@ -365,28 +397,31 @@ def bench_config(cache, hq, batch, ctx, variants=("full",), with_torch=True, wit
     lse = torch.empty((batch, hq), dtype=torch.float32, device=DEV)
     if SIM:
         out, lse = out.numpy(), lse.numpy()
-    for variant in variants:
-        plans = [AttentionPlan(v, hq, variant=variant) for v in views]
-        res[f"gaac_{variant}_us"] = gpu_time([lambda p=p: p.run(q, out=out, lse=lse) for p in plans])[0]
-        if variant == "full":
+    qb = q if SIM else q.view(torch.int16)
+    for variant, ns in variants:
+        plans = [AttentionPlan(v, hq, variant=variant, nstage=ns) for v in views]
+        key = f"gaac_{variant}_ns{ns}"
+        res[f"{key}_us"] = graph_time([lambda p=p: p.run(q, out=out, lse=lse) for p in plans])
+        if variant == "full" and ns == variants[0][1]:
             p0 = plans[0]
+            res["gaac_us"] = res[f"{key}_us"]
             res["splits"] = p0.n_work
             res["blocks_per_split"] = p0.blocks_per_split
             res["host_us"] = host_time(lambda: p0.run(q, out=out, lse=lse))
-            qb = q if SIM else q.view(torch.int16)
-            res["gaac_kernel_only_us"] = gpu_time([lambda p=p: p._launch_attention(qb) for p in plans])[0]
-            res["merge_us"] = gpu_time([lambda: p0._launch_merge(out, lse)])[0]
+            res["gaac_kernel_only_us"] = graph_time([lambda p=p: p._launch_attention(qb) for p in plans])
+            res["merge_us"] = graph_time([lambda: p0._launch_merge(out, lse)])
+            res["sleep_timed_us"] = gpu_time([lambda p=p: p.run(q, out=out, lse=lse) for p in plans],
+                                             sleep_cycles=int(2e9 * 20 * 400e-6))[0]
+        del plans
     del views
-    if with_plain or with_torch:
+    if plain_variants or with_torch:
         rb = 1 if SIM else rotation(bf16_bytes)
         dense = [cache.dense(batch, ctx) for _ in range(rb)]
-        if with_plain:
-            pplans = [AttentionPlan(cache.plain(k, v), hq, plain=True) for k, v in dense]
-            res["plain_us"] = gpu_time([lambda p=p: p.run(q, out=out, lse=lse) for p in pplans])[0]
-            if "load_only" in variants:
-                lplans = [AttentionPlan(cache.plain(k, v), hq, plain=True, variant="load_only") for k, v in dense]
-                res["plain_load_only_us"] = gpu_time([lambda p=p: p.run(q, out=out, lse=lse) for p in lplans])[0]
-                del lplans
+        for variant, ns in plain_variants:
+            pplans = [AttentionPlan(cache.plain(k, v), hq, plain=True, variant=variant, nstage=ns) for k, v in dense]
+            res[f"plain_{variant}_ns{ns}_us"] = graph_time([lambda p=p: p.run(q, out=out, lse=lse) for p in pplans])
+            if variant == "full" and "plain_us" not in res:
+                res["plain_us"] = res[f"plain_{variant}_ns{ns}_us"]
             del pplans
         if with_torch:
             qt = torch.from_numpy(q).view(torch.bfloat16) if SIM else q
@@ -395,8 +430,13 @@ def bench_config(cache, hq, batch, ctx, variants=("full",), with_torch=True, wit
 
             backend = SDPBackend.MATH if SIM else SDPBackend.FLASH_ATTENTION
             with sdpa_kernel(backend):
-                res["torch_flash_us"] = gpu_time([lambda kv=kv: torch.nn.functional.scaled_dot_product_attention(
+                res["torch_flash_us"] = graph_time([lambda kv=kv: torch.nn.functional.scaled_dot_product_attention(
+                    qt, kv[0], kv[1]) for kv in dense])
+                res["torch_flash_stream_us"] = gpu_time([lambda kv=kv: torch.nn.functional.scaled_dot_product_attention(
                     qt, kv[0], kv[1]) for kv in dense])[0]
+            # the copy ceiling on the same bytes: a device-to-device copy of the BF16 cache
+            res["copy_tbps"] = None if SIM else 2 * bf16_bytes / graph_time(
+                [lambda kv=kv: (kv[0].clone(), kv[1].clone()) for kv in dense]) / 1e6
         del dense
     if not SIM:
         torch.cuda.empty_cache()
@@ -424,25 +464,28 @@ def main():
         rows = []
         cache = BenchCache(real, 8, 128)
         log(f"== timings (capacity K/V {cache.capacity}) ==")
+        breakdown = (("full", 2), ("load_only", 2), ("no_decode", 2), ("decode_twice", 2), ("full", 3),
+                     ("load_only", 3))
+        plain_breakdown = (("full", 2), ("load_only", 2), ("full", 3))
+        one = (("full", 2),)
         if SIM:
-            configs = [(16, 1, 64, ("full", "load_only", "no_decode", "decode_twice"))]
+            configs = [(16, 1, 64, breakdown, plain_breakdown)]
         elif args.quick:
-            configs = [(32, 1, 65536, ("full", "load_only", "no_decode", "decode_twice")),
-                       (32, 1, 16384, ("full",)), (32, 1, 131072, ("full",)), (32, 4, 32768, ("full",)),
-                       (64, 1, 65536, ("full",))]
+            configs = [(32, 1, 65536, breakdown, plain_breakdown), (32, 1, 16384, one, one),
+                       (32, 1, 131072, one, one), (32, 4, 32768, one, one), (64, 1, 65536, one, one)]
         else:
-            configs = [(hq, b, ctx, ("full",)) for hq in (32, 64) for b in (1, 2, 4, 8)
+            configs = [(hq, b, ctx, one, one) for hq in (32, 64) for b in (1, 2, 4, 8)
                        for ctx in (4096, 16384, 32768, 65536, 131072)]
-            configs[0:0] = [(32, 1, 65536, ("full", "load_only", "no_decode", "decode_twice"))]
-        for hq, b, ctx, variants in configs:
-            res = bench_config(cache, hq, b, ctx, variants, rng=rng)
+            configs[0:0] = [(32, 1, 65536, breakdown, plain_breakdown)]
+        for hq, b, ctx, variants, pvariants in configs:
+            res = bench_config(cache, hq, b, ctx, variants, plain_variants=pvariants, rng=rng)
             rows.append(res)
             log(json.dumps(res))
         report["bench"] = rows
         log("\n| heads q/kv | batch | ctx | GAAC us | BF16 kernel us | torch flash us | floor us | vs flash | vs BF16 |")
         log("|---|---|---|---|---|---|---|---|---|")
         for r in rows:
-            g = r["gaac_full_us"]
+            g = r["gaac_us"]
             log(f"| {r['hq']}/{r['hk']} | {r['batch']} | {r['ctx'] // 1024}K | {g:.1f} | {r.get('plain_us', 0):.1f} | "
                 f"{r.get('torch_flash_us', 0):.1f} | {r['floor_us']:.1f} | {r['torch_flash_us'] / g:.2f}x | "
                 f"{r['plain_us'] / g:.2f}x |")

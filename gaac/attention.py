@@ -23,6 +23,7 @@ caches for tests and benchmarks (the serving path is ``gaac.PagedKVCache``).
 """
 from __future__ import annotations
 
+import ctypes
 import math
 from dataclasses import dataclass
 
@@ -92,14 +93,16 @@ def reference_attention(q, ks, vs, scale: float | None = None, dtype=np.float64)
 # Building LayerViews from dense caches (tests, benchmarks).
 
 def _pair_base_words(b3, b4) -> np.ndarray:
-    """Per-channel bases ``[Hkv, D]`` -> pair words ``[Hkv, 3, D/2]`` int32: rows b3, b4, zeros.
+    """Per-channel bases ``[Hkv, D]`` -> pair words ``[Hkv, 4, D/2]`` int32: rows b3, b4, 0, 0.
 
     Word ``p`` of a row is ``b[2p] << 7 | b[2p+1] << 23``: the exponent fields of two BF16
-    lanes, which the kernel adds to a code pair (see gaac.cuda.attention).
+    lanes, which the kernel adds to a code pair; the row is the group's mode tag (the base of a
+    raw group is 0; tag 3 is reserved and flagged).  See gaac.cuda.attention.
     """
     rows = [np.asarray(b).astype(np.int32) for b in (b3, b4)]
     rows = [(x[:, 0::2] << 7) | (x[:, 1::2] << 23) for x in rows]
-    return np.stack([rows[0], rows[1], np.zeros_like(rows[0])], axis=1)
+    zero = np.zeros_like(rows[0])
+    return np.stack([rows[0], rows[1], zero, zero], axis=1)
 
 
 @dataclass
@@ -380,8 +383,11 @@ class AttentionPlan:
         nblk = -(-lens // L.BLOCK_TOKENS)
         tph = L.tiles_per_head(d)
         c = L.tile_channels(d)
+        geo = L.TileGeometry(c)
+        self._sizes = (geo.slot_bytes(view.capacity[0]), geo.slot_bytes(view.capacity[1]))
+        stage = K.tile_bytes(c) if plain else -(-max(self._sizes) // 16) * 16
         if blocks_per_split is None:
-            smem = K.smem_bytes(c, tph, nstage, plain) + 4 * K.MAX_BLOCKS_PER_SPLIT * 2 * tph
+            smem = K.smem_bytes(c, tph, nstage, plain, stage) + 4 * K.MAX_BLOCKS_PER_SPLIT * 2 * tph
             if K.SIMULATOR:
                 target = 4
             else:
@@ -399,11 +405,9 @@ class AttentionPlan:
         self.n_work = len(work)
         split0 = np.concatenate([[0], np.cumsum(splits)]).astype(np.int32)
         work = np.asarray(work, dtype=np.int32).reshape(-1)
-        self._kernel = K.attention_kernel(d, plain, variant, nstage)
+        self._kernel = K.attention_kernel(d, plain, variant, nstage, 0 if plain else stage)
         self._merge = K.merge_kernel(d)
         bases = np.stack([_pair_base_words(_host(view.b3[k]), _host(view.b4[k])) for k in range(2)]).astype(np.int32)
-        geo = L.TileGeometry(c)
-        self._sizes = (geo.slot_bytes(view.capacity[0]), geo.slot_bytes(view.capacity[1]))
         if K.SIMULATOR:
             alloc = lambda shape, dt: np.zeros(shape, dt)  # noqa: E731
             self._work, self._split0, self._bases = work, split0, bases
@@ -426,12 +430,17 @@ class AttentionPlan:
                         flat(view.tail_k, "uint8"), flat(view.tail_v, "uint8"), flat(self._bases),
                         flat(view.seq_lens), flat(self._work))
         self._alloc = alloc
+        self._scalars = (mb, hk, self.g, *self._sizes, *view.capacity)
+        self._scale_log2 = np.float32(self.scale * 1.4426950408889634)
         if not K.SIMULATOR:
-            from numba import cuda
+            from .cuda.codec import _params
 
-            self._dev_arrays = [cuda.as_cuda_array(x) for x in (*self._arrays, self.o_part, self.lse_part,
-                                                                 self.status)]
-            self._dev_merge = [cuda.as_cuda_array(x) for x in (self.o_part, self.lse_part, self._split0)]
+            self._main = _FastLaunch(self._kernel, (self.n_work, hk), K.WARP)
+            self._main_fixed = ([p for a in (*self._arrays, self.o_part, self.lse_part, self.status) for p in _params(a)]
+                                + [p for x in self._scalars for p in _params(int(x))]
+                                + [ctypes.c_float(self._scale_log2)])
+            self._merge_launch = _FastLaunch(self._merge, (self.batch, q_heads), K.merge_threads(d))
+            self._merge_fixed = [p for a in (self.o_part, self.lse_part, self._split0) for p in _params(a)]
 
     def run(self, q, *, out=None, lse=None, return_lse: bool = False):
         """Attention output ``[B, Hq, D]``: torch bfloat16 on the GPU, int16 BF16 bits in the simulator.
@@ -454,44 +463,33 @@ class AttentionPlan:
             out = out.view(torch.bfloat16)
         return (out, lse) if return_lse else out
 
-    def _stream(self):
-        import torch
-        from numba import cuda
-
-        return cuda.external_stream(torch.cuda.current_stream().cuda_stream)
-
     def _launch_attention(self, qb) -> None:
         """The split kernel: partial outputs and log-sum-exps of every split."""
-        K, view = self._K, self.view
-        hk = view.kv_heads
-        tail = (view.table[0].shape[1], hk, self.g, *self._sizes, *view.capacity,
-                np.float32(self.scale * 1.4426950408889634))
+        K = self._K
         if K.SIMULATOR:
             q32 = _host(qb).view(np.int32).reshape(-1)
-            self._kernel[(self.n_work, hk), K.WARP](q32, *self._arrays, self.o_part, self.lse_part, self.status,
-                                                    *tail)
+            self._kernel[(self.n_work, self.view.kv_heads), K.WARP](
+                q32, *self._arrays, self.o_part, self.lse_part, self.status, *self._scalars, self._scale_log2)
             return
         import torch
-        from numba import cuda
 
-        q32 = cuda.as_cuda_array(qb.view(torch.int16).view(torch.int32).reshape(-1))
-        self._kernel[(self.n_work, hk), K.WARP, self._stream()](q32, *self._dev_arrays, *tail)
+        q32 = qb.view(torch.int16).view(torch.int32).reshape(-1)
+        self._main((q32, *self._arrays, self.o_part, self.lse_part, self.status, *self._scalars, self._scale_log2),
+                   lambda params: params(q32) + self._main_fixed)
 
     def _launch_merge(self, out, lse) -> None:
         """The merge kernel: splits -> BF16 output and natural-log LSE."""
-        K, view = self._K, self.view
-        d, hk = view.head_dim, view.kv_heads
-        grid = (self.batch, self.q_heads)
+        K = self._K
+        hk = self.view.kv_heads
         if K.SIMULATOR:
-            self._merge[grid, K.merge_threads(d)](self.o_part, self.lse_part, self._split0, out.reshape(-1),
-                                                  lse.reshape(-1), hk, self.g)
+            self._merge[(self.batch, self.q_heads), K.merge_threads(self.view.head_dim)](
+                self.o_part, self.lse_part, self._split0, out.reshape(-1), lse.reshape(-1), hk, self.g)
             return
         import torch
-        from numba import cuda
 
-        a = cuda.as_cuda_array
-        self._merge[grid, K.merge_threads(d), self._stream()](
-            *self._dev_merge, a(out.view(torch.int16).reshape(-1)), a(lse.reshape(-1)), hk, self.g)
+        o, l_ = out.view(torch.int16).reshape(-1), lse.reshape(-1)
+        self._merge_launch((self.o_part, self.lse_part, self._split0, o, l_, hk, self.g),
+                           lambda params: self._merge_fixed + params(o) + params(l_) + params(hk) + params(self.g))
 
     def check_status(self) -> None:
         """Raise :class:`FormatError` if a kernel found a malformed slot (synchronises with the device)."""
@@ -500,6 +498,45 @@ class AttentionPlan:
             why = {self._K.STATUS_BAD_TAG: "a group has the reserved mode tag 3",
                    self._K.STATUS_BAD_ESCAPES: "a slot's tags need more escape bytes than its capacity"}
             raise FormatError(f"decode attention: {why.get(s, f'status {s}')}")
+
+
+class _FastLaunch:
+    """A numba kernel launched with parameters packed here and ``cuda.core.launch``.
+
+    numba's own ``kernel[grid, block, stream](...)`` spends over 100 us of host time per launch
+    on this kernel's 23 arguments; packing them once per plan leaves only the per-call arrays.
+    The first call goes through numba (which compiles); later calls take the fast path.
+    """
+
+    def __init__(self, dispatcher, grid, block):
+        self._dispatcher, self._grid, self._block = dispatcher, grid, block
+        self._cufunc = None
+        self._config = None
+        self._streams = {}
+
+    def __call__(self, args, params_of):
+        import torch
+
+        handle = torch.cuda.current_stream().cuda_stream
+        if self._cufunc is None:
+            from numba import cuda
+
+            stream = cuda.external_stream(handle)
+            self._dispatcher[self._grid, self._block, stream](
+                *(cuda.as_cuda_array(a) if _is_torch(a) else a for a in args))
+            kernel = next(iter(self._dispatcher.overloads.values()))
+            self._cufunc = kernel._codelibrary.get_cufunc().kernel
+            return
+        from cuda.core import LaunchConfig, Stream, launch
+
+        from .cuda.codec import _params
+
+        if self._config is None:
+            self._config = LaunchConfig(grid=self._grid, block=self._block, shmem_size=0)
+        s = self._streams.get(handle)
+        if s is None:
+            s = self._streams[handle] = Stream.from_handle(handle)
+        launch(s, self._config, self._cufunc, *params_of(_params))
 
 
 def _host(x) -> np.ndarray:

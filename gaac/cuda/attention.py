@@ -85,6 +85,7 @@ VARIANTS = (FULL, LOAD_ONLY, NO_DECODE, DECODE_TWICE)
 
 SMEM_ALIGN = None if SIMULATOR else 16   # 16-byte vector and cp.async accesses (the simulator takes no alignment)
 MAX_BLOCKS_PER_SPLIT = 128   # the split's block-table entries are staged in shared memory
+BASE_ROWS = 4                # pre-shifted base rows per kind, indexed by the mode tag: b3, b4, 0 (raw), 0
 PAD_WORDS = 4                # 16 bytes of padding per BF16 row: ldmatrix and the decoder's stores are conflict-free
 GROUPS_MAX = 8               # MMA N = 8 query heads per KV head at most
 
@@ -221,6 +222,16 @@ if not SIMULATOR:
         return types.void(u, u, u, u, u), codegen
 
     @intrinsic
+    def _ldg4(typingctx, gptr):
+        rt = types.UniTuple(types.uint32, 4)
+
+        def codegen(context, builder, sig, args):
+            r = _asm(builder, ir.LiteralStructType([_I32] * 4), list(args), "ld.global.nc.v4.u32 {$0,$1,$2,$3}, [$4];",
+                     "=r,=r,=r,=r,l", side_effect=True)
+            return _tuple(context, builder, rt, r, 4)
+        return rt(types.int64), codegen
+
+    @intrinsic
     def _cp16(typingctx, addr, gptr):
         def codegen(context, builder, sig, args):
             _asm(builder, ir.VoidType(), list(args), "cp.async.cg.shared.global [$0], [$1], 16;", "r,l,~{memory}",
@@ -330,6 +341,11 @@ if not SIMULATOR:
         _cp16(addr, gptr)
 
     @device
+    def ldg4(src, gptr):
+        """16 bytes of read-only global memory at ``gptr`` (``src``: the array, for the simulator)."""
+        return _ldg4(gptr)
+
+    @device
     def cp_commit():
         _cp_commit()
 
@@ -346,6 +362,10 @@ if not SIMULATOR:
     @device
     def ex2(x):
         return _ex2(x)
+
+    @device
+    def popc(x):
+        return i32(cuda.popc(u32(x)))
 
     @device
     def quad_max(x, scr):
@@ -501,6 +521,12 @@ else:
         smem[w:w + 4] = (int(w0), int(w1), int(w2), int(w3))
 
     @device
+    def ldg4(src, gptr):
+        b = int(gptr)
+        w = np.asarray(src[b:b + 16]).view(np.uint8).view(np.uint32)
+        return u32(w[0]), u32(w[1]), u32(w[2]), u32(w[3])
+
+    @device
     def cp16(smem, addr, src, gptr):
         b = int(gptr)
         smem[int(addr) >> 2:(int(addr) >> 2) + 4] = np.asarray(src[b:b + 16]).view(np.uint8).view(np.uint32)
@@ -533,6 +559,10 @@ else:
             return np.exp2(np.float32(x))
 
     @device
+    def popc(x):
+        return np.int32(bin(int(x) & 0xFFFFFFFF).count("1"))
+
+    @device
     def quad_max(x, scr):
         area = _exchange(scr, np.float32(x).view(np.uint32))
         first = _lane() & ~3
@@ -556,15 +586,6 @@ else:
         return i32(sum(int(area[8 * i]) for i in range(WARP) if order(i) < mine))
 
 
-@device
-def popc16(x):
-    """Population count of a value below 2**16 (portable: the simulator has no ``popc`` on NumPy ints)."""
-    x = u32(x - ((x >> 1) & 0x5555))
-    x = u32((x & 0x3333) + ((x >> 2) & 0x3333))
-    x = u32((x + (x >> 4)) & 0x0F0F)
-    return u32((x + (x >> 8)) & 0x1F)
-
-
 # ----------------------------------------------------------------------------------------------
 # Shared-memory layout (bytes).
 
@@ -578,11 +599,12 @@ def tile_bytes(channels: int) -> int:
     return L.BLOCK_TOKENS * row_bytes(channels)
 
 
-def smem_bytes(channels: int, tph: int, nstage: int, plain: bool = False) -> int:
-    """Shared bytes of the tile area of one block: stages (K and V, ``tph`` tiles each), then, unless
-    ``plain``, one decode tile and the pre-shifted bases (2 kinds x 3 rows x ``tph*C/2`` pair words)."""
-    stages = nstage * 2 * tph * tile_bytes(channels)
-    return stages if plain else stages + tile_bytes(channels) + 4 * 2 * 3 * (tph * channels // 2)
+def smem_bytes(channels: int, tph: int, nstage: int, plain: bool, stage_bytes: int) -> int:
+    """Shared bytes of the tile area of one block: stages (K and V, ``tph`` areas of ``stage_bytes``
+    each), then, unless ``plain``, one decode tile and the pre-shifted bases (2 kinds x
+    :data:`BASE_ROWS` rows x ``tph*C/2`` pair words)."""
+    stages = nstage * 2 * tph * stage_bytes
+    return stages if plain else stages + tile_bytes(channels) + 4 * 2 * BASE_ROWS * (tph * channels // 2)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -595,7 +617,7 @@ def _decode_tile_fn(channels: int):
     staging swizzle of the sign+mantissa chunks (chunk ``c`` at ``c ^ ((c >> 3) & SWZ)``) and the
     16 bytes of row padding, every 16-byte shared access of a phase of 8 lanes is conflict-free.
     ``src``/``dst``: byte addresses of the staged slot and of the BF16 tile; ``base``: of this lane's
-    first b3 pair word (rows b3, b4, zeros ``base_stride`` bytes apart).
+    first b3 pair word (rows b3, b4, zeros, zeros ``base_stride`` bytes apart: row = mode tag).
     """
     geo = L.TileGeometry(channels)
     C = channels
@@ -607,7 +629,7 @@ def _decode_tile_fn(channels: int):
     ROWB = row_bytes(C)
     SWZ = 7 if C == 128 else 3
     CODE_OFF, TAG_OFF, ESC_OFF = geo.code_offset, geo.tag_offset, geo.escape_offset
-    ESC_MAX = tile_bytes(C) - ESC_OFF - L.RAW_PLANES   # keeps escape reads inside the staging area
+    ESC_MAX = i32(2 * L.BLOCK_TOKENS * C - ESC_OFF - L.RAW_PLANES)   # escape reads stay in a raw tile's size
     K_EVEN = (1 << 7) | (1 << 20)       # codes at bits 0-2, 3-5 of a 12-bit field -> bits 7, 23
     K_ODD = (1 << 1) | (1 << 14)        # codes at bits 6-8, 9-11 -> bits 7, 23
     ESC4 = L.ESCAPE_BYTES[L.MODE_4BIT]
@@ -654,7 +676,9 @@ def _decode_tile_fn(channels: int):
             tags = u32((tags >> 8) & 0xFF) if h else u32(tags & 0xFF)
         cw[CODE_WORDS] = u32(0)
         # Escape bytes of the tile's earlier groups: an exclusive scan in group order.
-        cnt = i32(popc16(tags & 0x5555) * ESC4 + popc16(tags & 0xAAAA) * ESCR)
+        n4 = popc(tags & 0x5555)
+        nr = popc(tags & 0xAAAA)
+        cnt = i32(n4 * ESC4 + nr * ESCR)
         off = escape_scan(cnt, scr)
         if off + cnt > cap:
             status[0] = STATUS_BAD_ESCAPES
@@ -662,6 +686,9 @@ def _decode_tile_fn(channels: int):
             status[0] = STATUS_BAD_TAG
         esc = u32(src + ESC_OFF)
         out = u32(dst + t * ROWB + h * C)
+        # Branch-free over the groups (so the compiler can interleave them): 3-bit and 4-bit groups
+        # complete; a raw group gets exponent bits 0..3 here and bits 4..7 in the fix-up below.
+        pos = off
         for k in range(GPL):
             bit = 24 * k
             sh = bit % 32
@@ -671,44 +698,110 @@ def _decode_tile_fn(channels: int):
             y_lo = u32(y & 0xFFF)
             y_hi = u32((y >> 12) & 0xFFF)
             m = u32((tags >> (2 * k)) & 3)
-            pos = u32(esc + min(off, i32(ESC_MAX)))
-            e = lds_u8(smem, pos) if m != 0 else u32(0)
-            off = i32(off + (ESC4 if m == L.MODE_4BIT else (ESCR if m != 0 else 0)))
-            b0, b1, b2, b3 = lds4(smem, u32(base + min(m, u32(2)) * base_stride + 16 * k))
+            e = lds_u8(smem, u32(esc + min(pos, ESC_MAX)))     # read even for a 3-bit group, then dropped
+            e = e if m != 0 else u32(0)
+            pos = i32(pos + m + 3 * (m >> 1))                   # escape bytes of mode m: 0, 1, 5
+            b0, b1, b2, b3 = lds4(smem, u32(base + m * base_stride + 16 * k))
             sp = spread_escape(e)
-            z0 = u32(((y_lo * K_EVEN) & 0x03800380) + b0 + escape_pair(sp, 0))
-            z1 = u32(((y_lo * K_ODD) & 0x03800380) + b1 + escape_pair(sp, 1))
-            z2 = u32(((y_hi * K_EVEN) & 0x03800380) + b2 + escape_pair(sp, 2))
-            z3 = u32(((y_hi * K_ODD) & 0x03800380) + b3 + escape_pair(sp, 3))
-            if m == L.MODE_RAW:
-                # Exponent bits 4..7 from bit planes 1..4 (plane 0, bit 3, came through ``e``).
-                for j in range(1, L.RAW_PLANES):
-                    pj = spread_escape(lds_u8(smem, u32(pos + j)))
-                    z0 = u32(z0 + (escape_pair(pj, 0) << j))
-                    z1 = u32(z1 + (escape_pair(pj, 1) << j))
-                    z2 = u32(z2 + (escape_pair(pj, 2) << j))
-                    z3 = u32(z3 + (escape_pair(pj, 3) << j))
             s0 = smw[2 * k]
             s1 = smw[2 * k + 1]
             sts4(smem, u32(out + 16 * k),
-                 u32((prmt(s0, 0x1100) & 0x807F807F) | z0), u32((prmt(s0, 0x3322) & 0x807F807F) | z1),
-                 u32((prmt(s1, 0x1100) & 0x807F807F) | z2), u32((prmt(s1, 0x3322) & 0x807F807F) | z3))
+                 u32((prmt(s0, 0x1100) & 0x807F807F) | u32(((y_lo * K_EVEN) & 0x03800380) + b0 + escape_pair(sp, 0))),
+                 u32((prmt(s0, 0x3322) & 0x807F807F) | u32(((y_lo * K_ODD) & 0x03800380) + b1 + escape_pair(sp, 1))),
+                 u32((prmt(s1, 0x1100) & 0x807F807F) | u32(((y_hi * K_EVEN) & 0x03800380) + b2 + escape_pair(sp, 2))),
+                 u32((prmt(s1, 0x3322) & 0x807F807F) | u32(((y_hi * K_ODD) & 0x03800380) + b3 + escape_pair(sp, 3))))
+        if nr:
+            # Raw groups (about 0.3% of groups): exponent bits 4..7 from bit planes 1..4, added to the
+            # words just stored (the exponent field has no carry out: exponents are at most 255).
+            for k in range(GPL):
+                if ((tags >> (2 * k)) & 3) == L.MODE_RAW:
+                    below = u32(tags & ((1 << (2 * k)) - 1))
+                    pos = u32(esc + min(i32(off + popc(below & 0x5555) * ESC4 + popc(below & 0xAAAA) * ESCR),
+                                        ESC_MAX))
+                    w0, w1, w2, w3 = lds4(smem, u32(out + 16 * k))
+                    for j in range(1, L.RAW_PLANES):
+                        pj = spread_escape(lds_u8(smem, u32(pos + j)))
+                        w0 = u32(w0 + (escape_pair(pj, 0) << j))
+                        w1 = u32(w1 + (escape_pair(pj, 1) << j))
+                        w2 = u32(w2 + (escape_pair(pj, 2) << j))
+                        w3 = u32(w3 + (escape_pair(pj, 3) << j))
+                    sts4(smem, u32(out + 16 * k), w0, w1, w2, w3)
 
     return decode
+
+
+def _stage_slot_fn(channels: int):
+    """Device function ``stage_slot(smem, dst, entry, slots, slot_bytes, lane)``: start copying slot
+    ``entry`` to the staging area at byte ``dst``, sign+mantissa chunk ``c`` at ``c ^ ((c >> 3) & SWZ)``
+    (the layout :func:`_decode_tile_fn` reads without bank conflicts)."""
+    C = channels
+    SM_PER_LANE = C // WARP             # the sign+mantissa section is C chunks of 16 bytes
+    SWZ = 7 if C == 128 else 3
+
+    @device
+    def stage_slot(smem, dst, entry, slots, slot_bytes, lane):
+        g0 = gaddr(slots, entry * slot_bytes)
+        for k in range(SM_PER_LANE):
+            i = u32(lane + WARP * k)
+            cp16(smem, u32(dst + 16 * (i ^ ((i >> 3) & SWZ))), slots, g0 + i32(16 * i))
+        for i in range(C + lane, slot_bytes // 16, WARP):
+            cp16(smem, u32(dst + 16 * i), slots, g0 + i32(16 * i))
+    return stage_slot
+
+
+@functools.lru_cache(maxsize=None)
+def decode_check_kernel(channels: int, slot_bytes: int):
+    """Stage and decode slots exactly as the attention kernel does and write the BF16 tiles out.
+
+    For the decoder's bit-exact tests against the reference codec: grid = one warp per slot;
+    ``slots`` uint8 ``[n*slot_bytes]``, ``bases`` int32 ``[4*C/2]`` (pair-word rows b3, b4, 0, 0 of
+    one tile), ``cap``; out ``tiles`` int32 ``[n*16*C/2]`` (BF16 pairs) and ``status`` int32 ``[1]``.
+    """
+    C = channels
+    ROWB = row_bytes(C)
+    TB = tile_bytes(C)
+    STAGE = -(-slot_bytes // 16) * 16
+    PAIRS = C // 2
+    SMEM_WORDS = (STAGE + TB + 4 * BASE_ROWS * PAIRS) // 4
+    decode = _decode_tile_fn(C)
+    stage_slot = _stage_slot_fn(C)
+    wait_all = cp_wait_fn(0)
+
+    @cuda.jit
+    def kernel(slots, bases, cap, tiles, status):
+        smem = cuda.shared.array(SMEM_WORDS, uint32, alignment=SMEM_ALIGN)
+        scr = cuda.shared.array(SCRATCH_WORDS, uint32)
+        scratch_init(scr)
+        sb = smem_base(smem)
+        n = i32(cuda.blockIdx.x)
+        lane = lane_id()
+        for i in range(lane, BASE_ROWS * PAIRS, WARP):
+            smem[(STAGE + TB) // 4 + i] = bases[i]
+        stage_slot(smem, sb, n, slots, slot_bytes, lane)
+        cp_commit()
+        wait_all()
+        warp_sync(scr)
+        decode(smem, sb, u32(sb + STAGE), u32(sb + STAGE + TB + C * (lane >> 4)), 4 * PAIRS, cap, status, scr)
+        warp_sync(scr)
+        for i in range(lane, L.BLOCK_TOKENS * PAIRS, WARP):
+            tiles[n * L.BLOCK_TOKENS * PAIRS + i] = i32(smem[(STAGE + (i // PAIRS) * ROWB) // 4 + i % PAIRS])
+    return kernel
 
 
 # ----------------------------------------------------------------------------------------------
 # The attention kernel.
 
 @functools.lru_cache(maxsize=None)
-def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: int = 2):
+def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: int = 2, stage_bytes: int = 0):
     """The split-KV decode kernel for ``head_dim``; ``plain`` = every tile is BF16 (the baseline).
 
-    Arguments (all 1-D, C-contiguous; ``D = head_dim``, ``C = min(D, 128)``, ``T = D // C``):
-    ``q32`` int32 ``[B*Hq*D/2]`` (BF16 pairs); ``slots_k/v`` uint8 slot pools (flat);
-    ``raw_k/v`` uint8 raw-tile pools (flat, 32*C bytes a tile); ``table_k/v`` int32
-    ``[B*MB*Hkv*T]``; ``tail_k/v`` uint8 ``[B*Hkv*16*D*2]``; ``bases`` int32
-    ``[2, Hkv, 3, D/2]`` pair words (b3, b4, zeros); ``seq_lens`` int32 ``[B]``; ``work``
+    ``stage_bytes``: bytes of a staging area, at least the larger slot of K and V (compressed kernel;
+    raw tiles and the tail are loaded when used, so the stages only hold slots); the plain kernel
+    stages padded BF16 tiles.  Arguments (all 1-D, C-contiguous; ``D = head_dim``,
+    ``C = min(D, 128)``, ``T = D // C``): ``q32`` int32 ``[B*Hq*D/2]`` (BF16 pairs); ``slots_k/v``
+    uint8 slot pools (flat); ``raw_k/v`` uint8 raw-tile pools (flat, 32*C bytes a tile);
+    ``table_k/v`` int32 ``[B*MB*Hkv*T]``; ``tail_k/v`` uint8 ``[B*Hkv*16*D*2]``; ``bases`` int32
+    ``[2, Hkv, 4, D/2]`` pair words (b3, b4, zeros, zeros); ``seq_lens`` int32 ``[B]``; ``work``
     int32 ``[W*3]`` (sequence, first block, end block); out ``o_part`` float32 ``[W*Hkv*g*D]``,
     ``lse_part`` float32 ``[W*Hkv*g]`` (log2 domain); ``status`` int32 ``[1]``; then
     ``max_blocks, kv_heads, g, slot_bytes_k, slot_bytes_v, cap_k, cap_v`` and ``scale_log2``.
@@ -722,81 +815,89 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
     NS = nstage
     ROWB = row_bytes(C)
     TB = tile_bytes(C)
+    SB = TB if plain else stage_bytes
+    if not plain and (stage_bytes % 16 or not L.TileGeometry(C).fixed_bytes < stage_bytes <= 2 * L.BLOCK_TOKENS * C):
+        raise ValueError(f"stage_bytes {stage_bytes}: a multiple of 16 that holds a slot of {C}-channel tiles")
     NCHUNK = D // 16                    # k-chunks of the score MMA
     NOUT = D // 8                       # n-chunks of the P.V MMA
-    SM_CHUNKS = C                       # 16-byte chunks of a tile's sign+mantissa section
-    SM_PER_LANE = SM_CHUNKS // WARP
     ROW_CHUNKS = C // 8                 # 16-byte chunks of a BF16 row
     RAW_PER_LANE = L.BLOCK_TOKENS * ROW_CHUNKS // WARP
-    SWZ = 7 if C == 128 else 3
-    DEC = NS * 2 * T * TB               # byte offsets in the shared array
+    DEC = NS * 2 * T * SB               # byte offsets in the shared array
     BASES = DEC + TB
     PAIRS = D // 2                      # base pair words per row of one kind
-    SMEM_WORDS = smem_bytes(C, T, NS, plain) // 4
+    BASE_PER_LANE = 0 if plain else 2 * BASE_ROWS * PAIRS // WARP
+    SMEM_WORDS = smem_bytes(C, T, NS, plain, SB) // 4
     NENT = MAX_BLOCKS_PER_SPLIT * 2 * T
     TILE_BYTES = L.BLOCK_TOKENS * C * 2
     decode = _decode_tile_fn(C)
+    stage_slot = _stage_slot_fn(C)
     cp_wait = cp_wait_fn(NS - 1)
     do_decode = not plain and variant in (FULL, DECODE_TWICE)
     do_math = variant != LOAD_ONLY
 
     @device
-    def stage_tile(smem, dst, is_tail, entry, slots, slot_bytes, raw, tail, tail_byte, valid, lane):
-        """Start copying one tile to the staging area at byte ``dst``: a slot (sign+mantissa chunks swizzled),
-        a raw tile or the tail (padded rows; tail rows at or after ``valid`` are zeroed so that
-        0 * garbage cannot make a NaN)."""
-        if is_tail:
-            g0 = gaddr(tail, tail_byte)
-            for k in range(RAW_PER_LANE):
-                i = u32(lane + WARP * k)
-                r = i // ROW_CHUNKS
-                a = u32(dst + r * ROWB + 16 * (i % ROW_CHUNKS))
-                if r < valid:
-                    cp16(smem, a, tail, g0 + i32(r * (2 * D) + 16 * (i % ROW_CHUNKS)))
-                else:
-                    sts4(smem, a, u32(0), u32(0), u32(0), u32(0))
-        elif plain or entry < 0:
-            g0 = gaddr(raw, (entry & 0x7FFFFFFF) * TILE_BYTES)
-            for k in range(RAW_PER_LANE):
-                i = u32(lane + WARP * k)
-                cp16(smem, u32(dst + (i // ROW_CHUNKS) * ROWB + 16 * (i % ROW_CHUNKS)), raw, g0 + i32(16 * i))
-        else:
-            g0 = gaddr(slots, entry * slot_bytes)
-            for k in range(SM_PER_LANE):
-                i = u32(lane + WARP * k)
-                cp16(smem, u32(dst + 16 * (i ^ ((i >> 3) & SWZ))), slots, g0 + i32(16 * i))
-            for i in range(SM_CHUNKS + lane, slot_bytes // 16, WARP):
-                cp16(smem, u32(dst + 16 * i), slots, g0 + i32(16 * i))
+    def copy_bf16_tile(smem, dst, is_tail, entry, raw, tail, tail_byte, valid, lane, wait):
+        """Copy a raw tile or the tail to the padded BF16 tile at byte ``dst`` (tail rows at or after
+        ``valid`` are zeroed so that 0 * garbage cannot make a NaN): asynchronously (``cp.async``), or
+        with ``wait``, through registers so that the tile is ready after the next warp barrier."""
+        g0 = gaddr(tail, tail_byte) if is_tail else gaddr(raw, (entry & 0x7FFFFFFF) * TILE_BYTES)
+        for k in range(RAW_PER_LANE):
+            i = u32(lane + WARP * k)
+            r = i // ROW_CHUNKS
+            a = u32(dst + r * ROWB + 16 * (i % ROW_CHUNKS))
+            ga = g0 + i32(r * (2 * D) + 16 * (i % ROW_CHUNKS)) if is_tail else g0 + i32(16 * i)
+            if is_tail and r >= valid:
+                sts4(smem, a, u32(0), u32(0), u32(0), u32(0))
+            elif wait:
+                w0, w1, w2, w3 = ldg4(tail if is_tail else raw, ga)
+                sts4(smem, a, w0, w1, w2, w3)
+            else:
+                cp16(smem, a, tail if is_tail else raw, ga)
 
     @device
     def issue_block(smem, sb, ents, i, st, blk, nfull, slots_k, slots_v, slot_bytes_k, slot_bytes_v, raw_k, raw_v,
                     tail_k, tail_v, tail_base, tail_valid, lane):
-        """Start the copies of block ``blk`` (split-relative ``i``) into stage ``st``."""
+        """Start the copies of block ``blk`` (split-relative ``i``) into stage ``st``: every tile for the
+        plain kernel, the slots for the compressed one."""
         is_tail = blk >= nfull
         for kind in range(2):
             for j in range(T):
                 e = i32(-1) if is_tail else ents[(i * 2 + kind) * T + j]
-                dst = u32(sb + ((st * 2 + kind) * T + j) * TB)
-                if kind == 0:
-                    stage_tile(smem, dst, is_tail, e, slots_k, slot_bytes_k, raw_k, tail_k,
-                               tail_base + j * C * 2, tail_valid, lane)
-                else:
-                    stage_tile(smem, dst, is_tail, e, slots_v, slot_bytes_v, raw_v, tail_v,
-                               tail_base + j * C * 2, tail_valid, lane)
+                dst = u32(sb + ((st * 2 + kind) * T + j) * SB)
+                if plain:
+                    if kind == 0:
+                        copy_bf16_tile(smem, dst, is_tail, e, raw_k, tail_k, tail_base + j * C * 2, tail_valid, lane,
+                                       False)
+                    else:
+                        copy_bf16_tile(smem, dst, is_tail, e, raw_v, tail_v, tail_base + j * C * 2, tail_valid, lane,
+                                       False)
+                elif not is_tail and e >= 0:
+                    if kind == 0:
+                        stage_slot(smem, dst, e, slots_k, slot_bytes_k, lane)
+                    else:
+                        stage_slot(smem, dst, e, slots_v, slot_bytes_v, lane)
 
     @device
-    def tile_of(smem, sb, ents, i, st, kind, j, is_tail, cap, status, scr):
-        """Byte address of the BF16 tile (kind, j) of the block in stage ``st``, decoding it if compressed."""
-        src = u32(sb + ((st * 2 + kind) * T + j) * TB)
-        if do_decode and not is_tail and ents[(i * 2 + kind) * T + j] >= 0:
-            base = u32(sb + BASES + 4 * (kind * 3 * PAIRS + j * (C // 2)) + C * (lane_id() >> 4))
-            decode(smem, src, u32(sb + DEC), base, 4 * PAIRS, cap, status, scr)
+    def tile_of(smem, sb, ents, i, st, kind, j, is_tail, raw, tail, tail_byte, tail_valid, cap, status, scr):
+        """Byte address of the BF16 tile (kind, j) of the block in stage ``st``: the staged tile (plain),
+        or the decode tile after decoding the slot / loading the raw tile or tail into it."""
+        src = u32(sb + ((st * 2 + kind) * T + j) * SB)
+        if plain:
+            return src
+        e = i32(-1) if is_tail else ents[(i * 2 + kind) * T + j]
+        dec = u32(sb + DEC)
+        if is_tail or e < 0:
+            copy_bf16_tile(smem, dec, is_tail, e, raw, tail, tail_byte, tail_valid, lane_id(), True)
+        elif do_decode:
+            base = u32(sb + BASES + 4 * (kind * BASE_ROWS * PAIRS + j * (C // 2)) + C * (lane_id() >> 4))
+            decode(smem, src, dec, base, 4 * PAIRS, cap, status, scr)
             if variant == DECODE_TWICE:
                 warp_sync(scr)
-                decode(smem, src, u32(sb + DEC), base, 4 * PAIRS, cap, status, scr)
-            warp_sync(scr)
-            return u32(sb + DEC)
-        return src
+                decode(smem, src, dec, base, 4 * PAIRS, cap, status, scr)
+        else:
+            return src
+        warp_sync(scr)
+        return dec
 
     @cuda.jit
     def kernel(q32, slots_k, slots_v, raw_k, raw_v, table_k, table_v, tail_k, tail_v, bases, seq_lens, work,
@@ -827,8 +928,10 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
             j = i % T
             row = (b * max_blocks + blk) * (kv_heads * T) + h * T + j
             ents[i] = table_k[row] if (i // T) % 2 == 0 else table_v[row]
-        for i in range(lane, 0 if plain else 2 * 3 * PAIRS, WARP):
-            smem[BASES // 4 + i] = bases[((i // (3 * PAIRS)) * kv_heads + h) * 3 * PAIRS + i % (3 * PAIRS)]
+        for k in range(BASE_PER_LANE):      # unrolled: every load is in flight before the first store
+            i = lane + WARP * k
+            smem[BASES // 4 + i] = bases[((i // (BASE_ROWS * PAIRS)) * kv_heads + h) * BASE_ROWS * PAIRS
+                                         + i % (BASE_ROWS * PAIRS)]
         # Query fragments (A operand: rows = query heads of the group; rows >= g are zero).
         qa0 = cuda.local.array(NCHUNK, uint32)
         qa2 = cuda.local.array(NCHUNK, uint32)
@@ -872,7 +975,8 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
             s10 = f32(0)
             s11 = f32(0)
             for j in range(T):
-                tile = tile_of(smem, sb, ents, i, st, 0, j, is_tail, cap_k, status, scr)
+                tile = tile_of(smem, sb, ents, i, st, 0, j, is_tail, raw_k, tail_k, tail_base + j * C * 2,
+                               tail_valid, cap_k, status, scr)
                 for kc in range(C // 32):
                     kk = j * (C // 16) + 2 * kc
                     x0, x1, x2, x3 = ldsm_k(smem, u32(tile + 64 * kc), ROWB, scr)
@@ -899,7 +1003,8 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
             pa0 = pack_bf16x2(p00, p01)
             pa2 = pack_bf16x2(p10, p11)
             for j in range(T):
-                tile = tile_of(smem, sb, ents, i, st, 1, j, is_tail, cap_v, status, scr)
+                tile = tile_of(smem, sb, ents, i, st, 1, j, is_tail, raw_v, tail_v, tail_base + j * C * 2,
+                               tail_valid, cap_v, status, scr)
                 for nc in range(C // 16):
                     o = j * (C // 8) + 2 * nc
                     x0, x1, x2, x3 = ldsm_v(smem, u32(tile + 32 * nc), ROWB, scr)
