@@ -5,6 +5,11 @@ GPU cache -- on disk, on the wire, in a test vector: a header, the block table
 entries of its tiles, the compressed slots, the raw tiles, and a CRC-32.
 Inside the paged cache the same slots and raw tiles live in two pools and
 the same table entries point into them.
+
+A block is coded with the bases of one calibration **epoch** (FORMAT.md 3.5):
+epoch 0 is the calibration's own bases and is written as a version 1
+container, exactly as before epochs existed; a later epoch is written as a
+version 2 container whose header names the epoch and carries that epoch's id.
 """
 from __future__ import annotations
 
@@ -51,6 +56,7 @@ class EncodedBlock:
     raw_tiles: tuple             # indices of tiles kept as raw BF16 (slot overflow)
     payload_bytes: int           # codes, tags, sign/mantissa and used escapes; raw tiles at 2 bytes/element
     resident_bytes: int          # what the paged cache holds: slots, raw tiles, table entries
+    epoch: int = 0               # the calibration epoch whose bases coded the block (FORMAT.md 3.5)
 
     @property
     def n_tiles(self) -> int:
@@ -73,13 +79,19 @@ class EncodedBlock:
         return self.data
 
 
-def encode_block(x, calibration: Calibration, layer: int, kind) -> EncodedBlock:
-    """Encode one block ``[kv_heads, 16, head_dim]`` of layer ``layer``'s K (``kind='k'``) or V."""
+def encode_block(x, calibration: Calibration, layer: int, kind, epoch: int = 0) -> EncodedBlock:
+    """Encode one block ``[kv_heads, 16, head_dim]`` of layer ``layer``'s K (``kind='k'``) or V.
+
+    ``epoch`` picks the calibration epoch whose bases code it (default 0, the
+    calibration's own bases; FORMAT.md 3.5).
+    """
     check_calibration(calibration)
     kind = parse_kind(kind)
     if isinstance(layer, bool) or not isinstance(layer, numbers.Integral):
         raise InputError(f"layer must be an integer, got {layer!r}")
-    layer = int(layer)
+    if isinstance(epoch, bool) or not isinstance(epoch, numbers.Integral):
+        raise InputError(f"epoch must be an integer, got {epoch!r}")
+    layer, epoch = int(layer), int(epoch)
     bits = as_bits(x, "block", ndim=3)
     heads, tokens, dim = bits.shape
     if tokens != L.BLOCK_TOKENS:
@@ -88,9 +100,9 @@ def encode_block(x, calibration: Calibration, layer: int, kind) -> EncodedBlock:
     if dim not in L.SUPPORTED_HEAD_DIMS:
         raise InputError(f"head_dim {dim} is not supported; GAAC v1 supports {L.SUPPORTED_HEAD_DIMS}")
     calibration.check_shape(None, heads, dim)
-    calibration.check_layer(layer)
+    calibration.check_epoch(layer, kind, epoch)
     capacity = int(calibration.capacity[kind, layer])
-    b3, b4 = tile_bases(*calibration.bases(layer, kind))
+    b3, b4 = tile_bases(*calibration.bases(layer, kind, epoch))
     enc = encode_tiles(block_tiles(bits), b3, b4, capacity)
 
     entries, slots, raws = [], [], []
@@ -101,8 +113,9 @@ def encode_block(x, calibration: Calibration, layer: int, kind) -> EncodedBlock:
         else:
             entries.append(L.TABLE_RAW_FLAG | len(raws))
             raws.append(enc.raw[t])
-    header = L.STREAM_HEADER.pack(L.STREAM_MAGIC, L.FORMAT_VERSION, L.ELEMENT_BF16, kind, L.BLOCK_TOKENS,
-                                  layer, heads, dim, capacity, calibration.id, 0)
+    version = 1 if epoch == 0 else L.FORMAT_VERSION       # the oldest version that can say it (FORMAT.md 7.1)
+    header = L.STREAM_HEADER_V2.pack(L.STREAM_MAGIC, version, L.ELEMENT_BF16, kind, L.BLOCK_TOKENS, layer, heads,
+                                     dim, capacity, calibration.epoch_id(layer, kind, epoch), epoch, 0)
     body = header + np.array(entries, dtype="<u4").tobytes() + b"".join(s.tobytes() for s in slots) \
         + b"".join(r.tobytes() for r in raws)
     data = body + np.uint32(zlib.crc32(body)).astype("<u4").tobytes()
@@ -114,7 +127,7 @@ def encode_block(x, calibration: Calibration, layer: int, kind) -> EncodedBlock:
         + len(entries) * L.TABLE_ENTRY_BYTES
     return EncodedBlock(data=data, layer=layer, kind=kind, kv_heads=heads, head_dim=dim, modes=enc.modes,
                         raw_tiles=tuple(int(t) for t in np.flatnonzero(~fits)),
-                        payload_bytes=payload, resident_bytes=resident)
+                        payload_bytes=payload, resident_bytes=resident, epoch=epoch)
 
 
 def decode_block(block, calibration: Calibration) -> np.ndarray:
@@ -122,7 +135,8 @@ def decode_block(block, calibration: Calibration) -> np.ndarray:
 
     Every rule of FORMAT.md section 8 is checked; a stream that breaks one
     raises :class:`FormatError` (or :class:`CalibrationError` when the stream
-    is valid but was made with another calibration).
+    is valid but was made with another calibration, or with an epoch this
+    calibration does not hold).  Versions 1 and 2 are read.
     """
     if not isinstance(block, (bytes, bytearray, memoryview, EncodedBlock)):
         raise InputError(f"expected bytes or EncodedBlock, got {type(block).__name__}")
@@ -131,12 +145,15 @@ def decode_block(block, calibration: Calibration) -> np.ndarray:
     need = L.STREAM_HEADER_BYTES + L.STREAM_CRC_BYTES
     if len(data) < need:
         raise FormatError(f"truncated stream: {len(data)} bytes, a block container has at least {need}")
-    (magic, version, element, kind, tokens, layer, heads, dim, capacity, cal_id,
-     reserved) = L.STREAM_HEADER.unpack_from(data)
+    (magic, version, element, kind, tokens, layer, heads, dim, capacity, cal_id, epoch,
+     reserved) = L.STREAM_HEADER_V2.unpack_from(data)
     if magic != L.STREAM_MAGIC:
         raise FormatError(f"bad magic {magic!r}: not a GAAC block stream (expected {L.STREAM_MAGIC!r})")
-    if version != L.FORMAT_VERSION:
-        raise FormatError(f"stream version {version} is not supported (this decoder reads {L.FORMAT_VERSION})")
+    if version not in L.READABLE_VERSIONS:
+        raise FormatError(f"stream version {version} is not supported (this decoder reads versions "
+                          f"{' and '.join(map(str, L.READABLE_VERSIONS))})")
+    if version == 1:        # version 1 has no epoch: its whole last u32 is reserved (R7)
+        epoch, reserved = 0, epoch | reserved << 16
     if element != L.ELEMENT_BF16:
         raise FormatError(f"element format {element} is not supported (BF16 is {L.ELEMENT_BF16})")
     if kind not in L.KIND_NAMES or tokens != L.BLOCK_TOKENS or reserved != 0:
@@ -171,7 +188,7 @@ def decode_block(block, calibration: Calibration) -> np.ndarray:
         raise FormatError(f"tile table entry {t} points at index {index[t]}, expected {want[t]} "
                           "(tiles of each class are numbered in tile order)")
 
-    if cal_id != calibration.id:
+    if epoch == 0 and cal_id != calibration.id:
         raise CalibrationError(f"stream was encoded with calibration {cal_id:08x}, this calibration is "
                                f"{calibration.id:08x} (model {calibration.model!r})")
     calibration.check_shape(None, heads, dim)
@@ -179,8 +196,15 @@ def decode_block(block, calibration: Calibration) -> np.ndarray:
     if capacity != calibration.capacity[kind, layer]:
         raise CalibrationError(f"stream escape capacity {capacity} differs from the calibration's "
                                f"{calibration.capacity[kind, layer]} for layer {layer} {L.KIND_NAMES[kind]}")
+    if epoch:
+        calibration.check_epoch(layer, kind, epoch)                         # R21: "unknown epoch"
+        if cal_id != calibration.epoch_id(layer, kind, epoch):              # R22
+            raise CalibrationError(f"stream epoch {epoch} has id {cal_id:08x}, but epoch {epoch} of this "
+                                   f"calibration (layer {layer} {L.KIND_NAMES[kind]}) has id "
+                                   f"{calibration.epoch_id(layer, kind, epoch):08x}: the stream belongs to "
+                                   "another cache's epochs")
 
-    b3, b4 = tile_bases(*calibration.bases(layer, kind))
+    b3, b4 = tile_bases(*calibration.bases(layer, kind, epoch))
     out = np.empty((n_tiles, L.BLOCK_TOKENS, geo.channels), dtype=np.uint16)
     body = np.frombuffer(data, dtype=np.uint8, offset=table_end, count=len(data) - table_end - 4)
     slots = body[: n_slot * slot_size].reshape(n_slot, slot_size)

@@ -13,6 +13,14 @@ a smaller one sends more tiles to the raw BF16 pool (FORMAT.md section 6).
 Ties go to the smallest base and the smallest capacity, so calibration is a
 pure function of its input.  A calibration only changes sizes: any value,
 in a window or not, round-trips.
+
+A calibration may also carry **epochs** (FORMAT.md 3.5): further bases per
+(kind, layer) that a cache appended while its context grew past what the
+calibration saw (:mod:`gaac.epochs` says when).  ``b3``/``b4`` are epoch 0;
+``epochs[(kind, layer)]`` lists epochs 1, 2, ...  A block records its epoch and
+is decoded with that epoch's bases, so saving a calibration with its epochs
+keeps every stream of the cache decodable.  :attr:`Calibration.id` covers
+epoch 0 only; each later epoch has an id of its own (:meth:`Calibration.epoch_id`).
 """
 from __future__ import annotations
 
@@ -29,6 +37,12 @@ from .errors import CalibrationError, InputError
 from .progress import progress
 
 CALIBRATION_FORMAT = "gaac-calibration"
+# The "version" of a calibration file without epochs, and the version byte of the canonical bytes of 3.3:
+# format version 2 left both alone, so every version 1 calibration keeps its file and its id.
+CALIBRATION_VERSION = 1
+EPOCHS_VERSION = 2                 # the "version" of a calibration file with an "epochs" section
+EPOCH_MAGIC = b"GAACEPCH"          # FORMAT.md 3.5: first bytes of an epoch's canonical bytes
+MAX_EPOCH = 0xFFFF                 # the block header's epoch is a u16
 
 
 @dataclass
@@ -40,17 +54,26 @@ class Calibration:
     capacity: np.ndarray
     model: str | None = None
     notes: dict = field(default_factory=dict)
+    epochs: dict = field(default_factory=dict)   # {(kind, layer): [(b3, b4) of epoch 1, of epoch 2, ...]}
 
     def __post_init__(self):
-        try:
-            self.b3 = np.asarray(self.b3, dtype=np.int64)
-            self.b4 = np.asarray(self.b4, dtype=np.int64)
-            self.capacity = np.asarray(self.capacity, dtype=np.int64)
-        except (TypeError, ValueError, OverflowError) as exc:    # ragged, non-numeric or beyond int64
-            raise CalibrationError(f"malformed calibration tables: {exc}") from exc
+        tables = (self.b3, self.b4, self.capacity)
+        self.b3, self.b4, self.capacity = (_int_array(t, "calibration tables") for t in tables)
         self.validate()
         self.b3 = self.b3.astype(np.uint8)
         self.b4 = self.b4.astype(np.uint8)
+        given, self.epochs = self.epochs, {}
+        if not isinstance(given, dict):
+            raise CalibrationError(f"epochs must be a dict {{(kind, layer): [(b3, b4), ...]}}, got "
+                                   f"{type(given).__name__}")
+        for key, tables in given.items():
+            if not (isinstance(key, tuple) and len(key) == 2 and key[0] in L.KIND_NAMES
+                    and isinstance(key[1], (int, np.integer)) and 0 <= key[1] < self.layers):
+                raise CalibrationError(f"epochs key {key!r} is not (kind 0 or 1, layer 0..{self.layers - 1})")
+            for pair in tables:
+                if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+                    raise CalibrationError(f"epochs of {key!r}: expected (b3, b4) pairs, got {type(pair).__name__}")
+                self.add_epoch(int(key[1]), int(key[0]), *pair)
 
     # -- shape ---------------------------------------------------------------
     @property
@@ -78,10 +101,7 @@ class Calibration:
             raise CalibrationError(f"capacity must be [2, {self.b3.shape[1]}], got {list(self.capacity.shape)}")
         if self.b3.shape[3] not in L.SUPPORTED_HEAD_DIMS:
             raise CalibrationError(f"head_dim {self.b3.shape[3]} is not one of {L.SUPPORTED_HEAD_DIMS}")
-        if self.b3.min() < 0 or self.b3.max() > L.B3_MAX:
-            raise CalibrationError(f"3-bit bases must lie in 0..{L.B3_MAX} so that base + 7 <= 255")
-        if self.b4.min() < 0 or self.b4.max() > L.B4_MAX:
-            raise CalibrationError(f"4-bit bases must lie in 0..{L.B4_MAX} so that base + 15 <= 255")
+        _check_base_ranges(self.b3, self.b4, "")
         bad = (self.capacity < 0) | (self.capacity > L.MAX_ESCAPE_CAPACITY) | (self.capacity % L.SLOT_ALIGN != 0)
         if bad.any():
             raise CalibrationError(f"escape capacities must be multiples of {L.SLOT_ALIGN} in "
@@ -100,8 +120,8 @@ class Calibration:
 
     # -- identity ------------------------------------------------------------
     def canonical_bytes(self) -> bytes:
-        """FORMAT.md 3.3: the bytes whose CRC-32 is the calibration id."""
-        head = b"GAACCAL" + bytes([L.FORMAT_VERSION])
+        """FORMAT.md 3.3: the bytes whose CRC-32 is the calibration id (epoch 0 only)."""
+        head = b"GAACCAL" + bytes([CALIBRATION_VERSION])
         dims = np.array([self.layers, self.kv_heads, self.head_dim], dtype="<u4").tobytes()
         return head + dims + self.b3.tobytes() + self.b4.tobytes() + self.capacity.astype("<u2").tobytes()
 
@@ -109,31 +129,96 @@ class Calibration:
     def id(self) -> int:
         return zlib.crc32(self.canonical_bytes())
 
-    def bases(self, layer: int, kind: int) -> tuple[np.ndarray, np.ndarray]:
-        """``(b3, b4)`` of one layer and kind, each ``[kv_heads, head_dim]``."""
+    def bases(self, layer: int, kind: int, epoch: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """``(b3, b4)`` of one layer, kind and epoch, each ``[kv_heads, head_dim]``."""
+        self.check_epoch(layer, kind, epoch)
+        if epoch == 0:
+            return self.b3[kind, layer], self.b4[kind, layer]
+        return self.epochs[(kind, layer)][epoch - 1]
+
+    def copy(self) -> "Calibration":
+        """An independent calibration with the same tables and epochs (appending to it leaves this one alone)."""
+        return Calibration(b3=self.b3, b4=self.b4, capacity=self.capacity, model=self.model, notes=dict(self.notes),
+                           epochs={key: list(tables) for key, tables in self.epochs.items()})
+
+    # -- epochs (FORMAT.md 3.5) ------------------------------------------------
+    def n_epochs(self, layer: int, kind: int) -> int:
+        """Epochs of one layer and kind, epoch 0 (the calibration's own bases) included."""
+        return 1 + len(self.epochs.get((kind, layer), ()))
+
+    def check_epoch(self, layer: int, kind: int, epoch: int) -> None:
         self.check_layer(layer)
-        return self.b3[kind, layer], self.b4[kind, layer]
+        if not 0 <= epoch < self.n_epochs(layer, kind):
+            raise CalibrationError(f"unknown epoch {epoch}: the calibration has {self.n_epochs(layer, kind)} "
+                                   f"epoch(s) for layer {layer} {L.KIND_NAMES[kind]} (a cache that appended "
+                                   "epochs must save its calibration with them)")
+
+    def epoch_canonical_bytes(self, layer: int, kind: int, epoch: int) -> bytes:
+        """FORMAT.md 3.5: the bytes whose CRC-32 is the id of epoch ``epoch >= 1``.
+
+        They hold the calibration id, the layer, the epoch and the kind, so an
+        epoch's id differs from that of any other cache's epoch of the same index.
+        """
+        if epoch < 1:
+            raise CalibrationError(f"epoch {epoch}: only epochs 1 and later have epoch bytes; epoch 0 is "
+                                   "identified by the calibration id")
+        b3, b4 = self.bases(layer, kind, epoch)
+        return EPOCH_MAGIC + np.array([self.id], dtype="<u4").tobytes() \
+            + np.array([layer, epoch], dtype="<u2").tobytes() + bytes([kind]) + b3.tobytes() + b4.tobytes()
+
+    def epoch_id(self, layer: int, kind: int, epoch: int) -> int:
+        """The id a block of ``epoch`` carries in its header: the calibration id for epoch 0."""
+        self.check_epoch(layer, kind, epoch)
+        return self.id if epoch == 0 else zlib.crc32(self.epoch_canonical_bytes(layer, kind, epoch))
+
+    def add_epoch(self, layer: int, kind: int, b3, b4) -> int:
+        """Append bases ``[kv_heads, head_dim]`` as the newest epoch of one layer and kind; return its index."""
+        self.check_layer(layer)
+        if kind not in L.KIND_NAMES:
+            raise CalibrationError(f"kind must be 0 (K) or 1 (V), got {kind!r}")
+        epoch = self.n_epochs(layer, kind)
+        if epoch > MAX_EPOCH:
+            raise CalibrationError(f"layer {layer} {L.KIND_NAMES[kind]} already has {epoch} epochs, the most a "
+                                   f"block header can name")
+        b3, b4 = (_int_array(t, f"epoch {epoch} of layer {layer} {L.KIND_NAMES[kind]}") for t in (b3, b4))
+        where = f"epoch {epoch} of layer {layer} {L.KIND_NAMES[kind]}"
+        if b3.shape != (self.kv_heads, self.head_dim) or b4.shape != b3.shape:
+            raise CalibrationError(f"{where}: bases must be [{self.kv_heads}, {self.head_dim}], got "
+                                   f"{list(b3.shape)} and {list(b4.shape)}")
+        _check_base_ranges(b3, b4, f"{where}: ")
+        self.epochs.setdefault((kind, layer), []).append((b3.astype(np.uint8), b4.astype(np.uint8)))
+        return epoch
 
     # -- files ---------------------------------------------------------------
     def to_dict(self) -> dict:
-        return {
+        d = {
             "format": CALIBRATION_FORMAT,
-            "version": L.FORMAT_VERSION,
+            "version": EPOCHS_VERSION if self.epochs else CALIBRATION_VERSION,
             "model": self.model,
             "layers": self.layers, "kv_heads": self.kv_heads, "head_dim": self.head_dim,
             "id": f"{self.id:08x}",
             "k": {"b3": self.b3[0].tolist(), "b4": self.b4[0].tolist(), "capacity": self.capacity[0].tolist()},
             "v": {"b3": self.b3[1].tolist(), "b4": self.b4[1].tolist(), "capacity": self.capacity[1].tolist()},
-            "notes": self.notes,
         }
+        if self.epochs:
+            d["epochs"] = {name: [[{"b3": b3.tolist(), "b4": b4.tolist(),
+                                    "id": f"{self.epoch_id(layer, kind, e):08x}"}
+                                   for e, (b3, b4) in enumerate(self.epochs.get((kind, layer), ()), start=1)]
+                                  for layer in range(self.layers)]
+                           for kind, name in L.KIND_NAMES.items()}
+        d["notes"] = self.notes
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "Calibration":
         if not isinstance(d, dict) or d.get("format") != CALIBRATION_FORMAT:
             raise CalibrationError(f"not a GAAC calibration (expected \"format\": \"{CALIBRATION_FORMAT}\")")
-        if d.get("version") != L.FORMAT_VERSION:
+        if d.get("version") not in (CALIBRATION_VERSION, EPOCHS_VERSION) or type(d.get("version")) is not int:
             raise CalibrationError(f"calibration version {d.get('version')} is not supported "
-                                   f"(this gaac reads version {L.FORMAT_VERSION})")
+                                   f"(this gaac reads versions {CALIBRATION_VERSION} and {EPOCHS_VERSION})")
+        if "epochs" in d and d["version"] != EPOCHS_VERSION:
+            raise CalibrationError(f"a calibration with an \"epochs\" section is version {EPOCHS_VERSION}, "
+                                   f"this file says {d['version']}")
         for kind in ("k", "v"):
             for name in ("b3", "b4", "capacity"):
                 table = d.get(kind, {}).get(name) if isinstance(d.get(kind), dict) else None
@@ -157,7 +242,30 @@ class Calibration:
         if "id" in d and d["id"] != f"{cal.id:08x}":
             raise CalibrationError(f"calibration id {d['id']} does not match its tables ({cal.id:08x}): "
                                    "the file was edited or damaged")
+        cal._read_epochs(d.get("epochs", {}))
         return cal
+
+    def _read_epochs(self, section) -> None:
+        """FORMAT.md 3.5: ``{"k": [per layer: [{"b3", "b4", "id"?}, ...]], "v": [...]}`` appended in order."""
+        if not isinstance(section, dict) or not set(section) <= {"k", "v"}:
+            raise CalibrationError("malformed calibration: \"epochs\" must be an object with keys \"k\" and \"v\"")
+        for kind, name in L.KIND_NAMES.items():
+            layers = section.get(name, [[] for _ in range(self.layers)])
+            if not isinstance(layers, list) or len(layers) != self.layers:
+                raise CalibrationError(f"malformed calibration: epochs.{name} must list the epochs of each of "
+                                       f"the {self.layers} layers")
+            for layer, epochs in enumerate(layers):
+                if not isinstance(epochs, list):
+                    raise CalibrationError(f"malformed calibration: epochs.{name}[{layer}] is not a list")
+                for entry in epochs:
+                    where = f"epochs.{name}[{layer}] epoch {self.n_epochs(layer, kind)}"
+                    if not isinstance(entry, dict) or not all(_all_ints(entry.get(t)) for t in ("b3", "b4")):
+                        raise CalibrationError(f"malformed calibration: {where} needs integer tables b3 and b4")
+                    epoch = self.add_epoch(layer, kind, entry["b3"], entry["b4"])
+                    if "id" in entry and entry["id"] != f"{self.epoch_id(layer, kind, epoch):08x}":
+                        raise CalibrationError(f"{where}: id {entry['id']} does not match its tables "
+                                               f"({self.epoch_id(layer, kind, epoch):08x}): the file was edited "
+                                               "or damaged")
 
     def save(self, path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), separators=(",", ":")) + "\n")
@@ -169,6 +277,22 @@ class Calibration:
         except json.JSONDecodeError as exc:
             raise CalibrationError(f"{path}: not JSON ({exc})") from exc
         return cls.from_dict(d)
+
+
+def _int_array(table, what: str) -> np.ndarray:
+    """``table`` as int64, or :class:`CalibrationError` for ragged, non-numeric or huge input."""
+    try:
+        return np.asarray(table, dtype=np.int64)
+    except (TypeError, ValueError, OverflowError) as exc:    # ragged, non-numeric or beyond int64
+        raise CalibrationError(f"malformed {what}: {exc}") from exc
+
+
+def _check_base_ranges(b3: np.ndarray, b4: np.ndarray, where: str) -> None:
+    """FORMAT.md 3.2 rule 2 (``where`` prefixes the message): every ``base + code`` stays <= 255."""
+    if b3.size and (b3.min() < 0 or b3.max() > L.B3_MAX):
+        raise CalibrationError(f"{where}3-bit bases must lie in 0..{L.B3_MAX} so that base + 7 <= 255")
+    if b4.size and (b4.min() < 0 or b4.max() > L.B4_MAX):
+        raise CalibrationError(f"{where}4-bit bases must lie in 0..{L.B4_MAX} so that base + 15 <= 255")
 
 
 def _all_ints(table) -> bool:

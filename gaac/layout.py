@@ -1,4 +1,4 @@
-"""The GAAC v1 layout: every constant of the bitstream, in one place.
+"""The GAAC layout (format version 2): every constant of the bitstream, in one place.
 
 The reference codec, the CUDA kernels, the paged cache and the tables of
 ``format_spec/FORMAT.md`` all derive their numbers from this module, so a
@@ -19,7 +19,8 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2         # the newest version this gaac reads and writes
+READABLE_VERSIONS = (1, 2)  # a version 1 stream is a version 2 stream of epoch 0
 
 BLOCK_TOKENS = 16          # tokens per block and per tile
 GROUP_SIZE = 8             # consecutive channels of one token sharing a mode tag
@@ -66,8 +67,13 @@ TABLE_INDEX_MASK = TABLE_RAW_FLAG - 1
 STREAM_MAGIC = b"GAAC"
 STREAM_HEADER = struct.Struct("<4sBBBBHHHHII")
 # magic, version, element format, kind, tokens, layer, kv_heads, head_dim,
-# escape capacity, calibration id, reserved (must be 0)
-STREAM_HEADER_BYTES = STREAM_HEADER.size  # 24
+# escape capacity, calibration id, reserved (must be 0).  The version 1 layout, which FP8 containers
+# (FORMAT-FP8.md) keep: their last u32 is reserved.
+STREAM_HEADER_V2 = struct.Struct("<4sBBBBHHHHIHH")
+# The version 2 layout of a BF16 container: the last u32 of version 1 split into the block's calibration
+# epoch (u16) and a reserved u16 (must be 0); the u32 before it identifies the epoch's bases (FORMAT.md 3.5).
+# Little-endian, so a version 1 header read with it has epoch 0 and reserved 0 exactly when its u32 is 0.
+STREAM_HEADER_BYTES = STREAM_HEADER.size  # 24, both layouts
 STREAM_CRC_BYTES = 4
 
 
