@@ -1,4 +1,4 @@
-"""Generate the GAAC v1 test vectors in ``format_spec/vectors/`` (FORMAT.md appendix A).
+"""Generate the GAAC BF16 test vectors (versions 1 and 2) in ``format_spec/vectors/`` (FORMAT.md appendix A).
 
 Run from the repository root::
 
@@ -39,7 +39,7 @@ KV_DIR = HERE.parents[1] / "shared" / "data" / "kv"
 REAL_DUMP = "smollm2-135m-instruct-q4_1__prose__{}.npy"
 REAL_BLOCK = 18   # block of layer 0 whose K and V both have raw groups under the layer-0 calibration
 
-Header = namedtuple("Header", "magic version element kind tokens layer kv_heads head_dim capacity cal_id reserved")
+Header = namedtuple("Header", "magic version element kind tokens layer kv_heads head_dim capacity cal_id epoch reserved")
 
 
 class Rand:
@@ -79,9 +79,30 @@ def edge_calibration() -> gaac.Calibration:
     return gaac.Calibration(b3=b3, b4=b4, capacity=[[16], [0]], model="synthetic: exponent windows at 0 and 255")
 
 
+def epoch_calibration(base: gaac.Calibration, k_epoch_2_shift: int, model: str) -> gaac.Calibration:
+    """``base`` (its epoch 0, so the same calibration id) with epochs appended as a cache would (FORMAT.md 3.5).
+
+    Layer 0 K gets epochs 1 (bases 2 up) and 2 (bases ``k_epoch_2_shift`` from
+    epoch 0); layer 1 V gets epoch 1 (``b3`` 5 up, ``b4`` 1 up).  Two calibrations
+    that differ only in ``k_epoch_2_shift`` are two caches of one model whose
+    epoch 2 differs: vector ``reject_epoch_id``.
+    """
+    cal = base.copy()
+    cal.model = model
+    b3, b4 = (b.astype(np.int64) for b in base.bases(0, L.KIND_K))
+    cal.add_epoch(0, L.KIND_K, b3 + 2, b4 + 2)
+    cal.add_epoch(0, L.KIND_K, b3 + k_epoch_2_shift, b4 + k_epoch_2_shift)
+    b3, b4 = (b.astype(np.int64) for b in base.bases(1, L.KIND_V))
+    cal.add_epoch(1, L.KIND_V, b3 + 5, b4 + 1)
+    return cal
+
+
 def calibrations(kv_dir: Path | None) -> dict[str, gaac.Calibration]:
+    d64 = synthetic_calibration(2, 2, 64, [[32, 16], [0, 48]], 7, "synthetic head_dim 64")
     cals = {
-        "cal_d64": synthetic_calibration(2, 2, 64, [[32, 16], [0, 48]], 7, "synthetic head_dim 64"),
+        "cal_d64": d64,
+        "cal_epochs": epoch_calibration(d64, -3, "synthetic head_dim 64, with epochs"),
+        "cal_epochs_other": epoch_calibration(d64, -2, "synthetic head_dim 64, with another cache's epochs"),
         "cal_d128": synthetic_calibration(1, 1, 128, [[32], [112]], 5, "synthetic head_dim 128"),
         "cal_d256": synthetic_calibration(1, 2, 256, [[48], [16]], 11, "synthetic head_dim 256"),
         "cal_edge": edge_calibration(),
@@ -99,8 +120,8 @@ def calibrations(kv_dir: Path | None) -> dict[str, gaac.Calibration]:
 class BlockBuilder:
     """A block ``[kv_heads, 16, head_dim]`` built group by group, remembering each group's intended mode."""
 
-    def __init__(self, cal: gaac.Calibration, layer: int, kind: str, seed: int):
-        self.b3, self.b4 = (b.astype(np.int64) for b in cal.bases(layer, parse_kind(kind)))
+    def __init__(self, cal: gaac.Calibration, layer: int, kind: str, seed: int, epoch: int = 0):
+        self.b3, self.b4 = (b.astype(np.int64) for b in cal.bases(layer, parse_kind(kind), epoch))
         self.heads, self.dim = self.b3.shape
         self.geo = L.geometry(self.dim)
         self.per = L.tiles_per_head(self.dim)
@@ -151,7 +172,7 @@ class BlockBuilder:
 # -- vectors -----------------------------------------------------------------
 
 def describe(name: str, covers: str, data: bytes, cal_file: str, cal: gaac.Calibration, layer: int, kind: int,
-             block: np.ndarray, modes: np.ndarray, *, canonical: bool = True) -> dict:
+             block: np.ndarray, modes: np.ndarray, *, canonical: bool = True, epoch: int = 0) -> dict:
     """The JSON of a valid vector (FORMAT.md appendix A).
 
     ``modes`` are the tags the encoder gave every tile (for a raw tile: the ones
@@ -174,7 +195,8 @@ def describe(name: str, covers: str, data: bytes, cal_file: str, cal: gaac.Calib
               "modes": "".join(str(int(m)) for m in modes[t]), "escape_bytes": esc[t]} for t in range(n_tiles)]
     return {
         "name": name, "valid": True, "covers": covers,
-        "calibration": cal_file, "calibration_id": f"{cal.id:08x}",
+        "calibration": cal_file, "calibration_id": f"{cal.id:08x}", "version": data[4], "epoch": epoch,
+        "bases_id": f"{cal.epoch_id(layer, kind, epoch):08x}",
         "layer": layer, "kind": L.KIND_NAMES[kind], "kv_heads": heads, "head_dim": dim,
         "tile_channels": geo.channels, "escape_capacity": capacity, "canonical": canonical,
         "bytes": len(data), "tiles": tiles, "raw_tiles": raw,
@@ -189,7 +211,7 @@ def describe(name: str, covers: str, data: bytes, cal_file: str, cal: gaac.Calib
 def described(name: str, covers: str, enc: gaac.EncodedBlock, cal_file: str, cal: gaac.Calibration,
               block: np.ndarray) -> tuple[str, bytes, dict]:
     """A canonical vector made by ``encode_block``, whose own size report must agree with :func:`describe`."""
-    meta = describe(name, covers, enc.data, cal_file, cal, enc.layer, enc.kind, block, enc.modes)
+    meta = describe(name, covers, enc.data, cal_file, cal, enc.layer, enc.kind, block, enc.modes, epoch=enc.epoch)
     assert (meta["payload_bytes"], meta["resident_bytes"], tuple(meta["raw_tiles"])) == \
         (enc.payload_bytes, enc.resident_bytes, enc.raw_tiles), name
     return name, enc.data, meta
@@ -197,7 +219,7 @@ def described(name: str, covers: str, enc: gaac.EncodedBlock, cal_file: str, cal
 
 def split_container(data: bytes) -> tuple[Header, list[int], bytes]:
     """(header, block table, slots + raw tiles) of a well-formed container."""
-    head = Header(*L.STREAM_HEADER.unpack_from(data))
+    head = Header(*L.STREAM_HEADER_V2.unpack_from(data))
     n = head.kv_heads * L.tiles_per_head(head.head_dim)
     table = list(struct.unpack_from(f"<{n}I", data, L.STREAM_HEADER_BYTES))
     return head, table, data[L.STREAM_HEADER_BYTES + 4 * n:-L.STREAM_CRC_BYTES]
@@ -205,7 +227,7 @@ def split_container(data: bytes) -> tuple[Header, list[int], bytes]:
 
 def join_container(head: Header, table, body: bytes) -> bytes:
     """Header + table + body, with a freshly computed CRC-32 (FORMAT.md 7.4)."""
-    data = L.STREAM_HEADER.pack(*head) + struct.pack(f"<{len(table)}I", *table) + body
+    data = L.STREAM_HEADER_V2.pack(*head) + struct.pack(f"<{len(table)}I", *table) + body
     return data + struct.pack("<I", zlib.crc32(data))
 
 
@@ -312,6 +334,43 @@ def synthetic_vectors(cals) -> list[tuple[str, bytes, dict]]:
 
     out.append(edge_vector(cals))
     out.extend(noncanonical_vectors(cals, all3))
+    out.extend(epoch_vectors(cals, all3))
+    return out
+
+
+def epoch_vectors(cals, all3: BlockBuilder) -> list[tuple[str, bytes, dict]]:
+    """Version 2 containers: blocks coded with a later calibration epoch (FORMAT.md 3.5), and epoch 0 in v2."""
+    cal = cals["cal_epochs"]
+    out = []
+    b = BlockBuilder(cal, 0, "k", seed=12, epoch=2)
+    for g in (4, 50, 99):
+        b.group(0, g, L.MODE_4BIT)
+    b.group(1, 17, L.MODE_RAW)
+    enc = gaac.encode_block(b.bits, cal, 0, "k", epoch=2)
+    assert np.array_equal(enc.modes, b.intent)
+    assert not np.array_equal(gaac.encode_block(b.bits, cal, 0, "k").modes, b.intent)   # epoch 0 codes it otherwise
+    out.append(described("epoch_k", "version 2: layer 0 K coded with epoch 2 of cal_epochs.json (its bases 3 below "
+                         "epoch 0's); the header names epoch 2 and carries epoch 2's id", enc, "cal_epochs.json",
+                         cal, b.bits))
+
+    b = BlockBuilder(cal, 1, "v", seed=13, epoch=1)
+    for g in range(10):
+        b.group(0, 12 * g + 5, L.MODE_RAW)
+    b.group(1, 64, L.MODE_4BIT)
+    enc = gaac.encode_block(b.bits, cal, 1, "v", epoch=1)
+    assert np.array_equal(enc.modes, b.intent) and enc.raw_tiles == (0,)
+    out.append(described("epoch_v", "version 2: layer 1 V coded with epoch 1 of cal_epochs.json; tile 0 needs 50 "
+                         "escape bytes and stays a raw tile (the capacity, 48, is the calibration's in every "
+                         "epoch)", enc, "cal_epochs.json", cal, b.bits))
+
+    d64 = cals["cal_d64"]
+    head, table, body = split_container(gaac.encode_block(all3.bits, d64, 0, "k").data)
+    data = join_container(head._replace(version=2), table, body)
+    out.append(("v2_epoch0", data, describe(
+        "v2_epoch0", "not canonical: block all_3bit in a version 2 header with epoch 0 (an encoder writes "
+        "version 1 for epoch 0); a decoder must accept it and read it as version 1 (FORMAT.md 7.1)", data,
+        "cal_d64.json", d64, 0, L.KIND_K, all3.bits, gaac.encode_block(all3.bits, d64, 0, "k").modes,
+        canonical=False)))
     return out
 
 
@@ -421,16 +480,16 @@ def reject_vectors(valid: dict, cals) -> list[tuple[str, bytes, dict]]:
         ("reject_short", "R1", "FormatError", "truncated stream", "only the 24 header bytes", base[:24]),
         ("reject_bad_magic", "R2", "FormatError", "bad magic", "magic 'GAAX'",
          join_container(head._replace(magic=b"GAAX"), table, body)),
-        ("reject_version", "R3", "FormatError", "stream version", "version 2",
-         join_container(head._replace(version=2), table, body)),
+        ("reject_version", "R3", "FormatError", "stream version", "version 3",
+         join_container(head._replace(version=3), table, body)),
         ("reject_element_format", "R4", "FormatError", "element format", "element format 2",
          join_container(head._replace(element=2), table, body)),
         ("reject_kind", "R5", "FormatError", "bad header", "kind 2",
          join_container(head._replace(kind=2), table, body)),
         ("reject_tokens", "R6", "FormatError", "bad header", "tokens 15",
          join_container(head._replace(tokens=15), table, body)),
-        ("reject_reserved_field", "R7", "FormatError", "bad header", "reserved header field 1",
-         join_container(head._replace(reserved=1), table, body)),
+        ("reject_reserved_field", "R7", "FormatError", "bad header", "version 1 reserved header field (bytes "
+         "20..23) 1", join_container(head._replace(epoch=1), table, body)),
         ("reject_head_dim", "R8", "FormatError", "bad header", "head_dim 96",
          join_container(head._replace(head_dim=96), table, body)),
         ("reject_zero_heads", "R9", "FormatError", "bad header", "kv_heads 0",
@@ -466,10 +525,36 @@ def reject_vectors(valid: dict, cals) -> list[tuple[str, bytes, dict]]:
         ("reject_escape_padding", "R20", "FormatError", "is not zero after",
          f"last byte of the escape area ({used} bytes used) set to 01", join_container(head, table, bytes(dirty))),
     ]
-    return [(name, data, {"name": name, "valid": False, "covers": f"must reject: rule {rule} of FORMAT.md "
-                          "section 8", "calibration": meta["calibration"], "derived_from": base_name,
-                          "mutation": mutation, "rule": rule, "error": error, "message": message})
-            for name, rule, error, message, mutation, data in cases]
+    return [rejected(name, rule, error, message, mutation, data, meta["calibration"], base_name)
+            for name, rule, error, message, mutation, data in cases] + epoch_reject_vectors(valid)
+
+
+def rejected(name: str, rule: str, error: str, message: str, mutation: str, data: bytes, calibration: str,
+             derived_from: str) -> tuple[str, bytes, dict]:
+    """A must-reject vector: (name, stream, JSON of FORMAT.md appendix A)."""
+    return name, data, {"name": name, "valid": False, "covers": f"must reject: rule {rule} of FORMAT.md section 8",
+                        "calibration": calibration, "derived_from": derived_from, "mutation": mutation,
+                        "rule": rule, "error": error, "message": message}
+
+
+def epoch_reject_vectors(valid: dict) -> list[tuple[str, bytes, dict]]:
+    """The version 2 rules: reserved u16, unknown epoch, and a stream read with another cache's epochs."""
+    base_name = "epoch_k"
+    base, meta = valid[base_name]
+    head, table, body = split_container(base)
+    assert head.epoch == 2 and meta["calibration"] == "cal_epochs.json"
+    return [
+        rejected("reject_reserved_v2", "R7", "FormatError", "bad header", "version 2 reserved header field "
+                 "(bytes 22..23) 1", join_container(head._replace(reserved=1), table, body), meta["calibration"],
+                 base_name),
+        rejected("reject_unknown_epoch", "R21", "CalibrationError", "unknown epoch", "epoch 3; the calibration "
+                 "has epochs 0..2 for layer 0 K", join_container(head._replace(epoch=3), table, body),
+                 meta["calibration"], base_name),
+        rejected("reject_epoch_id", "R22", "CalibrationError", "another cache's epochs", "none: the stream of "
+                 "epoch_k read with cal_epochs_other.json, whose epoch 0 (the calibration id) and epoch 1 are "
+                 "cal_epochs.json's but whose epoch 2 of layer 0 K differs", base, "cal_epochs_other.json",
+                 base_name),
+    ]
 
 
 # -- driver --------------------------------------------------------------------

@@ -1,10 +1,10 @@
-"""An independent GAAC v1 decoder, written from ``format_spec/FORMAT.md`` alone.
+"""An independent GAAC BF16 decoder (versions 1 and 2), written from ``format_spec/FORMAT.md`` alone.
 
 Plain Python: no NumPy, no ``gaac`` import, not even ``zlib`` (the CRC-32 is
 built from the parameters of FORMAT.md 7.4).  It exists to prove that the spec
 is enough for a third party to decode the test vectors; it is slow on purpose
 and follows the spec's sections in order.  Every error carries the id of the
-FORMAT.md section 8 rule (``R1`` .. ``R20``) or the calibration rule it enforces.
+FORMAT.md section 8 rule (``R1`` .. ``R22``) or the calibration rule it enforces.
 """
 from __future__ import annotations
 
@@ -22,11 +22,11 @@ class SpecError(Exception):
 
 
 class FormatError(SpecError):
-    """FORMAT.md section 8: the bytes are not a valid version 1 block container."""
+    """FORMAT.md section 8: the bytes are not a valid version 1 or 2 block container."""
 
 
 class CalibrationError(SpecError):
-    """FORMAT.md 3.2, 3.4 and R14-R17: a bad calibration, or a stream of another calibration."""
+    """FORMAT.md 3.2, 3.4, 3.5 and R14-R17, R21, R22: a bad calibration, or a stream of another calibration."""
 
 
 # -- section 1: bytes, bit streams, CRC-32 -------------------------------------------------------
@@ -73,7 +73,10 @@ def crc32(data: bytes) -> int:
 
 @dataclass
 class Calibration:
-    """Bases ``b3[kind][layer][head][channel]``, ``b4`` likewise, and ``capacity[kind][layer]``."""
+    """Bases ``b3[kind][layer][head][channel]``, ``b4`` likewise, ``capacity[kind][layer]``, and epochs.
+
+    ``epochs[kind][layer]`` lists the ``(b3, b4)`` of epochs 1, 2, ... (FORMAT.md 3.5).
+    """
 
     layers: int
     kv_heads: int
@@ -81,6 +84,7 @@ class Calibration:
     b3: list
     b4: list
     capacity: list
+    epochs: list = field(default_factory=list)
 
     def canonical_bytes(self) -> bytes:
         """FORMAT.md 3.3."""
@@ -101,6 +105,21 @@ class Calibration:
     def id(self) -> int:
         return crc32(self.canonical_bytes())
 
+    def bases(self, kind: int, layer: int, epoch: int) -> tuple[list, list]:
+        """``(b3, b4)`` ``[head][channel]`` of one epoch; epoch 0 is the calibration's own."""
+        if epoch == 0:
+            return self.b3[kind][layer], self.b4[kind][layer]
+        return self.epochs[kind][layer][epoch - 1]
+
+    def epoch_id(self, kind: int, layer: int, epoch: int) -> int:
+        """FORMAT.md 3.5: CRC-32 of GAACEPCH, the calibration id, layer, epoch, kind, b3 and b4."""
+        out = bytearray(b"GAACEPCH") + self.id.to_bytes(4, "little") + layer.to_bytes(2, "little") \
+            + epoch.to_bytes(2, "little") + bytes([kind])
+        for table in self.bases(kind, layer, epoch):
+            for head in table:
+                out += bytes(head)
+        return crc32(bytes(out))
+
 
 def _int_table(value, shape: tuple, what: str, low: int, high: int) -> list:
     """A nested list of integers of exactly ``shape``, each in ``low..high`` (FORMAT.md 3.2, 3.4)."""
@@ -120,8 +139,10 @@ def load_calibration(source) -> Calibration:
     d = json.loads(Path(source).read_text()) if not isinstance(source, dict) else source
     if not isinstance(d, dict) or d.get("format") != "gaac-calibration":
         raise CalibrationError("3.4", "not a gaac-calibration object")
-    if d.get("version") != 1 or type(d.get("version")) is not int:
-        raise CalibrationError("3.4", f"calibration version {d.get('version')!r} is not 1")
+    if d.get("version") not in (1, 2) or type(d.get("version")) is not int:
+        raise CalibrationError("3.4", f"calibration version {d.get('version')!r} is not 1 or 2")
+    if "epochs" in d and d["version"] != 2:
+        raise CalibrationError("3.4", "an epochs section needs version 2")
     dims = [d.get(k) for k in ("layers", "kv_heads", "head_dim")]
     if any(type(n) is not int or n < 1 for n in dims):
         raise CalibrationError("3.2", f"layers, kv_heads and head_dim must be positive integers, got {dims}")
@@ -142,6 +163,26 @@ def load_calibration(source) -> Calibration:
                       capacity=[tables["k"][2], tables["v"][2]])
     if "id" in d and d["id"] != f"{cal.id:08x}":
         raise CalibrationError("3.4", f"id {d['id']!r} differs from the tables' id {cal.id:08x}")
+    section = d.get("epochs", {})
+    if not isinstance(section, dict) or not set(section) <= {"k", "v"}:
+        raise CalibrationError("3.5", "epochs must be an object with keys k and v")
+    for kind, name in enumerate(("k", "v")):
+        per_layer = section.get(name, [[] for _ in range(layers)])
+        if not isinstance(per_layer, list) or len(per_layer) != layers:
+            raise CalibrationError("3.5", f"epochs.{name} must have one list per layer")
+        cal.epochs.append([])
+        for layer, entries in enumerate(per_layer):
+            cal.epochs[kind].append([])
+            if not isinstance(entries, list):
+                raise CalibrationError("3.5", f"epochs.{name}[{layer}] is not a list")
+            for e, entry in enumerate(entries, start=1):
+                what = f"epochs.{name}[{layer}] epoch {e}"
+                if not isinstance(entry, dict):
+                    raise CalibrationError("3.5", f"{what} is not an object")
+                cal.epochs[kind][layer].append((_int_table(entry.get("b3"), (heads, dim), f"{what}.b3", 0, 248),
+                                                _int_table(entry.get("b4"), (heads, dim), f"{what}.b4", 0, 240)))
+                if "id" in entry and entry["id"] != f"{cal.epoch_id(kind, layer, e):08x}":
+                    raise CalibrationError("3.5", f"{what}: id {entry['id']!r} differs from its tables' id")
     return cal
 
 
@@ -198,7 +239,7 @@ def decode_slot(slot: bytes, b3: list, b4: list, capacity: int, channels: int, t
 
 
 def decode_block(data: bytes, cal: Calibration) -> Decoded:
-    """FORMAT.md section 7, with every check of section 8 in its order."""
+    """FORMAT.md section 7, with every check of section 8 in its order (R1-R17, R21, R22, R18-R20)."""
     data = bytes(data)
     if len(data) < 28:
         raise FormatError("R1", f"{len(data)} bytes: shorter than header and CRC")
@@ -206,9 +247,13 @@ def decode_block(data: bytes, cal: Calibration) -> Decoded:
         raise FormatError("R2", f"magic {data[0:4]!r}")
     version, element, kind, tokens = data[4], data[5], data[6], data[7]
     layer, heads, dim, capacity = u16(data, 8), u16(data, 10), u16(data, 12), u16(data, 14)
-    cal_id, reserved = u32(data, 16), u32(data, 20)
-    if version != 1:
+    bases_id = u32(data, 16)
+    if version not in (1, 2):
         raise FormatError("R3", f"version {version}")
+    if version == 1:                          # 7.1: bytes 20..23 are reserved in version 1
+        epoch, reserved = 0, u32(data, 20)
+    else:                                     # version 2: epoch u16, then a reserved u16
+        epoch, reserved = u16(data, 20), u16(data, 22)
     if element != 1:
         raise FormatError("R4", f"element format {element}")
     if kind not in (0, 1):
@@ -247,14 +292,21 @@ def decode_block(data: bytes, cal: Calibration) -> Decoded:
             raise FormatError("R13", f"table entry {t} has index {entry & 0x7FFFFFFF}, expected {counts[is_raw[t]]}")
         counts[is_raw[t]] += 1
 
-    if cal_id != cal.id:
-        raise CalibrationError("R14", f"stream calibration id {cal_id:08x}, given calibration {cal.id:08x}")
+    if epoch == 0 and bases_id != cal.id:
+        raise CalibrationError("R14", f"stream calibration id {bases_id:08x}, given calibration {cal.id:08x}")
     if (heads, dim) != (cal.kv_heads, cal.head_dim):
         raise CalibrationError("R15", f"stream has {heads} heads x {dim}, calibration {cal.kv_heads} x {cal.head_dim}")
     if layer >= cal.layers:
         raise CalibrationError("R16", f"layer {layer}; the calibration has {cal.layers}")
     if capacity != cal.capacity[kind][layer]:
         raise CalibrationError("R17", f"escape capacity {capacity}, calibration {cal.capacity[kind][layer]}")
+    known = 1 + (len(cal.epochs[kind][layer]) if cal.epochs else 0)
+    if epoch >= known:
+        raise CalibrationError("R21", f"epoch {epoch}; the calibration has {known} for layer {layer} kind {kind}")
+    if epoch and bases_id != cal.epoch_id(kind, layer, epoch):
+        raise CalibrationError("R22", f"stream epoch id {bases_id:08x}, the calibration's epoch {epoch} has "
+                                      f"{cal.epoch_id(kind, layer, epoch):08x}")
+    b3_all, b4_all = cal.bases(kind, layer, epoch)
 
     result = Decoded(values=[[[0] * dim for _ in range(16)] for _ in range(heads)])
     slots_at = table_end
@@ -271,7 +323,7 @@ def decode_block(data: bytes, cal: Calibration) -> Decoded:
             result.resident_bytes += raw_size
         else:
             at = slots_at + index * slot_size
-            bases = (cal.b3[kind][layer][h][first:first + channels], cal.b4[kind][layer][h][first:first + channels])
+            bases = (b3_all[h][first:first + channels], b4_all[h][first:first + channels])
             tile, modes, used = decode_slot(data[at:at + slot_size], *bases, capacity, channels, t)
             result.payload_bytes += fixed + used
             result.resident_bytes += slot_size

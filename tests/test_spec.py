@@ -19,12 +19,14 @@ import pytest
 import gaac
 import spec_decoder
 from gaac import layout as L
+from gaac.calibration import CALIBRATION_VERSION
 from gaac.reference.bits import join_bf16
 from gaac.reference.codec import encode_tiles
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = (ROOT / "format_spec" / "FORMAT.md").read_text()
 CAL_FILE = ROOT / "format_spec" / "vectors" / "cal_one_head.json"
+EPOCH_CAL_FILE = ROOT / "format_spec" / "vectors" / "cal_epochs.json"
 
 
 def table(name: str) -> list[dict]:
@@ -100,14 +102,18 @@ def _struct_fields(fmt: str) -> list[tuple[int, int, str]]:
     return out
 
 
-def test_header_table_matches_stream_header_and_real_headers():
+@pytest.mark.parametrize("epoch", [0, 2])
+def test_header_table_matches_stream_header_and_real_headers(epoch):
+    """Epoch 0 is written as version 1 (its bytes 20..23 zero), a later epoch as version 2 naming it."""
     rows = table("header")
-    assert [(int(r["offset"]), int(r["size"]), r["type"]) for r in rows] == _struct_fields(L.STREAM_HEADER.format)
-    assert sum(int(r["size"]) for r in rows) == L.STREAM_HEADER_BYTES
+    assert [(int(r["offset"]), int(r["size"]), r["type"]) for r in rows] == _struct_fields(L.STREAM_HEADER_V2.format)
+    assert sum(int(r["size"]) for r in rows) == L.STREAM_HEADER_BYTES == L.STREAM_HEADER_V2.size
+    # the version 1 layout (still FP8's) is the same bytes with the last u32 whole
+    assert _struct_fields(L.STREAM_HEADER.format)[:-1] == _struct_fields(L.STREAM_HEADER_V2.format)[:-2]
 
-    cal = gaac.Calibration.load(CAL_FILE)
-    block = np.full((1, L.BLOCK_TOKENS, 64), 0x3F80, dtype=np.uint16)
-    data = gaac.encode_block(block, cal, 0, "k").data
+    cal = gaac.Calibration.load(EPOCH_CAL_FILE)
+    block = np.full((2, L.BLOCK_TOKENS, 64), 0x3F80, dtype=np.uint16)
+    data = gaac.encode_block(block, cal, 0, "k", epoch=epoch).data
     field = {r["field"]: r for r in rows}
 
     def read(name):
@@ -115,16 +121,41 @@ def test_header_table_matches_stream_header_and_real_headers():
         raw = data[int(r["offset"]):int(r["offset"]) + int(r["size"])]
         return raw if r["type"] == "bytes" else int.from_bytes(raw, "little")
 
-    assert read("magic") == L.STREAM_MAGIC and L.STREAM_MAGIC.hex() == field["magic"]["version 1 value"].split("(")[1]\
+    assert read("magic") == L.STREAM_MAGIC and L.STREAM_MAGIC.hex() == field["magic"]["value"].split("(")[1]\
         .strip(")").replace(" ", "")
-    assert read("version") == L.FORMAT_VERSION == numbers(field["version"]["version 1 value"])[0]
-    assert read("element format") == L.ELEMENT_BF16 == numbers(field["element format"]["version 1 value"])[0]
+    assert read("version") == (1 if epoch == 0 else L.FORMAT_VERSION) and numbers(field["version"]["value"])[:2] \
+        == [1, L.FORMAT_VERSION]
+    assert read("element format") == L.ELEMENT_BF16 == numbers(field["element format"]["value"])[0]
     assert read("kind") == L.KIND_K
-    assert read("tokens") == L.BLOCK_TOKENS == int(field["tokens"]["version 1 value"])
-    assert (read("layer"), read("kv_heads"), read("head_dim")) == (0, 1, 64)
+    assert read("tokens") == L.BLOCK_TOKENS == int(field["tokens"]["value"])
+    assert (read("layer"), read("kv_heads"), read("head_dim")) == (0, 2, 64)
     assert read("escape capacity") == cal.capacity[L.KIND_K, 0]
-    assert read("calibration id") == cal.id
-    assert read("reserved") == 0
+    assert read("calibration id") == cal.epoch_id(0, L.KIND_K, epoch) and (read("calibration id") == cal.id) \
+        == (epoch == 0)
+    assert (read("epoch"), read("reserved")) == (epoch, 0)
+
+
+def test_epoch_bytes_table_matches_epoch_canonical_bytes():
+    cal = gaac.Calibration.load(EPOCH_CAL_FILE)
+    layer, kind, epoch = 0, L.KIND_K, 2
+    data = cal.epoch_canonical_bytes(layer, kind, epoch)
+    b3, b4 = cal.bases(layer, kind, epoch)
+    dims = {"H": cal.kv_heads, "D": cal.head_dim}
+
+    def size(expr: str) -> int:
+        return sum(int(n or 1) * int(np.prod([dims[v] for v in vs])) for n, vs in re.findall(r"(\d*)([HD]*)", expr)
+                   if n or vs)
+
+    want = [b"GAACEPCH", struct.pack("<I", cal.id), struct.pack("<H", layer), struct.pack("<H", epoch),
+            bytes([kind]), b3.tobytes(), b4.tobytes()]
+    rows = table("epoch-bytes")
+    assert len(rows) == len(want)
+    for row, expect in zip(rows, want):
+        start = size(row["offset"])
+        assert data[start:start + size(row["size"])] == expect, row
+    assert len(data) == size(rows[-1]["offset"]) + size(rows[-1]["size"])
+    assert zlib.crc32(data) == cal.epoch_id(layer, kind, epoch) == spec_decoder.load_calibration(EPOCH_CAL_FILE)\
+        .epoch_id(kind, layer, epoch)
 
 
 def test_modes_table_matches_layout():
@@ -149,7 +180,7 @@ def test_calibration_bytes_table_matches_canonical_bytes():
     def size(expr: str) -> int:
         return sum(int(n) * int(np.prod([dims[v] for v in vs])) for n, vs in re.findall(r"(\d+)([LHD]*)", expr))
 
-    want = [b"GAACCAL", bytes([L.FORMAT_VERSION]), struct.pack("<I", layers), struct.pack("<I", heads),
+    want = [b"GAACCAL", bytes([CALIBRATION_VERSION]), struct.pack("<I", layers), struct.pack("<I", heads),
             struct.pack("<I", dim), cal.b3.tobytes(), cal.b4.tobytes(), cal.capacity.astype("<u2").tobytes()]
     rows = table("calibration-bytes")
     assert len(rows) == len(want)
@@ -161,9 +192,12 @@ def test_calibration_bytes_table_matches_canonical_bytes():
 
 
 def test_calibration_json_table_lists_the_keys_of_a_saved_file():
-    saved = json.loads(CAL_FILE.read_text())
-    assert [r["key"] for r in table("calibration-json")] == list(saved)
-    assert saved["format"] == table("calibration-json")[0]["content"].strip('"')
+    keys = [r["key"] for r in table("calibration-json")]
+    with_epochs = json.loads(EPOCH_CAL_FILE.read_text())
+    without = json.loads(CAL_FILE.read_text())
+    assert keys == list(with_epochs) and [k for k in keys if k != "epochs"] == list(without)
+    assert (without["version"], with_epochs["version"]) == (1, 2)
+    assert without["format"] == table("calibration-json")[0]["content"].strip('"')
 
 
 def test_worked_example_matches_the_reference_and_the_spec_decoder():
@@ -250,7 +284,8 @@ def _set(path, value):
 
 BAD_CALIBRATIONS = {
     "format": _set(["format"], "gaac-calib"),
-    "version": _set(["version"], 2),
+    "version": _set(["version"], 3),
+    "epochs in a version 1 file": lambda d: d.update(epochs={"k": [[]], "v": [[]]}),
     "b3 above 248": _set(["k", "b3", 0, 0, 5], L.B3_MAX + 1),
     "b4 above 240": _set(["v", "b4", 0, 0, 7], L.B4_MAX + 1),
     "negative base": _set(["k", "b4", 0, 0, 0], -1),
