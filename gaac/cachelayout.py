@@ -13,7 +13,15 @@ Per kind (K and V), with ``C = min(head_dim, 128)`` and ``tph = head_dim // C``:
 * ``raw[kind]``    int16 ``[n_raw, 16, C]`` -- tiles kept as BF16 (slot overflow);
 * ``table[kind]``  int32 ``[batch, max_blocks, kv_heads * tph]`` -- block-table entries
   (FORMAT.md 7.2: bit 31 set = raw pool index, clear = slot index), tile order of a block;
-* ``b3[kind]``, ``b4[kind]`` uint8 ``[kv_heads, head_dim]`` -- the layer's calibrated bases.
+* ``b3[kind]``, ``b4[kind]`` uint8 ``[kv_heads, head_dim]`` -- the layer's calibrated bases; or, when
+  the cache keeps calibration epochs (FORMAT.md 3.5, :mod:`gaac.epochs`), ``[n_epochs, kv_heads, head_dim]``
+  -- row ``e`` the bases of epoch ``e``, row 0 the calibration's own;
+* ``epoch[kind]`` int16 ``[batch, max_blocks]`` or ``None`` (the whole field may be ``None``) -- the epoch
+  each finalized block was encoded with: block ``j`` of sequence ``i`` is decoded with
+  ``b3[kind][epoch[kind][i, j]]``.  ``None`` means every block is epoch 0, and then 2-D bases are the
+  bases of every block.  Along a sequence the epochs never decrease (blocks are finalized in token order
+  and epochs are only appended), so a kernel walking a range of blocks reloads its bases only where the
+  epoch changes.
 
 Shared by both kinds:
 
@@ -28,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import layout as L
+from .errors import InputError
 
 
 @dataclass
@@ -45,6 +54,18 @@ class LayerView:
     seq_lens: Any
     kv_heads: int
     head_dim: int
+    epoch: tuple[Any, Any] | None = None     # (K, V) block epochs; None: every block is epoch 0
+
+    def bases(self, kind: int, epoch: int = 0) -> tuple[Any, Any]:
+        """``(b3, b4)`` ``[kv_heads, head_dim]`` of epoch ``epoch`` of ``kind``, whichever form the view holds."""
+        b3, b4 = self.b3[kind], self.b4[kind]
+        if b3.ndim == 2:
+            if epoch != 0:
+                raise InputError(f"the view holds only epoch 0's bases for {L.KIND_NAMES[kind]}, not epoch {epoch}")
+            return b3, b4
+        if not 0 <= epoch < b3.shape[0]:
+            raise InputError(f"epoch {epoch} of {L.KIND_NAMES[kind]} is not in the view's {b3.shape[0]} epochs")
+        return b3[epoch], b4[epoch]
 
     @property
     def channels(self) -> int:

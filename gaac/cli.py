@@ -1,7 +1,8 @@
 """The ``gaac`` command: calibrate on a cache, measure what the codec makes of one, capture one.
 
     gaac calibrate --k K.npy --v V.npy -o cal.json [--model NAME] [--tokens A:B]
-    gaac stats [--k K.npy --v V.npy] [--calibration cal.json] [--json] [--per-layer] [--plot out.png]
+    gaac stats [--k K.npy --v V.npy] [--calibration cal.json] [--json] [--per-layer] [--segments N]
+               [--no-adapt] [--plot out.png]
     gaac capture ...            (gaac.capture, where installed)
 
 Every error a user can cause -- a missing file, a wrong dtype or shape, a
@@ -53,8 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     cal.set_defaults(func=cmd_calibrate)
 
     st = sub.add_parser("stats", help="encode, decode and measure a cache",
-                        description="Encode every complete 16-token block, decode it, check it bit for bit and "
-                                    "report ratios and mode fractions. With no files: the real sample shipped "
+                        description="Encode every complete 16-token block in token order, as the cache finalizes "
+                                    "them (with its calibration epochs unless --no-adapt), decode it, check it bit "
+                                    "for bit and report ratios and mode fractions. With no files: the real sample "
+                                    "shipped "
                                     f"in the package ({SAMPLE_MEASURED} measured with a calibration from "
                                     f"{SAMPLE_CALIBRATION}).")
     st.add_argument("--k", help="K cache: .npy (uint16 BF16 bits), .safetensors or .pt (BF16)")
@@ -62,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--calibration", help="calibration JSON (default: calibrate on the measured caches)")
     st.add_argument("--json", action="store_true", help='print {"k": {...}, "v": {...}} as JSON')
     st.add_argument("--per-layer", action="store_true", help="add the per-layer view")
+    st.add_argument("--segments", type=int, metavar="N", help="add the numbers of every N positions "
+                                                             "(a multiple of 16), e.g. 1024")
+    st.add_argument("--no-adapt", dest="adapt", action="store_false",
+                    help="code every block with the calibration's own bases; by default the cache's epoch rule "
+                         "(gaac.epochs) appends bases as the context grows, as the cache does")
     st.add_argument("--plot", metavar="PNG", help="write exponent histograms with the calibrated windows "
                                                   "(needs gaac[plot])")
     st.set_defaults(func=cmd_stats)
@@ -144,8 +152,10 @@ def cmd_stats(args) -> int:
             cal = calibrate(k, v)
             how = "no --calibration given: calibrated on these caches themselves (self-calibration, a best case)"
 
-    stats = measure(k, v, cal, layer_ids=layer_ids)
-    notes = [f"cache: {where}", f"calibration: {how}"]
+    stats = measure(k, v, cal, layer_ids=layer_ids, adapt=args.adapt, segment_tokens=args.segments)
+    notes = [f"cache: {where}", f"calibration: {how}",
+             "adaptation: " + ("on (calibration epochs appended by the rule of gaac.epochs, as the cache does)"
+                               if args.adapt else "off (--no-adapt: every block coded with the calibration's bases)")]
     if args.plot:
         from .plot import plot_windows
 
@@ -180,6 +190,7 @@ def format_table(stats: CacheStats, per_layer: bool = False) -> str:
         ("tiles raw (slot overflow)", lambda s: f"{_pct(s['frac_raw_tiles'])} ({s['raw_tiles']}/{s['tiles']})"),
         ("exponent entropy (bits)", lambda s: f"{s['exponent_entropy']:.3f}"),
         ("escape capacity (bytes/slot)", lambda s: _span(s["capacity"])),
+        ("calibration epochs appended", lambda s: str(s["epochs_appended"])),
         ("roundtrip bit-exact", lambda s: "yes" if s["roundtrip"] else "NO"),
     ]
     rows += [(f"  resident bits/elem: {part}", lambda s, p=part: f"{s['resident_bits_per_element'][p]:.3f}")
@@ -199,6 +210,21 @@ def format_table(stats: CacheStats, per_layer: bool = False) -> str:
                      f"{_pct(s['frac_3bit']):>7} {_pct(s['frac_4bit']):>7} {_pct(s['frac_raw']):>6} "
                      f"{_pct(s['frac_raw_tiles']):>7}" for kind, s in (("K", lk), ("V", lv))]
             lines.append(f"{lk['layer']:>5} |" + " |".join(cells))
+    if "segments" in d:
+        lines += ["", format_segments(d["segments"])]
+    return "\n".join(lines)
+
+
+def format_segments(segments: dict) -> str:
+    """Per-segment raw and 4-bit group fractions, resident bits per element and epochs appended, K and V."""
+    columns = f" {'raw':>6} {'4-bit':>6} {'bits/elem':>9} {'epochs+':>7}"
+    lines = [f"{'':>11} |" + " |".join(f"{kind:^{len(columns)}}" for kind in "KV"),
+             f"{'tokens':>11} |" + " |".join(columns for _ in "KV")]
+    for sk, sv in zip(segments["k"], segments["v"]):
+        cells = [f" {_pct(s['frac_raw']):>6} {_pct(s['frac_4bit']):>6} {s['bits_per_element_resident']:>9.3f} "
+                 f"{s['epochs_appended']:>7}" for s in (sk, sv)]
+        first, end = sk["tokens"]
+        lines.append(f"{f'{first}-{end - 1}':>11} |" + " |".join(cells))
     return "\n".join(lines)
 
 

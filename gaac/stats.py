@@ -21,6 +21,16 @@ them in its BF16 tail buffer until the block fills.  They are reported as
 ``tail_tokens`` and left out of every other number (ratios, fractions,
 entropy), so the numbers describe the codec and do not drift with the prompt
 length; ``ratios_include_tail`` says so in the output.
+
+The measurement follows the cache's whole lifecycle: each layer's blocks are
+finalized in token order and, with ``adapt=True`` (the default, what the cache
+does), the rule of :mod:`gaac.epochs` appends calibration epochs as the
+context grows and each block is coded with the epoch it would get.  The
+resident bytes then include what adaptation costs the cache: the appended
+epochs' bases and a 2-byte epoch index per block (part ``epochs``).  Epoch
+0, the calibration itself, is shared by every cache of the model and is not
+counted.  ``segment_tokens`` adds the same numbers per span of positions, to
+show how a context's later tokens fare.
 """
 from __future__ import annotations
 
@@ -31,6 +41,7 @@ import numpy as np
 from . import layout as L
 from .arrays import as_bits
 from .calibration import Calibration
+from .epochs import EPOCH_INDEX_BYTES, assign_epochs, epoch_table_bytes
 from .errors import InputError
 from .progress import progress
 from .reference.codec import decode_tiles, encode_tiles
@@ -52,13 +63,16 @@ class Tally:
     modes: np.ndarray = field(default_factory=lambda: np.zeros(3, dtype=np.int64))
     exponents: np.ndarray = field(default_factory=lambda: np.zeros(256, dtype=np.int64))
     mismatched: int = 0                  # elements whose decoded bits differ
+    epoch_bytes: int = 0                 # appended epochs' bases and the per-block epoch index
+    new_epochs: int = 0                  # epochs the adaptation appended
 
     def __add__(self, other: "Tally") -> "Tally":
         return Tally(self.head_dim, self.tiles + other.tiles, self.slot_tiles + other.slot_tiles,
                      self.slot_capacity_bytes + other.slot_capacity_bytes,
                      self.escapes_needed + other.escapes_needed, self.escapes_in_slots + other.escapes_in_slots,
                      self.modes + other.modes, self.exponents + other.exponents,
-                     self.mismatched + other.mismatched)
+                     self.mismatched + other.mismatched, self.epoch_bytes + other.epoch_bytes,
+                     self.new_epochs + other.new_epochs)
 
     @property
     def geometry(self) -> L.TileGeometry:
@@ -80,6 +94,7 @@ class Tally:
             "unused_slot": self.slot_capacity_bytes - self.escapes_in_slots,
             "raw_fallback": raw_tiles * (g.raw_bytes - g.fixed_bytes),   # a raw tile beyond a fixed part
             "table": self.tiles * L.TABLE_ENTRY_BYTES,
+            "epochs": self.epoch_bytes,
         }
 
     def summary(self) -> dict:
@@ -105,14 +120,22 @@ class Tally:
             "resident_bits_per_element": {k: BITS_PER_BYTE * v / self.elements for k, v in parts.items()},
             "tiles": self.tiles,
             "raw_tiles": self.tiles - self.slot_tiles,
+            "epochs_appended": self.new_epochs,
         }
 
 
 def measure_layer(x: np.ndarray, b3: np.ndarray, b4: np.ndarray, capacity: int) -> Tally:
-    """Encode, decode and count one layer ``[kv_heads, tokens, head_dim]`` with bases ``[kv_heads, head_dim]``."""
+    """Encode, decode and count one layer ``[kv_heads, tokens, head_dim]``.
+
+    The bases are ``[kv_heads, head_dim]`` for every block, or ``[blocks,
+    kv_heads, head_dim]``: each block's own (its epoch's).
+    """
     blocks = cache_blocks(x)
     tiles = block_tiles(blocks)                                         # [blocks * tiles_per_block, 16, C]
-    t3, t4 = (np.tile(t, (blocks.shape[0], 1)) for t in tile_bases(b3, b4))
+    if np.ndim(b3) == 2:
+        t3, t4 = (np.tile(t, (blocks.shape[0], 1)) for t in tile_bases(b3, b4))
+    else:                # [blocks * kv_heads, head_dim] cuts into tiles in block_tiles' order
+        t3, t4 = tile_bases(*(np.reshape(b, (-1, x.shape[-1])) for b in (b3, b4)))
     enc = encode_tiles(tiles, t3, t4, capacity)
     fits = enc.fits
 
@@ -133,50 +156,74 @@ def measure_layer(x: np.ndarray, b3: np.ndarray, b4: np.ndarray, capacity: int) 
 
 @dataclass
 class KindStats:
-    """Per-layer tallies of one kind (K or V) of a cache."""
+    """Per-layer and per-segment tallies of one kind (K or V) of a cache."""
 
     name: str
     tokens: int
     layers: list[Tally]
     capacity: list[int]
     layer_ids: list[int]
+    adapt: bool = False
+    segment_tokens: int | None = None
+    segments: list[Tally] = field(default_factory=list)    # summed over layers, positions in token order
 
     @property
     def total(self) -> Tally:
-        total = self.layers[0]
-        for t in self.layers[1:]:
-            total = total + t
-        return total
+        return _sum(self.layers)
 
     def summary(self) -> dict:
         return {**self.total.summary(), "capacity": self.capacity, "layers": len(self.layers),
                 "tokens": self.tokens, "blocks": self.tokens // L.BLOCK_TOKENS,
-                "tail_tokens": self.tokens % L.BLOCK_TOKENS, "ratios_include_tail": False}
+                "tail_tokens": self.tokens % L.BLOCK_TOKENS, "ratios_include_tail": False, "adapt": self.adapt}
 
     def per_layer(self) -> list[dict]:
         return [{"layer": i, "capacity": c, **t.summary()}
                 for i, c, t in zip(self.layer_ids, self.capacity, self.layers)]
+
+    def per_segment(self) -> list[dict]:
+        """One summary per ``segment_tokens`` span of positions: ``tokens`` is ``[first, end)``."""
+        span = self.segment_tokens or self.tokens
+        blocks = self.tokens // L.BLOCK_TOKENS * L.BLOCK_TOKENS
+        return [{"tokens": [i * span, min((i + 1) * span, blocks)], **t.summary()}
+                for i, t in enumerate(self.segments)]
+
+
+def _sum(tallies: list[Tally]) -> Tally:
+    total = tallies[0]
+    for t in tallies[1:]:
+        total = total + t
+    return total
 
 
 @dataclass
 class CacheStats:
     k: KindStats
     v: KindStats
+    calibration: Calibration | None = None      # the calibration with the epochs the cache appended
 
     def as_dict(self, per_layer: bool = False) -> dict:
-        """``{"k": {...}, "v": {...}}``, plus ``"per_layer": {"k": [...], "v": [...]}`` when asked."""
+        """``{"k": {...}, "v": {...}}``, plus ``"per_layer"`` when asked and ``"segments"`` when measured."""
         out = {"k": self.k.summary(), "v": self.v.summary()}
         if per_layer:
             out["per_layer"] = {"k": self.k.per_layer(), "v": self.v.per_layer()}
+        if self.k.segment_tokens:
+            out["segments"] = {"k": self.k.per_segment(), "v": self.v.per_segment()}
         return out
 
 
-def measure(k, v, calibration: Calibration, *, layer_ids=None, show_progress: bool | None = None) -> CacheStats:
+def measure(k, v, calibration: Calibration, *, layer_ids=None, show_progress: bool | None = None,
+            adapt: bool = True, segment_tokens: int | None = None) -> CacheStats:
     """Measure caches ``k``, ``v`` ``[layers, kv_heads, tokens, head_dim]`` coded with ``calibration``.
 
     ``layer_ids`` names the layers in the per-layer view (default ``0..layers-1``),
     e.g. the model's layer numbers when the cache is a slice of its layers.
+    ``adapt`` runs the epoch rule of :mod:`gaac.epochs` as the cache would (on a
+    copy: ``calibration`` is left as it is; the result's ``calibration`` holds
+    the epochs).  ``segment_tokens`` (a multiple of 16) adds per-segment numbers.
     """
+    if segment_tokens is not None and (segment_tokens <= 0 or segment_tokens % L.BLOCK_TOKENS):
+        raise InputError(f"segment length {segment_tokens} is not a positive multiple of {L.BLOCK_TOKENS} tokens")
+    learned = calibration.copy()
     out = {}
     for kind, name, x in ((L.KIND_K, "k", k), (L.KIND_V, "v", v)):
         bits = as_bits(x, name, ndim=4)
@@ -190,9 +237,44 @@ def measure(k, v, calibration: Calibration, *, layer_ids=None, show_progress: bo
         ids = list(range(layers)) if layer_ids is None else [int(i) for i in layer_ids]
         if len(ids) != layers:
             raise InputError(f"{len(ids)} layer ids given for {layers} layers")
-        tallies = []
+        span = (segment_tokens or tokens) // L.BLOCK_TOKENS                # blocks per segment
+        per_layer = []
         for layer in progress(range(layers), desc=f"stats {name}", unit="layer", enable=show_progress):
-            b3, b4 = calibration.bases(layer, kind)
-            tallies.append(measure_layer(bits[layer], b3, b4, int(calibration.capacity[kind, layer])))
-        out[name] = KindStats(name, tokens, tallies, [int(c) for c in calibration.capacity[kind]], ids)
-    return CacheStats(**out)
+            per_layer.append(_lifecycle(bits[layer], learned, layer, kind, adapt, span))
+        segments = [_sum(list(seg)) for seg in zip(*per_layer)]
+        out[name] = KindStats(name, tokens, [_sum(s) for s in per_layer],
+                              [int(c) for c in calibration.capacity[kind]], ids, adapt, segment_tokens, segments)
+    return CacheStats(**out, calibration=learned)
+
+
+def _lifecycle(x: np.ndarray, calibration: Calibration, layer: int, kind: int, adapt: bool,
+               span: int) -> list[Tally]:
+    """One layer ``[kv_heads, tokens, head_dim]`` finalized block by block: a tally per ``span`` blocks.
+
+    With ``adapt`` the epoch rule runs over the blocks (appending to
+    ``calibration``) and each segment is charged the epoch index of its blocks
+    and the tables of the epochs appended while its blocks were finalized.
+    """
+    blocks = cache_blocks(x)
+    start = calibration.n_epochs(layer, kind) - 1
+    if adapt:
+        epochs = assign_epochs(blocks, calibration, layer, kind)
+    else:
+        epochs = np.full(len(blocks), start, dtype=np.int64)
+    tables = [calibration.bases(layer, kind, e) for e in range(calibration.n_epochs(layer, kind))]
+    b3, b4 = (np.stack([t[i] for t in tables])[epochs] for i in (0, 1))     # each block's bases
+    new = np.arange(start + 1, calibration.n_epochs(layer, kind))
+    # an epoch is appended at the check after the block before its first use
+    appended_at = np.searchsorted(epochs, new) - 1
+    capacity = int(calibration.capacity[kind, layer])
+    tallies = []
+    for first in range(0, len(blocks), span):
+        stop = min(first + span, len(blocks))
+        tally = measure_layer(x[:, first * L.BLOCK_TOKENS:stop * L.BLOCK_TOKENS], b3[first:stop], b4[first:stop],
+                              capacity)
+        if adapt:
+            tally.new_epochs = int(((appended_at >= first) & (appended_at < stop)).sum())
+            tally.epoch_bytes = tally.new_epochs * epoch_table_bytes(calibration) \
+                + (stop - first) * EPOCH_INDEX_BYTES
+        tallies.append(tally)
+    return tallies

@@ -90,6 +90,25 @@ def test_calibrate_then_stats(capsys, sample_files, tmp_path):
         assert d[name]["tokens"] == 256 and d[name]["capacity"] == cal.capacity[kind].tolist()
 
 
+def test_stats_segments_and_no_adapt(capsys, sample_files):
+    files = ["--k", str(sample_files / "k.npy"), "--v", str(sample_files / "v.npy")]
+    rc, out, err = run(capsys, "stats", *files, "--segments", "64", "--json")
+    d = json.loads(out)
+    assert rc == 0 and d["k"]["adapt"] is True and "adaptation: on" in err
+    assert [s["tokens"] for s in d["segments"]["v"]] == [[0, 64], [64, 128], [128, 192], [192, 256]]
+    assert sum(s["tiles"] for s in d["segments"]["k"]) == d["k"]["tiles"]
+    rc, out, _ = run(capsys, "stats", *files, "--no-adapt", "--json")
+    fixed = json.loads(out)
+    assert rc == 0 and fixed["k"]["adapt"] is False and "segments" not in fixed
+    # 16 blocks per layer are too few for a check: the same tiles, less each block's 2-byte epoch index
+    assert fixed["k"]["tiles"] == d["k"]["tiles"] and fixed["k"]["ratio_resident"] > d["k"]["ratio_resident"]
+    rc, out, _ = run(capsys, "stats", *files, "--segments", "128", "--no-adapt")
+    assert rc == 0 and "adaptation: off" in out
+    assert re.search(r"\n +0-127 \|.*\n +128-255 \|", out) and out.count(" 4-bit bits/elem") == 2
+    rc, _, err = run(capsys, "stats", *files, "--segments", "100")
+    assert rc == 2 and "multiple of 16" in err
+
+
 def test_self_calibration_says_so(capsys, sample_files):
     rc, out, _ = run(capsys, "stats", "--k", str(sample_files / "k.npy"), "--v", str(sample_files / "v.npy"))
     assert rc == 0 and "calibrated on these caches themselves" in out

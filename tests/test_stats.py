@@ -7,6 +7,7 @@ from gaac import layout as L
 from gaac.calibration import Calibration, calibrate
 from gaac.errors import CalibrationError, InputError
 from gaac.io import load_sample
+from gaac.epochs import EPOCH_INDEX_BYTES
 from gaac.stats import measure
 
 HEAD_DIM = 64
@@ -46,11 +47,13 @@ def flat_calibration(layers: int, heads: int, capacity: int = CAPACITY) -> Calib
     return Calibration(b3=np.full(shape, B3), b4=np.full(shape, B4), capacity=np.full((2, layers), capacity))
 
 
-def test_counts_match_the_construction():
+@pytest.mark.parametrize("adapt", [False, True])
+def test_counts_match_the_construction(adapt):
+    """With adaptation on, 3 blocks are too few for a check: the same tiles, plus each block's epoch index."""
     k, k_modes = constructed_cache(1)
     v, v_modes = constructed_cache(2)
     layers, heads = k.shape[:2]
-    stats = measure(k, v, flat_calibration(layers, heads)).as_dict(per_layer=True)
+    stats = measure(k, v, flat_calibration(layers, heads), adapt=adapt).as_dict(per_layer=True)
     geo = L.geometry(HEAD_DIM)
     for name, x, modes in (("k", k, k_modes), ("v", v, v_modes)):
         s = stats[name]
@@ -69,8 +72,9 @@ def test_counts_match_the_construction():
         bf16 = n * geo.elements * 2
         assert s["ratio_stream"] == pytest.approx(bf16 / (n * geo.fixed_bytes + escapes.sum()), rel=1e-12)
         resident = (~over).sum() * (geo.fixed_bytes + CAPACITY) + over.sum() * geo.elements * 2 \
-            + n * L.TABLE_ENTRY_BYTES
+            + n * L.TABLE_ENTRY_BYTES + adapt * layers * 3 * EPOCH_INDEX_BYTES
         assert s["ratio_resident"] == pytest.approx(bf16 / resident, rel=1e-12)
+        assert (s["adapt"], s["epochs_appended"]) == (adapt, 0)
         assert sum(s["resident_bits_per_element"].values()) == pytest.approx(s["bits_per_element_resident"])
         assert s["bits_per_element_resident"] == pytest.approx(16 / s["ratio_resident"])
         # entropy of the exponents of the complete blocks only
@@ -97,7 +101,7 @@ def test_a_layer_with_no_slot_tile():
     """Capacity 0 and a raw group in every tile: every tile stays raw BF16 and still round-trips."""
     x, _ = constructed_cache(6, layers=1, heads=1, blocks=2, tail=0)
     x[..., 0] |= 0xFF << 7                                   # channel 0 of every token: exponent 255, raw
-    s = measure(x, x, flat_calibration(1, 1, capacity=0)).as_dict()["k"]
+    s = measure(x, x, flat_calibration(1, 1, capacity=0), adapt=False).as_dict()["k"]
     assert s["raw_tiles"] == s["tiles"] == 2 and s["roundtrip"] is True
     raw = L.geometry(HEAD_DIM).raw_bytes
     assert s["ratio_resident"] == pytest.approx(raw / (raw + L.TABLE_ENTRY_BYTES))

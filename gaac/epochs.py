@@ -1,0 +1,146 @@
+"""Calibration epochs: bases that follow a context past what its calibration saw (FORMAT.md 3.5).
+
+Why.  RoPE rotates the channel pairs of K with position, so the exponents of
+the slowly rotating pairs drift as a context grows: windows calibrated on the
+first 512 tokens of an 8K prompt leave 10 % of K's groups raw after token
+4096 (``benchmarks/results/drift-smollm2.md``).  A cache therefore keeps, per
+(kind, layer), a list of base tables -- **epochs** -- in its
+:class:`~gaac.calibration.Calibration`: epoch 0 is the calibration's own
+bases, later ones are appended by the rule below.  Every finalized block is
+encoded once, with the newest epoch of its layer and kind, and records that
+epoch; it is never re-encoded.  Decoding a block uses its own epoch's bases.
+
+The rule (:class:`Adapter`, one per (kind, layer) of a cache), applied to the
+blocks in the order they are finalized:
+
+* a running exponent histogram ``[kv_heads, head_dim, 256]`` of the finalized
+  blocks;
+* every ``ADAPT_EVERY`` (16) blocks -- a **check** -- the histogram is first
+  decayed, ``hist -= hist >> DECAY_SHIFT`` (it keeps 3/4 of its weight, so it
+  follows the drift instead of averaging over the whole past), then the
+  exponents of those 16 blocks are added;
+* from the first check at which at least ``WARMUP_BLOCKS`` (48 blocks, 768
+  tokens: the third check) have been finalized, the best 8- and 16-wide
+  windows of the histogram (:func:`gaac.calibration.best_windows`) become the
+  candidate -- earlier, the 16 blocks it is judged on would weigh more than
+  half of the histogram it comes from, and such an in-sample candidate
+  displaces good bases too easily; it
+  is appended as a new epoch when it differs from the newest epoch and would
+  have saved, on the 16 blocks just finalized, at least ``1/PAYBACK_CHECKS``
+  of its table bytes (``2 * kv_heads * head_dim``) in escape bytes -- so that,
+  if the saving lasts, the table pays for itself within 6 checks;
+* a (kind, layer) holds at most ``MAX_EPOCHS`` (256) epochs; at the cap the
+  rule appends nothing more and new blocks keep the newest epoch.
+
+The escape capacity stays the calibration's: a slot size is fixed per pool.
+
+Every number above was chosen by measurement on two 8192-token captures (a
+licence text and Python source): see ``benchmarks/drift.py``.  The rule is
+what gaac does; a decoder never runs it -- it reads each block's epoch.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import layout as L
+from .calibration import Calibration, best_windows, exponent_histograms, tile_escape_bytes
+from .errors import InputError
+
+ADAPT_EVERY = 16        # R: finalized blocks between two checks
+WARMUP_BLOCKS = 48      # the first check that may append an epoch is the third
+DECAY_SHIFT = 2         # at each check the histogram keeps 1 - 2**-2 = 3/4 of its weight
+PAYBACK_CHECKS = 6      # an epoch must save 1/6 of its table bytes on the last R blocks
+MAX_EPOCHS = 256        # per (kind, layer), epoch 0 included
+EPOCH_INDEX_BYTES = 2   # what a cache keeps per block to record its epoch (LayerView.epoch is int16)
+
+
+def epoch_table_bytes(calibration: Calibration) -> int:
+    """Bytes of one epoch's bases: ``b3`` and ``b4``, one byte per (head, channel) each."""
+    return 2 * calibration.kv_heads * calibration.head_dim
+
+
+class Adapter:
+    """The adaptation rule for one (kind, layer) of one cache; it appends epochs to ``calibration``.
+
+    Feed it every finalized block of that layer and kind, in the order the cache
+    finalizes them, after encoding each with :attr:`epoch`::
+
+        epoch = adapter.epoch
+        encode_block(block, calibration, layer, kind, epoch)
+        adapter.observe(block[None])
+    """
+
+    def __init__(self, calibration: Calibration, layer: int, kind: int):
+        if kind not in L.KIND_NAMES:
+            raise InputError(f"kind must be 0 (K) or 1 (V), got {kind!r}")
+        calibration.check_epoch(layer, kind, 0)
+        self.calibration, self.layer, self.kind = calibration, layer, kind
+        self.hist = np.zeros((calibration.kv_heads, calibration.head_dim, 256), dtype=np.int64)
+        self.finalized = 0        # blocks observed
+        self._recent = []         # the blocks since the last check, each [kv_heads, 16, head_dim]
+
+    @property
+    def epoch(self) -> int:
+        """The newest epoch: the one the next finalized block is encoded with."""
+        return self.calibration.n_epochs(self.layer, self.kind) - 1
+
+    @property
+    def until_check(self) -> int:
+        """Blocks still to be observed before the next check (1..ADAPT_EVERY)."""
+        return ADAPT_EVERY - len(self._recent)
+
+    def observe(self, blocks) -> int | None:
+        """Record finalized blocks ``uint16 [n, kv_heads, 16, head_dim]``, all coded with :attr:`epoch`.
+
+        ``n`` may not exceed :attr:`until_check`: a block finalized after a check
+        must be coded with the epoch that check may append.  Returns the index of
+        the epoch appended by this call's check, else ``None``.
+        """
+        blocks = np.asarray(blocks)
+        want = (self.calibration.kv_heads, L.BLOCK_TOKENS, self.calibration.head_dim)
+        if blocks.ndim != 4 or blocks.shape[1:] != want or blocks.dtype != np.uint16:
+            raise InputError(f"expected uint16 blocks [n, {', '.join(map(str, want))}], got {blocks.dtype} "
+                             f"{list(blocks.shape)}")
+        if len(blocks) > self.until_check:
+            raise InputError(f"{len(blocks)} blocks given, but a check is due after {self.until_check}: "
+                             "the blocks after it must be coded with the epoch it may append")
+        self._recent.extend(blocks)
+        self.finalized += len(blocks)
+        if self.until_check:
+            return None
+        x = np.concatenate(self._recent, axis=1)            # [kv_heads, R * 16, head_dim]
+        self._recent = []
+        self.hist -= self.hist >> DECAY_SHIFT
+        self.hist += exponent_histograms(x[None])[0]
+        return self._check(x)
+
+    def _check(self, x: np.ndarray) -> int | None:
+        """Append the histogram's windows as an epoch if the rule says so (module docstring)."""
+        if self.finalized < WARMUP_BLOCKS or self.epoch + 1 >= MAX_EPOCHS:
+            return None
+        b3, b4 = best_windows(self.hist, L.WINDOW_3BIT), best_windows(self.hist, L.WINDOW_4BIT)
+        c3, c4 = self.calibration.bases(self.layer, self.kind, self.epoch)
+        if np.array_equal(b3, c3) and np.array_equal(b4, c4):
+            return None
+        saved = int(tile_escape_bytes(x, c3, c4).sum()) - int(tile_escape_bytes(x, b3, b4).sum())
+        if saved * PAYBACK_CHECKS < epoch_table_bytes(self.calibration):
+            return None
+        return self.calibration.add_epoch(self.layer, self.kind, b3, b4)
+
+
+def assign_epochs(blocks: np.ndarray, calibration: Calibration, layer: int, kind: int) -> np.ndarray:
+    """Run the rule over one layer's finalized blocks ``[n, kv_heads, 16, head_dim]`` in order.
+
+    Appends the epochs the rule makes to ``calibration`` and returns the epoch
+    each block is encoded with (``int64 [n]``), what a cache filled with these
+    blocks in this order would record.
+    """
+    adapter = Adapter(calibration, layer, kind)
+    epochs = np.empty(len(blocks), dtype=np.int64)
+    start = 0
+    while start < len(blocks):
+        stop = min(start + adapter.until_check, len(blocks))
+        epochs[start:stop] = adapter.epoch
+        adapter.observe(blocks[start:stop])
+        start = stop
+    return epochs
