@@ -12,12 +12,20 @@
              (bytes read + written) / copy bandwidth and against a BF16 device copy (torch clone).
              Timing data is synthetic with the real KV's group-mode mix (about 90% 3-bit, 9.7%
              4-bit, 0.3% raw; printed as measured); inputs rotate over >= 3x the L2 size.
+``--variants`` with --bench: the same bulk encode/decode timed for kernel variants on the same data
+             in the same run -- tiles per block 1, 2, 8 (the default is 4), the decoder on raw
+             entries only (its copy path: what the kernel's memory pattern reaches without
+             decoding), and, with ``--baseline FILE``, an older ``gaac/cuda/codec.py`` (e.g.
+             ``git show c84d444:gaac/cuda/codec.py``, the v1 kernels).  Every variant's decode must
+             give the input back and its slots must hold the default kernel's bytes.
+``--out DIR``  also the log, the JSON report and the PTX/SASS of the kernels (with --bench).
 
 Without CUDA (``--sim``, tiny sizes) the same code runs in numba's simulator as a dry run.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import multiprocessing
@@ -39,7 +47,7 @@ import torch  # noqa: E402
 
 from gaac import layout as L  # noqa: E402
 from gaac.calibration import best_capacity, calibrate  # noqa: E402
-from gaac.cuda.codec import DecodePlan, EncodePlan, pack_bases  # noqa: E402
+from gaac.cuda import codec as cuda_codec  # noqa: E402
 from gaac.reference.codec import encode_tiles as ref_encode_tiles  # noqa: E402
 from gaac.tiles import block_tiles, cache_blocks, tile_bases  # noqa: E402
 
@@ -98,18 +106,23 @@ def mode_fractions(bits, b3, b4):
 
 
 class Pools:
-    """Pools of ``n`` slots and ``n`` raw tiles, a plan pair, and the per-call outputs, on ``dev``."""
+    """Pools of ``n`` slots and ``n`` raw tiles, a plan pair, and the per-call outputs, on ``dev``.
 
-    def __init__(self, n, channels, capacity, b3, b4, dev):
+    ``codec`` is the module whose plans are used (default gaac.cuda.codec); ``plan`` holds extra
+    keyword arguments of its plans (the kernel variants' ``tiles_per_block``).
+    """
+
+    def __init__(self, n, channels, capacity, b3, b4, dev, codec=None, **plan):
         geo = L.TileGeometry(channels)
         z = lambda shape, dt: torch.zeros(shape, dtype=dt, device=dev)  # noqa: E731
         self.slots = z((n, geo.slot_bytes(capacity)), torch.uint8)
         self.raw = z((n, L.BLOCK_TOKENS, channels), torch.int16)
         self.heads = z((2,), torch.int32)
         free = torch.arange(n, dtype=torch.int32, device=dev)
-        bases = pack_bases(b3, b4)
-        self.enc = EncodePlan(channels, capacity, bases, self.slots, free, self.raw, free.clone(), self.heads)
-        self.dec = DecodePlan(channels, capacity, bases, self.slots, self.raw)
+        m = codec or cuda_codec
+        bases = m.pack_bases(b3, b4)
+        self.enc = m.EncodePlan(channels, capacity, bases, self.slots, free, self.raw, free.clone(), self.heads, **plan)
+        self.dec = m.DecodePlan(channels, capacity, bases, self.slots, self.raw, **plan)
         self.entries, self.used, self.status = z((n,), torch.int32), z((n,), torch.int32), z((n,), torch.int32)
         self.out = z((n, L.BLOCK_TOKENS, channels), torch.int16)
 
@@ -242,6 +255,75 @@ def sync():
         torch.cuda.synchronize()
 
 
+def load_baseline(path):
+    """An older ``gaac/cuda/codec.py`` (a file copied out of git history) as module
+    ``gaac.cuda._baseline``: it imports gaac's layout, errors and bitops like the current one."""
+    spec = importlib.util.spec_from_file_location("gaac.cuda._baseline", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def bench_variants(n, c, capacity, data, pools, floors, args, dev, log):
+    """Bulk encode/decode of the same data with other kernel variants; each checked against the default.
+
+    Per variant: encode and decode time (median of the same repetitions as the default) and their
+    share of the floors, decode(encode(x)) == x, and every fitting tile's slot bytes equal to the
+    default kernel's slot for that tile (the default's bytes are checked against the reference by
+    ``--check``).  ``raw-only decode`` decodes raw entries that point at copies of the input.
+    """
+    sets, reps = len(data), (1 if args.sim else 20)
+    variants = [(f"tiles/block {t}", None, dict(tiles_per_block=t)) for t in (1, 2, 8)]
+    if args.baseline:
+        variants.append((f"baseline {Path(args.baseline).name}", load_baseline(args.baseline), {}))
+    want = [p.slots[p.entries.long().clamp(min=0)] for p in pools[0]]   # default's slot of each tile
+    out = []
+    for name, codec, plan in variants:
+        try:
+            t = time.perf_counter()
+            vp = [[Pools(n, c, capacity, b3, b4, dev, codec, **plan) for (_, b3, b4) in kv] for kv in data]
+            vp[0][0].encode(data[0][0][0])                   # compile outside the timing
+            vp[0][0].decode(n)
+            sync()
+            compile_s = time.perf_counter() - t
+            t_enc = gpu_time_us(lambda i: [p.encode(bits) for p, (bits, _, _) in zip(vp[i % sets], data[i % sets])],
+                                reps)
+            t_dec = gpu_time_us(lambda i: [p.decode(n) for p in vp[i % sets]], reps)
+            sync()
+            exact = all(torch.equal(p.out, bits) and int(p.status.abs().sum()) == 0
+                        for p, (bits, _, _) in zip(vp[0], data[0]))
+            same = True
+            for p, w, p0 in zip(vp[0], want, pools[0]):
+                fit = (p.entries >= 0) & (p0.entries >= 0)
+                same &= bool(torch.equal((p0.entries >= 0), (p.entries >= 0)))
+                same &= bool(torch.equal(p.slots[p.entries.long().clamp(min=0)][fit], w[fit]))
+            out.append(dict(variant=name, encode_us=round(t_enc, 1), encode_of_floor=round(floors["enc"] / t_enc, 3),
+                            decode_us=round(t_dec, 1), decode_of_floor=round(floors["dec"] / t_dec, 3),
+                            roundtrip_exact=exact, slots_equal_default=same, setup_s=round(compile_s, 1)))
+            vp = None                                         # free the pools before the next variant
+        except Exception as exc:                              # report, keep going
+            out.append(dict(variant=name, error=f"{type(exc).__name__}: {exc}"[:300]))
+        log(f"variant {c}: {out[-1]}")
+    # The decoder's copy path: every entry a raw tile holding the input (same bytes read as written).
+    raw_entries = [(torch.arange(n, dtype=torch.int32, device=dev) - (1 << 31)).to(torch.int32) for _ in range(2)]
+    for p, (bits, _, _) in zip(pools[0], data[0]):
+        p.raw.copy_(bits)
+        p.out.fill_(0)
+
+    def dec_raw(i):
+        for p, e in zip(pools[0], raw_entries):
+            p.dec(e, p.out, p.status)
+
+    t_raw = gpu_time_us(dec_raw, reps)
+    sync()
+    exact = all(torch.equal(p.out, bits) for p, (bits, _, _) in zip(pools[0], data[0]))
+    copy_floor = 2 * 2 * n * L.TileGeometry(c).raw_bytes / (floors["copy_tbps"] * 1e6)
+    out.append(dict(variant="raw-only decode (copy path)", decode_us=round(t_raw, 1), roundtrip_exact=exact,
+                    decode_of_copy_floor=round(copy_floor / t_raw, 3)))
+    log(f"variant {c}: {out[-1]}")
+    return out
+
+
 def bench_shape(heads, dim, args, dev, log):
     gen = torch.Generator(device=dev).manual_seed(heads * dim)
     c, tph = L.tile_channels(dim), L.tiles_per_head(dim)
@@ -304,6 +386,10 @@ def bench_shape(heads, dim, args, dev, log):
                decode_floor_us=round(dec_floor, 1), decode_of_floor=round(dec_floor / t_dec, 3),
                resident_ratio=round(2 * bytes_in / written, 4))
     log(f"bulk {heads}x{dim}: {row}")
+    if args.variants:
+        floors = dict(enc=enc_floor, dec=dec_floor, copy_tbps=copy_tbps)
+        row["variants"] = bench_variants(n, c, capacity, data, pools, floors, args, dev, log)
+        log(f"variants {heads}x{dim}: {row['variants']}")
 
     # One block: all KV heads of one layer, K and V (2 launches of per_block tiles).
     calls = 1 if args.sim else 2000
@@ -391,6 +477,27 @@ def bench_shape(heads, dim, args, dev, log):
     return row
 
 
+def dump_kernels(out, log):
+    """PTX and SASS of the four default kernels into ``out/kernels.txt``; log the instruction counts."""
+    import re
+
+    from gaac.cuda.codec import decode_kernel, encode_kernel
+    text = []
+    for ch in (64, 128):
+        for name, k in (("encode", encode_kernel(ch)), ("decode", decode_kernel(ch))):
+            counts = {}
+            for kind, fn in (("ptx", k.inspect_asm), ("sass", k.inspect_sass)):
+                try:
+                    code = "\n".join(fn().values())
+                except Exception as exc:                      # nvdisasm may be missing: informative only
+                    code = f"unavailable: {exc!r}"
+                pattern = r"^\s+[a-z@][\w.]*\s" if kind == "ptx" else r"^\s+/\*[0-9a-f]{4}\*/\s+(?!NOP)"
+                counts[kind] = len(re.findall(pattern, code, flags=re.M))
+                text.append(f"===== {name} C={ch} {kind}\n{code}\n")
+            log(f"{name} C={ch}: instructions {counts}")
+    (out / "kernels.txt").write_text("".join(text))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true")
@@ -399,6 +506,8 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
     ap.add_argument("--sim", action="store_true", help="dry run in numba's CUDA simulator, tiny sizes")
+    ap.add_argument("--variants", action="store_true", help="with --bench: time the kernel variants too")
+    ap.add_argument("--baseline", default=None, help="with --variants: an older gaac/cuda/codec.py to time")
     args = ap.parse_args()
     dev = torch.device("cpu" if args.sim else "cuda")
     out = Path(args.out) if args.out else None
@@ -430,6 +539,8 @@ def main():
                         f"local bytes/thread {k.get_local_mem_per_thread()}")
                 except Exception as exc:         # resource queries are informative only
                     log(f"{name} C={ch}: resource query failed: {exc!r}")
+        if args.bench and out:
+            dump_kernels(out, log)
     report = dict(info=info)
     if args.check:
         report["check"] = run_checks(args, dev, log)
@@ -448,6 +559,8 @@ def main():
         print(f"       block K+V {r['block_kv_us_events']} us events; host/launch fast "
               f"{r['host_us_per_launch_fast']} numba {r['host_us_per_launch_numba']} us; "
               f"graph {r.get('graph_fast')} | {r.get('graph_numba')}")
+        for v in r.get("variants", []):
+            print(f"       variant {v}")
 
 
 if __name__ == "__main__":

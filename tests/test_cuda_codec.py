@@ -1,10 +1,13 @@
 """The numba.cuda tile codec against the reference codec, run in numba's CUDA simulator.
 
-Shapes stay tiny (one or two tiles a launch): the simulator runs one Python
-thread per CUDA thread.  What is checked: a fitting tile's slot holds exactly
-the reference's bytes, an overflowing tile's BF16 bits land in the raw pool,
-the block-table entries and escape counts agree, decode inverts encode, and
-nothing outside the popped slots and raw tiles is written.
+Shapes stay tiny (a few tiles a launch): the simulator runs one Python thread
+per CUDA thread.  What is checked: a fitting tile's slot holds exactly the
+reference's bytes, an overflowing tile's BF16 bits land in the raw pool, the
+block-table entries and escape counts agree, decode inverts encode, and nothing
+outside the popped slots and raw tiles is written.  The kernels put several
+tiles (one per warp) in a thread block and pop storage once per block, so the
+tests use tile counts that leave the last block partly empty and mix slot and
+raw tiles inside one block.
 """
 import numpy as np
 import pytest
@@ -26,7 +29,7 @@ POISON = 0xA5
 SIM = settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def encode_checked(tiles: np.ndarray, b3: np.ndarray, b4: np.ndarray, capacity: int) -> dict:
+def encode_checked(tiles: np.ndarray, b3: np.ndarray, b4: np.ndarray, capacity: int, **plan) -> dict:
     """Encode with the kernel into poisoned pools and check everything against the reference."""
     n, _, channels = tiles.shape
     geo = L.TileGeometry(channels)
@@ -36,9 +39,10 @@ def encode_checked(tiles: np.ndarray, b3: np.ndarray, b4: np.ndarray, capacity: 
     raw = np.full((n + spare, L.BLOCK_TOKENS, channels), POISON * 0x101, np.uint16).view(np.int16)
     heads = np.zeros(2, np.int32)
     entries, used = np.full(n, 7, np.int32), np.full(n, -7, np.int32)
-    plan = EncodePlan(channels, capacity, pack_bases(b3, b4), slots, np.arange(n + spare, dtype=np.int32)[::-1].copy(),
-                      raw, np.arange(n + spare, dtype=np.int32), heads)
-    plan(tiles.view(np.int16), entries, used)
+    encode = EncodePlan(channels, capacity, pack_bases(b3, b4), slots,
+                        np.arange(n + spare, dtype=np.int32)[::-1].copy(), raw, np.arange(n + spare, dtype=np.int32),
+                        heads, **plan)
+    encode(tiles.view(np.int16), entries, used)
 
     np.testing.assert_array_equal(used, ref.escape_used)
     assert list(heads) == [int(ref.fits.sum()), int((~ref.fits).sum())]
@@ -56,9 +60,11 @@ def encode_checked(tiles: np.ndarray, b3: np.ndarray, b4: np.ndarray, capacity: 
     return dict(slots=slots, raw=raw, entries=entries, ref=ref)
 
 
-def roundtrip(tiles, b3, b4, capacity):
-    enc = encode_checked(tiles, b3, b4, capacity)
-    out, status = decode_tiles(enc["slots"], enc["raw"], enc["entries"], b3, b4, capacity)
+def roundtrip(tiles, b3, b4, capacity, **plan):
+    enc = encode_checked(tiles, b3, b4, capacity, **plan)
+    n, _, channels = tiles.shape
+    out, status = np.full((n, 16, channels), -1, np.int16), np.full(n, -1, np.int32)
+    DecodePlan(channels, capacity, pack_bases(b3, b4), enc["slots"], enc["raw"], **plan)(enc["entries"], out, status)
     assert (status == 0).all()
     np.testing.assert_array_equal(out.view(np.uint16), tiles)
     return enc
@@ -108,6 +114,30 @@ def test_wide_heads_with_every_mode(head_dim):
     assert used.min() > 8                               # escapes span several 64-bit words
     roundtrip(tiles, t3, t4, -(-int(used.max()) // 16) * 16)
     roundtrip(tiles, t3, t4, int(used.min()) // 16 * 16)  # at least one tile spills
+
+
+@pytest.mark.parametrize("tiles_per_block", [1, 3, 8])
+def test_slot_and_raw_tiles_share_a_block(tiles_per_block):
+    """Tiles that fit and tiles that spill in one thread block; 7 tiles leave the last block partly empty.
+
+    A block pops its slots and its raw tiles with one atomic each and hands them out in warp order;
+    the simulator runs the blocks one after the other, so the entries are the free lists' first
+    entries in tile order within each class (on the GPU, blocks pop in any order)."""
+    rng = np.random.default_rng(7)
+    c = 64
+    b3 = rng.integers(100, 131, size=(7, c)).astype(np.uint8)
+    b4 = (b3 - 4).astype(np.uint8)
+    e = b3[:, None, :] + rng.integers(0, 8, size=(7, 16, c))
+    spill = np.array([0, 1, 1, 0, 1, 0, 0], bool)
+    e[spill, :, :8] = 0                                 # 16 raw groups: 80 escape bytes > capacity 64
+    e[~spill, 0, 8:16] += 9                             # one 4-bit group
+    sm = rng.integers(0, 256, size=e.shape)
+    tiles = (((sm & 0x80) << 8) | (e << 7) | (sm & 0x7F)).astype(np.uint16)
+    enc = roundtrip(tiles, b3, b4, 64, tiles_per_block=tiles_per_block)
+    np.testing.assert_array_equal(enc["ref"].fits, ~spill)
+    slot_free, raw_free = np.arange(9)[::-1], np.arange(9)   # the free lists encode_checked passes
+    np.testing.assert_array_equal(enc["entries"][~spill], slot_free[:4])
+    np.testing.assert_array_equal(enc["entries"][spill].astype(np.int64) & L.TABLE_INDEX_MASK, raw_free[:3])
 
 
 def test_real_kv_blocks_with_shared_bases():
@@ -226,3 +256,18 @@ def test_bitops_against_numpy():
     u = words.view(np.uint64)
     big = [(int(u[(i + 1) % n]) << 64 | int(u[i])) >> (i % 64) & (2**40 - 1) for i in range(n)]
     np.testing.assert_array_equal(out[:, 8], big)
+
+
+def test_32bit_bitops_against_numpy():
+    """The 32-bit toolkit's simulator twins (the GPU versions are PTX/libdevice; --check covers those)."""
+    rng = np.random.default_rng(4)
+    x, y = rng.integers(0, 2**32, size=(2, 50), dtype=np.uint64)
+    sel = rng.integers(0, 8, size=(50, 4))
+    for a, b, s in zip(x, y, sel):
+        both = np.array([a, b], "<u4").view(np.uint8)    # bytes 0..3 of a, then 4..7 of b
+        want = int(both[s].view("<u4")[0])
+        assert bitops.prmt(a, b, int(s @ [1, 16, 256, 4096])) == want
+        assert bitops.mul32(a, b) == (int(a) * int(b)) % 2**32
+        assert bitops.popc32(a) == bin(int(a)).count("1")
+        r = int(b) % 32
+        assert bitops.funnel_r(a, b, r) == ((int(b) << 32 | int(a)) >> r) % 2**32

@@ -20,11 +20,21 @@ would keep the narrow type, where the GPU code is 64-bit).
 The simulator has no warp vote, so :func:`ballot` has a shared-memory fallback
 that is correct only when **every thread of the block** calls it (block-uniform
 control flow); the GPU version has the weaker ``ballot_sync`` requirement.
-Kernels in :mod:`gaac.cuda.codec` and :mod:`gaac.cuda.attention` import these.
+
+The second half of the module is the **32-bit toolkit** the codec kernels use
+since v2 (``uint32`` registers, byte lanes, ``PRMT``): on the GPU, 64-bit
+integer operations cost two instructions each, and a byte permute does in one
+instruction what takes five shifts and masks on 16-bit lanes.  Each helper has
+a plain-Python twin for the simulator, which has no libdevice, no inline PTX
+and no warp primitives.  Kernels in :mod:`gaac.cuda.codec` and
+:mod:`gaac.cuda.attention` import these.
 """
 from __future__ import annotations
 
-from numba import config, cuda, int64
+import threading
+
+import numpy as np
+from numba import config, cuda, int64, uint32, uint64
 
 SIMULATOR = bool(config.ENABLE_CUDASIM)
 
@@ -157,3 +167,161 @@ else:
     def ballot(pred, scratch):
         """Warp vote: bit i = ``pred`` of lane i (``scratch`` is unused on the GPU)."""
         return int64(cuda.ballot_sync(0xFFFFFFFF, pred)) & 0xFFFFFFFF
+
+
+# ----------------------------------------------------------------------------------------------
+# 32-bit toolkit.
+#
+# Rules that keep the GPU code 32-bit and the simulator in step with it: values are ``uint32``
+# (NumPy ``uint32`` scalars in the simulator, where kernels see arrays as ``uint32`` views);
+# constants are ``np.uint32`` module globals (numba freezes them as 32-bit constants); a sum or
+# product is wrapped in ``uint32(...)`` in kernel code (numba types ``uint32 + uint32`` as 64-bit;
+# the wrap lets NVVM narrow it back), or goes through :func:`mul32` when it may exceed 32 bits
+# (NumPy would warn on the wrap-around); array indices are unsigned (numba adds a compare and a
+# select per index for negative-index wrap-around otherwise).
+
+FULL_MASK = 0xFFFFFFFF
+
+
+def device(fn):
+    """``fn`` as an inlined device function on the GPU; the plain Python function in the simulator,
+    where every call of a ``cuda.jit`` device function takes a lock that all threads contend for."""
+    return fn if SIMULATOR else cuda.jit(device=True, inline=True)(fn)
+
+
+def _u32(x):
+    return np.uint32(int(x) & FULL_MASK)
+
+
+if SIMULATOR:
+    _LOCK = threading.Lock()
+
+    def prmt(x, y, s):
+        """Byte permute (CUDA ``__byte_perm``): byte k of the result is byte ``(s >> 4k) & 7`` of
+        ``y:x`` (bytes 0..3 from ``x``, 4..7 from ``y``)."""
+        v = (int(y) << 32) | int(x)
+        s = int(s)
+        return _u32(sum(((v >> (8 * ((s >> (4 * k)) & 7))) & 0xFF) << (8 * k) for k in range(4)))
+
+    def popc32(x):
+        """Set bits of a 32-bit word."""
+        return bin(int(x) & FULL_MASK).count("1")
+
+    def mul32(a, b):
+        """Low 32 bits of ``a * b``."""
+        return _u32(int(a) * int(b))
+
+    def funnel_r(lo, hi, r):
+        """Bits ``r .. r+31`` of the 64-bit value ``hi:lo`` (``0 <= r < 32``)."""
+        return _u32(((int(hi) << 32) | int(lo)) >> int(r))
+
+    def ldg2(a, row, col):
+        """Words ``col, col+1`` of row ``row`` of a 2-D 32-bit array (one 8-byte load on the GPU)."""
+        return a[row, col], a[row, col + 1]
+
+    def ldg4(a, row, col):
+        """Words ``col .. col+3`` of row ``row`` (one 16-byte load on the GPU; ``col % 4 == 0``)."""
+        return a[row, col], a[row, col + 1], a[row, col + 2], a[row, col + 3]
+
+    def stg2(a, row, col, x, y):
+        """Store two words at ``col, col+1`` of row ``row`` (one 8-byte store on the GPU)."""
+        a[row, col] = x
+        a[row, col + 1] = y
+
+    def stg4(a, row, col, x, y, z, w):
+        """Store four words at ``col .. col+3`` of row ``row`` (one 16-byte store; ``col % 4 == 0``)."""
+        a[row, col] = x
+        a[row, col + 1] = y
+        a[row, col + 2] = z
+        a[row, col + 3] = w
+
+    def syncwarp():
+        """Warp barrier.  The simulator's block barrier waits for every *live* thread of the block,
+        so it acts as a warp barrier as long as all 32 threads of each warp that is still running
+        reach their barriers in the same order (threads that returned do not hold it up)."""
+        threading.current_thread().syncthreads()
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda import cgutils, libdevice
+    from numba.cuda.extending import intrinsic
+
+    _I32 = ir.IntType(32)
+
+    @cuda.jit(device=True, inline=True)
+    def prmt(x, y, s):
+        """Byte permute: one PRMT instruction (see the simulator twin for the semantics)."""
+        return uint32(libdevice.byte_perm(x, y, s))
+
+    @cuda.jit(device=True, inline=True)
+    def popc32(x):
+        """Set bits of a 32-bit word: one POPC."""
+        return libdevice.popc(x)
+
+    @cuda.jit(device=True, inline=True)
+    def mul32(a, b):
+        """Low 32 bits of ``a * b``: one IMAD."""
+        return uint32(uint32(a) * uint32(b))
+
+    @cuda.jit(device=True, inline=True)
+    def funnel_r(lo, hi, r):
+        """Bits ``r .. r+31`` of ``hi:lo``: one SHF.R."""
+        return uint32(((uint64(hi) << uint64(32)) | uint64(lo)) >> uint64(r))
+
+    def _pointer(context, builder, sig, args):
+        """Address of element ``[row, col]`` of the 2-D array in ``args[0..2]``, no wrap-around."""
+        aryty = sig.args[0]
+        ary = context.make_array(aryty)(context, builder, value=args[0])
+        idx = [context.cast(builder, args[i], sig.args[i], types.intp) for i in (1, 2)]
+        return cgutils.get_item_pointer(context, builder, aryty, ary, idx, wraparound=False)
+
+    def _asm(builder, ret, args, text, constraints, side_effect=False):
+        fn = ir.FunctionType(ret, [a.type for a in args])
+        return builder.call(ir.InlineAsm(fn, text, constraints, side_effect=side_effect), args)
+
+    def _load(width):
+        regs = ",".join(f"${i}" for i in range(width))
+        text = f"ld.global.nc.v{width}.u32 {{{regs}}}, [${width}];"
+        constraints = ",".join(["=r"] * width) + ",l"
+
+        @intrinsic
+        def load(typingctx, a, row, col):
+            """Words ``col .. col+width-1`` of row ``row``: one read-only (``.nc``) vector load."""
+            rt = types.UniTuple(types.uint32, width)
+
+            def codegen(context, builder, sig, args):
+                r = _asm(builder, ir.LiteralStructType([_I32] * width), [_pointer(context, builder, sig, args)],
+                         text, constraints)
+                return context.make_tuple(builder, rt, [builder.extract_value(r, i) for i in range(width)])
+            return rt(a, row, col), codegen
+        return load
+
+    def _store_codegen(width):
+        regs = ",".join(f"${i + 1}" for i in range(width))
+        text = f"st.global.v{width}.u32 [$0], {{{regs}}};"
+        constraints = "l," + ",".join(["r"] * width) + ",~{memory}"
+
+        def codegen(context, builder, sig, args):
+            vals = [context.cast(builder, v, t, types.uint32) for v, t in zip(args[3:], sig.args[3:])]
+            _asm(builder, ir.VoidType(), [_pointer(context, builder, sig, args)] + vals, text, constraints,
+                 side_effect=True)
+            return context.get_dummy_value()
+        return codegen
+
+    @intrinsic
+    def stg2(typingctx, a, row, col, x, y):
+        """Store two words at ``col, col+1`` of row ``row``: one 8-byte store."""
+        return types.void(a, row, col, x, y), _store_codegen(2)
+
+    @intrinsic
+    def stg4(typingctx, a, row, col, x, y, z, w):
+        """Store four words at ``col .. col+3`` of row ``row``: one 16-byte store (``col % 4 == 0``)."""
+        return types.void(a, row, col, x, y, z, w), _store_codegen(4)
+
+    ldg2 = _load(2)
+    ldg4 = _load(4)
+
+    @cuda.jit(device=True, inline=True)
+    def syncwarp():
+        """Warp barrier (``bar.warp.sync``)."""
+        cuda.syncwarp(FULL_MASK)

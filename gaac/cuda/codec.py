@@ -1,4 +1,4 @@
-"""numba.cuda kernels that encode tiles into GAAC v1 slots and decode them, bit-exact with the reference.
+"""numba.cuda kernels that encode tiles into GAAC slots and decode them, bit-exact with the reference.
 
 Contract
 ========
@@ -36,13 +36,25 @@ more escape bytes than ``capacity``); a bad tile's output is unspecified.
 The escape area's zero padding is not checked here (the block container's
 decoder checks it, and its CRC covers it).
 
-Kernel shape: one thread block per tile, one thread per 8-element group
-(256 threads for C=128, 128 for C=64).  A thread loads its group as two 64-bit
-words and works on four 16-bit lanes per register (:mod:`gaac.cuda.bitops`);
-escape offsets are an exclusive prefix sum over the tile's groups, from two warp
-ballots (4-bit and raw groups) and a shared-memory sum of warp totals.  The
-encoder stages the 3-bit codes, the tag words and the escape bytes in shared
-memory and writes every section of the slot with 64-bit stores.
+Kernel shape (v2; benchmarks/NOTES-codec.md has v1 and the measurements): **one
+warp per tile**, ``TILES_PER_BLOCK`` tiles per thread block.  Lane ``l`` owns the
+groups ``32j + l`` (``j < G/32``), so every chunk ``j`` of a warp reads or writes
+one contiguous run of the tile with 16-byte (BF16) or 8-byte (sign+mantissa)
+vector accesses, and a lane's 8 channels -- hence its bases -- are the same in
+every chunk.  The arithmetic is 32-bit (:mod:`gaac.cuda.bitops`, second half):
+exponents in 16-bit lanes for the window tests, byte lanes and ``PRMT`` for
+codes, sign+mantissa bytes and BF16 assembly, one multiply to gather or spread
+an escape byte's 8 bit-plane bits.  Escape offsets come from popcounts over the
+tag words (a group's offset = escape bytes of the tags before it), so the
+decoder needs no communication between lanes at all; each lane first issues
+every load of its groups (tag words, sign+mantissa, codes, escape words) and
+then computes.  The encoder keeps its groups' BF16 words in registers across
+two passes: pass 1 picks the modes and builds the tag words in shared memory;
+the tile's escape total decides slot or raw tile, popped with one atomic per
+block and pool (warps ranked in warp order); pass 2 writes sign+mantissa bytes
+directly and stages codes and escape bytes in shared memory, from which the
+warp writes whole words of the code stream and the escape area (zeros after
+the last escape byte).  Block barriers: four; the rest is warp-synchronous.
 
 Host overhead: kernels are compiled once per tile width with explicit types;
 a plan validates its pools once and keeps the launch configuration; on the GPU
@@ -55,37 +67,60 @@ import ctypes
 import functools
 
 import numpy as np
-from numba import cuda, int32, int64, uint8
+from numba import cuda, int32, int64, uint8, uint32
 
 from .. import layout as L
 from ..errors import InputError
-from .bitops import (LANES, SIMULATOR, WARP, ballot, ballot_scratch, gather4, join_bf16x4, lanes_below, narrow4, pack3x4,
-                     spread4, spread_even, split_bf16x4, unpack3x4, widen4, window)
+from .bitops import SIMULATOR, WARP, device, funnel_r, ldg2, ldg4, mul32, popc32, prmt, stg2, stg4, syncwarp
 
 NO_STORAGE = -1                                  # entry of a tile whose free list ran dry
 BAD_TAG = 1                                      # decode status: a group has the reserved tag
 BAD_ESCAPES = 2                                  # decode status: the tags need more escape bytes than the slot has
 _RAW_ENTRY_BIAS = L.TABLE_RAW_FLAG - (1 << 32)   # raw index + this = the entry as a (negative) int32
-_BAD_TAG_WEIGHT = 1 << 20                        # added to a warp's escape total when it has a reserved tag
 
-_WORD = 8                                        # bytes per int64 word
-_LANES_PER_WORD = 4                              # 16-bit lanes (elements, bases) per word
+TILES_PER_BLOCK = 4                              # warps (one tile each) per thread block, both kernels
+_WORD = 4                                        # bytes per kernel word (uint32)
 _ESC4 = L.ESCAPE_BYTES[L.MODE_4BIT]
 _ESCR = L.ESCAPE_BYTES[L.MODE_RAW]
-_ONE_LANES = 0x100 * LANES                       # 256 in every lane: e + 256 - base stays positive
-# 256 + e - base lies in 256 .. 256+window-1 exactly when these lane bits read 256 (lanes stay below 512).
-_MASK3 = (0x1FF & ~(L.WINDOW_3BIT - 1)) * LANES
-_MASK4 = (0x1FF & ~(L.WINDOW_4BIT - 1)) * LANES
-_LOW3 = (1 << L.CODE_BITS) - 1
-_CODE_FIELD = L.GROUP_SIZE * L.CODE_BITS          # 24 bits of codes per group
-_HALF_FIELD = _CODE_FIELD // 2
-# The kernels build and read a warp's 2-bit tags from the 4-bit and raw ballots as bit 0 and bit 1.
-_TAG_BITS_OK = (L.MODE_3BIT, L.MODE_4BIT, L.MODE_RAW, L.TAG_BITS) == (0, 1, 2, 2)
-assert _TAG_BITS_OK, "the kernels' tag layout no longer matches gaac.layout's mode numbers"
 
-_ENCODE_SIG = ("void(int64[:, ::1], int64[:, :, ::1], int64, int64[:, ::1], int32[::1], int64[:, ::1], "
+# Encode: an element's exponent e sits in a 16-bit lane of a word (two elements per word); with
+# K = 512 - base per lane, w = e + K lies in 264..767 (no borrow between lanes), and e is inside
+# the 3-bit window exactly when bits 3..8 of w are zero (bit 9 set, w - 512 = code in 0..7);
+# likewise bits 4..8 for the 4-bit window.  w's low bits are then the code (FORMAT.md 5.2-5.3).
+_EXP_LANES = np.uint32(0x00FF00FF)
+_BIAS = np.uint32(0x02000200)
+_OUT3 = np.uint32(0x01F801F8)
+_OUT4 = np.uint32(0x01F001F0)
+# Byte permutes (selector nibble k = source byte of result byte k; bytes 4..7 are the 2nd word).
+_LOW_BYTES = np.uint32(0x6420)                   # low byte of each 16-bit lane of two words
+_HIGH_BYTES = np.uint32(0x7531)                  # high byte of each lane
+_ZIP_LO = np.uint32(0x5140)                      # interleave bytes 0, 1 of two words -> two 16-bit lanes
+_ZIP_HI = np.uint32(0x7362)                      # bytes 2, 3
+_SIGN_BYTES = np.uint32(0x80808080)
+_MANT_BYTES = np.uint32(0x7F7F7F7F)
+_CODE_BYTES = np.uint32(0x07070707)
+_BIT0_BYTES = np.uint32(0x01010101)
+_BIT4_BYTES = np.uint32(0x10101010)
+_BIT3_BYTES = np.uint32(0x08080808)
+# Multiplying a word whose bytes hold bit 0 (elements 0..3) and bit 4 (elements 4..7) by this
+# gathers those 8 bits into the top byte (element i at bit 24 + i), with no carries below it;
+# multiplying a 4-bit nibble by it spreads nibble bit i to bit 8i + 3 (section 5.4's planes).
+_GATHER = np.uint32(0x01020408)
+_PAIR_LO = np.uint32(0x003F003F)
+_LOW12 = np.uint32(0xFFF)
+_LOW24 = np.uint32(0xFFFFFF)
+_ODD_BITS = np.uint32(0xAAAAAAAA)                # bit 1 of every 2-bit tag: the raw tags' (and tag 3's)
+_EVEN_BITS = np.uint32(0x55555555)
+_M3, _M4, _MR = np.uint32(L.MODE_3BIT), np.uint32(L.MODE_4BIT), np.uint32(L.MODE_RAW)
+_ZERO, _ONE, _FIVE = np.uint32(0), np.uint32(_ESC4), np.uint32(_ESCR)
+# The kernels read tags as (bit 0 = 4-bit, bit 1 = raw): a tag's escape bytes are popc + 4 * bit 1.
+_TAG_BITS_OK = (L.MODE_3BIT, L.MODE_4BIT, L.MODE_RAW, L.TAG_BITS, _ESC4, _ESCR) == (0, 1, 2, 2, 1, 5)
+assert _TAG_BITS_OK, "the kernels' tag arithmetic no longer matches gaac.layout's modes"
+
+# Kernel arrays are 32-bit words: int32 views of the torch tensors on the GPU (uint32 in the simulator).
+_ENCODE_SIG = ("void(int32[:, ::1], int32[:, ::1], int64, int32[:, ::1], int32[::1], int32[:, ::1], "
                "int32[::1], int32[::1], int32[::1], int32[::1])")
-_DECODE_SIG = "void(int64[:, ::1], int64[:, ::1], int32[::1], int64[:, :, ::1], int64, int64[:, ::1], int32[::1])"
+_DECODE_SIG = "void(int32[:, ::1], int32[:, ::1], int32[::1], int32[:, ::1], int64, int32[:, ::1], int32[::1])"
 
 
 def _check_channels(channels: int) -> L.TileGeometry:
@@ -95,208 +130,350 @@ def _check_channels(channels: int) -> L.TileGeometry:
 
 
 @functools.lru_cache(maxsize=None)
-def encode_kernel(channels: int):
+def encode_kernel(channels: int, tiles_per_block: int = TILES_PER_BLOCK):
     """The encode kernel for ``channels``-wide tiles, compiled once (see the module docstring)."""
-    return cuda.jit(_ENCODE_SIG)(encode_source(channels))
+    return cuda.jit(_ENCODE_SIG)(encode_source(channels, tiles_per_block))
 
 
 @functools.lru_cache(maxsize=None)
-def decode_kernel(channels: int):
+def decode_kernel(channels: int, tiles_per_block: int = TILES_PER_BLOCK):
     """The decode kernel for ``channels``-wide tiles, compiled once (see the module docstring)."""
-    return cuda.jit(_DECODE_SIG)(decode_source(channels))
+    return cuda.jit(_DECODE_SIG)(decode_source(channels, tiles_per_block))
 
 
-def encode_source(channels: int):
-    """The Python function of the encode kernel, its tile geometry baked in as constants."""
+def _shape(channels: int):
+    """Word counts of a tile and a slot (``_WORD``-byte words; every section is a whole number)."""
     geo = _check_channels(channels)
-    G = geo.groups
-    GPR = geo.groups_per_row
-    WARPS = G // WARP
-    CODE_WORDS = geo.code_bytes // _WORD
-    TAG_WORDS = geo.tag_bytes // _WORD
-    STAGE = G * _ESCR
-    SCRATCH = ballot_scratch(G)
+    return dict(G=geo.groups, J=geo.groups // WARP, GPR=geo.groups_per_row, TW=geo.tag_bytes // _WORD,
+                SMW=geo.sm_bytes // _WORD, CODEW=geo.code_bytes // _WORD, TAGW0=geo.tag_offset // _WORD,
+                ESCW0=geo.escape_offset // _WORD, HALF=channels // 2)
+
+
+@device
+def _escape_count(tags):
+    """Escape bytes of the (up to 16) groups whose 2-bit tags are in ``tags`` (tag 3 counts 6)."""
+    return uint32(uint32(popc32(tags)) + uint32(uint32(popc32(tags & _ODD_BITS)) << uint32(2)))
+
+
+@device
+def _exponents(x):
+    """The exponents of the two BF16 values in ``x``, one per 16-bit lane (FORMAT.md 5.1)."""
+    return uint32((x >> uint32(7)) & _EXP_LANES)
+
+
+@device
+def _code_bytes(a):
+    """Four 3-bit codes at bits 0, 3, 6, 9 of ``a`` -> one per byte (bits 0..2 of bytes 0..3)."""
+    t = uint32((a | (a << uint32(10))) & _PAIR_LO)
+    return uint32((t | (t << uint32(5))) & _CODE_BYTES)
+
+
+@device
+def _pack_codes(y):
+    """Inverse of :func:`_code_bytes`: 3-bit values in bytes 0..3 of ``y`` -> bits 0..11."""
+    t = uint32((y | (y >> uint32(5))) & _PAIR_LO)
+    return uint32((t | (t >> uint32(10))) & _LOW12)
+
+
+@device
+def _gather_bits(lo, hi, b):
+    """Bit ``b`` (3..7) of the bytes of ``lo`` (elements 0..3) and ``hi`` (4..7) -> one escape byte,
+    element i at bit i: the bits go to bits 0 and 4 of each byte, then one multiply gathers them."""
+    up = uint32(hi << uint32(1)) if b == 3 else uint32(hi >> uint32(b - 4))
+    return uint32(mul32(((lo >> uint32(b)) & _BIT0_BYTES) | (up & _BIT4_BYTES), _GATHER) >> uint32(24))
+
+
+@device
+def _plane(x, bits, p):
+    """``x`` with bits 0..3 of ``bits`` set at bit 3 + p of bytes 0..3: escape plane ``p`` (FORMAT.md
+    5.4) of four elements added to their code bytes (one multiply spreads the 4 bits)."""
+    return uint32(x | (mul32(bits & uint32(0xF), _GATHER << uint32(p)) & (_BIT3_BYTES << uint32(p))))
+
+
+def encode_source(channels: int, tiles_per_block: int = TILES_PER_BLOCK):
+    """The Python function of the encode kernel, its tile geometry baked in as constants."""
+    s = _shape(channels)
+    G, J, GPR, TW, SMW, CODEW, TAGW0, ESCW0, HALF = (s[k] for k in
+                                                    ("G", "J", "GPR", "TW", "SMW", "CODEW", "TAGW0", "ESCW0", "HALF"))
+    TPB = tiles_per_block
+    STAGE = (TPB, G * _ESCR)
+    CODES = (TPB, G)
+    TAGS = (TPB, TW)
+    CODE_ROUNDS = -(-CODEW // WARP)
+    u = uint32
 
     def kernel(bits, bases, capacity, slots, slot_free, raw, raw_free, heads, entries, escape_used):
-        code24 = cuda.shared.array(G, int32)
-        stage = cuda.shared.array(STAGE, uint8)
-        tag_words = cuda.shared.array(WARPS, int64)
-        warp_total = cuda.shared.array(WARPS, int32)
-        dest = cuda.shared.array(1, int32)
-        scratch = cuda.shared.array(SCRATCH, int32)
+        stage = cuda.shared.array(STAGE, uint8)            # mode of each group; later the escape bytes
+        codes = cuda.shared.array(CODES, uint32)           # 24 code bits of each group
+        tagw = cuda.shared.array(TAGS, uint32)             # the tile's tag stream
+        tagc = cuda.shared.array(TAGS, uint32)             # escape bytes of each tag word
+        tot = cuda.shared.array(TPB, uint32)               # escape bytes of each warp's tile
+        cls = cuda.shared.array(TPB, int32)                # per warp: 0 slot, 1 raw tile, 2 no tile
+        base = cuda.shared.array(2, int32)                 # first free-list position of this block's pops
+        sm_lo = cuda.local.array(J, uint32)                # per group of this lane: sign+mantissa bytes 0..3,
+        sm_hi = cuda.local.array(J, uint32)                # 4..7, and the 24 code bits | the 4-bit escape
+        code = cuda.local.array(J, uint32)                 # byte << 24
 
-        tile = cuda.blockIdx.x
-        g = cuda.threadIdx.x
-        lane = g % WARP
-        warp = g // WARP
+        tid = u(cuda.threadIdx.x)
+        warp = tid // u(WARP)
+        lane = tid % u(WARP)
+        n = u(bits.shape[0])
+        cap = u(capacity)
+        tile = u(u(cuda.blockIdx.x) * u(TPB) + warp)
+        valid = tile < n
+        t = tile if valid else u(n - u(1))                 # a warp past the end mirrors the last tile
+        row = t % u(bases.shape[0])
+        col = u((lane % u(GPR)) * u(4))                    # this lane's 8 channels are the same in every chunk
+        b0, b1, b2, b3 = ldg4(bases, row, col)
+        k30, k31, k32, k33 = u(_BIAS - b0), u(_BIAS - b1), u(_BIAS - b2), u(_BIAS - b3)
+        b0, b1, b2, b3 = ldg4(bases, row, u(col + u(HALF)))
+        k40, k41, k42, k43 = u(_BIAS - b0), u(_BIAS - b1), u(_BIAS - b2), u(_BIAS - b3)
 
-        # Split the group's 8 elements; pick the narrowest mode (FORMAT.md 5.1-5.3).
-        x0 = bits[tile, 2 * g]
-        x1 = bits[tile, 2 * g + 1]
-        row = tile % bases.shape[0]
-        col = (g % GPR) * 2
-        sm0, e0 = split_bf16x4(x0)
-        sm1, e1 = split_bf16x4(x1)
-        d3a = (e0 | _ONE_LANES) - bases[row, 0, col]
-        d3b = (e1 | _ONE_LANES) - bases[row, 0, col + 1]
-        d4a = (e0 | _ONE_LANES) - bases[row, 1, col]
-        d4b = (e1 | _ONE_LANES) - bases[row, 1, col + 1]
-        if (((d3a & _MASK3) ^ _ONE_LANES) | ((d3b & _MASK3) ^ _ONE_LANES)) == 0:
-            mode = L.MODE_3BIT
-            ca, cb = d3a, d3b
-        elif (((d4a & _MASK4) ^ _ONE_LANES) | ((d4b & _MASK4) ^ _ONE_LANES)) == 0:
-            mode = L.MODE_4BIT
-            ca, cb = d4a, d4b
-        else:
-            mode = L.MODE_RAW
-            ca, cb = e0, e1
-        code24[g] = pack3x4(ca) | (pack3x4(cb) << _HALF_FIELD)
-
-        # Escape offsets: exclusive prefix sum of 0/1/5 bytes over the tile's groups.
-        m4 = ballot(mode == L.MODE_4BIT, scratch)
-        mr = ballot(mode == L.MODE_RAW, scratch)
-        below = lanes_below(lane)
-        offset = cuda.popc(m4 & below) * _ESC4 + cuda.popc(mr & below) * _ESCR
-        if lane == 0:
-            warp_total[warp] = cuda.popc(m4) * _ESC4 + cuda.popc(mr) * _ESCR
-            tag_words[warp] = spread_even(m4) | (spread_even(mr) << 1)   # tags 1 and 2: see _TAG_BITS_OK
-        cuda.syncthreads()
-        total = 0
-        for w in range(WARPS):
-            t = int64(warp_total[w])
-            total += t
-            if w < warp:
-                offset += t
-        fits = total <= capacity
-
-        # Storage decision: pop a slot, or a raw tile when the escapes overflow (FORMAT.md 6).
-        if g == 0:
-            if fits:
-                k = cuda.atomic.add(heads, 0, 1)
-                d = slot_free[k] if k < slot_free.shape[0] else NO_STORAGE
-                entries[tile] = d
+        # Pass 1, per group (lane l has groups 32j + l): the narrowest mode (FORMAT.md 5.2), the
+        # sign+mantissa bytes (5.1), the low 3 bits of the codes (5.3) and a 4-bit group's escape
+        # byte (5.4).  Only these stay in registers; a raw group's 5 escape bytes are made in pass 2.
+        if lane == _ZERO:
+            tot[warp] = 0
+        modes = u(0)
+        for j in range(J):
+            g = u(u(WARP * j) + lane)
+            x0, x1, x2, x3 = ldg4(bits, t, u(g * u(4)))
+            e0, e1, e2, e3 = _exponents(x0), _exponents(x1), _exponents(x2), _exponents(x3)
+            w0, w1, w2, w3 = u(e0 + k30), u(e1 + k31), u(e2 + k32), u(e3 + k33)
+            v0, v1, v2, v3 = u(e0 + k40), u(e1 + k41), u(e2 + k42), u(e3 + k43)
+            if ((w0 | w1 | w2 | w3) & _OUT3) == _ZERO:
+                mode = _M3
+            elif ((v0 | v1 | v2 | v3) & _OUT4) == _ZERO:
+                mode = _M4
+                w0, w1, w2, w3 = v0, v1, v2, v3
             else:
-                k = cuda.atomic.add(heads, 1, 1)
-                d = raw_free[k] if k < raw_free.shape[0] else NO_STORAGE
-                entries[tile] = d + _RAW_ENTRY_BIAS if d >= 0 else NO_STORAGE
-            dest[0] = d
-            escape_used[tile] = total
-        if fits and mode == L.MODE_4BIT:
-            stage[offset] = gather4(ca >> L.CODE_BITS) | (gather4(cb >> L.CODE_BITS) << 4)
-        elif fits and mode == L.MODE_RAW:
-            for p in range(_ESCR):
-                stage[offset + p] = (gather4(ca >> (L.CODE_BITS + p))
-                                     | (gather4(cb >> (L.CODE_BITS + p)) << 4))
+                mode = _MR
+                w0, w1, w2, w3 = e0, e1, e2, e3
+            lo = prmt(w0, w1, _LOW_BYTES)                  # the codes (raw: exponents), one per byte
+            hi = prmt(w2, w3, _LOW_BYTES)
+            c = u(_pack_codes(u(lo & _CODE_BYTES)) | u(_pack_codes(u(hi & _CODE_BYTES)) << u(12)))
+            code[j] = u(c | u(_gather_bits(lo, hi, 3) << u(24))) if mode == _M4 else c
+            sm_lo[j] = u((prmt(x0, x1, _HIGH_BYTES) & _SIGN_BYTES) | (prmt(x0, x1, _LOW_BYTES) & _MANT_BYTES))
+            sm_hi[j] = u((prmt(x2, x3, _HIGH_BYTES) & _SIGN_BYTES) | (prmt(x2, x3, _LOW_BYTES) & _MANT_BYTES))
+            stage[warp, g] = mode
+            modes = u(modes | u(mode << u(2 * j)))
         cuda.syncthreads()
+        if lane < u(TW):                                   # tag word w = groups 16w .. 16w+15
+            word = u(0)
+            for i in range(16):
+                word = u(word | u(u(stage[warp, u(u(lane * u(16)) + u(i))]) << u(2 * i)))
+            tagw[warp, lane] = word
+            count = _escape_count(word)
+            tagc[warp, lane] = count
+            cuda.atomic.add(tot, warp, count)
+        cuda.syncthreads()
+        total = tot[warp]
+        fits = total <= cap
 
-        d = dest[0]
+        # Storage decision (FORMAT.md 6.4): one atomic pop per block and pool, ranked by warp.
+        my_cls = (int32(0) if fits else int32(1)) if valid else int32(2)
+        if lane == _ZERO:
+            cls[warp] = my_cls
+        if tid == _ZERO:
+            base[0] = 0
+            base[1] = 0
+        cuda.syncthreads()
+        rank = int32(0)
+        count0 = int32(0)
+        count1 = int32(0)
+        for w in range(TPB):
+            c = cls[w]
+            if c == my_cls and u(w) < warp:
+                rank += 1
+            if c == 0:
+                count0 += 1
+            elif c == 1:
+                count1 += 1
+        if tid == _ZERO:
+            if count0:
+                base[0] = cuda.atomic.add(heads, 0, count0)
+            if count1:
+                base[1] = cuda.atomic.add(heads, 1, count1)
+        cuda.syncthreads()
+        if not valid:
+            return
+        k = u(base[my_cls] + rank)
+        if fits:
+            d = slot_free[k] if k < u(slot_free.shape[0]) else NO_STORAGE
+            entry = d
+        else:
+            d = raw_free[k] if k < u(raw_free.shape[0]) else NO_STORAGE
+            entry = d + _RAW_ENTRY_BIAS if d >= 0 else NO_STORAGE
+        if lane == _ZERO:
+            entries[tile] = entry
+            escape_used[tile] = total
         if d < 0:
             return
-        if not fits:
-            raw[d, 2 * g] = x0
-            raw[d, 2 * g + 1] = x1
+        dw = u(d)
+        if not fits:                                       # the tile as it is, read again (rare)
+            for j in range(J):
+                g4 = u(u(u(WARP * j) + lane) * u(4))
+                raw[dw, g4] = bits[t, g4]
+                raw[dw, u(g4 + u(1))] = bits[t, u(g4 + u(1))]
+                raw[dw, u(g4 + u(2))] = bits[t, u(g4 + u(2))]
+                raw[dw, u(g4 + u(3))] = bits[t, u(g4 + u(3))]
             return
-        slots[d, g] = narrow4(sm0) | (narrow4(sm1) << 32)
-        for k in range(g, slots.shape[1] - G, G):
-            if k < CODE_WORDS:
-                g0 = (k * 64) // _CODE_FIELD
-                s = k * 64 - g0 * _CODE_FIELD
-                acc = int64(code24[g0]) >> s
-                for j in range(1, 4):
-                    sh = j * _CODE_FIELD - s
-                    if sh < 64 and g0 + j < G:
-                        acc |= int64(code24[g0 + j]) << sh
-            elif k < CODE_WORDS + TAG_WORDS:
-                acc = tag_words[k - CODE_WORDS]
-            else:
-                b = (k - CODE_WORDS - TAG_WORDS) * _WORD
-                acc = 0
-                for i in range(_WORD):
-                    if b + i < total:
-                        acc |= int64(stage[b + i]) << (8 * i)
-            slots[d, G + k] = acc
+
+        # Pass 2: sign+mantissa bytes to the slot; codes and escape bytes to shared memory, a group's
+        # escape bytes at its offset = escape bytes of the tag stream before it (tag words 2j, 2j+1
+        # hold chunk j: lanes 0..15, then 16..31).
+        second = lane >= u(16)
+        below = u(u(u(1) << u(u(2) * (lane & u(15)))) - u(1))
+        before = u(0)
+        for j in range(J):
+            g = u(u(WARP * j) + lane)
+            mode = u(u(modes >> u(2 * j)) & u(3))
+            stg2(slots, dw, u(g * u(2)), sm_lo[j], sm_hi[j])
+            c = code[j]
+            codes[warp, g] = u(c & _LOW24)
+            ta = tagw[warp, 2 * j]
+            ca = tagc[warp, 2 * j]
+            mine = tagw[warp, 2 * j + 1] if second else ta
+            off = u(u(before + (ca if second else _ZERO)) + _escape_count(mine & below))
+            before = u(u(before + ca) + tagc[warp, 2 * j + 1])
+            if mode == _M4:
+                stage[warp, off] = u(c >> u(24))
+            elif mode == _MR:                               # planes 3..7 of the exponents, read again (rare)
+                g4 = u(g * u(4))
+                e0, e1 = _exponents(u(bits[t, g4])), _exponents(u(bits[t, u(g4 + u(1))]))
+                e2, e3 = _exponents(u(bits[t, u(g4 + u(2))])), _exponents(u(bits[t, u(g4 + u(3))]))
+                lo = prmt(e0, e1, _LOW_BYTES)
+                hi = prmt(e2, e3, _LOW_BYTES)
+                for p in range(_ESCR):
+                    stage[warp, u(off + u(p))] = _gather_bits(lo, hi, 3 + p)
+        syncwarp()
+
+        # Whole words of the code stream (word w holds bits 32w.. : groups 4w//3 and the next),
+        # the tag stream and the escape area, zero after the escape bytes.
+        for i in range(CODE_ROUNDS):
+            w = u(lane + u(WARP * i))
+            if w < u(CODEW):
+                g0 = u(w * u(4)) // u(3)
+                sh = u(u(8) * (u(w * u(4)) % u(3)))
+                slots[dw, u(u(SMW) + w)] = (codes[warp, g0] >> sh) | u(codes[warp, u(g0 + u(1))] << u(u(24) - sh))
+        if lane < u(TW):
+            slots[dw, u(u(TAGW0) + lane)] = tagw[warp, lane]
+        for w in range(int64(lane), cap // u(_WORD), WARP):
+            b = u(u(w) * u(_WORD))
+            word = u(0)
+            for i in range(_WORD):
+                if u(b + u(i)) < total:
+                    word = u(word | u(u(stage[warp, u(b + u(i))]) << u(8 * i)))
+            slots[dw, u(u(ESCW0) + u(w))] = word
 
     return kernel
 
 
-def decode_source(channels: int):
+def decode_source(channels: int, tiles_per_block: int = TILES_PER_BLOCK):
     """The Python function of the decode kernel, its tile geometry baked in as constants."""
-    geo = _check_channels(channels)
-    G = geo.groups
-    GPR = geo.groups_per_row
-    WARPS = G // WARP
-    CODE0 = geo.code_offset // _WORD
-    TAG0 = geo.tag_offset // _WORD
-    ESC_BIT0 = geo.escape_offset * 8
+    s = _shape(channels)
+    J, GPR, SMW, TAGW0, ESCW0, HALF = (s[k] for k in ("J", "GPR", "SMW", "TAGW0", "ESCW0", "HALF"))
+    TPB = tiles_per_block
+    SM = 2 * J
+    u = uint32
 
     def kernel(slots, raw, entries, bases, capacity, out, status):
-        warp_total = cuda.shared.array(WARPS, int32)
-        tile = cuda.blockIdx.x
-        g = cuda.threadIdx.x
-        lane = g % WARP
-        warp = g // WARP
+        sm = cuda.local.array(SM, uint32)                 # this lane's sign+mantissa words
+        code = cuda.local.array(J, uint32)                # its 24 code bits per group
+        esc = cuda.local.array(J, uint32)                 # escape bytes 0..3 of its group
+        esc4 = cuda.local.array(J, uint32)                # escape byte 4 (raw groups)
+        what = cuda.local.array(J, uint32)                # mode | 4 if the escapes lie inside the slot
 
+        tid = u(cuda.threadIdx.x)
+        warp = tid // u(WARP)
+        lane = tid % u(WARP)
+        tile = u(u(cuda.blockIdx.x) * u(TPB) + warp)
+        if tile >= u(entries.shape[0]):
+            return
         entry = entries[tile]
         if entry < 0:
-            r = int64(entry) & L.TABLE_INDEX_MASK
-            out[tile, 2 * g] = raw[r, 2 * g]
-            out[tile, 2 * g + 1] = raw[r, 2 * g + 1]
-            if g == 0:
+            r = u(entry & L.TABLE_INDEX_MASK)
+            for j in range(J):
+                g4 = u(u(u(WARP * j) + lane) * u(4))
+                x0, x1, x2, x3 = ldg4(raw, r, g4)
+                stg4(out, tile, g4, x0, x1, x2, x3)
+            if lane == _ZERO:
                 status[tile] = 0
             return
+        d = u(entry)
+        cap = u(capacity)
+        last = u(u(u(ESCW0) + cap // u(_WORD)) - u(1))     # last word of the slot
 
-        # The warp's 32 tags are one 64-bit word: count 4-bit and raw groups below this lane.
-        tw = slots[entry, TAG0 + warp]
-        lo = tw & 0x5555555555555555
-        hi = (tw >> 1) & 0x5555555555555555
-        t4 = lo & ~hi
-        tr = hi & ~lo
-        mode = (tw >> (2 * lane)) & 3
-        below = lanes_below(2 * lane)
-        offset = cuda.popc(t4 & below) * _ESC4 + cuda.popc(tr & below) * _ESCR
-        if lane == 0:
-            warp_total[warp] = (cuda.popc(t4) * _ESC4 + cuda.popc(tr) * _ESCR
-                                + (_BAD_TAG_WEIGHT if (lo & hi) != 0 else 0))
-        cuda.syncthreads()
-        total = 0
-        for w in range(WARPS):
-            t = int64(warp_total[w])
-            total += t
-            if w < warp:
-                offset += t
-        if g == 0:
-            status[tile] = BAD_TAG if total >= _BAD_TAG_WEIGHT else (BAD_ESCAPES if total > capacity else 0)
+        # Loads first (every chunk's words in flight at once), with the tag arithmetic that places
+        # each group's escape bytes: offset = escape bytes of the tag stream before the group.
+        second = lane >= u(16)
+        shift = u(u(2) * (lane & u(15)))
+        below = u(u(1) << shift) - u(1)
+        total = u(0)
+        bad = u(0)
+        for j in range(J):
+            g = u(u(WARP * j) + lane)
+            ta, tb = ldg2(slots, d, u(TAGW0 + 2 * j))
+            bad = u(bad | (ta & (ta >> u(1))) | (tb & (tb >> u(1))))
+            ca = _escape_count(ta)
+            mine = tb if second else ta
+            mode = u(u(mine >> shift) & u(3))
+            off = u(u(total + (ca if second else _ZERO)) + _escape_count(mine & below))
+            total = u(u(total + ca) + _escape_count(tb))
+            need = _ONE if mode == _M4 else (_FIVE if mode == _MR else _ZERO)
+            inside = need != _ZERO and u(off + need) <= cap
+            q = min(u(u(ESCW0) + (off >> u(2))), last)
+            sh = u(u(8) * (off & u(3)))
+            lo = u(slots[d, q])
+            hi = u(slots[d, min(u(q + u(1)), last)])
+            esc[j] = funnel_r(lo, hi, sh)
+            esc4[j] = u(u(hi >> sh) & u(0xFF))
+            what[j] = u(mode | (u(4) if inside else _ZERO))
+            s_lo, s_hi = ldg2(slots, d, u(g * u(2)))
+            sm[2 * j] = s_lo
+            sm[2 * j + 1] = s_hi
+            bit = u(g * u(3))                             # code word of bit 24g, and its shift
+            cw = u(u(SMW) + (bit >> u(2)))
+            code[j] = funnel_r(u(slots[d, cw]), u(slots[d, u(cw + u(1))]), u(u(8) * (bit & u(3))))
+        if lane == _ZERO:
+            status[tile] = BAD_TAG if bad & _EVEN_BITS else (BAD_ESCAPES if total > cap else 0)
 
-        # 24 bits of 3-bit codes at bit 24g of the code stream (may straddle two words).
-        bit = g * _CODE_FIELD
-        sh = bit & 63
-        w0 = CODE0 + (bit >> 6)
-        v = window(slots[entry, w0], slots[entry, w0 + 1] if sh + _CODE_FIELD > 64 else 0, sh, _CODE_FIELD)
-        ca = unpack3x4(v)
-        cb = unpack3x4(v >> _HALF_FIELD)
-        row = tile % bases.shape[0]
-        col = (g % GPR) * 2
-        n_esc = _ESC4 if mode == L.MODE_4BIT else (_ESCR if mode == L.MODE_RAW else 0)
-        if n_esc and offset + n_esc <= capacity:
-            pos = ESC_BIT0 + offset * 8
-            sh = pos & 63
-            w0 = pos >> 6
-            esc = window(slots[entry, w0], slots[entry, w0 + 1] if sh + 8 * n_esc > 64 else 0, sh, 8 * n_esc)
-            for p in range(n_esc):
-                byte = esc >> (8 * p)
-                ca |= spread4(byte) << (L.CODE_BITS + p)
-                cb |= spread4(byte >> 4) << (L.CODE_BITS + p)
-        if mode == L.MODE_RAW:
-            ea, eb = ca, cb
-        elif mode == L.MODE_4BIT:
-            ea = ca + bases[row, 1, col]
-            eb = cb + bases[row, 1, col + 1]
-        else:
-            ea = ca + bases[row, 0, col]
-            eb = cb + bases[row, 0, col + 1]
-        smw = slots[entry, g]
-        out[tile, 2 * g] = join_bf16x4(widen4(smw), ea)
-        out[tile, 2 * g + 1] = join_bf16x4(widen4(smw >> 32), eb)
+        row = tile % u(bases.shape[0])
+        col = u((lane % u(GPR)) * u(4))
+        b0, b1, b2, b3 = ldg4(bases, row, col)
+        b3lo, b3hi = prmt(b0, b1, _LOW_BYTES), prmt(b2, b3, _LOW_BYTES)
+        b0, b1, b2, b3 = ldg4(bases, row, u(col + u(HALF)))
+        b4lo, b4hi = prmt(b0, b1, _LOW_BYTES), prmt(b2, b3, _LOW_BYTES)
+
+        # Exponent bytes = base + code (no carry between bytes: base + code <= 255, FORMAT.md 5.3),
+        # then each BF16 as (low byte, high byte) = (e0 m6..m0, s e7..e1).
+        for j in range(J):
+            g = u(u(WARP * j) + lane)
+            v = code[j]
+            lo = _code_bytes(u(v & _LOW12))
+            hi = _code_bytes(u(u(v >> u(12)) & _LOW12))
+            w = what[j]
+            mode = u(w & u(3))
+            if w & u(4):
+                e = esc[j]
+                lo = _plane(lo, e, 0)
+                hi = _plane(hi, u(e >> u(4)), 0)
+                if mode == _MR:
+                    for p in range(1, _ESCR):
+                        byte = u(e >> u(8 * p)) if p < 4 else esc4[j]
+                        lo = _plane(lo, byte, p)
+                        hi = _plane(hi, u(byte >> u(4)), p)
+            if mode == _M3:
+                lo, hi = u(lo + b3lo), u(hi + b3hi)
+            elif mode == _M4:
+                lo, hi = u(lo + b4lo), u(hi + b4hi)
+            s_lo, s_hi = sm[2 * j], sm[2 * j + 1]
+            h_lo = u((s_lo & _SIGN_BYTES) | ((lo >> u(1)) & _MANT_BYTES))
+            l_lo = u(((lo << u(7)) & _SIGN_BYTES) | (s_lo & _MANT_BYTES))
+            h_hi = u((s_hi & _SIGN_BYTES) | ((hi >> u(1)) & _MANT_BYTES))
+            l_hi = u(((hi << u(7)) & _SIGN_BYTES) | (s_hi & _MANT_BYTES))
+            stg4(out, tile, u(g * u(4)), prmt(l_lo, h_lo, _ZIP_LO), prmt(l_lo, h_lo, _ZIP_HI),
+                 prmt(l_hi, h_hi, _ZIP_LO), prmt(l_hi, h_hi, _ZIP_HI))
 
     return kernel
 
@@ -334,16 +511,21 @@ def _array(x, name: str, dtype: str, shape: tuple):
 
 
 def _words(x):
-    """``x`` reinterpreted as int64 words, its trailing axes (after the first) merged into whole words."""
+    """``x`` as the kernels take it: 32-bit words, its trailing axes (after the first) merged.
+
+    An int32 view on the GPU (numba reads torch tensors through the CUDA array
+    interface, which has no uint32); a NumPy uint32 view in the simulator, where
+    the kernels' arithmetic then stays in ``uint32`` as it does on the GPU.
+    """
     lead = x.shape[0]
     if _is_torch(x):
         import torch
 
         if x.numel() and x.data_ptr() % 16:
             raise InputError("arrays must start on a 16-byte boundary (slice whole rows of a pool)")
-        w = x.reshape(lead, -1).view(torch.int64)
-        return w.numpy() if SIMULATOR else w
-    return x.reshape(lead, -1).view(np.int64)
+        w = x.reshape(lead, -1).view(torch.int32)
+        return w.numpy().view(np.uint32) if SIMULATOR else w
+    return x.reshape(lead, -1).view(np.uint32)
 
 
 def _plain(x):
@@ -361,8 +543,7 @@ def _bases_words(bases, channels: int):
     _array(bases, "bases", "int16", (None, 2, channels))
     if bases.shape[0] == 0:
         raise InputError("bases: needs at least one row")
-    w = _words(bases)
-    return w.reshape(bases.shape[0], 2, channels // _LANES_PER_WORD)
+    return _words(bases)
 
 
 def pack_bases(b3, b4):
@@ -398,7 +579,7 @@ def _params(a) -> list:
 
 def _word_params(x) -> list:
     """:func:`_params` of ``_words(x)`` without building that view (saves host time per call)."""
-    if x.data_ptr() % 16:
+    if x.numel() and x.data_ptr() % 16:
         raise InputError("arrays must start on a 16-byte boundary (slice whole rows of a pool)")
     rows = x.shape[0]
     cols = x.numel() * x.element_size() // _WORD // rows if rows else 0
@@ -406,19 +587,22 @@ def _word_params(x) -> list:
 
 
 class _Launcher:
-    """A compiled kernel at a fixed block size, launched on a torch stream (or in the simulator)."""
+    """A compiled kernel (one warp per tile, ``tiles_per_block`` tiles per block), launched on a torch
+    stream (or in the simulator)."""
 
-    def __init__(self, dispatcher, threads: int):
+    def __init__(self, dispatcher, tiles_per_block: int):
         self._dispatcher = dispatcher
-        self._threads = threads
+        self._tiles = tiles_per_block
+        self._threads = WARP * tiles_per_block
         self._configs = {}
         self._streams = {}
         self._cufunc = None
 
     def launch(self, n: int, args, stream=None, fast: bool = True, params=None):
         """Launch over ``n`` tiles, with ``args`` or, on the fast path, the packed ``params``."""
+        grid = -(-n // self._tiles)
         if SIMULATOR:
-            self._dispatcher[n, self._threads](*args)
+            self._dispatcher[grid, self._threads](*args)
             return
         import torch
 
@@ -427,7 +611,7 @@ class _Launcher:
             s = self._streams.get(("numba", handle))
             if s is None:
                 s = self._streams[("numba", handle)] = cuda.external_stream(handle)
-            self._dispatcher[n, self._threads, s](*args)
+            self._dispatcher[grid, self._threads, s](*args)
             return
         from cuda.core import LaunchConfig, Stream, launch
 
@@ -436,7 +620,7 @@ class _Launcher:
             self._cufunc = kernel._codelibrary.get_cufunc().kernel
         config = self._configs.get(n)
         if config is None:
-            config = self._configs[n] = LaunchConfig(grid=n, block=self._threads, shmem_size=0)
+            config = self._configs[n] = LaunchConfig(grid=grid, block=self._threads, shmem_size=0)
         s = self._streams.get(handle)
         if s is None:
             s = self._streams[handle] = Stream.from_handle(handle)
@@ -450,7 +634,8 @@ class EncodePlan:
     per-call arrays (``bits``, ``entries``, ``escape_used``) and launches once.
     """
 
-    def __init__(self, channels: int, capacity: int, bases, slots, slot_free, raw, raw_free, heads):
+    def __init__(self, channels: int, capacity: int, bases, slots, slot_free, raw, raw_free, heads, *,
+                 tiles_per_block: int = TILES_PER_BLOCK):
         self.geometry = geo = _check_channels(channels)
         self.channels, self.capacity = channels, _check_capacity(capacity)
         _array(slots, "slots", "uint8", (None, geo.slot_bytes(capacity)))
@@ -460,7 +645,7 @@ class EncodePlan:
         _array(heads, "heads", "int32", (2,))
         self._fixed = (_bases_words(bases, channels), self.capacity, _words(slots), _plain(slot_free),
                        _words(raw), _plain(raw_free), _plain(heads))
-        self._launcher = _Launcher(encode_kernel(channels), geo.groups)
+        self._launcher = _Launcher(encode_kernel(channels, tiles_per_block), tiles_per_block)
         self._fixed_params = None if SIMULATOR else [p for a in self._fixed for p in _params(a)]
 
     def __call__(self, bits, entries, escape_used, *, stream=None, fast: bool = True):
@@ -480,14 +665,14 @@ class EncodePlan:
 class DecodePlan:
     """Decoding from one pair of pools with one set of bases: build once, call per batch of tiles."""
 
-    def __init__(self, channels: int, capacity: int, bases, slots, raw):
+    def __init__(self, channels: int, capacity: int, bases, slots, raw, *, tiles_per_block: int = TILES_PER_BLOCK):
         self.geometry = geo = _check_channels(channels)
         self.channels, self.capacity = channels, _check_capacity(capacity)
         _array(slots, "slots", "uint8", (None, geo.slot_bytes(capacity)))
         _array(raw, "raw", "int16", (None, L.BLOCK_TOKENS, channels))
         self._slots, self._raw = _words(slots), _words(raw)
         self._bases = _bases_words(bases, channels)
-        self._launcher = _Launcher(decode_kernel(channels), geo.groups)
+        self._launcher = _Launcher(decode_kernel(channels, tiles_per_block), tiles_per_block)
         self._pool_params = None if SIMULATOR else _params(self._slots) + _params(self._raw)
         self._bases_params = None if SIMULATOR else _params(self._bases) + _params(self.capacity)
 
