@@ -1,0 +1,235 @@
+"""GAAC in transformers: a drop-in compressed cache and the ``"gaac"`` attention.
+
+    cache = gaac.hf.GAACCache(config=model.config, calibration=cal)
+    model.generate(**inputs, cache=cache)        # transformers < 5.24: past_key_values=cache
+
+:class:`GAACCache` is a ``transformers.Cache`` made of :class:`GAACLayer`
+layers, the way transformers' own layered caches (``DynamicLayer``,
+``QuantizedLayer``) are built; all layers share one :class:`gaac.PagedKVCache`,
+whose layer ``i`` receives the model's layer-``i`` K/V (K after RoPE) one
+forward pass at a time: new tokens go to the BF16 tail, finished blocks are
+encoded once.  Each HF batch row is one sequence of the paged cache.
+
+What attention reads.  The CPU path decodes the layer's whole cache from its
+slots, raw tiles and tail with the reference codec on every step and hands the
+BF16 tensors to the model's own attention, so outputs are bit-identical to
+``DynamicCache``'s (the codec is lossless).  The fused path (``fused=True``,
+the default on CUDA with ``attn_implementation="gaac"``) returns, for a
+one-token decode step, a :class:`PagedLayer` handle instead of tensors; the
+``"gaac"`` attention registered here passes it to
+:func:`gaac.attention.decode_attention`, which reads the compressed slots
+directly.  Prefill (more than one new token) always takes the decoded path and
+the model's standard attention, as in the paper.
+
+``calibration=None``: the cache calibrates itself.  It holds plain BF16 (as
+``DynamicCache`` does) until the last layer of a forward pass leaves at least
+one complete 16-token block in every layer -- right after the prefill for a
+prompt of 16 tokens or more, else at the decode step that completes the first
+block -- then calibrates on every complete block it holds (all layers, all
+batch rows) and compresses everything.  A calibration made from one short
+prompt fits later text less well (more 4-bit and raw groups, more tiles in
+the raw pool), never incorrectly: the codec is lossless with any calibration.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
+
+from . import layout as L
+from .cache import PagedKVCache
+from .calibration import Calibration, calibrate
+from .errors import InputError
+
+ATTENTION = "gaac"           # attn_implementation name of gaac_attention
+
+
+@dataclass
+class PagedLayer:
+    """What a fused decode step gets instead of K/V tensors: one layer of the paged cache."""
+
+    store: PagedKVCache
+    layer: int
+    rows: list
+
+    @property
+    def view(self):
+        return self.store.layer_view(self.layer)
+
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's K and V decoded to BF16 ``[batch, kv_heads, tokens, head_dim]``."""
+        k, v = self.store.read_layer(self.layer, self.rows)
+        return k.view(torch.bfloat16), v.view(torch.bfloat16)
+
+
+def gaac_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """Attention for ``attn_implementation="gaac"``: the fused kernel on a :class:`PagedLayer`, else SDPA.
+
+    A decode step whose keys are a :class:`PagedLayer` runs
+    :func:`gaac.attention.decode_attention` on the compressed layer; it attends to
+    every cached token, so a padding mask (left-padded batches) sends the step
+    back to decoded tensors and SDPA instead.
+    """
+    if isinstance(key, PagedLayer):
+        if attention_mask is None:
+            from .attention import decode_attention
+
+            out = decode_attention(query[:, :, 0].contiguous(), key.view, scale=scaling)
+            return out[:, None].to(query.dtype), None             # [batch, 1, q_heads, head_dim], as SDPA's
+        key, value = key.dense()
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  **kwargs)
+
+
+AttentionInterface.register(ATTENTION, gaac_attention)
+AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+
+
+class GAACLayer(CacheLayerMixin):
+    """One decoder layer's view of a :class:`GAACCache`: its storage is the shared paged cache's layer."""
+
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
+
+    def __init__(self, owner: "GAACCache", index: int):
+        super().__init__()
+        self.owner, self.index = owner, index
+        self.tokens = 0          # tokens this layer holds; ``keys``/``values`` hold them only while uncalibrated
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        return self.owner._update(self.index, key_states, value_states)
+
+    def get_seq_length(self) -> int:
+        return self.tokens
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.tokens + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.keys = self.values = None
+        self.tokens = 0
+        self.is_initialized = False
+
+    def reorder_cache(self, beam_idx) -> None:
+        raise NotImplementedError("GAACCache does not reorder sequences (beam search); use greedy or sampling")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("GAACCache cannot drop tokens: finalized blocks are compressed")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("GAACCache cannot repeat batch rows (num_return_sequences > 1)")
+
+    def batch_select_indices(self, indices) -> None:
+        raise NotImplementedError("GAACCache cannot select batch rows")
+
+
+class GAACCache(Cache):
+    """A transformers cache that keeps K/V compressed in a :class:`gaac.PagedKVCache` (see the module docstring).
+
+    ``config``: the model's config (full-attention decoder layers with BF16 K/V
+    and a head size GAAC v1 supports).  ``calibration``: a :class:`gaac.Calibration`
+    for this model, or None to calibrate on the first complete blocks.
+    ``fused``: use the fused decode attention (None: on CUDA when the model's
+    ``attn_implementation`` is ``"gaac"``).  ``codec``: as in :class:`gaac.PagedKVCache`.
+    """
+
+    def __init__(self, config, calibration: Calibration | None = None, *, fused: bool | None = None,
+                 codec: str | None = None):
+        text = config.get_text_config(decoder=True)
+        types = set(getattr(text, "layer_types", None) or ["full_attention"])
+        if types != {"full_attention"} or getattr(text, "sliding_window", None):
+            raise InputError(f"GAACCache holds full-attention layers; this model has layer types {sorted(types)}"
+                             f" (sliding window {getattr(text, 'sliding_window', None)})")
+        heads = text.num_attention_heads
+        self.shape = (text.num_hidden_layers, getattr(text, "num_key_value_heads", None) or heads,
+                      getattr(text, "head_dim", None) or text.hidden_size // heads)
+        if self.shape[2] not in L.SUPPORTED_HEAD_DIMS:
+            raise InputError(f"head_dim {self.shape[2]} is not supported; GAAC v1 supports {L.SUPPORTED_HEAD_DIMS}")
+        if calibration is not None:
+            if not isinstance(calibration, Calibration):
+                raise InputError(f"calibration: expected a gaac.Calibration or None, got {type(calibration).__name__}")
+            calibration.check_shape(*self.shape)
+        self.config = text
+        self.calibration = self._given = calibration
+        self._fused, self.codec = fused, codec
+        self.store: PagedKVCache | None = None
+        self.rows: list = []
+        super().__init__(layers=[GAACLayer(self, i) for i in range(self.shape[0])])
+
+    @property
+    def fused(self) -> bool:
+        if self._fused is not None:
+            return self._fused
+        return self.store is not None and self.store.device.type == "cuda" \
+            and self.config._attn_implementation == ATTENTION
+
+    def _update(self, index: int, k: torch.Tensor, v: torch.Tensor):
+        if k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
+            raise InputError(f"GAACCache codes BF16 K/V; layer {index} gave {k.dtype} (load the model with "
+                             "dtype=torch.bfloat16)")
+        layer = self.layers[index]
+        if self.store is None and self.calibration is None:
+            layer.keys = k if layer.keys is None else torch.cat([layer.keys, k], dim=-2)
+            layer.values = v if layer.values is None else torch.cat([layer.values, v], dim=-2)
+            layer.tokens += k.shape[-2]
+            if index < len(self.layers) - 1 or layer.tokens < L.BLOCK_TOKENS:
+                return layer.keys, layer.values
+            self._calibrate_and_compress()
+        else:
+            if self.store is None:
+                self._open(k)
+            self.store.update_layer(index, self.rows, k, v)
+            layer.tokens += k.shape[-2]
+        handle = PagedLayer(self.store, index, self.rows)
+        if self.fused and k.shape[-2] == 1:
+            return handle, handle
+        return handle.dense()
+
+    def _open(self, k: torch.Tensor) -> None:
+        """Start the paged cache: one sequence per batch row, pools that grow as needed."""
+        batch, _, tokens, _ = k.shape
+        self.store = PagedKVCache(self.calibration, max_seqs=batch, max_blocks=max(4, 2 * tokens // L.BLOCK_TOKENS),
+                                  device=k.device, grow=True, codec=self.codec)
+        self.rows = [self.store.add_sequence() for _ in range(batch)]
+
+    def _calibrate_and_compress(self) -> None:
+        """Calibrate on every complete block the layers hold, then move their BF16 into the paged cache."""
+        full = self.layers[0].tokens // L.BLOCK_TOKENS * L.BLOCK_TOKENS
+
+        def sample(name):   # [layers, kv_heads, batch * full, head_dim]: each row's complete blocks, in a row
+            x = torch.stack([getattr(layer, name)[:, :, :full] for layer in self.layers]).transpose(1, 2)
+            return x.reshape(x.shape[0], x.shape[1], -1, x.shape[-1]).cpu()
+
+        self.calibration = calibrate(sample("keys"), sample("values"),
+                                     model=getattr(self.config, "name_or_path", None) or None)
+        self.calibration.notes["source"] = "gaac.hf.GAACCache: self-calibrated on the first complete blocks"
+        self._open(self.layers[0].keys)
+        for layer in self.layers:
+            self.store.update_layer(layer.index, self.rows, layer.keys, layer.values)
+            layer.keys = layer.values = None
+
+    def memory(self):
+        """The paged cache's :class:`gaac.cache.MemoryReport` (None while uncalibrated and still BF16)."""
+        return None if self.store is None else self.store.memory()
+
+    def reset(self) -> None:
+        super().reset()
+        self.store, self.rows = None, []
+        self.calibration = self._given
+
+
+__all__ = ["ATTENTION", "GAACCache", "GAACLayer", "PagedLayer", "gaac_attention"]
