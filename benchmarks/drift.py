@@ -40,11 +40,14 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))      # run from a checkout without installing: the gaac next to this script
 
+from gaac import layout as L  # noqa: E402
+from gaac.calibration import Calibration  # noqa: E402
 from gaac.cli import main as gaac  # noqa: E402
 
 CONTEXT = 8192                      # SmolLM2's context length
 SEGMENT = 1024
 SHORT = "0:512"
+MARGIN = L.SLOT_ALIGN               # the capacity margin tried: one step of slot size
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 LICENCES = Path("/usr/share/common-licenses")
 TEXTS = {
@@ -128,14 +131,20 @@ def measure_all(folder: Path, work: Path) -> dict:
         for how, extra in (("first 512", ("--tokens", SHORT)), ("whole", ())):
             cals[name, how] = work / f"cal-{name}-{how.replace(' ', '')}.json"
             run("calibrate", *files[name], "-o", str(cals[name, how]), "--model", "SmolLM2-135M-Instruct", *extra)
+    for name in TEXTS:
+        short = Calibration.load(cals[name, "first 512"])
+        cals[name, "margin"] = work / f"cal-{name}-first512-margin{MARGIN}.json"
+        Calibration(b3=short.b3, b4=short.b4, capacity=short.capacity + MARGIN, model=short.model,
+                    notes={**short.notes, "capacity_margin": MARGIN}).save(cals[name, "margin"])
     results = {}
     for name in TEXTS:
-        which = {"first 512 tokens": cals[name, "first 512"],
-                 f"first 512 tokens of {OTHER[name]}": cals[OTHER[name], "first 512"],
-                 "whole capture": cals[name, "whole"]}
+        which = {"first 512 tokens": (cals[name, "first 512"], (False, True)),
+                 f"first 512 tokens of {OTHER[name]}": (cals[OTHER[name], "first 512"], (False, True)),
+                 "whole capture": (cals[name, "whole"], (False, True)),
+                 f"first 512 tokens, capacity +{MARGIN}": (cals[name, "margin"], (True,))}
         results[name] = {}
-        for how, cal in which.items():
-            for adapt in (False, True):
+        for how, (cal, modes) in which.items():
+            for adapt in modes:
                 t0 = time.perf_counter()
                 d = json.loads(run("stats", *files[name], "--calibration", str(cal), "--segments", str(SEGMENT),
                                    "--json", *(() if adapt else ("--no-adapt",))))
@@ -143,7 +152,7 @@ def measure_all(folder: Path, work: Path) -> dict:
                 results[name][how, adapt] = d
                 print(f"drift: {name}, {how}, epochs {'on' if adapt else 'off'}: K {d['k']['ratio_resident']:.4f} "
                       f"V {d['v']['ratio_resident']:.4f} ({d['seconds']:.0f} s)", file=sys.stderr)
-    return results
+    return results, {key: Calibration.load(path).capacity for key, path in cals.items()}
 
 
 # -- the report -----------------------------------------------------------------------------------
@@ -188,14 +197,46 @@ def verdict(results: dict) -> list[str]:
     return lines
 
 
-def report(results: dict, notes: dict, seconds: float, argv: list[str]) -> str:
+def gap_parts(results: dict) -> list[str]:
+    """Where first 512 + epochs still loses to the whole capture: resident bits per element by part."""
+    parts = ("raw_fallback", "unused_slot", "escapes", "epochs")
+    lines = ["| capture | kind | calibration | " + " | ".join(parts) + " | total |", "|---|---|---|" + "---|" * 5]
+    for name, runs in results.items():
+        for kind in ("k", "v"):
+            for key in (("first 512 tokens", True), ("whole capture", False)):
+                bits = runs[key][kind]["resident_bits_per_element"]
+                lines.append(f"| {name} | {kind.upper()} | {key[0]}, epochs {'on' if key[1] else 'off'} | "
+                             + " | ".join(f"{bits[p]:.4f}" for p in parts)
+                             + f" | {runs[key][kind]['bits_per_element_resident']:.4f} |")
+    return lines
+
+
+def capacity_lines(capacities: dict) -> list[str]:
+    """The escape capacities each calibration chose: equal ones mean the short sample sized the slots right."""
+    out = []
+    for name in TEXTS:
+        for kind, label in ((L.KIND_K, "K"), (L.KIND_V, "V")):
+            short, whole = capacities[name, "first 512"][kind], capacities[name, "whole"][kind]
+            same = "the same in every layer" if (short == whole).all() else \
+                f"different in {int((short != whole).sum())} layers"
+            out.append(f"- {name} {label}: first 512 tokens {span(short)} bytes, whole capture {span(whole)} "
+                       f"bytes: {same}")
+    return out
+
+
+def span(values) -> str:
+    lo, hi = int(np.min(values)), int(np.max(values))
+    return str(lo) if lo == hi else f"{lo}-{hi}"
+
+
+def report(results: dict, capacities: dict, notes: dict, seconds: float, argv: list[str]) -> str:
     out = [
         "# RoPE drift over 8K-token contexts, and calibration epochs (SmolLM2-135M-Instruct)", "",
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
         f"- machine: {platform.machine()}, {platform.system()} {platform.release()}, Python "
         f"{platform.python_version()}, NumPy {np.__version__}, CPU (sizes do not depend on the device)",
         f"- commit: {commit()}",
-        f"- command: `python benchmarks/drift.py {' '.join(argv)}` ({seconds / 60:.0f} min)".replace("  ", " "),
+        f"- command: `{' '.join(['python benchmarks/drift.py', *argv])}` ({seconds / 60:.0f} min)",
         "- captures (8192 tokens, one BF16 prefill from position 0, no BOS; 30 layers x 3 KV heads x 64):",
         *[f"  - {name}: {SOURCES[name]}; {notes[name]}" for name in TEXTS],
         "- every number is `gaac stats --calibration CAL --segments 1024 --json [--no-adapt]` on the whole "
@@ -211,6 +252,12 @@ def report(results: dict, notes: dict, seconds: float, argv: list[str]) -> str:
         "",
         "## Does the 512-token calibration keep the ratio of the whole-capture one?", "",
         *verdict(results), "",
+        "## Where the rest goes", "",
+        "Resident bits per element by part (the parts that differ; sign+mantissa, codes, tags and table are "
+        "the same 11.28 in every run):", "",
+        *gap_parts(results), "",
+        "Escape capacities (the slot size of each (kind, layer) pool, fixed for the cache's life):", "",
+        *capacity_lines(capacities), "",
     ]
     for name, runs in results.items():
         for kind in ("k", "v"):
@@ -228,8 +275,8 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     folder = Path(args.captures)
     notes = ensure_captures(folder, args.check_tokens)
-    results = measure_all(folder, folder)
-    Path(args.out).write_text(report(results, notes, time.perf_counter() - t0, argv) + "\n")
+    results, capacities = measure_all(folder, folder)
+    Path(args.out).write_text(report(results, capacities, notes, time.perf_counter() - t0, argv) + "\n")
     print(f"drift: wrote {args.out}", file=sys.stderr)
     return 0
 

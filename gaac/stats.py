@@ -183,8 +183,8 @@ class KindStats:
     def per_segment(self) -> list[dict]:
         """One summary per ``segment_tokens`` span of positions: ``tokens`` is ``[first, end)``."""
         span = self.segment_tokens or self.tokens
-        blocks = self.tokens // L.BLOCK_TOKENS * L.BLOCK_TOKENS
-        return [{"tokens": [i * span, min((i + 1) * span, blocks)], **t.summary()}
+        in_blocks = self.tokens // L.BLOCK_TOKENS * L.BLOCK_TOKENS        # the tail is in no segment
+        return [{"tokens": [i * span, min((i + 1) * span, in_blocks)], **t.summary()}
                 for i, t in enumerate(self.segments)]
 
 
