@@ -135,6 +135,8 @@ class CudaCodec:
         return out["slots"][index], fits
 
     def decode(self, slots, raw, entries, tb3, tb4, capacity):
+        # The kernels cannot take an empty pool; no entry points into one, so one zero record stands in.
+        slots, raw = (p if p.shape[0] else p.new_zeros((1, *p.shape[1:])) for p in (slots, raw))
         out, status = self._codec.decode_tiles(slots, raw, entries.contiguous(), tb3, tb4, capacity)
         bad = torch.nonzero(status).flatten()
         if bad.numel():

@@ -419,3 +419,8 @@ def test_cuda_codec_path_in_the_simulator():
             assert (r_entry < 0) == (s_entry < 0)
             if r_entry >= 0:
                 assert torch.equal(ref.slots[kind][r_entry], sim.slots[kind][s_entry])
+    # An empty raw pool (every tile fits the widest slot) is fine too.
+    roomy = with_capacity(cal, np.full((2, 1), L.geometry(64).max_useful_capacity))
+    cache = PagedKVCache(roomy, max_blocks=2, raw_tiles=0, codec="cuda")
+    seq = cache.add_sequence(k, v)
+    np.testing.assert_array_equal(cache.read(seq)[1], v)
