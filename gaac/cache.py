@@ -564,6 +564,8 @@ class PagedKVCache:
         """Layer ``layer``'s live storage as a :class:`LayerView` (no copy): what decode attention reads.
 
         Its batch is every sequence row; rows without a live sequence have ``seq_lens`` 0.
+        Appends show up in it; growth (``grow=True``) allocates new arrays, so take a
+        fresh view after an update that may have grown the cache.
         """
         self._check_layer(layer)
         k, v = self._store[layer]
