@@ -81,8 +81,6 @@ def tiles_to_tokens(tiles: torch.Tensor, seqs: int, blocks: int, heads: int, hea
 class ReferenceCodec:
     """The NumPy reference codec (gaac.reference.codec) on torch CPU tensors."""
 
-    name = "reference"
-
     def encode(self, tiles: torch.Tensor, tb3: torch.Tensor, tb4: torch.Tensor, capacity: int):
         """Tiles int16 ``[n, 16, C]`` -> (slots of the fitting tiles uint8 ``[n_fit, slot_bytes]``, fits bool ``[n]``).
 
@@ -119,8 +117,6 @@ class CudaCodec:
     lists on the host.  Feeding the cache's free lists to an
     :class:`gaac.cuda.codec.EncodePlan` directly would remove that copy.
     """
-
-    name = "cuda"
 
     def __init__(self):
         from .cuda import codec
@@ -254,9 +250,8 @@ class PagedKVCache:
     ``max_seqs`` sequences of up to ``max_blocks`` complete blocks each; per layer and
     kind, ``slots`` compressed-tile slots and ``raw_tiles`` BF16 tiles.  ``slots``
     defaults to one per tile the table can address and ``raw_tiles`` to a quarter of
-    that: how many tiles overflow depends on how well the calibration fits the text
-    (none of the shipped prose sample calibrated on itself, 20% calibrated on the code
-    sample).  An update that needs more raises :class:`PoolExhaustedError` (or, with
+    that: how many tiles overflow depends on how well the calibration fits the text,
+    and a calibration from other text can send many to the raw pool.  An update that needs more raises :class:`PoolExhaustedError` (or, with
     ``grow=True``, enlarges the pool).
     ``device`` is any torch device; ``codec`` is ``'reference'`` (CPU), ``'cuda'``
     (gaac.cuda.codec), or None for the device's default.
