@@ -8,12 +8,13 @@
              run on the host CPU (in parallel processes), and decode(encode(x)) == x on the device.
 ``--bench``  for 8 KV heads x d128, 4 x d256 and 3 x d64: encode latency of one block (K and V of
              one layer), host overhead per launch (fast path, numba's path), CUDA-graph capture,
-             and bulk encode/decode of a 64K-token cache against the floor
+             and bulk encode/decode of a 64K-token cache (plain launches, and replayed from CUDA
+             graphs, which leaves out the host's launch cost) against the floor
              (bytes read + written) / copy bandwidth and against a BF16 device copy (torch clone).
              Timing data is synthetic with the real KV's group-mode mix (about 90% 3-bit, 9.7%
              4-bit, 0.3% raw; printed as measured); inputs rotate over >= 3x the L2 size.
 ``--variants`` with --bench: the same bulk encode/decode timed for kernel variants on the same data
-             in the same run -- tiles per block 1, 2, 8 (the default is 4), the decoder on raw
+             in the same run -- tiles per block 1, 2, 4, 8 other than the default, the decoder on raw
              entries only (its copy path: what the kernel's memory pattern reaches without
              decoding), and, with ``--baseline FILE``, an older ``gaac/cuda/codec.py`` (e.g.
              ``git show c84d444:gaac/cuda/codec.py``, the v1 kernels).  Every variant's decode must
@@ -273,7 +274,8 @@ def bench_variants(n, c, capacity, data, pools, floors, args, dev, log):
     ``--check``).  ``raw-only decode`` decodes raw entries that point at copies of the input.
     """
     sets, reps = len(data), (1 if args.sim else 20)
-    variants = [(f"tiles/block {t}", None, dict(tiles_per_block=t)) for t in (1, 2, 8)]
+    variants = [(f"tiles/block {t}", None, dict(tiles_per_block=t)) for t in (1, 2, 4, 8)
+                if t != cuda_codec.TILES_PER_BLOCK]
     if args.baseline:
         variants.append((f"baseline {Path(args.baseline).name}", load_baseline(args.baseline), {}))
     want = [p.slots[p.entries.long().clamp(min=0)] for p in pools[0]]   # default's slot of each tile
@@ -322,6 +324,31 @@ def bench_variants(n, c, capacity, data, pools, floors, args, dev, log):
                     decode_of_copy_floor=round(copy_floor / t_raw, 3)))
     log(f"variant {c}: {out[-1]}")
     return out
+
+
+def graph_times(fns, sets, reps):
+    """Median device time of each ``fn(i)`` replayed from CUDA graphs, one graph per rotation set.
+
+    The plain timings include the host's launch cost when a launch's kernel is shorter than it
+    (about 20-35 us of Python per call: the 3 x 64 shape); a graph replay costs ~2.4 us of host time.
+    """
+    times = []
+    for fn in fns:
+        graphs = []
+        for s in range(sets):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):                     # warm-up off the capture (torch's recipe)
+                fn(s)
+            torch.cuda.current_stream().wait_stream(side)
+            sync()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn(s)
+            graphs.append(g)
+        times.append(gpu_time_us(lambda i: graphs[i % sets].replay(), reps))
+        sync()
+    return times
 
 
 def bench_shape(heads, dim, args, dev, log):
@@ -385,6 +412,14 @@ def bench_shape(heads, dim, args, dev, log):
                decode_us=round(t_dec, 1), decode_gbps=round(2 * bytes_in / t_dec / 1e3, 1),
                decode_floor_us=round(dec_floor, 1), decode_of_floor=round(dec_floor / t_dec, 3),
                resident_ratio=round(2 * bytes_in / written, 4))
+    if torch.cuda.is_available():
+        try:
+            g_enc, g_dec = graph_times((enc_all, dec_all), sets, reps)
+            row["graph_bulk"] = dict(encode_us=round(g_enc, 1), encode_of_floor=round(enc_floor / g_enc, 3),
+                                     decode_us=round(g_dec, 1), decode_of_floor=round(dec_floor / g_dec, 3))
+        except Exception as exc:                              # report what happened, keep going
+            row["graph_bulk"] = dict(error=f"{type(exc).__name__}: {exc}"[:300])
+            sync()
     log(f"bulk {heads}x{dim}: {row}")
     if args.variants:
         floors = dict(enc=enc_floor, dec=dec_floor, copy_tbps=copy_tbps)
@@ -491,7 +526,8 @@ def dump_kernels(out, log):
                     code = "\n".join(fn().values())
                 except Exception as exc:                      # nvdisasm may be missing: informative only
                     code = f"unavailable: {exc!r}"
-                pattern = r"^\s+[a-z@][\w.]*\s" if kind == "ptx" else r"^\s+/\*[0-9a-f]{4}\*/\s+(?!NOP)"
+                pattern = (r"^\s+[a-z@][\w.]*\s" if kind == "ptx" else        # instructions, not data or NOPs
+                           r"^\s+/\*[0-9a-f]{4}\*/\s+(@!?U?P\w+\s+)?(?!NOP)[A-Z][A-Z0-9_.]*[ ;]")
                 counts[kind] = len(re.findall(pattern, code, flags=re.M))
                 text.append(f"===== {name} C={ch} {kind}\n{code}\n")
             log(f"{name} C={ch}: instructions {counts}")
@@ -559,6 +595,7 @@ def main():
         print(f"       block K+V {r['block_kv_us_events']} us events; host/launch fast "
               f"{r['host_us_per_launch_fast']} numba {r['host_us_per_launch_numba']} us; "
               f"graph {r.get('graph_fast')} | {r.get('graph_numba')}")
+        print(f"       bulk from CUDA graphs: {r.get('graph_bulk')}")
         for v in r.get("variants", []):
             print(f"       variant {v}")
 

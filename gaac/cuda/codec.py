@@ -78,7 +78,10 @@ BAD_TAG = 1                                      # decode status: a group has th
 BAD_ESCAPES = 2                                  # decode status: the tags need more escape bytes than the slot has
 _RAW_ENTRY_BIAS = L.TABLE_RAW_FLAG - (1 << 32)   # raw index + this = the entry as a (negative) int32
 
-TILES_PER_BLOCK = 4                              # warps (one tile each) per thread block, both kernels
+# Warps (one tile each) per thread block, both kernels.  1 measured fastest on the H200 (8x128 bulk encode
+# 160 us at 1, 166 at 2, 169 at 4, 180 at 8; decode within 5%: benchmarks/results/codec-h200.md): the
+# encoder's block barriers cost more than the atomic pops that larger blocks share.
+TILES_PER_BLOCK = 1
 _WORD = 4                                        # bytes per kernel word (uint32)
 _ESC4 = L.ESCAPE_BYTES[L.MODE_4BIT]
 _ESCR = L.ESCAPE_BYTES[L.MODE_RAW]
