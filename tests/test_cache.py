@@ -165,7 +165,7 @@ class CacheMachine(RuleBasedStateMachine):
             check_accounting(self.cache, self.contents)
 
 
-CacheMachine.TestCase.settings = settings(max_examples=20, stateful_step_count=12, deadline=None,
+CacheMachine.TestCase.settings = settings(max_examples=15, stateful_step_count=12, deadline=None,
                                           suppress_health_check=[HealthCheck.too_slow])
 TestCacheMachine = CacheMachine.TestCase
 
