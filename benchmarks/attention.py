@@ -376,10 +376,16 @@ def rotation(nbytes):
     return max(1, math.ceil(3 * L2_BYTES / max(nbytes, 1)))
 
 
-def bench_config(cache, hq, batch, ctx, variants=(("full", 2),), with_torch=True, plain_variants=(("full", 2),),
-                 rng=None):
-    """GPU times (us, CUDA-graph replay) for one shape: GAAC variants (variant, nstage), our BF16 kernel
-    (same), torch flash; host launch time; bytes read."""
+def label(cfg: dict) -> str:
+    """Short name of a kernel configuration: variant, stages, paired decode, register cap."""
+    return (f"{cfg.get('variant', 'full')}_ns{cfg.get('nstage', 3)}" + ("_paired" if cfg.get("paired") else "")
+            + (f"_r{cfg['max_registers']}" if cfg.get("max_registers") else ""))
+
+
+def bench_config(cache, hq, batch, ctx, configs=({},), with_torch=True, plain_configs=({},), rng=None):
+    """GPU times (us, CUDA-graph replay) for one shape: GAAC kernel configurations (dicts of
+    AttentionPlan options; the first is the headline), our BF16 kernel (same), torch flash; host
+    launch time; bytes read."""
     d, hk = cache.d, cache.kv_heads
     res = {"hq": hq, "hk": hk, "d": d, "batch": batch, "ctx": ctx}
     view = cache.view(batch, ctx)
@@ -398,30 +404,30 @@ def bench_config(cache, hq, batch, ctx, variants=(("full", 2),), with_torch=True
     if SIM:
         out, lse = out.numpy(), lse.numpy()
     qb = q if SIM else q.view(torch.int16)
-    for variant, ns in variants:
-        plans = [AttentionPlan(v, hq, variant=variant, nstage=ns) for v in views]
-        key = f"gaac_{variant}_ns{ns}"
-        res[f"{key}_us"] = graph_time([lambda p=p: p.run(q, out=out, lse=lse) for p in plans])
-        if variant == "full" and ns == variants[0][1]:
+    for n, cfg in enumerate(configs):
+        plans = [AttentionPlan(v, hq, **cfg) for v in views]
+        res[f"gaac_{label(cfg)}_us"] = graph_time([lambda p=p: p.run(q, out=out, lse=lse) for p in plans])
+        if n == 0:
             p0 = plans[0]
-            res["gaac_us"] = res[f"{key}_us"]
+            res["gaac_us"] = res[f"gaac_{label(cfg)}_us"]
+            res["gaac_config"] = label(cfg)
             res["splits"] = p0.n_work
             res["blocks_per_split"] = p0.blocks_per_split
             res["host_us"] = host_time(lambda: p0.run(q, out=out, lse=lse))
             res["gaac_kernel_only_us"] = graph_time([lambda p=p: p._launch_attention(qb) for p in plans])
             res["merge_us"] = graph_time([lambda: p0._launch_merge(out, lse)])
             res["sleep_timed_us"] = gpu_time([lambda p=p: p.run(q, out=out, lse=lse) for p in plans],
-                                             sleep_cycles=int(2e9 * 20 * 400e-6))[0]
+                                             sleep_cycles=int(2e9 * 20 * 200e-6))[0]
         del plans
     del views
-    if plain_variants or with_torch:
+    if plain_configs or with_torch:
         rb = 1 if SIM else rotation(bf16_bytes)
         dense = [cache.dense(batch, ctx) for _ in range(rb)]
-        for variant, ns in plain_variants:
-            pplans = [AttentionPlan(cache.plain(k, v), hq, plain=True, variant=variant, nstage=ns) for k, v in dense]
-            res[f"plain_{variant}_ns{ns}_us"] = graph_time([lambda p=p: p.run(q, out=out, lse=lse) for p in pplans])
-            if variant == "full" and "plain_us" not in res:
-                res["plain_us"] = res[f"plain_{variant}_ns{ns}_us"]
+        for n, cfg in enumerate(plain_configs):
+            pplans = [AttentionPlan(cache.plain(k, v), hq, plain=True, **cfg) for k, v in dense]
+            res[f"plain_{label(cfg)}_us"] = graph_time([lambda p=p: p.run(q, out=out, lse=lse) for p in pplans])
+            if n == 0:
+                res["plain_us"] = res[f"plain_{label(cfg)}_us"]
             del pplans
         if with_torch:
             qt = torch.from_numpy(q).view(torch.bfloat16) if SIM else q
@@ -432,8 +438,6 @@ def bench_config(cache, hq, batch, ctx, variants=(("full", 2),), with_torch=True
             with sdpa_kernel(backend):
                 res["torch_flash_us"] = graph_time([lambda kv=kv: torch.nn.functional.scaled_dot_product_attention(
                     qt, kv[0], kv[1]) for kv in dense])
-                res["torch_flash_stream_us"] = gpu_time([lambda kv=kv: torch.nn.functional.scaled_dot_product_attention(
-                    qt, kv[0], kv[1]) for kv in dense])[0]
             # the copy ceiling on the same bytes: a device-to-device copy of the BF16 cache
             res["copy_tbps"] = None if SIM else 2 * bf16_bytes / graph_time(
                 [lambda kv=kv: (kv[0].clone(), kv[1].clone()) for kv in dense]) / 1e6
@@ -443,17 +447,31 @@ def bench_config(cache, hq, batch, ctx, variants=(("full", 2),), with_torch=True
     return res
 
 
+def ncu_target(cache, cfg):
+    """A few launches of the attention kernel alone (64K, batch 1, 32/8 heads), for ncu."""
+    view = cache.view(1, 65536)
+    plan = AttentionPlan(view, 32, **cfg)
+    q = torch.zeros((1, 32, cache.d), dtype=torch.int16, device=DEV)
+    for _ in range(4):
+        plan._launch_attention(q)
+    torch.cuda.synchronize()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--quick", action="store_true", help="a few configurations only")
     ap.add_argument("--sim", action="store_true", help="dry run in numba's CUDA simulator (tiny sizes)")
+    ap.add_argument("--ncu", default=None, help="launch only the kernel of this JSON configuration (for ncu)")
     ap.add_argument("--kv", type=Path, default=Path(__file__).resolve().parents[1] / ".devdata" / "kv")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     rng = np.random.default_rng()
     real = load_real(args.kv)
+    if args.ncu is not None:
+        ncu_target(BenchCache(real, 8, 128), json.loads(args.ncu))
+        return
     report = {"device": "simulator" if SIM else torch.cuda.get_device_name(), "torch": torch.__version__,
               "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     if args.check:
@@ -464,12 +482,13 @@ def main():
         rows = []
         cache = BenchCache(real, 8, 128)
         log(f"== timings (capacity K/V {cache.capacity}) ==")
-        breakdown = (("full", 2), ("load_only", 2), ("no_decode", 2), ("decode_twice", 2), ("full", 3),
-                     ("load_only", 3))
-        plain_breakdown = (("full", 2), ("load_only", 2), ("full", 3))
-        one = (("full", 2),)
+        breakdown = [{}] + [{"variant": v} for v in ("load_only", "no_decode", "decode_twice")] + [
+            {"nstage": 2}, {"nstage": 4}, {"paired": True}, {"paired": True, "nstage": 2},
+            {"max_registers": 168}, {"paired": True, "max_registers": 168}]
+        plain_breakdown = [{}, {"variant": "load_only"}, {"nstage": 2}]
+        one = [{}]
         if SIM:
-            configs = [(16, 1, 64, breakdown, plain_breakdown)]
+            configs = [(16, 1, 32, [{}, {"paired": True, "max_registers": 168}], [{}])]
         elif args.quick:
             configs = [(32, 1, 65536, breakdown, plain_breakdown), (32, 1, 16384, one, one),
                        (32, 1, 131072, one, one), (32, 4, 32768, one, one), (64, 1, 65536, one, one)]
@@ -478,10 +497,15 @@ def main():
                        for ctx in (4096, 16384, 32768, 65536, 131072)]
             configs[0:0] = [(32, 1, 65536, breakdown, plain_breakdown)]
         for hq, b, ctx, variants, pvariants in configs:
-            res = bench_config(cache, hq, b, ctx, variants, plain_variants=pvariants, rng=rng)
+            res = bench_config(cache, hq, b, ctx, variants, plain_configs=pvariants, rng=rng)
             rows.append(res)
             log(json.dumps(res))
         report["bench"] = rows
+        first = rows[0]
+        log("\nconfigurations at " + f"{first['hq']}/{first['hk']} heads, batch {first['batch']}, {first['ctx'] // 1024}K:")
+        for k, v in first.items():
+            if k.endswith("_us") and v is not None:
+                log(f"  {k:40s} {v:8.1f}")
         log("\n| heads q/kv | batch | ctx | GAAC us | BF16 kernel us | torch flash us | floor us | vs flash | vs BF16 |")
         log("|---|---|---|---|---|---|---|---|---|")
         for r in rows:

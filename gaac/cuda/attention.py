@@ -599,19 +599,28 @@ def tile_bytes(channels: int) -> int:
     return L.BLOCK_TOKENS * row_bytes(channels)
 
 
-def smem_bytes(channels: int, tph: int, nstage: int, plain: bool, stage_bytes: int) -> int:
+def base_row_words(head_dim: int) -> int:
+    """Words per pre-shifted base row in shared memory: D/2 pair words and 16 bytes of padding, so that
+    the rows of one channel group (read by lanes of different mode tags) fall in different banks."""
+    return head_dim // 2 + PAD_WORDS
+
+
+def smem_bytes(channels: int, tph: int, nstage: int, plain: bool, stage_bytes: int, paired: bool = False) -> int:
     """Shared bytes of the tile area of one block: stages (K and V, ``tph`` areas of ``stage_bytes``
-    each), then, unless ``plain``, one decode tile and the pre-shifted bases (2 kinds x
-    :data:`BASE_ROWS` rows x ``tph*C/2`` pair words)."""
+    each), then, unless ``plain``, one decode tile (two if ``paired``) and the pre-shifted bases
+    (2 kinds x :data:`BASE_ROWS` rows of :func:`base_row_words`)."""
     stages = nstage * 2 * tph * stage_bytes
-    return stages if plain else stages + tile_bytes(channels) + 4 * 2 * BASE_ROWS * (tph * channels // 2)
+    decoded = (2 if paired else 1) * tile_bytes(channels)
+    return stages if plain else stages + decoded + 4 * 2 * BASE_ROWS * base_row_words(tph * channels)
 
 
 # ----------------------------------------------------------------------------------------------
 # The decode of one staged slot into a padded BF16 tile.
 
+@functools.lru_cache(maxsize=None)
 def _decode_tile_fn(channels: int):
-    """Device function ``decode(smem, src, dst, base, base_stride, cap, status, scr)`` for C-wide tiles.
+    """Device functions ``decode(smem, src, dst, base, base_stride, cap, status, scr)`` for C-wide tiles,
+    and ``decode2`` for two tiles at once (see :func:`attention_kernel`'s ``paired``).
 
     Lane ``l`` decodes row ``t = l % 16``, channels ``(l // 16) * C/2 ..`` (``C/16`` groups): with the
     staging swizzle of the sign+mantissa chunks (chunk ``c`` at ``c ^ ((c >> 3) & SWZ)``) and the
@@ -626,6 +635,7 @@ def _decode_tile_fn(channels: int):
     SM_WORDS = 2 * GPL                  # sign+mantissa words per lane
     CODE_WORDS = 3 * C // 64            # code words per lane (8-byte aligned for C=128, 4 for C=64)
     CODE_ARRAY = CODE_WORDS + 1         # and a zero word after them
+    BASE_WORDS = 4 * GPL                # base pair words of a lane's groups
     ROWB = row_bytes(C)
     SWZ = 7 if C == 128 else 3
     CODE_OFF, TAG_OFF, ESC_OFF = geo.code_offset, geo.tag_offset, geo.escape_offset
@@ -646,12 +656,14 @@ def _decode_tile_fn(channels: int):
         return u32((v << (6 - 2 * p)) & 0x04000400)
 
     @device
-    def decode(smem, src, dst, base, base_stride, cap, status, scr):
+    def decode_loads(smem, src, base, base_stride, smw, cw, ev, bw, scr):
+        """Every shared-memory read of this lane's part of a tile, issued back to back so that their
+        latencies overlap (the compiler cannot move a read above the decoder's stores, which might
+        alias): sign+mantissa words ``smw``, code words ``cw``, each group's first escape byte ``ev``
+        and base pair words ``bw`` (row = mode tag).  Returns (tags, escape offset, escape count)."""
         lane = lane_id()
         t = lane & 15
         h = lane >> 4
-        smw = cuda.local.array(SM_WORDS, uint32)
-        cw = cuda.local.array(CODE_ARRAY, uint32)
         c0 = u32(t * (C // 16) + h * CPL)
         for k in range(CPL):
             c = u32(c0 + k)
@@ -667,28 +679,36 @@ def _decode_tile_fn(channels: int):
                 cw[2 * i] = u0
                 cw[2 * i + 1] = u1
             tags = lds(smem, u32(src + TAG_OFF + 4 * t))
-            tags = u32(tags >> 16) if h else u32(tags & 0xFFFF)
+            tags = u32(tags >> (16 * h))
         else:
             for i in range(CODE_WORDS):
                 cw[i] = lds(smem, u32(code + 4 * i))
             tags = lds(smem, u32(src + TAG_OFF + 4 * (t >> 1)))
-            tags = u32(tags >> 16) if t & 1 else tags
-            tags = u32((tags >> 8) & 0xFF) if h else u32(tags & 0xFF)
+            tags = u32((tags >> (16 * (t & 1) + 8 * h)) & 0xFF)
+        tags = u32(tags & 0xFFFF)
         cw[CODE_WORDS] = u32(0)
         # Escape bytes of the tile's earlier groups: an exclusive scan in group order.
-        n4 = popc(tags & 0x5555)
-        nr = popc(tags & 0xAAAA)
-        cnt = i32(n4 * ESC4 + nr * ESCR)
+        cnt = i32(popc(tags & 0x5555) * ESC4 + popc(tags & 0xAAAA) * ESCR)
         off = escape_scan(cnt, scr)
-        if off + cnt > cap:
-            status[0] = STATUS_BAD_ESCAPES
-        if tags & (tags >> 1) & 0x5555:
-            status[0] = STATUS_BAD_TAG
         esc = u32(src + ESC_OFF)
-        out = u32(dst + t * ROWB + h * C)
-        # Branch-free over the groups (so the compiler can interleave them): 3-bit and 4-bit groups
-        # complete; a raw group gets exponent bits 0..3 here and bits 4..7 in the fix-up below.
         pos = off
+        for k in range(GPL):
+            m = u32((tags >> (2 * k)) & 3)
+            ev[k] = lds_u8(smem, u32(esc + min(pos, ESC_MAX)))   # read even for a 3-bit group, then dropped
+            pos = i32(pos + m + 3 * (m >> 1))                     # escape bytes of mode m: 0, 1, 5
+            b0, b1, b2, b3 = lds4(smem, u32(base + m * base_stride + 16 * k))
+            bw[4 * k] = b0
+            bw[4 * k + 1] = b1
+            bw[4 * k + 2] = b2
+            bw[4 * k + 3] = b3
+        return tags, off, cnt
+
+    @device
+    def decode_compute(smem, dst, tags, smw, cw, ev, bw):
+        """Branch-free over the groups: the BF16 words of 3-bit and 4-bit groups; a raw group gets
+        exponent bits 0..3 here and bits 4..7 in :func:`decode_fix`."""
+        lane = lane_id()
+        out = u32(dst + (lane & 15) * ROWB + (lane >> 4) * C)
         for k in range(GPL):
             bit = 24 * k
             sh = bit % 32
@@ -697,22 +717,32 @@ def _decode_tile_fn(channels: int):
                 y = u32(y | (cw[bit // 32 + 1] << (32 - sh)))
             y_lo = u32(y & 0xFFF)
             y_hi = u32((y >> 12) & 0xFFF)
-            m = u32((tags >> (2 * k)) & 3)
-            e = lds_u8(smem, u32(esc + min(pos, ESC_MAX)))     # read even for a 3-bit group, then dropped
-            e = e if m != 0 else u32(0)
-            pos = i32(pos + m + 3 * (m >> 1))                   # escape bytes of mode m: 0, 1, 5
-            b0, b1, b2, b3 = lds4(smem, u32(base + m * base_stride + 16 * k))
-            sp = spread_escape(e)
+            sp = spread_escape(ev[k] if (tags >> (2 * k)) & 3 else u32(0))
             s0 = smw[2 * k]
             s1 = smw[2 * k + 1]
             sts4(smem, u32(out + 16 * k),
-                 u32((prmt(s0, 0x1100) & 0x807F807F) | u32(((y_lo * K_EVEN) & 0x03800380) + b0 + escape_pair(sp, 0))),
-                 u32((prmt(s0, 0x3322) & 0x807F807F) | u32(((y_lo * K_ODD) & 0x03800380) + b1 + escape_pair(sp, 1))),
-                 u32((prmt(s1, 0x1100) & 0x807F807F) | u32(((y_hi * K_EVEN) & 0x03800380) + b2 + escape_pair(sp, 2))),
-                 u32((prmt(s1, 0x3322) & 0x807F807F) | u32(((y_hi * K_ODD) & 0x03800380) + b3 + escape_pair(sp, 3))))
-        if nr:
+                 u32((prmt(s0, 0x1100) & 0x807F807F) | u32(((y_lo * K_EVEN) & 0x03800380) + bw[4 * k]
+                                                            + escape_pair(sp, 0))),
+                 u32((prmt(s0, 0x3322) & 0x807F807F) | u32(((y_lo * K_ODD) & 0x03800380) + bw[4 * k + 1]
+                                                            + escape_pair(sp, 1))),
+                 u32((prmt(s1, 0x1100) & 0x807F807F) | u32(((y_hi * K_EVEN) & 0x03800380) + bw[4 * k + 2]
+                                                            + escape_pair(sp, 2))),
+                 u32((prmt(s1, 0x3322) & 0x807F807F) | u32(((y_hi * K_ODD) & 0x03800380) + bw[4 * k + 3]
+                                                            + escape_pair(sp, 3))))
+
+    @device
+    def decode_fix(smem, src, dst, tags, off, cnt, cap, status):
+        """The rare part: format checks (status word) and exponent bits 4..7 of raw groups."""
+        lane = lane_id()
+        if off + cnt > cap:
+            status[0] = STATUS_BAD_ESCAPES
+        if tags & (tags >> 1) & 0x5555:
+            status[0] = STATUS_BAD_TAG
+        if tags & 0xAAAA:
             # Raw groups (about 0.3% of groups): exponent bits 4..7 from bit planes 1..4, added to the
             # words just stored (the exponent field has no carry out: exponents are at most 255).
+            esc = u32(src + ESC_OFF)
+            out = u32(dst + (lane & 15) * ROWB + (lane >> 4) * C)
             for k in range(GPL):
                 if ((tags >> (2 * k)) & 3) == L.MODE_RAW:
                     below = u32(tags & ((1 << (2 * k)) - 1))
@@ -727,7 +757,35 @@ def _decode_tile_fn(channels: int):
                         w3 = u32(w3 + (escape_pair(pj, 3) << j))
                     sts4(smem, u32(out + 16 * k), w0, w1, w2, w3)
 
-    return decode
+    @device
+    def decode(smem, src, dst, base, base_stride, cap, status, scr):
+        smw = cuda.local.array(SM_WORDS, uint32)
+        cw = cuda.local.array(CODE_ARRAY, uint32)
+        ev = cuda.local.array(GPL, uint32)
+        bw = cuda.local.array(BASE_WORDS, uint32)
+        tags, off, cnt = decode_loads(smem, src, base, base_stride, smw, cw, ev, bw, scr)
+        decode_compute(smem, dst, tags, smw, cw, ev, bw)
+        decode_fix(smem, src, dst, tags, off, cnt, cap, status)
+
+    @device
+    def decode2(smem, src, dst, base, src2, dst2, base2, base_stride, cap, cap2, status, scr):
+        """Two tiles: the reads of both, then the writes of both (twice the reads in flight)."""
+        smw = cuda.local.array(SM_WORDS, uint32)
+        cw = cuda.local.array(CODE_ARRAY, uint32)
+        ev = cuda.local.array(GPL, uint32)
+        bw = cuda.local.array(BASE_WORDS, uint32)
+        smw2 = cuda.local.array(SM_WORDS, uint32)
+        cw2 = cuda.local.array(CODE_ARRAY, uint32)
+        ev2 = cuda.local.array(GPL, uint32)
+        bw2 = cuda.local.array(BASE_WORDS, uint32)
+        tags, off, cnt = decode_loads(smem, src, base, base_stride, smw, cw, ev, bw, scr)
+        tags2, off2, cnt2 = decode_loads(smem, src2, base2, base_stride, smw2, cw2, ev2, bw2, scr)
+        decode_compute(smem, dst, tags, smw, cw, ev, bw)
+        decode_compute(smem, dst2, tags2, smw2, cw2, ev2, bw2)
+        decode_fix(smem, src, dst, tags, off, cnt, cap, status)
+        decode_fix(smem, src2, dst2, tags2, off2, cnt2, cap2, status)
+
+    return decode, decode2
 
 
 def _stage_slot_fn(channels: int):
@@ -762,8 +820,9 @@ def decode_check_kernel(channels: int, slot_bytes: int):
     TB = tile_bytes(C)
     STAGE = -(-slot_bytes // 16) * 16
     PAIRS = C // 2
-    SMEM_WORDS = (STAGE + TB + 4 * BASE_ROWS * PAIRS) // 4
-    decode = _decode_tile_fn(C)
+    RS = base_row_words(C)
+    SMEM_WORDS = (STAGE + TB + 4 * BASE_ROWS * RS) // 4
+    decode, _ = _decode_tile_fn(C)
     stage_slot = _stage_slot_fn(C)
     wait_all = cp_wait_fn(0)
 
@@ -776,12 +835,12 @@ def decode_check_kernel(channels: int, slot_bytes: int):
         n = i32(cuda.blockIdx.x)
         lane = lane_id()
         for i in range(lane, BASE_ROWS * PAIRS, WARP):
-            smem[(STAGE + TB) // 4 + i] = bases[i]
+            smem[(STAGE + TB) // 4 + (i // PAIRS) * RS + i % PAIRS] = bases[i]
         stage_slot(smem, sb, n, slots, slot_bytes, lane)
         cp_commit()
         wait_all()
         warp_sync(scr)
-        decode(smem, sb, u32(sb + STAGE), u32(sb + STAGE + TB + C * (lane >> 4)), 4 * PAIRS, cap, status, scr)
+        decode(smem, sb, u32(sb + STAGE), u32(sb + STAGE + TB + C * (lane >> 4)), 4 * RS, cap, status, scr)
         warp_sync(scr)
         for i in range(lane, L.BLOCK_TOKENS * PAIRS, WARP):
             tiles[n * L.BLOCK_TOKENS * PAIRS + i] = i32(smem[(STAGE + (i // PAIRS) * ROWB) // 4 + i % PAIRS])
@@ -792,8 +851,14 @@ def decode_check_kernel(channels: int, slot_bytes: int):
 # The attention kernel.
 
 @functools.lru_cache(maxsize=None)
-def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: int = 2, stage_bytes: int = 0):
+def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: int = 2, stage_bytes: int = 0,
+                     paired: bool = False, max_registers: int | None = None):
     """The split-KV decode kernel for ``head_dim``; ``plain`` = every tile is BF16 (the baseline).
+
+    ``paired`` (head_dim <= 128): decode a block's K and V tiles back to back into two decode tiles,
+    with no barrier between them, so that the compiler interleaves the two decodes (twice the
+    independent work per warp, for one more decode tile of shared memory).  ``max_registers``
+    caps registers per thread (more resident warps, possibly spills).
 
     ``stage_bytes``: bytes of a staging area, at least the larger slot of K and V (compressed kernel;
     raw tiles and the tail are loaded when used, so the stages only hold slots); the plain kernel
@@ -822,14 +887,18 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
     NOUT = D // 8                       # n-chunks of the P.V MMA
     ROW_CHUNKS = C // 8                 # 16-byte chunks of a BF16 row
     RAW_PER_LANE = L.BLOCK_TOKENS * ROW_CHUNKS // WARP
-    DEC = NS * 2 * T * SB               # byte offsets in the shared array
-    BASES = DEC + TB
+    if paired and (T != 1 or plain):
+        raise ValueError("paired decode is for compressed caches with head_dim <= 128")
+    DEC = NS * 2 * T * SB               # byte offsets in the shared array: decode tile(s) for K (and V)
+    DEC_V = DEC + TB if paired else DEC
+    BASES = DEC_V + TB
     PAIRS = D // 2                      # base pair words per row of one kind
+    RS = base_row_words(D)              # words per base row in shared memory
     BASE_PER_LANE = 0 if plain else 2 * BASE_ROWS * PAIRS // WARP
-    SMEM_WORDS = smem_bytes(C, T, NS, plain, SB) // 4
+    SMEM_WORDS = smem_bytes(C, T, NS, plain, SB, paired) // 4
     NENT = MAX_BLOCKS_PER_SPLIT * 2 * T
     TILE_BYTES = L.BLOCK_TOKENS * C * 2
-    decode = _decode_tile_fn(C)
+    decode, decode2 = _decode_tile_fn(C)
     stage_slot = _stage_slot_fn(C)
     cp_wait = cp_wait_fn(NS - 1)
     do_decode = not plain and variant in (FULL, DECODE_TWICE)
@@ -878,28 +947,54 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
                         stage_slot(smem, dst, e, slots_v, slot_bytes_v, lane)
 
     @device
-    def tile_of(smem, sb, ents, i, st, kind, j, is_tail, raw, tail, tail_byte, tail_valid, cap, status, scr):
+    def tile_of(smem, sb, ents, i, st, kind, j, is_tail, raw, tail, tail_byte, tail_valid, cap, status, scr, sync):
         """Byte address of the BF16 tile (kind, j) of the block in stage ``st``: the staged tile (plain),
-        or the decode tile after decoding the slot / loading the raw tile or tail into it."""
+        or the kind's decode tile after decoding the slot / loading the raw tile or tail into it (ready
+        after a warp barrier: this one if ``sync``)."""
         src = u32(sb + ((st * 2 + kind) * T + j) * SB)
         if plain:
             return src
         e = i32(-1) if is_tail else ents[(i * 2 + kind) * T + j]
-        dec = u32(sb + DEC)
+        dec = u32(sb + (DEC_V if kind == 1 else DEC))
         if is_tail or e < 0:
             copy_bf16_tile(smem, dec, is_tail, e, raw, tail, tail_byte, tail_valid, lane_id(), True)
         elif do_decode:
-            base = u32(sb + BASES + 4 * (kind * BASE_ROWS * PAIRS + j * (C // 2)) + C * (lane_id() >> 4))
-            decode(smem, src, dec, base, 4 * PAIRS, cap, status, scr)
+            base = u32(sb + BASES + 4 * (kind * BASE_ROWS * RS + j * (C // 2)) + C * (lane_id() >> 4))
+            decode(smem, src, dec, base, 4 * RS, cap, status, scr)
             if variant == DECODE_TWICE:
                 warp_sync(scr)
-                decode(smem, src, dec, base, 4 * PAIRS, cap, status, scr)
+                decode(smem, src, dec, base, 4 * RS, cap, status, scr)
         else:
             return src
-        warp_sync(scr)
+        if sync:
+            warp_sync(scr)
         return dec
 
-    @cuda.jit
+    @device
+    def tiles_of_block(smem, sb, ents, i, st, is_tail, raw_k, raw_v, tail_k, tail_v, tail_base, tail_valid, cap_k,
+                       cap_v, status, scr):
+        """Paired mode (T = 1): the K and V tiles of a block, both decoded in one straight-line region
+        when both are slots; ready after the warp barrier at the end."""
+        if do_decode and not is_tail and ents[2 * i] >= 0 and ents[2 * i + 1] >= 0:
+            base = u32(sb + BASES + C * (lane_id() >> 4))
+            decode2(smem, u32(sb + (st * 2) * SB), u32(sb + DEC), base, u32(sb + (st * 2 + 1) * SB), u32(sb + DEC_V),
+                    u32(base + 4 * BASE_ROWS * RS), 4 * RS, cap_k, cap_v, status, scr)
+            if variant == DECODE_TWICE:
+                warp_sync(scr)
+                decode2(smem, u32(sb + (st * 2) * SB), u32(sb + DEC), base, u32(sb + (st * 2 + 1) * SB),
+                        u32(sb + DEC_V), u32(base + 4 * BASE_ROWS * RS), 4 * RS, cap_k, cap_v, status, scr)
+            warp_sync(scr)
+            return u32(sb + DEC), u32(sb + DEC_V)
+        tk = tile_of(smem, sb, ents, i, st, 0, 0, is_tail, raw_k, tail_k, tail_base, tail_valid, cap_k, status, scr,
+                     False)
+        tv = tile_of(smem, sb, ents, i, st, 1, 0, is_tail, raw_v, tail_v, tail_base, tail_valid, cap_v, status, scr,
+                     False)
+        warp_sync(scr)
+        return tk, tv
+
+    jit = cuda.jit if max_registers is None or SIMULATOR else cuda.jit(max_registers=max_registers)
+
+    @jit
     def kernel(q32, slots_k, slots_v, raw_k, raw_v, table_k, table_v, tail_k, tail_v, bases, seq_lens, work,
                o_part, lse_part, status, max_blocks, kv_heads, g, slot_bytes_k, slot_bytes_v, cap_k, cap_v,
                scale_log2):
@@ -930,8 +1025,8 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
             ents[i] = table_k[row] if (i // T) % 2 == 0 else table_v[row]
         for k in range(BASE_PER_LANE):      # unrolled: every load is in flight before the first store
             i = lane + WARP * k
-            smem[BASES // 4 + i] = bases[((i // (BASE_ROWS * PAIRS)) * kv_heads + h) * BASE_ROWS * PAIRS
-                                         + i % (BASE_ROWS * PAIRS)]
+            smem[BASES // 4 + (i // PAIRS) * RS + i % PAIRS] = bases[((i // (BASE_ROWS * PAIRS)) * kv_heads + h)
+                                                                      * BASE_ROWS * PAIRS + i % (BASE_ROWS * PAIRS)]
         # Query fragments (A operand: rows = query heads of the group; rows >= g are zero).
         qa0 = cuda.local.array(NCHUNK, uint32)
         qa2 = cuda.local.array(NCHUNK, uint32)
@@ -974,9 +1069,15 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
             s01 = f32(0)
             s10 = f32(0)
             s11 = f32(0)
+            if paired:
+                tile_k, tile_v = tiles_of_block(smem, sb, ents, i, st, is_tail, raw_k, raw_v, tail_k, tail_v,
+                                                tail_base, tail_valid, cap_k, cap_v, status, scr)
             for j in range(T):
-                tile = tile_of(smem, sb, ents, i, st, 0, j, is_tail, raw_k, tail_k, tail_base + j * C * 2,
-                               tail_valid, cap_k, status, scr)
+                if paired:
+                    tile = tile_k
+                else:
+                    tile = tile_of(smem, sb, ents, i, st, 0, j, is_tail, raw_k, tail_k, tail_base + j * C * 2,
+                                   tail_valid, cap_k, status, scr, True)
                 for kc in range(C // 32):
                     kk = j * (C // 16) + 2 * kc
                     x0, x1, x2, x3 = ldsm_k(smem, u32(tile + 64 * kc), ROWB, scr)
@@ -1003,8 +1104,11 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
             pa0 = pack_bf16x2(p00, p01)
             pa2 = pack_bf16x2(p10, p11)
             for j in range(T):
-                tile = tile_of(smem, sb, ents, i, st, 1, j, is_tail, raw_v, tail_v, tail_base + j * C * 2,
-                               tail_valid, cap_v, status, scr)
+                if paired:
+                    tile = tile_v
+                else:
+                    tile = tile_of(smem, sb, ents, i, st, 1, j, is_tail, raw_v, tail_v, tail_base + j * C * 2,
+                                   tail_valid, cap_v, status, scr, True)
                 for nc in range(C // 16):
                     o = j * (C // 8) + 2 * nc
                     x0, x1, x2, x3 = ldsm_v(smem, u32(tile + 32 * nc), ROWB, scr)
@@ -1035,15 +1139,16 @@ def as_int16(x):
 
 
 def merge_threads(head_dim: int) -> int:
-    """Threads of a merge block: ``D/4`` channel quads x split lanes (1024 threads; one lane in the
-    simulator, where every barrier of a block costs milliseconds)."""
-    return head_dim // 4 if SIMULATOR else 1024
+    """Threads of a merge block: ``D/4`` channel quads x split lanes (512 threads, so that ~100
+    registers a thread fit; one lane in the simulator, where every barrier costs milliseconds)."""
+    return head_dim // 4 if SIMULATOR else 512
 
 
 @functools.lru_cache(maxsize=None)
 def merge_kernel(head_dim: int):
     """Merge split partials: grid ``(B, Hq)``, :func:`merge_threads` threads = ``D/4`` channel quads x
-    ``lanes`` splits in parallel (independent loads in flight), then a shared-memory sum.
+    ``lanes`` split lanes.  Each thread folds its splits into a running (max, sum, 4 channels) four
+    splits at a time (their loads in flight together), then the lanes are combined in shared memory.
 
     ``o_part`` float32 ``[W*Hkv*g*D]``, ``lse_part`` float32 ``[W*Hkv*g]`` (log2), ``split0`` int32
     ``[B+1]`` (the splits of sequence ``b`` are ``split0[b] .. split0[b+1]-1``), out ``out`` int16
@@ -1054,11 +1159,14 @@ def merge_kernel(head_dim: int):
     THREADS = merge_threads(D)
     LANES = THREADS // QUADS
     RED = 4 * THREADS
+    UNROLL = 4
+    OS = 4 * UNROLL
 
     @cuda.jit
     def kernel(o_part, lse_part, split0, out, lse, kv_heads, g):
         red = cuda.shared.array(RED, float32)
         mx = cuda.shared.array(THREADS, float32)
+        sm = cuda.shared.array(THREADS, float32)
         b = cuda.blockIdx.x
         hq = cuda.blockIdx.y
         h = hq // g
@@ -1069,8 +1177,31 @@ def merge_kernel(head_dim: int):
         s0 = split0[b]
         s1 = split0[b + 1]
         m = f32(_NEG_INF)
-        for s in range(s0 + sl, s1, LANES):
-            m = max(m, lse_part[(s * kv_heads + h) * g + r])
+        den = f32(0)
+        acc = cuda.local.array(4, float32)
+        for c in range(4):
+            acc[c] = f32(0)
+        for s in range(s0 + sl, s1, UNROLL * LANES):
+            ls = cuda.local.array(UNROLL, float32)
+            os_ = cuda.local.array(OS, float32)
+            for u in range(UNROLL):
+                su = s + u * LANES
+                ls[u] = lse_part[(su * kv_heads + h) * g + r] if su < s1 else f32(_NEG_INF)
+                row = ((su * kv_heads + h) * g + r) * D + 4 * quad
+                for c in range(4):
+                    os_[4 * u + c] = o_part[row + c] if su < s1 else f32(0)
+            mu = max(max(ls[0], ls[1]), max(ls[2], ls[3]))
+            m_new = max(m, mu)
+            scale = ex2(m - m_new)
+            den *= scale
+            for c in range(4):
+                acc[c] *= scale
+            for u in range(UNROLL):
+                wgt = ex2(ls[u] - m_new)
+                den += wgt
+                for c in range(4):
+                    acc[c] += wgt * os_[4 * u + c]
+            m = m_new
         mx[tid] = m
         cuda.syncthreads()
         step = THREADS // 2
@@ -1079,37 +1210,21 @@ def merge_kernel(head_dim: int):
                 mx[tid] = max(mx[tid], mx[tid + step])
             cuda.syncthreads()
             step //= 2
-        m = mx[quad]
-        a0 = f32(0)
-        a1 = f32(0)
-        a2 = f32(0)
-        a3 = f32(0)
-        den = f32(0)
-        for s in range(s0 + sl, s1, LANES):
-            wgt = ex2(lse_part[(s * kv_heads + h) * g + r] - m)
-            row = ((s * kv_heads + h) * g + r) * D + 4 * quad
-            a0 += wgt * o_part[row]
-            a1 += wgt * o_part[row + 1]
-            a2 += wgt * o_part[row + 2]
-            a3 += wgt * o_part[row + 3]
-            den += wgt
-        cuda.syncthreads()
-        red[4 * tid] = a0
-        red[4 * tid + 1] = a1
-        red[4 * tid + 2] = a2
-        red[4 * tid + 3] = a3
-        mx[tid] = den
+        scale = ex2(m - mx[quad]) if m != _NEG_INF else f32(0)
+        for c in range(4):
+            red[4 * tid + c] = acc[c] * scale
+        sm[tid] = den * scale
         cuda.syncthreads()
         step = THREADS // 2
         while step >= QUADS:
             if tid < step:
-                for i in range(4):
-                    red[4 * tid + i] += red[4 * (tid + step) + i]
-                mx[tid] += mx[tid + step]
+                for c in range(4):
+                    red[4 * tid + c] += red[4 * (tid + step) + c]
+                sm[tid] += sm[tid + step]
             cuda.syncthreads()
             step //= 2
         if tid < QUADS:
-            inv = f32(1) / mx[tid]
+            inv = f32(1) / sm[tid]
             base = (b * kv_heads * g + hq) * D + 4 * tid
             lo = pack_bf16x2(red[4 * tid] * inv, red[4 * tid + 1] * inv)
             hi = pack_bf16x2(red[4 * tid + 2] * inv, red[4 * tid + 3] * inv)
@@ -1118,5 +1233,5 @@ def merge_kernel(head_dim: int):
             out[base + 2] = as_int16(hi & 0xFFFF)
             out[base + 3] = as_int16(hi >> 16)
             if tid == 0:
-                lse[b * kv_heads * g + hq] = (m + math.log2(mx[0])) * f32(1 / _LOG2E)
+                lse[b * kv_heads * g + hq] = (mx[0] + math.log2(sm[0])) * f32(1 / _LOG2E)
     return kernel
