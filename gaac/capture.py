@@ -225,8 +225,11 @@ def compare(k, v, ref_k, ref_v) -> dict:
 # ----------------------------------------------------------------------------------------------
 # The command.
 
-def _prompts(args, tokenizer) -> list[dict]:
-    """Each prompt as ``{label, text, token_ids, kind, sidecar?}``, in command-line order."""
+def _prompts(args, tokenizer, context: int | None) -> list[dict]:
+    """Each prompt as ``{label, text, token_ids, kind, ...}``, in command-line order.
+
+    A built-in text is cut to ``--max-tokens`` or else to the model's ``context``.
+    """
     prompts = []
     for i, text in enumerate(args.text or []):
         prompts.append({"label": f"text{i}" if len(args.text) > 1 else "text", "text": text, "kind": "text"})
@@ -235,9 +238,11 @@ def _prompts(args, tokenizer) -> list[dict]:
         prompts.append({"label": path.stem, "text": path.read_text(encoding="utf-8", errors="replace"),
                         "kind": f"file {path.name}"})
     for name in args.builtin or []:
-        want = args.max_tokens or _context(tokenizer)
-        text, used = builtin_text(name, chars=8 * want)
-        prompts.append({"label": name, "text": text, "kind": f"builtin {name}", "sources": used})
+        want = args.max_tokens or context
+        if not want:
+            raise InputError(f"--builtin {name}: the model states no context length; pass --max-tokens")
+        text, used = builtin_text(name, chars=8 * want)          # ample: a token is 3-5 characters of English
+        prompts.append({"label": name, "text": text, "kind": f"builtin {name}", "sources": used, "limit": want})
     for f in args.from_sidecar or []:
         path = Path(f)
         try:
@@ -254,16 +259,12 @@ def _prompts(args, tokenizer) -> list[dict]:
                 if tokenizer.bos_token_id is None:
                     raise InputError("--bos: this tokenizer has no BOS token")
                 p["token_ids"] = [tokenizer.bos_token_id] + p["token_ids"]
-        if args.max_tokens:
-            p["token_ids"] = p["token_ids"][:args.max_tokens]
+        limit = args.max_tokens or p.get("limit")
+        if limit:
+            p["token_ids"] = p["token_ids"][:limit]
         if not p["token_ids"]:
             raise InputError(f"prompt {p['label']}: no tokens")
     return prompts
-
-
-def _context(tokenizer) -> int:
-    n = getattr(tokenizer, "model_max_length", None)
-    return n if isinstance(n, int) and 0 < n < 1 << 20 else 8192
 
 
 def build_parser():
@@ -306,8 +307,8 @@ def main(argv=None) -> int:
             if not Path(f).is_file():
                 raise InputError(f"{option} {f}: no such file")
     model, tokenizer, source = load_model(args.model, args.gguf_file, device=args.device)
-    prompts = _prompts(args, tokenizer)
     context = architecture(model.config)["context_length"]
+    prompts = _prompts(args, tokenizer, context)
     status = 0
     for p in prompts:
         if context and len(p["token_ids"]) > context:
