@@ -1,10 +1,33 @@
-"""gaac: lossless group-adaptive additive coding of BF16 KV caches (format v1)."""
+"""gaac: lossless group-adaptive additive coding of BF16 KV caches.
+
+The codec (``encode_block``/``decode_block``, ``calibrate``) needs only NumPy.
+The paged cache and attention need torch; they are imported on first use, so
+``import gaac`` works without torch.
+"""
 from .block import EncodedBlock, decode_block, encode_block
 from .calibration import Calibration, calibrate
-from .errors import CalibrationError, FormatError, GAACError, InputError
+from .errors import CalibrationError, FormatError, GAACError, InputError, PoolExhaustedError
 from .layout import FORMAT_VERSION
+
+_LAZY = {
+    "PagedKVCache": ("gaac.cache", "PagedKVCache"),
+    "decode_attention": ("gaac.attention", "decode_attention"),
+    "measure": ("gaac.stats", "measure"),
+}
+
+
+def __getattr__(name):
+    """Import torch-backed parts of the API only when they are used."""
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module 'gaac' has no attribute {name!r}")
+
 
 __all__ = [
     "Calibration", "CalibrationError", "EncodedBlock", "FORMAT_VERSION", "FormatError", "GAACError",
-    "InputError", "calibrate", "decode_block", "encode_block",
+    "InputError", "PagedKVCache", "PoolExhaustedError", "calibrate", "decode_attention", "decode_block",
+    "encode_block", "measure",
 ]

@@ -40,19 +40,11 @@ from . import layout as L
 from .arrays import as_bits
 from .cachelayout import LayerView
 from .calibration import Calibration
-from .errors import FormatError, GAACError, InputError
+from .errors import FormatError, InputError, PoolExhaustedError
 from .reference.codec import decode_tiles, encode_tiles
 from .tiles import tile_bases
 
 KINDS = (L.KIND_K, L.KIND_V)
-
-
-class PoolExhaustedError(GAACError, RuntimeError):
-    """A slot pool, raw-tile pool, block table or sequence table of a :class:`PagedKVCache` is full.
-
-    Raised before anything is written: the cache is unchanged and the caller may
-    free sequences and retry.
-    """
 
 
 # ----------------------------------------------------------------------------------------------

@@ -15,3 +15,11 @@ class FormatError(GAACError, ValueError):
 
 class CalibrationError(GAACError, ValueError):
     """A calibration is malformed, or does not match the model or stream it is used with."""
+
+
+class PoolExhaustedError(GAACError, RuntimeError):
+    """A slot pool, raw-tile pool, block table or sequence table of a paged cache is full.
+
+    Raised before anything is written: the cache is unchanged and the caller may
+    free sequences and retry.
+    """
