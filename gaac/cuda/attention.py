@@ -586,6 +586,14 @@ else:
         return i32(sum(int(area[8 * i]) for i in range(WARP) if order(i) < mine))
 
 
+@device
+def escape_scan2(a, b, scr):
+    """Two exclusive escape scans in one: the counts packed in 16-bit halves (a tile needs at most
+    256 x 5 escape bytes, so the low half never carries into the high one)."""
+    x = escape_scan(i32(a | (b << 16)), scr)
+    return i32(x & 0xFFFF), i32(x >> 16)
+
+
 # ----------------------------------------------------------------------------------------------
 # Shared-memory layout (bytes).
 
@@ -605,13 +613,12 @@ def base_row_words(head_dim: int) -> int:
     return head_dim // 2 + PAD_WORDS
 
 
-def smem_bytes(channels: int, tph: int, nstage: int, plain: bool, stage_bytes: int, paired: bool = False) -> int:
+def smem_bytes(channels: int, tph: int, nstage: int, plain: bool, stage_bytes: int) -> int:
     """Shared bytes of the tile area of one block: stages (K and V, ``tph`` areas of ``stage_bytes``
-    each), then, unless ``plain``, one decode tile (two if ``paired``) and the pre-shifted bases
-    (2 kinds x :data:`BASE_ROWS` rows of :func:`base_row_words`)."""
+    each), then, unless ``plain``, one decode tile and the pre-shifted bases (2 kinds x
+    :data:`BASE_ROWS` rows of :func:`base_row_words`)."""
     stages = nstage * 2 * tph * stage_bytes
-    decoded = (2 if paired else 1) * tile_bytes(channels)
-    return stages if plain else stages + decoded + 4 * 2 * BASE_ROWS * base_row_words(tph * channels)
+    return stages if plain else stages + tile_bytes(channels) + 4 * 2 * BASE_ROWS * base_row_words(tph * channels)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -619,8 +626,9 @@ def smem_bytes(channels: int, tph: int, nstage: int, plain: bool, stage_bytes: i
 
 @functools.lru_cache(maxsize=None)
 def _decode_tile_fn(channels: int):
-    """Device functions ``decode(smem, src, dst, base, base_stride, cap, status, scr)`` for C-wide tiles,
-    and ``decode2`` for two tiles at once (see :func:`attention_kernel`'s ``paired``).
+    """Device functions for C-wide tiles: ``decode(smem, src, dst, base, base_stride, cap, status, scr)``,
+    and its stages (tags, reads, compute+stores, fix-up) for callers that interleave two decodes with
+    other work (:func:`attention_kernel`'s ``overlap``); last, the sizes of the stages' local arrays.
 
     Lane ``l`` decodes row ``t = l % 16``, channels ``(l // 16) * C/2 ..`` (``C/16`` groups): with the
     staging swizzle of the sign+mantissa chunks (chunk ``c`` at ``c ^ ((c >> 3) & SWZ)``) and the
@@ -656,11 +664,23 @@ def _decode_tile_fn(channels: int):
         return u32((v << (6 - 2 * p)) & 0x04000400)
 
     @device
-    def decode_loads(smem, src, base, base_stride, smw, cw, ev, bw, scr):
-        """Every shared-memory read of this lane's part of a tile, issued back to back so that their
-        latencies overlap (the compiler cannot move a read above the decoder's stores, which might
-        alias): sign+mantissa words ``smw``, code words ``cw``, each group's first escape byte ``ev``
-        and base pair words ``bw`` (row = mode tag).  Returns (tags, escape offset, escape count)."""
+    def decode_tags(smem, src):
+        """This lane's mode tags (2 bits a group) and the escape bytes its groups need."""
+        lane = lane_id()
+        t = lane & 15
+        if C == 128:
+            tags = u32(lds(smem, u32(src + TAG_OFF + 4 * t)) >> (16 * (lane >> 4)))
+        else:
+            tags = u32(lds(smem, u32(src + TAG_OFF + 4 * (t >> 1))) >> (16 * (t & 1) + 8 * (lane >> 4)))
+        tags = u32(tags & (0xFFFF if C == 128 else 0xFF))
+        return tags, i32(popc(tags & 0x5555) * ESC4 + popc(tags & 0xAAAA) * ESCR)
+
+    @device
+    def decode_loads(smem, src, base, base_stride, tags, off, smw, cw, ev, bw):
+        """Every other shared-memory read of this lane's part of a tile, issued back to back so that
+        their latencies overlap (the compiler cannot move a read above the decoder's stores, which
+        might alias): sign+mantissa words ``smw``, code words ``cw``, each group's first escape byte
+        ``ev`` (``off`` = escape bytes of the tile's earlier groups) and base pair words ``bw``."""
         lane = lane_id()
         t = lane & 15
         h = lane >> 4
@@ -678,18 +698,10 @@ def _decode_tile_fn(channels: int):
                 u0, u1 = lds2(smem, u32(code + 8 * i))
                 cw[2 * i] = u0
                 cw[2 * i + 1] = u1
-            tags = lds(smem, u32(src + TAG_OFF + 4 * t))
-            tags = u32(tags >> (16 * h))
         else:
             for i in range(CODE_WORDS):
                 cw[i] = lds(smem, u32(code + 4 * i))
-            tags = lds(smem, u32(src + TAG_OFF + 4 * (t >> 1)))
-            tags = u32((tags >> (16 * (t & 1) + 8 * h)) & 0xFF)
-        tags = u32(tags & 0xFFFF)
         cw[CODE_WORDS] = u32(0)
-        # Escape bytes of the tile's earlier groups: an exclusive scan in group order.
-        cnt = i32(popc(tags & 0x5555) * ESC4 + popc(tags & 0xAAAA) * ESCR)
-        off = escape_scan(cnt, scr)
         esc = u32(src + ESC_OFF)
         pos = off
         for k in range(GPL):
@@ -701,7 +713,6 @@ def _decode_tile_fn(channels: int):
             bw[4 * k + 1] = b1
             bw[4 * k + 2] = b2
             bw[4 * k + 3] = b3
-        return tags, off, cnt
 
     @device
     def decode_compute(smem, dst, tags, smw, cw, ev, bw):
@@ -763,29 +774,13 @@ def _decode_tile_fn(channels: int):
         cw = cuda.local.array(CODE_ARRAY, uint32)
         ev = cuda.local.array(GPL, uint32)
         bw = cuda.local.array(BASE_WORDS, uint32)
-        tags, off, cnt = decode_loads(smem, src, base, base_stride, smw, cw, ev, bw, scr)
+        tags, cnt = decode_tags(smem, src)
+        off = escape_scan(cnt, scr)
+        decode_loads(smem, src, base, base_stride, tags, off, smw, cw, ev, bw)
         decode_compute(smem, dst, tags, smw, cw, ev, bw)
         decode_fix(smem, src, dst, tags, off, cnt, cap, status)
 
-    @device
-    def decode2(smem, src, dst, base, src2, dst2, base2, base_stride, cap, cap2, status, scr):
-        """Two tiles: the reads of both, then the writes of both (twice the reads in flight)."""
-        smw = cuda.local.array(SM_WORDS, uint32)
-        cw = cuda.local.array(CODE_ARRAY, uint32)
-        ev = cuda.local.array(GPL, uint32)
-        bw = cuda.local.array(BASE_WORDS, uint32)
-        smw2 = cuda.local.array(SM_WORDS, uint32)
-        cw2 = cuda.local.array(CODE_ARRAY, uint32)
-        ev2 = cuda.local.array(GPL, uint32)
-        bw2 = cuda.local.array(BASE_WORDS, uint32)
-        tags, off, cnt = decode_loads(smem, src, base, base_stride, smw, cw, ev, bw, scr)
-        tags2, off2, cnt2 = decode_loads(smem, src2, base2, base_stride, smw2, cw2, ev2, bw2, scr)
-        decode_compute(smem, dst, tags, smw, cw, ev, bw)
-        decode_compute(smem, dst2, tags2, smw2, cw2, ev2, bw2)
-        decode_fix(smem, src, dst, tags, off, cnt, cap, status)
-        decode_fix(smem, src2, dst2, tags2, off2, cnt2, cap2, status)
-
-    return decode, decode2
+    return decode, decode_tags, decode_loads, decode_compute, decode_fix, (SM_WORDS, CODE_ARRAY, GPL, BASE_WORDS)
 
 
 def _stage_slot_fn(channels: int):
@@ -822,7 +817,7 @@ def decode_check_kernel(channels: int, slot_bytes: int):
     PAIRS = C // 2
     RS = base_row_words(C)
     SMEM_WORDS = (STAGE + TB + 4 * BASE_ROWS * RS) // 4
-    decode, _ = _decode_tile_fn(C)
+    decode = _decode_tile_fn(C)[0]
     stage_slot = _stage_slot_fn(C)
     wait_all = cp_wait_fn(0)
 
@@ -851,13 +846,13 @@ def decode_check_kernel(channels: int, slot_bytes: int):
 # The attention kernel.
 
 @functools.lru_cache(maxsize=None)
-def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: int = 2, stage_bytes: int = 0,
-                     paired: bool = False, max_registers: int | None = None):
+def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: int = 3, stage_bytes: int = 0,
+                     overlap: bool = False, max_registers: int | None = None):
     """The split-KV decode kernel for ``head_dim``; ``plain`` = every tile is BF16 (the baseline).
 
-    ``paired`` (head_dim <= 128): decode a block's K and V tiles back to back into two decode tiles,
-    with no barrier between them, so that the compiler interleaves the two decodes (twice the
-    independent work per warp, for one more decode tile of shared memory).  ``max_registers``
+    ``overlap`` (compressed, head_dim <= 128): when both tiles of a block are slots, one escape scan
+    serves K and V, and the V tile's reads, then its decode, sit in one straight-line region with the
+    q.k MMAs and the softmax, so that the compiler overlaps their latencies.  ``max_registers``
     caps registers per thread (more resident warps, possibly spills).
 
     ``stage_bytes``: bytes of a staging area, at least the larger slot of K and V (compressed kernel;
@@ -884,21 +879,22 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
     if not plain and (stage_bytes % 16 or not L.TileGeometry(C).fixed_bytes < stage_bytes <= 2 * L.BLOCK_TOKENS * C):
         raise ValueError(f"stage_bytes {stage_bytes}: a multiple of 16 that holds a slot of {C}-channel tiles")
     NCHUNK = D // 16                    # k-chunks of the score MMA
+    KF_WORDS = 2 * C // 8               # K fragment words of one tile (8 per 32 channels)
     NOUT = D // 8                       # n-chunks of the P.V MMA
     ROW_CHUNKS = C // 8                 # 16-byte chunks of a BF16 row
     RAW_PER_LANE = L.BLOCK_TOKENS * ROW_CHUNKS // WARP
-    if paired and (T != 1 or plain):
-        raise ValueError("paired decode is for compressed caches with head_dim <= 128")
-    DEC = NS * 2 * T * SB               # byte offsets in the shared array: decode tile(s) for K (and V)
-    DEC_V = DEC + TB if paired else DEC
-    BASES = DEC_V + TB
+    if overlap and (T != 1 or plain or variant != FULL):
+        raise ValueError("overlap is for the full compressed kernel with head_dim <= 128")
+    DEC = NS * 2 * T * SB               # byte offsets in the shared array: the decode tile, the bases
+    BASES = DEC + TB
     PAIRS = D // 2                      # base pair words per row of one kind
     RS = base_row_words(D)              # words per base row in shared memory
     BASE_PER_LANE = 0 if plain else 2 * BASE_ROWS * PAIRS // WARP
-    SMEM_WORDS = smem_bytes(C, T, NS, plain, SB, paired) // 4
+    SMEM_WORDS = smem_bytes(C, T, NS, plain, SB) // 4
     NENT = MAX_BLOCKS_PER_SPLIT * 2 * T
     TILE_BYTES = L.BLOCK_TOKENS * C * 2
-    decode, decode2 = _decode_tile_fn(C)
+    decode, decode_tags, decode_loads, decode_compute, decode_fix, SIZES = _decode_tile_fn(C)
+    SM_WORDS, CODE_ARRAY, GPL, BASE_WORDS = SIZES
     stage_slot = _stage_slot_fn(C)
     cp_wait = cp_wait_fn(NS - 1)
     do_decode = not plain and variant in (FULL, DECODE_TWICE)
@@ -955,7 +951,7 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
         if plain:
             return src
         e = i32(-1) if is_tail else ents[(i * 2 + kind) * T + j]
-        dec = u32(sb + (DEC_V if kind == 1 else DEC))
+        dec = u32(sb + DEC)
         if is_tail or e < 0:
             copy_bf16_tile(smem, dec, is_tail, e, raw, tail, tail_byte, tail_valid, lane_id(), True)
         elif do_decode:
@@ -971,26 +967,61 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
         return dec
 
     @device
-    def tiles_of_block(smem, sb, ents, i, st, is_tail, raw_k, raw_v, tail_k, tail_v, tail_base, tail_valid, cap_k,
-                       cap_v, status, scr):
-        """Paired mode (T = 1): the K and V tiles of a block, both decoded in one straight-line region
-        when both are slots; ready after the warp barrier at the end."""
-        if do_decode and not is_tail and ents[2 * i] >= 0 and ents[2 * i + 1] >= 0:
-            base = u32(sb + BASES + C * (lane_id() >> 4))
-            decode2(smem, u32(sb + (st * 2) * SB), u32(sb + DEC), base, u32(sb + (st * 2 + 1) * SB), u32(sb + DEC_V),
-                    u32(base + 4 * BASE_ROWS * RS), 4 * RS, cap_k, cap_v, status, scr)
-            if variant == DECODE_TWICE:
-                warp_sync(scr)
-                decode2(smem, u32(sb + (st * 2) * SB), u32(sb + DEC), base, u32(sb + (st * 2 + 1) * SB),
-                        u32(sb + DEC_V), u32(base + 4 * BASE_ROWS * RS), 4 * RS, cap_k, cap_v, status, scr)
-            warp_sync(scr)
-            return u32(sb + DEC), u32(sb + DEC_V)
-        tk = tile_of(smem, sb, ents, i, st, 0, 0, is_tail, raw_k, tail_k, tail_base, tail_valid, cap_k, status, scr,
-                     False)
-        tv = tile_of(smem, sb, ents, i, st, 1, 0, is_tail, raw_v, tail_v, tail_base, tail_valid, cap_v, status, scr,
-                     False)
-        warp_sync(scr)
-        return tk, tv
+    def load_k_frags(smem, tile, kf, scr):
+        """B fragments of q.k for a K tile: ldmatrix of rows = tokens (8 nb + i), 8 channels a matrix."""
+        for kc in range(C // 32):
+            x0, x1, x2, x3 = ldsm_k(smem, u32(tile + 64 * kc), ROWB, scr)
+            y0, y1, y2, y3 = ldsm_k(smem, u32(tile + 8 * ROWB + 64 * kc), ROWB, scr)
+            kf[8 * kc] = x0
+            kf[8 * kc + 1] = x1
+            kf[8 * kc + 2] = x2
+            kf[8 * kc + 3] = x3
+            kf[8 * kc + 4] = y0
+            kf[8 * kc + 5] = y1
+            kf[8 * kc + 6] = y2
+            kf[8 * kc + 7] = y3
+
+    @device
+    def qk_mma(kf, j, qa0, qa2, sc, scr):
+        """Scores S^T[head r][token] += Q . K^T for tile j: ``sc[4 nb + 2 par + (0, 1)]`` holds tokens
+        8 nb + 2q, +1 (the C fragment of token half nb), accumulated in two chains (par) so that the
+        MMAs of one chain wait for half as many predecessors."""
+        for kc in range(C // 32):
+            kk = j * (C // 16) + 2 * kc
+            c = 2 * (kc & 1)
+            sc[c], sc[c + 1] = mma_chain(qa0[kk], qa2[kk], qa0[kk + 1], qa2[kk + 1], kf[8 * kc], kf[8 * kc + 1],
+                                         kf[8 * kc + 2], kf[8 * kc + 3], sc[c], sc[c + 1], scr)
+            sc[4 + c], sc[5 + c] = mma_chain(qa0[kk], qa2[kk], qa0[kk + 1], qa2[kk + 1], kf[8 * kc + 4],
+                                             kf[8 * kc + 5], kf[8 * kc + 6], kf[8 * kc + 7], sc[4 + c], sc[5 + c],
+                                             scr)
+
+    @device
+    def softmax_update(sc, valid, q, m_run, l_run, acc0, acc1, scale_log2, scr):
+        """Online softmax in the log2 domain (tokens at or after ``valid`` masked): rescales the
+        accumulators, returns (m, l, P of token half 0, P of token half 1) as BF16 pairs."""
+        x00 = (sc[0] + sc[2]) * scale_log2 if 2 * q < valid else f32(_NEG_INF)
+        x01 = (sc[1] + sc[3]) * scale_log2 if 2 * q + 1 < valid else f32(_NEG_INF)
+        x10 = (sc[4] + sc[6]) * scale_log2 if 8 + 2 * q < valid else f32(_NEG_INF)
+        x11 = (sc[5] + sc[7]) * scale_log2 if 9 + 2 * q < valid else f32(_NEG_INF)
+        m_new = max(m_run, quad_max(max(max(x00, x01), max(x10, x11)), scr))
+        alpha = ex2(m_run - m_new)
+        p00 = ex2(x00 - m_new)
+        p01 = ex2(x01 - m_new)
+        p10 = ex2(x10 - m_new)
+        p11 = ex2(x11 - m_new)
+        for c in range(NOUT):
+            acc0[c] *= alpha
+            acc1[c] *= alpha
+        return m_new, l_run * alpha + ((p00 + p01) + (p10 + p11)), pack_bf16x2(p00, p01), pack_bf16x2(p10, p11)
+
+    @device
+    def pv_mma(smem, tile, j, pa0, pa2, acc0, acc1, scr):
+        """O[head r][8o + 2q, +1] += P . V for V tile j (ldmatrix.trans: rows = tokens)."""
+        for nc in range(C // 16):
+            o = j * (C // 8) + 2 * nc
+            x0, x1, x2, x3 = ldsm_v(smem, u32(tile + 32 * nc), ROWB, scr)
+            acc0[o], acc1[o], acc0[o + 1], acc1[o + 1] = mma_pair(
+                pa0, pa2, x0, x1, x2, x3, acc0[o], acc1[o], acc0[o + 1], acc1[o + 1], scr)
 
     jit = cuda.jit if max_registers is None or SIMULATOR else cuda.jit(max_registers=max_registers)
 
@@ -1042,6 +1073,12 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
         m_run = f32(_NEG_INF)
         l_run = f32(0)
         tail_base = (b * kv_heads + h) * (L.BLOCK_TOKENS * D * 2)
+        sc = cuda.local.array(8, float32)           # score accumulators (see qk_mma)
+        kf = cuda.local.array(KF_WORDS, uint32)      # K fragments of one tile
+        smw = cuda.local.array(SM_WORDS, uint32)     # decoder state (overlap path)
+        cw = cuda.local.array(CODE_ARRAY, uint32)
+        ev = cuda.local.array(GPL, uint32)
+        bw = cuda.local.array(BASE_WORDS, uint32)
         warp_sync(scr)
 
         for s in range(NS - 1):                 # prologue: blocks blk0 .. blk0 + NS - 2
@@ -1064,56 +1101,45 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
             st = i % NS
             is_tail = blk >= nfull
             valid = tail_valid if is_tail else i32(L.BLOCK_TOKENS)
-            # Scores S^T[head r][token]: the C fragment of token half nb holds tokens 8 nb + 2q, +1.
-            s00 = f32(0)
-            s01 = f32(0)
-            s10 = f32(0)
-            s11 = f32(0)
-            if paired:
-                tile_k, tile_v = tiles_of_block(smem, sb, ents, i, st, is_tail, raw_k, raw_v, tail_k, tail_v,
-                                                tail_base, tail_valid, cap_k, cap_v, status, scr)
-            for j in range(T):
-                if paired:
-                    tile = tile_k
-                else:
-                    tile = tile_of(smem, sb, ents, i, st, 0, j, is_tail, raw_k, tail_k, tail_base + j * C * 2,
-                                   tail_valid, cap_k, status, scr, True)
-                for kc in range(C // 32):
-                    kk = j * (C // 16) + 2 * kc
-                    x0, x1, x2, x3 = ldsm_k(smem, u32(tile + 64 * kc), ROWB, scr)
-                    y0, y1, y2, y3 = ldsm_k(smem, u32(tile + 8 * ROWB + 64 * kc), ROWB, scr)
-                    s00, s01 = mma_chain(qa0[kk], qa2[kk], qa0[kk + 1], qa2[kk + 1], x0, x1, x2, x3, s00, s01, scr)
-                    s10, s11 = mma_chain(qa0[kk], qa2[kk], qa0[kk + 1], qa2[kk + 1], y0, y1, y2, y3, s10, s11, scr)
+            for c in range(8):
+                sc[c] = f32(0)
+            if overlap and not is_tail and ents[2 * i] >= 0 and ents[2 * i + 1] >= 0:
+                # Both tiles compressed: one escape scan; K decoded; then the V tile's reads, the q.k
+                # MMAs, the softmax and the V decode in one straight-line region.
+                src_k = u32(sb + 2 * st * SB)
+                src_v = u32(src_k + SB)
+                base_k = u32(sb + BASES + C * (lane >> 4))
+                base_v = u32(base_k + 4 * BASE_ROWS * RS)
+                dec = u32(sb + DEC)
+                tags_k, cnt_k = decode_tags(smem, src_k)
+                tags_v, cnt_v = decode_tags(smem, src_v)
+                off_k, off_v = escape_scan2(cnt_k, cnt_v, scr)
+                decode_loads(smem, src_k, base_k, 4 * RS, tags_k, off_k, smw, cw, ev, bw)
+                decode_compute(smem, dec, tags_k, smw, cw, ev, bw)
+                decode_fix(smem, src_k, dec, tags_k, off_k, cnt_k, cap_k, status)
                 warp_sync(scr)
-            # Online softmax in the log2 domain; tokens at or after ``valid`` are masked.
-            x00 = s00 * scale_log2 if 2 * q < valid else f32(_NEG_INF)
-            x01 = s01 * scale_log2 if 2 * q + 1 < valid else f32(_NEG_INF)
-            x10 = s10 * scale_log2 if 8 + 2 * q < valid else f32(_NEG_INF)
-            x11 = s11 * scale_log2 if 9 + 2 * q < valid else f32(_NEG_INF)
-            m_new = max(m_run, quad_max(max(max(x00, x01), max(x10, x11)), scr))
-            alpha = ex2(m_run - m_new)
-            p00 = ex2(x00 - m_new)
-            p01 = ex2(x01 - m_new)
-            p10 = ex2(x10 - m_new)
-            p11 = ex2(x11 - m_new)
-            l_run = l_run * alpha + ((p00 + p01) + (p10 + p11))
-            m_run = m_new
-            for c in range(NOUT):
-                acc0[c] *= alpha
-                acc1[c] *= alpha
-            pa0 = pack_bf16x2(p00, p01)
-            pa2 = pack_bf16x2(p10, p11)
+                load_k_frags(smem, dec, kf, scr)
+                warp_sync(scr)                  # the V decode below overwrites the decode tile
+                decode_loads(smem, src_v, base_v, 4 * RS, tags_v, off_v, smw, cw, ev, bw)
+                qk_mma(kf, 0, qa0, qa2, sc, scr)
+                m_run, l_run, pa0, pa2 = softmax_update(sc, valid, q, m_run, l_run, acc0, acc1, scale_log2, scr)
+                decode_compute(smem, dec, tags_v, smw, cw, ev, bw)
+                decode_fix(smem, src_v, dec, tags_v, off_v, cnt_v, cap_v, status)
+                warp_sync(scr)
+                pv_mma(smem, dec, 0, pa0, pa2, acc0, acc1, scr)
+                warp_sync(scr)
+                continue
             for j in range(T):
-                if paired:
-                    tile = tile_v
-                else:
-                    tile = tile_of(smem, sb, ents, i, st, 1, j, is_tail, raw_v, tail_v, tail_base + j * C * 2,
-                                   tail_valid, cap_v, status, scr, True)
-                for nc in range(C // 16):
-                    o = j * (C // 8) + 2 * nc
-                    x0, x1, x2, x3 = ldsm_v(smem, u32(tile + 32 * nc), ROWB, scr)
-                    acc0[o], acc1[o], acc0[o + 1], acc1[o + 1] = mma_pair(
-                        pa0, pa2, x0, x1, x2, x3, acc0[o], acc1[o], acc0[o + 1], acc1[o + 1], scr)
+                tile = tile_of(smem, sb, ents, i, st, 0, j, is_tail, raw_k, tail_k, tail_base + j * C * 2,
+                               tail_valid, cap_k, status, scr, True)
+                load_k_frags(smem, tile, kf, scr)
+                qk_mma(kf, j, qa0, qa2, sc, scr)
+                warp_sync(scr)
+            m_run, l_run, pa0, pa2 = softmax_update(sc, valid, q, m_run, l_run, acc0, acc1, scale_log2, scr)
+            for j in range(T):
+                tile = tile_of(smem, sb, ents, i, st, 1, j, is_tail, raw_v, tail_v, tail_base + j * C * 2,
+                               tail_valid, cap_v, status, scr, True)
+                pv_mma(smem, tile, j, pa0, pa2, acc0, acc1, scr)
                 warp_sync(scr)
 
         # This split's normalised partial output and log-sum-exp (log2 domain).
