@@ -528,6 +528,9 @@ def main():
             res = bench_config(cache, hq, b, ctx, one, plain_configs=[{}], rng=rng)
             rows.append(res)
             log(json.dumps(res))
+            if args.out:                        # keep what is measured if the run is cut short
+                args.out.mkdir(parents=True, exist_ok=True)
+                (args.out / "attention.json").write_text(json.dumps({**report, "bench": rows}, indent=1, default=str))
         report["bench"] = rows
         first = rows[0]
         bd = {k: first.get(f"gaac_{k}_ns3_us") for k in ("load_only", "no_decode", "full", "decode_twice")}
