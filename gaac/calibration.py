@@ -180,8 +180,8 @@ class Calibration:
         if epoch > MAX_EPOCH:
             raise CalibrationError(f"layer {layer} {L.KIND_NAMES[kind]} already has {epoch} epochs, the most a "
                                    f"block header can name")
-        b3, b4 = (_int_array(t, f"epoch {epoch} of layer {layer} {L.KIND_NAMES[kind]}") for t in (b3, b4))
         where = f"epoch {epoch} of layer {layer} {L.KIND_NAMES[kind]}"
+        b3, b4 = (_int_array(t, where) for t in (b3, b4))
         if b3.shape != (self.kv_heads, self.head_dim) or b4.shape != b3.shape:
             raise CalibrationError(f"{where}: bases must be [{self.kv_heads}, {self.head_dim}], got "
                                    f"{list(b3.shape)} and {list(b4.shape)}")
