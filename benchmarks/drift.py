@@ -18,7 +18,12 @@ and ``gaac stats --calibration ... --segments 1024 --json [--no-adapt]``.
 A capture already in ``--captures`` (with the sidecar ``gaac capture`` wrote)
 is reused; making one takes minutes of CPU.
 
+``--sweep`` instead measures the rule's parameters (the constants of
+``gaac.epochs``), one at a time around the chosen values, on the same captures
+and calibrations: how each of them was decided.
+
     python benchmarks/drift.py [--captures DIR] [--out FILE]
+    python benchmarks/drift.py --sweep [--captures DIR] [--out FILE]
 """
 from __future__ import annotations
 
@@ -36,12 +41,16 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT))      # run from a checkout without installing: the gaac next to this script
 
+import gaac.epochs as epochs  # noqa: E402
 from gaac import layout as L  # noqa: E402
 from gaac.calibration import Calibration  # noqa: E402
 from gaac.cli import main as gaac  # noqa: E402
 from gaac.epochs import epoch_table_bytes  # noqa: E402
+from gaac.io import load_cache  # noqa: E402
+from gaac.stats import measure  # noqa: E402
 
 CONTEXT = 8192                      # SmolLM2's context length
 SEGMENT = 1024
@@ -49,6 +58,10 @@ SHORT = "0:512"
 MARGIN = L.SLOT_ALIGN               # the capacity margin tried: one step of slot size
 TEXTS = {"licence": "licenses", "code": "python-stdlib"}     # capture name: gaac capture --builtin
 OTHER = {"licence": "code", "code": "licence"}
+# --sweep: each constant of gaac.epochs tried at these values, the others at their chosen ones.  A shift of 62
+# never decays a count below 2**62: no decay, the cumulative histogram of the probe that preceded the rule.
+SWEEP = {"ADAPT_EVERY": (8, 32), "DECAY_SHIFT": (1, 3, 62), "PAYBACK_CHECKS": (3, 12),
+         "WARMUP_BLOCKS": (16, 32, 64)}
 
 
 def ensure_captures(folder: Path) -> dict[str, str]:
@@ -82,19 +95,29 @@ def run(*argv: str) -> str:
     return out.getvalue()
 
 
-def measure_all(folder: Path, work: Path) -> dict:
-    """``results[text][(calibration, adapt)]`` = the JSON of ``gaac stats``."""
-    files = {name: ("--k", str(folder / f"{name}__k.npy"), "--v", str(folder / f"{name}__v.npy")) for name in TEXTS}
+def files(folder: Path, name: str) -> tuple[str, ...]:
+    return "--k", str(folder / f"{name}__k.npy"), "--v", str(folder / f"{name}__v.npy")
+
+
+def calibrations(folder: Path) -> dict:
+    """``gaac calibrate`` on tokens 0:512 and on the whole of each capture, and the 0:512 one with a margin."""
     cals = {}
     for name in TEXTS:
         for how, extra in (("first 512", ("--tokens", SHORT)), ("whole", ())):
-            cals[name, how] = work / f"cal-{name}-{how.replace(' ', '')}.json"
-            run("calibrate", *files[name], "-o", str(cals[name, how]), "--model", "SmolLM2-135M-Instruct", *extra)
+            cals[name, how] = folder / f"cal-{name}-{how.replace(' ', '')}.json"
+            run("calibrate", *files(folder, name), "-o", str(cals[name, how]), "--model", "SmolLM2-135M-Instruct",
+                *extra)
     for name in TEXTS:
         short = Calibration.load(cals[name, "first 512"])
-        cals[name, "margin"] = work / f"cal-{name}-first512-margin{MARGIN}.json"
+        cals[name, "margin"] = folder / f"cal-{name}-first512-margin{MARGIN}.json"
         Calibration(b3=short.b3, b4=short.b4, capacity=short.capacity + MARGIN, model=short.model,
                     notes={**short.notes, "capacity_margin": MARGIN}).save(cals[name, "margin"])
+    return cals
+
+
+def measure_all(folder: Path) -> tuple[dict, dict, int]:
+    """``results[text][(calibration, adapt)]`` = the JSON of ``gaac stats``; the capacities; an epoch's bytes."""
+    cals = calibrations(folder)
     results = {}
     for name in TEXTS:
         which = {"first 512 tokens": (cals[name, "first 512"], (False, True)),
@@ -105,7 +128,7 @@ def measure_all(folder: Path, work: Path) -> dict:
         for how, (cal, modes) in which.items():
             for adapt in modes:
                 t0 = time.perf_counter()
-                d = json.loads(run("stats", *files[name], "--calibration", str(cal), "--segments", str(SEGMENT),
+                d = json.loads(run("stats", *files(folder, name), "--calibration", str(cal), "--segments", str(SEGMENT),
                                    "--json", *(() if adapt else ("--no-adapt",))))
                 d["seconds"] = time.perf_counter() - t0
                 results[name][how, adapt] = d
@@ -113,6 +136,69 @@ def measure_all(folder: Path, work: Path) -> dict:
                       f"V {d['v']['ratio_resident']:.4f} ({d['seconds']:.0f} s)", file=sys.stderr)
     loaded = {key: Calibration.load(path) for key, path in cals.items()}
     return results, {key: cal.capacity for key, cal in loaded.items()}, epoch_table_bytes(next(iter(loaded.values())))
+
+
+# -- the sweep -----------------------------------------------------------------------------------
+
+def sweep(folder: Path) -> dict:
+    """``rows[(constant, value)][(text, calibration, kind)]`` = (resident ratio, epochs per layer) under that rule.
+
+    ``rows[("no epochs", None)]`` holds the whole-capture calibration without
+    epochs, the reference of the issue's 0.5 %; ``(None, None)`` the rule as chosen.
+    """
+    cals = calibrations(folder)
+    caches = {name: (load_cache(folder / f"{name}__k.npy", "k"), load_cache(folder / f"{name}__v.npy", "v"))
+              for name in TEXTS}
+    loaded = {(name, how): Calibration.load(cals[name, how]) for name in TEXTS for how in ("first 512", "whole")}
+
+    def ratios(adapt: bool) -> dict:
+        out = {}
+        for (name, how), cal in loaded.items():
+            d = measure(*caches[name], cal, adapt=adapt).as_dict()
+            out.update({(name, how, kind): (d[kind]["ratio_resident"], d[kind]["epochs_appended"] / d[kind]["layers"])
+                        for kind in "kv"})
+        return out
+
+    rows = {("no epochs", None): ratios(False), (None, None): ratios(True)}
+    for constant, values in SWEEP.items():
+        chosen = getattr(epochs, constant)
+        try:
+            for value in values:
+                setattr(epochs, constant, value)
+                t0 = time.perf_counter()
+                rows[constant, value] = ratios(True)
+                print(f"drift: {constant} = {value} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+        finally:
+            setattr(epochs, constant, chosen)
+    return rows
+
+
+def sweep_report(rows: dict, notes: dict, seconds: float, argv: list[str]) -> str:
+    reference = rows["no epochs", None]
+    keys = [(name, how, kind) for how in ("first 512", "whole") for name in TEXTS for kind in "kv"]
+    head = "| rule | " + " | ".join(f"{name} {kind.upper()}, {how}" for name, how, kind in keys) + \
+        " | worst, first 512 vs whole without epochs | epochs per (kind, layer) |"
+    lines = [head, "|" + "---|" * (len(keys) + 3)]
+    for (constant, value), r in rows.items():
+        label = ("chosen: " + ", ".join(f"{c} {getattr(epochs, c)}" for c in SWEEP) if constant is None
+                 else "no epochs (`--no-adapt`)" if value is None else f"{constant} {value}")
+        worst = min(r[name, "first 512", kind][0] / reference[name, "whole", kind][0] - 1
+                    for name in TEXTS for kind in "kv")
+        per = np.mean([r[key][1] for key in keys if key[1] == "first 512"])
+        lines.append(f"| {label} | " + " | ".join(f"{r[key][0]:.4f}" for key in keys) +
+                     f" | {100 * worst:+.2f} % | {per:.1f} |")
+    return "\n".join([
+        "# The epoch rule's parameters, one at a time (SmolLM2-135M-Instruct, 8K captures)", "",
+        *header_lines(seconds, argv, notes), "",
+        "Resident ratio (`gaac.stats.measure`; epochs on, except the first row) of each capture calibrated on its "
+        "first 512 tokens and on the whole capture, with one constant of `gaac.epochs` changed and the others as "
+        "chosen. The worst "
+        "column compares the first-512 calibration with the whole-capture one without epochs (the issue's "
+        "0.5 %). `ADAPT_EVERY`: blocks between checks; `DECAY_SHIFT`: the histogram keeps `1 - 2**-shift` of "
+        "its weight at each check (62: no decay); `PAYBACK_CHECKS`: an epoch must save `1/PAYBACK_CHECKS` of "
+        "its table bytes in escape bytes; `WARMUP_BLOCKS`: finalized blocks before the first check that may "
+        "append.", "",
+        *lines])
 
 
 # -- the report -----------------------------------------------------------------------------------
@@ -230,9 +316,9 @@ def span(values) -> str:
     return str(lo) if lo == hi else f"{lo}-{hi}"
 
 
-def report(results: dict, capacities: dict, table_bytes: int, notes: dict, seconds: float, argv: list[str]) -> str:
-    out = [
-        "# RoPE drift over 8K-token contexts, and calibration epochs (SmolLM2-135M-Instruct)", "",
+def header_lines(seconds: float, argv: list[str], notes: dict) -> list[str]:
+    """Date, machine, commit, command and captures: what a reader needs to rerun a report."""
+    return [
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
         f"- machine: {platform.machine()}, {platform.system()} {platform.release()}, Python "
         f"{platform.python_version()}, NumPy {np.__version__}, CPU (sizes do not depend on the device)",
@@ -240,6 +326,13 @@ def report(results: dict, capacities: dict, table_bytes: int, notes: dict, secon
         f"- command: `{' '.join(['python benchmarks/drift.py', *argv])}` ({seconds / 60:.0f} min)",
         "- captures (one prefill from position 0, no BOS; 30 layers x 3 KV heads x 64):",
         *[f"  - {name}: {notes[name]}" for name in TEXTS],
+    ]
+
+
+def report(results: dict, capacities: dict, table_bytes: int, notes: dict, seconds: float, argv: list[str]) -> str:
+    out = [
+        "# RoPE drift over 8K-token contexts, and calibration epochs (SmolLM2-135M-Instruct)", "",
+        *header_lines(seconds, argv, notes),
         "- every number is `gaac stats --calibration CAL --segments 1024 --json [--no-adapt]` on the whole "
         "capture, CAL from `gaac calibrate` on tokens 0:512 of the capture, on tokens 0:512 of the other "
         "capture, or on the whole capture; every block of every run decoded bit-exact: "
@@ -271,15 +364,20 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--captures", default="/tmp/gaac-drift", help="folder of the 8K captures (made if missing)")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "drift-smollm2.md"))
+    ap.add_argument("--out", help="report to write (default: benchmarks/results/drift-smollm2.md, with --sweep "
+                                  "drift-sweep-smollm2.md)")
+    ap.add_argument("--sweep", action="store_true", help="measure the rule's parameters instead")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     folder = Path(args.captures)
     notes = ensure_captures(folder)
-    results, capacities, table_bytes = measure_all(folder, folder)
+    if args.sweep:
+        text = sweep_report(sweep(folder), notes, time.perf_counter() - t0, argv)
+        Path(args.out or RESULTS / "drift-sweep-smollm2.md").write_text(text + "\n")
+        return 0
+    results, capacities, table_bytes = measure_all(folder)
     text = report(results, capacities, table_bytes, notes, time.perf_counter() - t0, argv)
-    Path(args.out).write_text(text + "\n")
-    print(f"drift: wrote {args.out}", file=sys.stderr)
+    Path(args.out or RESULTS / "drift-smollm2.md").write_text(text + "\n")
     return 0
 
 
