@@ -496,12 +496,16 @@ class AttentionPlan:
                            lambda params: self._merge_fixed + params(o) + params(l_) + params(hk) + params(self.g))
 
     def check_status(self) -> None:
-        """Raise :class:`FormatError` if a kernel found a malformed slot (synchronises with the device)."""
+        """Raise :class:`FormatError` if a kernel found a malformed slot (synchronises with the device).
+
+        The kernels only flag such slots (their output is then unspecified); checking costs a
+        device-to-host copy, so it is the caller's choice when to pay it."""
         s = int(self.status[0])
-        if s:
-            why = {self._K.STATUS_BAD_TAG: "a group has the reserved mode tag 3",
-                   self._K.STATUS_BAD_ESCAPES: "a slot's tags need more escape bytes than its capacity"}
-            raise FormatError(f"decode attention: {why.get(s, f'status {s}')}")
+        why = [text for bit, text in ((self._K.STATUS_BAD_TAG, "a group has the reserved mode tag 3"),
+                                      (self._K.STATUS_BAD_ESCAPES,
+                                       "a slot's tags need more escape bytes than its capacity")) if s & bit]
+        if why:
+            raise FormatError("decode attention: " + "; ".join(why))
 
 
 class _FastLaunch:

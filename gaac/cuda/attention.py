@@ -92,7 +92,7 @@ GROUPS_MAX = 8               # MMA N = 8 query heads per KV head at most
 _LOG2E = 1.4426950408889634
 _NEG_INF = float("-inf")
 
-# Status bits (``status[0]``): set by the kernel when a slot breaks FORMAT.md section 8.
+# Status bits (``status[0]``, OR-ed in): set by the kernel when a slot breaks FORMAT.md section 8.
 STATUS_BAD_TAG = 1
 STATUS_BAD_ESCAPES = 2
 
@@ -746,9 +746,9 @@ def _decode_tile_fn(channels: int):
         """The rare part: format checks (status word) and exponent bits 4..7 of raw groups."""
         lane = lane_id()
         if off + cnt > cap:
-            status[0] = STATUS_BAD_ESCAPES
+            cuda.atomic.or_(status, 0, STATUS_BAD_ESCAPES)
         if tags & (tags >> 1) & 0x5555:
-            status[0] = STATUS_BAD_TAG
+            cuda.atomic.or_(status, 0, STATUS_BAD_TAG)
         if tags & 0xAAAA:
             # Raw groups (about 0.3% of groups): exponent bits 4..7 from bit planes 1..4, added to the
             # words just stored (the exponent field has no carry out: exponents are at most 255).
@@ -876,7 +876,7 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
     ROWB = row_bytes(C)
     TB = tile_bytes(C)
     SB = TB if plain else stage_bytes
-    if not plain and (stage_bytes % 16 or not L.TileGeometry(C).fixed_bytes < stage_bytes <= 2 * L.BLOCK_TOKENS * C):
+    if not plain and (stage_bytes % 16 or not L.TileGeometry(C).fixed_bytes <= stage_bytes <= 2 * L.BLOCK_TOKENS * C):
         raise ValueError(f"stage_bytes {stage_bytes}: a multiple of 16 that holds a slot of {C}-channel tiles")
     NCHUNK = D // 16                    # k-chunks of the score MMA
     KF_WORDS = 2 * C // 8               # K fragment words of one tile (8 per 32 channels)
