@@ -472,6 +472,56 @@ def ncu_target(cache, cfg):
     torch.cuda.synchronize()
 
 
+def render(report: dict) -> str:
+    """The markdown tables of a results JSON (``--out``'s attention.json)."""
+    lines = []
+    if report.get("checks"):
+        lines += ["## Correctness (fresh random queries and lengths; output poisoned with NaN before each launch)", "",
+                  "| case | d | KV heads | g | lengths | splits | GAAC err | BF16-twin err | torch SDPA err | "
+                  "LSE err | written, status 0 |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for c in report["checks"]:
+            lines.append(f"| {c['case']} | {c['d']} | {c['kv_heads']} | {c['g']} | {c['lens']} | {c['gaac_splits']} | "
+                         f"{c['gaac_err']:.2e} | {c['plain_err']:.2e} | {c['torch_err']:.2e} | "
+                         f"{max(c['gaac_lse_err'], c['plain_lse_err']):.1e} | "
+                         f"{'yes' if c['ok'] else 'NO'} |")
+        lines.append("")
+    rows = report.get("bench", [])
+    if rows:
+        first = rows[0]
+        get = lambda k: first.get(k) or float("nan")  # noqa: E731
+        lines += [f"## Time breakdown ({first['hq']}/{first['hk']} heads, d={first['d']}, batch {first['batch']}, "
+                  f"{first['ctx'] // 1024}K tokens; 3 stages; us)", "",
+                  "| stage | GAAC | BF16 twin |", "|---|---|---|",
+                  f"| KV loading (variant that only stages the tiles) | {get('gaac_load_only_ns3_us'):.1f} | "
+                  f"{get('plain_load_only_ns3_us'):.1f} |",
+                  f"| + ldmatrix, MMAs, softmax on the undecoded bytes | {get('gaac_no_decode_ns3_us'):.1f} | - |",
+                  f"| full kernel + merge (the configuration the sweep uses: {first.get('gaac_config')}) | "
+                  f"{get('gaac_us'):.1f} | {get('plain_full_ns3_us'):.1f} |",
+                  f"| decode done twice | {get('gaac_decode_twice_ns3_us'):.1f} | - |",
+                  f"| of which the merge kernel | {get('merge_us'):.1f} | - |",
+                  f"| floor: bytes / {COPY_TBPS} TB/s | {get('floor_us'):.1f} | {get('bf16_floor_us'):.1f} |",
+                  f"| torch flash SDPA | - | {get('torch_flash_us'):.1f} |", "",
+                  "Configurations tried at this shape (us): " + ", ".join(
+                      f"{k[5:-3]} {v:.1f}" for k, v in first.items()
+                      if k.startswith("gaac_full") and k.endswith("_us")), ""]
+        lines += ["## Decode attention, GPU time per call (CUDA-graph replay of attention + merge kernels, us)", "",
+                  "| heads q/kv | batch | context | GAAC | BF16 twin | torch flash | GAAC floor | GAAC / floor | "
+                  "speedup vs flash | speedup vs BF16 twin | splits x blocks |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            g = r["gaac_us"]
+            lines.append(f"| {r['hq']}/{r['hk']} | {r['batch']} | {r['ctx'] // 1024}K | {g:.1f} | {r['plain_us']:.1f} | "
+                         f"{r['torch_flash_us']:.1f} | {r['floor_us']:.1f} | {g / r['floor_us']:.2f} | "
+                         f"{r['torch_flash_us'] / g:.2f}x | {r['plain_us'] / g:.2f}x | "
+                         f"{r['splits']} x {r['blocks_per_split']} |")
+        lines += ["", "## Host launch overhead (us per call)", "",
+                  "| heads q/kv | batch | context | host time per run() (2 launches) | eager wall time per call | "
+                  "GPU time (graph) |", "|---|---|---|---|---|---|"]
+        for r in rows:
+            lines.append(f"| {r['hq']}/{r['hk']} | {r['batch']} | {r['ctx'] // 1024}K | {r['host_us']:.1f} | "
+                         f"{r.get('eager_us', float('nan')):.1f} | {r['gaac_us']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", action="store_true")
@@ -479,9 +529,13 @@ def main():
     ap.add_argument("--quick", action="store_true", help="a few configurations only")
     ap.add_argument("--sim", action="store_true", help="dry run in numba's CUDA simulator (tiny sizes)")
     ap.add_argument("--ncu", default=None, help="launch only the kernel of this JSON configuration (for ncu)")
+    ap.add_argument("--render", type=Path, default=None, help="print the markdown tables of a results JSON")
     ap.add_argument("--kv", type=Path, default=Path(__file__).resolve().parents[1] / ".devdata" / "kv")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    if args.render is not None:
+        print(render(json.loads(args.render.read_text())), end="")
+        return
     rng = np.random.default_rng()
     real = load_real(args.kv)
     if args.ncu is not None:

@@ -399,7 +399,12 @@ class AttentionPlan:
                 # (about 200 per thread for the compressed kernel, 168 for the plain one, from ptxas).
                 regs = max_registers or (168 if plain else 200)
                 target = sms * max(1, min(32, (227 * 1024) // (smem + 1024), 65536 // (32 * regs)))
-            blocks_per_split = -(-int(nblk.sum()) * hk // target)
+            # The fewest blocks per split that still fit one wave: each sequence rounds its splits up,
+            # so the bare quotient can spill a few blocks into a second, almost empty wave.
+            blocks_per_split = max(1, -(-int(nblk.sum()) * hk // target))
+            while (blocks_per_split < K.MAX_BLOCKS_PER_SPLIT
+                   and hk * int((-(-nblk // blocks_per_split)).sum()) > target):
+                blocks_per_split += 1
         self.blocks_per_split = bps = int(min(max(blocks_per_split, 1), K.MAX_BLOCKS_PER_SPLIT))
         splits = -(-nblk // bps)
         work = []
