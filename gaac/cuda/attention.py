@@ -13,21 +13,28 @@ BF16 products are exact in FP32, so the scores are those of the exact cache.
 One thread block = one warp = one *split*: a run of 16-token blocks of one
 sequence and one KV head.  Per block the warp
 
-1. copies the K and V tiles of a block ``NSTAGE - 1`` blocks ahead into shared
-   memory with ``cp.async`` (16-byte copies, no registers, so loads of later
+1. copies the K and V slots of the block ``NSTAGE - 1`` blocks ahead into shared
+   memory with ``cp.async`` (16-byte copies, no registers, so the loads of later
    blocks are in flight while this one is computed);
-2. for a compressed slot, decodes the tile into a padded BF16 tile in shared
-   memory (:func:`decode_tile`: each lane rebuilds 8 consecutive-channel groups
-   with SIMD-within-a-register on pairs of BF16 lanes); a raw tile or the BF16
-   tail is already BF16 and is used where it was staged;
+2. decodes each slot into a padded BF16 tile in shared memory (the device
+   functions of :func:`_decode_tile_fn`: each lane rebuilds 8 groups of 8
+   consecutive channels, two BF16 elements per 32-bit operation); a raw tile
+   (slot overflow, rare) or the sequence's BF16 tail is loaded into that tile
+   when it is used;
 3. loads MMA fragments with ``ldmatrix`` (``.trans`` for V), computes the 16
    scores of every query head of the group, updates the online softmax in the
    log2 domain, and accumulates ``P.V`` in FP32 registers.
 
 Each split writes its normalised partial output and log-sum-exp; a second small
 kernel merges the splits of a sequence (:func:`merge_kernel`).  The BF16
-baseline (``plain=True``) is the same kernel with every tile raw: the only
-difference between the two is step 2 and the bytes step 1 moves.
+baseline (``plain=True``) is the same kernel with every tile raw: step 1 stages
+BF16 tiles and step 2 is compiled out.
+
+Performance (H200, benchmarks/results/attention-h200.md): the compressed loads
+run 1.33x faster than the BF16 twin's, but the decode (~7.4 instructions per
+element) leaves the kernel issue- and latency-bound at 8 one-warp blocks per
+SM; it is ~0.74x the speed of its BF16 twin and of torch's flash kernel at
+long contexts.  benchmarks/NOTES-attention.md has the analysis.
 
 Pair words
 ==========
@@ -36,8 +43,8 @@ directly: ``(prmt(sm, dup) & 0x807F807F) | (e_c << 7 | e_{c+1} << 23)``.  The
 exponent pair ``Z`` is ``code pair + base pair + escape bits``: the 3-bit codes
 of two elements move from bits ``0..5`` of a 12-bit code field to bits 7 and 23
 with one multiply (the two shifted copies cannot overlap, so no carries), the
-bases are stored pre-shifted per channel pair (rows b3, b4 and a zero row for
-raw groups, selected by the mode tag), and an escape byte's bits land on bits
+bases are stored pre-shifted per channel pair (rows b3, b4 and two zero rows for
+raw groups and the reserved tag, selected by the mode tag), and an escape byte's bits land on bits
 10 and 26 (exponent bit 3).  Raw groups add bit planes 1..4 on a slow path.
 
 Simulator
