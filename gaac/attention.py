@@ -67,7 +67,8 @@ def reference_attention(q, ks, vs, scale: float | None = None, dtype=np.float64)
     """Attention of one query token per sequence: ``(out [B, Hq, D], lse [B, Hq])`` in ``dtype``.
 
     ``q`` float ``[B, Hq, D]``; ``ks[b]``, ``vs[b]`` float ``[Hkv, L_b, D]`` (the whole
-    cache of sequence ``b``).  ``lse`` is the natural-log log-sum-exp of the scaled scores.
+    cache of sequence ``b``).  ``lse`` is the natural-log log-sum-exp of the scaled scores;
+    a sequence with no token gives output 0 and LSE -inf (the paged cache's empty rows).
     """
     q = np.asarray(q, dtype=dtype)
     batch, hq, d = q.shape
@@ -77,6 +78,9 @@ def reference_attention(q, ks, vs, scale: float | None = None, dtype=np.float64)
     for b in range(batch):
         k = np.asarray(ks[b], dtype=dtype)
         v = np.asarray(vs[b], dtype=dtype)
+        if k.shape[1] == 0:
+            out[b], lse[b] = 0, -np.inf
+            continue
         g = hq // k.shape[0]
         kq = np.repeat(k, g, axis=0)                               # [Hq, L, D]
         vq = np.repeat(v, g, axis=0)
@@ -374,8 +378,8 @@ class AttentionPlan:
         self.scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
         self.plain = plain
         lens = np.asarray(view.seq_lens.cpu() if _is_torch(view.seq_lens) else view.seq_lens).astype(np.int64)
-        if lens.size == 0 or lens.min() < 1:
-            raise InputError("seq_lens: every sequence needs at least one token")
+        if lens.size == 0 or lens.min() < 0:
+            raise InputError(f"seq_lens: need one non-negative length per sequence, got {lens.tolist()}")
         mb = view.table[0].shape[1]
         if (lens // L.BLOCK_TOKENS).max() > mb:
             raise InputError(f"seq_lens: a sequence has {(lens // L.BLOCK_TOKENS).max()} complete blocks but the "
@@ -464,7 +468,8 @@ class AttentionPlan:
         lse = self._alloc((self.batch, hq), "float32") if lse is None else lse
         _check(out, "out", "int16", (self.batch, hq, d), None)
         _check(lse, "lse", "float32", (self.batch, hq), None)
-        self._launch_attention(qb)
+        if self.n_work:                      # an empty sequence has no split; its output is 0, its LSE -inf
+            self._launch_attention(qb)
         self._launch_merge(out, lse)
         if not self._K.SIMULATOR:
             import torch

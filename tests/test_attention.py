@@ -238,7 +238,34 @@ def test_bad_inputs_raise_input_error(rng):
     bad.table = (bad.table[0].astype(np.int64), bad.table[1])
     with pytest.raises(InputError, match=r"table\[k\]: dtype int64"):
         decode_attention(q, bad)
-    empty = calibrated_view(rng, [synth_cache(rng, heads, 20, d)], [synth_cache(rng, heads, 20, d)])
-    empty.seq_lens = np.zeros(1, np.int32)
-    with pytest.raises(InputError, match="at least one token"):
-        AttentionPlan(empty, heads)
+    negative = calibrated_view(rng, [synth_cache(rng, heads, 20, d)], [synth_cache(rng, heads, 20, d)])
+    negative.seq_lens = np.full(1, -1, np.int32)
+    with pytest.raises(InputError, match="non-negative"):
+        AttentionPlan(negative, heads)
+
+
+def test_paged_cache_view_with_an_empty_row(rng):
+    """gaac.PagedKVCache's LayerView, whose unused sequence rows have length 0 (output 0, LSE -inf)."""
+    from gaac.cache import PagedKVCache
+
+    k, v = kv_dump("list", "k"), kv_dump("list", "v")
+    cal = gaac.calibrate(k, v, show_progress=False)
+    cache = PagedKVCache(cal, max_seqs=3, max_blocks=4)
+    lens = [int(rng.integers(17, 64)), int(rng.integers(1, 16))]
+    for n in lens:
+        cache.add_sequence(k[:, :, :n], v[:, :, :n])
+    layer = int(rng.integers(0, k.shape[0]))
+    view = cache.layer_view(layer)
+    heads, d, g = k.shape[1], k.shape[3], 3
+    q = float_to_bf16(rng.standard_normal((3, heads * g, d)).astype(np.float32))
+    ks = [k[layer, :, :n] for n in lens] + [k[layer, :, :0]]
+    vs = [v[layer, :, :n] for n in lens] + [v[layer, :, :0]]
+    ref, lse_ref = reference_attention(bf16_to_float(q), [bf16_to_float(x) for x in ks],
+                                       [bf16_to_float(x) for x in vs])
+    out, lse = decode_attention(q, view, backend="cuda", return_lse=True)
+    got = bf16_to_float(out).astype(np.float64)
+    assert (got[2] == 0).all() and np.isneginf(lse[2]).all() and np.isneginf(lse_ref[2]).all()
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 4e-3
+    np.testing.assert_allclose(lse[:2], lse_ref[:2], rtol=1e-6, atol=2e-3)
+    cpu = bf16_to_float(decode_attention(q, view, backend="cpu")).astype(np.float64)
+    assert (cpu[2] == 0).all() and np.linalg.norm(cpu - ref) / np.linalg.norm(ref) < 3e-3

@@ -420,9 +420,11 @@ else:
         return np.asarray(area)
 
     def _pairs(words):
-        """BF16 pair words -> their 2n floats (low half first), as float64."""
+        """BF16 pair words -> their 2n floats (low half first), as float64 (NaN and Inf pass silently,
+        as on the GPU)."""
         w = np.asarray(words, dtype=np.uint32)
-        return np.stack([w << 16, w & 0xFFFF0000], axis=-1).view(np.float32).reshape(-1).astype(np.float64)
+        with np.errstate(invalid="ignore", over="ignore"):
+            return np.stack([w << 16, w & 0xFFFF0000], axis=-1).view(np.float32).reshape(-1).astype(np.float64)
 
     def _float_to_bf16(x) -> int:
         f = int(np.float32(x).view(np.uint32))
@@ -441,8 +443,10 @@ else:
             for j in range(2):
                 n = 2 * q + j
                 col = _pairs(np.concatenate([area[32 * n + ib0:32 * n + 32:8], area[32 * n + ib1:32 * n + 32:8]]))
-                out[j] += float(a @ col)
-        return f32(out[0]), f32(out[1])
+                with np.errstate(invalid="ignore", over="ignore"):
+                    out[j] += float(a @ col)
+        with np.errstate(invalid="ignore", over="ignore"):
+            return f32(out[0]), f32(out[1])
 
     @device
     def lane_id():
@@ -1257,7 +1261,7 @@ def merge_kernel(head_dim: int):
             cuda.syncthreads()
             step //= 2
         if tid < QUADS:
-            inv = f32(1) / sm[tid]
+            inv = f32(1) / sm[tid] if sm[tid] > 0 else f32(0)   # no split: an empty sequence, output 0
             base = (b * kv_heads * g + hq) * D + 4 * tid
             lo = pack_bf16x2(red[4 * tid] * inv, red[4 * tid + 1] * inv)
             hi = pack_bf16x2(red[4 * tid + 2] * inv, red[4 * tid + 3] * inv)
@@ -1266,5 +1270,6 @@ def merge_kernel(head_dim: int):
             out[base + 2] = as_int16(hi & 0xFFFF)
             out[base + 3] = as_int16(hi >> 16)
             if tid == 0:
-                lse[b * kv_heads * g + hq] = (mx[0] + math.log2(sm[0])) * f32(1 / _LOG2E)
+                lse[b * kv_heads * g + hq] = ((mx[0] + math.log2(sm[0])) * f32(1 / _LOG2E) if sm[0] > 0
+                                              else f32(_NEG_INF))
     return kernel
