@@ -12,6 +12,7 @@ from .layout import FORMAT_VERSION
 _LAZY = {
     "PagedKVCache": ("gaac.cache", "PagedKVCache"),
     "decode_attention": ("gaac.attention", "decode_attention"),
+    "AttentionPlan": ("gaac.attention", "AttentionPlan"),
     "measure": ("gaac.stats", "measure"),
 }
 
@@ -27,7 +28,7 @@ def __getattr__(name):
 
 
 __all__ = [
-    "Calibration", "CalibrationError", "EncodedBlock", "FORMAT_VERSION", "FormatError", "GAACError",
+    "AttentionPlan", "Calibration", "CalibrationError", "EncodedBlock", "FORMAT_VERSION", "FormatError", "GAACError",
     "InputError", "PagedKVCache", "PoolExhaustedError", "calibrate", "decode_attention", "decode_block",
     "encode_block", "measure",
 ]

@@ -308,6 +308,10 @@ def _check_view(view: LayerView, device) -> None:
     geo = L.TileGeometry(c)
     batch = view.seq_lens.shape[0] if hasattr(view.seq_lens, "shape") else -1
     _check(view.seq_lens, "seq_lens", "int32", (None,), device)
+    if view.epoch is not None and any(e is not None for e in view.epoch):
+        # The kernels read one base table per layer; refusing is better than decoding with the wrong bases.
+        raise InputError("this LayerView has calibration epochs (FORMAT.md 3.5): decode_attention reads only "
+                         "epoch-0 bases so far; decode such blocks with gaac.decode_block instead")
     for kind, kn in enumerate("kv"):
         cap = view.capacity[kind]
         if cap % L.SLOT_ALIGN or not 0 <= cap <= geo.max_useful_capacity:

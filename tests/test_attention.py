@@ -269,3 +269,22 @@ def test_paged_cache_view_with_an_empty_row(rng):
     np.testing.assert_allclose(lse[:2], lse_ref[:2], rtol=1e-6, atol=2e-3)
     cpu = bf16_to_float(decode_attention(q, view, backend="cpu")).astype(np.float64)
     assert (cpu[2] == 0).all() and np.linalg.norm(cpu - ref) / np.linalg.norm(ref) < 3e-3
+
+
+
+def test_views_with_calibration_epochs_are_refused():
+    """Blocks of epoch > 0 need other bases than the kernel reads: refused, never decoded wrongly."""
+    import dataclasses
+
+    from gaac.attention import view_from_dense
+
+    rng = np.random.default_rng(7)
+    k = [rng.integers(0x3C00, 0x4000, size=(2, 40, 64), dtype=np.uint16)]
+    v = [rng.integers(0x3C00, 0x4000, size=(2, 40, 64), dtype=np.uint16)]
+    bases = np.full((2, 64), 120, np.uint8)
+    view = view_from_dense(k, v, (bases, bases), (bases, bases), (32, 32))
+    q = rng.integers(0x3C00, 0x4000, size=(1, 4, 64), dtype=np.uint16)
+    assert np.asarray(decode_attention(q, view)).shape[-1] == 64
+    epochs = np.zeros(np.asarray(view.table[0]).shape[:2], np.int16)
+    with pytest.raises(InputError, match="epochs"):
+        decode_attention(q, dataclasses.replace(view, epoch=(epochs, epochs)))
