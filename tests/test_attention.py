@@ -276,7 +276,6 @@ def test_views_with_calibration_epochs_are_refused():
     """Blocks of epoch > 0 need other bases than the kernel reads: refused, never decoded wrongly."""
     import dataclasses
 
-    from gaac.attention import view_from_dense
 
     rng = np.random.default_rng(7)
     k = [rng.integers(0x3C00, 0x4000, size=(2, 40, 64), dtype=np.uint16)]
