@@ -271,11 +271,9 @@ def test_paged_cache_view_with_an_empty_row(rng):
     assert (cpu[2] == 0).all() and np.linalg.norm(cpu - ref) / np.linalg.norm(ref) < 3e-3
 
 
-
 def test_views_with_calibration_epochs_are_refused():
     """Blocks of epoch > 0 need other bases than the kernel reads: refused, never decoded wrongly."""
     import dataclasses
-
 
     rng = np.random.default_rng(7)
     k = [rng.integers(0x3C00, 0x4000, size=(2, 40, 64), dtype=np.uint16)]
