@@ -72,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "(gaac.epochs) appends bases as the context grows, as the cache does")
     st.add_argument("--plot", metavar="PNG", help="write exponent histograms with the calibrated windows "
                                                   "(needs gaac[plot])")
+    st.add_argument("--format", choices=("bf16", "fp8_e4m3", "fp8_e5m2"), default="bf16",
+                    help="element format of the cache: bf16 (default), or the BF16 cache converted to FP8 "
+                         "(round-to-nearest-even with saturation, power-of-two scale; FORMAT-FP8.md) and "
+                         "coded with GAAC-FP8; --calibration then names an FP8 calibration")
     st.set_defaults(func=cmd_stats)
 
     sub.add_parser("capture", help="capture a real K/V cache from a model (gaac.capture; see `gaac capture "
@@ -128,15 +132,53 @@ def _span(values) -> str:
 
 # -- stats -----------------------------------------------------------------------
 
-def cmd_stats(args) -> int:
+def _stats_inputs(args):
+    """The caches ``gaac stats`` measures: ``(k, v, layer_ids, where, meta)`` (``meta`` only for the sample)."""
     if (args.k is None) != (args.v is None):
         raise InputError("--k and --v go together: give both cache files, or neither to use the shipped sample")
-    layer_ids = None
     if args.k is None:
         k, v, meta = load_sample(SAMPLE_MEASURED)
-        layer_ids = meta["layers"]
-        where = (f"the sample shipped with gaac: {meta['model']} layers {', '.join(map(str, layer_ids))}, "
+        where = (f"the sample shipped with gaac: {meta['model']} layers {', '.join(map(str, meta['layers']))}, "
                  f"{SAMPLE_MEASURED} prompt")
+        return k, v, meta["layers"], where, meta
+    return load_cache(args.k, "k"), load_cache(args.v, "v"), None, f"K {args.k}, V {args.v}", None
+
+
+def cmd_stats_fp8(args) -> int:
+    """``gaac stats --format fp8_*``: the same fields, plus the ratio over FP8 and the total over BF16."""
+    from .fp8 import fp8_stats, format_fp8_table
+    from .fp8.calibration import FP8Calibration, calibrate_fp8
+
+    if args.segments or args.plot or not args.adapt:
+        raise InputError("--segments, --plot and --no-adapt apply to BF16 caches only (FP8 caches have no "
+                         "calibration epochs)")
+    k, v, layer_ids, where, meta = _stats_inputs(args)
+    if args.calibration:
+        cal, how = FP8Calibration.load(args.calibration), f"loaded from {args.calibration}"
+    elif meta is not None:
+        ck, cv, _ = load_sample(SAMPLE_CALIBRATION)
+        cal = calibrate_fp8(ck, cv, args.format, model=meta["model"])
+        how = f"calibrated on the shipped {SAMPLE_CALIBRATION} prompt (a different text: cross-task transfer)"
+    else:
+        cal, how = None, "no --calibration given: calibrated on these caches themselves (self-calibration)"
+    out = fp8_stats(k, v, args.format, calibration=cal, per_layer=args.per_layer, layer_ids=layer_ids)
+    notes = [f"cache: {where}", f"format: {args.format}", f"calibration: {how} (id {out['calibration_id']})"]
+    if args.json:
+        for line in notes:
+            print(f"gaac: {line}", file=sys.stderr)
+        keys = ("k", "v", "per_layer") if args.per_layer else ("k", "v")
+        print(json.dumps({key: out[key] for key in keys}, indent=2))
+    else:
+        print("\n".join(notes))
+        print(format_fp8_table(out, per_layer=args.per_layer))
+    return 0 if out["k"]["roundtrip"] and out["v"]["roundtrip"] else 1
+
+
+def cmd_stats(args) -> int:
+    if args.format != "bf16":
+        return cmd_stats_fp8(args)
+    k, v, layer_ids, where, meta = _stats_inputs(args)
+    if meta is not None:
         if args.calibration:
             cal, how = Calibration.load(args.calibration), f"loaded from {args.calibration}"
         else:
@@ -144,8 +186,6 @@ def cmd_stats(args) -> int:
             cal = calibrate(ck, cv, model=meta["model"])
             how = f"calibrated on the shipped {SAMPLE_CALIBRATION} prompt (a different text: cross-task transfer)"
     else:
-        k, v = load_cache(args.k, "k"), load_cache(args.v, "v")
-        where = f"K {args.k}, V {args.v}"
         if args.calibration:
             cal, how = Calibration.load(args.calibration), f"loaded from {args.calibration}"
         else:

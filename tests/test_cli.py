@@ -221,3 +221,29 @@ def test_plot_samples_many_layers_evenly():
     assert shown_layers(4) == [0, 1, 2, 3]
     many = shown_layers(30)
     assert len(many) == MAX_LAYERS and many[0] == 0 and many[-1] == 29 and many == sorted(set(many))
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+def test_stats_fp8_formats(capsys, fmt):
+    """``--format fp8_*`` reports the BF16 fields plus the ratio over FP8 and the total over BF16."""
+    rc, out, err = run(capsys, "stats", "--format", fmt, "--json")
+    assert rc == 0 and fmt in err
+    d = json.loads(out)
+    assert set(d) == {"k", "v"}
+    for s in d.values():
+        assert s["roundtrip"] is True
+        assert 1.0 < s["ratio_resident"] <= s["ratio_stream"]
+        assert s["ratio_over_fp8"] > 1.0
+        # BF16 is 16 bits, FP8 8: the total over BF16 is twice the ratio over FP8.
+        assert s["ratio_total_vs_bf16"] == pytest.approx(2 * s["ratio_over_fp8"])
+        assert sum(s[f"frac_{m}"] for m in s["mode_names"]) == pytest.approx(1)
+
+
+def test_stats_fp8_refuses_bf16_only_options_and_calibrations(capsys, tmp_path):
+    rc, _, err = run(capsys, "stats", "--format", "fp8_e5m2", "--segments", "1024")
+    assert rc == 2 and "BF16 caches only" in err
+    k, v, _ = load_sample("prose")
+    path = tmp_path / "bf16.json"
+    calibrate(k, v).save(path)
+    rc, _, err = run(capsys, "stats", "--format", "fp8_e4m3", "--calibration", str(path))
+    assert rc == 2 and "not a GAAC-FP8 calibration" in err
