@@ -158,6 +158,7 @@ def decode_fp8_block(block, calibration: FP8Calibration) -> np.ndarray:
     slots = body[: n_slot * slot_size].reshape(n_slot, slot_size)
     slot_tiles = np.flatnonzero(~is_raw)
     if n_slot:
-        out[slot_tiles] = decode_tiles(slots, bn[slot_tiles], bw[slot_tiles], capacity, geo.channels, modes)
+        out[slot_tiles] = decode_tiles(slots, bn[slot_tiles], bw[slot_tiles], capacity, geo.channels, modes,
+                                      tile_ids=slot_tiles)
     out[is_raw] = body[n_slot * slot_size:].reshape(n_raw, L.BLOCK_TOKENS, geo.channels)
     return untile(out, heads, dim)

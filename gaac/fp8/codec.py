@@ -15,8 +15,8 @@ import numpy as np
 from .. import layout as L
 from ..errors import CalibrationError, FormatError
 from ..reference.bits import bit_planes, from_planes, pack_bits, unpack_bits
-from ..reference.codec import EncodedTiles
-from .layout import (MODE_NARROW, MODE_RAW, MODE_RESERVED, MODE_WIDE, TILE_WIDTHS, FP8Format, FP8TileGeometry,
+from ..reference.codec import EncodedTiles, check_slot_tags, fill_escape_area, gather_escapes
+from .layout import (MODE_NARROW, MODE_RAW, MODE_WIDE, TILE_WIDTHS, FP8Format, FP8TileGeometry,
                      ModeSet)
 
 
@@ -99,12 +99,7 @@ def encode_tiles(fp8_tiles: np.ndarray, b_narrow: np.ndarray, b_wide: np.ndarray
     lengths = _escape_lengths(modes)[tags]
     used = lengths.sum(axis=1)
     fits = used <= capacity
-    valid = (np.arange(planes) < lengths[..., None]).reshape(n, -1)
-    position = np.cumsum(valid, axis=1) - 1
-    keep = valid & (position < capacity)
-    area = np.zeros((n, capacity), dtype=np.uint8)
-    rows = np.broadcast_to(np.arange(n)[:, None], keep.shape)
-    area[rows[keep], position[keep]] = escapes.reshape(n, -1)[keep]
+    area = fill_escape_area(escapes, lengths, capacity)
 
     slots = np.concatenate([
         pack_bits(sm, modes.fmt.sm_bits),                         # section 1: sign+mantissa fields
@@ -117,10 +112,10 @@ def encode_tiles(fp8_tiles: np.ndarray, b_narrow: np.ndarray, b_wide: np.ndarray
 
 
 def decode_tiles(slots: np.ndarray, b_narrow: np.ndarray, b_wide: np.ndarray, capacity: int, channels: int,
-                 modes: ModeSet, first_tile: int = 0) -> np.ndarray:
+                 modes: ModeSet, tile_ids=None) -> np.ndarray:
     """Decode slots ``[n, slot_bytes]`` into FP8 bytes ``[n, 16, channels]``.
 
-    Raises :class:`FormatError` naming the tile (numbered from ``first_tile``)
+    Raises :class:`FormatError` naming the tile (``tile_ids[i]`` for row ``i``, default ``i``)
     for every rule of FORMAT-FP8.md section 7 that a slot breaks.
     """
     if channels not in TILE_WIDTHS:
@@ -132,38 +127,15 @@ def decode_tiles(slots: np.ndarray, b_narrow: np.ndarray, b_wide: np.ndarray, ca
         raise FormatError(f"slots of shape {list(slots.shape)}; a {channels}-channel {modes.fmt.name} tile "
                           f"with escape capacity {capacity} takes {geo.slot_bytes(capacity)} bytes")
     n = slots.shape[0]
+    tile_ids = np.arange(n) if tile_ids is None else np.asarray(tile_ids)
     sm = unpack_bits(slots[:, geo.sm_offset:geo.code_offset], modes.fmt.sm_bits, geo.elements)
     low = unpack_bits(slots[:, geo.code_offset:geo.tag_offset], modes.low_bits, geo.elements)
     tags = unpack_bits(slots[:, geo.tag_offset:geo.escape_offset], L.TAG_BITS, geo.groups)
     area = slots[:, geo.escape_offset:]
 
-    bad = np.argwhere(tags == MODE_RESERVED)
-    if bad.size:
-        t, g = bad[0]
-        raise FormatError(f"tile {first_tile + t}, group {g}: mode tag {MODE_RESERVED} is reserved")
-    lengths = _escape_lengths(modes)[tags]
-    used = lengths.sum(axis=1)
-    over = np.flatnonzero(used > capacity)
-    if over.size:
-        t = over[0]
-        raise FormatError(f"tile {first_tile + t}: its mode tags need {used[t]} escape bytes but the slot "
-                          f"holds {capacity}")
-    padding = np.arange(capacity) >= used[:, None]
-    dirty = np.flatnonzero((area * padding).any(axis=1))
-    if dirty.size:
-        t = dirty[0]
-        raise FormatError(f"tile {first_tile + t}: escape area is not zero after its {used[t]} escape bytes")
-
+    lengths = check_slot_tags(tags, area, _escape_lengths(modes), capacity, tile_ids)
     planes = modes.escape_bytes[MODE_RAW]
-    start = np.cumsum(lengths, axis=1) - lengths
-    k = np.arange(planes)
-    if capacity:
-        index = np.minimum(start[..., None] + k, capacity - 1).reshape(n, -1)
-        gathered = np.take_along_axis(area, index, axis=1).reshape(n, geo.groups, planes)
-    else:
-        gathered = np.zeros((n, geo.groups, planes), dtype=np.uint8)
-    gathered = np.where(k < lengths[..., None], gathered, 0)
-    high = from_planes(gathered, modes.low_bits).reshape(n, geo.elements)
+    high = from_planes(gather_escapes(area, lengths, planes), modes.low_bits).reshape(n, geo.elements)
 
     tag_of_element = np.repeat(tags, L.GROUP_SIZE, axis=1)
     code = low.astype(np.int32) | high.astype(np.int32)

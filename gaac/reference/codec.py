@@ -89,13 +89,7 @@ def encode_tiles(bits: np.ndarray, b3: np.ndarray, b4: np.ndarray, capacity: int
     fits = used <= capacity
 
     # Section 6: fill the escape area in group order, zero after the last escape byte.
-    valid = np.arange(L.RAW_PLANES) < lengths[..., None]                # [n, G, 5]
-    valid = valid.reshape(n, -1)
-    position = np.cumsum(valid, axis=1) - 1
-    keep = valid & (position < capacity)
-    area = np.zeros((n, capacity), dtype=np.uint8)
-    rows = np.broadcast_to(np.arange(n)[:, None], keep.shape)
-    area[rows[keep], position[keep]] = escapes.reshape(n, -1)[keep]
+    area = fill_escape_area(escapes, lengths, capacity)
 
     slots = np.concatenate([
         sm,                                       # section 1: sign+mantissa bytes
@@ -130,11 +124,47 @@ def decode_tiles(slots: np.ndarray, b3: np.ndarray, b4: np.ndarray, capacity: in
     modes = unpack_bits(slots[:, geo.tag_offset:geo.tag_offset + geo.tag_bytes], L.TAG_BITS, geo.groups)
     area = slots[:, geo.escape_offset:]
 
-    bad = np.argwhere(modes == L.MODE_RESERVED)
+    lengths = check_slot_tags(modes, area, _ESC_LEN, capacity, tile_ids)
+    high = from_planes(gather_escapes(area, lengths, L.RAW_PLANES), 3).reshape(n, geo.elements)  # bits 3..7
+
+    mode_of_element = np.repeat(modes, L.GROUP_SIZE, axis=1)
+    code = low.astype(np.int32) | high.astype(np.int32)
+    exponent = np.where(mode_of_element == L.MODE_3BIT, _per_element(b3) + code,
+                        np.where(mode_of_element == L.MODE_4BIT, _per_element(b4) + code, code))
+    return join_bf16(sm, exponent.astype(np.uint8)).reshape(n, L.BLOCK_TOKENS, channels)
+
+
+def fill_escape_area(escapes: np.ndarray, lengths: np.ndarray, capacity: int) -> np.ndarray:
+    """Section 6: each tile's escape area, ``[n, capacity]``.
+
+    ``escapes[n, G, P]`` holds every group's candidate escape bytes and
+    ``lengths[n, G]`` how many of them the group's mode keeps; the kept bytes go
+    in group order, then zeros.  Bytes beyond the capacity are dropped (the tile
+    overflows and stays raw).  Shared by every element format.
+    """
+    n = escapes.shape[0]
+    valid = (np.arange(escapes.shape[-1]) < lengths[..., None]).reshape(n, -1)
+    position = np.cumsum(valid, axis=1) - 1
+    keep = valid & (position < capacity)
+    area = np.zeros((n, capacity), dtype=np.uint8)
+    rows = np.broadcast_to(np.arange(n)[:, None], keep.shape)
+    area[rows[keep], position[keep]] = escapes.reshape(n, -1)[keep]
+    return area
+
+
+def check_slot_tags(tags: np.ndarray, area: np.ndarray, escape_len: np.ndarray, capacity: int,
+                    tile_ids: np.ndarray) -> np.ndarray:
+    """FORMAT.md section 8's slot rules: no reserved tag, escapes within capacity, zero padding.
+
+    Returns each group's escape length ``[n, G]``; raises :class:`FormatError`
+    naming the tile (``tile_ids[row]``) and group.  Shared by every element format.
+    """
+    bad = np.argwhere(tags == L.MODE_RESERVED)
     if bad.size:
         t, g = bad[0]
-        raise FormatError(f"tile {tile_ids[t]}, group {g}: mode tag 3 is reserved in GAAC v{L.FORMAT_VERSION}")
-    lengths = _ESC_LEN[modes]
+        raise FormatError(f"tile {tile_ids[t]}, group {g}: mode tag {L.MODE_RESERVED} is reserved "
+                          f"in GAAC v{L.FORMAT_VERSION}")
+    lengths = escape_len[tags]
     used = lengths.sum(axis=1)
     over = np.flatnonzero(used > capacity)
     if over.size:
@@ -146,18 +176,16 @@ def decode_tiles(slots: np.ndarray, b3: np.ndarray, b4: np.ndarray, capacity: in
     if dirty.size:
         t = dirty[0]
         raise FormatError(f"tile {tile_ids[t]}: escape area is not zero after its {used[t]} escape bytes")
+    return lengths
 
-    # Gather each group's escape bytes (zeros where the group has fewer than 5).
+
+def gather_escapes(area: np.ndarray, lengths: np.ndarray, planes: int) -> np.ndarray:
+    """Each group's escape bytes ``[n, G, planes]`` from the escape areas, zeros past a group's length."""
+    n, groups = lengths.shape
+    if area.shape[1] == 0:
+        return np.zeros((n, groups, planes), dtype=np.uint8)
     start = np.cumsum(lengths, axis=1) - lengths                          # [n, G]
-    k = np.arange(L.RAW_PLANES)
-    index = np.minimum(start[..., None] + k, max(capacity - 1, 0))        # [n, G, 5]
-    gathered = np.take_along_axis(area, index.reshape(n, -1), axis=1).reshape(index.shape) if capacity else \
-        np.zeros(index.shape, dtype=np.uint8)
-    gathered = np.where(k < lengths[..., None], gathered, 0)
-    high = from_planes(gathered, 3).reshape(n, geo.elements)             # bits 3..7 of each code
-
-    mode_of_element = np.repeat(modes, L.GROUP_SIZE, axis=1)
-    code = low.astype(np.int32) | high.astype(np.int32)
-    exponent = np.where(mode_of_element == L.MODE_3BIT, _per_element(b3) + code,
-                        np.where(mode_of_element == L.MODE_4BIT, _per_element(b4) + code, code))
-    return join_bf16(sm, exponent.astype(np.uint8)).reshape(n, L.BLOCK_TOKENS, channels)
+    k = np.arange(planes)
+    index = np.minimum(start[..., None] + k, area.shape[1] - 1).reshape(n, -1)
+    gathered = np.take_along_axis(area, index, axis=1).reshape(n, groups, planes)
+    return np.where(k < lengths[..., None], gathered, 0).astype(np.uint8)
