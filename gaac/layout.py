@@ -148,7 +148,7 @@ class TileGeometry:
     @property
     def max_useful_capacity(self) -> int:
         """Largest capacity worth having: beyond it a slot is bigger than the raw tile."""
-        return (self.raw_bytes - self.fixed_bytes) // SLOT_ALIGN * SLOT_ALIGN
+        return max(self.raw_bytes - self.fixed_bytes, 0) // SLOT_ALIGN * SLOT_ALIGN
 
 
 def tile_channels(head_dim: int) -> int:

@@ -179,59 +179,24 @@ def mode_set(name: str) -> ModeSet:
 
 
 @dataclass(frozen=True)
-class FP8TileGeometry:
+class FP8TileGeometry(L.TileGeometry):
     """Byte offsets of the sections of one compressed FP8 tile (FORMAT-FP8.md section 4).
 
-    Same four sections as v1, narrower: the sign+mantissa fields and the low
-    codes are little-endian bit streams of ``sm_bits`` and ``low_bits`` bits.
-    Every section is a multiple of 16 bytes for 64- and 128-channel tiles.
+    Same four sections as v1 (so the offsets, slot and capacity arithmetic are
+    v1's), narrower: the sign+mantissa fields and the low codes are little-endian
+    bit streams of ``sm_bits`` and ``low_bits`` bits, and a raw tile is one byte
+    per element.  Every section is a multiple of 16 bytes for 64- and 128-channel tiles.
     """
 
-    channels: int
     modes: ModeSet
-
-    @property
-    def elements(self) -> int:
-        return L.BLOCK_TOKENS * self.channels
-
-    @property
-    def groups(self) -> int:
-        return self.elements // L.GROUP_SIZE
-
-    @property
-    def sm_offset(self) -> int:
-        return 0
 
     @property
     def sm_bytes(self) -> int:
         return self.elements * self.modes.fmt.sm_bits // 8
 
     @property
-    def code_offset(self) -> int:
-        return self.sm_offset + self.sm_bytes
-
-    @property
     def code_bytes(self) -> int:
         return self.elements * self.modes.low_bits // 8
-
-    @property
-    def tag_offset(self) -> int:
-        return self.code_offset + self.code_bytes
-
-    @property
-    def tag_bytes(self) -> int:
-        return self.groups * L.TAG_BITS // 8
-
-    @property
-    def escape_offset(self) -> int:
-        return self.tag_offset + self.tag_bytes
-
-    @property
-    def fixed_bytes(self) -> int:
-        return self.escape_offset
-
-    def slot_bytes(self, capacity: int) -> int:
-        return self.fixed_bytes + capacity
 
     @property
     def raw_bytes(self) -> int:
@@ -243,7 +208,4 @@ class FP8TileGeometry:
         """Escape bytes of a tile whose every group is raw."""
         return self.groups * self.modes.escape_bytes[MODE_RAW]
 
-    @property
-    def max_useful_capacity(self) -> int:
-        """Largest capacity worth having: beyond it a slot is bigger than the raw tile."""
-        return max(self.raw_bytes - self.fixed_bytes, 0) // L.SLOT_ALIGN * L.SLOT_ALIGN
+
