@@ -332,9 +332,13 @@ def tile_escape_bytes(x: np.ndarray, b3: np.ndarray, b4: np.ndarray) -> np.ndarr
     return escape_bytes(choose_modes(exponent, t3, t4))
 
 
-def best_capacity(escapes: np.ndarray, head_dim: int) -> int:
-    """The escape capacity that minimises resident bytes over tiles with ``escapes`` escape bytes."""
-    geo = L.geometry(head_dim)
+def best_capacity(escapes: np.ndarray, tile) -> int:
+    """The escape capacity that minimises resident bytes over tiles with ``escapes`` escape bytes.
+
+    ``tile`` is a head_dim (BF16 tiles of that head) or a :class:`gaac.layout.TileGeometry`
+    (any element format: the rule is the same, only the section sizes differ).
+    """
+    geo = tile if isinstance(tile, L.TileGeometry) else L.geometry(tile)
     candidates = np.arange(0, geo.max_useful_capacity + 1, L.SLOT_ALIGN)
     if escapes.size == 0:
         return 0

@@ -21,7 +21,7 @@ import numpy as np
 
 from .. import layout as L
 from ..arrays import as_bits
-from ..calibration import best_windows
+from ..calibration import best_capacity, best_windows
 from ..errors import CalibrationError
 from ..tiles import block_tiles, cache_blocks, tile_bases
 from .codec import choose_modes, escape_bytes, tile_exponents
@@ -204,16 +204,6 @@ def layer_escape_bytes(fp8_layer: np.ndarray, b_narrow: np.ndarray, b_wide: np.n
     tiles = block_tiles(blocks)
     tn, tw = (np.tile(t, (blocks.shape[0], 1)) for t in tile_bases(b_narrow, b_wide))
     return escape_bytes(choose_modes(tile_exponents(tiles, modes.fmt), tn, tw, modes), modes)
-
-
-def best_capacity(escapes: np.ndarray, geo: FP8TileGeometry) -> int:
-    """The escape capacity that minimises resident bytes (v1's rule with the FP8 tile geometry)."""
-    if escapes.size == 0:
-        return 0
-    candidates = np.arange(0, geo.max_useful_capacity + 1, L.SLOT_ALIGN)
-    fits = escapes[None, :] <= candidates[:, None]
-    cost = np.where(fits, geo.fixed_bytes + candidates[:, None], geo.raw_bytes).sum(axis=1)
-    return int(candidates[np.argmin(cost)])
 
 
 @dataclass
