@@ -100,7 +100,7 @@ def test_stats_segments_and_no_adapt(capsys, sample_files):
     rc, out, _ = run(capsys, "stats", *files, "--no-adapt", "--json")
     fixed = json.loads(out)
     assert rc == 0 and fixed["k"]["adapt"] is False and "segments" not in fixed
-    # 16 blocks per layer are too few for a check: the same tiles, less each block's 2-byte epoch index
+    # 16 blocks per layer are too few for an epoch (warm-up): the same tiles, less the 2-byte epoch index
     assert fixed["k"]["tiles"] == d["k"]["tiles"] and fixed["k"]["ratio_resident"] > d["k"]["ratio_resident"]
     rc, out, _ = run(capsys, "stats", *files, "--segments", "128", "--no-adapt")
     assert rc == 0 and "adaptation: off" in out

@@ -233,8 +233,8 @@ def test_the_adapter_refuses_what_would_break_the_rule(drift):
     x, cal = drift
     adapter = epochs.Adapter(cal.copy(), 0, L.KIND_V)
     blocks = cache_blocks(x[0])
-    with pytest.raises(InputError, match="a check is due after 16"):
-        adapter.observe(blocks[:17])
+    with pytest.raises(InputError, match=f"a check is due after {epochs.ADAPT_EVERY}"):
+        adapter.observe(blocks[:epochs.ADAPT_EVERY + 1])
     with pytest.raises(InputError, match="expected uint16 blocks"):
         adapter.observe(blocks[:2].astype(np.int32))
     with pytest.raises(InputError, match="kind must be 0"):
