@@ -141,7 +141,69 @@ def decode_block(block, calibration: Calibration) -> np.ndarray:
     if not isinstance(block, (bytes, bytearray, memoryview, EncodedBlock)):
         raise InputError(f"expected bytes or EncodedBlock, got {type(block).__name__}")
     check_calibration(calibration)
-    data = bytes(block)
+    c = read_container(bytes(block), versions=L.READABLE_VERSIONS, epochs=True,
+                       geometries={L.ELEMENT_BF16: L.geometry}, element_names=f"BF16 is {L.ELEMENT_BF16}")
+    kind, layer, heads, dim, capacity, cal_id, epoch = c.kind, c.layer, c.heads, c.dim, c.capacity, c.cal_id, c.epoch
+
+    if epoch == 0 and cal_id != calibration.id:
+        raise CalibrationError(f"stream was encoded with calibration {cal_id:08x}, this calibration is "
+                               f"{calibration.id:08x} (model {calibration.model!r})")
+    calibration.check_shape(None, heads, dim)
+    calibration.check_layer(layer)
+    if capacity != calibration.capacity[kind, layer]:
+        raise CalibrationError(f"stream escape capacity {capacity} differs from the calibration's "
+                               f"{calibration.capacity[kind, layer]} for layer {layer} {L.KIND_NAMES[kind]}")
+    if epoch:
+        calibration.check_epoch(layer, kind, epoch)                         # R21: "unknown epoch"
+        if cal_id != calibration.epoch_id(layer, kind, epoch):              # R22
+            raise CalibrationError(f"stream epoch {epoch} has id {cal_id:08x}, but epoch {epoch} of this "
+                                   f"calibration (layer {layer} {L.KIND_NAMES[kind]}) has id "
+                                   f"{calibration.epoch_id(layer, kind, epoch):08x}: the stream belongs to "
+                                   "another cache's epochs")
+
+    b3, b4 = tile_bases(*calibration.bases(layer, kind, epoch))
+    out = np.empty((c.n_tiles, L.BLOCK_TOKENS, c.geo.channels), dtype=np.uint16)
+    if len(c.slot_tiles):
+        out[c.slot_tiles] = decode_tiles(c.slots, b3[c.slot_tiles], b4[c.slot_tiles], capacity, c.geo.channels,
+                                        tile_ids=c.slot_tiles)
+    out[c.is_raw] = c.raw.view("<u2").reshape(-1, L.BLOCK_TOKENS, c.geo.channels)
+    return untile(out, heads, dim)
+
+
+@dataclass(frozen=True)
+class Container:
+    """A block container whose framing passed FORMAT.md section 8 (R1-R13): header, table, sizes, CRC."""
+
+    version: int
+    element: int
+    kind: int
+    layer: int
+    heads: int
+    dim: int
+    capacity: int
+    cal_id: int
+    epoch: int
+    geo: L.TileGeometry
+    is_raw: np.ndarray       # [n_tiles] bool: the table entry points into the raw pool
+    slots: np.ndarray        # [n_slots, slot_bytes] uint8, in slot order
+    raw: np.ndarray          # the raw tiles' bytes, in raw-pool order (uint8, flat)
+
+    @property
+    def n_tiles(self) -> int:
+        return len(self.is_raw)
+
+    @property
+    def slot_tiles(self) -> np.ndarray:
+        return np.flatnonzero(~self.is_raw)
+
+
+def read_container(data: bytes, *, versions, epochs: bool, geometries: dict, element_names: str) -> Container:
+    """Check and cut a block container into its parts; shared by every element format.
+
+    ``versions``: the stream versions the caller reads; ``epochs``: whether version 2's
+    epoch field may be non-zero (otherwise the whole last header word is reserved);
+    ``geometries``: element-format byte -> function of head_dim giving the tile geometry.
+    """
     need = L.STREAM_HEADER_BYTES + L.STREAM_CRC_BYTES
     if len(data) < need:
         raise FormatError(f"truncated stream: {len(data)} bytes, a block container has at least {need}")
@@ -149,13 +211,13 @@ def decode_block(block, calibration: Calibration) -> np.ndarray:
      reserved) = L.STREAM_HEADER_V2.unpack_from(data)
     if magic != L.STREAM_MAGIC:
         raise FormatError(f"bad magic {magic!r}: not a GAAC block stream (expected {L.STREAM_MAGIC!r})")
-    if version not in L.READABLE_VERSIONS:
+    if version not in versions:
         raise FormatError(f"stream version {version} is not supported (this decoder reads versions "
-                          f"{' and '.join(map(str, L.READABLE_VERSIONS))})")
-    if version == 1:        # version 1 has no epoch: its whole last u32 is reserved (R7)
+                          f"{' and '.join(map(str, versions))})")
+    if version == 1 or not epochs:      # no epoch field: the whole last u32 is reserved (R7)
         epoch, reserved = 0, epoch | reserved << 16
-    if element != L.ELEMENT_BF16:
-        raise FormatError(f"element format {element} is not supported (BF16 is {L.ELEMENT_BF16})")
+    if element not in geometries:
+        raise FormatError(f"element format {element} is not supported ({element_names})")
     if kind not in L.KIND_NAMES or tokens != L.BLOCK_TOKENS or reserved != 0:
         raise FormatError(f"bad header: kind={kind}, tokens={tokens}, reserved={reserved}")
     if dim not in L.SUPPORTED_HEAD_DIMS or heads == 0:
@@ -163,7 +225,7 @@ def decode_block(block, calibration: Calibration) -> np.ndarray:
     if capacity % L.SLOT_ALIGN:
         raise FormatError(f"bad header: escape capacity {capacity} is not a multiple of {L.SLOT_ALIGN}")
 
-    geo = L.geometry(dim)
+    geo = geometries[element](dim)
     n_tiles = heads * L.tiles_per_head(dim)
     table_end = L.STREAM_HEADER_BYTES + n_tiles * L.TABLE_ENTRY_BYTES
     if len(data) < table_end + L.STREAM_CRC_BYTES:
@@ -187,31 +249,7 @@ def decode_block(block, calibration: Calibration) -> np.ndarray:
         t = int(np.flatnonzero(index != want)[0])
         raise FormatError(f"tile table entry {t} points at index {index[t]}, expected {want[t]} "
                           "(tiles of each class are numbered in tile order)")
-
-    if epoch == 0 and cal_id != calibration.id:
-        raise CalibrationError(f"stream was encoded with calibration {cal_id:08x}, this calibration is "
-                               f"{calibration.id:08x} (model {calibration.model!r})")
-    calibration.check_shape(None, heads, dim)
-    calibration.check_layer(layer)
-    if capacity != calibration.capacity[kind, layer]:
-        raise CalibrationError(f"stream escape capacity {capacity} differs from the calibration's "
-                               f"{calibration.capacity[kind, layer]} for layer {layer} {L.KIND_NAMES[kind]}")
-    if epoch:
-        calibration.check_epoch(layer, kind, epoch)                         # R21: "unknown epoch"
-        if cal_id != calibration.epoch_id(layer, kind, epoch):              # R22
-            raise CalibrationError(f"stream epoch {epoch} has id {cal_id:08x}, but epoch {epoch} of this "
-                                   f"calibration (layer {layer} {L.KIND_NAMES[kind]}) has id "
-                                   f"{calibration.epoch_id(layer, kind, epoch):08x}: the stream belongs to "
-                                   "another cache's epochs")
-
-    b3, b4 = tile_bases(*calibration.bases(layer, kind, epoch))
-    out = np.empty((n_tiles, L.BLOCK_TOKENS, geo.channels), dtype=np.uint16)
     body = np.frombuffer(data, dtype=np.uint8, offset=table_end, count=len(data) - table_end - 4)
-    slots = body[: n_slot * slot_size].reshape(n_slot, slot_size)
-    raws = body[n_slot * slot_size:].view("<u2").reshape(n_raw, L.BLOCK_TOKENS, geo.channels)
-    slot_tiles = np.flatnonzero(~is_raw)
-    if n_slot:
-        out[slot_tiles] = decode_tiles(slots, b3[slot_tiles], b4[slot_tiles], capacity, geo.channels,
-                                      tile_ids=slot_tiles)
-    out[is_raw] = raws
-    return untile(out, heads, dim)
+    return Container(version=version, element=element, kind=kind, layer=layer, heads=heads, dim=dim,
+                     capacity=capacity, cal_id=cal_id, epoch=epoch, geo=geo, is_raw=is_raw,
+                     slots=body[: n_slot * slot_size].reshape(n_slot, slot_size), raw=body[n_slot * slot_size:])

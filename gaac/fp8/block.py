@@ -14,8 +14,8 @@ import zlib
 import numpy as np
 
 from .. import layout as L
-from ..block import EncodedBlock, parse_kind
-from ..errors import CalibrationError, FormatError, InputError
+from ..block import EncodedBlock, parse_kind, read_container
+from ..errors import CalibrationError, InputError
 from ..tiles import block_tiles, tile_bases, untile
 from .calibration import FP8Calibration
 from .codec import decode_tiles, encode_tiles
@@ -93,52 +93,12 @@ def decode_fp8_block(block, calibration: FP8Calibration) -> np.ndarray:
     if not isinstance(block, (bytes, bytearray, memoryview, EncodedBlock)):
         raise InputError(f"expected bytes or EncodedBlock, got {type(block).__name__}")
     _check_calibration(calibration)
-    data = bytes(block)
-    need = L.STREAM_HEADER_BYTES + L.STREAM_CRC_BYTES
-    if len(data) < need:
-        raise FormatError(f"truncated stream: {len(data)} bytes, a block container has at least {need}")
-    (magic, version, element, kind, tokens, layer, heads, dim, capacity, cal_id,
-     reserved) = L.STREAM_HEADER.unpack_from(data)
-    if magic != L.STREAM_MAGIC:
-        raise FormatError(f"bad magic {magic!r}: not a GAAC block stream (expected {L.STREAM_MAGIC!r})")
-    if version != FP8_FORMAT_VERSION:
-        raise FormatError(f"stream version {version} is not supported by the FP8 decoder "
-                          f"(FP8 streams are version {FP8_FORMAT_VERSION})")
-    if element not in FORMATS_BY_ELEMENT:
-        raise FormatError(f"element format {element} is not supported in version {FP8_FORMAT_VERSION} "
-                          f"(E4M3 is 2, E5M2 is 3)")
-    if kind not in L.KIND_NAMES or tokens != L.BLOCK_TOKENS or reserved != 0:
-        raise FormatError(f"bad header: kind={kind}, tokens={tokens}, reserved={reserved}")
-    if dim not in L.SUPPORTED_HEAD_DIMS or heads == 0:
-        raise FormatError(f"bad header: kv_heads={heads}, head_dim={dim}")
-    if capacity % L.SLOT_ALIGN:
-        raise FormatError(f"bad header: escape capacity {capacity} is not a multiple of {L.SLOT_ALIGN}")
-
+    c = read_container(bytes(block), versions=(FP8_FORMAT_VERSION,), epochs=False,
+                       geometries={e: MODE_SETS[f.name].geometry for e, f in FORMATS_BY_ELEMENT.items()},
+                       element_names=f"version {FP8_FORMAT_VERSION}: E4M3 is 2, E5M2 is 3")
+    element, kind, layer, heads, dim = c.element, c.kind, c.layer, c.heads, c.dim
+    capacity, cal_id = c.capacity, c.cal_id
     modes = MODE_SETS[FORMATS_BY_ELEMENT[element].name]
-    geo = modes.geometry(dim)
-    n_tiles = heads * L.tiles_per_head(dim)
-    table_end = L.STREAM_HEADER_BYTES + n_tiles * L.TABLE_ENTRY_BYTES
-    if len(data) < table_end + L.STREAM_CRC_BYTES:
-        raise FormatError(f"truncated stream: {len(data)} bytes, its tile table alone ends at {table_end}")
-    entries = np.frombuffer(data, dtype="<u4", count=n_tiles, offset=L.STREAM_HEADER_BYTES).astype(np.int64)
-    is_raw = (entries & L.TABLE_RAW_FLAG) != 0
-    n_raw = int(is_raw.sum())
-    n_slot = n_tiles - n_raw
-    slot_size = geo.slot_bytes(capacity)
-    expected = table_end + n_slot * slot_size + n_raw * geo.raw_bytes + L.STREAM_CRC_BYTES
-    if len(data) != expected:
-        what = "truncated" if len(data) < expected else "trailing bytes after"
-        raise FormatError(f"{what} stream: {len(data)} bytes, its header and tile table make it {expected}")
-    crc = int(np.frombuffer(data, dtype="<u4", count=1, offset=len(data) - 4)[0])
-    if crc != zlib.crc32(data[:-4]):
-        raise FormatError(f"CRC-32 mismatch (stored {crc:08x}, computed {zlib.crc32(data[:-4]):08x}): "
-                          "the stream is corrupt")
-    index = entries & L.TABLE_INDEX_MASK
-    want = np.where(is_raw, np.cumsum(is_raw) - 1, np.cumsum(~is_raw) - 1)
-    if (index != want).any():
-        t = int(np.flatnonzero(index != want)[0])
-        raise FormatError(f"tile table entry {t} points at index {index[t]}, expected {want[t]} "
-                          "(tiles of each class are numbered in tile order)")
 
     if cal_id != calibration.id:
         raise CalibrationError(f"stream was encoded with calibration {cal_id:08x}, this calibration is "
@@ -153,12 +113,9 @@ def decode_fp8_block(block, calibration: FP8Calibration) -> np.ndarray:
                                f"{calibration.capacity[kind, layer]} for layer {layer} {L.KIND_NAMES[kind]}")
 
     bn, bw = tile_bases(*calibration.bases(layer, kind))
-    out = np.empty((n_tiles, L.BLOCK_TOKENS, geo.channels), dtype=np.uint8)
-    body = np.frombuffer(data, dtype=np.uint8, offset=table_end, count=len(data) - table_end - 4)
-    slots = body[: n_slot * slot_size].reshape(n_slot, slot_size)
-    slot_tiles = np.flatnonzero(~is_raw)
-    if n_slot:
-        out[slot_tiles] = decode_tiles(slots, bn[slot_tiles], bw[slot_tiles], capacity, geo.channels, modes,
-                                      tile_ids=slot_tiles)
-    out[is_raw] = body[n_slot * slot_size:].reshape(n_raw, L.BLOCK_TOKENS, geo.channels)
+    out = np.empty((c.n_tiles, L.BLOCK_TOKENS, c.geo.channels), dtype=np.uint8)
+    if len(c.slot_tiles):
+        out[c.slot_tiles] = decode_tiles(c.slots, bn[c.slot_tiles], bw[c.slot_tiles], capacity, c.geo.channels,
+                                        modes, tile_ids=c.slot_tiles)
+    out[c.is_raw] = c.raw.reshape(-1, L.BLOCK_TOKENS, c.geo.channels)
     return untile(out, heads, dim)
