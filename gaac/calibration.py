@@ -45,8 +45,35 @@ EPOCH_MAGIC = b"GAACEPCH"          # FORMAT.md 3.5: first bytes of an epoch's ca
 MAX_EPOCH = 0xFFFF                 # the block header's epoch is a u16
 
 
+class CacheShape:
+    """Checks every calibration (BF16 or FP8) makes of the caches it is used with.
+
+    Subclasses provide ``layers``, ``kv_heads``, ``head_dim`` and ``model``.
+    """
+
+    def check_shape(self, layers: int | None, kv_heads: int, head_dim: int) -> None:
+        """Raise :class:`CalibrationError` unless this calibration is for caches of that shape."""
+        if (kv_heads, head_dim) != (self.kv_heads, self.head_dim) or (layers is not None and layers != self.layers):
+            have = f"{self.layers} layers x {self.kv_heads} KV heads x head_dim {self.head_dim}"
+            want = f"{'?' if layers is None else layers} layers x {kv_heads} KV heads x head_dim {head_dim}"
+            raise CalibrationError(f"{type(self).__name__}: calibration is for {have} (model {self.model!r}); "
+                                   f"the cache has {want}")
+
+    def check_layer(self, layer: int) -> None:
+        if not 0 <= layer < self.layers:
+            raise CalibrationError(f"layer {layer} out of range: calibration has {self.layers} layers")
+
+
+def check_capacities(capacity: np.ndarray) -> None:
+    """FORMAT.md 3.2: escape capacities are multiples of 16 that fit the header's u16."""
+    bad = (capacity < 0) | (capacity > L.MAX_ESCAPE_CAPACITY) | (capacity % L.SLOT_ALIGN != 0)
+    if bad.any():
+        raise CalibrationError(f"escape capacities must be multiples of {L.SLOT_ALIGN} in "
+                               f"0..{L.MAX_ESCAPE_CAPACITY}, got {capacity.tolist()}")
+
+
 @dataclass
-class Calibration:
+class Calibration(CacheShape):
     """Bases ``b3``/``b4`` of shape ``[2 (K, V), layers, kv_heads, head_dim]`` and capacities ``[2, layers]``."""
 
     b3: np.ndarray
@@ -102,21 +129,7 @@ class Calibration:
         if self.b3.shape[3] not in L.SUPPORTED_HEAD_DIMS:
             raise CalibrationError(f"head_dim {self.b3.shape[3]} is not one of {L.SUPPORTED_HEAD_DIMS}")
         _check_base_ranges(self.b3, self.b4, "")
-        bad = (self.capacity < 0) | (self.capacity > L.MAX_ESCAPE_CAPACITY) | (self.capacity % L.SLOT_ALIGN != 0)
-        if bad.any():
-            raise CalibrationError(f"escape capacities must be multiples of {L.SLOT_ALIGN} in "
-                                   f"0..{L.MAX_ESCAPE_CAPACITY}, got {self.capacity.tolist()}")
-
-    def check_shape(self, layers: int | None, kv_heads: int, head_dim: int) -> None:
-        """Raise :class:`CalibrationError` unless this calibration is for caches of that shape."""
-        if (kv_heads, head_dim) != (self.kv_heads, self.head_dim) or (layers is not None and layers != self.layers):
-            have = f"{self.layers} layers x {self.kv_heads} KV heads x head_dim {self.head_dim}"
-            want = f"{'?' if layers is None else layers} layers x {kv_heads} KV heads x head_dim {head_dim}"
-            raise CalibrationError(f"calibration is for {have} (model {self.model!r}); the cache has {want}")
-
-    def check_layer(self, layer: int) -> None:
-        if not 0 <= layer < self.layers:
-            raise CalibrationError(f"layer {layer} out of range: calibration has {self.layers} layers")
+        check_capacities(self.capacity)
 
     # -- identity ------------------------------------------------------------
     def canonical_bytes(self) -> bytes:

@@ -21,7 +21,7 @@ import numpy as np
 
 from .. import layout as L
 from ..arrays import as_bits
-from ..calibration import best_capacity, best_windows
+from ..calibration import CacheShape, best_capacity, best_windows, check_capacities
 from ..errors import CalibrationError
 from ..tiles import block_tiles, cache_blocks, tile_bases
 from .codec import choose_modes, escape_bytes, tile_exponents
@@ -33,7 +33,7 @@ SCALE_LOG2_RANGE = (-127, 127)    # a scale exponent is stored as a signed byte
 
 
 @dataclass
-class FP8Calibration:
+class FP8Calibration(CacheShape):
     """Everything a GAAC-FP8 cache of one model needs besides its data.
 
     ``scale_log2`` ``[2 (K, V), layers, kv_heads]``: the cache holds ``x * 2**-scale_log2`` in FP8;
@@ -106,20 +106,7 @@ class FP8Calibration:
             raise CalibrationError(f"{self.format}: wide bases must lie in 0..{ms.wide_base_max}")
         if sc.size and (sc.min() < SCALE_LOG2_RANGE[0] or sc.max() > SCALE_LOG2_RANGE[1]):
             raise CalibrationError(f"scale exponents must lie in {SCALE_LOG2_RANGE[0]}..{SCALE_LOG2_RANGE[1]}")
-        bad = (cap < 0) | (cap > L.MAX_ESCAPE_CAPACITY) | (cap % L.SLOT_ALIGN != 0)
-        if bad.any():
-            raise CalibrationError(f"escape capacities must be multiples of {L.SLOT_ALIGN} in "
-                                   f"0..{L.MAX_ESCAPE_CAPACITY}, got {cap.tolist()}")
-
-    def check_shape(self, layers: int | None, kv_heads: int, head_dim: int) -> None:
-        if (kv_heads, head_dim) != (self.kv_heads, self.head_dim) or (layers is not None and layers != self.layers):
-            have = f"{self.layers} layers x {self.kv_heads} KV heads x head_dim {self.head_dim}"
-            want = f"{'?' if layers is None else layers} layers x {kv_heads} KV heads x head_dim {head_dim}"
-            raise CalibrationError(f"FP8 calibration is for {have} (model {self.model!r}); the cache has {want}")
-
-    def check_layer(self, layer: int) -> None:
-        if not 0 <= layer < self.layers:
-            raise CalibrationError(f"layer {layer} out of range: calibration has {self.layers} layers")
+        check_capacities(cap)
 
     def bases(self, layer: int, kind: int) -> tuple[np.ndarray, np.ndarray]:
         """``(b_narrow, b_wide)`` of one layer and kind, each ``[kv_heads, head_dim]``."""
