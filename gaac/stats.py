@@ -211,6 +211,26 @@ class CacheStats:
         return out
 
 
+def measured_cache(x, name: str, calibration, layer_ids) -> tuple[np.ndarray, list[int]]:
+    """A cache ``gaac stats`` can measure with ``calibration`` (BF16 or FP8): its bits and layer ids.
+
+    Refuses, naming the problem, an unsupported head_dim, a cache without one complete
+    block, a calibration for another shape, and layer ids that do not match the layers.
+    """
+    bits = as_bits(x, name, ndim=4)
+    layers, heads, tokens, dim = bits.shape
+    if dim not in L.SUPPORTED_HEAD_DIMS:
+        raise InputError(f"{name}: head_dim {dim} is not supported; GAAC supports {L.SUPPORTED_HEAD_DIMS}")
+    if tokens < L.BLOCK_TOKENS:
+        raise InputError(f"{name}: {tokens} tokens make no complete block of {L.BLOCK_TOKENS}; "
+                         "there is nothing to measure")
+    calibration.check_shape(layers, heads, dim)
+    ids = list(range(layers)) if layer_ids is None else [int(i) for i in layer_ids]
+    if len(ids) != layers:
+        raise InputError(f"{len(ids)} layer ids given for {layers} layers")
+    return bits, ids
+
+
 def measure(k, v, calibration: Calibration, *, layer_ids=None, show_progress: bool | None = None,
             adapt: bool = True, segment_tokens: int | None = None) -> CacheStats:
     """Measure caches ``k``, ``v`` ``[layers, kv_heads, tokens, head_dim]`` coded with ``calibration``.
@@ -226,17 +246,8 @@ def measure(k, v, calibration: Calibration, *, layer_ids=None, show_progress: bo
     learned = calibration.copy()
     out = {}
     for kind, name, x in ((L.KIND_K, "k", k), (L.KIND_V, "v", v)):
-        bits = as_bits(x, name, ndim=4)
+        bits, ids = measured_cache(x, name, calibration, layer_ids)
         layers, heads, tokens, dim = bits.shape
-        if dim not in L.SUPPORTED_HEAD_DIMS:
-            raise InputError(f"{name}: head_dim {dim} is not supported; GAAC v1 supports {L.SUPPORTED_HEAD_DIMS}")
-        if tokens < L.BLOCK_TOKENS:
-            raise InputError(f"{name}: {tokens} tokens make no complete block of {L.BLOCK_TOKENS}; "
-                             "there is nothing to measure")
-        calibration.check_shape(layers, heads, dim)
-        ids = list(range(layers)) if layer_ids is None else [int(i) for i in layer_ids]
-        if len(ids) != layers:
-            raise InputError(f"{len(ids)} layer ids given for {layers} layers")
         span = (segment_tokens or tokens) // L.BLOCK_TOKENS                # blocks per segment
         per_layer = []
         for layer in progress(range(layers), desc=f"stats {name}", unit="layer", enable=show_progress):

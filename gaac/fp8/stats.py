@@ -30,9 +30,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import layout as L
-from ..arrays import as_bits
 from ..errors import InputError
 from ..tiles import block_tiles, cache_blocks, tile_bases
+from ..stats import measured_cache
 from .calibration import FP8Calibration, calibrate_fp8
 from .codec import decode_tiles, encode_tiles, tile_exponents
 from .convert import bf16_to_float, cache_to_fp8, fp8_to_float
@@ -196,17 +196,8 @@ def measure_fp8(k, v, calibration: FP8Calibration, *, layer_ids=None) -> FP8Cach
     modes = calibration.modes
     out = {}
     for kind, name, x in ((L.KIND_K, "k", k), (L.KIND_V, "v", v)):
-        bits = as_bits(x, name, ndim=4)
+        bits, ids = measured_cache(x, name, calibration, layer_ids)
         layers, heads, tokens, dim = bits.shape
-        if dim not in L.SUPPORTED_HEAD_DIMS:
-            raise InputError(f"{name}: head_dim {dim} is not supported; GAAC supports {L.SUPPORTED_HEAD_DIMS}")
-        if tokens < L.BLOCK_TOKENS:
-            raise InputError(f"{name}: {tokens} tokens make no complete block of {L.BLOCK_TOKENS}; "
-                             "there is nothing to measure")
-        calibration.check_shape(layers, heads, dim)
-        ids = list(range(layers)) if layer_ids is None else [int(i) for i in layer_ids]
-        if len(ids) != layers:
-            raise InputError(f"{len(ids)} layer ids given for {layers} layers")
         scales = calibration.scale_log2[kind].astype(np.int64)
         fp8 = cache_to_fp8(bits, modes.fmt, scales)
         tallies = [measure_fp8_layer(fp8[layer], *calibration.bases(layer, kind),
