@@ -31,8 +31,8 @@ import numpy as np
 
 from .. import layout as L
 from ..errors import InputError
-from ..tiles import block_tiles, cache_blocks, tile_bases
 from ..stats import measured_cache
+from ..tiles import block_tiles, cache_blocks, tile_bases
 from .calibration import FP8Calibration, calibrate_fp8
 from .codec import decode_tiles, encode_tiles, tile_exponents
 from .convert import bf16_to_float, cache_to_fp8, fp8_to_float
