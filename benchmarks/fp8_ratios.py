@@ -85,7 +85,8 @@ def bf16_rows(data: dict) -> list[dict]:
     rows = []
     for prompt, (k, v) in data.items():
         for how, (ck, cv) in (("self", (k, v)), ("cross", others(data, prompt))):
-            rows.append({"prompt": prompt, "calibration": how, **kv_summary(measure(k, v, calibrate(ck, cv), adapt=False))})
+            stats = measure(k, v, calibrate(ck, cv), adapt=False)
+            rows.append({"prompt": prompt, "calibration": how, **kv_summary(stats)})
     return rows
 
 
