@@ -48,8 +48,21 @@ MAX_EPOCH = 0xFFFF                 # the block header's epoch is a u16
 class CacheShape:
     """Checks every calibration (BF16 or FP8) makes of the caches it is used with.
 
-    Subclasses provide ``layers``, ``kv_heads``, ``head_dim`` and ``model``.
+    Subclasses provide ``model`` and ``base_table``, any ``[2, layers, kv_heads, head_dim]``
+    table of bases, from which the cache shape is read.
     """
+
+    @property
+    def layers(self) -> int:
+        return self.base_table.shape[1]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.base_table.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.base_table.shape[3]
 
     def check_shape(self, layers: int | None, kv_heads: int, head_dim: int) -> None:
         """Raise :class:`CalibrationError` unless this calibration is for caches of that shape."""
@@ -104,16 +117,8 @@ class Calibration(CacheShape):
 
     # -- shape ---------------------------------------------------------------
     @property
-    def layers(self) -> int:
-        return self.b3.shape[1]
-
-    @property
-    def kv_heads(self) -> int:
-        return self.b3.shape[2]
-
-    @property
-    def head_dim(self) -> int:
-        return self.b3.shape[3]
+    def base_table(self) -> np.ndarray:
+        return self.b3
 
     def validate(self) -> None:
         """FORMAT.md 3.2: the rules a calibration must satisfy before any stream is read with it."""

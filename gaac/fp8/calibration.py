@@ -71,16 +71,8 @@ class FP8Calibration(CacheShape):
         return self.modes.fmt.element
 
     @property
-    def layers(self) -> int:
-        return self.b_narrow.shape[1]
-
-    @property
-    def kv_heads(self) -> int:
-        return self.b_narrow.shape[2]
-
-    @property
-    def head_dim(self) -> int:
-        return self.b_narrow.shape[3]
+    def base_table(self) -> np.ndarray:
+        return self.b_narrow
 
     @property
     def geometry(self) -> FP8TileGeometry:
