@@ -97,16 +97,40 @@ def reference_attention(q, ks, vs, scale: float | None = None, dtype=np.float64)
 # Building LayerViews from dense caches (tests, benchmarks).
 
 def _pair_base_words(b3, b4) -> np.ndarray:
-    """Per-channel bases ``[Hkv, D]`` -> pair words ``[Hkv, 4, D/2]`` int32: rows b3, b4, 0, 0.
+    """Per-channel bases ``[..., Hkv, D]`` -> pair words ``[..., Hkv, 4, D/2]`` int32: rows b3, b4, 0, 0.
 
     Word ``p`` of a row is ``b[2p] << 7 | b[2p+1] << 23``: the exponent fields of two BF16
     lanes, which the kernel adds to a code pair; the row is the group's mode tag (the base of a
     raw group is 0; tag 3 is reserved and flagged).  See gaac.cuda.attention.
     """
     rows = [np.asarray(b).astype(np.int32) for b in (b3, b4)]
-    rows = [(x[:, 0::2] << 7) | (x[:, 1::2] << 23) for x in rows]
+    rows = [(x[..., 0::2] << 7) | (x[..., 1::2] << 23) for x in rows]
     zero = np.zeros_like(rows[0])
-    return np.stack([rows[0], rows[1], zero, zero], axis=1)
+    return np.stack([rows[0], rows[1], zero, zero], axis=-2)
+
+
+def _epoch_bases(view: LayerView) -> np.ndarray:
+    """The kernel's base table: pair words ``[2, E, Hkv, 4, D/2]`` int32, ``E`` = the larger epoch count of
+    K and V (the other kind's rows past its own count are zero and never read: the kernel flags such
+    an epoch instead)."""
+    words = [_pair_base_words(*(np.asarray(_host(b[kind])) for b in (view.b3, view.b4))) for kind in range(2)]
+    words = [w[None] if w.ndim == 3 else w for w in words]
+    n = max(len(w) for w in words)
+    out = np.zeros((2, n, *words[0].shape[1:]), np.int32)
+    for kind, w in enumerate(words):
+        out[kind, :len(w)] = w
+    return out
+
+
+def n_epochs(view: LayerView, kind: int) -> int:
+    """Epochs whose bases the view holds for ``kind`` (1 for 2-D bases)."""
+    b3 = view.b3[kind]
+    return 1 if len(b3.shape) == 2 else int(b3.shape[0])
+
+
+def block_epochs(view: LayerView, kind: int):
+    """The epoch array of ``kind`` (int16 ``[batch, max_blocks]``), or None when every block is epoch 0."""
+    return None if view.epoch is None else view.epoch[kind]
 
 
 @dataclass
@@ -156,7 +180,7 @@ def _shape_of(k, max_blocks):
 
 
 def view_from_dense(k, v, b3, b4, capacity, *, max_blocks: int | None = None, rng=None,
-                    tail_fill: int = 0x7FC1) -> LayerView:
+                    tail_fill: int = 0x7FC1, epochs=None) -> LayerView:
     """Encode dense caches into a compressed :class:`LayerView` (NumPy arrays).
 
     ``k[b]``, ``v[b]``: BF16 bits ``[Hkv, L_b, D]`` of sequence ``b``; ``b3``/``b4``: ``(K, V)``
@@ -165,6 +189,10 @@ def view_from_dense(k, v, b3, b4, capacity, *, max_blocks: int | None = None, rn
     tail, whose unused rows hold ``tail_fill`` (a NaN by default: attention must ignore them).
     With ``rng``, physical slot and raw indices are shuffled so that the table's indirection is
     exercised.
+
+    ``epochs``: calibration epochs (FORMAT.md 3.5), a ``(K, V)`` pair of int ``[B, max_blocks]`` arrays
+    giving each complete block's epoch; ``b3``/``b4`` are then ``[E, Hkv, D]`` per kind (row ``e`` =
+    epoch ``e``'s bases) and the view carries ``epoch`` as int16.
     """
     kv_heads, d, lens, nfull, mb = _shape_of(k, max_blocks)
     geo = L.geometry(d)
@@ -173,8 +201,9 @@ def view_from_dense(k, v, b3, b4, capacity, *, max_blocks: int | None = None, rn
     for kind, xs in enumerate((k, v)):
         tiles = _full_block_tiles(xs, nfull)
         n = tiles.shape[0]
-        tb3, tb4 = tile_bases(np.asarray(b3[kind]), np.asarray(b4[kind]))
-        enc = encode_tiles(tiles, np.tile(tb3, (n // per, 1)), np.tile(tb4, (n // per, 1)), int(capacity[kind]))
+        tb3, tb4 = _block_tile_bases(np.asarray(b3[kind]), np.asarray(b4[kind]),
+                                     None if epochs is None else np.asarray(epochs[kind]), nfull)
+        enc = encode_tiles(tiles, tb3, tb4, int(capacity[kind]))
         fit, over = np.flatnonzero(enc.fits), np.flatnonzero(~enc.fits)
         slot_at = rng.permutation(len(fit)) if rng is not None else np.arange(len(fit))
         raw_at = rng.permutation(len(over)) if rng is not None else np.arange(len(over))
@@ -191,7 +220,25 @@ def view_from_dense(k, v, b3, b4, capacity, *, max_blocks: int | None = None, rn
     return LayerView(slots=tuple(slots), raw=tuple(raws), table=tuple(tables),
                      b3=tuple(np.asarray(x, np.uint8) for x in b3), b4=tuple(np.asarray(x, np.uint8) for x in b4),
                      capacity=(int(capacity[0]), int(capacity[1])), tail_k=_tail(k, lens, tail_fill),
-                     tail_v=_tail(v, lens, tail_fill), seq_lens=lens, kv_heads=kv_heads, head_dim=d)
+                     tail_v=_tail(v, lens, tail_fill), seq_lens=lens, kv_heads=kv_heads, head_dim=d,
+                     epoch=None if epochs is None else tuple(np.ascontiguousarray(e, np.int16) for e in epochs))
+
+
+def _block_tile_bases(b3, b4, epochs, nfull):
+    """Per-tile bases ``[n, C]`` of the complete blocks in table order: each block's epoch's bases
+    (``b3``/``b4`` ``[E, Hkv, D]`` with ``epochs`` ``[B, max_blocks]``), or the one table ``[Hkv, D]``."""
+    if epochs is not None and b3.ndim == 2:
+        b3, b4 = b3[None], b4[None]
+    if epochs is None:
+        tb3, tb4 = tile_bases(b3, b4)
+        n = int(np.sum(nfull))
+        return np.tile(tb3, (n, 1)), np.tile(tb4, (n, 1))
+    per_epoch = [tile_bases(b3[e], b4[e]) for e in range(len(b3))]
+    order = np.concatenate([epochs[b, :n] for b, n in enumerate(nfull)]).astype(np.int64)
+    if order.size and (order.min() < 0 or order.max() >= len(b3)):
+        raise InputError(f"a block's epoch is outside the {len(b3)} epochs whose bases are given")
+    pick = lambda i: np.concatenate([per_epoch[e][i] for e in order]) if order.size else per_epoch[0][i][:0]  # noqa: E731
+    return pick(0), pick(1)
 
 
 def plain_view(k, v, *, max_blocks: int | None = None, tail_fill: int = 0x7FC1) -> LayerView:
@@ -225,7 +272,8 @@ def gather_dense(view: LayerView) -> DenseLayer:
     out = ([], [])
     for kind in range(2):
         table = np.asarray(v_.table[kind]).view(np.uint32)
-        tb3, tb4 = tile_bases(np.asarray(v_.b3[kind]), np.asarray(v_.b4[kind]))
+        eps = block_epochs(v_, kind)
+        b3s, b4s = np.asarray(v_.b3[kind]), np.asarray(v_.b4[kind])
         slots = np.asarray(v_.slots[kind])
         raw = np.asarray(v_.raw[kind]).view(np.uint16)
         tail = np.asarray(v_.tail_k if kind == 0 else v_.tail_v).view(np.uint16)
@@ -239,9 +287,9 @@ def gather_dense(view: LayerView) -> DenseLayer:
                 tiles[is_raw] = raw[idx[is_raw]]
             comp = np.flatnonzero(~is_raw)
             if comp.size:
-                per = kv_heads * tph
-                tiles[comp] = decode_tiles(slots[idx[comp]], tb3[comp % per], tb4[comp % per],
-                                           v_.capacity[kind], c)
+                tb3, tb4 = _block_tile_bases(b3s, b4s, None if eps is None else np.asarray(eps)[b:b + 1],
+                                             np.array([nfull]))
+                tiles[comp] = decode_tiles(slots[idx[comp]], tb3[comp], tb4[comp], v_.capacity[kind], c)
             blocks = [untile(tiles[i * kv_heads * tph:(i + 1) * kv_heads * tph], kv_heads, d) for i in range(nfull)]
             full = np.concatenate(blocks, axis=1) if blocks else np.zeros((kv_heads, 0, d), np.uint16)
             rest = int(lens[b]) - nfull * L.BLOCK_TOKENS
@@ -259,7 +307,8 @@ def _host_view(view: LayerView) -> LayerView:
                      table=tuple(h(x) for x in view.table), b3=tuple(h(x) for x in view.b3),
                      b4=tuple(h(x) for x in view.b4), capacity=view.capacity, tail_k=h(view.tail_k),
                      tail_v=h(view.tail_v), seq_lens=h(view.seq_lens), kv_heads=view.kv_heads,
-                     head_dim=view.head_dim)
+                     head_dim=view.head_dim,
+                     epoch=None if view.epoch is None else tuple(None if e is None else h(e) for e in view.epoch))
 
 
 def view_to(view: LayerView, device) -> LayerView:
@@ -273,7 +322,8 @@ def view_to(view: LayerView, device) -> LayerView:
                      table=tuple(t(x) for x in view.table), b3=tuple(t(x) for x in view.b3),
                      b4=tuple(t(x) for x in view.b4), capacity=view.capacity, tail_k=t(view.tail_k),
                      tail_v=t(view.tail_v), seq_lens=t(view.seq_lens), kv_heads=view.kv_heads,
-                     head_dim=view.head_dim)
+                     head_dim=view.head_dim,
+                     epoch=None if view.epoch is None else tuple(None if e is None else t(e) for e in view.epoch))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -308,10 +358,6 @@ def _check_view(view: LayerView, device) -> None:
     geo = L.TileGeometry(c)
     batch = view.seq_lens.shape[0] if hasattr(view.seq_lens, "shape") else -1
     _check(view.seq_lens, "seq_lens", "int32", (None,), device)
-    if view.epoch is not None and any(e is not None for e in view.epoch):
-        # The kernels read one base table per layer; refusing is better than decoding with the wrong bases.
-        raise InputError("this LayerView has calibration epochs (FORMAT.md 3.5): decode_attention reads only "
-                         "epoch-0 bases so far; decode such blocks with gaac.decode_block instead")
     for kind, kn in enumerate("kv"):
         cap = view.capacity[kind]
         if cap % L.SLOT_ALIGN or not 0 <= cap <= geo.max_useful_capacity:
@@ -320,8 +366,14 @@ def _check_view(view: LayerView, device) -> None:
         _check(view.slots[kind], f"slots[{kn}]", "uint8", (None, geo.slot_bytes(cap)), device)
         _check(view.raw[kind], f"raw[{kn}]", "int16", (None, L.BLOCK_TOKENS, c), device)
         _check(view.table[kind], f"table[{kn}]", "int32", (batch, None, hk * tph), device)
-        _check(view.b3[kind], f"b3[{kn}]", "uint8", (hk, d), device)
-        _check(view.b4[kind], f"b4[{kn}]", "uint8", (hk, d), device)
+        bshape = (hk, d) if len(view.b3[kind].shape) == 2 else (None, hk, d)
+        _check(view.b3[kind], f"b3[{kn}]", "uint8", bshape, device)
+        _check(view.b4[kind], f"b4[{kn}]", "uint8", (n_epochs(view, kind), hk, d)[-len(bshape):], device)
+        if bshape[0] == 0:
+            raise InputError(f"b3[{kn}]: no epoch's bases")
+        eps = block_epochs(view, kind)
+        if eps is not None:
+            _check(eps, f"epoch[{kn}]", "int16", (batch, view.table[kind].shape[1]), device)
     _check(view.tail_k, "tail_k", "int16", (batch, hk, L.BLOCK_TOKENS, d), device)
     _check(view.tail_v, "tail_v", "int16", (batch, hk, L.BLOCK_TOKENS, d), device)
 
@@ -424,7 +476,8 @@ class AttentionPlan:
         work = np.asarray(work, dtype=np.int32).reshape(-1)
         self._kernel = K.attention_kernel(d, plain, variant, nstage, 0 if plain else stage, overlap, max_registers)
         self._merge = K.merge_kernel(d)
-        bases = np.stack([_pair_base_words(_host(view.b3[k]), _host(view.b4[k])) for k in range(2)]).astype(np.int32)
+        bases = _epoch_bases(view)
+        self.n_epochs = (n_epochs(view, 0), n_epochs(view, 1))
         if K.SIMULATOR:
             alloc = lambda shape, dt: np.zeros(shape, dt)  # noqa: E731
             self._work, self._split0, self._bases = work, split0, bases
@@ -438,6 +491,19 @@ class AttentionPlan:
             self._split0 = torch.from_numpy(split0).to(dev)
             self._bases = torch.from_numpy(bases).to(dev)
             flat = lambda x, dt=None: (x if dt is None else x.view(getattr(torch, dt))).reshape(-1)  # noqa: E731
+        # Blocks without recorded epochs are epoch 0: one zero array serves both kinds.
+        zeros = None
+        eps = []
+        for kind in range(2):
+            e = block_epochs(view, kind)
+            if e is None:
+                zeros = alloc((self.batch, mb), "int16") if zeros is None else zeros
+                if K.SIMULATOR:
+                    zeros[:] = 0
+                else:
+                    zeros.zero_()
+                e = zeros
+            eps.append(e)
         self.o_part = alloc((self.n_work * hk * self.g * d,), "float32")
         self.lse_part = alloc((self.n_work * hk * self.g,), "float32")
         self.status = alloc((1,), "int32")
@@ -445,9 +511,9 @@ class AttentionPlan:
         self._arrays = (flat(view.slots[0]), flat(view.slots[1]), flat(view.raw[0], "uint8"),
                         flat(view.raw[1], "uint8"), flat(view.table[0]), flat(view.table[1]),
                         flat(view.tail_k, "uint8"), flat(view.tail_v, "uint8"), flat(self._bases),
-                        flat(view.seq_lens), flat(self._work))
+                        flat(eps[0]), flat(eps[1]), flat(view.seq_lens), flat(self._work))
         self._alloc = alloc
-        self._scalars = (mb, hk, self.g, *self._sizes, *view.capacity)
+        self._scalars = (mb, hk, self.g, *self._sizes, *view.capacity, *self.n_epochs)
         self._scale_log2 = np.float32(self.scale * 1.4426950408889634)
         if not K.SIMULATOR:
             from .cuda.codec import _params
@@ -517,7 +583,9 @@ class AttentionPlan:
         s = int(self.status[0])
         why = [text for bit, text in ((self._K.STATUS_BAD_TAG, "a group has the reserved mode tag 3"),
                                       (self._K.STATUS_BAD_ESCAPES,
-                                       "a slot's tags need more escape bytes than its capacity")) if s & bit]
+                                       "a slot's tags need more escape bytes than its capacity"),
+                                      (self._K.STATUS_BAD_EPOCH,
+                                       "a block's epoch has no bases in the view")) if s & bit]
         if why:
             raise FormatError("decode attention: " + "; ".join(why))
 

@@ -271,17 +271,57 @@ def test_paged_cache_view_with_an_empty_row(rng):
     assert (cpu[2] == 0).all() and np.linalg.norm(cpu - ref) / np.linalg.norm(ref) < 3e-3
 
 
-def test_views_with_calibration_epochs_are_refused():
-    """Blocks of epoch > 0 need other bases than the kernel reads: refused, never decoded wrongly."""
-    import dataclasses
+def epoch_view(rng, d=64, heads=1, lens=(80, 50), bad=False):
+    """Two calibration epochs (FORMAT.md 3.5) over drifting caches: the first 32 tokens of each
+    sequence are small, the rest 2^6 larger, so epoch 0's windows (calibrated on the small part)
+    would send the later tiles to raw tiles or decode them wrongly; the later blocks are encoded
+    with epoch 1's bases, K's from block 2 and V's from block 3 (epochs are per kind)."""
+    def drifting(n):
+        x = rng.standard_normal((heads, n, d)).astype(np.float32)
+        x[:, 32:] *= 64
+        x[rng.random(x.shape) < 0.001] *= 1e4                # a few raw groups
+        return float_to_bf16(x)
+    ks = [drifting(n) for n in lens]
+    vs = [drifting(n) for n in lens]
+    cals = [gaac.calibrate(np.concatenate([k[:, a:b] for k in ks], axis=1)[None],
+                           np.concatenate([v[:, a:b] for v in vs], axis=1)[None], capacity=48)
+            for a, b in ((0, 32), (32, None))]
+    b3 = tuple(np.stack([c.b3[kind, 0] for c in cals]) for kind in range(2))
+    b4 = tuple(np.stack([c.b4[kind, 0] for c in cals]) for kind in range(2))
+    mb = max(lens) // L.BLOCK_TOKENS
+    epochs = (np.where(np.arange(mb) >= 2, 1, 0)[None].repeat(len(lens), 0),
+              np.where(np.arange(mb) >= 3, 1, 0)[None].repeat(len(lens), 0))
+    view = view_from_dense(ks, vs, b3, b4, (48, 48), rng=rng, epochs=epochs)
+    assert all((np.asarray(t)[0, :4] >= 0).mean() > 0.5 for t in view.table)      # mostly slots
+    if bad:
+        view.epoch[1][0, 1] = 2          # no bases for epoch 2
+    return ks, vs, view
 
-    rng = np.random.default_rng(7)
-    k = [rng.integers(0x3C00, 0x4000, size=(2, 40, 64), dtype=np.uint16)]
-    v = [rng.integers(0x3C00, 0x4000, size=(2, 40, 64), dtype=np.uint16)]
-    bases = np.full((2, 64), 120, np.uint8)
-    view = view_from_dense(k, v, (bases, bases), (bases, bases), (32, 32))
-    q = rng.integers(0x3C00, 0x4000, size=(1, 4, 64), dtype=np.uint16)
-    assert np.asarray(decode_attention(q, view)).shape[-1] == 64
-    epochs = np.zeros(np.asarray(view.table[0]).shape[:2], np.int16)
-    with pytest.raises(InputError, match="epochs"):
-        decode_attention(q, dataclasses.replace(view, epoch=(epochs, epochs)))
+
+def test_calibration_epochs_per_block(rng):
+    """Every block is decoded with its own epoch's bases: the CPU path is lossless, and the kernel
+    (bases reloaded where a split crosses an epoch boundary, or loaded per split) matches float64."""
+    ks, vs, view = epoch_view(rng)
+    assert view.epoch[0].dtype == np.int16 and view.b3[0].shape == (2, 1, 64)
+    dense = gather_dense(view)
+    for b in range(2):
+        np.testing.assert_array_equal(dense.k[b], ks[b])
+        np.testing.assert_array_equal(dense.v[b], vs[b])
+    # Read with only epoch 0's bases the later blocks come out different: the epochs matter.
+    import dataclasses
+    wrong = gather_dense(dataclasses.replace(view, epoch=None, b3=tuple(b[0] for b in view.b3),
+                                             b4=tuple(b[0] for b in view.b4)))
+    assert not np.array_equal(wrong.k[0], ks[0])
+    for bps in (4, 1):
+        check_against_reference(rng, ks, vs, 2, view=view, blocks_per_split=bps)
+
+
+def test_bad_block_epoch_is_flagged(rng):
+    ks, vs, view = epoch_view(rng, lens=(40,), bad=True)
+    q = float_to_bf16(rng.standard_normal((1, 2, 64)).astype(np.float32))
+    p = AttentionPlan(view, 2)
+    p.run(q)
+    with pytest.raises(FormatError, match="epoch"):
+        p.check_status()
+    with pytest.raises(InputError, match="epoch"):
+        decode_attention(q, view, backend="cpu")

@@ -102,6 +102,7 @@ _NEG_INF = float("-inf")
 # Status bits (``status[0]``, OR-ed in): set by the kernel when a slot breaks FORMAT.md section 8.
 STATUS_BAD_TAG = 1
 STATUS_BAD_ESCAPES = 2
+STATUS_BAD_EPOCH = 4         # a block's epoch is not below the view's epoch count (its bases: epoch 0's)
 
 
 
@@ -872,11 +873,17 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
     ``C = min(D, 128)``, ``T = D // C``): ``q32`` int32 ``[B*Hq*D/2]`` (BF16 pairs); ``slots_k/v``
     uint8 slot pools (flat); ``raw_k/v`` uint8 raw-tile pools (flat, 32*C bytes a tile);
     ``table_k/v`` int32 ``[B*MB*Hkv*T]``; ``tail_k/v`` uint8 ``[B*Hkv*16*D*2]``; ``bases`` int32
-    ``[2, Hkv, 4, D/2]`` pair words (b3, b4, zeros, zeros); ``seq_lens`` int32 ``[B]``; ``work``
-    int32 ``[W*3]`` (sequence, first block, end block); out ``o_part`` float32 ``[W*Hkv*g*D]``,
-    ``lse_part`` float32 ``[W*Hkv*g]`` (log2 domain); ``status`` int32 ``[1]``; then
-    ``max_blocks, kv_heads, g, slot_bytes_k, slot_bytes_v, cap_k, cap_v`` and ``scale_log2``.
-    Grid ``(W, Hkv)``, one warp per block.
+    ``[2, E, Hkv, 4, D/2]`` pair words (b3, b4, zeros, zeros) of each calibration epoch;
+    ``epoch_k/v`` int16 ``[B*MB]`` each block's epoch (FORMAT.md 3.5); ``seq_lens`` int32 ``[B]``;
+    ``work`` int32 ``[W*3]`` (sequence, first block, end block); out ``o_part`` float32
+    ``[W*Hkv*g*D]``, ``lse_part`` float32 ``[W*Hkv*g]`` (log2 domain); ``status`` int32 ``[1]``; then
+    ``max_blocks, kv_heads, g, slot_bytes_k, slot_bytes_v, cap_k, cap_v, epochs_k, epochs_v`` (epoch
+    counts; ``E = max``) and ``scale_log2``.  Grid ``(W, Hkv)``, one warp per block.
+
+    Epochs: a split's blocks are in token order, and epochs never decrease along a sequence, so
+    the warp keeps one epoch's bases per kind in shared memory and reloads a kind's rows (8 words
+    a lane) only at the block where its epoch changes -- at most once per 8 blocks by the
+    adaptation rule, usually never within a split.
     """
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; one of {VARIANTS}")
@@ -900,9 +907,10 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
     BASES = DEC + TB
     PAIRS = D // 2                      # base pair words per row of one kind
     RS = base_row_words(D)              # words per base row in shared memory
-    BASE_PER_LANE = 0 if plain else 2 * BASE_ROWS * PAIRS // WARP
     SMEM_WORDS = smem_bytes(C, T, NS, plain, SB) // 4
     NENT = MAX_BLOCKS_PER_SPLIT * 2 * T
+    KIND_BASE = BASE_ROWS * PAIRS       # base words of one kind, one head, one epoch
+    KIND_PER_LANE = 0 if plain else KIND_BASE // WARP
     TILE_BYTES = L.BLOCK_TOKENS * C * 2
     decode, decode_tags, decode_loads, decode_compute, decode_fix, SIZES = _decode_tile_fn(C)
     SM_WORDS, CODE_ARRAY, GPL, BASE_WORDS = SIZES
@@ -1034,14 +1042,32 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
             acc0[o], acc1[o], acc0[o + 1], acc1[o + 1] = mma_pair(
                 pa0, pa2, x0, x1, x2, x3, acc0[o], acc1[o], acc0[o + 1], acc1[o + 1], scr)
 
+    @device
+    def load_bases(smem, bases, kind, e, ne, h, kv_heads, lane):
+        """Copy epoch ``e``'s base rows of ``kind`` and head ``h`` into shared memory (unrolled: every
+        load in flight before the first store); ``ne`` = the larger epoch count of K and V."""
+        src = ((kind * ne + e) * kv_heads + h) * KIND_BASE
+        for k in range(KIND_PER_LANE):
+            i = lane + WARP * k
+            smem[BASES // 4 + (kind * BASE_ROWS + i // PAIRS) * RS + i % PAIRS] = bases[src + i]
+
+    @device
+    def checked_epoch(e, n, status):
+        """A block's epoch, or 0 with :data:`STATUS_BAD_EPOCH` flagged if the view has no bases for it."""
+        if e < 0 or e >= n:
+            cuda.atomic.or_(status, 0, STATUS_BAD_EPOCH)
+            return i32(0)
+        return i32(e)
+
     jit = cuda.jit if max_registers is None or SIMULATOR else cuda.jit(max_registers=max_registers)
 
     @jit
-    def kernel(q32, slots_k, slots_v, raw_k, raw_v, table_k, table_v, tail_k, tail_v, bases, seq_lens, work,
-               o_part, lse_part, status, max_blocks, kv_heads, g, slot_bytes_k, slot_bytes_v, cap_k, cap_v,
-               scale_log2):
+    def kernel(q32, slots_k, slots_v, raw_k, raw_v, table_k, table_v, tail_k, tail_v, bases, epoch_k, epoch_v,
+               seq_lens, work, o_part, lse_part, status, max_blocks, kv_heads, g, slot_bytes_k, slot_bytes_v, cap_k,
+               cap_v, epochs_k, epochs_v, scale_log2):
         smem = cuda.shared.array(SMEM_WORDS, uint32, alignment=SMEM_ALIGN)
         ents = cuda.shared.array(NENT, int32)
+        eps = cuda.shared.array(2 * MAX_BLOCKS_PER_SPLIT, int32)
         scr = cuda.shared.array(SCRATCH_WORDS, uint32)
         scratch_init(scr)
         sb = smem_base(smem)
@@ -1065,10 +1091,21 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
             j = i % T
             row = (b * max_blocks + blk) * (kv_heads * T) + h * T + j
             ents[i] = table_k[row] if (i // T) % 2 == 0 else table_v[row]
-        for k in range(BASE_PER_LANE):      # unrolled: every load is in flight before the first store
-            i = lane + WARP * k
-            smem[BASES // 4 + (i // PAIRS) * RS + i % PAIRS] = bases[((i // (BASE_ROWS * PAIRS)) * kv_heads + h)
-                                                                      * BASE_ROWS * PAIRS + i % (BASE_ROWS * PAIRS)]
+        ne = max(epochs_k, epochs_v)
+        nblk = i32(max(min(blk1, nfull) - blk0, 0))
+        for i in range(lane, 2 * nblk, WARP):
+            row = b * max_blocks + blk0 + i // 2
+            eps[i] = checked_epoch(i32(epoch_k[row]), epochs_k, status) if i % 2 == 0 else \
+                checked_epoch(i32(epoch_v[row]), epochs_v, status)
+        cur_k = i32(0)
+        cur_v = i32(0)
+        if not plain:
+            if nblk > 0:
+                row = b * max_blocks + blk0
+                cur_k = checked_epoch(i32(epoch_k[row]), epochs_k, status)
+                cur_v = checked_epoch(i32(epoch_v[row]), epochs_v, status)
+            load_bases(smem, bases, 0, cur_k, ne, h, kv_heads, lane)
+            load_bases(smem, bases, 1, cur_v, ne, h, kv_heads, lane)
         # Query fragments (A operand: rows = query heads of the group; rows >= g are zero).
         qa0 = cuda.local.array(NCHUNK, uint32)
         qa2 = cuda.local.array(NCHUNK, uint32)
@@ -1112,6 +1149,15 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
             st = i % NS
             is_tail = blk >= nfull
             valid = tail_valid if is_tail else i32(L.BLOCK_TOKENS)
+            if not plain and not is_tail and (eps[2 * i] != cur_k or eps[2 * i + 1] != cur_v):
+                # An epoch boundary (warp-uniform): the previous block's decode is done (barrier above).
+                if eps[2 * i] != cur_k:
+                    cur_k = eps[2 * i]
+                    load_bases(smem, bases, 0, cur_k, ne, h, kv_heads, lane)
+                if eps[2 * i + 1] != cur_v:
+                    cur_v = eps[2 * i + 1]
+                    load_bases(smem, bases, 1, cur_v, ne, h, kv_heads, lane)
+                warp_sync(scr)
             for c in range(8):
                 sc[c] = f32(0)
             if overlap and not is_tail and ents[2 * i] >= 0 and ents[2 * i + 1] >= 0:
