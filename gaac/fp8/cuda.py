@@ -1,0 +1,628 @@
+"""numba.cuda kernels that encode FP8 tiles into GAAC-FP8 slots and decode them, bit-exact with gaac/fp8/codec.py.
+
+Contract
+========
+The contract of :mod:`gaac.cuda.codec` (read its docstring), with FP8 elements.
+Arrays are torch CUDA tensors (NumPy arrays or torch CPU tensors under the CUDA
+simulator), C-contiguous, starting on a 16-byte boundary.  A plan is built for
+one **mode set** (an FP8 format name such as ``"fp8_e4m3"``, an
+:class:`~gaac.fp8.layout.FP8Format`, or a :class:`~gaac.fp8.layout.ModeSet`),
+``C = min(head_dim, 128)``, ``N = 16*C``, ``G = N/8``;
+``slot_bytes = FP8TileGeometry(C, modes).slot_bytes(capacity)`` (FORMAT-FP8.md 5.1).
+
+Encode (:class:`FP8EncodePlan`), one launch for any number of tiles ``n``:
+
+* ``bits``     uint8 ``[n, 16, C]``  -- FP8 bit patterns (``float8_e4m3fn`` / ``float8_e5m2`` tensors
+  as ``.view(torch.uint8)``), tile order of :func:`gaac.tiles.block_tiles`;
+* ``bases``    uint8 ``[P, 2, C]``   -- :func:`pack_bases`: narrow bases, then wide bases; tile ``i``
+  uses row ``i % P``;
+* ``slots``    uint8 ``[S, slot_bytes]`` and ``raw`` uint8 ``[R, 16, C]`` -- the two storage pools
+  (a raw tile is the FP8 bytes as they are, FORMAT-FP8.md 5.2);
+* ``slot_free`` / ``raw_free`` / ``heads`` int32, out ``entries`` / ``escape_used`` int32 ``[n]``:
+  exactly as in :mod:`gaac.cuda.codec` (entry = slot index, or ``raw index | 1 << 31``, or
+  :data:`~gaac.cuda.codec.NO_STORAGE` when a free list ran dry).
+
+Decode (:class:`FP8DecodePlan`): ``entries [n]`` -> ``out`` uint8 ``[n, 16, C]`` and ``status``
+int32 ``[n]``: 0, :data:`~gaac.cuda.codec.BAD_TAG` (reserved mode tag 3, rule R18) or
+:data:`~gaac.cuda.codec.BAD_ESCAPES` (the tags need more escape bytes than ``capacity``, R19);
+the zero padding (R20) is the container decoder's to check, as for BF16.
+
+Kernel shape: the BF16 kernels' (one warp per tile, lane ``l`` owns groups ``32j + l``, the
+storage decision on the device, escape offsets from popcounts over the tag words), with byte
+lanes instead of 16-bit lanes.  A group of 8 FP8 elements is two 32-bit words, one 8-byte load
+per lane per chunk (a warp moves 256 contiguous bytes at a time).  The arithmetic is branch-free
+per element: with ``w = e + (0x80 - base)`` in every byte lane (no carry: ``e, base < 0x80``),
+``v = w ^ 0x80`` is the code ``e - base`` when ``e >= base`` and has bit 7 set otherwise, so a
+group is inside a window of ``2^k`` exactly when ``v`` has no bit ``>= k`` in its 8 bytes.  Codes,
+sign+mantissa fields and escape planes are packed and unpacked with shifts, masks and one
+multiply per escape plane (:func:`_pack4`, :func:`_unpack4`, :func:`_plane_byte`,
+:func:`_spread_plane`).  Bit streams whose group is a whole word (E4M3's sign+mantissa nibbles)
+are written by each lane directly; narrower ones (the 2-bit codes, E5M2's 3-bit fields) and the
+escape bytes are staged in shared memory and written as whole words.
+
+Every number comes from :mod:`gaac.fp8.layout` and :mod:`gaac.layout`; the kernels are built
+per (mode set, tile width) and compiled once.
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from numba import cuda, int32, int64, uint8, uint32
+
+from .. import layout as L
+from ..cuda.bitops import SIMULATOR, WARP, device, funnel_r, ldg2, ldg4, mul32, popc32, stg2, stg4, syncwarp
+from ..cuda.codec import (_DECODE_SIG, _ENCODE_SIG, _RAW_ENTRY_BIAS, _WORD, BAD_ESCAPES, BAD_TAG, NO_STORAGE,
+                          TILES_PER_BLOCK, _array, _check_capacity, _is_torch, _Launcher, _lib, _params, _plain,
+                          _word_params, _words)
+from ..errors import InputError
+from .layout import (MODE_NARROW, MODE_RAW, MODE_WIDE, TILE_WIDTHS, FP8Format, FP8TileGeometry, ModeSet,
+                     mode_set)
+
+__all__ = ["BAD_ESCAPES", "BAD_TAG", "NO_STORAGE", "FP8DecodePlan", "FP8EncodePlan", "decode_tiles", "encode_tiles",
+           "pack_bases"]
+
+_GROUP_WORDS = L.GROUP_SIZE // _WORD             # 32-bit words of one group of FP8 bytes (2)
+# The kernels read a tag as (bit 0 = wide, bit 1 = raw); a tag word's escape bytes are then
+# wide_bytes * popc(even bits) + raw_bytes * popc(odd bits).
+assert (MODE_NARROW, MODE_WIDE, MODE_RAW, L.TAG_BITS, _GROUP_WORDS) == (0, 1, 2, 2, 2), \
+    "the FP8 kernels' tag and group arithmetic no longer matches gaac.layout"
+
+_FLAG = np.uint32(0x80808080)                    # bit 7 of every byte lane
+_BYTE0 = np.uint32(0x01010101)
+_ODD_BITS = np.uint32(0xAAAAAAAA)
+_EVEN_BITS = np.uint32(0x55555555)
+# Multiplying bytes that hold one bit at bit 0 (elements 0..3) and bit 4 (elements 4..7) by this
+# gathers the 8 bits into the top byte, element i at bit 24 + i (no two partial products collide).
+_GATHER = np.uint32(0x01020408)
+# Multiplying a 4-bit value by this puts its bit i at bit 8i (and nowhere else at a multiple of 8).
+_SPREAD = np.uint32(0x00204081)
+_U8 = np.uint32(0xFF)
+
+
+def _bytes(value: int) -> np.uint32:
+    """``value`` (< 256) in all four byte lanes of a word."""
+    return np.uint32(value * 0x01010101)
+
+
+@device
+def _pack4(y, w):
+    """Four ``w``-bit values (``w <= 4``) in bytes 0..3 of ``y`` -> bits 0..4w-1, value k at bit ``w*k``."""
+    pair = uint32(uint32(uint32(1) << uint32(2 * w)) - uint32(1))
+    t = uint32((y | (y >> uint32(8 - w))) & uint32(pair | (pair << uint32(16))))
+    return uint32((t | (t >> uint32(16 - 2 * w))) & uint32(uint32(uint32(1) << uint32(4 * w)) - uint32(1)))
+
+
+@device
+def _unpack4(v, w):
+    """Inverse of :func:`_pack4`: bits 0..4w-1 of ``v`` -> four ``w``-bit values, one per byte."""
+    pair = uint32(uint32(uint32(1) << uint32(2 * w)) - uint32(1))
+    t = uint32(v & uint32(uint32(uint32(1) << uint32(4 * w)) - uint32(1)))
+    t = uint32((t | (t << uint32(16 - 2 * w))) & uint32(pair | (pair << uint32(16))))
+    return uint32((t | (t << uint32(8 - w))) & mul32(uint32(uint32(uint32(1) << uint32(w)) - uint32(1)), _BYTE0))
+
+
+@device
+def _plane_byte(c0, c1, b):
+    """Bit ``b`` of the code bytes of elements 0..3 (``c0``) and 4..7 (``c1``) -> one escape byte,
+    element i at bit i (a bit plane, FORMAT-FP8.md 3.2)."""
+    lo = uint32((c0 >> uint32(b)) & _BYTE0)
+    hi = uint32((c1 >> uint32(b)) & _BYTE0)
+    return uint32(mul32(lo | (hi << uint32(4)), _GATHER) >> uint32(24))
+
+
+@device
+def _spread_plane(byte, b):
+    """Inverse of :func:`_plane_byte`: escape byte -> bit ``b`` of the code bytes of elements 0..3, 4..7."""
+    lo = uint32(mul32(byte & uint32(0xF), _SPREAD) & _BYTE0)
+    hi = uint32(mul32((byte >> uint32(4)) & uint32(0xF), _SPREAD) & _BYTE0)
+    return uint32(lo << uint32(b)), uint32(hi << uint32(b))
+
+
+@device
+def _escape_count(tags, wide, raw):
+    """Escape bytes of the (up to 16) groups whose 2-bit tags are in ``tags``: ``wide`` per tag 1,
+    ``raw`` per tag 2 (a reserved tag 3 counts both; the decoder flags it anyway)."""
+    return uint32(uint32(uint32(popc32(tags & _EVEN_BITS)) * wide) + uint32(uint32(popc32(tags & _ODD_BITS)) * raw))
+
+
+@device
+def _stream_word(stage, warp, w, b):
+    """Word ``w`` of a bit stream whose group ``g`` is the ``b`` bytes (2 or 3) of ``stage[warp, g]``:
+    a word never spans more than two groups."""
+    byte = uint32(w * uint32(_WORD))
+    g0 = uint32(byte // uint32(b))
+    sh = uint32(uint32(8) * (byte % uint32(b)))
+    return uint32((stage[warp, g0] >> sh) | (stage[warp, uint32(g0 + uint32(1))] << uint32(uint32(8 * b) - sh)))
+
+
+def _mode_set(fmt) -> ModeSet:
+    """A mode set from a ModeSet, an FP8Format or a format name (the format's v1 mode set)."""
+    if isinstance(fmt, ModeSet):
+        return fmt
+    try:
+        return mode_set(fmt.name if isinstance(fmt, FP8Format) else fmt)
+    except (ValueError, AttributeError, TypeError):
+        raise InputError(f"unknown FP8 format {fmt!r}: expected a ModeSet, an FP8Format or 'fp8_e4m3'/'fp8_e5m2'") \
+            from None
+
+
+def _geometry(modes: ModeSet, channels: int) -> FP8TileGeometry:
+    if channels not in TILE_WIDTHS:
+        raise InputError(f"tiles of {channels} channels do not exist in GAAC-FP8 (tile widths {TILE_WIDTHS})")
+    return FP8TileGeometry(channels, modes)
+
+
+def _shape(modes: ModeSet, channels: int) -> dict:
+    """The constants a kernel is built with, all from the FP8 layout: word offsets and counts of the slot
+    sections, bytes per group of each bit stream, escape bytes per mode, and byte-lane masks."""
+    geo = _geometry(modes, channels)
+    fmt = modes.fmt
+    sm_b = L.GROUP_SIZE * fmt.sm_bits // 8             # bytes of one group in the sign+mantissa stream
+    code_b = L.GROUP_SIZE * modes.low_bits // 8        # ... in the code stream
+    esc = modes.escape_bytes
+    if not {sm_b, code_b} <= {2, 3, 4} or esc[MODE_RAW] > _WORD:
+        raise InputError(f"mode set {modes.label} of {fmt.name}: the kernels need 2..4-bit low codes")
+    m = fmt.mantissa_bits
+    return dict(
+        G=geo.groups, J=geo.groups // WARP, GPR=geo.groups_per_row, TW=geo.tag_bytes // _WORD,
+        BW=channels // _WORD, TILEW=geo.raw_bytes // _WORD,
+        SMW0=geo.sm_offset // _WORD, SMW=geo.sm_bytes // _WORD, SMB=sm_b,
+        CODEW0=geo.code_offset // _WORD, CODEW=geo.code_bytes // _WORD, CODEB=code_b,
+        TAGW0=geo.tag_offset // _WORD, ESCW0=geo.escape_offset // _WORD,
+        WIDEB=np.uint32(esc[MODE_WIDE]), RAWB=np.uint32(esc[MODE_RAW]), LOW=modes.low_bits, M=m,
+        EXP=_bytes(fmt.max_exponent_field), MANT=_bytes((1 << m) - 1), SIGN=_bytes(1 << m),
+        LOWM=_bytes(modes.narrow_window - 1), OUTN=_bytes(0xFF ^ (modes.narrow_window - 1)),
+        OUTW=_bytes(0xFF ^ (modes.wide_window - 1)))
+
+
+_MN, _MW, _MR = np.uint32(MODE_NARROW), np.uint32(MODE_WIDE), np.uint32(MODE_RAW)
+_ZERO = np.uint32(0)
+
+
+def encode_source(modes: ModeSet, channels: int, tiles_per_block: int = TILES_PER_BLOCK):
+    """The Python function of the encode kernel, the mode set's and tile's constants baked in."""
+    s = _shape(modes, channels)
+    G, J, GPR, TW, BW, LOW, M = (s[k] for k in ("G", "J", "GPR", "TW", "BW", "LOW", "M"))
+    SMW0, SMW, SMB, CODEW0, CODEW, CODEB, TAGW0, ESCW0 = (s[k] for k in ("SMW0", "SMW", "SMB", "CODEW0", "CODEW",
+                                                                        "CODEB", "TAGW0", "ESCW0"))
+    WIDEB, RAWB, EXP, MANT, SIGN, LOWM, OUTN, OUTW = (s[k] for k in ("WIDEB", "RAWB", "EXP", "MANT", "SIGN", "LOWM",
+                                                                     "OUTN", "OUTW"))
+    NRAW = int(RAWB)
+    SM_DIRECT, CODE_DIRECT = SMB == _WORD, CODEB == _WORD
+    TPB = tiles_per_block
+    STAGE = (TPB, G * NRAW)
+    SM_STAGE = (TPB, 1 if SM_DIRECT else G)
+    CODE_STAGE = (TPB, 1 if CODE_DIRECT else G)
+    TAGS = (TPB, TW)
+    SM_ROUNDS, CODE_ROUNDS = -(-SMW // WARP), -(-CODEW // WARP)
+    u = uint32
+
+    def kernel(bits, bases, capacity, slots, slot_free, raw, raw_free, heads, entries, escape_used):
+        stage = cuda.shared.array(STAGE, uint8)            # mode of each group; later the escape bytes
+        smst = cuda.shared.array(SM_STAGE, uint32)         # sign+mantissa fields of each group (staged streams)
+        codest = cuda.shared.array(CODE_STAGE, uint32)     # low codes of each group (staged streams)
+        tagw = cuda.shared.array(TAGS, uint32)             # the tile's tag stream
+        tagc = cuda.shared.array(TAGS, uint32)             # escape bytes of each tag word
+        tot = cuda.shared.array(TPB, uint32)               # escape bytes of each warp's tile
+        cls = cuda.shared.array(TPB, int32)                # per warp: 0 slot, 1 raw tile, 2 no tile
+        base = cuda.shared.array(2, int32)                 # first free-list position of this block's pops
+        sm = cuda.local.array(J, uint32)                   # per group of this lane: sign+mantissa fields,
+        code = cuda.local.array(J, uint32)                 # low codes,
+        esc = cuda.local.array(J, uint32)                  # escape bytes (byte p = plane low_bits + p)
+
+        tid = u(cuda.threadIdx.x)
+        warp = tid // u(WARP)
+        lane = tid % u(WARP)
+        n = u(bits.shape[0])
+        cap = u(capacity)
+        tile = u(u(cuda.blockIdx.x) * u(TPB) + warp)
+        valid = tile < n
+        t = tile if valid else u(n - u(1))                 # a warp past the end mirrors the last tile
+        row = t % u(bases.shape[0])
+        col = u((lane % u(GPR)) * u(_GROUP_WORDS))         # this lane's 8 channels are the same in every chunk
+        n0, n1 = ldg2(bases, row, col)
+        w0, w1 = ldg2(bases, row, u(col + u(BW)))
+        kn0, kn1 = u(_FLAG - n0), u(_FLAG - n1)            # 0x80 - base per byte: no borrow (base < 0x80)
+        kw0, kw1 = u(_FLAG - w0), u(_FLAG - w1)
+
+        # Pass 1, per group: the narrowest mode (FORMAT-FP8.md 3.1), the low codes, the escape bytes
+        # and the sign+mantissa fields (2.2), kept in registers until the storage is known.
+        if lane == _ZERO:
+            tot[warp] = 0
+        modes = u(0)
+        for j in range(J):
+            g = u(u(WARP * j) + lane)
+            x0, x1 = ldg2(bits, t, u(g * u(_GROUP_WORDS)))
+            e0, e1 = u((x0 >> u(M)) & EXP), u((x1 >> u(M)) & EXP)
+            c0, c1 = u(u(e0 + kn0) ^ _FLAG), u(u(e1 + kn1) ^ _FLAG)    # e - b_narrow, bit 7 set if below
+            d0, d1 = u(u(e0 + kw0) ^ _FLAG), u(u(e1 + kw1) ^ _FLAG)
+            if ((c0 | c1) & OUTN) == _ZERO:
+                mode = _MN
+                need = _ZERO
+            elif ((d0 | d1) & OUTW) == _ZERO:
+                mode = _MW
+                need = WIDEB
+                c0, c1 = d0, d1
+            else:
+                mode = _MR
+                need = RAWB
+                c0, c1 = e0, e1
+            code[j] = u(_pack4(u(c0 & LOWM), LOW) | u(_pack4(u(c1 & LOWM), LOW) << u(4 * LOW)))
+            ex = u(0)
+            for p in range(NRAW):
+                if u(p) < need:
+                    ex = u(ex | u(_plane_byte(c0, c1, LOW + p) << u(8 * p)))
+            esc[j] = ex
+            s0 = u(((x0 >> u(7 - M)) & SIGN) | (x0 & MANT))
+            s1 = u(((x1 >> u(7 - M)) & SIGN) | (x1 & MANT))
+            sm[j] = u(_pack4(s0, SMB) | u(_pack4(s1, SMB) << u(4 * SMB)))
+            stage[warp, g] = mode
+            modes = u(modes | u(mode << u(2 * j)))
+        cuda.syncthreads()
+        if lane < u(TW):                                   # tag word w = groups 16w .. 16w+15
+            word = u(0)
+            for i in range(16):
+                word = u(word | u(u(stage[warp, u(u(lane * u(16)) + u(i))]) << u(2 * i)))
+            tagw[warp, lane] = word
+            count = _escape_count(word, WIDEB, RAWB)
+            tagc[warp, lane] = count
+            cuda.atomic.add(tot, warp, count)
+        cuda.syncthreads()
+        total = tot[warp]
+        fits = total <= cap
+
+        # Storage decision (FORMAT.md 6.4), as the BF16 kernel: one atomic pop per block and pool.
+        my_cls = (int32(0) if fits else int32(1)) if valid else int32(2)
+        if lane == _ZERO:
+            cls[warp] = my_cls
+        if tid == _ZERO:
+            base[0] = 0
+            base[1] = 0
+        cuda.syncthreads()
+        rank = int32(0)
+        count0 = int32(0)
+        count1 = int32(0)
+        for w in range(TPB):
+            c = cls[w]
+            if c == my_cls and u(w) < warp:
+                rank += 1
+            if c == 0:
+                count0 += 1
+            elif c == 1:
+                count1 += 1
+        if tid == _ZERO:
+            if count0:
+                base[0] = cuda.atomic.add(heads, 0, count0)
+            if count1:
+                base[1] = cuda.atomic.add(heads, 1, count1)
+        cuda.syncthreads()
+        if not valid:
+            return
+        k = u(base[my_cls] + rank)
+        if fits:
+            d = slot_free[k] if k < u(slot_free.shape[0]) else NO_STORAGE
+            entry = d
+        else:
+            d = raw_free[k] if k < u(raw_free.shape[0]) else NO_STORAGE
+            entry = d + _RAW_ENTRY_BIAS if d >= 0 else NO_STORAGE
+        if lane == _ZERO:
+            entries[tile] = entry
+            escape_used[tile] = total
+        if d < 0:
+            return
+        dw = u(d)
+        if not fits:                                       # the FP8 bytes as they are, read again (rare)
+            for j in range(J):
+                g2 = u(u(u(WARP * j) + lane) * u(_GROUP_WORDS))
+                x0, x1 = ldg2(bits, t, g2)
+                stg2(raw, dw, g2, x0, x1)
+            return
+
+        # Pass 2: whole-word streams straight to the slot; narrower streams and the escape bytes to
+        # shared memory, a group's escape bytes at its offset = escape bytes of the tags before it
+        # (tag words 2j, 2j+1 hold chunk j: lanes 0..15, then 16..31).
+        second = lane >= u(16)
+        below = u(u(u(1) << u(u(2) * (lane & u(15)))) - u(1))
+        before = u(0)
+        for j in range(J):
+            g = u(u(WARP * j) + lane)
+            mode = u(u(modes >> u(2 * j)) & u(3))
+            if SM_DIRECT:
+                slots[dw, u(u(SMW0) + g)] = sm[j]
+            else:
+                smst[warp, g] = sm[j]
+            if CODE_DIRECT:
+                slots[dw, u(u(CODEW0) + g)] = code[j]
+            else:
+                codest[warp, g] = code[j]
+            ta = tagw[warp, 2 * j]
+            ca = tagc[warp, 2 * j]
+            mine = tagw[warp, 2 * j + 1] if second else ta
+            off = u(u(before + (ca if second else _ZERO)) + _escape_count(u(mine & below), WIDEB, RAWB))
+            before = u(u(before + ca) + tagc[warp, 2 * j + 1])
+            need = WIDEB if mode == _MW else (RAWB if mode == _MR else _ZERO)
+            ex = esc[j]
+            for p in range(NRAW):
+                if u(p) < need:
+                    stage[warp, u(off + u(p))] = u(u(ex >> u(8 * p)) & _U8)
+        syncwarp()
+
+        # Whole words of the staged streams, the tag stream and the escape area (zero after the escapes).
+        if not SM_DIRECT:
+            for i in range(SM_ROUNDS):
+                w = u(lane + u(WARP * i))
+                if w < u(SMW):
+                    slots[dw, u(u(SMW0) + w)] = _stream_word(smst, warp, w, SMB)
+        if not CODE_DIRECT:
+            for i in range(CODE_ROUNDS):
+                w = u(lane + u(WARP * i))
+                if w < u(CODEW):
+                    slots[dw, u(u(CODEW0) + w)] = _stream_word(codest, warp, w, CODEB)
+        if lane < u(TW):
+            slots[dw, u(u(TAGW0) + lane)] = tagw[warp, lane]
+        for w in range(int64(lane), cap // u(_WORD), WARP):
+            b = u(u(w) * u(_WORD))
+            word = u(0)
+            for i in range(_WORD):
+                if u(b + u(i)) < total:
+                    word = u(word | u(u(stage[warp, u(b + u(i))]) << u(8 * i)))
+            slots[dw, u(u(ESCW0) + u(w))] = word
+
+    return kernel
+
+
+def decode_source(modes: ModeSet, channels: int, tiles_per_block: int = TILES_PER_BLOCK):
+    """The Python function of the decode kernel, the mode set's and tile's constants baked in."""
+    s = _shape(modes, channels)
+    J, GPR, BW, TILEW, LOW, M = (s[k] for k in ("J", "GPR", "BW", "TILEW", "LOW", "M"))
+    SMW0, SMB, CODEW0, CODEB, TAGW0, ESCW0 = (s[k] for k in ("SMW0", "SMB", "CODEW0", "CODEB", "TAGW0", "ESCW0"))
+    WIDEB, RAWB, MANT = (s[k] for k in ("WIDEB", "RAWB", "MANT"))
+    NRAW = int(RAWB)
+    SM_DIRECT, CODE_DIRECT = SMB == _WORD, CODEB == _WORD
+    RAW_ROUNDS = TILEW // (4 * WARP)                      # 16-byte copies per lane of a raw tile
+    TPB = tiles_per_block
+    u = uint32
+
+    def kernel(slots, raw, entries, bases, capacity, out, status):
+        sm = cuda.local.array(J, uint32)                 # this lane's sign+mantissa fields per group
+        code = cuda.local.array(J, uint32)               # its low codes
+        esc = cuda.local.array(J, uint32)                # the 4 escape-area bytes from its group's offset
+        what = cuda.local.array(J, uint32)               # mode | 4 if the escapes lie inside the slot
+
+        tid = u(cuda.threadIdx.x)
+        warp = tid // u(WARP)
+        lane = tid % u(WARP)
+        tile = u(u(cuda.blockIdx.x) * u(TPB) + warp)
+        if tile >= u(entries.shape[0]):
+            return
+        entry = entries[tile]
+        if entry < 0:
+            r = u(entry & L.TABLE_INDEX_MASK)
+            for i in range(RAW_ROUNDS):
+                w4 = u(u(lane + u(WARP * i)) * u(4))
+                x0, x1, x2, x3 = ldg4(raw, r, w4)
+                stg4(out, tile, w4, x0, x1, x2, x3)
+            if lane == _ZERO:
+                status[tile] = 0
+            return
+        d = u(entry)
+        cap = u(capacity)
+        last = u(u(u(ESCW0) + cap // u(_WORD)) - u(1))     # last word of the slot
+
+        # Loads first, with the tag arithmetic that places each group's escape bytes.
+        second = lane >= u(16)
+        shift = u(u(2) * (lane & u(15)))
+        below = u(u(1) << shift) - u(1)
+        total = u(0)
+        bad = u(0)
+        for j in range(J):
+            g = u(u(WARP * j) + lane)
+            ta, tb = ldg2(slots, d, u(TAGW0 + 2 * j))
+            bad = u(bad | (ta & (ta >> u(1))) | (tb & (tb >> u(1))))
+            ca = _escape_count(ta, WIDEB, RAWB)
+            mine = tb if second else ta
+            mode = u(u(mine >> shift) & u(3))
+            off = u(u(total + (ca if second else _ZERO)) + _escape_count(u(mine & below), WIDEB, RAWB))
+            total = u(u(total + ca) + _escape_count(tb, WIDEB, RAWB))
+            need = WIDEB if mode == _MW else (RAWB if mode == _MR else _ZERO)
+            inside = need != _ZERO and u(off + need) <= cap
+            q = min(u(u(ESCW0) + (off >> u(2))), last)
+            esc[j] = funnel_r(u(slots[d, q]), u(slots[d, min(u(q + u(1)), last)]), u(u(8) * (off & u(3))))
+            what[j] = u(mode | (u(4) if inside else _ZERO))
+            if SM_DIRECT:
+                sm[j] = u(slots[d, u(u(SMW0) + g)])
+            else:
+                byte = u(g * u(SMB))
+                sw = u(u(SMW0) + (byte >> u(2)))
+                sm[j] = funnel_r(u(slots[d, sw]), u(slots[d, u(sw + u(1))]), u(u(8) * (byte & u(3))))
+            if CODE_DIRECT:
+                code[j] = u(slots[d, u(u(CODEW0) + g)])
+            else:
+                byte = u(g * u(CODEB))
+                cw = u(u(CODEW0) + (byte >> u(2)))
+                code[j] = funnel_r(u(slots[d, cw]), u(slots[d, u(cw + u(1))]), u(u(8) * (byte & u(3))))
+        if lane == _ZERO:
+            status[tile] = BAD_TAG if bad & _EVEN_BITS else (BAD_ESCAPES if total > cap else 0)
+
+        row = tile % u(bases.shape[0])
+        col = u((lane % u(GPR)) * u(_GROUP_WORDS))
+        n0, n1 = ldg2(bases, row, col)
+        w0, w1 = ldg2(bases, row, u(col + u(BW)))
+
+        # Exponent bytes = base + code (no carry: base + code < 2^E, FORMAT-FP8.md 3.2), then each
+        # FP8 byte = sign << 7 | exponent << M | mantissa (2.2).
+        for j in range(J):
+            g = u(u(WARP * j) + lane)
+            v = code[j]
+            c0, c1 = _unpack4(v, LOW), _unpack4(u(v >> u(4 * LOW)), LOW)
+            wh = what[j]
+            mode = u(wh & u(3))
+            if wh & u(4):
+                ex = esc[j]
+                need = WIDEB if mode == _MW else RAWB
+                for p in range(NRAW):
+                    if u(p) < need:
+                        a, b = _spread_plane(u(u(ex >> u(8 * p)) & _U8), LOW + p)
+                        c0, c1 = u(c0 | a), u(c1 | b)
+            if mode == _MN:
+                c0, c1 = u(c0 + n0), u(c1 + n1)
+            elif mode == _MW:
+                c0, c1 = u(c0 + w0), u(c1 + w1)
+            f = sm[j]
+            s0, s1 = _unpack4(f, SMB), _unpack4(u(f >> u(4 * SMB)), SMB)
+            x0 = u(u(u(s0 << u(7 - M)) & _FLAG) | u(c0 << u(M)) | (s0 & MANT))
+            x1 = u(u(u(s1 << u(7 - M)) & _FLAG) | u(c1 << u(M)) | (s1 & MANT))
+            stg2(out, tile, u(g * u(_GROUP_WORDS)), x0, x1)
+
+    return kernel
+
+
+@functools.lru_cache(maxsize=None)
+def encode_kernel(modes: ModeSet, channels: int, tiles_per_block: int = TILES_PER_BLOCK):
+    """The encode kernel of ``modes`` for ``channels``-wide tiles, compiled once."""
+    return cuda.jit(_ENCODE_SIG)(encode_source(modes, channels, tiles_per_block))
+
+
+@functools.lru_cache(maxsize=None)
+def decode_kernel(modes: ModeSet, channels: int, tiles_per_block: int = TILES_PER_BLOCK):
+    """The decode kernel of ``modes`` for ``channels``-wide tiles, compiled once."""
+    return cuda.jit(_DECODE_SIG)(decode_source(modes, channels, tiles_per_block))
+
+
+# ----------------------------------------------------------------------------------------------
+# Host side: gaac.cuda.codec's array checks and launcher, with FP8 pools and bases.
+
+def pack_bases(b_narrow, b_wide, fmt):
+    """Per-tile bases ``[P, C]`` (as :func:`gaac.tiles.tile_bases` gives) -> uint8 ``[P, 2, C]`` for ``fmt``.
+
+    Torch in, torch out (same device); NumPy in, NumPy out.  Done once per layer
+    and kind; the kernels read the bases as byte lanes.  Bases outside the mode
+    set's windows (FORMAT-FP8.md 4.2 rule 3) raise :class:`InputError`.
+    """
+    modes = _mode_set(fmt)
+    if _is_torch(b_narrow):
+        import torch
+
+        out = torch.stack([b_narrow.to(torch.int16), b_wide.to(torch.int16)], dim=1).contiguous()
+        bounds = [int(out[:, i].min()) for i in (0, 1)], [int(out[:, i].max()) for i in (0, 1)]
+    else:
+        out = np.stack([np.asarray(b_narrow, dtype=np.int64), np.asarray(b_wide, dtype=np.int64)], axis=1)
+        bounds = [int(out[:, i].min()) for i in (0, 1)], [int(out[:, i].max()) for i in (0, 1)]
+    if len(out.shape) != 3 or out.shape[0] == 0 or out.shape[2] not in TILE_WIDTHS:
+        raise InputError(f"bases must be [tiles, C] with tiles >= 1 and C in {TILE_WIDTHS}; "
+                         f"got {list(np.shape(b_narrow))} and {list(np.shape(b_wide))}")
+    (lo_n, lo_w), (hi_n, hi_w) = bounds
+    if lo_n < 0 or hi_n > modes.narrow_base_max or lo_w < 0 or hi_w > modes.wide_base_max:
+        raise InputError(f"{modes.fmt.name}: narrow bases must lie in 0..{modes.narrow_base_max} and wide bases "
+                         f"in 0..{modes.wide_base_max}; got {lo_n}..{hi_n} and {lo_w}..{hi_w}")
+    if _is_torch(out):
+        import torch
+
+        return out.to(torch.uint8)
+    return np.ascontiguousarray(out.astype(np.uint8))
+
+
+def _bases_words(bases, channels: int):
+    _array(bases, "bases", "uint8", (None, 2, channels))
+    if bases.shape[0] == 0:
+        raise InputError("bases: needs at least one row")
+    return _words(bases)
+
+
+class FP8EncodePlan:
+    """Encoding into one pair of pools (slots + raw tiles) with one set of bases: build once, call per block.
+
+    The arrays are the module docstring's; a call checks only ``bits``, ``entries`` and
+    ``escape_used`` and launches once.
+    """
+
+    def __init__(self, fmt, channels: int, capacity: int, bases, slots, slot_free, raw, raw_free, heads, *,
+                 tiles_per_block: int = TILES_PER_BLOCK):
+        self.modes = modes = _mode_set(fmt)
+        self.geometry = geo = _geometry(modes, channels)
+        self.channels, self.capacity = channels, _check_capacity(capacity)
+        _array(slots, "slots", "uint8", (None, geo.slot_bytes(capacity)))
+        _array(raw, "raw", "uint8", (None, L.BLOCK_TOKENS, channels))
+        _array(slot_free, "slot_free", "int32", (None,))
+        _array(raw_free, "raw_free", "int32", (None,))
+        _array(heads, "heads", "int32", (2,))
+        self._fixed = (_bases_words(bases, channels), self.capacity, _words(slots), _plain(slot_free),
+                       _words(raw), _plain(raw_free), _plain(heads))
+        self._launcher = _Launcher(encode_kernel(modes, channels, tiles_per_block), tiles_per_block)
+        self._fixed_params = None if SIMULATOR else [p for a in self._fixed for p in _params(a)]
+
+    def __call__(self, bits, entries, escape_used, *, stream=None, fast: bool = True):
+        n = _array(bits, "bits", "uint8", (None, L.BLOCK_TOKENS, self.channels)).shape[0]
+        _array(entries, "entries", "int32", (n,))
+        _array(escape_used, "escape_used", "int32", (n,))
+        if n == 0:
+            return
+        if self._fixed_params is not None and fast:
+            params = _word_params(bits) + self._fixed_params + _params(entries) + _params(escape_used)
+            self._launcher.launch(n, None, stream, fast, params)
+            return
+        args = (_words(bits), *self._fixed, _plain(entries), _plain(escape_used))
+        self._launcher.launch(n, args, stream, fast)
+
+
+class FP8DecodePlan:
+    """Decoding from one pair of pools with one set of bases: build once, call per batch of tiles."""
+
+    def __init__(self, fmt, channels: int, capacity: int, bases, slots, raw, *,
+                 tiles_per_block: int = TILES_PER_BLOCK):
+        self.modes = modes = _mode_set(fmt)
+        self.geometry = geo = _geometry(modes, channels)
+        self.channels, self.capacity = channels, _check_capacity(capacity)
+        _array(slots, "slots", "uint8", (None, geo.slot_bytes(capacity)))
+        _array(raw, "raw", "uint8", (None, L.BLOCK_TOKENS, channels))
+        self._slots, self._raw = _words(slots), _words(raw)
+        self._bases = _bases_words(bases, channels)
+        self._launcher = _Launcher(decode_kernel(modes, channels, tiles_per_block), tiles_per_block)
+        self._pool_params = None if SIMULATOR else _params(self._slots) + _params(self._raw)
+        self._bases_params = None if SIMULATOR else _params(self._bases) + _params(self.capacity)
+
+    def __call__(self, entries, out, status, *, stream=None, fast: bool = True):
+        n = _array(entries, "entries", "int32", (None,)).shape[0]
+        _array(out, "out", "uint8", (n, L.BLOCK_TOKENS, self.channels))
+        _array(status, "status", "int32", (n,))
+        if n == 0:
+            return
+        if self._pool_params is not None and fast:
+            params = (self._pool_params + _params(entries) + self._bases_params + _word_params(out)
+                      + _params(status))
+            self._launcher.launch(n, None, stream, fast, params)
+            return
+        args = (self._slots, self._raw, _plain(entries), self._bases, self.capacity, _words(out), _plain(status))
+        self._launcher.launch(n, args, stream, fast)
+
+
+# ----------------------------------------------------------------------------------------------
+# One-shot helpers: a pool of n slots and n raw tiles for n tiles (tests, benchmarks).
+
+def encode_tiles(bits, b_narrow, b_wide, capacity: int, fmt, *, stream=None) -> dict:
+    """Encode FP8 tiles ``bits`` uint8 ``[n, 16, C]`` with per-tile bases ``[P, C]`` into fresh pools of ``n``.
+
+    Returns ``slots``, ``raw``, ``entries``, ``escape_used`` and ``heads``; tile ``i`` sits at
+    ``entries[i]``.  Asynchronous on the GPU.
+    """
+    n, _, channels = _array(bits, "bits", "uint8", (None, L.BLOCK_TOKENS, None)).shape
+    geo = _geometry(_mode_set(fmt), channels)
+    zeros, arange = _lib(bits)
+    out = dict(slots=zeros((n, geo.slot_bytes(capacity)), "uint8"), raw=zeros((n, L.BLOCK_TOKENS, channels), "uint8"),
+               entries=zeros((n,), "int32"), escape_used=zeros((n,), "int32"), heads=zeros((2,), "int32"))
+    plan = FP8EncodePlan(fmt, channels, capacity, pack_bases(b_narrow, b_wide, fmt), out["slots"], arange(n),
+                         out["raw"], arange(n), out["heads"])
+    plan(bits, out["entries"], out["escape_used"], stream=stream)
+    return out
+
+
+def decode_tiles(slots, raw, entries, b_narrow, b_wide, capacity: int, fmt, *, stream=None):
+    """Decode the tiles that ``entries`` point at -> (uint8 ``[n, 16, C]``, status int32 ``[n]``)."""
+    channels = _array(raw, "raw", "uint8", (None, L.BLOCK_TOKENS, None)).shape[2]
+    n = _array(entries, "entries", "int32", (None,)).shape[0]
+    zeros, _ = _lib(entries)
+    out, status = zeros((n, L.BLOCK_TOKENS, channels), "uint8"), zeros((n,), "int32")
+    FP8DecodePlan(fmt, channels, capacity, pack_bases(b_narrow, b_wide, fmt), slots, raw)(entries, out, status,
+                                                                                         stream=stream)
+    return out, status
