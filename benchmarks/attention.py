@@ -216,8 +216,9 @@ def rel(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def check_case(name, ks, vs, b3, b4, cap, g, rng, results, blocks_per_split=None):
-    """GAAC and plain kernels vs float64 over the dense caches ``ks[b]``, ``vs[b]`` (uint16 [H, L_b, d])."""
+def check_case(name, ks, vs, b3, b4, cap, g, rng, results, blocks_per_split=None, epochs=None):
+    """GAAC and plain kernels vs float64 over the dense caches ``ks[b]``, ``vs[b]`` (uint16 [H, L_b, d]);
+    ``epochs``: per-block calibration epochs (``b3``/``b4`` then hold one row per epoch)."""
     hk, _, d = ks[0].shape
     batch = len(ks)
     q = float_to_bf16(rng.standard_normal((batch, hk * g, d)).astype(np.float32))
@@ -229,7 +230,8 @@ def check_case(name, ks, vs, b3, b4, cap, g, rng, results, blocks_per_split=None
     qd = torch.from_numpy(q.view(np.int16)).to(DEV)
     if not SIM:
         qd = qd.view(torch.bfloat16)
-    for label, view in (("gaac", view_from_dense(ks, vs, b3, b4, cap, rng=rng)), ("plain", plain_view(ks, vs))):
+    for label, view in (("gaac", view_from_dense(ks, vs, b3, b4, cap, rng=rng, epochs=epochs)),
+                        ("plain", plain_view(ks, vs))):
         dv = view_to(view, DEV)
         plan = AttentionPlan(dv, hk * g, plain=label == "plain", blocks_per_split=blocks_per_split)
         out = torch.full((batch, hk * g, d), NAN_BITS, dtype=torch.int16, device=DEV)
@@ -265,6 +267,9 @@ def run_checks(real, rng):
         b3, b4, cap = calibrated(k, v)
         ks, vs = [np.ascontiguousarray(k[:, :n]) for n in (21, 3)], [np.ascontiguousarray(v[:, :n]) for n in (21, 3)]
         check_case("sim dry run", ks, vs, b3, b4, cap, 4, rng, results, blocks_per_split=1)
+        two = tuple(np.stack([b, b]) for b in b3), tuple(np.stack([b, b]) for b in b4)
+        check_case("sim dry run, epochs", ks, vs, *two, cap, 4, rng, results, blocks_per_split=1,
+                   epochs=(np.array([[0], [1]], np.int16), np.array([[1], [1]], np.int16)))
         return results
     # Real SmolLM2 caches, calibrated per layer on all four prompts, 9 query heads (g = 3).
     for layer in (0, 13, 29):
@@ -287,6 +292,21 @@ def run_checks(real, rng):
             vs = [np.ascontiguousarray(v[:, :n]) for n in lens]
             check_case("pseudo-heads ragged", ks, vs, b3, b4, cap, g, rng, results)
             check_case("pseudo-heads 1-block splits", ks, vs, b3, b4, cap, g, rng, results, blocks_per_split=1)
+    # Calibration epochs (FORMAT.md 3.5): epoch 0 calibrated on the prose prompt's tokens, epoch 1 on the
+    # others; blocks from 48 on (K) / 40 on (V) are encoded with epoch 1, so splits cross the boundary.
+    k, v = pseudo_heads(real, 8, 128)
+    split = real["prose"][0].shape[2]
+    cals = [calibrated(k[:, a:b], v[:, a:b]) for a, b in ((0, split), (split, None))]
+    b3 = tuple(np.stack([c[0][kind] for c in cals]) for kind in range(2))
+    b4 = tuple(np.stack([c[1][kind] for c in cals]) for kind in range(2))
+    cap = tuple(max(c[2][kind] for c in cals) for kind in range(2))
+    lens = [k.shape[1], int(rng.integers(700, k.shape[1]))]
+    mb = k.shape[1] // L.BLOCK_TOKENS
+    epochs = tuple(np.repeat((np.arange(mb) >= first)[None], 2, 0).astype(np.int16) for first in (48, 40))
+    for bps in (None, 8):
+        check_case("real, 2 calibration epochs", [np.ascontiguousarray(k[:, :n]) for n in lens],
+                   [np.ascontiguousarray(v[:, :n]) for n in lens], b3, b4, cap, 4, rng, results,
+                   blocks_per_split=bps, epochs=epochs)
     # A long sequence (many splits) from repeated real blocks.
     k, v = pseudo_heads(real, 8, 128)
     b3, b4, cap = calibrated(k, v)
@@ -396,7 +416,38 @@ def label(cfg: dict) -> str:
             + (f"_r{cfg['max_registers']}" if cfg.get("max_registers") else ""))
 
 
-def bench_config(cache, hq, batch, ctx, configs=({},), with_torch=True, plain_configs=({},), rng=None):
+def with_epochs_view(view: LayerView, n_epochs: int) -> LayerView:
+    """The same cache with ``n_epochs`` calibration epochs whose bases are all the calibration's own, and
+    block ``i`` recorded as epoch ``i * n_epochs // blocks``: the kernel reloads a kind's bases at every
+    epoch change (the content stays decodable, so the output must be bit-identical to the view's)."""
+    import dataclasses
+
+    batch, nblk = view.table[0].shape[:2]
+    ep = (torch.arange(nblk, device=DEV) * n_epochs // nblk).to(torch.int16)[None].repeat(batch, 1).contiguous()
+    rep = lambda b: b[None].repeat(n_epochs, 1, 1).contiguous()  # noqa: E731
+    return dataclasses.replace(view, b3=tuple(rep(b) for b in view.b3), b4=tuple(rep(b) for b in view.b4),
+                               epoch=(ep, ep.clone()))
+
+
+def epoch_timing(views, plans, hq, cfg, q, out, lse):
+    """GPU time with 256 calibration epochs (the per-layer cap) spread over the context, against the same
+    views without epochs, and whether the outputs are bit-identical."""
+    eviews = [with_epochs_view(v, 256) for v in views]
+    eplans = [AttentionPlan(v, hq, **cfg) for v in eviews]
+    plans[0].run(q, out=out, lse=lse)
+    ref = out.clone() if not SIM else out.copy()
+    eplans[0].run(q, out=out, lse=lse)
+    same = bool((out == ref).all())
+    res = {"epochs_us": graph_time([lambda p=p: p.run(q, out=out, lse=lse) for p in eplans]),
+           "epochs_same_output": same, "epochs_status": int(eplans[0].status[0]),
+           "epochs_n": 256, "epochs_blocks_per_change": views[0].table[0].shape[1] / 256,
+           "epochs_splits": eplans[0].n_work}
+    del eplans
+    return res
+
+
+def bench_config(cache, hq, batch, ctx, configs=({},), with_torch=True, plain_configs=({},), rng=None,
+                 with_epochs=False):
     """GPU times (us, CUDA-graph replay) for one shape: GAAC kernel configurations (dicts of
     AttentionPlan options; the first is the headline), our BF16 kernel (same), torch flash; host
     launch time; bytes read."""
@@ -433,6 +484,8 @@ def bench_config(cache, hq, batch, ctx, configs=({},), with_torch=True, plain_co
             res["sleep_timed_us"] = gpu_time([lambda p=p: p.run(q, out=out, lse=lse) for p in plans],
                                              sleep_cycles=int(2e9 * 20 * 200e-6))[0]
             res["eager_us"] = eager_time([lambda p=p: p.run(q, out=out, lse=lse) for p in plans])
+            if with_epochs:
+                res.update(epoch_timing(views, plans, hq, cfg, q, out, lse))
         del plans
     del views
     if plain_configs or with_torch:
@@ -499,6 +552,9 @@ def render(report: dict) -> str:
                   f"{get('gaac_us'):.1f} | {get('plain_full_ns3_us'):.1f} |",
                   f"| decode done twice | {get('gaac_decode_twice_ns3_us'):.1f} | - |",
                   f"| of which the merge kernel | {get('merge_us'):.1f} | - |",
+                  f"| full kernel with {first.get('epochs_n')} calibration epochs (bases reloaded every "
+                  f"{first.get('epochs_blocks_per_change', 0):.0f} blocks; output bit-identical: "
+                  f"{first.get('epochs_same_output')}) | {get('epochs_us'):.1f} | - |",
                   f"| floor: bytes / {COPY_TBPS} TB/s | {get('floor_us'):.1f} | {get('bf16_floor_us'):.1f} |",
                   f"| torch flash SDPA | - | {get('torch_flash_us'):.1f} |", "",
                   "Configurations tried at this shape (us): " + ", ".join(
@@ -561,7 +617,7 @@ def main():
         else:
             first = (32, 1, 65536)
         # The configuration study at 64K, batch 1; the sweep then uses the fastest full configuration.
-        res = bench_config(cache, *first, breakdown, plain_configs=plain_breakdown, rng=rng)
+        res = bench_config(cache, *first, breakdown, plain_configs=plain_breakdown, rng=rng, with_epochs=True)
         rows.append(res)
         log(json.dumps(res))
         best = min(candidates, key=lambda c: res[f"gaac_{label(c)}_us"])
