@@ -18,9 +18,27 @@ and the tail is reused for the next block.  A finalized block is never encoded
 again.  A prefill is the same step with many tokens: its complete blocks are
 encoded straight from the input and only the incomplete suffix stays in the tail.
 
-Every update is all-or-nothing: the encode runs first, the pools and tables are
-checked next, and only then is anything written, so an exhausted pool raises
-:class:`PoolExhaustedError` and leaves the cache as it was.  ``grow=True`` instead
+Calibration epochs (FORMAT.md 3.5, :mod:`gaac.epochs`; ``adapt=True``, the
+default).  RoPE drift moves K's exponents away from what the calibration saw
+as a context grows, so the cache runs one :class:`gaac.epochs.Adapter` per
+layer and kind over the blocks it finalizes and appends the bases it proposes
+as new epochs of its own copy of the calibration.  Each block is encoded with
+the newest epoch of its layer and kind at the moment it is finalized, in runs
+of at most ``adapter.until_check`` blocks (the adapter observes each run after
+it is coded and may append an epoch before the next), and records that epoch
+in a per-block index, which decoding follows.  The adapter sees blocks in
+finalized order: token order within a sequence, and with several sequences in
+one :meth:`PagedKVCache.update_layer` call, the order of ``seqs``.  Because the
+adapter never looks at how a block was coded, an update first runs it over
+all its blocks and then encodes each run of one epoch in one codec call.  The
+histogram the adapter keeps is on the host, so on a GPU a finalized block is
+also copied to the host once.  ``adapt=False`` codes every block with the
+calibration's own bases (epoch 0) and keeps no index.
+
+Every update is all-or-nothing: the encode runs first (the adapters on copies of
+their state), the pools and tables are checked next, and only then is anything
+written, so an exhausted pool raises :class:`PoolExhaustedError` and leaves the
+cache as it was -- adapters and epochs included.  ``grow=True`` instead
 enlarges a pool or table that runs out (what a dynamic cache such as
 ``gaac.hf.GAACCache`` wants).
 
@@ -31,6 +49,7 @@ reference on the CPU; on a CUDA device it is :mod:`gaac.cuda.codec`.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,6 +59,7 @@ from . import layout as L
 from .arrays import as_bits
 from .cachelayout import LayerView
 from .calibration import Calibration
+from .epochs import EPOCH_INDEX_BYTES, Adapter, epoch_table_bytes
 from .errors import FormatError, InputError, PoolExhaustedError
 from .reference.codec import decode_tiles, encode_tiles
 from .tiles import tile_bases
@@ -144,6 +164,13 @@ def _codec_for(codec: str | None, device: torch.device):
     raise InputError(f"codec {codec!r}: one of 'reference', 'cuda' (or None for the device's default)")
 
 
+def _runs(epochs: np.ndarray):
+    """``(epoch, start, stop)`` of each run of equal values in ``epochs``: one codec call each."""
+    cuts = np.flatnonzero(np.diff(epochs)) + 1
+    bounds = [0, *cuts.tolist(), len(epochs)]
+    return [(int(epochs[a]), a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
 # ----------------------------------------------------------------------------------------------
 # Storage.
 
@@ -187,10 +214,30 @@ class _Kind:
     raw: _Pool
     table: torch.Tensor          # int32 [max_seqs, max_blocks, tiles_per_block]
     tail: torch.Tensor           # int16 [max_seqs, kv_heads, 16, head_dim]
-    b3: torch.Tensor             # uint8 [kv_heads, head_dim] on the device (for attention)
+    b3: torch.Tensor             # uint8 [n_epochs, kv_heads, head_dim] on the device (for attention)
     b4: torch.Tensor
-    tb3: torch.Tensor            # uint8 per-tile bases of one block [tiles_per_block, C] (for the codec)
+    tb3: torch.Tensor            # uint8 per-tile bases of one block [n_epochs, tiles_per_block, C] (for the codec)
     tb4: torch.Tensor
+    epochs: np.ndarray           # int16 [max_seqs, max_blocks]: each finalized block's epoch (host: the logic's)
+    epoch: torch.Tensor | None   # the same on the device (LayerView.epoch); None without adaptation
+    adapter: Adapter | None      # None without adaptation
+
+    def add_epoch(self, b3: np.ndarray, b4: np.ndarray) -> None:
+        """Append one epoch's bases ``[kv_heads, head_dim]`` to the device tables."""
+        tb3, tb4 = tile_bases(b3, b4)
+        for name, table in (("b3", b3), ("b4", b4), ("tb3", tb3), ("tb4", tb4)):
+            old = getattr(self, name)
+            setattr(self, name, torch.cat([old, torch.from_numpy(np.ascontiguousarray(table)).to(old.device)[None]]))
+
+
+@dataclass
+class _Epochs:
+    """The epochs of one layer and kind's blocks in an update: what its adapter decided, not yet applied."""
+
+    epochs: np.ndarray           # int64 [n]: each finalized block's epoch, in finalized order (non-decreasing)
+    tables: list                 # the epochs it appends: (b3, b4) [kv_heads, head_dim] each, in order
+    after: Adapter | None        # a check ran: the adapter after the blocks (on a copy of the calibration)
+    pending: np.ndarray | None   # no check was due: the host blocks the live adapter observes at commit
 
 
 @dataclass
@@ -204,6 +251,7 @@ class _Update:
     tiles: tuple                 # per kind: the finished blocks' tiles int16 [n_tiles, 16, C], or None
     slots: tuple                 # per kind: slot bytes of the fitting tiles uint8 [n_fit, slot_bytes], tile order
     fits: tuple                  # per kind: bool [n_tiles]
+    epochs: tuple                # per kind: _Epochs, or None where no block finishes
 
 
 @dataclass(frozen=True)
@@ -211,9 +259,15 @@ class MemoryReport:
     """Bytes a :class:`PagedKVCache` holds for its tokens, against a plain BF16 cache of the same tokens.
 
     ``resident_bytes`` counts what the tokens occupy: used slots and raw tiles,
-    used block-table entries, and each live sequence's 16-token BF16 tails (K and
-    V of every layer).  ``allocated_bytes`` counts every pool record, table entry
-    and tail allocated, used or free.
+    used block-table entries, each live sequence's 16-token BF16 tails (K and
+    V of every layer) and, with calibration epochs, ``epoch_bytes``: the bases
+    tables of every epoch after epoch 0 (``2 * kv_heads * head_dim`` bytes each,
+    per layer and kind, held however many sequences use them) and the epoch index
+    of every finalized block (``gaac.epochs.EPOCH_INDEX_BYTES`` per block, layer
+    and kind) -- what adaptation costs, as ``gaac stats`` counts it.  The
+    calibration's own bases are counted in neither mode.  ``allocated_bytes``
+    counts every pool record, table entry, epoch index entry and tail allocated,
+    used or free, and the appended epochs' tables.
     """
 
     tokens: int                  # tokens summed over sequences (layer 0's count)
@@ -223,10 +277,11 @@ class MemoryReport:
     tail_bytes: int
     bf16_bytes: int              # K and V of every token in every layer at 2 bytes per element
     allocated_bytes: int
+    epoch_bytes: int = 0         # epochs after epoch 0 and the per-block epoch index (0 without adaptation)
 
     @property
     def resident_bytes(self) -> int:
-        return self.slot_bytes + self.raw_bytes + self.table_bytes + self.tail_bytes
+        return self.slot_bytes + self.raw_bytes + self.table_bytes + self.tail_bytes + self.epoch_bytes
 
     @property
     def ratio(self) -> float:
@@ -247,17 +302,26 @@ class PagedKVCache:
     ``grow=True``, enlarges the pool).
     ``device`` is any torch device; ``codec`` is ``'reference'`` (CPU), ``'cuda'``
     (gaac.cuda.codec), or None for the device's default.
+
+    ``adapt`` runs calibration epochs (module docstring).  The cache works on its
+    own copy of ``calibration``, :attr:`calibration`, so the caller's object never
+    changes; with ``adapt`` that copy gains the epochs the cache appends, and it is
+    the calibration to save with any block taken out of the cache.  A calibration
+    that already carries epochs starts each layer and kind at its newest one.
     """
 
     def __init__(self, calibration: Calibration, *, max_seqs: int = 1, max_blocks: int = 64,
                  slots: int | None = None, raw_tiles: int | None = None, device="cpu", grow: bool = False,
-                 codec: str | None = None):
+                 codec: str | None = None, adapt: bool = True):
         if not isinstance(calibration, Calibration):
             raise InputError(f"calibration: expected a gaac.Calibration, got {type(calibration).__name__}")
         for name, value in (("max_seqs", max_seqs), ("max_blocks", max_blocks)):
             if not isinstance(value, int) or value < 1:
                 raise InputError(f"{name} must be a positive integer, got {value!r}")
-        self.calibration = calibration
+        if not isinstance(adapt, bool):
+            raise InputError(f"adapt must be True or False, got {adapt!r}")
+        self.adapt = adapt
+        self.calibration = calibration.copy()
         self.layers, self.kv_heads, self.head_dim = calibration.layers, calibration.kv_heads, calibration.head_dim
         self.geometry = L.geometry(self.head_dim)
         self.tiles_per_block = self.kv_heads * L.tiles_per_head(self.head_dim)
@@ -279,8 +343,10 @@ class PagedKVCache:
     def _make_kind(self, layer, kind, max_seqs, max_blocks, n_slots, n_raw) -> _Kind:
         geo, dev = self.geometry, self.device
         capacity = int(self.calibration.capacity[kind, layer])
-        b3, b4 = self.calibration.bases(layer, kind)
-        tb3, tb4 = tile_bases(b3, b4)
+        # Without adaptation only epoch 0 codes blocks; with it, every epoch the calibration holds may.
+        epochs = range(self.calibration.n_epochs(layer, kind)) if self.adapt else [0]
+        b3, b4 = (np.stack(t) for t in zip(*(self.calibration.bases(layer, kind, e) for e in epochs)))
+        tb3, tb4 = (np.stack(t) for t in zip(*(tile_bases(x3, x4) for x3, x4 in zip(b3, b4))))
         name = f"layer {layer} {L.KIND_NAMES[kind].upper()}"
         return _Kind(capacity=capacity,
                      slots=_Pool(f"{name} slot pool", n_slots, (geo.slot_bytes(capacity),), torch.uint8, dev),
@@ -291,7 +357,10 @@ class PagedKVCache:
                      b3=torch.from_numpy(np.ascontiguousarray(b3)).to(dev),
                      b4=torch.from_numpy(np.ascontiguousarray(b4)).to(dev),
                      tb3=torch.from_numpy(np.ascontiguousarray(tb3)).to(dev),
-                     tb4=torch.from_numpy(np.ascontiguousarray(tb4)).to(dev))
+                     tb4=torch.from_numpy(np.ascontiguousarray(tb4)).to(dev),
+                     epochs=np.zeros((max_seqs, max_blocks), dtype=np.int16),
+                     epoch=torch.zeros((max_seqs, max_blocks), dtype=torch.int16, device=dev) if self.adapt else None,
+                     adapter=Adapter(self.calibration, layer, kind) if self.adapt else None)
 
     # -- shape ------------------------------------------------------------------
     @property
@@ -351,6 +420,9 @@ class PagedKVCache:
                 store.slots.give(e[~is_raw])
                 store.raw.give(e[is_raw] & L.TABLE_INDEX_MASK)
                 store.table[seq] = 0
+                store.epochs[seq] = 0
+                if store.epoch is not None:
+                    store.epoch[seq] = 0
         self._lens[:, seq] = 0
         self._seq_lens[:, seq] = 0
         self._live[seq] = False
@@ -361,6 +433,9 @@ class PagedKVCache:
             for store in layer_store:
                 store.table = torch.cat([store.table, store.table.new_zeros((extra, *store.table.shape[1:]))])
                 store.tail = torch.cat([store.tail, store.tail.new_zeros((extra, *store.tail.shape[1:]))])
+                store.epochs = np.concatenate([store.epochs, np.zeros((extra, store.epochs.shape[1]), np.int16)])
+                if store.epoch is not None:
+                    store.epoch = torch.cat([store.epoch, store.epoch.new_zeros((extra, store.epoch.shape[1]))])
         self._lens = np.concatenate([self._lens, np.zeros((self.layers, extra), np.int64)], axis=1)
         self._seq_lens = torch.cat([self._seq_lens, self._seq_lens.new_zeros((self.layers, extra))], dim=1)
         self._live = np.concatenate([self._live, np.zeros(extra, bool)])
@@ -386,7 +461,9 @@ class PagedKVCache:
         """Append ``t`` tokens to each sequence of ``seqs`` in one layer: ``k``/``v`` ``[len(seqs), kv_heads, t, D]``.
 
         The form a model's forward pass produces (one layer at a time, a batch of
-        sequences); every finished block of the batch is encoded in one codec call.
+        sequences); the finished blocks of the batch are encoded together, one codec
+        call per epoch.  With calibration epochs they are finalized -- seen by the
+        layer's adapters -- in the order of ``seqs``, each sequence's in token order.
         """
         self._check_layer(layer)
         seqs = [int(s) for s in seqs]
@@ -431,19 +508,58 @@ class PagedKVCache:
                 if r:          # the tail's tokens start the first finished block
                     head = torch.cat([self._store[layer][kind].tail[seq, :, :r], head], dim=1)
                 cut[kind].append(head.reshape(self.kv_heads, q, L.BLOCK_TOKENS, self.head_dim).transpose(0, 1))
-        tiles, slots, fits = [], [], []
+        tiles, slots, fits, epochs = [], [], [], []
+        per = self.tiles_per_block
         for kind in KINDS:
             store = self._store[layer][kind]
-            if cut[kind]:
-                tiles.append(blocks_to_tiles(torch.cat(cut[kind]).contiguous()))
-                s, f = self.codec.encode(tiles[-1], store.tb3, store.tb4, store.capacity)
-            else:
+            if not cut[kind]:
                 tiles.append(None)
-                s, f = None, np.zeros(0, bool)
-            slots.append(s)
-            fits.append(f)
+                slots.append(None)
+                fits.append(np.zeros(0, bool))
+                epochs.append(None)
+                continue
+            finished = torch.cat(cut[kind])                      # [n, heads, 16, D] in finalized order
+            plan = self._plan_epochs(store, layer, kind, finished)
+            tiles.append(blocks_to_tiles(finished.contiguous()))
+            parts = []
+            for epoch, start, stop in _runs(plan.epochs):
+                if epoch < store.tb3.shape[0]:
+                    tb3, tb4 = store.tb3[epoch], store.tb4[epoch]
+                else:                                            # an epoch this update appends
+                    tb3, tb4 = (torch.from_numpy(np.ascontiguousarray(t)).to(self.device)
+                                for t in tile_bases(*plan.tables[epoch - store.tb3.shape[0]]))
+                parts.append(self.codec.encode(tiles[-1][start * per:stop * per], tb3, tb4, store.capacity))
+            slots.append(torch.cat([p[0] for p in parts]))
+            fits.append(np.concatenate([p[1] for p in parts]))
+            epochs.append(plan)
         return _Update(layer=layer, seqs=seqs, new=(k, v), blocks=blocks, tiles=tuple(tiles), slots=tuple(slots),
-                       fits=tuple(fits))
+                       fits=tuple(fits), epochs=tuple(epochs))
+
+    def _plan_epochs(self, store: _Kind, layer: int, kind: int, finished: torch.Tensor) -> _Epochs:
+        """The epoch each of ``finished`` ``[n, heads, 16, D]`` is coded with; the cache's adapter stays as it is.
+
+        Where no check is due within these blocks the newest epoch codes them all
+        and the adapter only has to observe them, at commit.  Otherwise the rule runs
+        on a copy of the adapter and of the calibration, in runs of at most
+        ``until_check`` blocks, exactly as :func:`gaac.epochs.assign_epochs` does.
+        """
+        n = len(finished)
+        adapter = store.adapter
+        if adapter is None:
+            return _Epochs(epochs=np.zeros(n, np.int64), tables=[], after=None, pending=None)
+        host = finished.cpu().numpy().view(np.uint16)
+        if n < adapter.until_check:
+            return _Epochs(epochs=np.full(n, adapter.epoch, np.int64), tables=[], after=None, pending=host)
+        after = copy.deepcopy(adapter, {id(adapter.calibration): self.calibration.copy()})
+        epochs = np.empty(n, np.int64)
+        start = 0
+        while start < n:
+            stop = min(start + after.until_check, n)
+            epochs[start:stop] = after.epoch
+            after.observe(host[start:stop])
+            start = stop
+        tables = [after.calibration.bases(layer, kind, e) for e in range(adapter.epoch + 1, after.epoch + 1)]
+        return _Epochs(epochs=epochs, tables=tables, after=after, pending=None)
 
     def _reserve(self, updates: list) -> None:
         """Make room for ``updates`` (growing, where allowed) or raise before anything is written."""
@@ -477,6 +593,10 @@ class PagedKVCache:
             for store in layer_store:
                 t = store.table
                 store.table = torch.cat([t, t.new_zeros((t.shape[0], n - t.shape[1], t.shape[2]))], dim=1)
+                store.epochs = np.concatenate([store.epochs, np.zeros((t.shape[0], n - t.shape[1]), np.int16)], axis=1)
+                if store.epoch is not None:
+                    e = store.epoch
+                    store.epoch = torch.cat([e, e.new_zeros((e.shape[0], n - e.shape[1]))], dim=1)
 
     def _commit(self, u: _Update) -> None:
         """Write an update prepared and reserved for: slots, raw tiles, table entries, tails, lengths."""
@@ -484,6 +604,7 @@ class PagedKVCache:
         for kind in KINDS:
             store, tiles, fits = self._store[u.layer][kind], u.tiles[kind], u.fits[kind]
             if tiles is not None:
+                self._commit_epochs(store, u, kind)
                 slot_at = store.slots.take(int(fits.sum()))
                 raw_at = store.raw.take(int((~fits).sum()))
                 store.slots.data[torch.from_numpy(slot_at).to(self.device)] = u.slots[kind].to(self.device)
@@ -512,12 +633,32 @@ class PagedKVCache:
             self.blocks_encoded += q
         self._seq_lens[u.layer] = torch.from_numpy(self._lens[u.layer].astype(np.int32)).to(self.device)
 
+    def _commit_epochs(self, store: _Kind, u: _Update, kind: int) -> None:
+        """Apply an update's epoch decisions: new epochs, the adapter's state, each finished block's epoch."""
+        plan = u.epochs[kind]
+        for b3, b4 in plan.tables:
+            self.calibration.add_epoch(u.layer, kind, b3, b4)
+            store.add_epoch(b3, b4)
+        if plan.after is not None:
+            plan.after.calibration = self.calibration
+            store.adapter = plan.after
+        elif plan.pending is not None:
+            store.adapter.observe(plan.pending)
+        start = 0
+        for seq, q in zip(u.seqs, u.blocks):
+            first = int(self._lens[u.layer, seq]) // L.BLOCK_TOKENS
+            store.epochs[seq, first:first + q] = plan.epochs[start:start + q]
+            if store.epoch is not None:
+                store.epoch[seq, first:first + q] = torch.from_numpy(store.epochs[seq, first:first + q]).to(self.device)
+            start += q
+
     # -- reading ------------------------------------------------------------------
     def read_layer(self, layer: int, seqs) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode ``seqs`` (all of one length ``T``) in ``layer``: K and V int16 ``[len(seqs), kv_heads, T, D]``.
 
         Finalized blocks are decoded from their slots (or copied from raw tiles),
-        the tail is appended: the exact BF16 bits that went in.
+        each with its own epoch's bases (one codec call per epoch), and the tail is
+        appended: the exact BF16 bits that went in.
         """
         self._check_layer(layer)
         seqs = [int(s) for s in seqs]
@@ -531,11 +672,19 @@ class PagedKVCache:
         nblocks, rest = divmod(tokens, L.BLOCK_TOKENS)
         rows = torch.tensor(seqs, dtype=torch.long, device=self.device)
         out = []
+        per = self.tiles_per_block
         for kind in KINDS:
             store = self._store[layer][kind]
-            entries = store.table[rows, :nblocks].reshape(-1)
-            tiles = self.codec.decode(store.slots.data, store.raw.data, entries, store.tb3, store.tb4, store.capacity)
-            full = tiles_to_tokens(tiles.to(self.device), len(seqs), nblocks, self.kv_heads, self.head_dim)
+            entries = store.table[rows, :nblocks].reshape(-1, per)
+            epochs = store.epochs[seqs, :nblocks].reshape(-1)
+            tiles = torch.empty((len(epochs), per, L.BLOCK_TOKENS, self.geometry.channels), dtype=torch.int16,
+                                device=self.device)
+            for epoch in np.unique(epochs).tolist():
+                at = torch.from_numpy(np.flatnonzero(epochs == epoch)).to(self.device)
+                got = self.codec.decode(store.slots.data, store.raw.data, entries[at].reshape(-1), store.tb3[epoch],
+                                        store.tb4[epoch], store.capacity)
+                tiles[at] = got.to(self.device).reshape(len(at), per, L.BLOCK_TOKENS, -1)
+            full = tiles_to_tokens(tiles, len(seqs), nblocks, self.kv_heads, self.head_dim)
             out.append(torch.cat([full, store.tail[rows, :, :rest]], dim=2))
         return out[0], out[1]
 
@@ -551,30 +700,41 @@ class PagedKVCache:
         """Layer ``layer``'s live storage as a :class:`LayerView` (no copy): what decode attention reads.
 
         Its batch is every sequence row; rows without a live sequence have ``seq_lens`` 0.
-        Appends show up in it; growth (``grow=True``) allocates new arrays, so take a
-        fresh view after an update that may have grown the cache.
+        With ``adapt`` the bases are ``[n_epochs, kv_heads, head_dim]`` and ``epoch``
+        holds each block's epoch (int16 ``[max_seqs, max_blocks]``, non-decreasing
+        along a sequence); without, the bases are ``[kv_heads, head_dim]`` and
+        ``epoch`` is None.  Appends show up in it; growth (``grow=True``) and new
+        epochs allocate new arrays, so take a fresh view after every update.
         """
         self._check_layer(layer)
         k, v = self._store[layer]
+        if self.adapt:
+            b3, b4, epoch = (k.b3, v.b3), (k.b4, v.b4), (k.epoch, v.epoch)
+        else:
+            b3, b4, epoch = (k.b3[0], v.b3[0]), (k.b4[0], v.b4[0]), None
         return LayerView(slots=(k.slots.data, v.slots.data), raw=(k.raw.data, v.raw.data), table=(k.table, v.table),
-                         b3=(k.b3, v.b3), b4=(k.b4, v.b4), capacity=(k.capacity, v.capacity), tail_k=k.tail,
-                         tail_v=v.tail, seq_lens=self._seq_lens[layer], kv_heads=self.kv_heads,
-                         head_dim=self.head_dim)
+                         b3=b3, b4=b4, capacity=(k.capacity, v.capacity), tail_k=k.tail, tail_v=v.tail,
+                         seq_lens=self._seq_lens[layer], kv_heads=self.kv_heads, head_dim=self.head_dim, epoch=epoch)
 
     # -- accounting ---------------------------------------------------------------
     def memory(self) -> MemoryReport:
         """What the live sequences occupy, against BF16 (see :class:`MemoryReport`)."""
         geo, live = self.geometry, self._live
         element_bytes = self.kv_heads * self.head_dim * 2           # one token of one kind in one layer
-        slot = raw = allocated = 0
+        slot = raw = allocated = extra_epochs = 0
         for layer_store in self._store:
             for store in layer_store:
                 slot += store.slots.used * geo.slot_bytes(store.capacity)
                 raw += store.raw.used * geo.raw_bytes
                 allocated += sum(t.nbytes for t in (store.slots.data, store.raw.data, store.table, store.tail))
+                if store.epoch is not None:
+                    allocated += store.epoch.nbytes
+                extra_epochs += store.b3.shape[0] - 1
         blocks = int((self._lens[:, live] // L.BLOCK_TOKENS).sum())
+        tables = extra_epochs * epoch_table_bytes(self.calibration)
+        epoch_bytes = tables + blocks * len(KINDS) * EPOCH_INDEX_BYTES if self.adapt else 0
         return MemoryReport(tokens=int(self._lens[0, live].sum()), slot_bytes=slot, raw_bytes=raw,
                             table_bytes=blocks * len(KINDS) * self.tiles_per_block * L.TABLE_ENTRY_BYTES,
                             tail_bytes=int(live.sum()) * self.layers * len(KINDS) * L.BLOCK_TOKENS * element_bytes,
                             bf16_bytes=int(self._lens[:, live].sum()) * len(KINDS) * element_bytes,
-                            allocated_bytes=allocated)
+                            allocated_bytes=allocated + tables, epoch_bytes=epoch_bytes)

@@ -17,9 +17,11 @@ from gaac import layout as L
 from gaac.block import encode_block
 from gaac.cache import PagedKVCache, PoolExhaustedError, blocks_to_tiles, tiles_to_tokens
 from gaac.calibration import Calibration, calibrate
+import gaac.epochs as epochs_mod
+from gaac.epochs import EPOCH_INDEX_BYTES, assign_epochs
 from gaac.errors import GAACError, InputError
 from gaac.io import load_sample
-from gaac.tiles import block_tiles, untile
+from gaac.tiles import block_tiles, cache_blocks, untile
 
 B = L.BLOCK_TOKENS
 
@@ -37,21 +39,31 @@ def with_capacity(cal: Calibration, capacity) -> Calibration:
 
 
 def independent_memory(cache: PagedKVCache, contents: dict) -> dict:
-    """Resident bytes of ``contents`` counted with the block container, not the cache's pools."""
+    """Resident bytes of ``contents`` counted with the block container, not the cache's pools.
+
+    Each block is coded with the epoch the cache recorded for it (whether those are the right
+    epochs is tested against gaac.epochs.assign_epochs below).
+    """
     cal = cache.calibration
     geo = L.geometry(cal.head_dim)
-    slots_tables = raw = 0
-    for k, v in contents.values():
+    slots_tables = raw = epochs = 0
+    for seq, (k, v) in contents.items():
         n = k.shape[2] // B
         for layer in range(cal.layers):
+            view = cache.layer_view(layer)
             for kind, x in enumerate((k, v)):
                 for b in range(n):
-                    eb = encode_block(x[layer, :, b * B:(b + 1) * B], cal, layer, kind)
+                    epoch = 0 if view.epoch is None else int(view.epoch[kind][seq, b])
+                    eb = encode_block(x[layer, :, b * B:(b + 1) * B], cal, layer, kind, epoch)
                     slots_tables += eb.resident_bytes
                     raw += len(eb.raw_tiles) * geo.raw_bytes
+                    epochs += EPOCH_INDEX_BYTES if cache.adapt else 0
+    if cache.adapt:
+        epochs += sum(cal.n_epochs(layer, kind) - 1 for layer in range(cal.layers) for kind in (0, 1)) \
+            * 2 * cal.kv_heads * cal.head_dim
     tails = len(contents) * cal.layers * 2 * B * cal.kv_heads * cal.head_dim * 2
     tokens = sum(k.shape[2] for k, _ in contents.values())
-    return dict(resident=slots_tables + tails, raw=raw, tokens=tokens,
+    return dict(resident=slots_tables + tails + epochs, raw=raw, tokens=tokens,
                 bf16=tokens * cal.layers * 2 * cal.kv_heads * cal.head_dim * 2)
 
 
@@ -252,7 +264,9 @@ def test_layer_view_contract(real):
     assert view.tail_k.dtype == torch.int16 and view.tail_k.shape == (3, cal.kv_heads, B, cal.head_dim)
     np.testing.assert_array_equal(view.tail_k[a, :, :8].numpy().view(np.uint16), k[2, :, 32:40])
     np.testing.assert_array_equal(view.tail_v[b, :, :7].numpy().view(np.uint16), v[2, :, :7])
-    assert view.b3[1].dtype == torch.uint8 and (view.b3[1].numpy() == cal.b3[1, 2]).all()
+    assert view.b3[1].dtype == torch.uint8 and view.b3[1].shape == (1, cal.kv_heads, cal.head_dim)
+    assert (view.b3[1][0].numpy() == cal.b3[1, 2]).all()                     # epoch 0: the calibration's bases
+    assert view.epoch[0].dtype == torch.int16 and view.epoch[0].shape == (3, 4)
     assert view.capacity == (int(cal.capacity[0, 2]), int(cal.capacity[1, 2]))
     # The view is the live storage, not a copy: a later block shows up in it.
     cache.append(b, k[:, :, 7:16], v[:, :, 7:16])
@@ -424,3 +438,222 @@ def test_cuda_codec_path_in_the_simulator():
     cache = PagedKVCache(roomy, max_blocks=2, raw_tiles=0, codec="cuda")
     seq = cache.add_sequence(k, v)
     np.testing.assert_array_equal(cache.read(seq)[1], v)
+
+
+# ----------------------------------------------------------------------------------------------
+# Calibration epochs: a context that drifts away from its calibration.
+
+def drifting(rng, layers, heads, tokens, dim, drift):
+    """Random BF16 bits whose exponent centres move by ``drift`` over ``tokens`` in the even channels.
+
+    The way RoPE drift moves K's slowly rotating channel pairs as a context grows.
+    """
+    centres = rng.integers(112, 128, size=(layers, heads, 1, dim)).astype(float)
+    shift = drift * (np.arange(tokens)[:, None] / tokens) * (np.arange(dim) % 2 == 0)
+    e = np.rint(centres + shift + rng.normal(0, 1.5, size=(layers, heads, tokens, dim)))
+    sm = rng.integers(0, 256, size=e.shape, dtype=np.uint16)
+    return ((sm & 0x80) << 8) | (np.clip(e, 0, 255).astype(np.uint16) << 7) | (sm & 0x7F)
+
+
+@pytest.fixture(scope="module")
+def drift():
+    """64 blocks of 2 layers; K drifts by 8 exponents, V not; calibrated on the first 256 tokens."""
+    rng = np.random.default_rng(8)
+    k, v = drifting(rng, 2, 2, 64 * B, 64, 8.0), drifting(rng, 2, 2, 64 * B, 64, 0.0)
+    return k, v, calibrate(k[:, :, :256], v[:, :, :256])
+
+
+def reference_epochs(cal, finalized):
+    """gaac.epochs.assign_epochs over each layer's and kind's blocks ``finalized[kind][layer]`` (a copy of cal)."""
+    cal = cal.copy()
+    return cal, [[assign_epochs(finalized[kind][layer], cal, layer, kind) for layer in range(cal.layers)]
+                 for kind in (0, 1)]
+
+
+def cache_epochs(cache, seq, layer, kind):
+    view = cache.layer_view(layer)
+    return view.epoch[kind][seq, :cache.seq_len(seq, layer) // B].numpy().astype(np.int64)
+
+
+def assert_same_epochs(a, b):
+    """Two calibrations with the same epochs (same bases), layer by layer and kind by kind."""
+    for layer in range(a.layers):
+        for kind in (0, 1):
+            assert a.n_epochs(layer, kind) == b.n_epochs(layer, kind)
+            for e in range(a.n_epochs(layer, kind)):
+                for x, y in zip(a.bases(layer, kind, e), b.bases(layer, kind, e)):
+                    np.testing.assert_array_equal(x, y)
+
+
+def test_epochs_token_by_token_prefill_and_chunks_match_the_rule(drift):
+    k, v, cal = drift
+    tokens = k.shape[2]
+    ref_cal, ref = reference_epochs(cal, [[cache_blocks(x[layer]) for layer in range(2)] for x in (k, v)])
+    assert sum(ref_cal.n_epochs(layer, kind) - 1 for layer in range(2) for kind in (0, 1)) >= 4
+
+    by_token = PagedKVCache(cal, max_blocks=64, raw_tiles=128)
+    seq = by_token.add_sequence(k[:, :, :5], v[:, :, :5])
+    for t in range(5, tokens):
+        by_token.append(seq, k[:, :, t:t + 1], v[:, :, t:t + 1])
+    prefill = PagedKVCache(cal, max_blocks=64, raw_tiles=128)
+    prefill.add_sequence(k, v)
+    chunked = PagedKVCache(cal, max_blocks=64, raw_tiles=128)   # chunks ending mid-run, mid-block, over checks
+    chunked.add_sequence(k[:, :, :37], v[:, :, :37])
+    for a, b in ((37, 38), (38, 300), (300, 800), (800, 809), (809, tokens)):
+        chunked.append(seq, k[:, :, a:b], v[:, :, a:b])
+
+    for cache in (by_token, prefill, chunked):
+        got_k, got_v = cache.read(seq)
+        np.testing.assert_array_equal(got_k, k)
+        np.testing.assert_array_equal(got_v, v)
+        assert_same_epochs(cache.calibration, ref_cal)
+        for layer in range(2):
+            view = cache.layer_view(layer)
+            for kind in (0, 1):
+                got = cache_epochs(cache, seq, layer, kind)
+                np.testing.assert_array_equal(got, ref[kind][layer])
+                assert (np.diff(got) >= 0).all()
+                assert view.b3[kind].shape == (ref_cal.n_epochs(layer, kind), 2, 64)
+                for e in range(ref_cal.n_epochs(layer, kind)):
+                    np.testing.assert_array_equal(view.b4[kind][e].numpy(), ref_cal.bases(layer, kind, e)[1])
+        assert cache.blocks_encoded == 2 * 64
+    assert all(cal.n_epochs(layer, kind) == 1 for layer in range(2) for kind in (0, 1))   # the caller's: untouched
+
+    # Memory: the appended epochs' tables and a 2-byte index per block, on top of what the blocks occupy.
+    check_accounting(prefill, {seq: (k, v)})
+    appended = sum(ref_cal.n_epochs(layer, kind) - 1 for layer in range(2) for kind in (0, 1))
+    assert prefill.memory().epoch_bytes == appended * 2 * 2 * 64 + 64 * 2 * 2 * EPOCH_INDEX_BYTES
+    fixed = PagedKVCache(cal, max_blocks=64, raw_tiles=128, adapt=False)
+    fixed.add_sequence(k, v)
+    assert prefill.memory().resident_bytes < fixed.memory().resident_bytes     # adaptation pays for itself here
+
+
+def test_batched_update_finalizes_in_the_order_of_seqs(drift):
+    """update_layer with seqs [b, a]: the adapter sees b's new blocks, then a's, every call."""
+    k, v, cal = drift
+    half = 32 * B
+    cache = PagedKVCache(cal, max_seqs=2, max_blocks=32, raw_tiles=128)
+    a, b = cache.add_sequence(), cache.add_sequence()
+    rows = {a: (k[:, :, :half], v[:, :, :half]), b: (k[:, :, half:], v[:, :, half:])}
+    cuts = (0, 200, 203, 450, half)
+    for layer in range(2):
+        for lo, hi in zip(cuts[:-1], cuts[1:]):
+            cache.update_layer(layer, [b, a], *(np.stack([rows[s][kind][layer, :, lo:hi] for s in (b, a)])
+                                                for kind in (0, 1)))
+    order = [(s, j) for lo, hi in zip(cuts[:-1], cuts[1:]) for s in (b, a) for j in range(lo // B, hi // B)]
+    ref_cal, ref = reference_epochs(cal, [[np.stack([cache_blocks(rows[s][kind][layer])[j] for s, j in order])
+                                           for layer in range(2)] for kind in (0, 1)])
+    assert_same_epochs(cache.calibration, ref_cal)
+    for layer in range(2):
+        for kind in (0, 1):
+            for s in (a, b):
+                want = [e for (t, _), e in zip(order, ref[kind][layer]) if t == s]
+                np.testing.assert_array_equal(cache_epochs(cache, s, layer, kind), want)
+    for s in (a, b):
+        np.testing.assert_array_equal(cache.read(s)[0], rows[s][0])
+
+
+def adapter_state(cache):
+    """What a failed update must not change, epochs included (beyond :func:`snapshot`)."""
+    return [[(st.adapter.finalized, st.adapter.until_check, st.adapter.hist.copy(), st.b3.clone(), st.epochs.copy())
+             for st in layer] for layer in cache._store], \
+        [[cache.calibration.n_epochs(layer, kind) for kind in (0, 1)] for layer in range(cache.layers)]
+
+
+def test_exhausted_update_leaves_adapters_and_epochs_unchanged(drift):
+    k, v, cal = drift
+    small, big = (PagedKVCache(cal, max_blocks=n, raw_tiles=128) for n in (58, 64))
+    for cache in (small, big):
+        cache.add_sequence(k[:, :, :50 * B + 3], v[:, :, :50 * B + 3])
+    before, before_state = snapshot(small), adapter_state(small)
+    with pytest.raises(PoolExhaustedError, match="block table holds 58"):
+        small.append(0, k[:, :, 50 * B + 3:62 * B], v[:, :, 50 * B + 3:62 * B])
+    big.append(0, k[:, :, 50 * B + 3:62 * B], v[:, :, 50 * B + 3:62 * B])
+    assert big.calibration.n_epochs(0, 0) > small.calibration.n_epochs(0, 0)   # the refused update appends one
+    assert_same(snapshot(small), before)
+    after_blocks, after_epochs = adapter_state(small)
+    assert after_epochs == before_state[1]
+    for x, y in zip(sum(after_blocks, []), sum(before_state[0], [])):
+        assert x[:2] == y[:2] and (x[2] == y[2]).all() and torch.equal(x[3], y[3]) and (x[4] == y[4]).all()
+    # ... so the cache goes on exactly as if the refused update had never been tried.
+    small.append(0, k[:, :, 50 * B + 3:58 * B], v[:, :, 50 * B + 3:58 * B])
+    ref_cal, ref = reference_epochs(cal, [[cache_blocks(x[layer, :, :58 * B]) for layer in range(2)] for x in (k, v)])
+    assert_same_epochs(small.calibration, ref_cal)
+    np.testing.assert_array_equal(cache_epochs(small, 0, 1, 0), ref[0][1])
+
+
+def test_adapt_false_codes_every_block_with_the_calibrations_bases(drift):
+    k, v, cal = drift
+    cache = PagedKVCache(cal, max_blocks=64, raw_tiles=128, adapt=False)
+    seq = cache.add_sequence(k[:, :, :700], v[:, :, :700])
+    cache.append(seq, k[:, :, 700:], v[:, :, 700:])
+    view = cache.layer_view(1)
+    assert view.epoch is None and view.b3[0].shape == (2, 64)
+    np.testing.assert_array_equal(view.b3[0].numpy(), cal.b3[0, 1])
+    assert cache.calibration.n_epochs(1, 0) == 1 and cache.memory().epoch_bytes == 0
+    np.testing.assert_array_equal(cache.read(seq)[0], k)
+    check_accounting(cache, {seq: (k, v)})          # every block as encode_block codes it with epoch 0
+
+
+def test_decode_attention_reads_epochs(drift):
+    """The CPU attention path decodes each block with its epoch's bases, as the cache's own read does."""
+    attention = pytest.importorskip("gaac.attention")
+    k, v, cal = drift
+    cache = PagedKVCache(cal, max_seqs=2, max_blocks=64, raw_tiles=256)
+    cache.add_sequence(k, v)
+    cache.add_sequence(k[:, :, :40], v[:, :, :40])
+    view = cache.layer_view(0)
+    assert int(view.epoch[0][0].max()) > 0
+    q = (np.random.default_rng(1).standard_normal((2, 4, 64)).astype(np.float32).view(np.uint32) >> 16)
+    out = attention.decode_attention(q.astype(np.uint16), view, backend="cpu")
+    ks = [attention.bf16_to_float(k[0]), attention.bf16_to_float(k[0, :, :40])]
+    vs = [attention.bf16_to_float(v[0]), attention.bf16_to_float(v[0, :, :40])]
+    ref, _ = attention.reference_attention(attention.bf16_to_float(q.astype(np.uint16)), ks, vs, dtype=np.float32)
+    np.testing.assert_array_equal(out, attention.float_to_bf16(ref))
+
+
+def test_cuda_codec_path_with_epochs_in_the_simulator(monkeypatch):
+    """codec='cuda' codes and decodes each block with its epoch's bases, as the reference codec does."""
+    pytest.importorskip("numba")
+    for name in ("WARMUP_BLOCKS", "ADAPT_EVERY"):                # epochs within a few blocks: the simulator is slow
+        monkeypatch.setattr(epochs_mod, name, 4)
+    rng = np.random.default_rng(5)
+    k, v = drifting(rng, 1, 1, 13 * B + 7, 64, 10.0), drifting(rng, 1, 1, 13 * B + 7, 64, 0.0)
+    cal = calibrate(k[:, :, :64], v[:, :, :64])
+    caches = [PagedKVCache(cal, max_blocks=13, raw_tiles=26, codec=c) for c in ("reference", "cuda")]
+    for cache in caches:
+        seq = cache.add_sequence(k[:, :, :100], v[:, :, :100])
+        cache.append(seq, k[:, :, 100:], v[:, :, 100:])
+        got_k, got_v = cache.read(seq)
+        np.testing.assert_array_equal(got_k, k)
+        np.testing.assert_array_equal(got_v, v)
+    assert caches[0].calibration.n_epochs(0, 0) > 2
+    assert_same_epochs(caches[0].calibration, caches[1].calibration)
+    ref, sim = (c.layer_view(0) for c in caches)
+    for kind in range(2):
+        assert torch.equal(ref.epoch[kind], sim.epoch[kind])
+        assert torch.equal(ref.table[kind] < 0, sim.table[kind] < 0)
+
+
+def test_real_kv_with_epochs_reads_back():
+    """Real SmolLM2 K/V (the dumps), four prompts' caches one after another: epochs as the rule says, bit-exact."""
+    from conftest import kv_dump
+
+    prompts = ("prose", "code", "math", "list")
+    k = np.concatenate([kv_dump(p, "k")[:2] for p in prompts], axis=2)
+    v = np.concatenate([kv_dump(p, "v")[:2] for p in prompts], axis=2)
+    cal = calibrate(k[:, :, :256], v[:, :, :256])
+    cache = PagedKVCache(cal, max_blocks=k.shape[2] // B)
+    seq = cache.add_sequence(k[:, :, :300], v[:, :, :300])
+    for a in range(300, k.shape[2], 64):
+        cache.append(seq, k[:, :, a:a + 64], v[:, :, a:a + 64])
+    got_k, got_v = cache.read(seq)
+    np.testing.assert_array_equal(got_k, k)
+    np.testing.assert_array_equal(got_v, v)
+    ref_cal, ref = reference_epochs(cal, [[cache_blocks(x[layer]) for layer in range(2)] for x in (k, v)])
+    assert_same_epochs(cache.calibration, ref_cal)
+    assert cache.calibration.n_epochs(0, 0) > 1 and cache.calibration.n_epochs(0, 1) > 1
+    for layer in range(2):
+        for kind in (0, 1):
+            np.testing.assert_array_equal(cache_epochs(cache, seq, layer, kind), ref[kind][layer])
+    check_accounting(cache, {seq: (k, v)})
