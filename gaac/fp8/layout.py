@@ -23,8 +23,10 @@ from dataclasses import dataclass
 
 from .. import layout as L
 
-# Format version 2 is version 1 plus the FP8 element formats (FORMAT-FP8.md): an FP8 block container has
-# version byte 2 and element-format byte 2 or 3; BF16 streams stay version 1.
+# An FP8 block container (FORMAT-FP8.md 6) has version byte 2 and element-format byte 2 or 3.  Version 2 is
+# also BF16's calibration-epoch version (FORMAT.md 7.1, element byte 1); the element byte tells them apart.
+# FP8 has no epochs: header bytes 20..23 are version 1's reserved u32, written and checked 0 (gaac/fp8/block.py,
+# read_container(epochs=False)), which version 2's layout reads as epoch 0, reserved 0.
 FP8_FORMAT_VERSION = 2
 
 # Element formats (stream header byte 5); 1 is BF16 (gaac.layout.ELEMENT_BF16).
