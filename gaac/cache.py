@@ -166,6 +166,8 @@ def _codec_for(codec: str | None, device: torch.device):
 
 def _runs(epochs: np.ndarray):
     """``(epoch, start, stop)`` of each run of equal values in ``epochs``: one codec call each."""
+    if not len(epochs):
+        return []
     cuts = np.flatnonzero(np.diff(epochs)) + 1
     bounds = [0, *cuts.tolist(), len(epochs)]
     return [(int(epochs[a]), a, b) for a, b in zip(bounds[:-1], bounds[1:])]
@@ -677,13 +679,20 @@ class PagedKVCache:
             store = self._store[layer][kind]
             entries = store.table[rows, :nblocks].reshape(-1, per)
             epochs = store.epochs[seqs, :nblocks].reshape(-1)
-            tiles = torch.empty((len(epochs), per, L.BLOCK_TOKENS, self.geometry.channels), dtype=torch.int16,
-                                device=self.device)
-            for epoch in np.unique(epochs).tolist():
-                at = torch.from_numpy(np.flatnonzero(epochs == epoch)).to(self.device)
-                got = self.codec.decode(store.slots.data, store.raw.data, entries[at].reshape(-1), store.tb3[epoch],
-                                        store.tb4[epoch], store.capacity)
-                tiles[at] = got.to(self.device).reshape(len(at), per, L.BLOCK_TOKENS, -1)
+            # The blocks sorted by epoch, decoded one epoch at a time, then put back in order (a gather: torch's
+            # scatter into a preallocated tensor costs milliseconds on the CPU).
+            order = np.argsort(epochs, kind="stable")
+            runs = _runs(epochs[order])
+            if len(runs) > 1:
+                entries = entries[torch.from_numpy(order).to(self.device)]
+            parts = [self.codec.decode(store.slots.data, store.raw.data, entries[start:stop].reshape(-1),
+                                       store.tb3[epoch], store.tb4[epoch], store.capacity).to(self.device)
+                     for epoch, start, stop in runs]
+            tiles = torch.cat(parts) if parts else entries.new_zeros((0, L.BLOCK_TOKENS, self.geometry.channels),
+                                                                     dtype=torch.int16)
+            if len(runs) > 1:
+                tiles = tiles.reshape(len(epochs), per, L.BLOCK_TOKENS, -1)[torch.from_numpy(np.argsort(order))
+                                                                            .to(self.device)]
             full = tiles_to_tokens(tiles, len(seqs), nblocks, self.kv_heads, self.head_dim)
             out.append(torch.cat([full, store.tail[rows, :, :rest]], dim=2))
         return out[0], out[1]
