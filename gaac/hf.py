@@ -21,6 +21,13 @@ one-token decode step, a :class:`PagedLayer` handle instead of tensors; the
 directly.  Prefill (more than one new token) always takes the decoded path and
 the model's standard attention, as in the paper.
 
+Calibration epochs (``adapt=True``, the default; :mod:`gaac.epochs`).  The
+paged cache appends new bases as a long generation drifts from the
+calibration (RoPE drift in K) and records each block's epoch; both paths
+decode every block with its own epoch's bases.  The epochs live in the paged
+cache's copy of the calibration, ``cache.store.calibration``;
+:attr:`GAACCache.calibration` stays the calibration the cache started from.
+
 ``calibration=None``: the cache calibrates itself.  It holds plain BF16 (as
 ``DynamicCache`` does) until the last layer of a forward pass leaves at least
 one complete 16-token block in every layer -- right after the prefill for a
@@ -144,11 +151,12 @@ class GAACCache(Cache):
     and a head size GAAC v1 supports).  ``calibration``: a :class:`gaac.Calibration`
     for this model, or None to calibrate on the first complete blocks.
     ``fused``: use the fused decode attention (None: on CUDA when the model's
-    ``attn_implementation`` is ``"gaac"``).  ``codec``: as in :class:`gaac.PagedKVCache`.
+    ``attn_implementation`` is ``"gaac"``).  ``codec`` and ``adapt`` (calibration
+    epochs, default on): as in :class:`gaac.PagedKVCache`.
     """
 
     def __init__(self, config, calibration: Calibration | None = None, *, fused: bool | None = None,
-                 codec: str | None = None):
+                 codec: str | None = None, adapt: bool = True):
         text = config.get_text_config(decoder=True)
         types = set(getattr(text, "layer_types", None) or ["full_attention"])
         if types != {"full_attention"} or getattr(text, "sliding_window", None):
@@ -165,7 +173,9 @@ class GAACCache(Cache):
             calibration.check_shape(*self.shape)
         self.config = text
         self.calibration = self._given = calibration
-        self._fused, self.codec = fused, codec
+        if not isinstance(adapt, bool):
+            raise InputError(f"adapt must be True or False, got {adapt!r}")
+        self._fused, self.codec, self.adapt = fused, codec, adapt
         self.store: PagedKVCache | None = None
         self.rows: list = []
         super().__init__(layers=[GAACLayer(self, i) for i in range(self.shape[0])])
@@ -203,7 +213,7 @@ class GAACCache(Cache):
         """Start the paged cache: one sequence per batch row, pools that grow as needed."""
         batch, _, tokens, _ = k.shape
         self.store = PagedKVCache(self.calibration, max_seqs=batch, max_blocks=max(4, 2 * tokens // L.BLOCK_TOKENS),
-                                  device=k.device, grow=True, codec=self.codec)
+                                  device=k.device, grow=True, codec=self.codec, adapt=self.adapt)
         self.rows = [self.store.add_sequence() for _ in range(batch)]
 
     def _calibrate_and_compress(self) -> None:

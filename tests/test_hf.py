@@ -155,7 +155,7 @@ def test_fused_hook_calls_decode_attention(monkeypatch):
     cache = hf.GAACCache(config=model.config, fused=True)
     tokens, logits = greedy(model, ids, cache, steps=12)
     assert len(calls) == 11 * model.config.num_hidden_layers         # every decode step, every layer
-    assert all(isinstance(v.slots[0], torch.Tensor) for v in calls)
+    assert all(isinstance(v.slots[0], torch.Tensor) and v.epoch is not None for v in calls)   # adapt: the default
     # Float32 reference attention instead of SDPA: close, not bit-identical; this chaotic random model's
     # greedy paths part at a near-tie after a few steps, so compare the first three fused steps (logits ~30,
     # where one BF16 step is 0.125-0.25).
@@ -170,8 +170,10 @@ def test_gaac_attention_is_sdpa_on_tensors():
     ids = torch.randint(3, 96, (1, 30), generator=torch.Generator().manual_seed(2))
     ref_tokens, ref_logits = greedy(model, ids, steps=20)
     model.set_attn_implementation(hf.ATTENTION)
-    tokens, logits = greedy(model, ids, hf.GAACCache(config=model.config), steps=20)
+    cache = hf.GAACCache(config=model.config, adapt=False)
+    tokens, logits = greedy(model, ids, cache, steps=20)
     assert torch.equal(tokens, ref_tokens) and torch.equal(logits, ref_logits)
+    assert cache.store.layer_view(0).epoch is None and cache.memory().epoch_bytes == 0      # fixed bases
 
 
 def test_config_and_input_errors():
@@ -181,6 +183,8 @@ def test_config_and_input_errors():
         hf.GAACCache(config=tiny_llama(64, kv_heads=1).config, calibration=cal)
     with pytest.raises(InputError, match="calibration"):
         hf.GAACCache(config=model.config, calibration="cal.json")
+    with pytest.raises(InputError, match="adapt"):
+        hf.GAACCache(config=model.config, adapt="yes")
     sliding = LlamaConfig(**{**model.config.to_dict(), "layer_types": ["sliding_attention", "full_attention"]})
     sliding.sliding_window = 8
     with pytest.raises(InputError, match="full-attention"):
