@@ -420,7 +420,7 @@ class AttentionPlan:
 
     def __init__(self, view: LayerView, q_heads: int, *, scale: float | None = None, plain: bool = False,
                  variant: str = "full", nstage: int = 3, blocks_per_split: int | None = None,
-                 overlap: bool = False, max_registers: int | None = None):
+                 overlap: bool = False, max_registers: int | None = None, direct_k: bool = False):
         from .cuda import attention as K
 
         self._K = K
@@ -448,7 +448,7 @@ class AttentionPlan:
         self._sizes = (geo.slot_bytes(view.capacity[0]), geo.slot_bytes(view.capacity[1]))
         stage = K.tile_bytes(c) if plain else -(-max(self._sizes) // 16) * 16
         if blocks_per_split is None:
-            smem = K.smem_bytes(c, tph, nstage, plain, stage) + 4 * K.MAX_BLOCKS_PER_SPLIT * 2 * tph
+            smem = K.smem_bytes(c, tph, nstage, plain, stage) + 4 * K.MAX_BLOCKS_PER_SPLIT * 2 * (tph + 1)
             if K.SIMULATOR:
                 target = 4
             else:
@@ -474,7 +474,8 @@ class AttentionPlan:
         self.n_work = len(work)
         split0 = np.concatenate([[0], np.cumsum(splits)]).astype(np.int32)
         work = np.asarray(work, dtype=np.int32).reshape(-1)
-        self._kernel = K.attention_kernel(d, plain, variant, nstage, 0 if plain else stage, overlap, max_registers)
+        self._kernel = K.attention_kernel(d, plain, variant, nstage, 0 if plain else stage, overlap, max_registers,
+                                          direct_k)
         self._merge = K.merge_kernel(d)
         bases = _epoch_bases(view)
         self.n_epochs = (n_epochs(view, 0), n_epochs(view, 1))
