@@ -607,8 +607,8 @@ def main():
         rows = []
         cache = BenchCache(real, 8, 128)
         log(f"== timings (capacity K/V {cache.capacity}) ==")
-        candidates = [{}, {"overlap": True}, {"direct_k": True}, {"direct_k": True, "nstage": 4},
-                      {"direct_k": True, "max_registers": 168}]
+        candidates = [{}, {"overlap": True}, {"direct_k": True}, {"direct_k": True, "nstage": 2},
+                      {"direct_k": True, "nstage": 2, "max_registers": 160}]
         breakdown = candidates + [{"variant": v} for v in ("load_only", "no_decode", "decode_twice")] + [
             {"variant": "decode_twice", "direct_k": True}]
         plain_breakdown = [{}, {"variant": "load_only"}, {"nstage": 2}]

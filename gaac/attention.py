@@ -456,8 +456,8 @@ class AttentionPlan:
 
                 sms = torch.cuda.get_device_properties(view.slots[0].device).multi_processor_count
                 # One wave of one-warp blocks: as many as fit an SM by shared memory and by registers
-                # (about 200 per thread for the compressed kernel, 168 for the plain one, from ptxas).
-                regs = max_registers or (168 if plain else 200)
+                # (from ptxas: about 250 per thread for the compressed kernel, 170 with direct_k or plain).
+                regs = max_registers or (172 if plain or direct_k else 248)
                 target = sms * max(1, min(32, (227 * 1024) // (smem + 1024), 65536 // (32 * regs)))
             # The fewest blocks per split that still fit one wave: each sequence rounds its splits up,
             # so the bare quotient can spill a few blocks into a second, almost empty wave.
@@ -466,11 +466,13 @@ class AttentionPlan:
                    and hk * int((-(-nblk // blocks_per_split)).sum()) > target):
                 blocks_per_split += 1
         self.blocks_per_split = bps = int(min(max(blocks_per_split, 1), K.MAX_BLOCKS_PER_SPLIT))
-        splits = -(-nblk // bps)
         work = []
+        splits = np.zeros(self.batch, np.int64)
         for b in range(self.batch):
-            for s in range(splits[b]):
-                work.append((b, s * bps, min((s + 1) * bps, nblk[b])))
+            for start, stop in _epoch_runs(view, b, int(lens[b]) // L.BLOCK_TOKENS, int(nblk[b])):
+                for s in range(start, stop, bps):
+                    work.append((b, s, min(s + bps, stop)))
+                    splits[b] += 1
         self.n_work = len(work)
         split0 = np.concatenate([[0], np.cumsum(splits)]).astype(np.int32)
         work = np.asarray(work, dtype=np.int32).reshape(-1)
@@ -589,6 +591,25 @@ class AttentionPlan:
                                        "a block's epoch has no bases in the view")) if s & bit]
         if why:
             raise FormatError("decode attention: " + "; ".join(why))
+
+
+def _epoch_runs(view: LayerView, b: int, nfull: int, nblk: int) -> list:
+    """Sequence ``b``'s blocks ``0 .. nblk`` cut into runs of one K epoch and one V epoch (the tail block
+    joins the last run): the kernel loads one epoch's bases per split, so no split crosses a cut.
+    Epochs outside the view's bases raise :class:`InputError` (the kernel would only flag them)."""
+    cuts = set()
+    for kind in range(2):
+        eps = block_epochs(view, kind)
+        if eps is None:
+            continue
+        e = _host(eps)[b, :nfull].astype(np.int64)
+        bad = np.flatnonzero((e < 0) | (e >= n_epochs(view, kind)))
+        if bad.size:
+            raise InputError(f"epoch[{'kv'[kind]}][{b}, {bad[0]}] = {e[bad[0]]}: the view holds bases for "
+                             f"epochs 0..{n_epochs(view, kind) - 1}")
+        cuts.update((np.flatnonzero(np.diff(e)) + 1).tolist())
+    edges = [0, *sorted(cuts), nblk]
+    return [(a, z) for a, z in zip(edges[:-1], edges[1:]) if z > a]
 
 
 class _FastLaunch:

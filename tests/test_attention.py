@@ -332,12 +332,18 @@ def test_direct_k_with_raw_tiles_tails_and_epochs(rng):
     check_against_reference(rng, ks, vs, 2, view=view, direct_k=True, blocks_per_split=2)
 
 
-def test_bad_block_epoch_is_flagged(rng):
+def test_bad_block_epoch_is_refused_or_flagged(rng):
+    """An epoch without bases: refused by the plan and the CPU path; flagged by the kernel if the view
+    changes after planning."""
     ks, vs, view = epoch_view(rng, lens=(40,), bad=True)
     q = float_to_bf16(rng.standard_normal((1, 2, 64)).astype(np.float32))
-    p = AttentionPlan(view, 2)
+    with pytest.raises(InputError, match=r"epoch\[v\]\[0, 1\] = 2"):
+        AttentionPlan(view, 2)
+    with pytest.raises(InputError, match="epoch"):
+        decode_attention(q, view, backend="cpu")
+    view.epoch[1][0, 1] = 1
+    p = AttentionPlan(view, 2, blocks_per_split=1)
+    view.epoch[1][0, 1] = 2                 # after planning: the split starting at block 1 reads it
     p.run(q)
     with pytest.raises(FormatError, match="epoch"):
         p.check_status()
-    with pytest.raises(InputError, match="epoch"):
-        decode_attention(q, view, backend="cpu")

@@ -922,7 +922,7 @@ def _decode_kfrag_fn(channels: int):
         ``base_stride`` apart)."""
         smw = cuda.local.array(16, uint32)
         cw = cuda.local.array(8, uint32)
-        ev = cuda.local.array(2 * LG, uint32)
+        ev = cuda.local.array(8, uint32)           # 2 rows x LG groups
         bw = cuda.local.array(32, uint32)
         lane = lane_id()
         r = i32(lane >> 2)
@@ -1055,10 +1055,9 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
     ``max_blocks, kv_heads, g, slot_bytes_k, slot_bytes_v, cap_k, cap_v, epochs_k, epochs_v`` (epoch
     counts; ``E = max``) and ``scale_log2``.  Grid ``(W, Hkv)``, one warp per block.
 
-    Epochs: a split's blocks are in token order, and epochs never decrease along a sequence, so
-    the warp keeps one epoch's bases per kind in shared memory and reloads a kind's rows (8 words
-    a lane) only at the block where its epoch changes -- at most once per 8 blocks by the
-    adaptation rule, usually never within a split.
+    Epochs: the plan cuts splits where a sequence's K or V epoch changes (``AttentionPlan``), so every
+    split reads one epoch's bases per kind: loaded into shared memory once, from its first block's
+    epoch, and the block loop is the same as without epochs.
     """
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; one of {VARIANTS}")
@@ -1246,7 +1245,6 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
                cap_v, epochs_k, epochs_v, scale_log2):
         smem = cuda.shared.array(SMEM_WORDS, uint32, alignment=SMEM_ALIGN)
         ents = cuda.shared.array(NENT, int32)
-        eps = cuda.shared.array(2 * MAX_BLOCKS_PER_SPLIT, int32)
         scr = cuda.shared.array(SCRATCH_WORDS, uint32)
         scratch_init(scr)
         sb = smem_base(smem)
@@ -1270,21 +1268,16 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
             j = i % T
             row = (b * max_blocks + blk) * (kv_heads * T) + h * T + j
             ents[i] = table_k[row] if (i // T) % 2 == 0 else table_v[row]
-        ne = max(epochs_k, epochs_v)
-        nblk = i32(max(min(blk1, nfull) - blk0, 0))
-        for i in range(lane, 2 * nblk, WARP):
-            row = b * max_blocks + blk0 + i // 2
-            eps[i] = checked_epoch(i32(epoch_k[row]), epochs_k, status) if i % 2 == 0 else \
-                checked_epoch(i32(epoch_v[row]), epochs_v, status)
-        cur_k = i32(0)
-        cur_v = i32(0)
         if not plain:
-            if nblk > 0:
-                row = b * max_blocks + blk0
-                cur_k = checked_epoch(i32(epoch_k[row]), epochs_k, status)
-                cur_v = checked_epoch(i32(epoch_v[row]), epochs_v, status)
-            load_bases(smem, bases, 0, cur_k, ne, h, kv_heads, lane)
-            load_bases(smem, bases, 1, cur_v, ne, h, kv_heads, lane)
+            # The split's epochs (one per kind: see the plan); a split of only the tail reads epoch 0.
+            ne = max(epochs_k, epochs_v)
+            ek = i32(0)
+            ev_ = i32(0)
+            if blk0 < nfull:
+                ek = checked_epoch(i32(epoch_k[b * max_blocks + blk0]), epochs_k, status)
+                ev_ = checked_epoch(i32(epoch_v[b * max_blocks + blk0]), epochs_v, status)
+            load_bases(smem, bases, 0, ek, ne, h, kv_heads, lane)
+            load_bases(smem, bases, 1, ev_, ne, h, kv_heads, lane)
         # Query fragments (A operand: rows = query heads of the group; rows >= g are zero).
         qa0 = cuda.local.array(NCHUNK, uint32)
         qa2 = cuda.local.array(NCHUNK, uint32)
@@ -1332,15 +1325,6 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
             st = i % NS
             is_tail = blk >= nfull
             valid = tail_valid if is_tail else i32(L.BLOCK_TOKENS)
-            if not plain and not is_tail and (eps[2 * i] != cur_k or eps[2 * i + 1] != cur_v):
-                # An epoch boundary (warp-uniform): the previous block's decode is done (barrier above).
-                if eps[2 * i] != cur_k:
-                    cur_k = eps[2 * i]
-                    load_bases(smem, bases, 0, cur_k, ne, h, kv_heads, lane)
-                if eps[2 * i + 1] != cur_v:
-                    cur_v = eps[2 * i + 1]
-                    load_bases(smem, bases, 1, cur_v, ne, h, kv_heads, lane)
-                warp_sync(scr)
             for c in range(8):
                 sc[c] = f32(0)
             if overlap and not is_tail and ents[2 * i] >= 0 and ents[2 * i + 1] >= 0:
