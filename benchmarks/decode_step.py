@@ -285,7 +285,7 @@ class SdpaAttend:
     def __call__(self, layer, q):
         b, s = q.shape[0], self.s
         o = F.scaled_dot_product_attention(q.view(b, s.kv_heads, s.group, s.head_dim), self.kc[layer], self.vc[layer])
-        return o.view(b, s.q_heads, s.head_dim)
+        return o.reshape(b, s.q_heads, s.head_dim)
 
 
 class GaacAttend:
@@ -390,7 +390,7 @@ def correctness(model, ids, sdpa, gaac_att, s: Shape) -> dict:
         b = q.shape[0]
         with sdpa_kernel([SDPBackend.MATH] if SMOKE else [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
             ref = F.scaled_dot_product_attention(q.float().view(b, s.kv_heads, s.group, s.head_dim),
-                                                 sdpa.kc[0].float(), sdpa.vc[0].float()).view(b, s.q_heads, -1)
+                                                 sdpa.kc[0].float(), sdpa.vc[0].float()).reshape(b, s.q_heads, -1)
     gaac_att.check_status()
     rel = lambda a: float((a - ref).norm() / ref.norm())  # noqa: E731
     return {"logits_max_abs_diff": float((ld - lg).abs().max()), "logits_max_abs": float(ld.abs().max()),
