@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import inspect
 import json
 import os
 import statistics
@@ -252,7 +251,7 @@ def build_gaac(cal, s: Shape, layer_kv, batch: int, tokens: int, raw_frac: float
     nblk = tokens // L.BLOCK_TOKENS
     per = s.kv_heads * L.tiles_per_head(s.head_dim)
     n_tiles = batch * nblk * per
-    kw = {"adapt": False} if "adapt" in inspect.signature(gaac.PagedKVCache).parameters else {}
+    kw = {"adapt": False}
     cache = gaac.PagedKVCache(cal, max_seqs=batch, max_blocks=max(nblk, 1), slots=max(n_tiles, 1),
                               raw_tiles=max(256, int(n_tiles * raw_frac)), device=DEV, grow=True, **kw)
     seqs = [cache.add_sequence() for _ in range(batch)]
