@@ -522,14 +522,14 @@ class AttentionPlan:
         self._scalars = (mb, hk, self.g, *self._sizes, *view.capacity, *self.n_epochs)
         self._scale_log2 = np.float32(self.scale * 1.4426950408889634)
         if not K.SIMULATOR:
-            from .cuda.codec import _params
+            from .cuda.launch import FastLaunch, params
 
-            self._main = _FastLaunch(self._kernel, (self.n_work, hk), K.WARP)
-            self._main_fixed = ([p for a in (*self._arrays, self.o_part, self.lse_part, self.status) for p in _params(a)]
-                                + [p for x in self._scalars for p in _params(int(x))]
+            self._main = FastLaunch(self._kernel, (self.n_work, hk), K.WARP)
+            self._main_fixed = ([p for a in (*self._arrays, self.o_part, self.lse_part, self.status) for p in params(a)]
+                                + [p for x in self._scalars for p in params(int(x))]
                                 + [ctypes.c_float(self._scale_log2)])
-            self._merge_launch = _FastLaunch(self._merge, (self.batch, q_heads), K.merge_threads(d))
-            self._merge_fixed = [p for a in (self.o_part, self.lse_part, self._split0) for p in _params(a)]
+            self._merge_launch = FastLaunch(self._merge, (self.batch, q_heads), K.merge_threads(d))
+            self._merge_fixed = [p for a in (self.o_part, self.lse_part, self._split0) for p in params(a)]
 
     def run(self, q, *, out=None, lse=None, return_lse: bool = False):
         """Attention output ``[B, Hq, D]``: torch bfloat16 on the GPU, int16 BF16 bits in the simulator.
@@ -613,45 +613,6 @@ def _epoch_runs(view: LayerView, b: int, nfull: int, nblk: int) -> list:
         cuts.update((np.flatnonzero(np.diff(e)) + 1).tolist())
     edges = [0, *sorted(cuts), nblk]
     return [(a, z) for a, z in zip(edges[:-1], edges[1:]) if z > a]
-
-
-class _FastLaunch:
-    """A numba kernel launched with parameters packed here and ``cuda.core.launch``.
-
-    numba's own ``kernel[grid, block, stream](...)`` spends over 100 us of host time per launch
-    on this kernel's 23 arguments; packing them once per plan leaves only the per-call arrays.
-    The first call goes through numba (which compiles); later calls take the fast path.
-    """
-
-    def __init__(self, dispatcher, grid, block):
-        self._dispatcher, self._grid, self._block = dispatcher, grid, block
-        self._cufunc = None
-        self._config = None
-        self._streams = {}
-
-    def __call__(self, args, params_of):
-        import torch
-
-        handle = torch.cuda.current_stream().cuda_stream
-        if self._cufunc is None:
-            from numba import cuda
-
-            stream = cuda.external_stream(handle)
-            self._dispatcher[self._grid, self._block, stream](
-                *(cuda.as_cuda_array(a) if _is_torch(a) else a for a in args))
-            kernel = next(iter(self._dispatcher.overloads.values()))
-            self._cufunc = kernel._codelibrary.get_cufunc().kernel
-            return
-        from cuda.core import LaunchConfig, Stream, launch
-
-        from .cuda.codec import _params
-
-        if self._config is None:
-            self._config = LaunchConfig(grid=self._grid, block=self._block, shmem_size=0)
-        s = self._streams.get(handle)
-        if s is None:
-            s = self._streams[handle] = Stream.from_handle(handle)
-        launch(s, self._config, self._cufunc, *params_of(_params))
 
 
 def _host(x) -> np.ndarray:

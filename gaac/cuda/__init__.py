@@ -2,9 +2,9 @@
 
 ``gaac.cuda.codec`` encodes and decodes tiles (the paged cache's finalize step
 and the decompress-first path); ``gaac.cuda.bitops`` holds the device functions
-the kernels share.  Importing this package imports numba; under
-``NUMBA_ENABLE_CUDASIM=1`` the kernels run in numba's CUDA simulator on NumPy
-arrays and torch CPU tensors.
+the kernels share, ``gaac.cuda.launch`` the host side of launching them cheaply.
+Importing this package imports numba; under ``NUMBA_ENABLE_CUDASIM=1`` the
+kernels run in numba's CUDA simulator on NumPy arrays and torch CPU tensors.
 """
 from .codec import (BAD_ESCAPES, BAD_TAG, NO_STORAGE, DecodePlan, EncodePlan, decode_tiles, encode_tiles,
                     pack_bases)

@@ -59,11 +59,10 @@ the last escape byte).  Block barriers: four; the rest is warp-synchronous.
 Host overhead: kernels are compiled once per tile width with explicit types;
 a plan validates its pools once and keeps the launch configuration; on the GPU
 a launch packs the kernel parameters itself and calls ``cuda.core.launch``
-(``fast=False`` takes numba's ordinary dispatcher path instead).
+(:mod:`gaac.cuda.launch`; ``fast=False`` takes numba's ordinary dispatcher path instead).
 """
 from __future__ import annotations
 
-import ctypes
 import functools
 
 import numpy as np
@@ -72,6 +71,7 @@ from numba import cuda, int32, int64, uint8, uint32
 from .. import layout as L
 from ..errors import InputError
 from .bitops import SIMULATOR, WARP, device, funnel_r, ldg2, ldg4, mul32, popc32, prmt, stg2, stg4, syncwarp
+from .launch import WORD, TileLauncher, allocators, check_array, is_torch, params, plain, word_params, words
 
 NO_STORAGE = -1                                  # entry of a tile whose free list ran dry
 BAD_TAG = 1                                      # decode status: a group has the reserved tag
@@ -82,7 +82,6 @@ _RAW_ENTRY_BIAS = L.TABLE_RAW_FLAG - (1 << 32)   # raw index + this = the entry 
 # 160 us at 1, 166 at 2, 169 at 4, 180 at 8; decode within 5%: benchmarks/results/codec-h200.md): the
 # encoder's block barriers cost more than the atomic pops that larger blocks share.
 TILES_PER_BLOCK = 1
-_WORD = 4                                        # bytes per kernel word (uint32)
 _ESC4 = L.ESCAPE_BYTES[L.MODE_4BIT]
 _ESCR = L.ESCAPE_BYTES[L.MODE_RAW]
 
@@ -121,9 +120,10 @@ _TAG_BITS_OK = (L.MODE_3BIT, L.MODE_4BIT, L.MODE_RAW, L.TAG_BITS, _ESC4, _ESCR) 
 assert _TAG_BITS_OK, "the kernels' tag arithmetic no longer matches gaac.layout's modes"
 
 # Kernel arrays are 32-bit words: int32 views of the torch tensors on the GPU (uint32 in the simulator).
-_ENCODE_SIG = ("void(int32[:, ::1], int32[:, ::1], int64, int32[:, ::1], int32[::1], int32[:, ::1], "
-               "int32[::1], int32[::1], int32[::1], int32[::1])")
-_DECODE_SIG = "void(int32[:, ::1], int32[:, ::1], int32[::1], int32[:, ::1], int64, int32[:, ::1], int32[::1])"
+# gaac.fp8.cuda's kernels take the same arguments.
+ENCODE_SIG = ("void(int32[:, ::1], int32[:, ::1], int64, int32[:, ::1], int32[::1], int32[:, ::1], "
+              "int32[::1], int32[::1], int32[::1], int32[::1])")
+DECODE_SIG = "void(int32[:, ::1], int32[:, ::1], int32[::1], int32[:, ::1], int64, int32[:, ::1], int32[::1])"
 
 
 def _check_channels(channels: int) -> L.TileGeometry:
@@ -135,21 +135,21 @@ def _check_channels(channels: int) -> L.TileGeometry:
 @functools.lru_cache(maxsize=None)
 def encode_kernel(channels: int, tiles_per_block: int = TILES_PER_BLOCK):
     """The encode kernel for ``channels``-wide tiles, compiled once (see the module docstring)."""
-    return cuda.jit(_ENCODE_SIG)(encode_source(channels, tiles_per_block))
+    return cuda.jit(ENCODE_SIG)(encode_source(channels, tiles_per_block))
 
 
 @functools.lru_cache(maxsize=None)
 def decode_kernel(channels: int, tiles_per_block: int = TILES_PER_BLOCK):
     """The decode kernel for ``channels``-wide tiles, compiled once (see the module docstring)."""
-    return cuda.jit(_DECODE_SIG)(decode_source(channels, tiles_per_block))
+    return cuda.jit(DECODE_SIG)(decode_source(channels, tiles_per_block))
 
 
 def _shape(channels: int):
-    """Word counts of a tile and a slot (``_WORD``-byte words; every section is a whole number)."""
+    """Word counts of a tile and a slot (``WORD``-byte words; every section is a whole number)."""
     geo = _check_channels(channels)
-    return dict(G=geo.groups, J=geo.groups // WARP, GPR=geo.groups_per_row, TW=geo.tag_bytes // _WORD,
-                SMW=geo.sm_bytes // _WORD, CODEW=geo.code_bytes // _WORD, TAGW0=geo.tag_offset // _WORD,
-                ESCW0=geo.escape_offset // _WORD, HALF=channels // 2)
+    return dict(G=geo.groups, J=geo.groups // WARP, GPR=geo.groups_per_row, TW=geo.tag_bytes // WORD,
+                SMW=geo.sm_bytes // WORD, CODEW=geo.code_bytes // WORD, TAGW0=geo.tag_offset // WORD,
+                ESCW0=geo.escape_offset // WORD, HALF=channels // 2)
 
 
 @device
@@ -361,10 +361,10 @@ def encode_source(channels: int, tiles_per_block: int = TILES_PER_BLOCK):
                 slots[dw, u(u(SMW) + w)] = (codes[warp, g0] >> sh) | u(codes[warp, u(g0 + u(1))] << u(u(24) - sh))
         if lane < u(TW):
             slots[dw, u(u(TAGW0) + lane)] = tagw[warp, lane]
-        for w in range(int64(lane), cap // u(_WORD), WARP):
-            b = u(u(w) * u(_WORD))
+        for w in range(int64(lane), cap // u(WORD), WARP):
+            b = u(u(w) * u(WORD))
             word = u(0)
-            for i in range(_WORD):
+            for i in range(WORD):
                 if u(b + u(i)) < total:
                     word = u(word | u(u(stage[warp, u(b + u(i))]) << u(8 * i)))
             slots[dw, u(u(ESCW0) + u(w))] = word
@@ -405,7 +405,7 @@ def decode_source(channels: int, tiles_per_block: int = TILES_PER_BLOCK):
             return
         d = u(entry)
         cap = u(capacity)
-        last = u(u(u(ESCW0) + cap // u(_WORD)) - u(1))     # last word of the slot
+        last = u(u(u(ESCW0) + cap // u(WORD)) - u(1))     # last word of the slot
 
         # Loads first (every chunk's words in flight at once), with the tag arithmetic that places
         # each group's escape bytes: offset = escape bytes of the tag stream before the group.
@@ -482,71 +482,22 @@ def decode_source(channels: int, tiles_per_block: int = TILES_PER_BLOCK):
 
 
 # ----------------------------------------------------------------------------------------------
-# Host side: checking arrays once, packing kernel parameters, launching on torch's stream.
+# Host side: checking arrays once, packing kernel parameters, launching on torch's stream (the
+# machinery is gaac.cuda.launch's; gaac.fp8.cuda uses it, and this part of the host side, too).
 
-def _is_torch(x) -> bool:
-    return type(x).__module__.startswith("torch")
-
-
-def _array(x, name: str, dtype: str, shape: tuple):
-    """Check ``x`` (dtype name, shape with ``None`` for any size, C-contiguous, right device); return it."""
-    if _is_torch(x):
-        got = str(x.dtype).removeprefix("torch.")
-        contiguous = x.is_contiguous()
-        if SIMULATOR and x.device.type != "cpu":
-            raise InputError(f"{name}: the CUDA simulator runs on the CPU; got a tensor on {x.device}")
-        if not SIMULATOR and x.device.type != "cuda":
-            raise InputError(f"{name}: expected a CUDA tensor, got one on {x.device}")
-    elif isinstance(x, np.ndarray) and SIMULATOR:
-        got = str(x.dtype)
-        contiguous = x.flags.c_contiguous
-    else:
-        want = "a torch tensor" + (" or NumPy array" if SIMULATOR else " on a CUDA device")
-        raise InputError(f"{name}: expected {want}, got {type(x).__name__}")
-    if got != dtype:
-        raise InputError(f"{name}: dtype {got}, expected {dtype}")
-    if len(x.shape) != len(shape) or any(s is not None and s != d for s, d in zip(shape, x.shape)):
-        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-        raise InputError(f"{name}: shape {list(x.shape)}, expected {want}")
-    if not contiguous:
-        raise InputError(f"{name}: must be C-contiguous")
-    return x
-
-
-def _words(x):
-    """``x`` as the kernels take it: 32-bit words, its trailing axes (after the first) merged.
-
-    An int32 view on the GPU (numba reads torch tensors through the CUDA array
-    interface, which has no uint32); a NumPy uint32 view in the simulator, where
-    the kernels' arithmetic then stays in ``uint32`` as it does on the GPU.
-    """
-    lead = x.shape[0]
-    if _is_torch(x):
-        import torch
-
-        if x.numel() and x.data_ptr() % 16:
-            raise InputError("arrays must start on a 16-byte boundary (slice whole rows of a pool)")
-        w = x.reshape(lead, -1).view(torch.int32)
-        return w.numpy().view(np.uint32) if SIMULATOR else w
-    return x.reshape(lead, -1).view(np.uint32)
-
-
-def _plain(x):
-    """A 1-D int32 array as the kernel takes it (a NumPy view in the simulator)."""
-    return x.numpy() if SIMULATOR and _is_torch(x) else x
-
-
-def _check_capacity(capacity) -> int:
+def check_capacity(capacity) -> int:
+    """``capacity`` (escape bytes per slot) as an int, or :class:`InputError`: the kernels size the
+    escape area in whole words and trust it, so it is checked once, when a plan is built."""
     if int(capacity) != capacity or capacity % L.SLOT_ALIGN or not 0 <= capacity <= L.MAX_ESCAPE_CAPACITY:
         raise InputError(f"capacity {capacity}: must be a multiple of {L.SLOT_ALIGN} in 0..{L.MAX_ESCAPE_CAPACITY}")
     return int(capacity)
 
 
 def _bases_words(bases, channels: int):
-    _array(bases, "bases", "int16", (None, 2, channels))
+    check_array(bases, "bases", "int16", (None, 2, channels))
     if bases.shape[0] == 0:
         raise InputError("bases: needs at least one row")
-    return _words(bases)
+    return words(bases)
 
 
 def pack_bases(b3, b4):
@@ -555,7 +506,7 @@ def pack_bases(b3, b4):
     Torch in, torch out (same device); NumPy in, NumPy out.  Done once per
     layer and kind: the kernels read the bases as 16-bit lanes.
     """
-    if _is_torch(b3):
+    if is_torch(b3):
         import torch
 
         out = torch.stack([b3.to(torch.int16), b4.to(torch.int16)], dim=1).contiguous()
@@ -571,65 +522,6 @@ def pack_bases(b3, b4):
     return out
 
 
-def _params(a) -> list:
-    """Kernel parameters of one argument (an int64 scalar or a C-contiguous tensor), laid out as
-    numba's own launch lays them out: meminfo, parent, size, itemsize, data, shape, strides."""
-    if isinstance(a, int):
-        return [ctypes.c_int64(a)]
-    item = a.element_size()
-    return [0, 0, a.numel(), item, a.data_ptr(), *a.shape, *(s * item for s in a.stride())]
-
-
-def _word_params(x) -> list:
-    """:func:`_params` of ``_words(x)`` without building that view (saves host time per call)."""
-    if x.numel() and x.data_ptr() % 16:
-        raise InputError("arrays must start on a 16-byte boundary (slice whole rows of a pool)")
-    rows = x.shape[0]
-    cols = x.numel() * x.element_size() // _WORD // rows if rows else 0
-    return [0, 0, rows * cols, _WORD, x.data_ptr(), rows, cols, cols * _WORD, _WORD]
-
-
-class _Launcher:
-    """A compiled kernel (one warp per tile, ``tiles_per_block`` tiles per block), launched on a torch
-    stream (or in the simulator)."""
-
-    def __init__(self, dispatcher, tiles_per_block: int):
-        self._dispatcher = dispatcher
-        self._tiles = tiles_per_block
-        self._threads = WARP * tiles_per_block
-        self._configs = {}
-        self._streams = {}
-        self._cufunc = None
-
-    def launch(self, n: int, args, stream=None, fast: bool = True, params=None):
-        """Launch over ``n`` tiles, with ``args`` or, on the fast path, the packed ``params``."""
-        grid = -(-n // self._tiles)
-        if SIMULATOR:
-            self._dispatcher[grid, self._threads](*args)
-            return
-        import torch
-
-        handle = (stream if stream is not None else torch.cuda.current_stream()).cuda_stream
-        if not fast:
-            s = self._streams.get(("numba", handle))
-            if s is None:
-                s = self._streams[("numba", handle)] = cuda.external_stream(handle)
-            self._dispatcher[grid, self._threads, s](*args)
-            return
-        from cuda.core import LaunchConfig, Stream, launch
-
-        if self._cufunc is None:
-            kernel = next(iter(self._dispatcher.overloads.values()))
-            self._cufunc = kernel._codelibrary.get_cufunc().kernel
-        config = self._configs.get(n)
-        if config is None:
-            config = self._configs[n] = LaunchConfig(grid=grid, block=self._threads, shmem_size=0)
-        s = self._streams.get(handle)
-        if s is None:
-            s = self._streams[handle] = Stream.from_handle(handle)
-        launch(s, config, self._cufunc, *(params if params is not None else [p for a in args for p in _params(a)]))
-
-
 class EncodePlan:
     """Encoding into one pair of pools (slots + raw tiles) with one set of bases: build once, call per block.
 
@@ -640,28 +532,28 @@ class EncodePlan:
     def __init__(self, channels: int, capacity: int, bases, slots, slot_free, raw, raw_free, heads, *,
                  tiles_per_block: int = TILES_PER_BLOCK):
         self.geometry = geo = _check_channels(channels)
-        self.channels, self.capacity = channels, _check_capacity(capacity)
-        _array(slots, "slots", "uint8", (None, geo.slot_bytes(capacity)))
-        _array(raw, "raw", "int16", (None, L.BLOCK_TOKENS, channels))
-        _array(slot_free, "slot_free", "int32", (None,))
-        _array(raw_free, "raw_free", "int32", (None,))
-        _array(heads, "heads", "int32", (2,))
-        self._fixed = (_bases_words(bases, channels), self.capacity, _words(slots), _plain(slot_free),
-                       _words(raw), _plain(raw_free), _plain(heads))
-        self._launcher = _Launcher(encode_kernel(channels, tiles_per_block), tiles_per_block)
-        self._fixed_params = None if SIMULATOR else [p for a in self._fixed for p in _params(a)]
+        self.channels, self.capacity = channels, check_capacity(capacity)
+        check_array(slots, "slots", "uint8", (None, geo.slot_bytes(capacity)))
+        check_array(raw, "raw", "int16", (None, L.BLOCK_TOKENS, channels))
+        check_array(slot_free, "slot_free", "int32", (None,))
+        check_array(raw_free, "raw_free", "int32", (None,))
+        check_array(heads, "heads", "int32", (2,))
+        self._fixed = (_bases_words(bases, channels), self.capacity, words(slots), plain(slot_free),
+                       words(raw), plain(raw_free), plain(heads))
+        self._launcher = TileLauncher(encode_kernel(channels, tiles_per_block), tiles_per_block)
+        self._fixed_params = None if SIMULATOR else [p for a in self._fixed for p in params(a)]
 
     def __call__(self, bits, entries, escape_used, *, stream=None, fast: bool = True):
-        n = _array(bits, "bits", "int16", (None, L.BLOCK_TOKENS, self.channels)).shape[0]
-        _array(entries, "entries", "int32", (n,))
-        _array(escape_used, "escape_used", "int32", (n,))
+        n = check_array(bits, "bits", "int16", (None, L.BLOCK_TOKENS, self.channels)).shape[0]
+        check_array(entries, "entries", "int32", (n,))
+        check_array(escape_used, "escape_used", "int32", (n,))
         if n == 0:
             return
         if self._fixed_params is not None and fast:
-            params = _word_params(bits) + self._fixed_params + _params(entries) + _params(escape_used)
-            self._launcher.launch(n, None, stream, fast, params)
+            packed = word_params(bits) + self._fixed_params + params(entries) + params(escape_used)
+            self._launcher.launch(n, None, stream, fast, packed)
             return
-        args = (_words(bits), *self._fixed, _plain(entries), _plain(escape_used))
+        args = (words(bits), *self._fixed, plain(entries), plain(escape_used))
         self._launcher.launch(n, args, stream, fast)
 
 
@@ -670,42 +562,32 @@ class DecodePlan:
 
     def __init__(self, channels: int, capacity: int, bases, slots, raw, *, tiles_per_block: int = TILES_PER_BLOCK):
         self.geometry = geo = _check_channels(channels)
-        self.channels, self.capacity = channels, _check_capacity(capacity)
-        _array(slots, "slots", "uint8", (None, geo.slot_bytes(capacity)))
-        _array(raw, "raw", "int16", (None, L.BLOCK_TOKENS, channels))
-        self._slots, self._raw = _words(slots), _words(raw)
+        self.channels, self.capacity = channels, check_capacity(capacity)
+        check_array(slots, "slots", "uint8", (None, geo.slot_bytes(capacity)))
+        check_array(raw, "raw", "int16", (None, L.BLOCK_TOKENS, channels))
+        self._slots, self._raw = words(slots), words(raw)
         self._bases = _bases_words(bases, channels)
-        self._launcher = _Launcher(decode_kernel(channels, tiles_per_block), tiles_per_block)
-        self._pool_params = None if SIMULATOR else _params(self._slots) + _params(self._raw)
-        self._bases_params = None if SIMULATOR else _params(self._bases) + _params(self.capacity)
+        self._launcher = TileLauncher(decode_kernel(channels, tiles_per_block), tiles_per_block)
+        self._pool_params = None if SIMULATOR else params(self._slots) + params(self._raw)
+        self._bases_params = None if SIMULATOR else params(self._bases) + params(self.capacity)
 
     def __call__(self, entries, out, status, *, stream=None, fast: bool = True):
-        n = _array(entries, "entries", "int32", (None,)).shape[0]
-        _array(out, "out", "int16", (n, L.BLOCK_TOKENS, self.channels))
-        _array(status, "status", "int32", (n,))
+        n = check_array(entries, "entries", "int32", (None,)).shape[0]
+        check_array(out, "out", "int16", (n, L.BLOCK_TOKENS, self.channels))
+        check_array(status, "status", "int32", (n,))
         if n == 0:
             return
         if self._pool_params is not None and fast:
-            params = (self._pool_params + _params(entries) + self._bases_params + _word_params(out)
-                      + _params(status))
-            self._launcher.launch(n, None, stream, fast, params)
+            packed = (self._pool_params + params(entries) + self._bases_params + word_params(out)
+                      + params(status))
+            self._launcher.launch(n, None, stream, fast, packed)
             return
-        args = (self._slots, self._raw, _plain(entries), self._bases, self.capacity, _words(out), _plain(status))
+        args = (self._slots, self._raw, plain(entries), self._bases, self.capacity, words(out), plain(status))
         self._launcher.launch(n, args, stream, fast)
 
 
 # ----------------------------------------------------------------------------------------------
 # One-shot helpers: a pool of n slots and n raw tiles for n tiles (tests, benchmarks, containers).
-
-def _lib(x):
-    """(zeros, arange) allocating like ``x``: torch on its device, or NumPy."""
-    if _is_torch(x):
-        import torch
-
-        return (lambda shape, dt: torch.zeros(shape, dtype=getattr(torch, dt), device=x.device),
-                lambda n: torch.arange(n, dtype=torch.int32, device=x.device))
-    return (lambda shape, dt: np.zeros(shape, dtype=dt), lambda n: np.arange(n, dtype=np.int32))
-
 
 def encode_tiles(bits, b3, b4, capacity: int, *, stream=None) -> dict:
     """Encode tiles ``bits`` int16 ``[n, 16, C]`` with per-tile bases ``[P, C]`` into fresh pools of ``n``.
@@ -713,9 +595,9 @@ def encode_tiles(bits, b3, b4, capacity: int, *, stream=None) -> dict:
     Returns ``slots``, ``raw``, ``entries``, ``escape_used`` and ``heads`` (see the
     module docstring); tile ``i`` sits at ``entries[i]``.  Asynchronous on the GPU.
     """
-    n, _, channels = _array(bits, "bits", "int16", (None, L.BLOCK_TOKENS, None)).shape
+    n, _, channels = check_array(bits, "bits", "int16", (None, L.BLOCK_TOKENS, None)).shape
     geo = _check_channels(channels)
-    zeros, arange = _lib(bits)
+    zeros, arange = allocators(bits)
     out = dict(slots=zeros((n, geo.slot_bytes(capacity)), "uint8"), raw=zeros((n, L.BLOCK_TOKENS, channels), "int16"),
                entries=zeros((n,), "int32"), escape_used=zeros((n,), "int32"), heads=zeros((2,), "int32"))
     plan = EncodePlan(channels, capacity, pack_bases(b3, b4), out["slots"], arange(n), out["raw"], arange(n),
@@ -726,9 +608,9 @@ def encode_tiles(bits, b3, b4, capacity: int, *, stream=None) -> dict:
 
 def decode_tiles(slots, raw, entries, b3, b4, capacity: int, *, stream=None):
     """Decode the tiles that ``entries`` point at -> (int16 ``[n, 16, C]``, status int32 ``[n]``)."""
-    channels = _array(raw, "raw", "int16", (None, L.BLOCK_TOKENS, None)).shape[2]
-    n = _array(entries, "entries", "int32", (None,)).shape[0]
-    zeros, _ = _lib(entries)
+    channels = check_array(raw, "raw", "int16", (None, L.BLOCK_TOKENS, None)).shape[2]
+    n = check_array(entries, "entries", "int32", (None,)).shape[0]
+    zeros, _ = allocators(entries)
     out, status = zeros((n, L.BLOCK_TOKENS, channels), "int16"), zeros((n,), "int32")
     DecodePlan(channels, capacity, pack_bases(b3, b4), slots, raw)(entries, out, status, stream=stream)
     return out, status

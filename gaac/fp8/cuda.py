@@ -52,9 +52,9 @@ from numba import cuda, int32, int64, uint8, uint32
 
 from .. import layout as L
 from ..cuda.bitops import SIMULATOR, WARP, device, funnel_r, ldg2, ldg4, mul32, popc32, stg2, stg4, syncwarp
-from ..cuda.codec import (_DECODE_SIG, _ENCODE_SIG, _RAW_ENTRY_BIAS, _WORD, BAD_ESCAPES, BAD_TAG, NO_STORAGE,
-                          TILES_PER_BLOCK, _array, _check_capacity, _is_torch, _Launcher, _lib, _params, _plain,
-                          _word_params, _words)
+from ..cuda.codec import (_RAW_ENTRY_BIAS, BAD_ESCAPES, BAD_TAG, DECODE_SIG, ENCODE_SIG, NO_STORAGE, TILES_PER_BLOCK,
+                          check_capacity)
+from ..cuda.launch import WORD, TileLauncher, allocators, check_array, is_torch, params, plain, word_params, words
 from ..errors import InputError
 from .layout import (MODE_NARROW, MODE_RAW, MODE_WIDE, TILE_WIDTHS, FP8Format, FP8TileGeometry, ModeSet,
                      mode_set)
@@ -62,7 +62,7 @@ from .layout import (MODE_NARROW, MODE_RAW, MODE_WIDE, TILE_WIDTHS, FP8Format, F
 __all__ = ["BAD_ESCAPES", "BAD_TAG", "NO_STORAGE", "FP8DecodePlan", "FP8EncodePlan", "decode_tiles", "encode_tiles",
            "pack_bases"]
 
-_GROUP_WORDS = L.GROUP_SIZE // _WORD             # 32-bit words of one group of FP8 bytes (2)
+_GROUP_WORDS = L.GROUP_SIZE // WORD              # 32-bit words of one group of FP8 bytes (2)
 # The kernels read a tag as (bit 0 = wide, bit 1 = raw); a tag word's escape bytes are then
 # wide_bytes * popc(even bits) + raw_bytes * popc(odd bits).
 assert (MODE_NARROW, MODE_WIDE, MODE_RAW, L.TAG_BITS, _GROUP_WORDS) == (0, 1, 2, 2, 2), \
@@ -130,7 +130,7 @@ def _escape_count(tags, wide, raw):
 def _stream_word(stage, warp, w, b):
     """Word ``w`` of a bit stream whose group ``g`` is the ``b`` bytes (2 or 3) of ``stage[warp, g]``:
     a word never spans more than two groups."""
-    byte = uint32(w * uint32(_WORD))
+    byte = uint32(w * uint32(WORD))
     g0 = uint32(byte // uint32(b))
     sh = uint32(uint32(8) * (byte % uint32(b)))
     return uint32((stage[warp, g0] >> sh) | (stage[warp, uint32(g0 + uint32(1))] << uint32(uint32(8 * b) - sh)))
@@ -161,15 +161,15 @@ def _shape(modes: ModeSet, channels: int) -> dict:
     sm_b = L.GROUP_SIZE * fmt.sm_bits // 8             # bytes of one group in the sign+mantissa stream
     code_b = L.GROUP_SIZE * modes.low_bits // 8        # ... in the code stream
     esc = modes.escape_bytes
-    if not {sm_b, code_b} <= {2, 3, 4} or esc[MODE_RAW] > _WORD:
+    if not {sm_b, code_b} <= {2, 3, 4} or esc[MODE_RAW] > WORD:
         raise InputError(f"mode set {modes.label} of {fmt.name}: the kernels need 2..4-bit low codes")
     m = fmt.mantissa_bits
     return dict(
-        G=geo.groups, J=geo.groups // WARP, GPR=geo.groups_per_row, TW=geo.tag_bytes // _WORD,
-        BW=channels // _WORD, TILEW=geo.raw_bytes // _WORD,
-        SMW0=geo.sm_offset // _WORD, SMW=geo.sm_bytes // _WORD, SMB=sm_b,
-        CODEW0=geo.code_offset // _WORD, CODEW=geo.code_bytes // _WORD, CODEB=code_b,
-        TAGW0=geo.tag_offset // _WORD, ESCW0=geo.escape_offset // _WORD,
+        G=geo.groups, J=geo.groups // WARP, GPR=geo.groups_per_row, TW=geo.tag_bytes // WORD,
+        BW=channels // WORD, TILEW=geo.raw_bytes // WORD,
+        SMW0=geo.sm_offset // WORD, SMW=geo.sm_bytes // WORD, SMB=sm_b,
+        CODEW0=geo.code_offset // WORD, CODEW=geo.code_bytes // WORD, CODEB=code_b,
+        TAGW0=geo.tag_offset // WORD, ESCW0=geo.escape_offset // WORD,
         WIDEB=np.uint32(esc[MODE_WIDE]), RAWB=np.uint32(esc[MODE_RAW]), LOW=modes.low_bits, M=m,
         EXP=_bytes(fmt.max_exponent_field), MANT=_bytes((1 << m) - 1), SIGN=_bytes(1 << m),
         LOWM=_bytes(modes.narrow_window - 1), OUTN=_bytes(0xFF ^ (modes.narrow_window - 1)),
@@ -189,7 +189,7 @@ def encode_source(modes: ModeSet, channels: int, tiles_per_block: int = TILES_PE
     WIDEB, RAWB, EXP, MANT, SIGN, LOWM, OUTN, OUTW = (s[k] for k in ("WIDEB", "RAWB", "EXP", "MANT", "SIGN", "LOWM",
                                                                      "OUTN", "OUTW"))
     NRAW = int(RAWB)
-    SM_DIRECT, CODE_DIRECT = SMB == _WORD, CODEB == _WORD
+    SM_DIRECT, CODE_DIRECT = SMB == WORD, CODEB == WORD
     TPB = tiles_per_block
     STAGE = (TPB, G * NRAW)
     SM_STAGE = (TPB, 1 if SM_DIRECT else G)
@@ -361,10 +361,10 @@ def encode_source(modes: ModeSet, channels: int, tiles_per_block: int = TILES_PE
                     slots[dw, u(u(CODEW0) + w)] = _stream_word(codest, warp, w, CODEB)
         if lane < u(TW):
             slots[dw, u(u(TAGW0) + lane)] = tagw[warp, lane]
-        for w in range(int64(lane), cap // u(_WORD), WARP):
-            b = u(u(w) * u(_WORD))
+        for w in range(int64(lane), cap // u(WORD), WARP):
+            b = u(u(w) * u(WORD))
             word = u(0)
-            for i in range(_WORD):
+            for i in range(WORD):
                 if u(b + u(i)) < total:
                     word = u(word | u(u(stage[warp, u(b + u(i))]) << u(8 * i)))
             slots[dw, u(u(ESCW0) + u(w))] = word
@@ -379,7 +379,7 @@ def decode_source(modes: ModeSet, channels: int, tiles_per_block: int = TILES_PE
     SMW0, SMB, CODEW0, CODEB, TAGW0, ESCW0 = (s[k] for k in ("SMW0", "SMB", "CODEW0", "CODEB", "TAGW0", "ESCW0"))
     WIDEB, RAWB, MANT = (s[k] for k in ("WIDEB", "RAWB", "MANT"))
     NRAW = int(RAWB)
-    SM_DIRECT, CODE_DIRECT = SMB == _WORD, CODEB == _WORD
+    SM_DIRECT, CODE_DIRECT = SMB == WORD, CODEB == WORD
     RAW_ROUNDS = TILEW // (4 * WARP)                      # 16-byte copies per lane of a raw tile
     TPB = tiles_per_block
     u = uint32
@@ -408,7 +408,7 @@ def decode_source(modes: ModeSet, channels: int, tiles_per_block: int = TILES_PE
             return
         d = u(entry)
         cap = u(capacity)
-        last = u(u(u(ESCW0) + cap // u(_WORD)) - u(1))     # last word of the slot
+        last = u(u(u(ESCW0) + cap // u(WORD)) - u(1))     # last word of the slot
 
         # Loads first, with the tag arithmetic that places each group's escape bytes.
         second = lane >= u(16)
@@ -481,17 +481,17 @@ def decode_source(modes: ModeSet, channels: int, tiles_per_block: int = TILES_PE
 @functools.lru_cache(maxsize=None)
 def encode_kernel(modes: ModeSet, channels: int, tiles_per_block: int = TILES_PER_BLOCK):
     """The encode kernel of ``modes`` for ``channels``-wide tiles, compiled once."""
-    return cuda.jit(_ENCODE_SIG)(encode_source(modes, channels, tiles_per_block))
+    return cuda.jit(ENCODE_SIG)(encode_source(modes, channels, tiles_per_block))
 
 
 @functools.lru_cache(maxsize=None)
 def decode_kernel(modes: ModeSet, channels: int, tiles_per_block: int = TILES_PER_BLOCK):
     """The decode kernel of ``modes`` for ``channels``-wide tiles, compiled once."""
-    return cuda.jit(_DECODE_SIG)(decode_source(modes, channels, tiles_per_block))
+    return cuda.jit(DECODE_SIG)(decode_source(modes, channels, tiles_per_block))
 
 
 # ----------------------------------------------------------------------------------------------
-# Host side: gaac.cuda.codec's array checks and launcher, with FP8 pools and bases.
+# Host side: gaac.cuda.launch's array checks and launcher, with FP8 pools and bases.
 
 def pack_bases(b_narrow, b_wide, fmt):
     """Per-tile bases ``[P, C]`` (as :func:`gaac.tiles.tile_bases` gives) -> uint8 ``[P, 2, C]`` for ``fmt``.
@@ -501,7 +501,7 @@ def pack_bases(b_narrow, b_wide, fmt):
     set's windows (FORMAT-FP8.md 4.2 rule 3) raise :class:`InputError`.
     """
     modes = _mode_set(fmt)
-    if _is_torch(b_narrow):
+    if is_torch(b_narrow):
         import torch
 
         out = torch.stack([b_narrow.to(torch.int16), b_wide.to(torch.int16)], dim=1).contiguous()
@@ -516,7 +516,7 @@ def pack_bases(b_narrow, b_wide, fmt):
     if lo_n < 0 or hi_n > modes.narrow_base_max or lo_w < 0 or hi_w > modes.wide_base_max:
         raise InputError(f"{modes.fmt.name}: narrow bases must lie in 0..{modes.narrow_base_max} and wide bases "
                          f"in 0..{modes.wide_base_max}; got {lo_n}..{hi_n} and {lo_w}..{hi_w}")
-    if _is_torch(out):
+    if is_torch(out):
         import torch
 
         return out.to(torch.uint8)
@@ -524,10 +524,10 @@ def pack_bases(b_narrow, b_wide, fmt):
 
 
 def _bases_words(bases, channels: int):
-    _array(bases, "bases", "uint8", (None, 2, channels))
+    check_array(bases, "bases", "uint8", (None, 2, channels))
     if bases.shape[0] == 0:
         raise InputError("bases: needs at least one row")
-    return _words(bases)
+    return words(bases)
 
 
 class FP8EncodePlan:
@@ -541,28 +541,28 @@ class FP8EncodePlan:
                  tiles_per_block: int = TILES_PER_BLOCK):
         self.modes = modes = _mode_set(fmt)
         self.geometry = geo = _geometry(modes, channels)
-        self.channels, self.capacity = channels, _check_capacity(capacity)
-        _array(slots, "slots", "uint8", (None, geo.slot_bytes(capacity)))
-        _array(raw, "raw", "uint8", (None, L.BLOCK_TOKENS, channels))
-        _array(slot_free, "slot_free", "int32", (None,))
-        _array(raw_free, "raw_free", "int32", (None,))
-        _array(heads, "heads", "int32", (2,))
-        self._fixed = (_bases_words(bases, channels), self.capacity, _words(slots), _plain(slot_free),
-                       _words(raw), _plain(raw_free), _plain(heads))
-        self._launcher = _Launcher(encode_kernel(modes, channels, tiles_per_block), tiles_per_block)
-        self._fixed_params = None if SIMULATOR else [p for a in self._fixed for p in _params(a)]
+        self.channels, self.capacity = channels, check_capacity(capacity)
+        check_array(slots, "slots", "uint8", (None, geo.slot_bytes(capacity)))
+        check_array(raw, "raw", "uint8", (None, L.BLOCK_TOKENS, channels))
+        check_array(slot_free, "slot_free", "int32", (None,))
+        check_array(raw_free, "raw_free", "int32", (None,))
+        check_array(heads, "heads", "int32", (2,))
+        self._fixed = (_bases_words(bases, channels), self.capacity, words(slots), plain(slot_free),
+                       words(raw), plain(raw_free), plain(heads))
+        self._launcher = TileLauncher(encode_kernel(modes, channels, tiles_per_block), tiles_per_block)
+        self._fixed_params = None if SIMULATOR else [p for a in self._fixed for p in params(a)]
 
     def __call__(self, bits, entries, escape_used, *, stream=None, fast: bool = True):
-        n = _array(bits, "bits", "uint8", (None, L.BLOCK_TOKENS, self.channels)).shape[0]
-        _array(entries, "entries", "int32", (n,))
-        _array(escape_used, "escape_used", "int32", (n,))
+        n = check_array(bits, "bits", "uint8", (None, L.BLOCK_TOKENS, self.channels)).shape[0]
+        check_array(entries, "entries", "int32", (n,))
+        check_array(escape_used, "escape_used", "int32", (n,))
         if n == 0:
             return
         if self._fixed_params is not None and fast:
-            params = _word_params(bits) + self._fixed_params + _params(entries) + _params(escape_used)
-            self._launcher.launch(n, None, stream, fast, params)
+            packed = word_params(bits) + self._fixed_params + params(entries) + params(escape_used)
+            self._launcher.launch(n, None, stream, fast, packed)
             return
-        args = (_words(bits), *self._fixed, _plain(entries), _plain(escape_used))
+        args = (words(bits), *self._fixed, plain(entries), plain(escape_used))
         self._launcher.launch(n, args, stream, fast)
 
 
@@ -573,27 +573,27 @@ class FP8DecodePlan:
                  tiles_per_block: int = TILES_PER_BLOCK):
         self.modes = modes = _mode_set(fmt)
         self.geometry = geo = _geometry(modes, channels)
-        self.channels, self.capacity = channels, _check_capacity(capacity)
-        _array(slots, "slots", "uint8", (None, geo.slot_bytes(capacity)))
-        _array(raw, "raw", "uint8", (None, L.BLOCK_TOKENS, channels))
-        self._slots, self._raw = _words(slots), _words(raw)
+        self.channels, self.capacity = channels, check_capacity(capacity)
+        check_array(slots, "slots", "uint8", (None, geo.slot_bytes(capacity)))
+        check_array(raw, "raw", "uint8", (None, L.BLOCK_TOKENS, channels))
+        self._slots, self._raw = words(slots), words(raw)
         self._bases = _bases_words(bases, channels)
-        self._launcher = _Launcher(decode_kernel(modes, channels, tiles_per_block), tiles_per_block)
-        self._pool_params = None if SIMULATOR else _params(self._slots) + _params(self._raw)
-        self._bases_params = None if SIMULATOR else _params(self._bases) + _params(self.capacity)
+        self._launcher = TileLauncher(decode_kernel(modes, channels, tiles_per_block), tiles_per_block)
+        self._pool_params = None if SIMULATOR else params(self._slots) + params(self._raw)
+        self._bases_params = None if SIMULATOR else params(self._bases) + params(self.capacity)
 
     def __call__(self, entries, out, status, *, stream=None, fast: bool = True):
-        n = _array(entries, "entries", "int32", (None,)).shape[0]
-        _array(out, "out", "uint8", (n, L.BLOCK_TOKENS, self.channels))
-        _array(status, "status", "int32", (n,))
+        n = check_array(entries, "entries", "int32", (None,)).shape[0]
+        check_array(out, "out", "uint8", (n, L.BLOCK_TOKENS, self.channels))
+        check_array(status, "status", "int32", (n,))
         if n == 0:
             return
         if self._pool_params is not None and fast:
-            params = (self._pool_params + _params(entries) + self._bases_params + _word_params(out)
-                      + _params(status))
-            self._launcher.launch(n, None, stream, fast, params)
+            packed = (self._pool_params + params(entries) + self._bases_params + word_params(out)
+                      + params(status))
+            self._launcher.launch(n, None, stream, fast, packed)
             return
-        args = (self._slots, self._raw, _plain(entries), self._bases, self.capacity, _words(out), _plain(status))
+        args = (self._slots, self._raw, plain(entries), self._bases, self.capacity, words(out), plain(status))
         self._launcher.launch(n, args, stream, fast)
 
 
@@ -606,9 +606,9 @@ def encode_tiles(bits, b_narrow, b_wide, capacity: int, fmt, *, stream=None) -> 
     Returns ``slots``, ``raw``, ``entries``, ``escape_used`` and ``heads``; tile ``i`` sits at
     ``entries[i]``.  Asynchronous on the GPU.
     """
-    n, _, channels = _array(bits, "bits", "uint8", (None, L.BLOCK_TOKENS, None)).shape
+    n, _, channels = check_array(bits, "bits", "uint8", (None, L.BLOCK_TOKENS, None)).shape
     geo = _geometry(_mode_set(fmt), channels)
-    zeros, arange = _lib(bits)
+    zeros, arange = allocators(bits)
     out = dict(slots=zeros((n, geo.slot_bytes(capacity)), "uint8"), raw=zeros((n, L.BLOCK_TOKENS, channels), "uint8"),
                entries=zeros((n,), "int32"), escape_used=zeros((n,), "int32"), heads=zeros((2,), "int32"))
     plan = FP8EncodePlan(fmt, channels, capacity, pack_bases(b_narrow, b_wide, fmt), out["slots"], arange(n),
@@ -619,9 +619,9 @@ def encode_tiles(bits, b_narrow, b_wide, capacity: int, fmt, *, stream=None) -> 
 
 def decode_tiles(slots, raw, entries, b_narrow, b_wide, capacity: int, fmt, *, stream=None):
     """Decode the tiles that ``entries`` point at -> (uint8 ``[n, 16, C]``, status int32 ``[n]``)."""
-    channels = _array(raw, "raw", "uint8", (None, L.BLOCK_TOKENS, None)).shape[2]
-    n = _array(entries, "entries", "int32", (None,)).shape[0]
-    zeros, _ = _lib(entries)
+    channels = check_array(raw, "raw", "uint8", (None, L.BLOCK_TOKENS, None)).shape[2]
+    n = check_array(entries, "entries", "int32", (None,)).shape[0]
+    zeros, _ = allocators(entries)
     out, status = zeros((n, L.BLOCK_TOKENS, channels), "uint8"), zeros((n,), "int32")
     FP8DecodePlan(fmt, channels, capacity, pack_bases(b_narrow, b_wide, fmt), slots, raw)(entries, out, status,
                                                                                          stream=stream)

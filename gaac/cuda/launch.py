@@ -1,0 +1,187 @@
+"""Launching numba.cuda kernels from torch without numba's per-call host cost, and the array helpers for it.
+
+numba's own launch, ``kernel[grid, block, stream](*args)``, spends 100 us or more of host time per call
+(it types every argument and marshals each array through the CUDA array interface): more than a
+decode step's small kernels run on the GPU.  So a kernel is compiled through numba once (an explicit
+signature, or numba's first ordinary launch) and from then on launched by its ``CUfunction`` with
+``cuda.core.launch``, its parameters packed here (:func:`params`): the arguments that do not change
+are packed once per plan, so a call packs only its own arrays.  Under the CUDA simulator
+(``NUMBA_ENABLE_CUDASIM=1``) there is no ``CUfunction``, and launches go through numba's dispatcher.
+
+Shared by :mod:`gaac.cuda.codec`, :mod:`gaac.fp8.cuda` (tile codecs, one warp per tile:
+:class:`TileLauncher`) and :mod:`gaac.attention` (:class:`FastLaunch`); the array helpers check and
+view torch tensors (NumPy arrays in the simulator) as the tile codecs' kernels take them.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+from numba import cuda
+
+from ..errors import InputError
+from .bitops import SIMULATOR, WARP
+
+WORD = 4                                         # bytes per kernel word (uint32)
+
+
+def is_torch(x) -> bool:
+    """Whether ``x`` is a torch tensor (without importing torch)."""
+    return type(x).__module__.startswith("torch")
+
+
+def check_array(x, name: str, dtype: str, shape: tuple):
+    """Check ``x`` (dtype name, shape with ``None`` for any size, C-contiguous, right device); return it."""
+    if is_torch(x):
+        got = str(x.dtype).removeprefix("torch.")
+        contiguous = x.is_contiguous()
+        if SIMULATOR and x.device.type != "cpu":
+            raise InputError(f"{name}: the CUDA simulator runs on the CPU; got a tensor on {x.device}")
+        if not SIMULATOR and x.device.type != "cuda":
+            raise InputError(f"{name}: expected a CUDA tensor, got one on {x.device}")
+    elif isinstance(x, np.ndarray) and SIMULATOR:
+        got = str(x.dtype)
+        contiguous = x.flags.c_contiguous
+    else:
+        want = "a torch tensor" + (" or NumPy array" if SIMULATOR else " on a CUDA device")
+        raise InputError(f"{name}: expected {want}, got {type(x).__name__}")
+    if got != dtype:
+        raise InputError(f"{name}: dtype {got}, expected {dtype}")
+    if len(x.shape) != len(shape) or any(s is not None and s != d for s, d in zip(shape, x.shape)):
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise InputError(f"{name}: shape {list(x.shape)}, expected {want}")
+    if not contiguous:
+        raise InputError(f"{name}: must be C-contiguous")
+    return x
+
+
+def words(x):
+    """``x`` as the kernels take it: 32-bit words, its trailing axes (after the first) merged.
+
+    An int32 view on the GPU (numba reads torch tensors through the CUDA array
+    interface, which has no uint32); a NumPy uint32 view in the simulator, where
+    the kernels' arithmetic then stays in ``uint32`` as it does on the GPU.
+    """
+    lead = x.shape[0]
+    if is_torch(x):
+        import torch
+
+        if x.numel() and x.data_ptr() % 16:
+            raise InputError("arrays must start on a 16-byte boundary (slice whole rows of a pool)")
+        w = x.reshape(lead, -1).view(torch.int32)
+        return w.numpy().view(np.uint32) if SIMULATOR else w
+    return x.reshape(lead, -1).view(np.uint32)
+
+
+def plain(x):
+    """A 1-D int32 array as the kernel takes it (a NumPy view in the simulator)."""
+    return x.numpy() if SIMULATOR and is_torch(x) else x
+
+
+def allocators(x):
+    """(zeros, arange) allocating like ``x``: torch on its device, or NumPy."""
+    if is_torch(x):
+        import torch
+
+        return (lambda shape, dt: torch.zeros(shape, dtype=getattr(torch, dt), device=x.device),
+                lambda n: torch.arange(n, dtype=torch.int32, device=x.device))
+    return (lambda shape, dt: np.zeros(shape, dtype=dt), lambda n: np.arange(n, dtype=np.int32))
+
+
+def params(a) -> list:
+    """Kernel parameters of one argument (an int64 scalar or a C-contiguous tensor), laid out as
+    numba's own launch lays them out: meminfo, parent, size, itemsize, data, shape, strides."""
+    if isinstance(a, int):
+        return [ctypes.c_int64(a)]
+    item = a.element_size()
+    return [0, 0, a.numel(), item, a.data_ptr(), *a.shape, *(s * item for s in a.stride())]
+
+
+def word_params(x) -> list:
+    """:func:`params` of ``words(x)`` without building that view (saves host time per call)."""
+    if x.numel() and x.data_ptr() % 16:
+        raise InputError("arrays must start on a 16-byte boundary (slice whole rows of a pool)")
+    rows = x.shape[0]
+    cols = x.numel() * x.element_size() // WORD // rows if rows else 0
+    return [0, 0, rows * cols, WORD, x.data_ptr(), rows, cols, cols * WORD, WORD]
+
+
+def cufunction(dispatcher):
+    """The ``CUfunction`` of a dispatcher's (one) compiled kernel: numba compiled it, ``cuda.core`` launches it."""
+    kernel = next(iter(dispatcher.overloads.values()))
+    return kernel._codelibrary.get_cufunc().kernel
+
+
+class TileLauncher:
+    """A compiled kernel (one warp per tile, ``tiles_per_block`` tiles per block), launched on a torch
+    stream (or in the simulator)."""
+
+    def __init__(self, dispatcher, tiles_per_block: int):
+        self._dispatcher = dispatcher
+        self._tiles = tiles_per_block
+        self._threads = WARP * tiles_per_block
+        self._configs = {}
+        self._streams = {}
+        self._cufunc = None
+
+    def launch(self, n: int, args, stream=None, fast: bool = True, packed=None):
+        """Launch over ``n`` tiles, with ``args`` or, on the fast path, the ``packed`` parameters."""
+        grid = -(-n // self._tiles)
+        if SIMULATOR:
+            self._dispatcher[grid, self._threads](*args)
+            return
+        import torch
+
+        handle = (stream if stream is not None else torch.cuda.current_stream()).cuda_stream
+        if not fast:
+            s = self._streams.get(("numba", handle))
+            if s is None:
+                s = self._streams[("numba", handle)] = cuda.external_stream(handle)
+            self._dispatcher[grid, self._threads, s](*args)
+            return
+        from cuda.core import LaunchConfig, Stream, launch
+
+        if self._cufunc is None:
+            self._cufunc = cufunction(self._dispatcher)
+        config = self._configs.get(n)
+        if config is None:
+            config = self._configs[n] = LaunchConfig(grid=grid, block=self._threads, shmem_size=0)
+        s = self._streams.get(handle)
+        if s is None:
+            s = self._streams[handle] = Stream.from_handle(handle)
+        launch(s, config, self._cufunc, *(packed if packed is not None else [p for a in args for p in params(a)]))
+
+
+class FastLaunch:
+    """A numba kernel (GPU only) launched on torch's current stream with parameters packed by the caller.
+
+    Made for kernels with many arguments (the attention kernel has 27), whose fixed parameters a plan
+    packs once so that a call leaves only the per-call arrays.  The first call goes through numba
+    (which compiles); later calls take the fast path.
+    """
+
+    def __init__(self, dispatcher, grid, block):
+        self._dispatcher, self._grid, self._block = dispatcher, grid, block
+        self._cufunc = None
+        self._config = None
+        self._streams = {}
+
+    def __call__(self, args, params_of):
+        """Launch with ``args`` (first call), later with ``params_of(params)``: the packed parameters."""
+        import torch
+
+        handle = torch.cuda.current_stream().cuda_stream
+        if self._cufunc is None:
+            stream = cuda.external_stream(handle)
+            self._dispatcher[self._grid, self._block, stream](
+                *(cuda.as_cuda_array(a) if is_torch(a) else a for a in args))
+            self._cufunc = cufunction(self._dispatcher)
+            return
+        from cuda.core import LaunchConfig, Stream, launch
+
+        if self._config is None:
+            self._config = LaunchConfig(grid=self._grid, block=self._block, shmem_size=0)
+        s = self._streams.get(handle)
+        if s is None:
+            s = self._streams[handle] = Stream.from_handle(handle)
+        launch(s, self._config, self._cufunc, *params_of(params))
