@@ -413,7 +413,7 @@ def rotation(nbytes):
 def label(cfg: dict) -> str:
     """Short name of a kernel configuration: variant, stages, overlapped V decode, register cap."""
     return (f"{cfg.get('variant', 'full')}_ns{cfg.get('nstage', 3)}" + ("_overlap" if cfg.get("overlap") else "")
-            + ("_dk" if cfg.get("direct_k") else "") + (f"_r{cfg['max_registers']}" if cfg.get("max_registers") else ""))
+            + (f"_r{cfg['max_registers']}" if cfg.get("max_registers") else ""))
 
 
 def with_epochs_view(view: LayerView, n_epochs: int) -> LayerView:
@@ -623,13 +623,11 @@ def main():
         rows = []
         cache = BenchCache(real, 8, 128)
         log(f"== timings (capacity K/V {cache.capacity}) ==")
-        candidates = [{}, {"overlap": True}, {"direct_k": True}, {"direct_k": True, "nstage": 2},
-                      {"direct_k": True, "nstage": 2, "max_registers": 160}]
-        breakdown = candidates + [{"variant": v} for v in ("load_only", "no_decode", "decode_twice")] + [
-            {"variant": "decode_twice", "direct_k": True}]
+        candidates = [{}, {"overlap": True}, {"overlap": True, "nstage": 4}]
+        breakdown = candidates + [{"variant": v} for v in ("load_only", "no_decode", "decode_twice")]
         plain_breakdown = [{}, {"variant": "load_only"}, {"nstage": 2}]
         if SIM:
-            candidates = breakdown = [{}, {"overlap": True}, {"direct_k": True}]
+            candidates = breakdown = [{}, {"overlap": True}]
             plain_breakdown = [{}]
             first = (16, 1, 32)
         else:

@@ -420,7 +420,7 @@ class AttentionPlan:
 
     def __init__(self, view: LayerView, q_heads: int, *, scale: float | None = None, plain: bool = False,
                  variant: str = "full", nstage: int = 3, blocks_per_split: int | None = None,
-                 overlap: bool = False, max_registers: int | None = None, direct_k: bool = False):
+                 overlap: bool = False, max_registers: int | None = None):
         from .cuda import attention as K
 
         self._K = K
@@ -460,8 +460,9 @@ class AttentionPlan:
 
                 sms = torch.cuda.get_device_properties(view.slots[0].device).multi_processor_count
                 # One wave of one-warp blocks: as many as fit an SM by shared memory and by registers
-                # (from ptxas: about 250 per thread for the compressed kernel, 170 with direct_k or plain).
-                regs = max_registers or (172 if plain or direct_k else 248)
+                # (from ptxas, benchmarks/kernel_resources.py: 247 per thread for the compressed kernel, 172
+                # for the plain one).
+                regs = max_registers or (172 if plain else 248)
                 target = sms * max(1, min(32, (227 * 1024) // (smem + 1024), 65536 // (32 * regs)))
             # The fewest blocks per split that still fit one wave: each run rounds its splits up, so the
             # bare quotient can spill a few blocks into a second, almost empty wave.
@@ -479,8 +480,7 @@ class AttentionPlan:
         self.n_work = len(work)
         split0 = np.concatenate([[0], np.cumsum(splits)]).astype(np.int32)
         work = np.asarray(work, dtype=np.int32).reshape(-1)
-        self._kernel = K.attention_kernel(d, plain, variant, nstage, 0 if plain else stage, overlap, max_registers,
-                                          direct_k)
+        self._kernel = K.attention_kernel(d, plain, variant, nstage, 0 if plain else stage, overlap, max_registers)
         self._merge = K.merge_kernel(d)
         bases = _epoch_bases(view)
         self.n_epochs = (n_epochs(view, 0), n_epochs(view, 1))

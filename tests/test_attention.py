@@ -156,8 +156,6 @@ def test_real_kv_gqa_with_tails(rng):
     (128, 1, 4, {"overlap": True, "blocks_per_split": 1}),     # every block its own split: the merge
     (128, 1, 8, {"nstage": 2}),
     (256, 1, 1, {}),                                           # two half-head tiles per head
-    (128, 2, 4, {"direct_k": True, "blocks_per_split": 2}),    # K decoded straight into MMA fragments
-    (256, 1, 2, {"direct_k": True}),
 ])
 def test_synthetic_shapes(rng, d, heads, g, plan):
     lens = [int(rng.integers(33, 50)), int(rng.integers(1, 16))]
@@ -316,20 +314,6 @@ def test_calibration_epochs_per_block(rng):
     assert not np.array_equal(wrong.k[0], ks[0])
     for bps in (4, 1):
         check_against_reference(rng, ks, vs, 2, view=view, blocks_per_split=bps)
-
-
-def test_direct_k_with_raw_tiles_tails_and_epochs(rng):
-    """The direct K decoder (fragments in registers) on 128-channel tiles: raw tiles (capacity 0 sends
-    most tiles there), tails, and blocks of two calibration epochs."""
-    d, heads, g = 128, 1, 4
-    lens = [40, 9]
-    ks = [synth_cache(rng, heads, n, d) for n in lens]
-    vs = [synth_cache(rng, heads, n, d) for n in lens]
-    view = calibrated_view(rng, ks, vs, capacity=0)
-    assert any((np.asarray(t) < 0).any() for t in view.table)
-    check_against_reference(rng, ks, vs, g, view=view, direct_k=True)
-    ks, vs, view = epoch_view(rng, d=128, lens=(70, 35))
-    check_against_reference(rng, ks, vs, 2, view=view, direct_k=True, blocks_per_split=2)
 
 
 def test_bad_block_epoch_is_refused_or_flagged(rng):

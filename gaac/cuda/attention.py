@@ -400,16 +400,6 @@ if not SIMULATOR:
                 incl = i32(incl + v)
         return i32(incl - row + (other if lane >= 16 else 0))
 
-    @device
-    def warp_scan_total(x, scr):
-        """(exclusive prefix of ``x`` in lane order, sum over the warp)."""
-        lane = i32(lane_id())
-        incl = i32(x)
-        for d in (1, 2, 4, 8, 16):
-            v = cuda.shfl_up_sync(0xFFFFFFFF, incl, d)
-            if lane >= d:
-                incl = i32(incl + v)
-        return i32(incl - x), i32(cuda.shfl_sync(0xFFFFFFFF, incl, 31))
 else:
     # The simulator: an exchange publishes this lane's words in one of two alternating areas of a
     # shared scratch array and synchronises once (a lane reuses an area only after the next
@@ -608,11 +598,6 @@ else:
         mine = order(lane)
         return i32(sum(int(area[8 * i]) for i in range(WARP) if order(i) < mine))
 
-    @device
-    def warp_scan_total(x, scr):
-        area = _exchange(scr, x)
-        vals = [int(area[8 * i]) for i in range(WARP)]
-        return i32(sum(vals[:_lane()])), i32(sum(vals))
 
 
 @device
@@ -814,160 +799,6 @@ def _decode_tile_fn(channels: int):
     return decode, decode_tags, decode_loads, decode_compute, decode_fix, (SM_WORDS, CODE_ARRAY, GPL, BASE_WORDS)
 
 
-@functools.lru_cache(maxsize=None)
-def _decode_kfrag_fn(channels: int):
-    """Device functions that rebuild a K tile straight into the B fragments of ``q.k`` (no decoded tile
-    in shared memory, no ``ldmatrix``): ``decode_kfrag(smem, src, base, base_stride, cap, status, kf, scr)``
-    for a staged slot, and ``kfrag_bf16(arr, g0, rowb, valid, kf)`` for a BF16 tile in global memory (raw
-    tile or tail; rows at or after ``valid`` are zero).
-
-    Lane ``(r, q) = (l // 4, l % 4)`` owns rows ``r`` and ``r + 8`` and the 32 contiguous channels
-    ``32q ..`` (4 groups a row).  The fragment of ``m16n8k16`` wants, for token ``r``, channel pairs at
-    position ``q`` of every 8-channel chunk, so the lane's physical pair ``16q + m`` is used as the
-    pair at position ``q`` of chunk ``m``: the channels of the tile are permuted, and :func:`kfrag_q_pair`
-    permutes the query the same way (``q.k`` is a sum over channels, so any permutation applied to both
-    gives the same scores).  The decoded word of row ``r + 8h``, group ``g``, pair ``i`` is
-    ``kf[8g + 4h + i]``, the order :func:`attention_kernel`'s ``qk_mma`` reads.  C = 128 only.
-    """
-    C = channels
-    if C != 128:
-        raise ValueError("the direct K decoder is for 128-channel tiles")
-    geo = L.TileGeometry(C)
-    LG = 4                              # groups of a lane in one row
-    ROW_CODE = 3 * C // 8               # code bytes of a row
-    CODE_OFF, TAG_OFF, ESC_OFF = geo.code_offset, geo.tag_offset, geo.escape_offset
-    ESC_MAX = i32(2 * L.BLOCK_TOKENS * C - ESC_OFF - L.RAW_PLANES)
-    K_EVEN = (1 << 7) | (1 << 20)
-    K_ODD = (1 << 1) | (1 << 14)
-    ESC4 = L.ESCAPE_BYTES[L.MODE_4BIT]
-    ESCR = L.ESCAPE_BYTES[L.MODE_RAW]
-
-    @device
-    def row_tags(smem, src, t, q):
-        """The mode tags of this lane's 4 groups of row ``t`` (8 bits) and their escape bytes."""
-        tags = u32((lds(smem, u32(src + TAG_OFF + 4 * t)) >> (8 * q)) & 0xFF)
-        return tags, i32(popc(tags & 0x55) * ESC4 + popc(tags & 0xAA) * ESCR)
-
-    @device
-    def row_loads(smem, src, base, base_stride, t, q, tags, off, h, smw, cw, ev, bw):
-        """Every shared read of row ``t`` (half ``h`` of the lane's arrays), issued back to back."""
-        for k in range(2):
-            x = u32(2 * q + k)
-            w0, w1, w2, w3 = lds4(smem, u32(src + 16 * (t * 8 + (x ^ (t & 7)))))
-            smw[8 * h + 4 * k] = w0
-            smw[8 * h + 4 * k + 1] = w1
-            smw[8 * h + 4 * k + 2] = w2
-            smw[8 * h + 4 * k + 3] = w3
-        code = u32(src + CODE_OFF + t * ROW_CODE + 12 * q)
-        for i in range(3):
-            cw[4 * h + i] = lds(smem, u32(code + 4 * i))
-        cw[4 * h + 3] = u32(0)
-        esc = u32(src + ESC_OFF)
-        pos = off
-        for k in range(LG):
-            m = u32((tags >> (2 * k)) & 3)
-            ev[LG * h + k] = lds_u8(smem, u32(esc + min(pos, ESC_MAX)))
-            pos = i32(pos + m + 3 * (m >> 1))
-            b0, b1, b2, b3 = lds4(smem, u32(base + m * base_stride + 16 * k))
-            bw[16 * h + 4 * k] = b0
-            bw[16 * h + 4 * k + 1] = b1
-            bw[16 * h + 4 * k + 2] = b2
-            bw[16 * h + 4 * k + 3] = b3
-
-    @device
-    def row_compute(tags, h, smw, cw, ev, bw, kf):
-        for k in range(LG):
-            bit = 24 * k
-            sh = bit % 32
-            y = cw[4 * h + bit // 32] >> sh
-            if sh > 8:
-                y = u32(y | (cw[4 * h + bit // 32 + 1] << (32 - sh)))
-            y_lo = u32(y & 0xFFF)
-            y_hi = u32((y >> 12) & 0xFFF)
-            sp = spread_escape(ev[LG * h + k] if (tags >> (2 * k)) & 3 else u32(0))
-            s0 = smw[8 * h + 2 * k]
-            s1 = smw[8 * h + 2 * k + 1]
-            b = 16 * h + 4 * k
-            kf[8 * k + 4 * h] = u32((prmt(s0, 0x1100) & 0x807F807F)
-                                    | u32(((y_lo * K_EVEN) & 0x03800380) + bw[b] + escape_pair(sp, 0)))
-            kf[8 * k + 4 * h + 1] = u32((prmt(s0, 0x3322) & 0x807F807F)
-                                        | u32(((y_lo * K_ODD) & 0x03800380) + bw[b + 1] + escape_pair(sp, 1)))
-            kf[8 * k + 4 * h + 2] = u32((prmt(s1, 0x1100) & 0x807F807F)
-                                        | u32(((y_hi * K_EVEN) & 0x03800380) + bw[b + 2] + escape_pair(sp, 2)))
-            kf[8 * k + 4 * h + 3] = u32((prmt(s1, 0x3322) & 0x807F807F)
-                                        | u32(((y_hi * K_ODD) & 0x03800380) + bw[b + 3] + escape_pair(sp, 3)))
-
-    @device
-    def row_fix(smem, src, tags, off, cnt, h, cap, status, kf):
-        """Format checks and exponent bits 4..7 of raw groups (rare) for one row."""
-        if off + cnt > cap:
-            cuda.atomic.or_(status, 0, STATUS_BAD_ESCAPES)
-        if tags & (tags >> 1) & 0x55:
-            cuda.atomic.or_(status, 0, STATUS_BAD_TAG)
-        if tags & 0xAA:
-            esc = u32(src + ESC_OFF)
-            for k in range(LG):
-                if ((tags >> (2 * k)) & 3) == L.MODE_RAW:
-                    below = u32(tags & ((1 << (2 * k)) - 1))
-                    pos = u32(esc + min(i32(off + popc(below & 0x55) * ESC4 + popc(below & 0xAA) * ESCR),
-                                        ESC_MAX))
-                    for j in range(1, L.RAW_PLANES):
-                        pj = spread_escape(lds_u8(smem, u32(pos + j)))
-                        for i in range(4):
-                            kf[8 * k + 4 * h + i] = u32(kf[8 * k + 4 * h + i] + (escape_pair(pj, i) << j))
-
-    @device
-    def decode_kfrag(smem, src, base, base_stride, cap, status, kf, scr):
-        """``base``: byte address of the K b3 pair word of physical pair ``16q`` (rows b3, b4, 0, 0
-        ``base_stride`` apart)."""
-        smw = cuda.local.array(16, uint32)
-        cw = cuda.local.array(8, uint32)
-        ev = cuda.local.array(8, uint32)           # 2 rows x LG groups
-        bw = cuda.local.array(32, uint32)
-        lane = lane_id()
-        r = i32(lane >> 2)
-        q = i32(lane & 3)
-        tags_a, cnt_a = row_tags(smem, src, r, q)
-        tags_b, cnt_b = row_tags(smem, src, r + 8, q)
-        # Escape offsets in group order (row-major): lanes are in (row, quarter) order for rows 0..7, and
-        # again for rows 8..15 in the high half; rows 8.. start after the whole of rows 0..7.
-        excl, total = warp_scan_total(i32(cnt_a | (cnt_b << 16)), scr)
-        off_a = i32(excl & 0xFFFF)
-        off_b = i32((excl >> 16) + (total & 0xFFFF))
-        row_loads(smem, src, base, base_stride, r, q, tags_a, off_a, 0, smw, cw, ev, bw)
-        row_loads(smem, src, base, base_stride, r + 8, q, tags_b, off_b, 1, smw, cw, ev, bw)
-        row_compute(tags_a, 0, smw, cw, ev, bw, kf)
-        row_compute(tags_b, 1, smw, cw, ev, bw, kf)
-        row_fix(smem, src, tags_a, off_a, cnt_a, 0, cap, status, kf)
-        row_fix(smem, src, tags_b, off_b, cnt_b, 1, cap, status, kf)
-
-    @device
-    def kfrag_bf16(arr, g0, rowb, valid, kf):
-        """Fragments from a BF16 tile in global memory: ``g0`` = byte address of row 0 of the tile, plus
-        this lane's 64-byte segment ``64q``; rows ``rowb`` bytes apart."""
-        r = i32(lane_id() >> 2)
-        for h in range(2):
-            t = r + 8 * h
-            for c in range(4):
-                if t < valid:
-                    w0, w1, w2, w3 = ldg4(arr, g0 + i32(t * rowb + 16 * c))
-                else:
-                    w0, w1, w2, w3 = u32(0), u32(0), u32(0), u32(0)
-                kf[8 * c + 4 * h] = w0
-                kf[8 * c + 4 * h + 1] = w1
-                kf[8 * c + 4 * h + 2] = w2
-                kf[8 * c + 4 * h + 3] = w3
-
-    return decode_kfrag, kfrag_bf16
-
-
-@device
-def kfrag_q_pair(kk, q, second):
-    """Pair index (within ``q``'s row) of the query word that meets the direct K fragments in k-chunk
-    ``kk`` (16 channels) at quad position ``q``: physical pair ``16q + 2(kk % 8) (+1)`` of tile ``kk // 8``."""
-    return i32(64 * (kk // 8) + 16 * q + 2 * (kk % 8) + second)
-
-
 def _stage_slot_fn(channels: int):
     """Device function ``stage_slot(smem, dst, entry, slots, slot_bytes, lane)``: start copying slot
     ``entry`` to the staging area at byte ``dst``, sign+mantissa chunk ``c`` at ``c ^ ((c >> 3) & SWZ)``
@@ -1032,15 +863,13 @@ def decode_check_kernel(channels: int, slot_bytes: int):
 
 @functools.lru_cache(maxsize=None)
 def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: int = 3, stage_bytes: int = 0,
-                     overlap: bool = False, max_registers: int | None = None, direct_k: bool = False):
+                     overlap: bool = False, max_registers: int | None = None):
     """The split-KV decode kernel for ``head_dim``; ``plain`` = every tile is BF16 (the baseline).
 
     ``overlap`` (compressed, head_dim <= 128): when both tiles of a block are slots, one escape scan
     serves K and V, and the V tile's reads, then its decode, sit in one straight-line region with the
     q.k MMAs and the softmax, so that the compiler overlaps their latencies.  ``max_registers``
-    caps registers per thread (more resident warps, possibly spills).  ``direct_k`` (compressed,
-    ``C = 128``, not with ``overlap``): K tiles are rebuilt straight into the MMA fragments
-    (:func:`_decode_kfrag_fn`), saving the decoded tile's shared-memory stores and ``ldmatrix``.
+    caps registers per thread (more resident warps, possibly spills).
 
     ``stage_bytes``: bytes of a staging area, at least the larger slot of K and V (compressed kernel;
     raw tiles and the tail are loaded when used, so the stages only hold slots); the plain kernel
@@ -1077,10 +906,6 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
     RAW_PER_LANE = L.BLOCK_TOKENS * ROW_CHUNKS // WARP
     if overlap and (T != 1 or plain or variant != FULL):
         raise ValueError("overlap is for the full compressed kernel with head_dim <= 128")
-    if direct_k and (C != 128 or plain or overlap or variant not in (FULL, DECODE_TWICE)):
-        raise ValueError("direct_k is for the full compressed kernel with 128-channel tiles, without overlap")
-    if direct_k:
-        decode_kfrag, kfrag_bf16 = _decode_kfrag_fn(C)
     DEC = NS * 2 * T * SB               # byte offsets in the shared array: the decode tile, the bases
     BASES = DEC + TB
     PAIRS = D // 2                      # base pair words per row of one kind
@@ -1283,12 +1108,8 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
         qa2 = cuda.local.array(NCHUNK, uint32)
         qrow = (b * hq + h * g + r) * (D // 2)
         for kk in range(NCHUNK):
-            if direct_k:                # the channel order of the direct K fragments (see _decode_kfrag_fn)
-                qa0[kk] = u32(q32[qrow + kfrag_q_pair(kk, q, 0)]) if r < g else u32(0)
-                qa2[kk] = u32(q32[qrow + kfrag_q_pair(kk, q, 1)]) if r < g else u32(0)
-            else:
-                qa0[kk] = u32(q32[qrow + 8 * kk + q]) if r < g else u32(0)
-                qa2[kk] = u32(q32[qrow + 8 * kk + 4 + q]) if r < g else u32(0)
+            qa0[kk] = u32(q32[qrow + 8 * kk + q]) if r < g else u32(0)
+            qa2[kk] = u32(q32[qrow + 8 * kk + 4 + q]) if r < g else u32(0)
         acc0 = cuda.local.array(NOUT, float32)
         acc1 = cuda.local.array(NOUT, float32)
         for i in range(NOUT):
@@ -1354,21 +1175,6 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
                 warp_sync(scr)
                 continue
             for j in range(T):
-                if direct_k:
-                    e = i32(-1) if is_tail else ents[(i * 2) * T + j]
-                    if is_tail:
-                        kfrag_bf16(tail_k, gaddr(tail_k, tail_base + j * C * 2 + 64 * q), 2 * D, tail_valid, kf)
-                    elif e < 0:
-                        kfrag_bf16(raw_k, gaddr(raw_k, (e & 0x7FFFFFFF) * TILE_BYTES + 64 * q), 2 * C,
-                                   L.BLOCK_TOKENS, kf)
-                    else:
-                        src = u32(sb + ((st * 2) * T + j) * SB)
-                        base = u32(sb + BASES + 4 * (j * (C // 2) + 16 * q))
-                        decode_kfrag(smem, src, base, 4 * RS, cap_k, status, kf, scr)
-                        if variant == DECODE_TWICE:
-                            decode_kfrag(smem, src, base, 4 * RS, cap_k, status, kf, scr)
-                    qk_mma(kf, j, qa0, qa2, sc, scr)
-                    continue
                 tile = tile_of(smem, sb, ents, i, st, 0, j, is_tail, raw_k, tail_k, tail_base + j * C * 2,
                                tail_valid, cap_k, status, scr, True)
                 load_k_frags(smem, tile, kf, scr)
