@@ -527,24 +527,34 @@ class EncodePlan:
 
     See the module docstring for every array.  A call checks only the
     per-call arrays (``bits``, ``entries``, ``escape_used``) and launches once.
+    The element codec is this class's (BF16: int16 bits and raw tiles); :mod:`gaac.fp8.cuda` subclasses it
+    with its own geometry, kernel and element type, and the same pools and launch.
     """
+
+    ELEMENT = "int16"                   # dtype of the tiles' bits and of the raw pool
 
     def __init__(self, channels: int, capacity: int, bases, slots, slot_free, raw, raw_free, heads, *,
                  tiles_per_block: int = TILES_PER_BLOCK):
-        self.geometry = geo = _check_channels(channels)
+        self._build(_check_channels(channels), capacity, _bases_words(bases, channels), slots, slot_free, raw,
+                    raw_free, heads, encode_kernel(channels, tiles_per_block), tiles_per_block)
+
+    def _build(self, geo, capacity, bases_words, slots, slot_free, raw, raw_free, heads, kernel, tiles_per_block):
+        """Check the pools against ``geo`` once and pack the launch parameters that do not change."""
+        channels = geo.channels
+        self.geometry = geo
         self.channels, self.capacity = channels, check_capacity(capacity)
         check_array(slots, "slots", "uint8", (None, geo.slot_bytes(capacity)))
-        check_array(raw, "raw", "int16", (None, L.BLOCK_TOKENS, channels))
+        check_array(raw, "raw", self.ELEMENT, (None, L.BLOCK_TOKENS, channels))
         check_array(slot_free, "slot_free", "int32", (None,))
         check_array(raw_free, "raw_free", "int32", (None,))
         check_array(heads, "heads", "int32", (2,))
-        self._fixed = (_bases_words(bases, channels), self.capacity, words(slots), plain(slot_free),
-                       words(raw), plain(raw_free), plain(heads))
-        self._launcher = TileLauncher(encode_kernel(channels, tiles_per_block), tiles_per_block)
+        self._fixed = (bases_words, self.capacity, words(slots), plain(slot_free), words(raw), plain(raw_free),
+                       plain(heads))
+        self._launcher = TileLauncher(kernel, tiles_per_block)
         self._fixed_params = None if SIMULATOR else [p for a in self._fixed for p in params(a)]
 
     def __call__(self, bits, entries, escape_used, *, stream=None, fast: bool = True):
-        n = check_array(bits, "bits", "int16", (None, L.BLOCK_TOKENS, self.channels)).shape[0]
+        n = check_array(bits, "bits", self.ELEMENT, (None, L.BLOCK_TOKENS, self.channels)).shape[0]
         check_array(entries, "entries", "int32", (n,))
         check_array(escape_used, "escape_used", "int32", (n,))
         if n == 0:
@@ -558,22 +568,31 @@ class EncodePlan:
 
 
 class DecodePlan:
-    """Decoding from one pair of pools with one set of bases: build once, call per batch of tiles."""
+    """Decoding from one pair of pools with one set of bases: build once, call per batch of tiles.
+
+    Like :class:`EncodePlan`, subclassed by :mod:`gaac.fp8.cuda` for FP8 elements."""
+
+    ELEMENT = "int16"
 
     def __init__(self, channels: int, capacity: int, bases, slots, raw, *, tiles_per_block: int = TILES_PER_BLOCK):
-        self.geometry = geo = _check_channels(channels)
+        self._build(_check_channels(channels), capacity, _bases_words(bases, channels), slots, raw,
+                    decode_kernel(channels, tiles_per_block), tiles_per_block)
+
+    def _build(self, geo, capacity, bases_words, slots, raw, kernel, tiles_per_block):
+        channels = geo.channels
+        self.geometry = geo
         self.channels, self.capacity = channels, check_capacity(capacity)
         check_array(slots, "slots", "uint8", (None, geo.slot_bytes(capacity)))
-        check_array(raw, "raw", "int16", (None, L.BLOCK_TOKENS, channels))
+        check_array(raw, "raw", self.ELEMENT, (None, L.BLOCK_TOKENS, channels))
         self._slots, self._raw = words(slots), words(raw)
-        self._bases = _bases_words(bases, channels)
-        self._launcher = TileLauncher(decode_kernel(channels, tiles_per_block), tiles_per_block)
+        self._bases = bases_words
+        self._launcher = TileLauncher(kernel, tiles_per_block)
         self._pool_params = None if SIMULATOR else params(self._slots) + params(self._raw)
         self._bases_params = None if SIMULATOR else params(self._bases) + params(self.capacity)
 
     def __call__(self, entries, out, status, *, stream=None, fast: bool = True):
         n = check_array(entries, "entries", "int32", (None,)).shape[0]
-        check_array(out, "out", "int16", (n, L.BLOCK_TOKENS, self.channels))
+        check_array(out, "out", self.ELEMENT, (n, L.BLOCK_TOKENS, self.channels))
         check_array(status, "status", "int32", (n,))
         if n == 0:
             return

@@ -51,10 +51,10 @@ import numpy as np
 from numba import cuda, int32, int64, uint8, uint32
 
 from .. import layout as L
-from ..cuda.bitops import SIMULATOR, WARP, device, funnel_r, ldg2, ldg4, mul32, popc32, stg2, stg4, syncwarp
+from ..cuda.bitops import WARP, device, funnel_r, ldg2, ldg4, mul32, popc32, stg2, stg4, syncwarp
 from ..cuda.codec import (_RAW_ENTRY_BIAS, BAD_ESCAPES, BAD_TAG, DECODE_SIG, ENCODE_SIG, NO_STORAGE, TILES_PER_BLOCK,
-                          check_capacity)
-from ..cuda.launch import WORD, TileLauncher, allocators, check_array, is_torch, params, plain, word_params, words
+                          DecodePlan, EncodePlan)
+from ..cuda.launch import WORD, allocators, check_array, is_torch, words
 from ..errors import InputError
 from .layout import (MODE_NARROW, MODE_RAW, MODE_WIDE, TILE_WIDTHS, FP8Format, FP8TileGeometry, ModeSet,
                      mode_set)
@@ -530,71 +530,32 @@ def _bases_words(bases, channels: int):
     return words(bases)
 
 
-class FP8EncodePlan:
+class FP8EncodePlan(EncodePlan):
     """Encoding into one pair of pools (slots + raw tiles) with one set of bases: build once, call per block.
 
     The arrays are the module docstring's; a call checks only ``bits``, ``entries`` and
-    ``escape_used`` and launches once.
+    ``escape_used`` and launches once (:class:`gaac.cuda.codec.EncodePlan`'s launch, FP8 elements).
     """
+
+    ELEMENT = "uint8"
 
     def __init__(self, fmt, channels: int, capacity: int, bases, slots, slot_free, raw, raw_free, heads, *,
                  tiles_per_block: int = TILES_PER_BLOCK):
         self.modes = modes = _mode_set(fmt)
-        self.geometry = geo = _geometry(modes, channels)
-        self.channels, self.capacity = channels, check_capacity(capacity)
-        check_array(slots, "slots", "uint8", (None, geo.slot_bytes(capacity)))
-        check_array(raw, "raw", "uint8", (None, L.BLOCK_TOKENS, channels))
-        check_array(slot_free, "slot_free", "int32", (None,))
-        check_array(raw_free, "raw_free", "int32", (None,))
-        check_array(heads, "heads", "int32", (2,))
-        self._fixed = (_bases_words(bases, channels), self.capacity, words(slots), plain(slot_free),
-                       words(raw), plain(raw_free), plain(heads))
-        self._launcher = TileLauncher(encode_kernel(modes, channels, tiles_per_block), tiles_per_block)
-        self._fixed_params = None if SIMULATOR else [p for a in self._fixed for p in params(a)]
-
-    def __call__(self, bits, entries, escape_used, *, stream=None, fast: bool = True):
-        n = check_array(bits, "bits", "uint8", (None, L.BLOCK_TOKENS, self.channels)).shape[0]
-        check_array(entries, "entries", "int32", (n,))
-        check_array(escape_used, "escape_used", "int32", (n,))
-        if n == 0:
-            return
-        if self._fixed_params is not None and fast:
-            packed = word_params(bits) + self._fixed_params + params(entries) + params(escape_used)
-            self._launcher.launch(n, None, stream, fast, packed)
-            return
-        args = (words(bits), *self._fixed, plain(entries), plain(escape_used))
-        self._launcher.launch(n, args, stream, fast)
+        self._build(_geometry(modes, channels), capacity, _bases_words(bases, channels), slots, slot_free, raw,
+                    raw_free, heads, encode_kernel(modes, channels, tiles_per_block), tiles_per_block)
 
 
-class FP8DecodePlan:
+class FP8DecodePlan(DecodePlan):
     """Decoding from one pair of pools with one set of bases: build once, call per batch of tiles."""
+
+    ELEMENT = "uint8"
 
     def __init__(self, fmt, channels: int, capacity: int, bases, slots, raw, *,
                  tiles_per_block: int = TILES_PER_BLOCK):
         self.modes = modes = _mode_set(fmt)
-        self.geometry = geo = _geometry(modes, channels)
-        self.channels, self.capacity = channels, check_capacity(capacity)
-        check_array(slots, "slots", "uint8", (None, geo.slot_bytes(capacity)))
-        check_array(raw, "raw", "uint8", (None, L.BLOCK_TOKENS, channels))
-        self._slots, self._raw = words(slots), words(raw)
-        self._bases = _bases_words(bases, channels)
-        self._launcher = TileLauncher(decode_kernel(modes, channels, tiles_per_block), tiles_per_block)
-        self._pool_params = None if SIMULATOR else params(self._slots) + params(self._raw)
-        self._bases_params = None if SIMULATOR else params(self._bases) + params(self.capacity)
-
-    def __call__(self, entries, out, status, *, stream=None, fast: bool = True):
-        n = check_array(entries, "entries", "int32", (None,)).shape[0]
-        check_array(out, "out", "uint8", (n, L.BLOCK_TOKENS, self.channels))
-        check_array(status, "status", "int32", (n,))
-        if n == 0:
-            return
-        if self._pool_params is not None and fast:
-            packed = (self._pool_params + params(entries) + self._bases_params + word_params(out)
-                      + params(status))
-            self._launcher.launch(n, None, stream, fast, packed)
-            return
-        args = (self._slots, self._raw, plain(entries), self._bases, self.capacity, words(out), plain(status))
-        self._launcher.launch(n, args, stream, fast)
+        self._build(_geometry(modes, channels), capacity, _bases_words(bases, channels), slots, raw,
+                    decode_kernel(modes, channels, tiles_per_block), tiles_per_block)
 
 
 # ----------------------------------------------------------------------------------------------
