@@ -233,12 +233,12 @@ def _block_tile_bases(b3, b4, epochs, nfull):
         tb3, tb4 = tile_bases(b3, b4)
         n = int(np.sum(nfull))
         return np.tile(tb3, (n, 1)), np.tile(tb4, (n, 1))
-    per_epoch = [tile_bases(b3[e], b4[e]) for e in range(len(b3))]
+    per_epoch = [tile_bases(b3[e], b4[e]) for e in range(len(b3))]          # [P, C] pairs per epoch
     order = np.concatenate([epochs[b, :n] for b, n in enumerate(nfull)]).astype(np.int64)
     if order.size and (order.min() < 0 or order.max() >= len(b3)):
         raise InputError(f"a block's epoch is outside the {len(b3)} epochs whose bases are given")
-    pick = lambda i: np.concatenate([per_epoch[e][i] for e in order]) if order.size else per_epoch[0][i][:0]  # noqa: E731
-    return pick(0), pick(1)
+    c = per_epoch[0][0].shape[-1]
+    return tuple(np.stack([p[i] for p in per_epoch])[order].reshape(-1, c) for i in range(2))
 
 
 def plain_view(k, v, *, max_blocks: int | None = None, tail_fill: int = 0x7FC1) -> LayerView:
@@ -503,11 +503,9 @@ class AttentionPlan:
         for kind in range(2):
             e = block_epochs(view, kind)
             if e is None:
-                zeros = alloc((self.batch, mb), "int16") if zeros is None else zeros
-                if K.SIMULATOR:
+                if zeros is None:
+                    zeros = alloc((self.batch, mb), "int16")
                     zeros[:] = 0
-                else:
-                    zeros.zero_()
                 e = zeros
             eps.append(e)
         self.o_part = alloc((self.n_work * hk * self.g * d,), "float32")
