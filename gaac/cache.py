@@ -543,7 +543,7 @@ class PagedKVCache:
         Where no check is due within these blocks the newest epoch codes them all
         and the adapter only has to observe them, at commit.  Otherwise the rule runs
         on a copy of the adapter and of the calibration, in runs of at most
-        ``until_check`` blocks, exactly as :func:`gaac.epochs.assign_epochs` does.
+        ``until_check`` blocks (:meth:`gaac.epochs.Adapter.assign`).
         """
         n = len(finished)
         adapter = store.adapter
@@ -553,13 +553,7 @@ class PagedKVCache:
         if n < adapter.until_check:
             return _Epochs(epochs=np.full(n, adapter.epoch, np.int64), tables=[], after=None, pending=host)
         after = copy.deepcopy(adapter, {id(adapter.calibration): self.calibration.copy()})
-        epochs = np.empty(n, np.int64)
-        start = 0
-        while start < n:
-            stop = min(start + after.until_check, n)
-            epochs[start:stop] = after.epoch
-            after.observe(host[start:stop])
-            start = stop
+        epochs = after.assign(host)
         tables = [after.calibration.bases(layer, kind, e) for e in range(adapter.epoch + 1, after.epoch + 1)]
         return _Epochs(epochs=epochs, tables=tables, after=after, pending=None)
 

@@ -115,6 +115,18 @@ class Adapter:
         self.hist += exponent_histograms(x[None])[0]
         return self._check(x)
 
+    def assign(self, blocks) -> np.ndarray:
+        """Finalize ``blocks`` ``[n, kv_heads, 16, head_dim]`` in order, each coded with the epoch current
+        when it is finalized (observed in runs that end at the checks); returns those epochs (``int64 [n]``)."""
+        epochs = np.empty(len(blocks), dtype=np.int64)
+        start = 0
+        while start < len(blocks):
+            stop = min(start + self.until_check, len(blocks))
+            epochs[start:stop] = self.epoch
+            self.observe(blocks[start:stop])
+            start = stop
+        return epochs
+
     def _check(self, x: np.ndarray) -> int | None:
         """Append the histogram's windows as an epoch if the rule says so (module docstring)."""
         if self.finalized < WARMUP_BLOCKS or self.epoch + 1 >= MAX_EPOCHS:
@@ -136,12 +148,4 @@ def assign_epochs(blocks: np.ndarray, calibration: Calibration, layer: int, kind
     each block is encoded with (``int64 [n]``), what a cache filled with these
     blocks in this order would record.
     """
-    adapter = Adapter(calibration, layer, kind)
-    epochs = np.empty(len(blocks), dtype=np.int64)
-    start = 0
-    while start < len(blocks):
-        stop = min(start + adapter.until_check, len(blocks))
-        epochs[start:stop] = adapter.epoch
-        adapter.observe(blocks[start:stop])
-        start = stop
-    return epochs
+    return Adapter(calibration, layer, kind).assign(blocks)
