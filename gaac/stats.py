@@ -34,7 +34,7 @@ show how a context's later tokens fare.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -51,8 +51,13 @@ BITS_PER_BYTE = 8
 
 
 @dataclass
-class Tally:
-    """Additive counts over the complete blocks of one or more layers of one kind."""
+class TileTally:
+    """Additive counts over the complete blocks of one or more layers of one kind, for any element format.
+
+    What is format-specific is the tile geometry, the names of the three coded modes and the reported
+    extras; :class:`Tally` (BF16) and :class:`gaac.fp8.stats.FP8Tally` supply them.  Every count adds, so
+    the tally of a model is the sum of its layers' tallies.
+    """
 
     head_dim: int
     tiles: int = 0
@@ -60,23 +65,24 @@ class Tally:
     slot_capacity_bytes: int = 0         # sum of the capacity over slot tiles
     escapes_needed: int = 0              # escape bytes of every tile (stream sense)
     escapes_in_slots: int = 0            # escape bytes of slot tiles
-    modes: np.ndarray = field(default_factory=lambda: np.zeros(3, dtype=np.int64))
+    modes: np.ndarray = field(default_factory=lambda: np.zeros(3, dtype=np.int64))   # groups per mode tag
     exponents: np.ndarray = field(default_factory=lambda: np.zeros(256, dtype=np.int64))
     mismatched: int = 0                  # elements whose decoded bits differ
-    epoch_bytes: int = 0                 # appended epochs' bases and the per-block epoch index
-    new_epochs: int = 0                  # epochs the adaptation appended
 
-    def __add__(self, other: "Tally") -> "Tally":
-        return Tally(self.head_dim, self.tiles + other.tiles, self.slot_tiles + other.slot_tiles,
-                     self.slot_capacity_bytes + other.slot_capacity_bytes,
-                     self.escapes_needed + other.escapes_needed, self.escapes_in_slots + other.escapes_in_slots,
-                     self.modes + other.modes, self.exponents + other.exponents,
-                     self.mismatched + other.mismatched, self.epoch_bytes + other.epoch_bytes,
-                     self.new_epochs + other.new_epochs)
+    SHARED = ("head_dim",)               # fields that are the same in every summand, not added
+
+    def __add__(self, other):
+        return type(self)(**{f.name: getattr(self, f.name) if f.name in self.SHARED
+                             else getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
 
     @property
     def geometry(self) -> L.TileGeometry:
-        return L.geometry(self.head_dim)
+        raise NotImplementedError
+
+    @property
+    def mode_names(self) -> tuple[str, str, str]:
+        """Names of the mode tags 0, 1, 2 in the reported ``frac_*`` keys."""
+        raise NotImplementedError
 
     @property
     def elements(self) -> int:
@@ -85,43 +91,63 @@ class Tally:
     def resident_parts(self) -> dict[str, int]:
         """Resident bytes by what they hold (cf. the paper's Table 9); they add up to the resident size."""
         g = self.geometry
-        raw_tiles = self.tiles - self.slot_tiles
         return {
             "sign_mantissa": self.tiles * g.sm_bytes,
             "codes": self.tiles * g.code_bytes,
             "tags": self.tiles * g.tag_bytes,
             "escapes": self.escapes_in_slots,
             "unused_slot": self.slot_capacity_bytes - self.escapes_in_slots,
-            "raw_fallback": raw_tiles * (g.raw_bytes - g.fixed_bytes),   # a raw tile beyond a fixed part
+            "raw_fallback": (self.tiles - self.slot_tiles) * (g.raw_bytes - g.fixed_bytes),   # beyond a fixed part
             "table": self.tiles * L.TABLE_ENTRY_BYTES,
-            "epochs": self.epoch_bytes,
         }
+
+    def sizes(self) -> tuple[int, int, int]:
+        """(uncompressed, stream, resident) bytes of the tiles."""
+        g = self.geometry
+        return self.tiles * g.raw_bytes, self.tiles * g.fixed_bytes + self.escapes_needed, \
+            sum(self.resident_parts().values())
 
     def summary(self) -> dict:
         """The reported numbers (module docstring)."""
-        g = self.geometry
-        bf16 = self.tiles * g.raw_bytes
-        stream = self.tiles * g.fixed_bytes + self.escapes_needed
+        raw, stream, resident = self.sizes()
         parts = self.resident_parts()
-        resident = sum(parts.values())
         groups = int(self.modes.sum())
         p = self.exponents[self.exponents > 0] / self.exponents.sum()
         return {
-            "ratio_stream": bf16 / stream,
-            "ratio_resident": bf16 / resident,
+            "ratio_stream": raw / stream,
+            "ratio_resident": raw / resident,
             "bits_per_element_stream": BITS_PER_BYTE * stream / self.elements,
             "bits_per_element_resident": BITS_PER_BYTE * resident / self.elements,
-            "frac_3bit": int(self.modes[L.MODE_3BIT]) / groups,
-            "frac_4bit": int(self.modes[L.MODE_4BIT]) / groups,
-            "frac_raw": int(self.modes[L.MODE_RAW]) / groups,
+            **{f"frac_{name}": int(self.modes[m]) / groups for m, name in enumerate(self.mode_names)},
             "frac_raw_tiles": (self.tiles - self.slot_tiles) / self.tiles,
             "exponent_entropy": float(-(p * np.log2(p)).sum()),
             "roundtrip": self.mismatched == 0,
             "resident_bits_per_element": {k: BITS_PER_BYTE * v / self.elements for k, v in parts.items()},
             "tiles": self.tiles,
             "raw_tiles": self.tiles - self.slot_tiles,
-            "epochs_appended": self.new_epochs,
         }
+
+
+@dataclass
+class Tally(TileTally):
+    """A BF16 :class:`TileTally`, with what calibration epochs cost the cache."""
+
+    epoch_bytes: int = 0                 # appended epochs' bases and the per-block epoch index
+    new_epochs: int = 0                  # epochs the adaptation appended
+
+    @property
+    def geometry(self) -> L.TileGeometry:
+        return L.geometry(self.head_dim)
+
+    @property
+    def mode_names(self) -> tuple[str, str, str]:
+        return ("3bit", "4bit", "raw")
+
+    def resident_parts(self) -> dict[str, int]:
+        return {**super().resident_parts(), "epochs": self.epoch_bytes}
+
+    def summary(self) -> dict:
+        return {**super().summary(), "epochs_appended": self.new_epochs}
 
 
 def measure_layer(x: np.ndarray, b3: np.ndarray, b4: np.ndarray, capacity: int) -> Tally:

@@ -31,85 +31,42 @@ import numpy as np
 
 from .. import layout as L
 from ..errors import InputError
-from ..stats import measured_cache
+from ..stats import TileTally, measured_cache
 from ..tiles import block_tiles, cache_blocks, tile_bases
 from .calibration import FP8Calibration, calibrate_fp8
 from .codec import decode_tiles, encode_tiles, tile_exponents
 from .convert import bf16_to_float, cache_to_fp8, fp8_to_float
 from .layout import MODE_NARROW, MODE_RAW, MODE_WIDE, ModeSet, mode_set
 
-BITS_PER_BYTE = 8
 BF16_BYTES_PER_FP8_BYTE = 2
 
 
 @dataclass
-class FP8Tally:
-    """Additive counts over the complete blocks of one or more layers of one kind of an FP8 cache."""
+class FP8Tally(TileTally):
+    """A :class:`gaac.stats.TileTally` of an FP8 cache: its geometry and mode names come from the mode set,
+    and the summary adds the ratio over FP8 and the total over BF16."""
 
-    modes: ModeSet
-    head_dim: int
-    tiles: int
-    slot_tiles: int                  # tiles whose escapes fit the capacity
-    slot_capacity_bytes: int         # sum of the capacity over slot tiles
-    escapes_needed: int              # escape bytes of every tile (stream sense)
-    escapes_in_slots: int            # escape bytes of slot tiles
-    mode_counts: np.ndarray          # [3] groups per mode tag
-    exponents: np.ndarray            # [2**E] exponent-field histogram
-    mismatched: int                  # elements whose decoded bytes differ
+    mode_set: ModeSet | None = None
 
-    def __add__(self, o: "FP8Tally") -> "FP8Tally":
-        return FP8Tally(self.modes, self.head_dim, self.tiles + o.tiles, self.slot_tiles + o.slot_tiles,
-                        self.slot_capacity_bytes + o.slot_capacity_bytes, self.escapes_needed + o.escapes_needed,
-                        self.escapes_in_slots + o.escapes_in_slots, self.mode_counts + o.mode_counts,
-                        self.exponents + o.exponents, self.mismatched + o.mismatched)
+    SHARED = ("head_dim", "mode_set")
 
     @property
     def geometry(self):
-        return self.modes.geometry(self.head_dim)
+        return self.mode_set.geometry(self.head_dim)
 
     @property
-    def elements(self) -> int:
-        return self.tiles * self.geometry.elements
-
-    def resident_parts(self) -> dict[str, int]:
-        """Resident bytes by what they hold; they add up to the resident size."""
-        g = self.geometry
-        return {
-            "sign_mantissa": self.tiles * g.sm_bytes,
-            "codes": self.tiles * g.code_bytes,
-            "tags": self.tiles * g.tag_bytes,
-            "escapes": self.escapes_in_slots,
-            "unused_slot": self.slot_capacity_bytes - self.escapes_in_slots,
-            "raw_fallback": (self.tiles - self.slot_tiles) * (g.raw_bytes - g.fixed_bytes),
-            "table": self.tiles * L.TABLE_ENTRY_BYTES,
-        }
+    def mode_names(self) -> tuple[str, str, str]:
+        names = self.mode_set.mode_names
+        return tuple(names[m] for m in (MODE_NARROW, MODE_WIDE, MODE_RAW))
 
     def summary(self) -> dict:
-        g = self.geometry
-        fp8 = self.tiles * g.raw_bytes
-        stream = self.tiles * g.fixed_bytes + self.escapes_needed
-        parts = self.resident_parts()
-        resident = sum(parts.values())
-        groups = int(self.mode_counts.sum())
-        names = self.modes.mode_names
-        p = self.exponents[self.exponents > 0] / self.exponents.sum()
-        return {
-            "ratio_stream": fp8 / stream,
-            "ratio_resident": fp8 / resident,
-            "ratio_over_fp8": fp8 / stream,
-            "ratio_total_vs_bf16": BF16_BYTES_PER_FP8_BYTE * fp8 / stream,
-            "ratio_total_resident_vs_bf16": BF16_BYTES_PER_FP8_BYTE * fp8 / resident,
-            "bits_per_element_stream": BITS_PER_BYTE * stream / self.elements,
-            "bits_per_element_resident": BITS_PER_BYTE * resident / self.elements,
-            **{f"frac_{names[m]}": int(self.mode_counts[m]) / groups for m in (MODE_NARROW, MODE_WIDE, MODE_RAW)},
-            "frac_raw_tiles": (self.tiles - self.slot_tiles) / self.tiles,
-            "exponent_entropy": float(-(p * np.log2(p)).sum()),
-            "roundtrip": self.mismatched == 0,
-            "resident_bits_per_element": {k: BITS_PER_BYTE * v / self.elements for k, v in parts.items()},
-            "tiles": self.tiles,
-            "raw_tiles": self.tiles - self.slot_tiles,
-            "mode_names": [names[m] for m in (MODE_NARROW, MODE_WIDE, MODE_RAW)],
-        }
+        base = super().summary()
+        fp8, stream, resident = self.sizes()
+        return {"ratio_stream": base.pop("ratio_stream"), "ratio_resident": base.pop("ratio_resident"),
+                "ratio_over_fp8": fp8 / stream,
+                "ratio_total_vs_bf16": BF16_BYTES_PER_FP8_BYTE * fp8 / stream,
+                "ratio_total_resident_vs_bf16": BF16_BYTES_PER_FP8_BYTE * fp8 / resident,
+                **base, "mode_names": list(self.mode_names)}
 
 
 def measure_fp8_layer(fp8: np.ndarray, b_narrow: np.ndarray, b_wide: np.ndarray, capacity: int,
@@ -124,10 +81,10 @@ def measure_fp8_layer(fp8: np.ndarray, b_narrow: np.ndarray, b_wide: np.ndarray,
     stored_raw = enc.raw[~fits].reshape(-1, *tiles.shape[1:])
     mismatched = int((decoded != tiles[fits]).sum()) + int((stored_raw != tiles[~fits]).sum())
     return FP8Tally(
-        modes, fp8.shape[-1], tiles=len(fits), slot_tiles=int(fits.sum()),
+        mode_set=modes, head_dim=fp8.shape[-1], tiles=len(fits), slot_tiles=int(fits.sum()),
         slot_capacity_bytes=int(fits.sum()) * capacity,
         escapes_needed=int(enc.escape_used.sum()), escapes_in_slots=int(enc.escape_used[fits].sum()),
-        mode_counts=np.bincount(enc.modes.ravel(), minlength=3)[:3].astype(np.int64),
+        modes=np.bincount(enc.modes.ravel(), minlength=3)[:3].astype(np.int64),
         exponents=np.bincount(tile_exponents(tiles, modes.fmt).ravel(),
                               minlength=modes.fmt.exponent_values).astype(np.int64),
         mismatched=mismatched)
