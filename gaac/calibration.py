@@ -46,11 +46,22 @@ MAX_EPOCH = 0xFFFF                 # the block header's epoch is a u16
 
 
 class CacheShape:
-    """Checks every calibration (BF16 or FP8) makes of the caches it is used with.
+    """Checks every calibration (BF16 or FP8) makes of the caches it is used with, and its JSON file.
 
     Subclasses provide ``model`` and ``base_table``, any ``[2, layers, kv_heads, head_dim]``
-    table of bases, from which the cache shape is read.
+    table of bases, from which the cache shape is read, and ``to_dict`` / ``from_dict``.
     """
+
+    def save(self, path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), separators=(",", ":")) + "\n")
+
+    @classmethod
+    def load(cls, path):
+        try:
+            d = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as exc:
+            raise CalibrationError(f"{path}: not JSON ({exc})") from exc
+        return cls.from_dict(d)
 
     @property
     def layers(self) -> int:
@@ -284,17 +295,6 @@ class Calibration(CacheShape):
                         raise CalibrationError(f"{where}: id {entry['id']} does not match its tables "
                                                f"({self.epoch_id(layer, kind, epoch):08x}): the file was edited "
                                                "or damaged")
-
-    def save(self, path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), separators=(",", ":")) + "\n")
-
-    @classmethod
-    def load(cls, path) -> "Calibration":
-        try:
-            d = json.loads(Path(path).read_text())
-        except json.JSONDecodeError as exc:
-            raise CalibrationError(f"{path}: not JSON ({exc})") from exc
-        return cls.from_dict(d)
 
 
 def _int_array(table, what: str) -> np.ndarray:

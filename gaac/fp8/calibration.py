@@ -12,10 +12,8 @@ converted with the scales it has just chosen.
 """
 from __future__ import annotations
 
-import json
 import zlib
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
@@ -151,17 +149,6 @@ class FP8Calibration(CacheShape):
             raise CalibrationError(f"calibration id {d['id']} does not match its tables ({cal.id:08x}): "
                                    "the file was edited or damaged")
         return cal
-
-    def save(self, path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), separators=(",", ":")) + "\n")
-
-    @classmethod
-    def load(cls, path) -> "FP8Calibration":
-        try:
-            d = json.loads(Path(path).read_text())
-        except json.JSONDecodeError as exc:
-            raise CalibrationError(f"{path}: not JSON ({exc})") from exc
-        return cls.from_dict(d)
 
 
 def fp8_exponent_histograms(fp8: np.ndarray, modes: ModeSet) -> np.ndarray:
