@@ -148,11 +148,7 @@ def decode_block(block, calibration: Calibration) -> np.ndarray:
     if epoch == 0 and cal_id != calibration.id:
         raise CalibrationError(f"stream was encoded with calibration {cal_id:08x}, this calibration is "
                                f"{calibration.id:08x} (model {calibration.model!r})")
-    calibration.check_shape(None, heads, dim)
-    calibration.check_layer(layer)
-    if capacity != calibration.capacity[kind, layer]:
-        raise CalibrationError(f"stream escape capacity {capacity} differs from the calibration's "
-                               f"{calibration.capacity[kind, layer]} for layer {layer} {L.KIND_NAMES[kind]}")
+    calibration.check_block(kind, layer, heads, dim, capacity)                # R15-R17
     if epoch:
         calibration.check_epoch(layer, kind, epoch)                         # R21: "unknown epoch"
         if cal_id != calibration.epoch_id(layer, kind, epoch):              # R22

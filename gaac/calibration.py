@@ -87,6 +87,14 @@ class CacheShape:
         if not 0 <= layer < self.layers:
             raise CalibrationError(f"layer {layer} out of range: calibration has {self.layers} layers")
 
+    def check_block(self, kind: int, layer: int, heads: int, dim: int, capacity: int) -> None:
+        """FORMAT.md 8, R15-R17: a block container's shape, layer and escape capacity against this calibration."""
+        self.check_shape(None, heads, dim)
+        self.check_layer(layer)
+        if capacity != self.capacity[kind, layer]:
+            raise CalibrationError(f"stream escape capacity {capacity} differs from the calibration's "
+                                   f"{self.capacity[kind, layer]} for layer {layer} {L.KIND_NAMES[kind]}")
+
 
 def check_capacities(capacity: np.ndarray) -> None:
     """FORMAT.md 3.2: escape capacities are multiples of 16 that fit the header's u16."""

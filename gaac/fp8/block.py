@@ -106,11 +106,7 @@ def decode_fp8_block(block, calibration: FP8Calibration) -> np.ndarray:
     if element != calibration.element:
         raise CalibrationError(f"stream element format {element} differs from the calibration's "
                                f"{calibration.element} ({calibration.format})")
-    calibration.check_shape(None, heads, dim)
-    calibration.check_layer(layer)
-    if capacity != calibration.capacity[kind, layer]:
-        raise CalibrationError(f"stream escape capacity {capacity} differs from the calibration's "
-                               f"{calibration.capacity[kind, layer]} for layer {layer} {L.KIND_NAMES[kind]}")
+    calibration.check_block(kind, layer, heads, dim, capacity)                # R15-R17
 
     bn, bw = tile_bases(*calibration.bases(layer, kind))
     out = np.empty((c.n_tiles, L.BLOCK_TOKENS, c.geo.channels), dtype=np.uint8)
