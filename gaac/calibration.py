@@ -52,6 +52,16 @@ class CacheShape:
     table of bases, from which the cache shape is read, and ``to_dict`` / ``from_dict``.
     """
 
+    def check_header(self, d: dict) -> None:
+        """FORMAT.md 3.4: the file's ``layers``, ``kv_heads``, ``head_dim`` and ``id`` agree with its tables."""
+        dims = (d.get("layers"), d.get("kv_heads"), d.get("head_dim"))
+        if dims != (self.layers, self.kv_heads, self.head_dim):
+            raise CalibrationError(f"calibration header says {dims} but its tables are "
+                                   f"{(self.layers, self.kv_heads, self.head_dim)}")
+        if "id" in d and d["id"] != f"{self.id:08x}":
+            raise CalibrationError(f"calibration id {d['id']} does not match its tables ({self.id:08x}): "
+                                   "the file was edited or damaged")
+
     def save(self, path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), separators=(",", ":")) + "\n")
 
@@ -272,13 +282,7 @@ class Calibration(CacheShape):
             if isinstance(exc, CalibrationError):
                 raise
             raise CalibrationError(f"malformed calibration: {exc!r}") from exc
-        dims = (d.get("layers"), d.get("kv_heads"), d.get("head_dim"))
-        if dims != (cal.layers, cal.kv_heads, cal.head_dim):
-            raise CalibrationError(f"calibration header says {dims} but its tables are "
-                                   f"{(cal.layers, cal.kv_heads, cal.head_dim)}")
-        if "id" in d and d["id"] != f"{cal.id:08x}":
-            raise CalibrationError(f"calibration id {d['id']} does not match its tables ({cal.id:08x}): "
-                                   "the file was edited or damaged")
+        cal.check_header(d)
         cal._read_epochs(d.get("epochs", {}))
         return cal
 

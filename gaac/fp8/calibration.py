@@ -141,13 +141,7 @@ class FP8Calibration(CacheShape):
             raise
         except (KeyError, TypeError, ValueError) as exc:
             raise CalibrationError(f"malformed FP8 calibration: {exc!r}") from exc
-        dims = (d.get("layers"), d.get("kv_heads"), d.get("head_dim"))
-        if dims != (cal.layers, cal.kv_heads, cal.head_dim):
-            raise CalibrationError(f"calibration header says {dims} but its tables are "
-                                   f"{(cal.layers, cal.kv_heads, cal.head_dim)}")
-        if "id" in d and d["id"] != f"{cal.id:08x}":
-            raise CalibrationError(f"calibration id {d['id']} does not match its tables ({cal.id:08x}): "
-                                   "the file was edited or damaged")
+        cal.check_header(d)
         return cal
 
 
