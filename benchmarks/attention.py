@@ -563,7 +563,8 @@ def render(report: dict) -> str:
                     f"{first.get(f'epochs{n}_blocks_per_change', 0):.0f} blocks; {first.get(f'epochs{n}_splits')} "
                     f"splits; the same cache without epochs and the same splits: "
                     f"{get(f'epochs{n}_same_split_us'):.1f} us, output bit-identical: "
-                    f"{first.get(f'epochs{n}_same_output')}) | {get(f'epochs{n}_us'):.1f} | - |" for n in (16, 256) if first.get(f"epochs{n}_us")],
+                    f"{first.get(f'epochs{n}_same_output')}) | {get(f'epochs{n}_us'):.1f} | - |"
+                    for n in (16, 256) if first.get(f"epochs{n}_us")],
                   f"| floor: bytes / {COPY_TBPS} TB/s | {get('floor_us'):.1f} | {get('bf16_floor_us'):.1f} |",
                   f"| torch flash SDPA | - | {get('torch_flash_us'):.1f} |", "",
                   "Configurations tried at this shape (us): " + ", ".join(

@@ -448,8 +448,7 @@ class AttentionPlan:
         self._sizes = (geo.slot_bytes(view.capacity[0]), geo.slot_bytes(view.capacity[1]))
         stage = K.tile_bytes(c) if plain else -(-max(self._sizes) // 16) * 16
         # Runs of blocks with one K epoch and one V epoch (no split crosses a run's end), per sequence.
-        runs = [(b, a, z) for b in range(self.batch)
-                for a, z in _epoch_runs(view, b, int(lens[b]) // L.BLOCK_TOKENS, int(nblk[b]))]
+        runs = _epoch_runs(view, lens // L.BLOCK_TOKENS, nblk)
         run_len = np.array([z - a for _, a, z in runs], np.int64)
         if blocks_per_split is None:
             smem = K.smem_bytes(c, tph, nstage, plain, stage) + 4 * K.MAX_BLOCKS_PER_SPLIT * 2 * tph
@@ -594,23 +593,25 @@ class AttentionPlan:
             raise FormatError("decode attention: " + "; ".join(why))
 
 
-def _epoch_runs(view: LayerView, b: int, nfull: int, nblk: int) -> list:
-    """Sequence ``b``'s blocks ``0 .. nblk`` cut into runs of one K epoch and one V epoch (the tail block
-    joins the last run): the kernel loads one epoch's bases per split, so no split crosses a cut.
-    Epochs outside the view's bases raise :class:`InputError` (the kernel would only flag them)."""
-    cuts = set()
-    for kind in range(2):
-        eps = block_epochs(view, kind)
-        if eps is None:
-            continue
-        e = _host(eps)[b, :nfull].astype(np.int64)
-        bad = np.flatnonzero((e < 0) | (e >= n_epochs(view, kind)))
-        if bad.size:
-            raise InputError(f"epoch[{'kv'[kind]}][{b}, {bad[0]}] = {e[bad[0]]}: the view holds bases for "
-                             f"epochs 0..{n_epochs(view, kind) - 1}")
-        cuts.update((np.flatnonzero(np.diff(e)) + 1).tolist())
-    edges = [0, *sorted(cuts), nblk]
-    return [(a, z) for a, z in zip(edges[:-1], edges[1:]) if z > a]
+def _epoch_runs(view: LayerView, nfull: np.ndarray, nblk: np.ndarray) -> list:
+    """``(sequence, start, stop)``: each sequence's blocks ``0 .. nblk`` cut into runs of one K epoch and one
+    V epoch (the tail block joins the last run): the kernel loads one epoch's bases per split, so no split
+    crosses a cut.  Epochs outside the view's bases raise :class:`InputError` (the kernel would only flag
+    them).  Each kind's epoch table is copied to the host once."""
+    tables = [(kind, _host(e).astype(np.int64)) for kind in range(2) if (e := block_epochs(view, kind)) is not None]
+    runs = []
+    for b in range(len(nblk)):
+        cuts = set()
+        for kind, table in tables:
+            e = table[b, :nfull[b]]
+            bad = np.flatnonzero((e < 0) | (e >= n_epochs(view, kind)))
+            if bad.size:
+                raise InputError(f"epoch[{'kv'[kind]}][{b}, {bad[0]}] = {e[bad[0]]}: the view holds bases for "
+                                 f"epochs 0..{n_epochs(view, kind) - 1}")
+            cuts.update((np.flatnonzero(np.diff(e)) + 1).tolist())
+        edges = [0, *sorted(cuts), int(nblk[b])]
+        runs += [(b, a, z) for a, z in zip(edges[:-1], edges[1:]) if z > a]
+    return runs
 
 
 def _host(x) -> np.ndarray:
