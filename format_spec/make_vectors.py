@@ -451,109 +451,125 @@ def real_vectors(cals, kv_dir: Path):
 
 # -- must-reject vectors --------------------------------------------------------
 
+class RejectBase:
+    """A valid vector that must-reject vectors are derived from, and the ways of breaking one rule in it.
+
+    The FP8 generator (vectors/fp8/make_fp8_vectors.py) derives its must-reject
+    vectors the same way, so both take this one class: ``spec`` names the rule
+    list their JSON cites, and ``element_format``, where given, is recorded as
+    FORMAT-FP8.md appendix A asks.  Every stream but :meth:`flipped`'s gets a
+    freshly computed CRC-32, so that the rule under test, not the CRC check,
+    is the one that trips.
+    """
+
+    def __init__(self, name: str, valid: dict, spec: str = "FORMAT.md section 8",
+                 element_format: str | None = None):
+        self.name = name
+        self.data, self.meta = valid[name]
+        self.head, self.table, self.body = split_container(self.data)
+        self.spec, self.element_format = spec, element_format
+
+    def stream(self, body: bytes | None = None, table: list[int] | None = None, **header) -> bytes:
+        """The base with the given header fields, block table or body (slots + raw tiles) replaced."""
+        return join_container(self.head._replace(**header), self.table if table is None else table,
+                              self.body if body is None else body)
+
+    def retagged(self, tag_offset: int, groups, tag: int) -> bytes:
+        """The base, a single slot with its tag stream at ``tag_offset``, with the tags of ``groups`` set to ``tag``."""
+        body = bytearray(self.body)
+        for g in groups:
+            byte, shift = tag_offset + g // 4, 2 * (g % 4)
+            body[byte] = (body[byte] & ~(3 << shift)) | (tag << shift)
+        return self.stream(bytes(body))
+
+    def dirty_padding(self) -> bytes:
+        """The base, a single slot with unused escape bytes, with the last byte of its escape area set to 01."""
+        return self.stream(self.body[:-1] + b"\x01")
+
+    def flipped(self, byte: int, mask: int) -> bytes:
+        """The base with the bits of ``mask`` flipped in byte ``byte`` after the block table, the CRC left as it was."""
+        data = bytearray(self.data)
+        data[L.STREAM_HEADER_BYTES + 4 * len(self.table) + byte] ^= mask
+        return bytes(data)
+
+    def rejected(self, name: str, rule: str, error: str, message: str, mutation: str, data: bytes,
+                 calibration: str | None = None) -> tuple[str, bytes, dict]:
+        """A must-reject vector: (name, stream, JSON of appendix A), read with the base's calibration by default."""
+        meta = {"name": name, "valid": False}
+        if self.element_format is not None:
+            meta["element_format"] = self.element_format
+        meta.update({"covers": f"must reject: rule {rule} of {self.spec}",
+                     "calibration": calibration or self.meta["calibration"], "derived_from": self.name,
+                     "mutation": mutation, "rule": rule, "error": error, "message": message})
+        return name, data, meta
+
+
 def reject_vectors(valid: dict, cals) -> list[tuple[str, bytes, dict]]:
     """Streams breaking one rule of FORMAT.md section 8 each, derived from vector ``one_tile``."""
-    base_name = "one_tile"
-    base, meta = valid[base_name]
-    head, table, body = split_container(base)
+    base = RejectBase("one_tile", valid)
+    head = base.head
     geo = L.geometry(head.head_dim)
-    slot = geo.slot_bytes(head.capacity)
-
-    def tagged(group: int, tag: int) -> bytes:
-        """The slot with one group's 2-bit tag replaced."""
-        s = bytearray(body)
-        byte = geo.tag_offset + group // 4
-        shift = 2 * (group % 4)
-        s[byte] = (s[byte] & ~(3 << shift)) | (tag << shift)
-        return bytes(s)
-
-    assert table == [0] and len(body) == slot, "the base must be a single slot"
-    plain = meta["tiles"][0]["modes"].index(str(L.MODE_3BIT))      # its first 3-bit group
-    used = meta["tiles"][0]["escape_bytes"]
-    dirty = bytearray(body)
-    dirty[-1] = 0x01
-    corrupt = bytearray(base)
-    corrupt[L.STREAM_HEADER_BYTES + 4 * len(table) + 5] ^= 0x10
-    other_id = cals["cal_d128"].id
+    assert base.table == [0] and len(base.body) == geo.slot_bytes(head.capacity), "the base must be a single slot"
+    plain = base.meta["tiles"][0]["modes"].index(str(L.MODE_3BIT))      # its first 3-bit group
+    used = base.meta["tiles"][0]["escape_bytes"]
 
     cases = [  # name, rule, error class, message, mutation, stream
-        ("reject_short", "R1", "FormatError", "truncated stream", "only the 24 header bytes", base[:24]),
-        ("reject_bad_magic", "R2", "FormatError", "bad magic", "magic 'GAAX'",
-         join_container(head._replace(magic=b"GAAX"), table, body)),
-        ("reject_version", "R3", "FormatError", "stream version", "version 3",
-         join_container(head._replace(version=3), table, body)),
+        ("reject_short", "R1", "FormatError", "truncated stream", "only the 24 header bytes", base.data[:24]),
+        ("reject_bad_magic", "R2", "FormatError", "bad magic", "magic 'GAAX'", base.stream(magic=b"GAAX")),
+        ("reject_version", "R3", "FormatError", "stream version", "version 3", base.stream(version=3)),
         ("reject_element_format", "R4", "FormatError", "element format", "element format 2",
-         join_container(head._replace(element=2), table, body)),
-        ("reject_kind", "R5", "FormatError", "bad header", "kind 2",
-         join_container(head._replace(kind=2), table, body)),
-        ("reject_tokens", "R6", "FormatError", "bad header", "tokens 15",
-         join_container(head._replace(tokens=15), table, body)),
+         base.stream(element=2)),
+        ("reject_kind", "R5", "FormatError", "bad header", "kind 2", base.stream(kind=2)),
+        ("reject_tokens", "R6", "FormatError", "bad header", "tokens 15", base.stream(tokens=15)),
         ("reject_reserved_field", "R7", "FormatError", "bad header", "version 1 reserved header field (bytes "
-         "20..23) 1", join_container(head._replace(epoch=1), table, body)),
-        ("reject_head_dim", "R8", "FormatError", "bad header", "head_dim 96",
-         join_container(head._replace(head_dim=96), table, body)),
-        ("reject_zero_heads", "R9", "FormatError", "bad header", "kv_heads 0",
-         join_container(head._replace(kv_heads=0), table, body)),
+         "20..23) 1", base.stream(epoch=1)),
+        ("reject_head_dim", "R8", "FormatError", "bad header", "head_dim 96", base.stream(head_dim=96)),
+        ("reject_zero_heads", "R9", "FormatError", "bad header", "kv_heads 0", base.stream(kv_heads=0)),
         ("reject_capacity_unaligned", "R10", "FormatError", "is not a multiple of 16", "escape capacity 40",
-         join_container(head._replace(capacity=40), table, body)),
+         base.stream(capacity=40)),
         ("reject_truncated", "R11", "FormatError", "truncated stream", "last 100 bytes before the CRC cut off",
-         join_container(head, table, body[:-100])),
+         base.stream(base.body[:-100])),
         ("reject_trailing", "R11", "FormatError", "trailing bytes after stream",
-         "16 zero bytes appended before the CRC",
-         join_container(head, table, body + bytes(16))),
+         "16 zero bytes appended before the CRC", base.stream(base.body + bytes(16))),
         ("reject_crc", "R12", "FormatError", "CRC-32 mismatch", "bit 4 of sign+mantissa byte 5 of slot 0 "
-         "flipped, CRC left as it was", bytes(corrupt)),
+         "flipped, CRC left as it was", base.flipped(5, 0x10)),
         ("reject_table_order", "R13", "FormatError", "tile table entry", "block-table entry 0 set to slot 1",
-         join_container(head, [1], body)),
+         base.stream(table=[1])),
         ("reject_calibration_id", "R14", "CalibrationError", "stream was encoded with calibration",
-         "header calibration id replaced by the id of cal_d128.json",
-         join_container(head._replace(cal_id=other_id), table, body)),
+         "header calibration id replaced by the id of cal_d128.json", base.stream(cal_id=cals["cal_d128"].id)),
         ("reject_calibration_shape", "R15", "CalibrationError", "calibration is for",
          "kv_heads 2 with a second slot (a copy of slot 0): the calibration has 1 head",
-         join_container(head._replace(kv_heads=2), [0, 1], body + body)),
+         base.stream(base.body + base.body, [0, 1], kv_heads=2)),
         ("reject_layer", "R16", "CalibrationError", "out of range", "layer 1; the calibration has 1 layer",
-         join_container(head._replace(layer=1), table, body)),
+         base.stream(layer=1)),
         ("reject_capacity_mismatch", "R17", "CalibrationError", "differs from the calibration",
          f"escape capacity {head.capacity + L.SLOT_ALIGN} with the slot zero-padded by {L.SLOT_ALIGN} bytes; "
          f"the calibration says {head.capacity}",
-         join_container(head._replace(capacity=head.capacity + L.SLOT_ALIGN), table, body + bytes(L.SLOT_ALIGN))),
+         base.stream(base.body + bytes(L.SLOT_ALIGN), capacity=head.capacity + L.SLOT_ALIGN)),
         ("reject_reserved_tag", "R18", "FormatError", "is reserved", f"tag of group {plain} set to 3",
-         join_container(head, table, tagged(plain, 3))),
+         base.retagged(geo.tag_offset, [plain], 3)),
         ("reject_escape_overflow", "R19", "FormatError", "escape bytes but the slot holds",
          f"tag of group {plain} (3-bit) set to 2 (raw): {used + 5} escape bytes, capacity {head.capacity}",
-         join_container(head, table, tagged(plain, L.MODE_RAW))),
+         base.retagged(geo.tag_offset, [plain], L.MODE_RAW)),
         ("reject_escape_padding", "R20", "FormatError", "is not zero after",
-         f"last byte of the escape area ({used} bytes used) set to 01", join_container(head, table, bytes(dirty))),
+         f"last byte of the escape area ({used} bytes used) set to 01", base.dirty_padding()),
     ]
-    return [rejected(name, rule, error, message, mutation, data, meta["calibration"], base_name)
-            for name, rule, error, message, mutation, data in cases] + epoch_reject_vectors(valid)
-
-
-def rejected(name: str, rule: str, error: str, message: str, mutation: str, data: bytes, calibration: str,
-             derived_from: str) -> tuple[str, bytes, dict]:
-    """A must-reject vector: (name, stream, JSON of FORMAT.md appendix A)."""
-    return name, data, {"name": name, "valid": False, "covers": f"must reject: rule {rule} of FORMAT.md section 8",
-                        "calibration": calibration, "derived_from": derived_from, "mutation": mutation,
-                        "rule": rule, "error": error, "message": message}
+    return [base.rejected(*case) for case in cases] + epoch_reject_vectors(valid)
 
 
 def epoch_reject_vectors(valid: dict) -> list[tuple[str, bytes, dict]]:
     """The version 2 rules: reserved u16, unknown epoch, and a stream read with another cache's epochs."""
-    base_name = "epoch_k"
-    base, meta = valid[base_name]
-    head, table, body = split_container(base)
-    assert head.epoch == 2 and meta["calibration"] == "cal_epochs.json"
+    base = RejectBase("epoch_k", valid)
+    assert base.head.epoch == 2 and base.meta["calibration"] == "cal_epochs.json"
     return [
-        rejected("reject_reserved_v2", "R7", "FormatError", "bad header", "version 2 reserved header field "
-                 "(bytes 22..23) 1", join_container(head._replace(reserved=1), table, body), meta["calibration"],
-                 base_name),
-        rejected("reject_unknown_epoch", "R21", "CalibrationError", "unknown epoch", "epoch 3; the calibration "
-                 "has epochs 0..2 for layer 0 K", join_container(head._replace(epoch=3), table, body),
-                 meta["calibration"], base_name),
-        rejected("reject_epoch_id", "R22", "CalibrationError", "another cache's epochs", "none: the stream of "
-                 "epoch_k read with cal_epochs_other.json, whose epoch 0 (the calibration id) and epoch 1 are "
-                 "cal_epochs.json's but whose epoch 2 of layer 0 K differs", base, "cal_epochs_other.json",
-                 base_name),
+        base.rejected("reject_reserved_v2", "R7", "FormatError", "bad header", "version 2 reserved header field "
+                      "(bytes 22..23) 1", base.stream(reserved=1)),
+        base.rejected("reject_unknown_epoch", "R21", "CalibrationError", "unknown epoch", "epoch 3; the "
+                      "calibration has epochs 0..2 for layer 0 K", base.stream(epoch=3)),
+        base.rejected("reject_epoch_id", "R22", "CalibrationError", "another cache's epochs", "none: the stream "
+                      "of epoch_k read with cal_epochs_other.json, whose epoch 0 (the calibration id) and epoch 1 "
+                      "are cal_epochs.json's but whose epoch 2 of layer 0 K differs", base.data,
+                      "cal_epochs_other.json"),
     ]
 
 

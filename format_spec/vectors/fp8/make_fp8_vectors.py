@@ -27,7 +27,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
 sys.path.insert(0, str(ROOT))
 
-from format_spec.make_vectors import Rand, join_container, split_container  # noqa: E402
+from format_spec.make_vectors import Rand, RejectBase  # noqa: E402
 from gaac import layout as L  # noqa: E402
 from gaac.fp8.block import decode_fp8_block, encode_bf16_block, encode_fp8_block  # noqa: E402
 from gaac.fp8.calibration import FP8Calibration, calibrate_fp8, fit_windows  # noqa: E402
@@ -79,6 +79,18 @@ class TileBuilder:
             e[i] = allowed[r.below(len(allowed))]
         self.e[tile, g * L.GROUP_SIZE:(g + 1) * L.GROUP_SIZE] = e
         self.sm[tile, g * L.GROUP_SIZE:(g + 1) * L.GROUP_SIZE] = [r.below(1 << ms.fmt.sm_bits) for _ in e]
+
+    def scattered(self, tile: int, modes: list[int]) -> None:
+        """Give ``modes`` to randomly placed groups of a tile and the narrow mode to the rest.
+
+        What such a vector tests is how many escape bytes a tile needs against its
+        capacity; the places are drawn from ``rand`` so that the wider groups spread
+        over the tile instead of packing its first rows, and regenerate exactly.
+        """
+        groups = self.e.shape[1] // L.GROUP_SIZE
+        order = sorted(range(groups), key=lambda _: self.rand.below(1 << 30))
+        for g, mode in zip(order, modes + [MODE_NARROW] * (groups - len(modes))):
+            self.group(tile, g, mode)
 
     def patterns(self, tile: int, g: int, fp8: list[int]) -> None:
         """Put 8 given FP8 patterns in a group."""
@@ -234,11 +246,8 @@ def format_vectors(fmt: str, kv_dir: Path | None):
             1: [MODE_WIDE] * 32,                              # exactly the capacity: fits
             2: [MODE_WIDE] * 5,
             3: [MODE_RAW] * 20}                               # far beyond
-    for t, first in plan.items():
-        groups = first + [MODE_NARROW] * (128 - len(first))
-        perm = sorted(range(128), key=lambda _: rand.below(1 << 30))
-        for g, mode in zip(perm, groups):
-            b.group(t, g, mode)
+    for t, modes in plan.items():
+        b.scattered(t, modes)
     add(f"{s}_overflow", "slot overflow: tile 0 needs 33 escape bytes and tile 3 far more than the capacity of "
         "32, so both stay raw; tile 1 uses exactly 32 and tile 2 five, so they are slots",
         f"cal_{s}_synthetic.json", cal3, untile(b.tiles(), 4, 64), 0, "k")
@@ -255,11 +264,8 @@ def format_vectors(fmt: str, kv_dir: Path | None):
     cal4 = calibration(fmt, bn, bw, [[64], [64]])
     cals[f"cal_{s}_d256.json"] = cal4
     b = TileBuilder(ms, *tile_bases(*cal4.bases(0, L.KIND_K)), rand)
-    for t, first in enumerate(([MODE_WIDE] * 40, [MODE_WIDE] * 40 + [MODE_RAW] * 20)):
-        groups = first + [MODE_NARROW] * (256 - len(first))
-        perm = sorted(range(256), key=lambda _: rand.below(1 << 30))
-        for g, mode in zip(perm, groups):
-            b.group(t, g, mode)
+    for t, modes in enumerate(([MODE_WIDE] * 40, [MODE_WIDE] * 40 + [MODE_RAW] * 20)):
+        b.scattered(t, modes)
     add(f"{s}_d256", "head_dim 256: two 128-channel tiles (lower and upper half-head); the lower one "
         "(40 3-bit groups) is a slot, the upper one (40 3-bit and 20 raw groups) overflows the capacity of 64",
         f"cal_{s}_d256.json", cal4, untile(b.tiles(), 1, 256), 0, "k")
@@ -293,64 +299,42 @@ def reject_vectors(fmt: str, valid: dict, cals: dict):
     """Streams breaking one rule of FORMAT-FP8.md section 7 each, derived from ``*_all_patterns``."""
     s = short(fmt)
     ms = MODE_SETS[fmt]
-    base_name = f"{s}_all_patterns"
-    base, meta = valid[base_name]
-    head, table, body = split_container(base)
+    base = RejectBase(f"{s}_all_patterns", valid, "FORMAT-FP8.md section 7", fmt)
+    head = base.head
     geo = ms.geometry(head.head_dim)
-    assert table == [0] and len(body) == geo.slot_bytes(head.capacity), "the base must be a single slot"
-    tags = meta["tiles"][0]["modes"]
-    used = meta["tiles"][0]["escape_bytes"]
-
-    def tagged(groups, tag) -> bytes:
-        sl = bytearray(body)
-        for g in groups:
-            byte, shift = geo.tag_offset + g // 4, 2 * (g % 4)
-            sl[byte] = (sl[byte] & ~(3 << shift)) | (tag << shift)
-        return bytes(sl)
-
-    narrow = [g for g, t in enumerate(tags) if t == str(MODE_NARROW)]
+    assert base.table == [0] and len(base.body) == geo.slot_bytes(head.capacity), "the base must be a single slot"
+    used = base.meta["tiles"][0]["escape_bytes"]
+    narrow = [g for g, t in enumerate(base.meta["tiles"][0]["modes"]) if t == str(MODE_NARROW)]
     grow = -(-(head.capacity - used + 1) // ms.escape_bytes[MODE_RAW])     # narrow -> raw groups to overflow
-    dirty = bytearray(body)
-    dirty[-1] = 0x01
-    corrupt = bytearray(base)
-    corrupt[L.STREAM_HEADER_BYTES + 4 + 3] ^= 0x04
     other = FORMATS["fp8_e5m2" if fmt == "fp8_e4m3" else "fp8_e4m3"].element
     cases = [
         ("reject_version_1", "R3", "FormatError", "stream version", "version byte 1 (a BF16 stream's)",
-         join_container(head._replace(version=1), table, body)),
+         base.stream(version=1)),
         ("reject_element_bf16", "R4", "FormatError", "element format", "element format 1 (BF16)",
-         join_container(head._replace(element=1), table, body)),
+         base.stream(element=1)),
         ("reject_element_4", "R4", "FormatError", "element format", "element format 4 (undefined)",
-         join_container(head._replace(element=4), table, body)),
+         base.stream(element=4)),
         ("reject_crc", "R12", "FormatError", "CRC-32 mismatch", "bit 2 of sign+mantissa byte 3 of slot 0 flipped, "
-         "CRC left as it was", bytes(corrupt)),
+         "CRC left as it was", base.flipped(3, 0x04)),
         ("reject_calibration_id", "R14", "CalibrationError", "stream was encoded with calibration",
          f"header calibration id replaced by the id of cal_{s}_synthetic.json",
-         join_container(head._replace(cal_id=cals[f"cal_{s}_synthetic.json"].id), table, body)),
+         base.stream(cal_id=cals[f"cal_{s}_synthetic.json"].id)),
 
         ("reject_reserved_tag", "R18", "FormatError", "is reserved", f"tag of group {narrow[0]} set to 3",
-         join_container(head, table, tagged(narrow[:1], MODE_RESERVED))),
+         base.retagged(geo.tag_offset, narrow[:1], MODE_RESERVED)),
         ("reject_escape_overflow", "R19", "FormatError", "escape bytes but the slot holds",
          f"tags of groups {narrow[:grow]} (2-bit) set to 2 (raw): "
          f"{used + grow * ms.escape_bytes[MODE_RAW]} escape bytes, capacity {head.capacity}",
-         join_container(head, table, tagged(narrow[:grow], MODE_RAW))),
+         base.retagged(geo.tag_offset, narrow[:grow], MODE_RAW)),
         ("reject_escape_padding", "R20", "FormatError", "is not zero after",
-         f"last byte of the escape area ({used} of {head.capacity} bytes used) set to 01",
-         join_container(head, table, bytes(dirty))),
+         f"last byte of the escape area ({used} of {head.capacity} bytes used) set to 01", base.dirty_padding()),
     ]
-    out = [(f"{s}_{name}", data, {"name": f"{s}_{name}", "valid": False, "element_format": fmt,
-                                  "covers": f"must reject: rule {rule} of FORMAT-FP8.md section 7",
-                                  "calibration": meta["calibration"], "derived_from": base_name,
-                                  "mutation": mutation, "rule": rule, "error": err, "message": msg})
-           for name, rule, err, msg, mutation, data in cases]
+    out = [base.rejected(f"{s}_{name}", *case) for name, *case in cases]
     # R21 needs a stream that is well formed in both FP8 formats: only raw tiles (N bytes in either).
-    raw_name = f"{s}_all_raw"
-    head, table, body = split_container(valid[raw_name][0])
-    out.append((f"{s}_reject_other_fp8", join_container(head._replace(element=other), table, body), {
-        "name": f"{s}_reject_other_fp8", "valid": False, "element_format": fmt,
-        "covers": "must reject: rule R21 of FORMAT-FP8.md section 7", "calibration": valid[raw_name][1]["calibration"],
-        "derived_from": raw_name, "mutation": f"element format {other} (the other FP8 format), calibration id kept",
-        "rule": "R21", "error": "CalibrationError", "message": "element format"}))
+    raw = RejectBase(f"{s}_all_raw", valid, "FORMAT-FP8.md section 7", fmt)
+    out.append(raw.rejected(f"{s}_reject_other_fp8", "R21", "CalibrationError", "element format",
+                            f"element format {other} (the other FP8 format), calibration id kept",
+                            raw.stream(element=other)))
     return out
 
 
