@@ -135,25 +135,32 @@ def test_header_table_matches_stream_header_and_real_headers(epoch):
     assert (read("epoch"), read("reserved")) == (epoch, 0)
 
 
+def check_byte_table(name: str, data: bytes, dims: dict[str, int], fields: list[bytes]) -> None:
+    """Table ``name`` lists ``data`` field by field: each row's offset and size hold the field, the last ends it.
+
+    The byte tables give offsets and sizes as sums of terms such as ``20``, ``HD``
+    or ``2LHD`` (a count times dimensions named by one letter), read with ``dims``.
+    """
+    def size(expr: str) -> int:
+        terms = re.findall(rf"(\d*)([{''.join(dims)}]*)", expr)
+        return sum(int(n or 1) * int(np.prod([dims[v] for v in vs])) for n, vs in terms if n or vs)
+
+    rows = table(name)
+    assert len(rows) == len(fields)
+    for row, expect in zip(rows, fields):
+        start = size(row["offset"])
+        assert data[start:start + size(row["size"])] == expect, row
+    assert len(data) == size(rows[-1]["offset"]) + size(rows[-1]["size"])
+
+
 def test_epoch_bytes_table_matches_epoch_canonical_bytes():
     cal = gaac.Calibration.load(EPOCH_CAL_FILE)
     layer, kind, epoch = 0, L.KIND_K, 2
     data = cal.epoch_canonical_bytes(layer, kind, epoch)
     b3, b4 = cal.bases(layer, kind, epoch)
-    dims = {"H": cal.kv_heads, "D": cal.head_dim}
-
-    def size(expr: str) -> int:
-        return sum(int(n or 1) * int(np.prod([dims[v] for v in vs])) for n, vs in re.findall(r"(\d*)([HD]*)", expr)
-                   if n or vs)
-
-    want = [b"GAACEPCH", struct.pack("<I", cal.id), struct.pack("<H", layer), struct.pack("<H", epoch),
-            bytes([kind]), b3.tobytes(), b4.tobytes()]
-    rows = table("epoch-bytes")
-    assert len(rows) == len(want)
-    for row, expect in zip(rows, want):
-        start = size(row["offset"])
-        assert data[start:start + size(row["size"])] == expect, row
-    assert len(data) == size(rows[-1]["offset"]) + size(rows[-1]["size"])
+    check_byte_table("epoch-bytes", data, {"H": cal.kv_heads, "D": cal.head_dim},
+                     [b"GAACEPCH", struct.pack("<I", cal.id), struct.pack("<H", layer), struct.pack("<H", epoch),
+                      bytes([kind]), b3.tobytes(), b4.tobytes()])
     assert zlib.crc32(data) == cal.epoch_id(layer, kind, epoch) == spec_decoder.load_calibration(EPOCH_CAL_FILE)\
         .epoch_id(kind, layer, epoch)
 
@@ -175,19 +182,10 @@ def test_calibration_bytes_table_matches_canonical_bytes():
                            b4=rng.integers(0, L.B4_MAX + 1, (2, layers, heads, dim)),
                            capacity=rng.integers(0, 50, (2, layers)) * L.SLOT_ALIGN)
     data = cal.canonical_bytes()
-    dims = {"L": layers, "H": heads, "D": dim}
-
-    def size(expr: str) -> int:
-        return sum(int(n) * int(np.prod([dims[v] for v in vs])) for n, vs in re.findall(r"(\d+)([LHD]*)", expr))
-
-    want = [b"GAACCAL", bytes([CALIBRATION_VERSION]), struct.pack("<I", layers), struct.pack("<I", heads),
-            struct.pack("<I", dim), cal.b3.tobytes(), cal.b4.tobytes(), cal.capacity.astype("<u2").tobytes()]
-    rows = table("calibration-bytes")
-    assert len(rows) == len(want)
-    for row, expect in zip(rows, want):
-        start = size(row["offset"])
-        assert data[start:start + size(row["size"])] == expect, row
-    assert len(data) == size(rows[-1]["offset"]) + size(rows[-1]["size"])
+    check_byte_table("calibration-bytes", data, {"L": layers, "H": heads, "D": dim},
+                     [b"GAACCAL", bytes([CALIBRATION_VERSION]), struct.pack("<I", layers), struct.pack("<I", heads),
+                      struct.pack("<I", dim), cal.b3.tobytes(), cal.b4.tobytes(),
+                      cal.capacity.astype("<u2").tobytes()])
     assert zlib.crc32(data) == cal.id
 
 
