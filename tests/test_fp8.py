@@ -27,6 +27,7 @@ from gaac.fp8.codec import decode_tiles, encode_tiles, join_fp8, split_fp8
 from gaac.fp8.convert import (bf16_to_float, cache_scales, cache_to_fp8, choose_scale_log2, fp8_to_float,
                               fp8_values, round_to_fp8, to_fp8)
 from gaac.fp8.stats import format_fp8_table, fp8_stats
+from test_spec import table
 
 ROOT = Path(__file__).resolve().parents[1]
 VECTORS = ROOT / "format_spec" / "vectors" / "fp8"
@@ -457,14 +458,8 @@ def test_spec_tables_match_layout_and_codec():
 
 
 def spec_table(name: str) -> list[dict]:
-    """Rows of the markdown table after ``<!-- gaac:table name -->`` in FORMAT-FP8.md, backticks removed."""
-    lines = SPEC.split(f"<!-- gaac:table {name} -->\n", 1)[1].splitlines()
-    rows = []
-    for line in lines:
-        if not line.startswith("|"):
-            break
-        rows.append([c.strip().replace("`", "") for c in line.strip().strip("|").split(" | ")])
-    return [dict(zip(rows[0], r, strict=True)) for r in rows[2:]]
+    """Rows of the table after ``<!-- gaac:table name -->`` in FORMAT-FP8.md, read as test_spec reads FORMAT.md's."""
+    return table(name, SPEC)
 
 
 @pytest.mark.parametrize("name", FORMAT_NAMES)
