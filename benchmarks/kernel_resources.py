@@ -1,21 +1,28 @@
-"""Registers, shared memory, spills and SASS size of the attention kernel's variants, without a GPU.
+"""Registers, shared memory, spills and SASS size of the attention kernel's variants and of the tile codecs' kernels,
+without a GPU.
 
-    python benchmarks/kernel_resources.py                         # the default variants
+    python benchmarks/kernel_resources.py                         # the attention kernel's default variants
     python benchmarks/kernel_resources.py "{'overlap': True}" "{'nstage': 2}"
+    python benchmarks/kernel_resources.py --codec                 # BF16 and FP8 (both formats) encode/decode
+    python benchmarks/kernel_resources.py --codec --channels 64 128
 
 Device time is scarce and the simulator says nothing about resources, but compiling needs no GPU:
 numba's ``cuda.compile_ptx`` (NVVM from the ``nvidia-nvvm`` wheel) gives the PTX, ``ptxas`` assembles it for
 sm_90, and ``cuobjdump`` prints the SASS.  What ptxas reports decides occupancy (one-warp blocks: 65536 /
 (32 * registers) by registers, 227 KB / (shared + 1 KB) by shared memory), and a variant that spills or
 changes its instruction count shows here before it costs a device call.  GPU-only typing errors (a shared
-array whose shape is not a compile-time constant, say) also show here and not in the simulator.
+array whose shape is not a compile-time constant, say) also show here and not in the simulator.  ``--codec``
+adds a digest of the SASS instruction text (addresses and encodings left out): a refactoring that claims to
+leave a kernel's machine code alone proves it by an unchanged digest.
 
 Needs ``ptxas`` (CUDA toolkit; the PTX's ``.version`` line is lowered to what that ptxas accepts) and
 ``cuobjdump`` on PATH or in the ``nvidia`` wheels.
 """
 from __future__ import annotations
 
+import argparse
 import ast
+import hashlib
 import os
 import re
 import shutil
@@ -33,6 +40,9 @@ from numba import cuda, typeof, types  # noqa: E402
 
 from gaac import layout as L  # noqa: E402
 from gaac.cuda import attention as K  # noqa: E402
+from gaac.cuda import codec as C  # noqa: E402
+from gaac.fp8 import cuda as F8  # noqa: E402
+from gaac.fp8.layout import FORMATS, mode_set  # noqa: E402
 
 DEFAULT_VARIANTS = ("{}", "{'overlap': True}", "{'plain': True}", "{'variant': 'load_only'}")
 HEAD_DIM = 128
@@ -68,40 +78,82 @@ def _ptxas_version(ptxas: str) -> str:
     return f"{major - 4}.{minor}"
 
 
-def resources(options: dict, workdir: Path, ptxas: str, cuobjdump: str, isa: str) -> dict:
-    """Compile one variant of the attention kernel and read what ptxas and the SASS say."""
+def attention_kernel(options: dict):
+    """The Python function of one variant of the attention kernel, and its signature."""
     options = dict(options)
     plain = options.pop("plain", False)
     geo = L.TileGeometry(L.tile_channels(HEAD_DIM))
     stage = 0 if plain else -(-geo.slot_bytes(64) // 16) * 16
     kernel = K.attention_kernel(HEAD_DIM, plain, options.pop("variant", K.FULL), options.pop("nstage", 3), stage,
                                 **options)
-    ptx, _ = cuda.compile_ptx(kernel.py_func, attention_signature(), cc=(9, 0))
+    return kernel.py_func, attention_signature()
+
+
+def codec_kernels(channels: int):
+    """(name, Python function, signature) of every tile codec kernel for ``channels``-wide tiles."""
+    yield f"BF16 encode C={channels}", C.encode_source(channels), C.ENCODE_SIG
+    yield f"BF16 decode C={channels}", C.decode_source(channels), C.DECODE_SIG
+    for name in FORMATS:
+        modes = mode_set(name)
+        yield f"{name} encode C={channels}", F8.encode_source(modes, channels), C.ENCODE_SIG
+        yield f"{name} decode C={channels}", F8.decode_source(modes, channels), C.DECODE_SIG
+
+
+def resources(fn, signature, workdir: Path, ptxas: str, cuobjdump: str, isa: str) -> dict:
+    """Compile one kernel and read what ptxas and the SASS say."""
+    ptx, _ = cuda.compile_ptx(fn, signature, cc=(9, 0))
     src, cubin = workdir / "k.ptx", workdir / "k.cubin"
     src.write_text(re.sub(r"^\.version \d+\.\d+", f".version {isa}", ptx, count=1, flags=re.M))
     info = subprocess.run([ptxas, "-arch=sm_90", "-v", str(src), "-o", str(cubin)], capture_output=True, text=True)
     if info.returncode:
         raise SystemExit(info.stderr)
     regs = int(re.search(r"Used (\d+) registers", info.stderr).group(1))
-    smem = int(re.search(r"(\d+) bytes smem", info.stderr).group(1))
+    smem = sum(int(x) for x in re.findall(r"(\d+) bytes smem", info.stderr))     # no line without shared memory
     spill = sum(int(x) for x in re.findall(r"(\d+) bytes spill", info.stderr))
     sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True).stdout
-    ops = Counter(m.group(1) for m in re.finditer(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", sass, re.M))
+    lines = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(.*?)\s*;", sass, re.M)
+    ops = Counter(m.group(1) for m in (re.match(r"(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", x) for x in lines) if m)
     warps = min(32, 65536 // (32 * regs), (227 * 1024) // (smem + 1024))
+    digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()[:12]
     return {"registers": regs, "smem": smem, "spill_bytes": spill, "warps_per_sm": warps,
-            "sass": sum(ops.values()), "ops": ops}
+            "sass": sum(ops.values()), "ops": ops, "digest": digest}
 
 
 def main():
-    variants = sys.argv[1:] or DEFAULT_VARIANTS
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    parser.add_argument("variants", nargs="*", metavar="VARIANT",
+                        help="attention_kernel options, a Python dict literal each (default: "
+                             f"{' '.join(DEFAULT_VARIANTS)})")
+    parser.add_argument("--codec", action="store_true", help="the tile codecs' kernels instead of the attention kernel")
+    parser.add_argument("--channels", type=int, nargs="+", default=[HEAD_DIM], choices=(64, 128),
+                        help="tile widths of the codec kernels (default: %(default)s)")
+    args = parser.parse_args()
+    if args.codec and args.variants:
+        parser.error("--codec takes no attention variants")
     ptxas, cuobjdump = _tool("ptxas"), _tool("cuobjdump")
     isa = _ptxas_version(ptxas)
-    print(f"attention kernel, head_dim {HEAD_DIM}, sm_90 (ptxas {ptxas}, PTX .version {isa})")
-    print("| variant | registers | shared bytes | spill bytes | warps/SM | SASS instructions | LDS | STS | HMMA |")
-    print("|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
-        for text in variants:
-            r = resources(ast.literal_eval(text), Path(tmp), ptxas, cuobjdump, isa)
+        if args.codec:
+            print(f"tile codec kernels, {C.TILES_PER_BLOCK} tile(s) per block, sm_90 (ptxas {ptxas}, "
+                  f"PTX .version {isa})")
+            print("| kernel | registers | shared bytes | spill bytes | SASS instructions | LDG | STG | LDS | STS | "
+                  "BAR | SASS digest |")
+            print("|---|---|---|---|---|---|---|---|---|---|---|")
+            for channels in args.channels:
+                for name, fn, signature in codec_kernels(channels):
+                    r = resources(fn, signature, Path(tmp), ptxas, cuobjdump, isa)
+                    o = r["ops"]
+                    print(f"| {name} | {r['registers']} | {r['smem']} | {r['spill_bytes']} | {r['sass']} | "
+                          f"{o['LDG']} | {o['STG']} | {o['LDS']} | {o['STS']} | {o['BAR']} | {r['digest']} |",
+                          flush=True)
+            return
+        print(f"attention kernel, head_dim {HEAD_DIM}, sm_90 (ptxas {ptxas}, PTX .version {isa})")
+        print("| variant | registers | shared bytes | spill bytes | warps/SM | SASS instructions | LDS | STS | HMMA |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for text in args.variants or DEFAULT_VARIANTS:
+            r = resources(*attention_kernel(ast.literal_eval(text)), Path(tmp), ptxas, cuobjdump, isa)
             o = r["ops"]
             print(f"| {text} | {r['registers']} | {r['smem']} | {r['spill_bytes']} | {r['warps_per_sm']} | "
                   f"{r['sass']} | {o['LDS']} | {o['STS']} | {o['HMMA']} |", flush=True)
