@@ -31,7 +31,6 @@ import json
 import math
 import multiprocessing
 import os
-import statistics
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -46,6 +45,7 @@ if "--sim" in sys.argv:
 
 import torch  # noqa: E402
 
+from benchmarks.timing import copy_bandwidth, gpu_time_us, graph_time_us, sync  # noqa: E402
 from gaac import layout as L  # noqa: E402
 from gaac.calibration import best_capacity, calibrate  # noqa: E402
 from gaac.cuda import codec as cuda_codec  # noqa: E402
@@ -231,31 +231,6 @@ def run_checks(args, dev, log):
 # ------------------------------------------------------------------------------------------------
 # Timings
 
-def gpu_time_us(fn, reps, warmup=None):
-    """Median device time of ``fn(i)`` in microseconds (CUDA events), or host time in the simulator."""
-    for i in range(3 if warmup is None and torch.cuda.is_available() else warmup or 0):
-        fn(i)
-    if not torch.cuda.is_available():
-        t = time.perf_counter()
-        for i in range(reps):
-            fn(i)
-        return (time.perf_counter() - t) / reps * 1e6
-    times = []
-    for i in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn(i)
-        b.record()
-        times.append((a, b))
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) * 1000 for a, b in times)
-
-
-def sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def load_baseline(path):
     """An older ``gaac/cuda/codec.py`` (a file copied out of git history) as module
     ``gaac.cuda._baseline``: it imports gaac's layout, errors and bitops like the current one."""
@@ -326,31 +301,6 @@ def bench_variants(n, c, capacity, data, pools, floors, args, dev, log):
     return out
 
 
-def graph_times(fns, sets, reps):
-    """Median device time of each ``fn(i)`` replayed from CUDA graphs, one graph per rotation set.
-
-    The plain timings include the host's launch cost when a launch's kernel is shorter than it
-    (about 20-35 us of Python per call: the 3 x 64 shape); a graph replay costs ~2.4 us of host time.
-    """
-    times = []
-    for fn in fns:
-        graphs = []
-        for s in range(sets):
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):                     # warm-up off the capture (torch's recipe)
-                fn(s)
-            torch.cuda.current_stream().wait_stream(side)
-            sync()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                fn(s)
-            graphs.append(g)
-        times.append(gpu_time_us(lambda i: graphs[i % sets].replay(), reps))
-        sync()
-    return times
-
-
 def bench_shape(heads, dim, args, dev, log):
     gen = torch.Generator(device=dev).manual_seed(heads * dim)
     c, tph = L.tile_channels(dim), L.tiles_per_head(dim)
@@ -395,15 +345,7 @@ def bench_shape(heads, dim, args, dev, log):
     sync()
     exact = all(torch.equal(p.out, bits) for p, (bits, _, _) in zip(pools[0], data[0]))
     exact = exact and all(int(p.status.abs().sum()) == 0 for p in pools[0])
-    src = [[bits for bits, _, _ in kv] for kv in data]
-    dst = [[torch.empty_like(b) for b in kv] for kv in src]
-
-    def copy_all(i):
-        for d, s in zip(dst[i % sets], src[i % sets]):
-            d.copy_(s)
-
-    t_copy = gpu_time_us(copy_all, reps)
-    copy_tbps = 2 * 2 * bytes_in / t_copy / 1e6
+    t_copy, copy_tbps = copy_bandwidth(data, reps)
     enc_floor = (2 * bytes_in + written) / (copy_tbps * 1e6)
     dec_floor = (written + 2 * bytes_in) / (copy_tbps * 1e6)
     row.update(roundtrip_exact=exact, spilled_tiles=spilled, copy_us=round(t_copy, 1), copy_tbps=round(copy_tbps, 2),
@@ -414,7 +356,7 @@ def bench_shape(heads, dim, args, dev, log):
                resident_ratio=round(2 * bytes_in / written, 4))
     if torch.cuda.is_available():
         try:
-            g_enc, g_dec = graph_times((enc_all, dec_all), sets, reps)
+            g_enc, g_dec = graph_time_us(enc_all, sets, reps), graph_time_us(dec_all, sets, reps)
             row["graph_bulk"] = dict(encode_us=round(g_enc, 1), encode_of_floor=round(enc_floor / g_enc, 3),
                                      decode_us=round(g_dec, 1), decode_of_floor=round(dec_floor / g_dec, 3))
         except Exception as exc:                              # report what happened, keep going

@@ -28,7 +28,6 @@ import math
 import multiprocessing
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -45,6 +44,7 @@ if "--smoke" in sys.argv:
 
 import torch  # noqa: E402
 
+from benchmarks.timing import copy_bandwidth, gpu_time_us, graph_time_us, sync  # noqa: E402
 from gaac import layout as L  # noqa: E402
 from gaac.calibration import best_capacity  # noqa: E402
 from gaac.fp8 import cuda as fc  # noqa: E402
@@ -258,50 +258,6 @@ def run_checks(args, dumps, dev) -> list[dict]:
 # ------------------------------------------------------------------------------------------------
 # Throughput
 
-def sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def gpu_time_us(fn, reps):
-    """Median device time of ``fn(i)`` in microseconds (CUDA events), or host time in the simulator."""
-    if not torch.cuda.is_available():
-        t = time.perf_counter()
-        for i in range(reps):
-            fn(i)
-        return (time.perf_counter() - t) / reps * 1e6
-    for i in range(3):
-        fn(i)
-    times = []
-    for i in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn(i)
-        b.record()
-        times.append((a, b))
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) * 1000 for a, b in times)
-
-
-def graph_time_us(fn, sets, reps):
-    """Median device time of ``fn(s)`` replayed from one CUDA graph per rotation set (no host launch cost)."""
-    graphs = []
-    for s in range(sets):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):                     # warm-up off the capture (torch's recipe)
-            fn(s)
-        torch.cuda.current_stream().wait_stream(side)
-        sync()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn(s)
-        graphs.append(g)
-    t = gpu_time_us(lambda i: graphs[i % sets].replay(), reps)
-    sync()
-    return t
-
-
 def bench_data(ms, dumps, args, dev):
     """K and V FP8 tiles ``[n, 16, 128]`` (n = tokens/16 x heads) with per-block bases ``[heads, 128]`` and
     capacities: one real layer, 64-channel heads paired into 128-channel heads, every dump's blocks
@@ -379,15 +335,7 @@ def bench_format(ms, dumps, args, dev) -> dict:
     spilled = sum(int((p.entries < 0).sum()) for p in pools[0])
     written = sum(int((p.entries >= 0).sum()) * geo.slot_bytes(cap) + int((p.entries < 0).sum()) * geo.raw_bytes
                   for p, cap in zip(pools[0], caps)) + 2 * n * 8   # + entries and escape counts
-    src = [[bits for bits, _, _ in kv] for kv in data]
-    dst = [[torch.empty_like(b) for b in kv] for kv in src]
-
-    def copy_all(i):
-        for d, s in zip(dst[i % sets], src[i % sets]):
-            d.copy_(s)
-
-    t_copy = gpu_time_us(copy_all, reps)
-    copy_tbps = 2 * 2 * bytes_in / t_copy / 1e6
+    t_copy, copy_tbps = copy_bandwidth(data, reps)
     enc_floor = (2 * bytes_in + written) / (copy_tbps * 1e6)
     dec_floor = (written + 2 * bytes_in) / (copy_tbps * 1e6)
     row = dict(format=ms.fmt.name, data=what, tokens=n // BENCH["heads"] * L.BLOCK_TOKENS, tiles_per_kind=n,
