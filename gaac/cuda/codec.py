@@ -116,6 +116,7 @@ _EVEN_BITS = np.uint32(0x55555555)
 _M3, _M4, _MR = np.uint32(L.MODE_3BIT), np.uint32(L.MODE_4BIT), np.uint32(L.MODE_RAW)
 _ZERO, _ONE, _FIVE = np.uint32(0), np.uint32(_ESC4), np.uint32(_ESCR)
 # The kernels read tags as (bit 0 = 4-bit, bit 1 = raw): a tag's escape bytes are popc + 4 * bit 1.
+# gaac.fp8.cuda's kernels read theirs alike (bit 0 = wide, bit 1 = raw) with other escape byte counts.
 _TAG_BITS_OK = (L.MODE_3BIT, L.MODE_4BIT, L.MODE_RAW, L.TAG_BITS, _ESC4, _ESCR) == (0, 1, 2, 2, 1, 5)
 assert _TAG_BITS_OK, "the kernels' tag arithmetic no longer matches gaac.layout's modes"
 
@@ -153,9 +154,12 @@ def _shape(channels: int):
 
 
 @device
-def _escape_count(tags):
-    """Escape bytes of the (up to 16) groups whose 2-bit tags are in ``tags`` (tag 3 counts 6)."""
-    return uint32(uint32(popc32(tags)) + uint32(uint32(popc32(tags & _ODD_BITS)) << uint32(2)))
+def _escape_count(tags, wide, raw):
+    """Escape bytes of the (up to 16) groups whose 2-bit tags are in ``tags``: ``wide`` per tag 1, ``raw`` per
+    tag 2, both per the reserved tag 3 (a decoder flags it anyway).  Counted as ``wide`` per set bit and
+    ``raw - wide`` more per odd bit, so that BF16's (1, 5) costs two popcounts and a shift-add (FP8 passes its
+    own counts)."""
+    return uint32(uint32(uint32(popc32(tags)) * wide) + uint32(uint32(popc32(tags & _ODD_BITS)) * uint32(raw - wide)))
 
 
 @device
@@ -266,7 +270,7 @@ def encode_source(channels: int, tiles_per_block: int = TILES_PER_BLOCK):
             for i in range(16):
                 word = u(word | u(u(stage[warp, u(u(lane * u(16)) + u(i))]) << u(2 * i)))
             tagw[warp, lane] = word
-            count = _escape_count(word)
+            count = _escape_count(word, _ONE, _FIVE)
             tagc[warp, lane] = count
             cuda.atomic.add(tot, warp, count)
         cuda.syncthreads()
@@ -337,7 +341,7 @@ def encode_source(channels: int, tiles_per_block: int = TILES_PER_BLOCK):
             ta = tagw[warp, 2 * j]
             ca = tagc[warp, 2 * j]
             mine = tagw[warp, 2 * j + 1] if second else ta
-            off = u(u(before + (ca if second else _ZERO)) + _escape_count(mine & below))
+            off = u(u(before + (ca if second else _ZERO)) + _escape_count(mine & below, _ONE, _FIVE))
             before = u(u(before + ca) + tagc[warp, 2 * j + 1])
             if mode == _M4:
                 stage[warp, off] = u(c >> u(24))
@@ -418,11 +422,11 @@ def decode_source(channels: int, tiles_per_block: int = TILES_PER_BLOCK):
             g = u(u(WARP * j) + lane)
             ta, tb = ldg2(slots, d, u(TAGW0 + 2 * j))
             bad = u(bad | (ta & (ta >> u(1))) | (tb & (tb >> u(1))))
-            ca = _escape_count(ta)
+            ca = _escape_count(ta, _ONE, _FIVE)
             mine = tb if second else ta
             mode = u(u(mine >> shift) & u(3))
-            off = u(u(total + (ca if second else _ZERO)) + _escape_count(mine & below))
-            total = u(u(total + ca) + _escape_count(tb))
+            off = u(u(total + (ca if second else _ZERO)) + _escape_count(mine & below, _ONE, _FIVE))
+            total = u(u(total + ca) + _escape_count(tb, _ONE, _FIVE))
             need = _ONE if mode == _M4 else (_FIVE if mode == _MR else _ZERO)
             inside = need != _ZERO and u(off + need) <= cap
             q = min(u(u(ESCW0) + (off >> u(2))), last)

@@ -51,9 +51,9 @@ import numpy as np
 from numba import cuda, int32, int64, uint8, uint32
 
 from .. import layout as L
-from ..cuda.bitops import WARP, device, funnel_r, ldg2, ldg4, mul32, popc32, stg2, stg4, syncwarp
+from ..cuda.bitops import WARP, device, funnel_r, ldg2, ldg4, mul32, stg2, stg4, syncwarp
 from ..cuda.codec import (_RAW_ENTRY_BIAS, BAD_ESCAPES, BAD_TAG, DECODE_SIG, ENCODE_SIG, NO_STORAGE, TILES_PER_BLOCK,
-                          DecodePlan, EncodePlan)
+                          DecodePlan, EncodePlan, _escape_count)
 from ..cuda.launch import WORD, allocators, check_array, is_torch, words
 from ..errors import InputError
 from .layout import (MODE_NARROW, MODE_RAW, MODE_WIDE, TILE_WIDTHS, FP8Format, FP8TileGeometry, ModeSet,
@@ -63,14 +63,13 @@ __all__ = ["BAD_ESCAPES", "BAD_TAG", "NO_STORAGE", "FP8DecodePlan", "FP8EncodePl
            "pack_bases"]
 
 _GROUP_WORDS = L.GROUP_SIZE // WORD              # 32-bit words of one group of FP8 bytes (2)
-# The kernels read a tag as (bit 0 = wide, bit 1 = raw); a tag word's escape bytes are then
-# wide_bytes * popc(even bits) + raw_bytes * popc(odd bits).
+# The kernels read a tag as (bit 0 = wide, bit 1 = raw), as the BF16 kernels do: a tag word's escape
+# bytes are gaac.cuda.codec._escape_count's, with the mode set's wide and raw escape bytes.
 assert (MODE_NARROW, MODE_WIDE, MODE_RAW, L.TAG_BITS, _GROUP_WORDS) == (0, 1, 2, 2, 2), \
     "the FP8 kernels' tag and group arithmetic no longer matches gaac.layout"
 
 _FLAG = np.uint32(0x80808080)                    # bit 7 of every byte lane
 _BYTE0 = np.uint32(0x01010101)
-_ODD_BITS = np.uint32(0xAAAAAAAA)
 _EVEN_BITS = np.uint32(0x55555555)
 # Multiplying bytes that hold one bit at bit 0 (elements 0..3) and bit 4 (elements 4..7) by this
 # gathers the 8 bits into the top byte, element i at bit 24 + i (no two partial products collide).
@@ -117,13 +116,6 @@ def _spread_plane(byte, b):
     lo = uint32(mul32(byte & uint32(0xF), _SPREAD) & _BYTE0)
     hi = uint32(mul32((byte >> uint32(4)) & uint32(0xF), _SPREAD) & _BYTE0)
     return uint32(lo << uint32(b)), uint32(hi << uint32(b))
-
-
-@device
-def _escape_count(tags, wide, raw):
-    """Escape bytes of the (up to 16) groups whose 2-bit tags are in ``tags``: ``wide`` per tag 1,
-    ``raw`` per tag 2 (a reserved tag 3 counts both; the decoder flags it anyway)."""
-    return uint32(uint32(uint32(popc32(tags & _EVEN_BITS)) * wide) + uint32(uint32(popc32(tags & _ODD_BITS)) * raw))
 
 
 @device
