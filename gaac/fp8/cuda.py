@@ -52,8 +52,8 @@ from numba import cuda, int32, int64, uint8, uint32
 
 from .. import layout as L
 from ..cuda.bitops import WARP, device, funnel_r, ldg2, ldg4, mul32, stg2, stg4, syncwarp
-from ..cuda.codec import (_RAW_ENTRY_BIAS, BAD_ESCAPES, BAD_TAG, DECODE_SIG, ENCODE_SIG, NO_STORAGE, TILES_PER_BLOCK,
-                          DecodePlan, EncodePlan, _escape_count)
+from ..cuda.codec import (BAD_ESCAPES, BAD_TAG, DECODE_SIG, ENCODE_SIG, NO_STORAGE, TILES_PER_BLOCK, DecodePlan,
+                          EncodePlan, _escape_count, _free_list_position, _tag_words, _take_storage)
 from ..cuda.launch import WORD, allocators, check_array, is_torch, words
 from ..errors import InputError
 from .layout import (MODE_NARROW, MODE_RAW, MODE_WIDE, TILE_WIDTHS, FP8Format, FP8TileGeometry, ModeSet,
@@ -251,56 +251,12 @@ def encode_source(modes: ModeSet, channels: int, tiles_per_block: int = TILES_PE
             sm[j] = u(_pack4(s0, SMB) | u(_pack4(s1, SMB) << u(4 * SMB)))
             stage[warp, g] = mode
             modes = u(modes | u(mode << u(2 * j)))
-        cuda.syncthreads()
-        if lane < u(TW):                                   # tag word w = groups 16w .. 16w+15
-            word = u(0)
-            for i in range(16):
-                word = u(word | u(u(stage[warp, u(u(lane * u(16)) + u(i))]) << u(2 * i)))
-            tagw[warp, lane] = word
-            count = _escape_count(word, WIDEB, RAWB)
-            tagc[warp, lane] = count
-            cuda.atomic.add(tot, warp, count)
-        cuda.syncthreads()
-        total = tot[warp]
-        fits = total <= cap
-
-        # Storage decision (FORMAT.md 6.4), as the BF16 kernel: one atomic pop per block and pool.
-        my_cls = (int32(0) if fits else int32(1)) if valid else int32(2)
-        if lane == _ZERO:
-            cls[warp] = my_cls
-        if tid == _ZERO:
-            base[0] = 0
-            base[1] = 0
-        cuda.syncthreads()
-        rank = int32(0)
-        count0 = int32(0)
-        count1 = int32(0)
-        for w in range(TPB):
-            c = cls[w]
-            if c == my_cls and u(w) < warp:
-                rank += 1
-            if c == 0:
-                count0 += 1
-            elif c == 1:
-                count1 += 1
-        if tid == _ZERO:
-            if count0:
-                base[0] = cuda.atomic.add(heads, 0, count0)
-            if count1:
-                base[1] = cuda.atomic.add(heads, 1, count1)
-        cuda.syncthreads()
+        total = _tag_words(stage, tagw, tagc, tot, warp, lane, TW, WIDEB, RAWB)
+        fits = total <= cap                                # else a raw tile, as for BF16
+        k = _free_list_position(heads, cls, base, tid, warp, lane, valid, fits, TPB)
         if not valid:
             return
-        k = u(base[my_cls] + rank)
-        if fits:
-            d = slot_free[k] if k < u(slot_free.shape[0]) else NO_STORAGE
-            entry = d
-        else:
-            d = raw_free[k] if k < u(raw_free.shape[0]) else NO_STORAGE
-            entry = d + _RAW_ENTRY_BIAS if d >= 0 else NO_STORAGE
-        if lane == _ZERO:
-            entries[tile] = entry
-            escape_used[tile] = total
+        d = _take_storage(slot_free, raw_free, entries, escape_used, k, fits, tile, lane, total)
         if d < 0:
             return
         dw = u(d)
