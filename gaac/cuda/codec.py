@@ -154,15 +154,6 @@ def _shape(channels: int):
 
 
 @device
-def _escape_count(tags, wide, raw):
-    """Escape bytes of the (up to 16) groups whose 2-bit tags are in ``tags``: ``wide`` per tag 1, ``raw`` per
-    tag 2, both per the reserved tag 3 (a decoder flags it anyway).  Counted as ``wide`` per set bit and
-    ``raw - wide`` more per odd bit, so that BF16's (1, 5) costs two popcounts and a shift-add (FP8 passes its
-    own counts)."""
-    return uint32(uint32(uint32(popc32(tags)) * wide) + uint32(uint32(popc32(tags & _ODD_BITS)) * uint32(raw - wide)))
-
-
-@device
 def _exponents(x):
     """The exponents of the two BF16 values in ``x``, one per 16-bit lane (FORMAT.md 5.1)."""
     return uint32((x >> uint32(7)) & _EXP_LANES)
@@ -195,6 +186,68 @@ def _plane(x, bits, p):
     """``x`` with bits 0..3 of ``bits`` set at bit 3 + p of bytes 0..3: escape plane ``p`` (FORMAT.md
     5.4) of four elements added to their code bytes (one multiply spreads the 4 bits)."""
     return uint32(x | (mul32(bits & uint32(0xF), _GATHER << uint32(p)) & (_BIT3_BYTES << uint32(p))))
+
+
+# ----------------------------------------------------------------------------------------------
+# Device functions of both tile codecs: gaac.fp8.cuda's kernels call them with their own constants
+# (escape bytes per mode, bytes per group of a stream, slot sections).
+
+@device
+def _escape_count(tags, wide, raw):
+    """Escape bytes of the (up to 16) groups whose 2-bit tags are in ``tags``: ``wide`` per tag 1, ``raw`` per
+    tag 2, both per the reserved tag 3 (a decoder flags it anyway).  Counted as ``wide`` per set bit and
+    ``raw - wide`` more per odd bit, so that BF16's (1, 5) costs two popcounts and a shift-add (FP8 passes its
+    own counts)."""
+    return uint32(uint32(uint32(popc32(tags)) * wide) + uint32(uint32(popc32(tags & _ODD_BITS)) * uint32(raw - wide)))
+
+
+@device
+def _staged_offset(tagw, tagc, warp, j, second, below, before, wide, raw):
+    """Pass 2 of an encoder: the escape offset of this lane's group in chunk ``j`` (tag words ``2j``, ``2j+1``
+    of ``tagw``, with ``tagc``'s escape bytes: lanes 0..15's groups, then 16..31's) = ``before`` (the escape
+    bytes of earlier chunks) + those of the tags before the group (``below`` masks them in this lane's half,
+    ``second`` says which).  Returns the offset and the escape bytes before chunk ``j + 1``."""
+    ta = tagw[warp, 2 * j]
+    ca = tagc[warp, 2 * j]
+    mine = tagw[warp, 2 * j + 1] if second else ta
+    off = uint32(uint32(before + (ca if second else _ZERO)) + _escape_count(uint32(mine & below), wide, raw))
+    return off, uint32(uint32(before + ca) + tagc[warp, 2 * j + 1])
+
+
+@device
+def _stream_word(stage, warp, w, b):
+    """Word ``w`` of a bit stream whose group ``g`` is the ``b`` bytes (2 or 3) of ``stage[warp, g]``:
+    a word never spans more than two groups."""
+    byte = uint32(w * uint32(WORD))
+    g0 = uint32(byte // uint32(b))
+    sh = uint32(uint32(8) * (byte % uint32(b)))
+    return uint32((stage[warp, g0] >> sh) | (stage[warp, uint32(g0 + uint32(1))] << uint32(uint32(8 * b) - sh)))
+
+
+@device
+def _write_stream(slots, dw, w0, words, stage, warp, lane, b):
+    """Words ``w0 .. w0 + words - 1`` of slot ``dw``: the bit stream staged in ``stage[warp]`` (``b`` bytes
+    per group, :func:`_stream_word`), written by the warp in whole words."""
+    for i in range(-(-words // WARP)):
+        w = uint32(lane + uint32(WARP * i))
+        if w < uint32(words):
+            slots[dw, uint32(uint32(w0) + w)] = _stream_word(stage, warp, w, b)
+
+
+@device
+def _write_tags_escapes(slots, dw, tagw, stage, warp, lane, cap, total, tag_words, tagw0, escw0):
+    """The end of an encoder: the tile's tag stream (``tag_words`` words of ``tagw[warp]``) to word ``tagw0`` of
+    slot ``dw``, and its ``total`` escape bytes staged in ``stage[warp]`` to the escape area at word ``escw0``
+    (``cap`` bytes, zero after the escape bytes), the warp writing whole words."""
+    if lane < uint32(tag_words):
+        slots[dw, uint32(uint32(tagw0) + lane)] = tagw[warp, lane]
+    for w in range(int64(lane), cap // uint32(WORD), WARP):
+        b = uint32(uint32(w) * uint32(WORD))
+        word = uint32(0)
+        for i in range(WORD):
+            if uint32(b + uint32(i)) < total:
+                word = uint32(word | uint32(uint32(stage[warp, uint32(b + uint32(i))]) << uint32(8 * i)))
+        slots[dw, uint32(uint32(escw0) + uint32(w))] = word
 
 
 # Device functions with block barriers or shared-memory atomics, every thread of the block calls them:
@@ -280,7 +333,6 @@ def encode_source(channels: int, tiles_per_block: int = TILES_PER_BLOCK):
     STAGE = (TPB, G * _ESCR)
     CODES = (TPB, G)
     TAGS = (TPB, TW)
-    CODE_ROUNDS = -(-CODEW // WARP)
     u = uint32
 
     def kernel(bits, bases, capacity, slots, slot_free, raw, raw_free, heads, entries, escape_used):
@@ -368,11 +420,7 @@ def encode_source(channels: int, tiles_per_block: int = TILES_PER_BLOCK):
             stg2(slots, dw, u(g * u(2)), sm_lo[j], sm_hi[j])
             c = code[j]
             codes[warp, g] = u(c & _LOW24)
-            ta = tagw[warp, 2 * j]
-            ca = tagc[warp, 2 * j]
-            mine = tagw[warp, 2 * j + 1] if second else ta
-            off = u(u(before + (ca if second else _ZERO)) + _escape_count(mine & below, _ONE, _FIVE))
-            before = u(u(before + ca) + tagc[warp, 2 * j + 1])
+            off, before = _staged_offset(tagw, tagc, warp, j, second, below, before, _ONE, _FIVE)
             if mode == _M4:
                 stage[warp, off] = u(c >> u(24))
             elif mode == _MR:                               # planes 3..7 of the exponents, read again (rare)
@@ -385,23 +433,9 @@ def encode_source(channels: int, tiles_per_block: int = TILES_PER_BLOCK):
                     stage[warp, u(off + u(p))] = _gather_bits(lo, hi, 3 + p)
         syncwarp()
 
-        # Whole words of the code stream (word w holds bits 32w.. : groups 4w//3 and the next),
-        # the tag stream and the escape area, zero after the escape bytes.
-        for i in range(CODE_ROUNDS):
-            w = u(lane + u(WARP * i))
-            if w < u(CODEW):
-                g0 = u(w * u(4)) // u(3)
-                sh = u(u(8) * (u(w * u(4)) % u(3)))
-                slots[dw, u(u(SMW) + w)] = (codes[warp, g0] >> sh) | u(codes[warp, u(g0 + u(1))] << u(u(24) - sh))
-        if lane < u(TW):
-            slots[dw, u(u(TAGW0) + lane)] = tagw[warp, lane]
-        for w in range(int64(lane), cap // u(WORD), WARP):
-            b = u(u(w) * u(WORD))
-            word = u(0)
-            for i in range(WORD):
-                if u(b + u(i)) < total:
-                    word = u(word | u(u(stage[warp, u(b + u(i))]) << u(8 * i)))
-            slots[dw, u(u(ESCW0) + u(w))] = word
+        # Whole words of the code stream (24 bits a group), the tag stream and the escape area.
+        _write_stream(slots, dw, SMW, CODEW, codes, warp, lane, 3)
+        _write_tags_escapes(slots, dw, tagw, stage, warp, lane, cap, total, TW, TAGW0, ESCW0)
 
     return kernel
 

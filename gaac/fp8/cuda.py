@@ -48,12 +48,13 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-from numba import cuda, int32, int64, uint8, uint32
+from numba import cuda, int32, uint8, uint32
 
 from .. import layout as L
 from ..cuda.bitops import WARP, device, funnel_r, ldg2, ldg4, mul32, stg2, stg4, syncwarp
 from ..cuda.codec import (BAD_ESCAPES, BAD_TAG, DECODE_SIG, ENCODE_SIG, NO_STORAGE, TILES_PER_BLOCK, DecodePlan,
-                          EncodePlan, _escape_count, _free_list_position, _tag_words, _take_storage)
+                          EncodePlan, _escape_count, _free_list_position, _staged_offset, _tag_words, _take_storage,
+                          _write_stream, _write_tags_escapes)
 from ..cuda.launch import WORD, allocators, check_array, is_torch, words
 from ..errors import InputError
 from .layout import (MODE_NARROW, MODE_RAW, MODE_WIDE, TILE_WIDTHS, FP8Format, FP8TileGeometry, ModeSet,
@@ -118,16 +119,6 @@ def _spread_plane(byte, b):
     return uint32(lo << uint32(b)), uint32(hi << uint32(b))
 
 
-@device
-def _stream_word(stage, warp, w, b):
-    """Word ``w`` of a bit stream whose group ``g`` is the ``b`` bytes (2 or 3) of ``stage[warp, g]``:
-    a word never spans more than two groups."""
-    byte = uint32(w * uint32(WORD))
-    g0 = uint32(byte // uint32(b))
-    sh = uint32(uint32(8) * (byte % uint32(b)))
-    return uint32((stage[warp, g0] >> sh) | (stage[warp, uint32(g0 + uint32(1))] << uint32(uint32(8 * b) - sh)))
-
-
 def _mode_set(fmt) -> ModeSet:
     """A mode set from a ModeSet, an FP8Format or a format name (the format's v1 mode set)."""
     if isinstance(fmt, ModeSet):
@@ -187,7 +178,6 @@ def encode_source(modes: ModeSet, channels: int, tiles_per_block: int = TILES_PE
     SM_STAGE = (TPB, 1 if SM_DIRECT else G)
     CODE_STAGE = (TPB, 1 if CODE_DIRECT else G)
     TAGS = (TPB, TW)
-    SM_ROUNDS, CODE_ROUNDS = -(-SMW // WARP), -(-CODEW // WARP)
     u = uint32
 
     def kernel(bits, bases, capacity, slots, slot_free, raw, raw_free, heads, entries, escape_used):
@@ -284,11 +274,7 @@ def encode_source(modes: ModeSet, channels: int, tiles_per_block: int = TILES_PE
                 slots[dw, u(u(CODEW0) + g)] = code[j]
             else:
                 codest[warp, g] = code[j]
-            ta = tagw[warp, 2 * j]
-            ca = tagc[warp, 2 * j]
-            mine = tagw[warp, 2 * j + 1] if second else ta
-            off = u(u(before + (ca if second else _ZERO)) + _escape_count(u(mine & below), WIDEB, RAWB))
-            before = u(u(before + ca) + tagc[warp, 2 * j + 1])
+            off, before = _staged_offset(tagw, tagc, warp, j, second, below, before, WIDEB, RAWB)
             need = WIDEB if mode == _MW else (RAWB if mode == _MR else _ZERO)
             ex = esc[j]
             for p in range(NRAW):
@@ -296,26 +282,12 @@ def encode_source(modes: ModeSet, channels: int, tiles_per_block: int = TILES_PE
                     stage[warp, u(off + u(p))] = u(u(ex >> u(8 * p)) & _U8)
         syncwarp()
 
-        # Whole words of the staged streams, the tag stream and the escape area (zero after the escapes).
+        # Whole words of the staged streams, the tag stream and the escape area.
         if not SM_DIRECT:
-            for i in range(SM_ROUNDS):
-                w = u(lane + u(WARP * i))
-                if w < u(SMW):
-                    slots[dw, u(u(SMW0) + w)] = _stream_word(smst, warp, w, SMB)
+            _write_stream(slots, dw, SMW0, SMW, smst, warp, lane, SMB)
         if not CODE_DIRECT:
-            for i in range(CODE_ROUNDS):
-                w = u(lane + u(WARP * i))
-                if w < u(CODEW):
-                    slots[dw, u(u(CODEW0) + w)] = _stream_word(codest, warp, w, CODEB)
-        if lane < u(TW):
-            slots[dw, u(u(TAGW0) + lane)] = tagw[warp, lane]
-        for w in range(int64(lane), cap // u(WORD), WARP):
-            b = u(u(w) * u(WORD))
-            word = u(0)
-            for i in range(WORD):
-                if u(b + u(i)) < total:
-                    word = u(word | u(u(stage[warp, u(b + u(i))]) << u(8 * i)))
-            slots[dw, u(u(ESCW0) + u(w))] = word
+            _write_stream(slots, dw, CODEW0, CODEW, codest, warp, lane, CODEB)
+        _write_tags_escapes(slots, dw, tagw, stage, warp, lane, cap, total, TW, TAGW0, ESCW0)
 
     return kernel
 
