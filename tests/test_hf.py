@@ -20,14 +20,6 @@ from gaac.calibration import calibrate  # noqa: E402
 from gaac.capture import capture_cache  # noqa: E402
 from gaac.errors import CalibrationError, InputError  # noqa: E402
 
-PROMPTS = (
-    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg, a goldsmith "
-    "from Mainz, combined movable metal type with an oil-based ink and a screw press adapted from wine making.",
-    "def merge_sorted(a, b):\n    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n    out, i, j = [], 0, 0\n"
-    "    while i < len(a) and j < len(b):\n        if a[i] <= b[j]:\n",
-    "Theorem. There are infinitely many prime numbers.\nProof. Suppose, for contradiction, that p_1, ..., p_n "
-    "are all the primes, and let N = p_1 p_2 ... p_n + 1. Then",
-)
 CALIBRATION_TEXT = (
     "Packing list for the four-day hut trip (last updated Sunday):\n\nClothing\n- 2 pairs merino socks, 1 pair "
     "liner socks\n- thermal base layer (top and bottom)\n- fleece mid-layer\n- waterproof shell jacket and "
@@ -57,7 +49,7 @@ def greedy(model, ids, cache=None, steps=NEW_TOKENS, mask=None):
 def test_smollm_generation_is_bit_identical(smollm, smollm_calibration):
     model, tokenizer = smollm
     n = 12       # every prompt cut to 12 tokens: one batch, no padding; blocks complete during decoding
-    ids = torch.tensor([tokenizer(p, add_special_tokens=False)["input_ids"][:n] for p in PROMPTS])
+    ids = torch.tensor([tokenizer(p, add_special_tokens=False)["input_ids"][:n] for p in hf.CHECK_PROMPTS])
     default = DynamicCache(config=model.config)
     ref_tokens, ref_logits = greedy(model, ids, default)
     cache = hf.GAACCache(config=model.config, calibration=smollm_calibration)
@@ -67,9 +59,10 @@ def test_smollm_generation_is_bit_identical(smollm, smollm_calibration):
     # The cache really holds compressed blocks: n + 63 tokens per row were fed, whole blocks encoded once.
     held = n + NEW_TOKENS - 1
     assert cache.get_seq_length() == held
-    assert cache.store.blocks_encoded == len(PROMPTS) * (held // L.BLOCK_TOKENS) * model.config.num_hidden_layers
+    blocks = held // L.BLOCK_TOKENS
+    assert cache.store.blocks_encoded == len(hf.CHECK_PROMPTS) * blocks * model.config.num_hidden_layers
     m = cache.memory()
-    assert m.tokens == len(PROMPTS) * held and m.slot_bytes > 0
+    assert m.tokens == len(hf.CHECK_PROMPTS) * held and m.slot_bytes > 0
     assert m.resident_bytes < m.bf16_bytes
     # ... and exactly what the default cache holds after the same generation.
     for row in cache.rows:
@@ -86,7 +79,7 @@ def bits(t):
 def test_smollm_short_prompt_self_calibrates_at_the_first_block(smollm):
     """calibration=None, prompt of 10 tokens: plain BF16 until 16 tokens, then calibrated and compressed."""
     model, tokenizer = smollm
-    ids = torch.tensor([tokenizer(PROMPTS[0], add_special_tokens=False)["input_ids"][:10]])
+    ids = torch.tensor([tokenizer(hf.CHECK_PROMPTS[0], add_special_tokens=False)["input_ids"][:10]])
     caches = [DynamicCache(config=model.config), hf.GAACCache(config=model.config)]
     gaac = caches[1]
     nxt = [ids, ids]
