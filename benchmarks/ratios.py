@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))      # run from a checkout without installing: the gaac next to this script
 
+from benchmarks.report import commit_with_changes  # noqa: E402
 from gaac import layout as L  # noqa: E402
 from gaac.calibration import Calibration, calibrate  # noqa: E402
 from gaac.io import load_cache  # noqa: E402
@@ -34,15 +34,6 @@ PREFIX = "smollm2-135m-instruct-q4_1__"
 PAPER = "1.402-1.406"
 MARGINS = (L.SLOT_ALIGN, 2 * L.SLOT_ALIGN)     # capacity margins tried, bytes
 ALL_3BIT = 16 / (8 + L.CODE_BITS + L.TAG_BITS / L.GROUP_SIZE)
-
-
-def commit() -> str:
-    def git(*args):
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout
-
-    head = git("rev-parse", "--short=12", "HEAD").strip() or "unknown"
-    dirty = [line[3:] for line in git("status", "--porcelain", "--", "gaac", "benchmarks/ratios.py").splitlines()]
-    return head + (f" (uncommitted changes in: {', '.join(dirty)})" if dirty else "")
 
 
 def with_margin(cal: Calibration, margin: int) -> Calibration:
@@ -112,7 +103,7 @@ def main(argv=None) -> int:
 - date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}
 - machine: {platform.machine()}, {platform.system()} {platform.release()}, Python {platform.python_version()},
   NumPy {np.__version__} (CPU, NumPy reference codec: sizes do not depend on the device)
-- commit: {commit()}
+- commit: {commit_with_changes('benchmarks/ratios.py')}
 - command: `python benchmarks/ratios.py` ({seconds:.0f} s for the {len(results)} measurements)
 - data: `../shared/data/kv` (30 layers, 3 KV heads, head_dim 64; tokens: {tokens}); every complete
   16-token block of every layer encoded with `gaac.reference`, decoded and compared bit for bit

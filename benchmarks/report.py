@@ -1,0 +1,37 @@
+"""What the benchmark scripts' reports share, whatever they measure: the commit that made the numbers
+and the markdown + JSON pair a run leaves behind."""
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def commit() -> str:
+    """HEAD's short hash, or ``unknown`` without git or outside a checkout (a device machine's copy)."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10).stdout.strip() or "unknown"
+    except Exception:
+        return "unknown"
+
+
+def commit_with_changes(script: str) -> str:
+    """HEAD's hash and the files of gaac/ and ``script`` that differ from it: a report made by uncommitted
+    code says so, since HEAD alone would not reproduce its numbers."""
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout
+
+    head = git("rev-parse", "--short=12", "HEAD").strip() or "unknown"
+    dirty = [line[3:] for line in git("status", "--porcelain", "--", "gaac", script).splitlines()]
+    return head + (f" (uncommitted changes in: {', '.join(dirty)})" if dirty else "")
+
+
+def write(rep: dict, out: Path, render) -> None:
+    """The markdown ``render(rep)`` to ``out`` and ``rep`` as JSON beside it; the scripts call it after every
+    case, so that a run cut short still leaves what it measured."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(rep, indent=1))
+    out.write_text(render(rep))
