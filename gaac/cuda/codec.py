@@ -250,6 +250,55 @@ def _write_tags_escapes(slots, dw, tagw, stage, warp, lane, cap, total, tag_word
         slots[dw, uint32(uint32(escw0) + uint32(w))] = word
 
 
+@device
+def _copy_tile(src, r, dst, t, lane, rounds):
+    """Row ``r`` of ``src`` to row ``t`` of ``dst`` as it is (a raw tile), 16 bytes per lane and round."""
+    for i in range(rounds):
+        w4 = uint32(uint32(lane + uint32(WARP * i)) * uint32(4))
+        x0, x1, x2, x3 = ldg4(src, r, w4)
+        stg4(dst, t, w4, x0, x1, x2, x3)
+
+
+@device
+def _group_escapes(slots, d, tw, lane, bad, before, cap, escw0, wide, raw):
+    """A decoder's tag arithmetic for this lane's group in one chunk, whose tag words are words ``tw``, ``tw + 1``
+    of slot ``d`` (lanes 0..15's groups, then 16..31's): the group's escape offset is ``before`` (the escape
+    bytes of earlier chunks) plus the escape bytes (``wide`` or ``raw`` a tag) of the tags before it.  Returns
+    ``bad`` with the two words' reserved-tag bits added, the escape bytes before the next chunk, the group's
+    mode | 4 if its escape bytes lie inside the slot (``cap`` bytes from word ``escw0``), the escape area's
+    bytes 0..3 from the offset, and byte 4 in the low byte of the last value (the words read stay in the slot)."""
+    second = lane >= uint32(16)
+    shift = uint32(uint32(2) * (lane & uint32(15)))
+    below = uint32(uint32(1) << shift) - uint32(1)
+    last = uint32(uint32(uint32(escw0) + cap // uint32(WORD)) - uint32(1))     # last word of the slot
+    ta, tb = ldg2(slots, d, tw)
+    bad = uint32(uint32(bad | (ta & (ta >> uint32(1)))) | (tb & (tb >> uint32(1))))
+    ca = _escape_count(ta, wide, raw)
+    mine = tb if second else ta
+    mode = uint32(uint32(mine >> shift) & uint32(3))
+    off = uint32(uint32(before + (ca if second else _ZERO)) + _escape_count(uint32(mine & below), wide, raw))
+    after = uint32(uint32(before + ca) + _escape_count(tb, wide, raw))
+    need = wide if mode == _M4 else (raw if mode == _MR else _ZERO)
+    inside = need != _ZERO and uint32(off + need) <= cap
+    q = min(uint32(uint32(escw0) + (off >> uint32(2))), last)
+    sh = uint32(uint32(8) * (off & uint32(3)))
+    lo = uint32(slots[d, q])
+    hi = uint32(slots[d, min(uint32(q + uint32(1)), last)])
+    return bad, after, uint32(mode | (uint32(4) if inside else _ZERO)), funnel_r(lo, hi, sh), uint32(hi >> sh)
+
+
+@device
+def _stream_field(slots, d, w0, g, b):
+    """Inverse of :func:`_stream_word`: group ``g``'s ``b`` bytes (2..4) of the bit stream at word ``w0`` of
+    slot ``d``, from bit 0 (above them, the next group's bits)."""
+    if b == WORD:
+        return uint32(slots[d, uint32(uint32(w0) + g)])
+    byte = uint32(g * uint32(b))
+    w = uint32(uint32(w0) + (byte >> uint32(2)))
+    sh = uint32(uint32(8) * (byte & uint32(3)))
+    return funnel_r(uint32(slots[d, w]), uint32(slots[d, uint32(w + uint32(1))]), sh)
+
+
 # Device functions with block barriers or shared-memory atomics, every thread of the block calls them:
 # cuda.jit device functions in the simulator too (not bitops.device's plain functions), because only a
 # simulated cuda.jit function gets the launching kernel's cuda module when that kernel lives in another
@@ -463,49 +512,26 @@ def decode_source(channels: int, tiles_per_block: int = TILES_PER_BLOCK):
             return
         entry = entries[tile]
         if entry < 0:
-            r = u(entry & L.TABLE_INDEX_MASK)
-            for j in range(J):
-                g4 = u(u(u(WARP * j) + lane) * u(4))
-                x0, x1, x2, x3 = ldg4(raw, r, g4)
-                stg4(out, tile, g4, x0, x1, x2, x3)
+            _copy_tile(raw, u(entry & L.TABLE_INDEX_MASK), out, tile, lane, J)
             if lane == _ZERO:
                 status[tile] = 0
             return
         d = u(entry)
         cap = u(capacity)
-        last = u(u(u(ESCW0) + cap // u(WORD)) - u(1))     # last word of the slot
 
         # Loads first (every chunk's words in flight at once), with the tag arithmetic that places
         # each group's escape bytes: offset = escape bytes of the tag stream before the group.
-        second = lane >= u(16)
-        shift = u(u(2) * (lane & u(15)))
-        below = u(u(1) << shift) - u(1)
         total = u(0)
         bad = u(0)
         for j in range(J):
             g = u(u(WARP * j) + lane)
-            ta, tb = ldg2(slots, d, u(TAGW0 + 2 * j))
-            bad = u(bad | (ta & (ta >> u(1))) | (tb & (tb >> u(1))))
-            ca = _escape_count(ta, _ONE, _FIVE)
-            mine = tb if second else ta
-            mode = u(u(mine >> shift) & u(3))
-            off = u(u(total + (ca if second else _ZERO)) + _escape_count(mine & below, _ONE, _FIVE))
-            total = u(u(total + ca) + _escape_count(tb, _ONE, _FIVE))
-            need = _ONE if mode == _M4 else (_FIVE if mode == _MR else _ZERO)
-            inside = need != _ZERO and u(off + need) <= cap
-            q = min(u(u(ESCW0) + (off >> u(2))), last)
-            sh = u(u(8) * (off & u(3)))
-            lo = u(slots[d, q])
-            hi = u(slots[d, min(u(q + u(1)), last)])
-            esc[j] = funnel_r(lo, hi, sh)
-            esc4[j] = u(u(hi >> sh) & u(0xFF))
-            what[j] = u(mode | (u(4) if inside else _ZERO))
+            bad, total, what[j], esc[j], top = _group_escapes(slots, d, u(TAGW0 + 2 * j), lane, bad, total, cap, ESCW0,
+                                                              _ONE, _FIVE)
+            esc4[j] = u(top & u(0xFF))
             s_lo, s_hi = ldg2(slots, d, u(g * u(2)))
             sm[2 * j] = s_lo
             sm[2 * j + 1] = s_hi
-            bit = u(g * u(3))                             # code word of bit 24g, and its shift
-            cw = u(u(SMW) + (bit >> u(2)))
-            code[j] = funnel_r(u(slots[d, cw]), u(slots[d, u(cw + u(1))]), u(u(8) * (bit & u(3))))
+            code[j] = _stream_field(slots, d, SMW, g, 3)            # 24 code bits a group
         if lane == _ZERO:
             status[tile] = BAD_TAG if bad & _EVEN_BITS else (BAD_ESCAPES if total > cap else 0)
 

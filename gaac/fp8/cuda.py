@@ -51,10 +51,10 @@ import numpy as np
 from numba import cuda, int32, uint8, uint32
 
 from .. import layout as L
-from ..cuda.bitops import WARP, device, funnel_r, ldg2, ldg4, mul32, stg2, stg4, syncwarp
+from ..cuda.bitops import WARP, device, ldg2, mul32, stg2, syncwarp
 from ..cuda.codec import (BAD_ESCAPES, BAD_TAG, DECODE_SIG, ENCODE_SIG, NO_STORAGE, TILES_PER_BLOCK, DecodePlan,
-                          EncodePlan, _escape_count, _free_list_position, _staged_offset, _tag_words, _take_storage,
-                          _write_stream, _write_tags_escapes)
+                          EncodePlan, _copy_tile, _free_list_position, _group_escapes, _staged_offset, _stream_field,
+                          _tag_words, _take_storage, _write_stream, _write_tags_escapes)
 from ..cuda.launch import WORD, allocators, check_array, is_torch, words
 from ..errors import InputError
 from .layout import (MODE_NARROW, MODE_RAW, MODE_WIDE, TILE_WIDTHS, FP8Format, FP8TileGeometry, ModeSet,
@@ -299,7 +299,6 @@ def decode_source(modes: ModeSet, channels: int, tiles_per_block: int = TILES_PE
     SMW0, SMB, CODEW0, CODEB, TAGW0, ESCW0 = (s[k] for k in ("SMW0", "SMB", "CODEW0", "CODEB", "TAGW0", "ESCW0"))
     WIDEB, RAWB, MANT = (s[k] for k in ("WIDEB", "RAWB", "MANT"))
     NRAW = int(RAWB)
-    SM_DIRECT, CODE_DIRECT = SMB == WORD, CODEB == WORD
     RAW_ROUNDS = TILEW // (4 * WARP)                      # 16-byte copies per lane of a raw tile
     TPB = tiles_per_block
     u = uint32
@@ -318,50 +317,22 @@ def decode_source(modes: ModeSet, channels: int, tiles_per_block: int = TILES_PE
             return
         entry = entries[tile]
         if entry < 0:
-            r = u(entry & L.TABLE_INDEX_MASK)
-            for i in range(RAW_ROUNDS):
-                w4 = u(u(lane + u(WARP * i)) * u(4))
-                x0, x1, x2, x3 = ldg4(raw, r, w4)
-                stg4(out, tile, w4, x0, x1, x2, x3)
+            _copy_tile(raw, u(entry & L.TABLE_INDEX_MASK), out, tile, lane, RAW_ROUNDS)
             if lane == _ZERO:
                 status[tile] = 0
             return
         d = u(entry)
         cap = u(capacity)
-        last = u(u(u(ESCW0) + cap // u(WORD)) - u(1))     # last word of the slot
 
         # Loads first, with the tag arithmetic that places each group's escape bytes.
-        second = lane >= u(16)
-        shift = u(u(2) * (lane & u(15)))
-        below = u(u(1) << shift) - u(1)
         total = u(0)
         bad = u(0)
         for j in range(J):
             g = u(u(WARP * j) + lane)
-            ta, tb = ldg2(slots, d, u(TAGW0 + 2 * j))
-            bad = u(bad | (ta & (ta >> u(1))) | (tb & (tb >> u(1))))
-            ca = _escape_count(ta, WIDEB, RAWB)
-            mine = tb if second else ta
-            mode = u(u(mine >> shift) & u(3))
-            off = u(u(total + (ca if second else _ZERO)) + _escape_count(u(mine & below), WIDEB, RAWB))
-            total = u(u(total + ca) + _escape_count(tb, WIDEB, RAWB))
-            need = WIDEB if mode == _MW else (RAWB if mode == _MR else _ZERO)
-            inside = need != _ZERO and u(off + need) <= cap
-            q = min(u(u(ESCW0) + (off >> u(2))), last)
-            esc[j] = funnel_r(u(slots[d, q]), u(slots[d, min(u(q + u(1)), last)]), u(u(8) * (off & u(3))))
-            what[j] = u(mode | (u(4) if inside else _ZERO))
-            if SM_DIRECT:
-                sm[j] = u(slots[d, u(u(SMW0) + g)])
-            else:
-                byte = u(g * u(SMB))
-                sw = u(u(SMW0) + (byte >> u(2)))
-                sm[j] = funnel_r(u(slots[d, sw]), u(slots[d, u(sw + u(1))]), u(u(8) * (byte & u(3))))
-            if CODE_DIRECT:
-                code[j] = u(slots[d, u(u(CODEW0) + g)])
-            else:
-                byte = u(g * u(CODEB))
-                cw = u(u(CODEW0) + (byte >> u(2)))
-                code[j] = funnel_r(u(slots[d, cw]), u(slots[d, u(cw + u(1))]), u(u(8) * (byte & u(3))))
+            bad, total, what[j], esc[j], _ = _group_escapes(slots, d, u(TAGW0 + 2 * j), lane, bad, total, cap, ESCW0,
+                                                            WIDEB, RAWB)
+            sm[j] = _stream_field(slots, d, SMW0, g, SMB)
+            code[j] = _stream_field(slots, d, CODEW0, g, CODEB)
         if lane == _ZERO:
             status[tile] = BAD_TAG if bad & _EVEN_BITS else (BAD_ESCAPES if total > cap else 0)
 
