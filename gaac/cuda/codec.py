@@ -251,12 +251,16 @@ def _write_tags_escapes(slots, dw, tagw, stage, warp, lane, cap, total, tag_word
 
 
 @device
-def _copy_tile(src, r, dst, t, lane, rounds):
-    """Row ``r`` of ``src`` to row ``t`` of ``dst`` as it is (a raw tile), 16 bytes per lane and round."""
+def _copy_raw(raw, entry, out, status, tile, lane, rounds):
+    """Decoding a raw ``entry`` (FORMAT.md 7.2): its raw tile to row ``tile`` of ``out`` as it is, 16 bytes per
+    lane and round, and status 0."""
+    r = uint32(entry & L.TABLE_INDEX_MASK)
     for i in range(rounds):
         w4 = uint32(uint32(lane + uint32(WARP * i)) * uint32(4))
-        x0, x1, x2, x3 = ldg4(src, r, w4)
-        stg4(dst, t, w4, x0, x1, x2, x3)
+        x0, x1, x2, x3 = ldg4(raw, r, w4)
+        stg4(out, tile, w4, x0, x1, x2, x3)
+    if lane == _ZERO:
+        status[tile] = 0
 
 
 @device
@@ -297,6 +301,14 @@ def _stream_field(slots, d, w0, g, b):
     w = uint32(uint32(w0) + (byte >> uint32(2)))
     sh = uint32(uint32(8) * (byte & uint32(3)))
     return funnel_r(uint32(slots[d, w]), uint32(slots[d, uint32(w + uint32(1))]), sh)
+
+
+@device
+def _write_status(status, tile, lane, bad, total, cap):
+    """Lane 0 writes the tile's decode status: BAD_TAG where a tag word held the reserved tag 3 (even bits of
+    ``bad``, the words' ``t & t >> 1``), else BAD_ESCAPES where the tags need more than ``cap`` escape bytes."""
+    if lane == _ZERO:
+        status[tile] = BAD_TAG if bad & _EVEN_BITS else (BAD_ESCAPES if total > cap else 0)
 
 
 # Device functions with block barriers or shared-memory atomics, every thread of the block calls them:
@@ -512,9 +524,7 @@ def decode_source(channels: int, tiles_per_block: int = TILES_PER_BLOCK):
             return
         entry = entries[tile]
         if entry < 0:
-            _copy_tile(raw, u(entry & L.TABLE_INDEX_MASK), out, tile, lane, J)
-            if lane == _ZERO:
-                status[tile] = 0
+            _copy_raw(raw, entry, out, status, tile, lane, J)
             return
         d = u(entry)
         cap = u(capacity)
@@ -532,8 +542,7 @@ def decode_source(channels: int, tiles_per_block: int = TILES_PER_BLOCK):
             sm[2 * j] = s_lo
             sm[2 * j + 1] = s_hi
             code[j] = _stream_field(slots, d, SMW, g, 3)            # 24 code bits a group
-        if lane == _ZERO:
-            status[tile] = BAD_TAG if bad & _EVEN_BITS else (BAD_ESCAPES if total > cap else 0)
+        _write_status(status, tile, lane, bad, total, cap)
 
         row = tile % u(bases.shape[0])
         col = u((lane % u(GPR)) * u(4))

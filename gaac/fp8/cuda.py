@@ -53,8 +53,8 @@ from numba import cuda, int32, uint8, uint32
 from .. import layout as L
 from ..cuda.bitops import WARP, device, ldg2, mul32, stg2, syncwarp
 from ..cuda.codec import (BAD_ESCAPES, BAD_TAG, DECODE_SIG, ENCODE_SIG, NO_STORAGE, TILES_PER_BLOCK, DecodePlan,
-                          EncodePlan, _copy_tile, _free_list_position, _group_escapes, _staged_offset, _stream_field,
-                          _tag_words, _take_storage, _write_stream, _write_tags_escapes)
+                          EncodePlan, _copy_raw, _free_list_position, _group_escapes, _staged_offset, _stream_field,
+                          _tag_words, _take_storage, _write_status, _write_stream, _write_tags_escapes)
 from ..cuda.launch import WORD, allocators, check_array, is_torch, words
 from ..errors import InputError
 from .layout import (MODE_NARROW, MODE_RAW, MODE_WIDE, TILE_WIDTHS, FP8Format, FP8TileGeometry, ModeSet,
@@ -71,7 +71,6 @@ assert (MODE_NARROW, MODE_WIDE, MODE_RAW, L.TAG_BITS, _GROUP_WORDS) == (0, 1, 2,
 
 _FLAG = np.uint32(0x80808080)                    # bit 7 of every byte lane
 _BYTE0 = np.uint32(0x01010101)
-_EVEN_BITS = np.uint32(0x55555555)
 # Multiplying bytes that hold one bit at bit 0 (elements 0..3) and bit 4 (elements 4..7) by this
 # gathers the 8 bits into the top byte, element i at bit 24 + i (no two partial products collide).
 _GATHER = np.uint32(0x01020408)
@@ -317,9 +316,7 @@ def decode_source(modes: ModeSet, channels: int, tiles_per_block: int = TILES_PE
             return
         entry = entries[tile]
         if entry < 0:
-            _copy_tile(raw, u(entry & L.TABLE_INDEX_MASK), out, tile, lane, RAW_ROUNDS)
-            if lane == _ZERO:
-                status[tile] = 0
+            _copy_raw(raw, entry, out, status, tile, lane, RAW_ROUNDS)
             return
         d = u(entry)
         cap = u(capacity)
@@ -333,8 +330,7 @@ def decode_source(modes: ModeSet, channels: int, tiles_per_block: int = TILES_PE
                                                             WIDEB, RAWB)
             sm[j] = _stream_field(slots, d, SMW0, g, SMB)
             code[j] = _stream_field(slots, d, CODEW0, g, CODEB)
-        if lane == _ZERO:
-            status[tile] = BAD_TAG if bad & _EVEN_BITS else (BAD_ESCAPES if total > cap else 0)
+        _write_status(status, tile, lane, bad, total, cap)
 
         row = tile % u(bases.shape[0])
         col = u((lane % u(GPR)) * u(_GROUP_WORDS))
