@@ -202,11 +202,13 @@ def _escape_count(tags, wide, raw):
 
 
 @device
-def _staged_offset(tagw, tagc, warp, j, second, below, before, wide, raw):
+def _staged_offset(tagw, tagc, warp, lane, j, before, wide, raw):
     """Pass 2 of an encoder: the escape offset of this lane's group in chunk ``j`` (tag words ``2j``, ``2j+1``
     of ``tagw``, with ``tagc``'s escape bytes: lanes 0..15's groups, then 16..31's) = ``before`` (the escape
-    bytes of earlier chunks) + those of the tags before the group (``below`` masks them in this lane's half,
-    ``second`` says which).  Returns the offset and the escape bytes before chunk ``j + 1``."""
+    bytes of earlier chunks) + those of the tags before the group.  Returns the offset and the escape bytes
+    before chunk ``j + 1``."""
+    second = lane >= uint32(16)
+    below = uint32(uint32(uint32(1) << uint32(uint32(2) * (lane & uint32(15)))) - uint32(1))
     ta = tagw[warp, 2 * j]
     ca = tagc[warp, 2 * j]
     mine = tagw[warp, 2 * j + 1] if second else ta
@@ -472,8 +474,6 @@ def encode_source(channels: int, tiles_per_block: int = TILES_PER_BLOCK):
         # Pass 2: sign+mantissa bytes to the slot; codes and escape bytes to shared memory, a group's
         # escape bytes at its offset = escape bytes of the tag stream before it (tag words 2j, 2j+1
         # hold chunk j: lanes 0..15, then 16..31).
-        second = lane >= u(16)
-        below = u(u(u(1) << u(u(2) * (lane & u(15)))) - u(1))
         before = u(0)
         for j in range(J):
             g = u(u(WARP * j) + lane)
@@ -481,7 +481,7 @@ def encode_source(channels: int, tiles_per_block: int = TILES_PER_BLOCK):
             stg2(slots, dw, u(g * u(2)), sm_lo[j], sm_hi[j])
             c = code[j]
             codes[warp, g] = u(c & _LOW24)
-            off, before = _staged_offset(tagw, tagc, warp, j, second, below, before, _ONE, _FIVE)
+            off, before = _staged_offset(tagw, tagc, warp, lane, j, before, _ONE, _FIVE)
             if mode == _M4:
                 stage[warp, off] = u(c >> u(24))
             elif mode == _MR:                               # planes 3..7 of the exponents, read again (rare)

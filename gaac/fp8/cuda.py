@@ -259,8 +259,6 @@ def encode_source(modes: ModeSet, channels: int, tiles_per_block: int = TILES_PE
         # Pass 2: whole-word streams straight to the slot; narrower streams and the escape bytes to
         # shared memory, a group's escape bytes at its offset = escape bytes of the tags before it
         # (tag words 2j, 2j+1 hold chunk j: lanes 0..15, then 16..31).
-        second = lane >= u(16)
-        below = u(u(u(1) << u(u(2) * (lane & u(15)))) - u(1))
         before = u(0)
         for j in range(J):
             g = u(u(WARP * j) + lane)
@@ -273,7 +271,7 @@ def encode_source(modes: ModeSet, channels: int, tiles_per_block: int = TILES_PE
                 slots[dw, u(u(CODEW0) + g)] = code[j]
             else:
                 codest[warp, g] = code[j]
-            off, before = _staged_offset(tagw, tagc, warp, j, second, below, before, WIDEB, RAWB)
+            off, before = _staged_offset(tagw, tagc, warp, lane, j, before, WIDEB, RAWB)
             need = WIDEB if mode == _MW else (RAWB if mode == _MR else _ZERO)
             ex = esc[j]
             for p in range(NRAW):
