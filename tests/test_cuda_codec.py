@@ -43,21 +43,25 @@ def encode_checked(tiles: np.ndarray, b3: np.ndarray, b4: np.ndarray, capacity: 
                         np.arange(n + spare, dtype=np.int32)[::-1].copy(), raw, np.arange(n + spare, dtype=np.int32),
                         heads, **plan)
     encode(tiles.view(np.int16), entries, used)
+    check_storage(tiles, ref, slots, raw, entries, used, heads)
+    return dict(slots=slots, raw=raw, entries=entries, ref=ref)
 
+
+def check_storage(tiles, ref, slots, raw, entries, used, heads):
+    """An encode kernel's output against the reference codec's (BF16 or FP8, tests/test_fp8_cuda.py uses it
+    too): the escape counts, free-list heads and entries agree, a fitting tile's slot holds the reference's
+    bytes, an overflowing tile's raw tile its bits, and every slot and raw tile not popped still holds POISON."""
     np.testing.assert_array_equal(used, ref.escape_used)
     assert list(heads) == [int(ref.fits.sum()), int((~ref.fits).sum())]
     assert ((entries < 0) == ~ref.fits).all()
     index = entries.astype(np.int64) & L.TABLE_INDEX_MASK
-    for t in range(n):
+    for t in range(len(tiles)):
         if ref.fits[t]:
             np.testing.assert_array_equal(slots[index[t]], ref.slots[t], err_msg=f"slot of tile {t}")
         else:
-            np.testing.assert_array_equal(raw[index[t]].view(np.uint16), tiles[t], err_msg=f"raw tile {t}")
-    untouched_slots = np.setdiff1d(np.arange(n + spare), index[ref.fits])
-    untouched_raw = np.setdiff1d(np.arange(n + spare), index[~ref.fits])
-    assert (slots[untouched_slots] == POISON).all()
-    assert (raw[untouched_raw].view(np.uint16) == POISON * 0x101).all()
-    return dict(slots=slots, raw=raw, entries=entries, ref=ref)
+            np.testing.assert_array_equal(raw[index[t]].view(tiles.dtype), tiles[t], err_msg=f"raw tile {t}")
+    assert (slots[np.setdiff1d(np.arange(len(slots)), index[ref.fits])] == POISON).all()
+    assert (raw[np.setdiff1d(np.arange(len(raw)), index[~ref.fits])].view(np.uint8) == POISON).all()
 
 
 def roundtrip(tiles, b3, b4, capacity, **plan):

@@ -21,8 +21,8 @@ from gaac.fp8.codec import decode_tiles as ref_decode_tiles
 from gaac.fp8.codec import encode_tiles as ref_encode_tiles
 from gaac.fp8.codec import join_fp8
 from gaac.reference.bits import bit_planes, pack_bits
+from test_cuda_codec import POISON, check_storage
 
-POISON = 0xA5
 SIM = settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 FORMAT_NAMES = tuple(F.FORMATS)
 SPECIALS = [0x00, 0x80, 0x01, 0x81, 0x7F, 0xFF, 0x7E, 0xFE, 0x7C, 0xFC, 0x7B, 0x7D]   # zeros, NaN, Inf, max, min
@@ -42,18 +42,7 @@ def encode_checked(tiles, bn, bw, capacity, ms, **plan) -> dict:
                              np.arange(n + spare, dtype=np.int32)[::-1].copy(), raw,
                              np.arange(n + spare, dtype=np.int32), heads, **plan)
     plan_(tiles, entries, used)
-
-    np.testing.assert_array_equal(used, ref.escape_used)
-    assert list(heads) == [int(ref.fits.sum()), int((~ref.fits).sum())]
-    assert ((entries < 0) == ~ref.fits).all()
-    index = entries.astype(np.int64) & L.TABLE_INDEX_MASK
-    for t in range(n):
-        if ref.fits[t]:
-            np.testing.assert_array_equal(slots[index[t]], ref.slots[t], err_msg=f"slot of tile {t}")
-        else:
-            np.testing.assert_array_equal(raw[index[t]], tiles[t], err_msg=f"raw tile {t}")
-    assert (slots[np.setdiff1d(np.arange(n + spare), index[ref.fits])] == POISON).all()
-    assert (raw[np.setdiff1d(np.arange(n + spare), index[~ref.fits])] == POISON).all()
+    check_storage(tiles, ref, slots, raw, entries, used, heads)
     return dict(slots=slots, raw=raw, entries=entries, ref=ref)
 
 
