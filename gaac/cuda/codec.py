@@ -190,7 +190,8 @@ def _plane(x, bits, p):
 
 # ----------------------------------------------------------------------------------------------
 # Device functions of both tile codecs: gaac.fp8.cuda's kernels call them with their own constants
-# (escape bytes per mode, bytes per group of a stream, slot sections).
+# (escape bytes per mode, bytes per group of a stream, slot sections).  In the order the kernels
+# use them: the encoders', then the decoders'.
 
 @device
 def _escape_count(tags, wide, raw):
@@ -199,6 +200,80 @@ def _escape_count(tags, wide, raw):
     ``raw - wide`` more per odd bit, so that BF16's (1, 5) costs two popcounts and a shift-add (FP8 passes its
     own counts)."""
     return uint32(uint32(uint32(popc32(tags)) * wide) + uint32(uint32(popc32(tags & _ODD_BITS)) * uint32(raw - wide)))
+
+
+# _tag_words and _free_list_position hold block barriers and atomics, and every thread of the block
+# calls them.  They are cuda.jit device functions in the simulator too (not bitops.device's plain
+# functions): only a simulated cuda.jit function gets the launching kernel's cuda module when that
+# kernel lives in another module (gaac.fp8.cuda).  Once per thread, the simulator's lock costs little.
+
+@cuda.jit(device=True, inline=True)
+def _tag_words(stage, tagw, tagc, tot, warp, lane, words, wide, raw):
+    """The end of pass 1: after a block barrier (``stage[warp, g]`` holds group g's mode, ``tot[warp]`` is 0),
+    lane ``w < words`` of each warp packs tag word ``w`` of its tile (groups 16w .. 16w+15) into ``tagw`` and
+    its escape bytes (``wide``, ``raw`` per wide and raw tag) into ``tagc``.  Returns the tile's escape bytes,
+    after a second barrier."""
+    cuda.syncthreads()
+    if lane < uint32(words):
+        first = uint32(lane * uint32(16))
+        word = uint32(0)
+        for i in range(16):
+            word = uint32(word | uint32(uint32(stage[warp, uint32(first + uint32(i))]) << uint32(2 * i)))
+        tagw[warp, lane] = word
+        count = _escape_count(word, wide, raw)
+        tagc[warp, lane] = count
+        cuda.atomic.add(tot, warp, count)
+    cuda.syncthreads()
+    return tot[warp]
+
+
+@cuda.jit(device=True, inline=True)
+def _free_list_position(heads, cls, base, tid, warp, lane, valid, fits, tpb):
+    """The storage decision (FORMAT.md 6.4) of a block of ``tpb`` warps: a slot for a tile that ``fits``, a raw
+    tile for another, popped from the free lists with one atomic per block and pool, the warps ranked in warp
+    order (``cls`` and ``base`` are shared scratch).  Returns the warp's position in its free list for
+    :func:`_take_storage` (0 where the warp has no tile: not ``valid``, no position was popped for it)."""
+    my_cls = (int32(0) if fits else int32(1)) if valid else int32(2)
+    if lane == _ZERO:
+        cls[warp] = my_cls
+    if tid == _ZERO:
+        base[0] = 0
+        base[1] = 0
+    cuda.syncthreads()
+    rank = int32(0)
+    count0 = int32(0)
+    count1 = int32(0)
+    for w in range(tpb):
+        c = cls[w]
+        if c == my_cls and uint32(w) < warp:
+            rank += 1
+        if c == 0:
+            count0 += 1
+        elif c == 1:
+            count1 += 1
+    if tid == _ZERO:
+        if count0:
+            base[0] = cuda.atomic.add(heads, 0, count0)
+        if count1:
+            base[1] = cuda.atomic.add(heads, 1, count1)
+    cuda.syncthreads()
+    return uint32(base[my_cls] + rank) if valid else _ZERO
+
+
+@device
+def _take_storage(slot_free, raw_free, entries, escape_used, k, fits, tile, lane, total):
+    """The slot (a tile that ``fits``) or raw tile at position ``k`` of its free list, or NO_STORAGE where the
+    list ran dry; lane 0 writes the tile's entry (FORMAT.md 7.2) and its ``total`` escape bytes."""
+    if fits:
+        d = slot_free[k] if k < uint32(slot_free.shape[0]) else NO_STORAGE
+        entry = d
+    else:
+        d = raw_free[k] if k < uint32(raw_free.shape[0]) else NO_STORAGE
+        entry = d + _RAW_ENTRY_BIAS if d >= 0 else NO_STORAGE
+    if lane == _ZERO:
+        entries[tile] = entry
+        escape_used[tile] = total
+    return d
 
 
 @device
@@ -311,80 +386,6 @@ def _write_status(status, tile, lane, bad, total, cap):
     ``bad``, the words' ``t & t >> 1``), else BAD_ESCAPES where the tags need more than ``cap`` escape bytes."""
     if lane == _ZERO:
         status[tile] = BAD_TAG if bad & _EVEN_BITS else (BAD_ESCAPES if total > cap else 0)
-
-
-# Device functions with block barriers or shared-memory atomics, every thread of the block calls them:
-# cuda.jit device functions in the simulator too (not bitops.device's plain functions), because only a
-# simulated cuda.jit function gets the launching kernel's cuda module when that kernel lives in another
-# module (gaac.fp8.cuda's encoder calls them as well).  Once per thread, the simulator's lock costs little.
-
-@cuda.jit(device=True, inline=True)
-def _tag_words(stage, tagw, tagc, tot, warp, lane, words, wide, raw):
-    """The end of pass 1: after a block barrier (``stage[warp, g]`` holds group g's mode, ``tot[warp]`` is 0),
-    lane ``w < words`` of each warp packs tag word ``w`` of its tile (groups 16w .. 16w+15) into ``tagw`` and
-    its escape bytes (``wide``, ``raw`` per wide and raw tag) into ``tagc``.  Returns the tile's escape bytes,
-    after a second barrier."""
-    cuda.syncthreads()
-    if lane < uint32(words):
-        first = uint32(lane * uint32(16))
-        word = uint32(0)
-        for i in range(16):
-            word = uint32(word | uint32(uint32(stage[warp, uint32(first + uint32(i))]) << uint32(2 * i)))
-        tagw[warp, lane] = word
-        count = _escape_count(word, wide, raw)
-        tagc[warp, lane] = count
-        cuda.atomic.add(tot, warp, count)
-    cuda.syncthreads()
-    return tot[warp]
-
-
-@cuda.jit(device=True, inline=True)
-def _free_list_position(heads, cls, base, tid, warp, lane, valid, fits, tpb):
-    """The storage decision (FORMAT.md 6.4) of a block of ``tpb`` warps: a slot for a tile that ``fits``, a raw
-    tile for another, popped from the free lists with one atomic per block and pool, the warps ranked in warp
-    order (``cls`` and ``base`` are shared scratch).  Returns the warp's position in its free list for
-    :func:`_take_storage` (0 where the warp has no tile: not ``valid``, no position was popped for it)."""
-    my_cls = (int32(0) if fits else int32(1)) if valid else int32(2)
-    if lane == _ZERO:
-        cls[warp] = my_cls
-    if tid == _ZERO:
-        base[0] = 0
-        base[1] = 0
-    cuda.syncthreads()
-    rank = int32(0)
-    count0 = int32(0)
-    count1 = int32(0)
-    for w in range(tpb):
-        c = cls[w]
-        if c == my_cls and uint32(w) < warp:
-            rank += 1
-        if c == 0:
-            count0 += 1
-        elif c == 1:
-            count1 += 1
-    if tid == _ZERO:
-        if count0:
-            base[0] = cuda.atomic.add(heads, 0, count0)
-        if count1:
-            base[1] = cuda.atomic.add(heads, 1, count1)
-    cuda.syncthreads()
-    return uint32(base[my_cls] + rank) if valid else _ZERO
-
-
-@device
-def _take_storage(slot_free, raw_free, entries, escape_used, k, fits, tile, lane, total):
-    """The slot (a tile that ``fits``) or raw tile at position ``k`` of its free list, or NO_STORAGE where the
-    list ran dry; lane 0 writes the tile's entry (FORMAT.md 7.2) and its ``total`` escape bytes."""
-    if fits:
-        d = slot_free[k] if k < uint32(slot_free.shape[0]) else NO_STORAGE
-        entry = d
-    else:
-        d = raw_free[k] if k < uint32(raw_free.shape[0]) else NO_STORAGE
-        entry = d + _RAW_ENTRY_BIAS if d >= 0 else NO_STORAGE
-    if lane == _ZERO:
-        entries[tile] = entry
-        escape_used[tile] = total
-    return d
 
 
 def encode_source(channels: int, tiles_per_block: int = TILES_PER_BLOCK):

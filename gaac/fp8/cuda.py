@@ -38,7 +38,9 @@ sign+mantissa fields and escape planes are packed and unpacked with shifts, mask
 multiply per escape plane (:func:`_pack4`, :func:`_unpack4`, :func:`_plane_byte`,
 :func:`_spread_plane`).  Bit streams whose group is a whole word (E4M3's sign+mantissa nibbles)
 are written by each lane directly; narrower ones (the 2-bit codes, E5M2's 3-bit fields) and the
-escape bytes are staged in shared memory and written as whole words.
+escape bytes are staged in shared memory and written as whole words.  What does not depend on
+the element format (tag words, storage decision, escape offsets, stream words, raw tiles, status)
+is :mod:`gaac.cuda.codec`'s device functions, called with this mode set's constants.
 
 Every number comes from :mod:`gaac.fp8.layout` and :mod:`gaac.layout`; the kernels are built
 per (mode set, tile width) and compiled once.
