@@ -46,6 +46,7 @@ if SIM:
 import torch  # noqa: E402
 
 import gaac  # noqa: E402
+from benchmarks.report import table  # noqa: E402
 from gaac import layout as L  # noqa: E402
 from gaac.attention import (AttentionPlan, bf16_to_float, float_to_bf16, plain_view, reference_attention,  # noqa: E402
                             view_from_dense, view_to)
@@ -537,54 +538,50 @@ def render(report: dict) -> str:
     lines = []
     if report.get("checks"):
         lines += ["## Correctness (fresh random queries and lengths; output poisoned with NaN before each launch)", "",
-                  "| case | d | KV heads | g | lengths | splits | GAAC err | BF16-twin err | torch SDPA err | "
-                  "LSE err | written, status 0 |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-        for c in report["checks"]:
-            lines.append(f"| {c['case']} | {c['d']} | {c['kv_heads']} | {c['g']} | {c['lens']} | {c['gaac_splits']} | "
-                         f"{c['gaac_err']:.2e} | {c['plain_err']:.2e} | {c['torch_err']:.2e} | "
-                         f"{max(c['gaac_lse_err'], c['plain_lse_err']):.1e} | "
-                         f"{'yes' if c['ok'] else 'NO'} |")
-        lines.append("")
+                  *table(("case", "d", "KV heads", "g", "lengths", "splits", "GAAC err", "BF16-twin err",
+                          "torch SDPA err", "LSE err", "written, status 0"),
+                         ((c["case"], c["d"], c["kv_heads"], c["g"], c["lens"], c["gaac_splits"],
+                           f"{c['gaac_err']:.2e}", f"{c['plain_err']:.2e}", f"{c['torch_err']:.2e}",
+                           f"{max(c['gaac_lse_err'], c['plain_lse_err']):.1e}", "yes" if c["ok"] else "NO")
+                          for c in report["checks"])), ""]
     rows = report.get("bench", [])
     if rows:
         first = rows[0]
-        get = lambda k: first.get(k) or float("nan")  # noqa: E731
+        us = lambda k: f"{first.get(k) or float('nan'):.1f}"  # noqa: E731
+        stages = [("KV loading (variant that only stages the tiles)", us("gaac_load_only_ns3_us"),
+                   us("plain_load_only_ns3_us")),
+                  ("+ ldmatrix, MMAs, softmax on the undecoded bytes", us("gaac_no_decode_ns3_us"), "-"),
+                  (f"full kernel + merge (the configuration the sweep uses: {first.get('gaac_config')})",
+                   us("gaac_us"), us("plain_full_ns3_us")),
+                  ("decode done twice", us("gaac_decode_twice_ns3_us"), "-"),
+                  ("of which the merge kernel", us("merge_us"), "-"),
+                  *[(f"full kernel with {n} calibration epochs (a change every "
+                     f"{first.get(f'epochs{n}_blocks_per_change', 0):.0f} blocks; {first.get(f'epochs{n}_splits')} "
+                     f"splits; the same cache without epochs and the same splits: "
+                     f"{us(f'epochs{n}_same_split_us')} us, output bit-identical: "
+                     f"{first.get(f'epochs{n}_same_output')})", us(f"epochs{n}_us"), "-")
+                    for n in (16, 256) if first.get(f"epochs{n}_us")],
+                  (f"floor: bytes / {COPY_TBPS} TB/s", us("floor_us"), us("bf16_floor_us")),
+                  ("torch flash SDPA", "-", us("torch_flash_us"))]
         lines += [f"## Time breakdown ({first['hq']}/{first['hk']} heads, d={first['d']}, batch {first['batch']}, "
                   f"{first['ctx'] // 1024}K tokens; 3 stages; us)", "",
-                  "| stage | GAAC | BF16 twin |", "|---|---|---|",
-                  f"| KV loading (variant that only stages the tiles) | {get('gaac_load_only_ns3_us'):.1f} | "
-                  f"{get('plain_load_only_ns3_us'):.1f} |",
-                  f"| + ldmatrix, MMAs, softmax on the undecoded bytes | {get('gaac_no_decode_ns3_us'):.1f} | - |",
-                  f"| full kernel + merge (the configuration the sweep uses: {first.get('gaac_config')}) | "
-                  f"{get('gaac_us'):.1f} | {get('plain_full_ns3_us'):.1f} |",
-                  f"| decode done twice | {get('gaac_decode_twice_ns3_us'):.1f} | - |",
-                  f"| of which the merge kernel | {get('merge_us'):.1f} | - |",
-                  *[f"| full kernel with {n} calibration epochs (a change every "
-                    f"{first.get(f'epochs{n}_blocks_per_change', 0):.0f} blocks; {first.get(f'epochs{n}_splits')} "
-                    f"splits; the same cache without epochs and the same splits: "
-                    f"{get(f'epochs{n}_same_split_us'):.1f} us, output bit-identical: "
-                    f"{first.get(f'epochs{n}_same_output')}) | {get(f'epochs{n}_us'):.1f} | - |"
-                    for n in (16, 256) if first.get(f"epochs{n}_us")],
-                  f"| floor: bytes / {COPY_TBPS} TB/s | {get('floor_us'):.1f} | {get('bf16_floor_us'):.1f} |",
-                  f"| torch flash SDPA | - | {get('torch_flash_us'):.1f} |", "",
+                  *table(("stage", "GAAC", "BF16 twin"), stages), "",
                   "Configurations tried at this shape (us): " + ", ".join(
                       f"{k[5:-3]} {v:.1f}" for k, v in first.items()
                       if k.startswith("gaac_full") and k.endswith("_us")), ""]
         lines += ["## Decode attention, GPU time per call (CUDA-graph replay of attention + merge kernels, us)", "",
-                  "| heads q/kv | batch | context | GAAC | BF16 twin | torch flash | GAAC floor | GAAC / floor | "
-                  "speedup vs flash | speedup vs BF16 twin | splits x blocks |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in rows:
-            g = r["gaac_us"]
-            lines.append(f"| {r['hq']}/{r['hk']} | {r['batch']} | {r['ctx'] // 1024}K | {g:.1f} | {r['plain_us']:.1f} | "
-                         f"{r['torch_flash_us']:.1f} | {r['floor_us']:.1f} | {g / r['floor_us']:.2f} | "
-                         f"{r['torch_flash_us'] / g:.2f}x | {r['plain_us'] / g:.2f}x | "
-                         f"{r['splits']} x {r['blocks_per_split']} |")
+                  *table(("heads q/kv", "batch", "context", "GAAC", "BF16 twin", "torch flash", "GAAC floor",
+                          "GAAC / floor", "speedup vs flash", "speedup vs BF16 twin", "splits x blocks"),
+                         ((f"{r['hq']}/{r['hk']}", r["batch"], f"{r['ctx'] // 1024}K", f"{r['gaac_us']:.1f}",
+                           f"{r['plain_us']:.1f}", f"{r['torch_flash_us']:.1f}", f"{r['floor_us']:.1f}",
+                           f"{r['gaac_us'] / r['floor_us']:.2f}", f"{r['torch_flash_us'] / r['gaac_us']:.2f}x",
+                           f"{r['plain_us'] / r['gaac_us']:.2f}x", f"{r['splits']} x {r['blocks_per_split']}")
+                          for r in rows))]
         lines += ["", "## Host launch overhead (us per call)", "",
-                  "| heads q/kv | batch | context | host time per run() (2 launches) | eager wall time per call | "
-                  "GPU time (graph) |", "|---|---|---|---|---|---|"]
-        for r in rows:
-            lines.append(f"| {r['hq']}/{r['hk']} | {r['batch']} | {r['ctx'] // 1024}K | {r['host_us']:.1f} | "
-                         f"{r.get('eager_us', float('nan')):.1f} | {r['gaac_us']:.1f} |")
+                  *table(("heads q/kv", "batch", "context", "host time per run() (2 launches)",
+                          "eager wall time per call", "GPU time (graph)"),
+                         ((f"{r['hq']}/{r['hk']}", r["batch"], f"{r['ctx'] // 1024}K", f"{r['host_us']:.1f}",
+                           f"{r.get('eager_us', float('nan')):.1f}", f"{r['gaac_us']:.1f}") for r in rows))]
     return "\n".join(lines) + "\n"
 
 

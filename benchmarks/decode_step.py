@@ -57,7 +57,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import gaac  # noqa: E402
-from benchmarks.report import commit, write  # noqa: E402
+from benchmarks.report import commit, table, write  # noqa: E402
 from gaac import layout as L  # noqa: E402
 from gaac.attention import AttentionPlan  # noqa: E402
 from gaac.capture import package_version  # noqa: E402
@@ -523,52 +523,57 @@ def render(rep: dict) -> str:
     if rep.get("smoke"):
         lines += ["**SMOKE RUN** (CPU, numba simulator, tiny shapes): the times below mean nothing.", ""]
     rows = rep["contexts"]
-    lines += ["## Memory (batch 1 unless said; `PagedKVCache.memory()`)", "",
-              "| context | batch | BF16 KV GiB | GAAC resident GiB | ratio | slots | raw tiles | table | tails | "
-              "raw-tile fraction | GAAC allocated GiB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
+
+    def memory_cells(r):
         m = r["memory"]
-        lines.append(f"| {r['tokens']} | {r['batch']} | {fmt_gib(m['bf16_bytes'])} | {fmt_gib(m['resident_bytes'])} | "
-                     f"{m['ratio']:.3f}x | {fmt_gib(m['slot_bytes'])} | {fmt_gib(m['raw_bytes'])} | "
-                     f"{fmt_gib(m['table_bytes'])} | {m['tail_bytes'] / 2**20:.2f} MiB | "
-                     f"{100 * r['raw_tile_frac']:.2f}% | {fmt_gib(m['allocated_bytes'])} |")
-    lines += ["", "## Correctness (same weights, same token, caches holding the same values)", "",
-              "| context | logits max abs diff GAAC vs default | max abs logit | argmax agrees | layer-0 attention "
-              "rel. err vs fp32: flash | GAAC | GAAC vs flash max abs |", "|---|---|---|---|---|---|---|"]
-    for r in rows:
+        return (r["tokens"], r["batch"], fmt_gib(m["bf16_bytes"]), fmt_gib(m["resident_bytes"]), f"{m['ratio']:.3f}x",
+                fmt_gib(m["slot_bytes"]), fmt_gib(m["raw_bytes"]), fmt_gib(m["table_bytes"]),
+                f"{m['tail_bytes'] / 2**20:.2f} MiB", f"{100 * r['raw_tile_frac']:.2f}%", fmt_gib(m["allocated_bytes"]))
+
+    def check_cells(r):
         c = r["check"]
-        lines.append(f"| {r['tokens']} | {c['logits_max_abs_diff']:.4g} | {c['logits_max_abs']:.3g} | "
-                     f"{'yes' if c['argmax_agree'] else 'NO'} | {c['attn0_flash_rel_err']:.2e} | "
-                     f"{c['attn0_gaac_rel_err']:.2e} | {c['attn0_gaac_vs_flash_max_abs']:.3g} |")
+        return (r["tokens"], f"{c['logits_max_abs_diff']:.4g}", f"{c['logits_max_abs']:.3g}",
+                "yes" if c["argmax_agree"] else "NO", f"{c['attn0_flash_rel_err']:.2e}",
+                f"{c['attn0_gaac_rel_err']:.2e}", f"{c['attn0_gaac_vs_flash_max_abs']:.3g}")
+
+    def step_cells(r):
+        d, g, k = (r[f"{n}_graph"]["median_ms"] for n in ("default", "gaac", "skip"))
+        b = r["batch"]
+        return (r["tokens"], b, f"{d:.3f}", f"{g:.3f}", f"{d / g:.3f}x", f"{1e3 * b / d:.1f}", f"{1e3 * b / g:.1f}",
+                f"{k:.3f}", f"{100 * (d - k) / d:.1f}%", f"{100 * (g - k) / g:.1f}%",
+                f"{1e3 * (d - k) / s.layers:.1f} / {1e3 * (g - k) / s.layers:.1f}", f"{r['default_eager_ms']:.3f}",
+                f"{r['gaac_eager_ms']:.3f}")
+
+    lines += ["## Memory (batch 1 unless said; `PagedKVCache.memory()`)", "",
+              *table(("context", "batch", "BF16 KV GiB", "GAAC resident GiB", "ratio", "slots", "raw tiles", "table",
+                      "tails", "raw-tile fraction", "GAAC allocated GiB"), map(memory_cells, rows))]
+    lines += ["", "## Correctness (same weights, same token, caches holding the same values)", "",
+              *table(("context", "logits max abs diff GAAC vs default", "max abs logit", "argmax agrees",
+                      "layer-0 attention rel. err vs fp32: flash", "GAAC", "GAAC vs flash max abs"),
+                     map(check_cells, rows))]
     lines += ["", "Not bit-identical by design: two different kernels (split-KV with a merge vs flash), both "
               "accumulating in FP32 from BF16; the GAAC cache itself is lossless.", ""]
     lines += ["## Decode step time (CUDA graph, GPU ms per step)", "",
-              "| context | batch | default ms | GAAC ms | speedup GAAC/default | default tok/s | GAAC tok/s | "
-              "step without attention ms | attention share default | attention share GAAC | attention per layer "
-              "default / GAAC us | eager default ms | eager GAAC ms |", "|---" * 13 + "|"]
-    for r in rows:
-        d, g, k = (r[f"{n}_graph"]["median_ms"] for n in ("default", "gaac", "skip"))
-        b = r["batch"]
-        lines.append(f"| {r['tokens']} | {b} | {d:.3f} | {g:.3f} | {d / g:.3f}x | {1e3 * b / d:.1f} | "
-                     f"{1e3 * b / g:.1f} | {k:.3f} | {100 * (d - k) / d:.1f}% | {100 * (g - k) / g:.1f}% | "
-                     f"{1e3 * (d - k) / s.layers:.1f} / {1e3 * (g - k) / s.layers:.1f} | "
-                     f"{r['default_eager_ms']:.3f} | {r['gaac_eager_ms']:.3f} |")
+              *table(("context", "batch", "default ms", "GAAC ms", "speedup GAAC/default", "default tok/s",
+                      "GAAC tok/s", "step without attention ms", "attention share default", "attention share GAAC",
+                      "attention per layer default / GAAC us", "eager default ms", "eager GAAC ms"),
+                     map(step_cells, rows))]
     lines += ["", "speedup = default ms / GAAC ms (above 1: GAAC faster). attention share = (step - step without "
               "attention) / step. Eager = no graph: the step then costs the larger of its host launch time and its "
               "GPU time.", ""]
     eq = rep.get("equal_memory")
     if eq:
-        lines += [f"## Equal memory: {fmt_gib(eq['budget_bytes'])} GiB of KV, {eq['tokens']}-token sequences", "",
-                  "| cache | bytes per sequence (GiB) | sequences that fit | step ms (graph) | aggregate tok/s | "
-                  "step without attention ms |", "|---|---|---|---|---|---|"]
-        tp = {}
+        tp, cells = {}, []
         for name, key, n in (("BF16 + flash", "default", eq["bf16_seqs"]), ("GAAC", "gaac", eq["gaac_seqs"])):
             per = eq["bf16_per_seq"] if key == "default" else eq["gaac_per_seq"]
             t = eq.get(f"{key}_graph", {}).get("median_ms")
             k = eq.get(f"skip_{key}_batch_graph", {}).get("median_ms")
             tp[key] = 1e3 * n / t if t else 0.0
-            lines.append(f"| {name} | {per / GIB:.3f} | {n} | {t if t is None else f'{t:.3f}'} | {tp[key]:.1f} | "
-                         f"{k if k is None else f'{k:.3f}'} |")
+            cells.append((name, f"{per / GIB:.3f}", n, t if t is None else f"{t:.3f}", f"{tp[key]:.1f}",
+                          k if k is None else f"{k:.3f}"))
+        lines += [f"## Equal memory: {fmt_gib(eq['budget_bytes'])} GiB of KV, {eq['tokens']}-token sequences", "",
+                  *table(("cache", "bytes per sequence (GiB)", "sequences that fit", "step ms (graph)",
+                          "aggregate tok/s", "step without attention ms"), cells)]
         if tp["default"]:
             lines += ["", f"GAAC / BF16 aggregate throughput: {tp['gaac'] / tp['default']:.3f}x with "
                       f"{eq['gaac_seqs'] - eq['bf16_seqs']:+d} sequences (the paper reports one more sequence and "

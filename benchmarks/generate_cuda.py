@@ -39,7 +39,7 @@ if SMOKE:
 
 import torch  # noqa: E402
 
-from benchmarks.report import commit, write  # noqa: E402
+from benchmarks.report import commit, table, write  # noqa: E402
 
 CUT = 12                  # test_hf's batch: every prompt cut to 12 tokens
 VARIANTS = ("gaac-fused", "gaac-decoded", "default-eager")
@@ -207,22 +207,21 @@ def render(rep: dict) -> str:
              "divergence)", ""]
     if rep.get("smoke"):
         lines += ["**SMOKE RUN** (CPU): `gaac-fused` runs gaac's float32 reference attention, not the kernel.", ""]
-    lines += ["| case | batch | prompt tokens | variant | tokens identical | first divergence (ref -> gaac token) | "
-              "max logit diff | max abs logit | fused kernel calls | GAAC resident / BF16 bytes | ratio |",
-              "|---" * 11 + "|"]
-    for c in rep["cases"]:
-        for v in VARIANTS:
-            r = c[v]
-            m = r["memory"]
-            div = ", ".join("-" if x["first_divergence"] is None else
-                            f"step {x['first_divergence']} ({x['ref_token_there']} -> {x['run_token_there']})"
-                            for x in r["rows"])
-            lines.append(f"| {c['case']} | {c['batch']} | {c['prompt_tokens']} | {v} | "
-                         f"{'yes' if all(x['identical'] for x in r['rows']) else 'NO'} | {div} | "
-                         f"{max(x['max_logit_diff'] for x in r['rows']):.4g} | "
-                         f"{max(x['max_abs_logit'] for x in r['rows']):.3g} | {r['fused_calls']} | "
-                         + ("- | -" if m is None else f"{m['resident_bytes']} / {m['bf16_bytes']} | {m['ratio']:.3f}x")
-                         + " |")
+
+    def cells(c, v):
+        r = c[v]
+        m = r["memory"]
+        div = ", ".join("-" if x["first_divergence"] is None else
+                        f"step {x['first_divergence']} ({x['ref_token_there']} -> {x['run_token_there']})"
+                        for x in r["rows"])
+        return (c["case"], c["batch"], c["prompt_tokens"], v, "yes" if all(x["identical"] for x in r["rows"]) else "NO",
+                div, f"{max(x['max_logit_diff'] for x in r['rows']):.4g}",
+                f"{max(x['max_abs_logit'] for x in r['rows']):.3g}", r["fused_calls"],
+                *(("-", "-") if m is None else (f"{m['resident_bytes']} / {m['bf16_bytes']}", f"{m['ratio']:.3f}x")))
+
+    lines += table(("case", "batch", "prompt tokens", "variant", "tokens identical",
+                    "first divergence (ref -> gaac token)", "max logit diff", "max abs logit", "fused kernel calls",
+                    "GAAC resident / BF16 bytes", "ratio"), (cells(c, v) for c in rep["cases"] for v in VARIANTS))
     lines += ["", f"Expected fused calls per case: (new tokens - 1) x {rep['layers']} layers (every decode step after "
               "the first token, every layer) for prompts of 16 tokens or more, which calibrate right after the "
               "prefill; in the batch of 12-token prompts, from the last layer of the step that completes the first "

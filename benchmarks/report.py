@@ -1,5 +1,5 @@
-"""What the benchmark scripts' reports share, whatever they measure: the commit that made the numbers
-and the markdown + JSON pair a run leaves behind."""
+"""What the benchmark scripts' reports share, whatever they measure: the commit that made the numbers,
+markdown tables, and the markdown + JSON pair a run leaves behind."""
 from __future__ import annotations
 
 import json
@@ -27,6 +27,15 @@ def commit_with_changes(script: str) -> str:
     head = git("rev-parse", "--short=12", "HEAD").strip() or "unknown"
     dirty = [line[3:] for line in git("status", "--porcelain", "--", "gaac", script).splitlines()]
     return head + (f" (uncommitted changes in: {', '.join(dirty)})" if dirty else "")
+
+
+def table(header, rows) -> list[str]:
+    """The lines of a markdown table: the header, its ``|---|`` rule (one per header cell, so the two
+    cannot disagree) and a line per row of cells (each written as ``str`` would)."""
+    def line(cells):
+        return "| " + " | ".join(map(str, cells)) + " |"
+
+    return [line(header), "|---" * len(header) + "|", *map(line, rows)]
 
 
 def write(rep: dict, out: Path, render) -> None:
