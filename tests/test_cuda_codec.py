@@ -106,7 +106,6 @@ def test_any_patterns_any_bases(case):
 def test_wide_heads_with_every_mode(head_dim):
     """128-channel tiles (a 256 head is two): every mode, escapes past a 64-bit word, a spilled tile."""
     rng = np.random.default_rng(head_dim)
-    c = L.tile_channels(head_dim)
     b3 = rng.integers(0, L.B3_MAX + 1, size=(1, head_dim)).astype(np.uint8)
     b4 = np.clip(b3.astype(int) - 4, 0, L.B4_MAX).astype(np.uint8)
     e = b3[:, None, :] + rng.choice([0, 3, 7, 9, 11, -4, 40], size=(1, 16, head_dim), p=[.3, .3, .2, .08, .08, .02, .02])
