@@ -79,7 +79,7 @@ def synth_tiles(n, channels, rows, mix, gen, dev):
         b3 = b3 * L.B3_MAX
     b4 = (b3 - r(0, 5, (rows, channels))).clamp(0, L.B4_MAX)       # 4-bit window holds b3 .. b3+11
     idx = torch.arange(n, device=dev) % rows
-    t3, t4 = b3[idx][:, None, :], b4[idx][:, None, :]
+    t3 = b3[idx][:, None, :]
     e = t3 + r(0, L.WINDOW_3BIT, shape)
     u = torch.rand(shape, generator=gen, device=dev)
     e = torch.where(u < q4, t3 + L.WINDOW_3BIT + r(0, 4, shape), e)
