@@ -31,7 +31,6 @@ import os
 import platform
 import re
 import statistics
-import subprocess
 import sys
 import time
 import zlib
@@ -43,6 +42,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))            # run as a script from a checkout: gaac is the repo's own
+from benchmarks.report import commit  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results"
 KV_DIR = ROOT.parent / "shared" / "data" / "kv"
 DUMP_NAME = re.compile(r"__(?P<dataset>[^_]+)__(?P<kind>[kv])\.npy$")
@@ -548,14 +549,6 @@ def piecewise_notes() -> str:
     return "\n".join(f"- **{fam}: {yes}.** {why}." for fam, (yes, why) in PIECEWISE.items())
 
 
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -682,7 +675,7 @@ def cmd_cpu(args) -> None:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     env = {"date": datetime.date.today().isoformat(), "machine": f"{cpu_model()}, {_cores()} cores, no GPU",
            "load average at start (shared machine)": f"{load:.1f}",
-           "commit": git_commit(), "command": "python benchmarks/codecs.py " + " ".join(sys.argv[1:]),
+           "commit": commit(), "command": "python benchmarks/codecs.py " + " ".join(sys.argv[1:]),
            "versions": versions(["numpy", "zstandard", "lz4", "zipnn"]),
            "data": ", ".join(f"{t.name} {list(t.bits.shape)}" for t in tensors)}
     notes = """- GAAC and SplitZip-style rows are NumPy implementations: their throughput is that of slow, plain
@@ -713,7 +706,7 @@ def cmd_gpu(args) -> None:
     records, failed, genv = run_gpu(tensors, args.warmup, args.iters)
     env = {"date": datetime.date.today().isoformat(),
            "machine": f"{genv.pop('gpu')}, host {cpu_model()}, {_cores()} cores",
-           "commit": args.commit or git_commit(), "command": "python benchmarks/codecs.py " + " ".join(sys.argv[1:]),
+           "commit": args.commit or commit(), "command": "python benchmarks/codecs.py " + " ".join(sys.argv[1:]),
            "versions": {**versions(["numpy", "nvidia-nvcomp-cu13"]), "torch": genv.pop("torch"),
                         "cuda (torch)": genv.pop("cuda"), "nvcomp (module)": genv.pop("nvcomp")},
            "data": ", ".join(f"{t.name} {list(t.bits.shape)}" for t in tensors)}

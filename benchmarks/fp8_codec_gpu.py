@@ -28,7 +28,6 @@ import math
 import multiprocessing
 import os
 import platform
-import subprocess
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -44,6 +43,7 @@ if "--smoke" in sys.argv:
 
 import torch  # noqa: E402
 
+from benchmarks.report import commit  # noqa: E402
 from benchmarks.timing import copy_bandwidth, gpu_time_us, graph_time_us, sync  # noqa: E402
 from gaac import layout as L  # noqa: E402
 from gaac.calibration import best_capacity  # noqa: E402
@@ -362,15 +362,6 @@ def bench_format(ms, dumps, args, dev) -> dict:
 
 # ------------------------------------------------------------------------------------------------
 # Report
-
-def commit() -> str:
-    try:
-        out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             timeout=10)
-        return out.stdout.strip() or "unknown (no git)"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown (no git)"
-
 
 def markdown(info: dict, checks: list[dict], bench: list[dict]) -> str:
     lines = [f"# GAAC-FP8 CUDA codec: {info['device']}", "",
