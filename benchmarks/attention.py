@@ -48,8 +48,8 @@ import torch  # noqa: E402
 import gaac  # noqa: E402
 from benchmarks.report import table  # noqa: E402
 from gaac import layout as L  # noqa: E402
-from gaac.attention import (AttentionPlan, bf16_to_float, float_to_bf16, plain_view, reference_attention,  # noqa: E402
-                            view_from_dense, view_to)
+from gaac.attention import (DEFAULT_MAX_REGISTERS, AttentionPlan, bf16_to_float, float_to_bf16, plain_view,  # noqa: E402
+                            reference_attention, view_from_dense, view_to)
 from gaac.cachelayout import LayerView  # noqa: E402
 
 KINDS = ("prose", "code", "math", "list")
@@ -217,6 +217,9 @@ def rel(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+CHECK_CONFIGS = [{}]     # AttentionPlan options the checks run the GAAC kernel with (--check --configs)
+
+
 def check_case(name, ks, vs, b3, b4, cap, g, rng, results, blocks_per_split=None, epochs=None):
     """GAAC and plain kernels vs float64 over the dense caches ``ks[b]``, ``vs[b]`` (uint16 [H, L_b, d]);
     ``epochs``: per-block calibration epochs (``b3``/``b4`` then hold one row per epoch)."""
@@ -231,10 +234,12 @@ def check_case(name, ks, vs, b3, b4, cap, g, rng, results, blocks_per_split=None
     qd = torch.from_numpy(q.view(np.int16)).to(DEV)
     if not SIM:
         qd = qd.view(torch.bfloat16)
-    for label, view in (("gaac", view_from_dense(ks, vs, b3, b4, cap, rng=rng, epochs=epochs)),
-                        ("plain", plain_view(ks, vs))):
+    gaac_view = view_from_dense(ks, vs, b3, b4, cap, rng=rng, epochs=epochs)
+    runs = [("gaac" if n == 0 else f"gaac_{label(cfg)}", gaac_view, cfg) for n, cfg in enumerate(CHECK_CONFIGS)
+            if d <= 128 or not cfg.get("overlap")]
+    for name_, view, cfg in runs + [("plain", plain_view(ks, vs), {})]:
         dv = view_to(view, DEV)
-        plan = AttentionPlan(dv, hk * g, plain=label == "plain", blocks_per_split=blocks_per_split)
+        plan = AttentionPlan(dv, hk * g, plain=name_ == "plain", blocks_per_split=blocks_per_split, **cfg)
         out = torch.full((batch, hk * g, d), NAN_BITS, dtype=torch.int16, device=DEV)
         lse = torch.full((batch, hk * g), float("nan"), device=DEV)
         if SIM:
@@ -244,14 +249,13 @@ def check_case(name, ks, vs, b3, b4, cap, g, rng, results, blocks_per_split=None
         out, lse = (torch.from_numpy(out), torch.from_numpy(lse)) if SIM else (out, lse)
         o = bf16_to_float(out.cpu().numpy()).astype(np.float64)
         written = bool(np.isfinite(o).all() and torch.isfinite(lse).all())
-        row[f"{label}_err"] = rel(o, ref)
-        row[f"{label}_lse_err"] = float(np.abs(lse.cpu().numpy() - lse_ref).max())
-        row[f"{label}_written"] = written
-        row[f"{label}_status"] = int(plan.status[0])
-        row[f"{label}_splits"] = plan.n_work
-    ok = (row["gaac_written"] and row["plain_written"] and row["gaac_status"] == 0 and row["plain_status"] == 0
-          and row["gaac_err"] <= max(2 * err_torch, 2e-3) and row["plain_err"] <= max(2 * err_torch, 2e-3)
-          and row["gaac_lse_err"] < 1e-3 and row["plain_lse_err"] < 1e-3)
+        row[f"{name_}_err"] = rel(o, ref)
+        row[f"{name_}_lse_err"] = float(np.abs(lse.cpu().numpy() - lse_ref).max())
+        row[f"{name_}_written"] = written
+        row[f"{name_}_status"] = int(plan.status[0])
+        row[f"{name_}_splits"] = plan.n_work
+    ok = all(row[f"{n}_written"] and row[f"{n}_status"] == 0 and row[f"{n}_err"] <= max(2 * err_torch, 2e-3)
+             and row[f"{n}_lse_err"] < 1e-3 for n, _, _ in runs + [("plain", None, None)])
     row["ok"] = ok
     results.append(row)
     log(f"  {name:28s} d={d:3d} H={hk} g={g} splits={row['gaac_splits']:4d} err gaac {row['gaac_err']:.2e} "
@@ -411,10 +415,14 @@ def rotation(nbytes):
     return max(1, math.ceil(3 * L2_BYTES / max(nbytes, 1)))
 
 
-def label(cfg: dict) -> str:
-    """Short name of a kernel configuration: variant, stages, overlapped V decode, register cap."""
-    return (f"{cfg.get('variant', 'full')}_ns{cfg.get('nstage', 3)}" + ("_overlap" if cfg.get("overlap") else "")
-            + (f"_r{cfg['max_registers']}" if cfg.get("max_registers") else ""))
+def label(cfg: dict, plain: bool = False) -> str:
+    """Short name of a kernel configuration (AttentionPlan options, defaults resolved for head_dim 128):
+    variant, stages, overlapped V decode, register cap, planned blocks per SM."""
+    variant = cfg.get("variant", "full")
+    overlap = cfg.get("overlap", not plain and variant == "full")
+    regs = cfg.get("max_registers", DEFAULT_MAX_REGISTERS)
+    return (f"{variant}_ns{cfg.get('nstage', 2)}" + ("_overlap" if overlap else "") + (f"_r{regs}" if regs else "")
+            + (f"_b{cfg['blocks_per_sm']}" if cfg.get("blocks_per_sm") else ""))
 
 
 def with_epochs_view(view: LayerView, n_epochs: int) -> LayerView:
@@ -480,6 +488,8 @@ def bench_config(cache, hq, batch, ctx, configs=({},), with_torch=True, plain_co
     for n, cfg in enumerate(configs):
         plans = [AttentionPlan(v, hq, **cfg) for v in views]
         res[f"gaac_{label(cfg)}_us"] = graph_time([lambda p=p: p.run(q, out=out, lse=lse) for p in plans])
+        res[f"gaac_{label(cfg)}_splits"] = plans[0].n_work
+        res[f"gaac_{label(cfg)}_resources"] = plans[0].resources
         if n == 0:
             p0 = plans[0]
             res["gaac_us"] = res[f"gaac_{label(cfg)}_us"]
@@ -501,9 +511,10 @@ def bench_config(cache, hq, batch, ctx, configs=({},), with_torch=True, plain_co
         dense = [cache.dense(batch, ctx) for _ in range(rb)]
         for n, cfg in enumerate(plain_configs):
             pplans = [AttentionPlan(cache.plain(k, v), hq, plain=True, **cfg) for k, v in dense]
-            res[f"plain_{label(cfg)}_us"] = graph_time([lambda p=p: p.run(q, out=out, lse=lse) for p in pplans])
+            res[f"plain_{label(cfg, True)}_us"] = graph_time([lambda p=p: p.run(q, out=out, lse=lse) for p in pplans])
+            res[f"plain_{label(cfg, True)}_resources"] = pplans[0].resources
             if n == 0:
-                res["plain_us"] = res[f"plain_{label(cfg)}_us"]
+                res["plain_us"] = res[f"plain_{label(cfg, True)}_us"]
             del pplans
         if with_torch:
             qt = torch.from_numpy(q).view(torch.bfloat16) if SIM else q
@@ -548,12 +559,16 @@ def render(report: dict) -> str:
     if rows:
         first = rows[0]
         us = lambda k: f"{first.get(k) or float('nan'):.1f}"  # noqa: E731
-        stages = [("KV loading (variant that only stages the tiles)", us("gaac_load_only_ns3_us"),
-                   us("plain_load_only_ns3_us")),
-                  ("+ ldmatrix, MMAs, softmax on the undecoded bytes", us("gaac_no_decode_ns3_us"), "-"),
+
+        def variant(prefix):
+            """The time of the first configuration of a variant (key names hold the configuration)."""
+            return us(next((k for k in first if k.startswith(prefix) and k.endswith("_us")), ""))
+        stages = [("KV loading (variant that only stages the tiles)", variant("gaac_load_only_"),
+                   variant("plain_load_only_")),
+                  ("+ ldmatrix, MMAs, softmax on the undecoded bytes", variant("gaac_no_decode_"), "-"),
                   (f"full kernel + merge (the configuration the sweep uses: {first.get('gaac_config')})",
-                   us("gaac_us"), us("plain_full_ns3_us")),
-                  ("decode done twice", us("gaac_decode_twice_ns3_us"), "-"),
+                   us("gaac_us"), us("plain_us")),
+                  ("decode done twice", variant("gaac_decode_twice_"), "-"),
                   ("of which the merge kernel", us("merge_us"), "-"),
                   *[(f"full kernel with {n} calibration epochs (a change every "
                      f"{first.get(f'epochs{n}_blocks_per_change', 0):.0f} blocks; {first.get(f'epochs{n}_splits')} "
@@ -564,7 +579,7 @@ def render(report: dict) -> str:
                   (f"floor: bytes / {COPY_TBPS} TB/s", us("floor_us"), us("bf16_floor_us")),
                   ("torch flash SDPA", "-", us("torch_flash_us"))]
         lines += [f"## Time breakdown ({first['hq']}/{first['hk']} heads, d={first['d']}, batch {first['batch']}, "
-                  f"{first['ctx'] // 1024}K tokens; 3 stages; us)", "",
+                  f"{first['ctx'] // 1024}K tokens; us)", "",
                   *table(("stage", "GAAC", "BF16 twin"), stages), "",
                   "Configurations tried at this shape (us): " + ", ".join(
                       f"{k[5:-3]} {v:.1f}" for k, v in first.items()
@@ -594,6 +609,9 @@ def main():
     ap.add_argument("--sim", action="store_true", help="dry run in numba's CUDA simulator (tiny sizes)")
     ap.add_argument("--ncu", default=None, help="launch only the kernel of this JSON configuration (for ncu)")
     ap.add_argument("--render", type=Path, default=None, help="print the markdown tables of a results JSON")
+    ap.add_argument("--configs", type=json.loads, default=None,
+                    help="JSON list of AttentionPlan options to compare at 64K, batch 1 (default: the study's)")
+    ap.add_argument("--no-sweep", action="store_true", help="--bench: the 64K study only, no sweep")
     ap.add_argument("--kv", type=Path, default=Path(__file__).resolve().parents[1] / ".devdata" / "kv")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -609,23 +627,25 @@ def main():
               "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     if args.epochs:
         first = (16, 1, 64) if SIM else (32, 1, 65536)
-        res = bench_config(BenchCache(real, 8, 128), *first, [{"overlap": True}], with_torch=False, plain_configs=(),
+        res = bench_config(BenchCache(real, 8, 128), *first, [{}], with_torch=False, plain_configs=(),
                            rng=rng, with_epochs=True)
         log(json.dumps(res))
         report["epochs"] = res
     if args.check:
         t = time.time()
+        if args.configs:
+            CHECK_CONFIGS[:] = [{}] + [c for c in args.configs if c]
         report["checks"] = run_checks(real, rng)
         log(f"checks: {sum(r['ok'] for r in report['checks'])}/{len(report['checks'])} ok in {time.time() - t:.0f} s")
     if args.bench:
         rows = []
         cache = BenchCache(real, 8, 128)
         log(f"== timings (capacity K/V {cache.capacity}) ==")
-        candidates = [{}, {"overlap": True}, {"overlap": True, "nstage": 4}]
+        candidates = args.configs or [{}, {"nstage": 3, "max_registers": None}, {"overlap": False}]
         breakdown = candidates + [{"variant": v} for v in ("load_only", "no_decode", "decode_twice")]
-        plain_breakdown = [{}, {"variant": "load_only"}, {"nstage": 2}]
+        plain_breakdown = [{}, {"variant": "load_only"}, {"nstage": 3, "max_registers": None}]
         if SIM:
-            candidates = breakdown = [{}, {"overlap": True}]
+            candidates = breakdown = [{}, {"overlap": False}]
             plain_breakdown = [{}]
             first = (16, 1, 32)
         else:
@@ -640,7 +660,7 @@ def main():
         report["best_config"] = best
         log(f"fastest configuration: {label(best)}")
         one = [best]
-        if SIM:
+        if SIM or args.no_sweep:
             configs = []
         elif args.quick:
             configs = [(32, 1, 16384), (32, 1, 131072), (32, 4, 32768), (64, 1, 65536)]
@@ -657,12 +677,12 @@ def main():
                 (args.out / "attention.json").write_text(json.dumps({**report, "bench": rows}, indent=1, default=str))
         report["bench"] = rows
         first = rows[0]
-        bd = {k: first.get(f"gaac_{k}_ns3_us") for k in ("load_only", "no_decode", "full", "decode_twice")}
+        bd = {k: first.get(f"gaac_{label({'variant': k})}_us") for k in ("load_only", "no_decode", "decode_twice")}
         if None not in bd.values():
-            log("\nbreakdown (64K, batch 1, 3 stages, GAAC / BF16 twin): load only "
-                f"{bd['load_only']:.1f} / {first.get('plain_load_only_ns3_us', 0):.1f} us; + MMA and softmax on "
-                f"the undecoded bytes {bd['no_decode']:.1f}; full {bd['full']:.1f} / "
-                f"{first.get('plain_full_ns3_us', 0):.1f}; decode twice {bd['decode_twice']:.1f}")
+            log("\nbreakdown (64K, batch 1, default configuration, GAAC / BF16 twin): load only "
+                f"{bd['load_only']:.1f} / {first.get('plain_' + label({'variant': 'load_only'}, True) + '_us', 0):.1f} "
+                f"us; + MMA and softmax on the undecoded bytes {bd['no_decode']:.1f}; full {first['gaac_us']:.1f} / "
+                f"{first.get('plain_us', 0):.1f}; decode twice {bd['decode_twice']:.1f}")
         log("\nconfigurations at " + f"{first['hq']}/{first['hk']} heads, batch {first['batch']}, {first['ctx'] // 1024}K:")
         for k, v in first.items():
             if k.endswith("_us") and v is not None:

@@ -8,8 +8,8 @@ without a GPU.
 
 Device time is scarce and the simulator says nothing about resources, but compiling needs no GPU:
 numba's ``cuda.compile_ptx`` (NVVM from the ``nvidia-nvvm`` wheel) gives the PTX, ``ptxas`` assembles it for
-sm_90, and ``cuobjdump`` prints the SASS.  What ptxas reports decides occupancy (one-warp blocks: 65536 /
-(32 * registers) by registers, 227 KB / (shared + 1 KB) by shared memory), and a variant that spills or
+sm_90, and ``cuobjdump`` prints the SASS.  What ptxas reports decides occupancy (:func:`warps_per_sm`: a
+scheduler's quarter of the register file, 228 KB / (shared + 1 KB)), and a variant that spills or
 changes its instruction count shows here before it costs a device call.  GPU-only typing errors (a shared
 array whose shape is not a compile-time constant, say) also show here and not in the simulator.  ``--codec``
 adds a digest of the SASS instruction text (addresses and encodings left out): a refactoring that claims to
@@ -35,8 +35,7 @@ from pathlib import Path
 os.environ.pop("NUMBA_ENABLE_CUDASIM", None)          # compile for the GPU, not the simulator
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np  # noqa: E402
-from numba import cuda, typeof, types  # noqa: E402
+from numba import cuda  # noqa: E402
 
 from gaac import layout as L  # noqa: E402
 from gaac.cuda import attention as K  # noqa: E402
@@ -44,19 +43,10 @@ from gaac.cuda import codec as C  # noqa: E402
 from gaac.fp8 import cuda as F8  # noqa: E402
 from gaac.fp8.layout import FORMATS, mode_set  # noqa: E402
 
-DEFAULT_VARIANTS = ("{}", "{'overlap': True}", "{'plain': True}", "{'variant': 'load_only'}")
+DEFAULT_VARIANTS = ("{'overlap': True, 'nstage': 2, 'max_registers': 168}", "{'nstage': 2, 'max_registers': 168}",
+                    "{'overlap': True}", "{'plain': True, 'nstage': 2, 'max_registers': 168}",
+                    "{'variant': 'load_only', 'nstage': 2}")
 HEAD_DIM = 128
-
-
-def _array(dtype) -> types.Array:
-    return types.Array(typeof(np.zeros(1, dtype)).dtype, 1, "C")
-
-
-def attention_signature() -> tuple:
-    """The argument types :class:`gaac.attention.AttentionPlan` launches the attention kernel with."""
-    arrays = [np.int32, np.uint8, np.uint8, np.uint8, np.uint8, np.int32, np.int32, np.uint8, np.uint8, np.int32,
-              np.int16, np.int16, np.int32, np.int32, np.float32, np.float32, np.int32]
-    return tuple([_array(a) for a in arrays] + [types.int64] * 9 + [types.float32])
 
 
 def _tool(name: str) -> str:
@@ -86,7 +76,7 @@ def attention_kernel(options: dict):
     stage = 0 if plain else -(-geo.slot_bytes(64) // 16) * 16
     kernel = K.attention_kernel(HEAD_DIM, plain, options.pop("variant", K.FULL), options.pop("nstage", 3), stage,
                                 **options)
-    return kernel.py_func, attention_signature()
+    return kernel.py_func, K.kernel_signature()
 
 
 def codec_kernels(channels: int):
@@ -99,12 +89,22 @@ def codec_kernels(channels: int):
         yield f"{name} decode C={channels}", F8.decode_source(modes, channels), C.DECODE_SIG
 
 
-def resources(fn, signature, workdir: Path, ptxas: str, cuobjdump: str, isa: str) -> dict:
-    """Compile one kernel and read what ptxas and the SASS say."""
+def warps_per_sm(registers: int, smem: int) -> int:
+    """Resident one-warp blocks per SM (sm_90): each of the 4 schedulers owns a quarter of the register
+    file (16384), allocated to a warp in units of 256, and each block reserves 1 KB of shared memory
+    beyond its own (228 KB per SM).  So 168 registers a thread allow 12 warps and 174 only 8."""
+    per_warp = -(-registers * 32 // 256) * 256
+    return min(32, 4 * (16384 // per_warp), (228 * 1024) // (smem + 1024))
+
+
+def resources(fn, signature, workdir: Path, ptxas: str, cuobjdump: str, isa: str, max_registers=None) -> dict:
+    """Compile one kernel (with ptxas' register cap, as numba passes ``max_registers``) and read what
+    ptxas and the SASS say."""
     ptx, _ = cuda.compile_ptx(fn, signature, cc=(9, 0))
     src, cubin = workdir / "k.ptx", workdir / "k.cubin"
     src.write_text(re.sub(r"^\.version \d+\.\d+", f".version {isa}", ptx, count=1, flags=re.M))
-    info = subprocess.run([ptxas, "-arch=sm_90", "-v", str(src), "-o", str(cubin)], capture_output=True, text=True)
+    cap = [f"-maxrregcount={max_registers}"] if max_registers else []
+    info = subprocess.run([ptxas, "-arch=sm_90", "-v", *cap, str(src), "-o", str(cubin)], capture_output=True, text=True)
     if info.returncode:
         raise SystemExit(info.stderr)
     regs = int(re.search(r"Used (\d+) registers", info.stderr).group(1))
@@ -113,7 +113,7 @@ def resources(fn, signature, workdir: Path, ptxas: str, cuobjdump: str, isa: str
     sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True).stdout
     lines = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(.*?)\s*;", sass, re.M)
     ops = Counter(m.group(1) for m in (re.match(r"(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", x) for x in lines) if m)
-    warps = min(32, 65536 // (32 * regs), (227 * 1024) // (smem + 1024))
+    warps = warps_per_sm(regs, smem)
     digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()[:12]
     return {"registers": regs, "smem": smem, "spill_bytes": spill, "warps_per_sm": warps,
             "sass": sum(ops.values()), "ops": ops, "digest": digest}
@@ -153,7 +153,8 @@ def main():
         print("| variant | registers | shared bytes | spill bytes | warps/SM | SASS instructions | LDS | STS | HMMA |")
         print("|---|---|---|---|---|---|---|---|---|")
         for text in args.variants or DEFAULT_VARIANTS:
-            r = resources(*attention_kernel(ast.literal_eval(text)), Path(tmp), ptxas, cuobjdump, isa)
+            options = ast.literal_eval(text)
+            r = resources(*attention_kernel(options), Path(tmp), ptxas, cuobjdump, isa, options.get("max_registers"))
             o = r["ops"]
             print(f"| {text} | {r['registers']} | {r['smem']} | {r['spill_bytes']} | {r['warps_per_sm']} | "
                   f"{r['sass']} | {o['LDS']} | {o['STS']} | {o['HMMA']} |", flush=True)

@@ -97,20 +97,20 @@ def reference_attention(q, ks, vs, scale: float | None = None, dtype=np.float64)
 # Building LayerViews from dense caches (tests, benchmarks).
 
 def _pair_base_words(b3, b4) -> np.ndarray:
-    """Per-channel bases ``[..., Hkv, D]`` -> pair words ``[..., Hkv, 4, D/2]`` int32: rows b3, b4, 0, 0.
+    """Per-channel bases ``[..., Hkv, D]`` -> pair words ``[..., Hkv, 3, D/2]`` int32: rows b3, b4, 0.
 
     Word ``p`` of a row is ``b[2p] << 7 | b[2p+1] << 23``: the exponent fields of two BF16
     lanes, which the kernel adds to a code pair; the row is the group's mode tag (the base of a
-    raw group is 0; tag 3 is reserved and flagged).  See gaac.cuda.attention.
+    raw group is 0; tag 3 is reserved, flagged, and reads row 2).  See gaac.cuda.attention.
     """
     rows = [np.asarray(b).astype(np.int32) for b in (b3, b4)]
     rows = [(x[..., 0::2] << 7) | (x[..., 1::2] << 23) for x in rows]
     zero = np.zeros_like(rows[0])
-    return np.stack([rows[0], rows[1], zero, zero], axis=-2)
+    return np.stack([rows[0], rows[1], zero], axis=-2)
 
 
 def _epoch_bases(view: LayerView) -> np.ndarray:
-    """The kernel's base table: pair words ``[2, E, Hkv, 4, D/2]`` int32, ``E`` = the larger epoch count of
+    """The kernel's base table: pair words ``[2, E, Hkv, 3, D/2]`` int32, ``E`` = the larger epoch count of
     K and V (the other kind's rows past its own count are zero and never read: the kernel flags such
     an epoch instead)."""
     words = [_pair_base_words(*(np.asarray(_host(b[kind])) for b in (view.b3, view.b4))) for kind in range(2)]
@@ -408,19 +408,29 @@ def _check_q(q, view: LayerView, device):
 # ----------------------------------------------------------------------------------------------
 # The CUDA path: plan once, run per step.
 
+# The fastest configuration measured on the H200 (benchmarks/NOTES-attention.md, v10): two stages and at
+# most 168 registers a thread, so that 12 one-warp blocks fit an SM (3 warps per scheduler: each
+# scheduler has a quarter of the register file, 16384 registers), and the overlapped V decode.
+DEFAULT_MAX_REGISTERS = 168
+
+
 class AttentionPlan:
     """Launch plan of decode attention for one LayerView shape and one set of sequence lengths.
 
     ``plan`` (the constructor) validates the view, copies ``seq_lens`` to the host once, chooses
     blocks per split so that one wave of one-warp thread blocks fills the GPU, and allocates the
     split partials.  :meth:`run` launches the attention kernel and the merge kernel; nothing in it
-    synchronises with the host.  ``plain=True`` is the BF16 baseline (every tile raw);
-    ``variant`` selects the timing variants of :mod:`gaac.cuda.attention`.
+    synchronises with the host.  ``plain=True`` is the BF16 baseline (every tile raw, the same
+    defaults); ``variant`` selects the timing variants of :mod:`gaac.cuda.attention`.  Defaults:
+    ``nstage=2``; ``overlap`` (None) on for the compressed full kernel with head_dim <= 128;
+    ``max_registers`` (-1) :data:`DEFAULT_MAX_REGISTERS` for head_dim <= 128, None = no cap.  The wave is sized by the
+    driver's occupancy of the compiled kernel (``resources``); ``blocks_per_sm`` overrides it, for
+    experiments only (a wrong value costs a second wave, not correctness).
     """
 
     def __init__(self, view: LayerView, q_heads: int, *, scale: float | None = None, plain: bool = False,
-                 variant: str = "full", nstage: int = 3, blocks_per_split: int | None = None,
-                 overlap: bool = False, max_registers: int | None = None):
+                 variant: str = "full", nstage: int = 2, blocks_per_split: int | None = None,
+                 overlap: bool | None = None, max_registers: int | None = -1, blocks_per_sm: int | None = None):
         from .cuda import attention as K
 
         self._K = K
@@ -432,6 +442,10 @@ class AttentionPlan:
             raise InputError(f"{q_heads} query heads for {hk} KV heads; need 1..{MAX_GROUP} per KV head")
         self.q_heads, self.g = q_heads, q_heads // hk
         self.scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+        if overlap is None:
+            overlap = not plain and d <= 128 and variant == "full"
+        if max_registers == -1:
+            max_registers = DEFAULT_MAX_REGISTERS if d <= 128 else None
         self.plain = plain
         lens = np.asarray(view.seq_lens.cpu() if _is_torch(view.seq_lens) else view.seq_lens).astype(np.int64)
         if lens.size == 0 or lens.min() < 0:
@@ -442,7 +456,6 @@ class AttentionPlan:
                              f"block table holds {mb}")
         self.batch = len(lens)
         nblk = -(-lens // L.BLOCK_TOKENS)
-        tph = L.tiles_per_head(d)
         c = L.tile_channels(d)
         geo = L.TileGeometry(c)
         self._sizes = (geo.slot_bytes(view.capacity[0]), geo.slot_bytes(view.capacity[1]))
@@ -450,19 +463,21 @@ class AttentionPlan:
         # Runs of blocks with one K epoch and one V epoch (no split crosses a run's end), per sequence.
         runs = _epoch_runs(view, lens // L.BLOCK_TOKENS, nblk)
         run_len = np.array([z - a for _, a, z in runs], np.int64)
+        self.resources = None               # what the driver says of the kernel's occupancy (GPU, planned splits)
         if blocks_per_split is None:
-            smem = K.smem_bytes(c, tph, nstage, plain, stage) + 4 * K.MAX_BLOCKS_PER_SPLIT * 2 * tph
             if K.SIMULATOR:
                 target = 4
             else:
                 import torch
 
+                from .cuda.launch import resident_blocks
+
                 sms = torch.cuda.get_device_properties(view.slots[0].device).multi_processor_count
-                # One wave of one-warp blocks: as many as fit an SM by shared memory and by registers
-                # (from ptxas, benchmarks/kernel_resources.py: 247 per thread for the compressed kernel, 172
-                # for the plain one).
-                regs = max_registers or (172 if plain else 248)
-                target = sms * max(1, min(32, (227 * 1024) // (smem + 1024), 65536 // (32 * regs)))
+                # One wave of one-warp blocks: as many as the driver says fit an SM (registers, shared memory).
+                kernel = K.attention_kernel(d, plain, variant, nstage, 0 if plain else stage, overlap, max_registers)
+                self.resources = dict(zip(("blocks_per_sm", "registers", "shared_bytes"),
+                                          resident_blocks(kernel, K.kernel_signature(), K.WARP)))
+                target = sms * max(1, blocks_per_sm or self.resources["blocks_per_sm"])
             # The fewest blocks per split that still fit one wave: each run rounds its splits up, so the
             # bare quotient can spill a few blocks into a second, almost empty wave.
             blocks_per_split = max(1, -(-int(run_len.sum()) * hk // target))

@@ -43,9 +43,9 @@ directly: ``(prmt(sm, dup) & 0x807F807F) | (e_c << 7 | e_{c+1} << 23)``.  The
 exponent pair ``Z`` is ``code pair + base pair + escape bits``: the 3-bit codes
 of two elements move from bits ``0..5`` of a 12-bit code field to bits 7 and 23
 with one multiply (the two shifted copies cannot overlap, so no carries), the
-bases are stored pre-shifted per channel pair (rows b3, b4 and two zero rows for
-raw groups and the reserved tag, selected by the mode tag), and an escape byte's bits land on bits
-10 and 26 (exponent bit 3).  Raw groups add bit planes 1..4 on a slow path.
+bases are stored pre-shifted per channel pair (rows b3, b4 and a zero row for
+raw groups, selected by the mode tag), and an escape byte's bits land on bits
+10 and 26 (exponent bit 3) by one more multiply.  Raw groups add bit planes 1..4 on a slow path.
 
 Simulator
 =========
@@ -91,8 +91,9 @@ DECODE_TWICE = "decode_twice"  # decode every compressed tile twice
 VARIANTS = (FULL, LOAD_ONLY, NO_DECODE, DECODE_TWICE)
 
 SMEM_ALIGN = None if SIMULATOR else 16   # 16-byte vector and cp.async accesses (the simulator takes no alignment)
-MAX_BLOCKS_PER_SPLIT = 128   # the split's block-table entries are staged in shared memory
-BASE_ROWS = 4                # pre-shifted base rows per kind, indexed by the mode tag: b3, b4, 0 (raw), 0
+MAX_BLOCKS_PER_SPLIT = 64    # the split's block-table entries are staged in shared memory
+BASE_ROWS = 3                # pre-shifted base rows per kind, indexed by the mode tag: b3, b4, 0 (raw); the
+                             # reserved tag 3 (flagged) reads the next row, so shared memory follows the bases
 PAD_WORDS = 4                # 16 bytes of padding per BF16 row: ldmatrix and the decoder's stores are conflict-free
 GROUPS_MAX = 8               # MMA N = 8 query heads per KV head at most
 
@@ -376,6 +377,11 @@ if not SIMULATOR:
         return i32(cuda.popc(u32(x)))
 
     @device
+    def mul_lo(a, b):
+        """The low 32 bits of ``a * b``."""
+        return u32(u32(a) * u32(b))
+
+    @device
     def quad_max(x, scr):
         """Max over the 4 lanes of a quad (lanes 4r .. 4r+3)."""
         x = max(x, cuda.shfl_xor_sync(0xFFFFFFFF, x, 1))
@@ -576,6 +582,10 @@ else:
         return np.int32(bin(int(x) & 0xFFFFFFFF).count("1"))
 
     @device
+    def mul_lo(a, b):
+        return u32(int(a) * int(b))
+
+    @device
     def quad_max(x, scr):
         area = _exchange(scr, np.float32(x).view(np.uint32))
         first = _lane() & ~3
@@ -639,15 +649,11 @@ def smem_bytes(channels: int, tph: int, nstage: int, plain: bool, stage_bytes: i
 # The decode of one staged slot into a padded BF16 tile.
 
 @device
-def spread_escape(e):
-    """Escape byte -> bit ``2p`` at ``4 + 2p`` and bit ``2p+1`` at ``20 + 2p`` (see :func:`escape_pair`)."""
-    return u32(((e & 0x55) << 4) | ((e & 0xAA) << 19))
-
-
-@device
-def escape_pair(v, p):
-    """Bits ``2p``, ``2p+1`` of the (spread) escape byte -> bits 10 and 26 (exponent bit 3 of both lanes)."""
-    return u32((v << (6 - 2 * p)) & 0x04000400)
+def escape_pair(e, p):
+    """Bits ``2p``, ``2p+1`` of escape byte ``e`` -> bits 10 and 26 (exponent bit 3 of pair word ``p``'s
+    two elements): one multiply and one mask.  The multiplier places two copies of the byte, shifted
+    by ``10 - 2p`` and ``25 - 2p``; they occupy disjoint bits, so the product has no carries."""
+    return u32(mul_lo(e, (1 << (10 - 2 * p)) + (1 << (25 - 2 * p))) & 0x04000400)
 
 
 @functools.lru_cache(maxsize=None)
@@ -660,7 +666,8 @@ def _decode_tile_fn(channels: int):
     staging swizzle of the sign+mantissa chunks (chunk ``c`` at ``c ^ ((c >> 3) & SWZ)``) and the
     16 bytes of row padding, every 16-byte shared access of a phase of 8 lanes is conflict-free.
     ``src``/``dst``: byte addresses of the staged slot and of the BF16 tile; ``base``: of this lane's
-    first b3 pair word (rows b3, b4, zeros, zeros ``base_stride`` bytes apart: row = mode tag).
+    first b3 pair word (rows b3, b4, zeros ``base_stride`` bytes apart: row = mode tag; the reserved tag
+    reads the row after them, which must be shared memory: its output is garbage, its status flagged).
     """
     geo = L.TileGeometry(channels)
     C = channels
@@ -744,7 +751,7 @@ def _decode_tile_fn(channels: int):
                 y = u32(y | (cw[bit // 32 + 1] << (32 - sh)))
             y_lo = u32(y & 0xFFF)
             y_hi = u32((y >> 12) & 0xFFF)
-            sp = spread_escape(ev[k] if (tags >> (2 * k)) & 3 else u32(0))
+            sp = ev[k] if (tags >> (2 * k)) & 3 else u32(0)
             s0 = smw[2 * k]
             s1 = smw[2 * k + 1]
             sts4(smem, u32(out + 16 * k),
@@ -777,7 +784,7 @@ def _decode_tile_fn(channels: int):
                                         ESC_MAX))
                     w0, w1, w2, w3 = lds4(smem, u32(out + 16 * k))
                     for j in range(1, L.RAW_PLANES):
-                        pj = spread_escape(lds_u8(smem, u32(pos + j)))
+                        pj = lds_u8(smem, u32(pos + j))
                         w0 = u32(w0 + (escape_pair(pj, 0) << j))
                         w1 = u32(w1 + (escape_pair(pj, 1) << j))
                         w2 = u32(w2 + (escape_pair(pj, 2) << j))
@@ -799,12 +806,17 @@ def _decode_tile_fn(channels: int):
     return decode, decode_tags, decode_loads, decode_compute, decode_fix, (SM_WORDS, CODE_ARRAY, GPL, BASE_WORDS)
 
 
-def _stage_slot_fn(channels: int):
+def _stage_slot_fn(channels: int, max_bytes: int):
     """Device function ``stage_slot(smem, dst, entry, slots, slot_bytes, lane)``: start copying slot
-    ``entry`` to the staging area at byte ``dst``, sign+mantissa chunk ``c`` at ``c ^ ((c >> 3) & SWZ)``
-    (the layout :func:`_decode_tile_fn` reads without bank conflicts)."""
+    ``entry`` (of at most ``max_bytes``) to the staging area at byte ``dst``, sign+mantissa chunk ``c``
+    at ``c ^ ((c >> 3) & SWZ)`` (the layout :func:`_decode_tile_fn` reads without bank conflicts).
+
+    The rest of the slot takes a fixed number of predicated copies per lane and 32-bit indices: a
+    loop to ``slot_bytes // 16`` in numba's 64-bit loop arithmetic cost ~85 instructions per slot in
+    the attention kernel's block loop, more than the copies themselves."""
     C = channels
     SM_PER_LANE = C // WARP             # the sign+mantissa section is C chunks of 16 bytes
+    REST_PER_LANE = -(-(max_bytes // 16 - C) // WARP)
     SWZ = 7 if C == 128 else 3
 
     @device
@@ -813,8 +825,11 @@ def _stage_slot_fn(channels: int):
         for k in range(SM_PER_LANE):
             i = u32(lane + WARP * k)
             cp16(smem, u32(dst + 16 * (i ^ ((i >> 3) & SWZ))), slots, g0 + i32(16 * i))
-        for i in range(C + lane, slot_bytes // 16, WARP):
-            cp16(smem, u32(dst + 16 * i), slots, g0 + i32(16 * i))
+        n16 = u32(slot_bytes >> 4)
+        for k in range(REST_PER_LANE):
+            i = u32(C + lane + WARP * k)
+            if i < n16:
+                cp16(smem, u32(dst + 16 * i), slots, g0 + i32(16 * i))
     return stage_slot
 
 
@@ -823,7 +838,7 @@ def decode_check_kernel(channels: int, slot_bytes: int):
     """Stage and decode slots exactly as the attention kernel does and write the BF16 tiles out.
 
     For the decoder's bit-exact tests against the reference codec: grid = one warp per slot;
-    ``slots`` uint8 ``[n*slot_bytes]``, ``bases`` int32 ``[4*C/2]`` (pair-word rows b3, b4, 0, 0 of
+    ``slots`` uint8 ``[n*slot_bytes]``, ``bases`` int32 ``[3*C/2]`` (pair-word rows b3, b4, 0 of
     one tile), ``cap``; out ``tiles`` int32 ``[n*16*C/2]`` (BF16 pairs) and ``status`` int32 ``[1]``.
     """
     C = channels
@@ -832,9 +847,10 @@ def decode_check_kernel(channels: int, slot_bytes: int):
     STAGE = -(-slot_bytes // 16) * 16
     PAIRS = C // 2
     RS = base_row_words(C)
-    SMEM_WORDS = (STAGE + TB + 4 * BASE_ROWS * RS) // 4
+    BASE_BYTES = 4 * BASE_ROWS * RS     # the bases first: the reserved tag reads the row after them
+    SMEM_WORDS = (BASE_BYTES + STAGE + TB) // 4
     decode = _decode_tile_fn(C)[0]
-    stage_slot = _stage_slot_fn(C)
+    stage_slot = _stage_slot_fn(C, slot_bytes)
     wait_all = cp_wait_fn(0)
 
     @cuda.jit
@@ -846,20 +862,32 @@ def decode_check_kernel(channels: int, slot_bytes: int):
         n = i32(cuda.blockIdx.x)
         lane = lane_id()
         for i in range(lane, BASE_ROWS * PAIRS, WARP):
-            smem[(STAGE + TB) // 4 + (i // PAIRS) * RS + i % PAIRS] = bases[i]
-        stage_slot(smem, sb, n, slots, slot_bytes, lane)
+            smem[(i // PAIRS) * RS + i % PAIRS] = bases[i]
+        stage_slot(smem, u32(sb + BASE_BYTES), n, slots, slot_bytes, lane)
         cp_commit()
         wait_all()
         warp_sync(scr)
-        decode(smem, sb, u32(sb + STAGE), u32(sb + STAGE + TB + C * (lane >> 4)), 4 * RS, cap, status, scr)
+        decode(smem, u32(sb + BASE_BYTES), u32(sb + BASE_BYTES + STAGE), u32(sb + C * (lane >> 4)), 4 * RS, cap, status,
+               scr)
         warp_sync(scr)
         for i in range(lane, L.BLOCK_TOKENS * PAIRS, WARP):
-            tiles[n * L.BLOCK_TOKENS * PAIRS + i] = i32(smem[(STAGE + (i // PAIRS) * ROWB) // 4 + i % PAIRS])
+            tiles[n * L.BLOCK_TOKENS * PAIRS + i] = i32(smem[(BASE_BYTES + STAGE + (i // PAIRS) * ROWB) // 4 + i % PAIRS])
     return kernel
 
 
 # ----------------------------------------------------------------------------------------------
 # The attention kernel.
+
+def kernel_signature() -> tuple:
+    """The argument types :class:`gaac.attention.AttentionPlan` launches :func:`attention_kernel` with
+    (to compile it before the first launch: its occupancy sizes the plan's splits)."""
+    from numba import types
+
+    def array(dtype):
+        return types.Array(dtype, 1, "C")
+    arrays = [types.int32] + [types.uint8] * 4 + [types.int32] * 2 + [types.uint8] * 2 + [types.int32] + \
+        [types.int16] * 2 + [types.int32] * 2 + [types.float32] * 2 + [types.int32]
+    return tuple([array(a) for a in arrays] + [types.int64] * 9 + [types.float32])
 
 @functools.lru_cache(maxsize=None)
 def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: int = 3, stage_bytes: int = 0,
@@ -877,7 +905,7 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
     ``C = min(D, 128)``, ``T = D // C``): ``q32`` int32 ``[B*Hq*D/2]`` (BF16 pairs); ``slots_k/v``
     uint8 slot pools (flat); ``raw_k/v`` uint8 raw-tile pools (flat, 32*C bytes a tile);
     ``table_k/v`` int32 ``[B*MB*Hkv*T]``; ``tail_k/v`` uint8 ``[B*Hkv*16*D*2]``; ``bases`` int32
-    ``[2, E, Hkv, 4, D/2]`` pair words (b3, b4, zeros, zeros) of each calibration epoch;
+    ``[2, E, Hkv, 3, D/2]`` pair words (b3, b4, zeros) of each calibration epoch;
     ``epoch_k/v`` int16 ``[B*MB]`` each block's epoch (FORMAT.md 3.5); ``seq_lens`` int32 ``[B]``;
     ``work`` int32 ``[W*3]`` (sequence, first block, end block); out ``o_part`` float32
     ``[W*Hkv*g*D]``, ``lse_part`` float32 ``[W*Hkv*g]`` (log2 domain); ``status`` int32 ``[1]``; then
@@ -906,8 +934,9 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
     RAW_PER_LANE = L.BLOCK_TOKENS * ROW_CHUNKS // WARP
     if overlap and (T != 1 or plain or variant != FULL):
         raise ValueError("overlap is for the full compressed kernel with head_dim <= 128")
-    DEC = NS * 2 * T * SB               # byte offsets in the shared array: the decode tile, the bases
-    BASES = DEC + TB
+    BASES = 0                           # byte offsets in the shared array: the bases, the stages, the decode tile
+    STG = 0 if plain else 4 * 2 * BASE_ROWS * base_row_words(D)
+    DEC = STG + NS * 2 * T * SB
     PAIRS = D // 2                      # base pair words per row of one kind
     RS = base_row_words(D)              # words per base row in shared memory
     SMEM_WORDS = smem_bytes(C, T, NS, plain, SB) // 4
@@ -917,7 +946,7 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
     TILE_BYTES = L.BLOCK_TOKENS * C * 2
     decode, decode_tags, decode_loads, decode_compute, decode_fix, SIZES = _decode_tile_fn(C)
     SM_WORDS, CODE_ARRAY, GPL, BASE_WORDS = SIZES
-    stage_slot = _stage_slot_fn(C)
+    stage_slot = _stage_slot_fn(C, SB)
     cp_wait = cp_wait_fn(NS - 1)
     do_decode = not plain and variant in (FULL, DECODE_TWICE)
     do_math = variant != LOAD_ONLY
@@ -950,7 +979,7 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
         for kind in range(2):
             for j in range(T):
                 e = i32(-1) if is_tail else ents[(i * 2 + kind) * T + j]
-                dst = u32(sb + ((st * 2 + kind) * T + j) * SB)
+                dst = u32(sb + STG + ((st * 2 + kind) * T + j) * SB)
                 if plain:
                     if kind == 0:
                         copy_bf16_tile(smem, dst, is_tail, e, raw_k, tail_k, tail_base + j * C * 2, tail_valid, lane,
@@ -969,7 +998,7 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
         """Byte address of the BF16 tile (kind, j) of the block in stage ``st``: the staged tile (plain),
         or the kind's decode tile after decoding the slot / loading the raw tile or tail into it (ready
         after a warp barrier: this one if ``sync``)."""
-        src = u32(sb + ((st * 2 + kind) * T + j) * SB)
+        src = u32(sb + STG + ((st * 2 + kind) * T + j) * SB)
         if plain:
             return src
         e = i32(-1) if is_tail else ents[(i * 2 + kind) * T + j]
@@ -1132,18 +1161,21 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
                             raw_k, raw_v, tail_k, tail_v, tail_base, tail_valid, lane)
             cp_commit()
 
-        for i in range(blk1 - blk0):
-            blk = blk0 + i
-            ahead = i + NS - 1                  # into the stage the previous iteration finished with
+        # 32-bit counters: numba's int64 loop arithmetic and `i % NS` cost ~60 instructions a block.
+        st = i32(NS - 1)                        # stage of block i - 1 (that of block i + NS - 1)
+        for i in range(i32(blk1 - blk0)):
+            blk = i32(blk0 + i)
+            ahead = i32(i + (NS - 1))
+            sa = st                             # into the stage the previous iteration finished with
+            st = i32(st + 1) if st < NS - 1 else i32(0)
             if blk0 + ahead < blk1:
-                issue_block(smem, sb, ents, ahead, ahead % NS, blk0 + ahead, nfull, slots_k, slots_v, slot_bytes_k,
+                issue_block(smem, sb, ents, ahead, sa, i32(blk0 + ahead), nfull, slots_k, slots_v, slot_bytes_k,
                             slot_bytes_v, raw_k, raw_v, tail_k, tail_v, tail_base, tail_valid, lane)
             cp_commit()
             cp_wait()
             warp_sync(scr)
             if not do_math:
                 continue
-            st = i % NS
             is_tail = blk >= nfull
             valid = tail_valid if is_tail else i32(L.BLOCK_TOKENS)
             for c in range(8):
@@ -1151,7 +1183,7 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
             if overlap and not is_tail and ents[2 * i] >= 0 and ents[2 * i + 1] >= 0:
                 # Both tiles compressed: one escape scan; K decoded; then the V tile's reads, the q.k
                 # MMAs, the softmax and the V decode in one straight-line region.
-                src_k = u32(sb + 2 * st * SB)
+                src_k = u32(sb + STG + 2 * st * SB)
                 src_v = u32(src_k + SB)
                 base_k = u32(sb + BASES + C * (lane >> 4))
                 base_v = u32(base_k + 4 * BASE_ROWS * RS)

@@ -112,6 +112,22 @@ def cufunction(dispatcher):
     return kernel._codelibrary.get_cufunc().kernel
 
 
+def resident_blocks(dispatcher, signature, threads: int) -> tuple[int, int, int]:
+    """Thread blocks of ``threads`` one SM holds at once for ``dispatcher`` compiled for ``signature``
+    (GPU only; compiles it, which the first launch would do anyway), with the registers per thread and
+    the static shared bytes per block of that build.
+
+    Asks the driver rather than a register count written down from ptxas, which goes stale with every
+    change of the kernel.  Also asks for the largest shared-memory carveout: kernels that stream
+    through ``cp.async`` into shared memory need little L1, and the driver's default carveout can hold
+    fewer blocks than their registers allow."""
+    kernel = dispatcher.compile(signature)
+    fn = kernel._codelibrary.get_cufunc()
+    fn.set_shared_memory_carveout(100)
+    n = int(cuda.current_context().get_active_blocks_per_multiprocessor(fn, threads, 0))
+    return n, int(fn.attrs.regs), int(fn.attrs.shared)
+
+
 class TileLauncher:
     """A compiled kernel (one warp per tile, ``tiles_per_block`` tiles per block), launched on a torch
     stream (or in the simulator)."""
