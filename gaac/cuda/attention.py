@@ -30,11 +30,11 @@ kernel merges the splits of a sequence (:func:`merge_kernel`).  The BF16
 baseline (``plain=True``) is the same kernel with every tile raw: step 1 stages
 BF16 tiles and step 2 is compiled out.
 
-Performance (H200, benchmarks/results/attention-h200.md): the compressed loads
-run 1.33x faster than the BF16 twin's, but the decode (~7.4 instructions per
-element) leaves the kernel issue- and latency-bound at 8 one-warp blocks per
-SM; it is ~0.74x the speed of its BF16 twin and of torch's flash kernel at
-long contexts.  benchmarks/NOTES-attention.md has the analysis.
+Performance (H200, benchmarks/results/attention-v10-h200.md): the compressed
+loads run 1.25x faster than the BF16 twin's, but the decode leaves the kernel
+issue- and latency-bound at 12 one-warp blocks per SM
+(168 registers and 18 KB of shared memory each); it is ~0.9x the speed of its
+BF16 twin and of torch's flash kernel at long contexts.  benchmarks/NOTES-attention.md has the analysis.
 
 Pair words
 ==========
