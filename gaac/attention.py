@@ -101,7 +101,8 @@ def _pair_base_words(b3, b4) -> np.ndarray:
 
     Word ``p`` of a row is ``b[2p] << 7 | b[2p+1] << 23``: the exponent fields of two BF16
     lanes, which the kernel adds to a code pair; the row is the group's mode tag (the base of a
-    raw group is 0; tag 3 is reserved, flagged, and reads row 2).  See gaac.cuda.attention.
+    raw group is 0; tag 3 is reserved and flagged: the kernel reads the row after these).  See
+    gaac.cuda.attention.
     """
     rows = [np.asarray(b).astype(np.int32) for b in (b3, b4)]
     rows = [(x[..., 0::2] << 7) | (x[..., 1::2] << 23) for x in rows]
@@ -423,9 +424,9 @@ class AttentionPlan:
     synchronises with the host.  ``plain=True`` is the BF16 baseline (every tile raw, the same
     defaults); ``variant`` selects the timing variants of :mod:`gaac.cuda.attention`.  Defaults:
     ``nstage=2``; ``overlap`` (None) on for the compressed full kernel with head_dim <= 128;
-    ``max_registers`` (-1) :data:`DEFAULT_MAX_REGISTERS` for head_dim <= 128, None = no cap.  The wave is sized by the
-    driver's occupancy of the compiled kernel (``resources``); ``blocks_per_sm`` overrides it, for
-    experiments only (a wrong value costs a second wave, not correctness).
+    ``max_registers`` (-1) :data:`DEFAULT_MAX_REGISTERS` for head_dim <= 128, None = no cap.  The
+    wave is sized by the driver's occupancy of the compiled kernel (``resources``); ``blocks_per_sm``
+    overrides it, for experiments only (a wrong value costs a second wave, not correctness).
     """
 
     def __init__(self, view: LayerView, q_heads: int, *, scale: float | None = None, plain: bool = False,
@@ -463,6 +464,7 @@ class AttentionPlan:
         # Runs of blocks with one K epoch and one V epoch (no split crosses a run's end), per sequence.
         runs = _epoch_runs(view, lens // L.BLOCK_TOKENS, nblk)
         run_len = np.array([z - a for _, a, z in runs], np.int64)
+        self._kernel = K.attention_kernel(d, plain, variant, nstage, 0 if plain else stage, overlap, max_registers)
         self.resources = None               # what the driver says of the kernel's occupancy (GPU, planned splits)
         if blocks_per_split is None:
             if K.SIMULATOR:
@@ -474,9 +476,8 @@ class AttentionPlan:
 
                 sms = torch.cuda.get_device_properties(view.slots[0].device).multi_processor_count
                 # One wave of one-warp blocks: as many as the driver says fit an SM (registers, shared memory).
-                kernel = K.attention_kernel(d, plain, variant, nstage, 0 if plain else stage, overlap, max_registers)
                 self.resources = dict(zip(("blocks_per_sm", "registers", "shared_bytes"),
-                                          resident_blocks(kernel, K.kernel_signature(), K.WARP)))
+                                          resident_blocks(self._kernel, K.kernel_signature(), K.WARP)))
                 target = sms * max(1, blocks_per_sm or self.resources["blocks_per_sm"])
             # The fewest blocks per split that still fit one wave: each run rounds its splits up, so the
             # bare quotient can spill a few blocks into a second, almost empty wave.
@@ -494,7 +495,6 @@ class AttentionPlan:
         self.n_work = len(work)
         split0 = np.concatenate([[0], np.cumsum(splits)]).astype(np.int32)
         work = np.asarray(work, dtype=np.int32).reshape(-1)
-        self._kernel = K.attention_kernel(d, plain, variant, nstage, 0 if plain else stage, overlap, max_registers)
         self._merge = K.merge_kernel(d)
         bases = _epoch_bases(view)
         self.n_epochs = (n_epochs(view, 0), n_epochs(view, 1))
