@@ -48,7 +48,7 @@ import torch  # noqa: E402
 import gaac  # noqa: E402
 from benchmarks.report import table  # noqa: E402
 from gaac import layout as L  # noqa: E402
-from gaac.attention import (DEFAULT_MAX_REGISTERS, AttentionPlan, bf16_to_float, float_to_bf16, plain_view,  # noqa: E402
+from gaac.attention import (AttentionPlan, bf16_to_float, float_to_bf16, kernel_options, plain_view,  # noqa: E402
                             reference_attention, view_from_dense, view_to)
 from gaac.cachelayout import LayerView  # noqa: E402
 
@@ -419,8 +419,7 @@ def label(cfg: dict, plain: bool = False) -> str:
     """Short name of a kernel configuration (AttentionPlan options, defaults resolved for head_dim 128):
     variant, stages, overlapped V decode, register cap, planned blocks per SM."""
     variant = cfg.get("variant", "full")
-    overlap = cfg.get("overlap", not plain and variant == "full")
-    regs = cfg.get("max_registers", DEFAULT_MAX_REGISTERS)
+    overlap, regs = kernel_options(128, plain, variant, cfg.get("overlap"), cfg.get("max_registers", -1))
     return (f"{variant}_ns{cfg.get('nstage', 2)}" + ("_overlap" if overlap else "") + (f"_r{regs}" if regs else "")
             + (f"_b{cfg['blocks_per_sm']}" if cfg.get("blocks_per_sm") else ""))
 

@@ -415,6 +415,17 @@ def _check_q(q, view: LayerView, device):
 DEFAULT_MAX_REGISTERS = 168
 
 
+def kernel_options(head_dim: int, plain: bool, variant: str, overlap: bool | None, max_registers: int | None):
+    """``(overlap, max_registers)`` with :class:`AttentionPlan`'s defaults resolved: ``overlap=None`` is on
+    for the compressed full kernel with head_dim <= 128, ``max_registers=-1`` is
+    :data:`DEFAULT_MAX_REGISTERS` for head_dim <= 128 and no cap above."""
+    if overlap is None:
+        overlap = not plain and head_dim <= 128 and variant == "full"
+    if max_registers == -1:
+        max_registers = DEFAULT_MAX_REGISTERS if head_dim <= 128 else None
+    return overlap, max_registers
+
+
 class AttentionPlan:
     """Launch plan of decode attention for one LayerView shape and one set of sequence lengths.
 
@@ -423,8 +434,7 @@ class AttentionPlan:
     split partials.  :meth:`run` launches the attention kernel and the merge kernel; nothing in it
     synchronises with the host.  ``plain=True`` is the BF16 baseline (every tile raw, the same
     defaults); ``variant`` selects the timing variants of :mod:`gaac.cuda.attention`.  Defaults:
-    ``nstage=2``; ``overlap`` (None) on for the compressed full kernel with head_dim <= 128;
-    ``max_registers`` (-1) :data:`DEFAULT_MAX_REGISTERS` for head_dim <= 128, None = no cap.  The
+    ``nstage=2``, ``overlap`` and ``max_registers`` as :func:`kernel_options` resolves them.  The
     wave is sized by the driver's occupancy of the compiled kernel (``resources``); ``blocks_per_sm``
     overrides it, for experiments only (a wrong value costs a second wave, not correctness).
     """
@@ -443,10 +453,7 @@ class AttentionPlan:
             raise InputError(f"{q_heads} query heads for {hk} KV heads; need 1..{MAX_GROUP} per KV head")
         self.q_heads, self.g = q_heads, q_heads // hk
         self.scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-        if overlap is None:
-            overlap = not plain and d <= 128 and variant == "full"
-        if max_registers == -1:
-            max_registers = DEFAULT_MAX_REGISTERS if d <= 128 else None
+        overlap, max_registers = kernel_options(d, plain, variant, overlap, max_registers)
         self.plain = plain
         lens = np.asarray(view.seq_lens.cpu() if _is_torch(view.seq_lens) else view.seq_lens).astype(np.int64)
         if lens.size == 0 or lens.min() < 0:
