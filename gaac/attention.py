@@ -547,7 +547,7 @@ class AttentionPlan:
             self._main_fixed = ([p for a in (*self._arrays, self.o_part, self.lse_part, self.status) for p in params(a)]
                                 + [p for x in self._scalars for p in params(int(x))]
                                 + [ctypes.c_float(self._scale_log2)])
-            self._merge_launch = FastLaunch(self._merge, (self.batch, q_heads), K.merge_threads(d))
+            self._merge_launch = FastLaunch(self._merge, *K.merge_launch(self.batch, q_heads, d))
             self._merge_fixed = [p for a in (self.o_part, self.lse_part, self._split0) for p in params(a)]
 
     def run(self, q, *, out=None, lse=None, return_lse: bool = False):
@@ -591,7 +591,8 @@ class AttentionPlan:
         K = self._K
         hk = self.view.kv_heads
         if K.SIMULATOR:
-            self._merge[(self.batch, self.q_heads), K.merge_threads(self.view.head_dim)](
+            grid, threads = K.merge_launch(self.batch, self.q_heads, self.view.head_dim)
+            self._merge[grid, threads](
                 self.o_part, self.lse_part, self._split0, out.reshape(-1), lse.reshape(-1), hk, self.g)
             return
         import torch

@@ -62,7 +62,7 @@ import functools
 import math
 
 import numpy as np
-from numba import config, cuda, float32, int32, uint32
+from numba import config, cuda, float32, int32, uint32, uint64
 
 from .. import layout as L
 
@@ -79,9 +79,12 @@ if SIMULATOR:
         v = int(x) & 0xFFFFFFFF
         return np.int32(v - (1 << 32) if v >= 1 << 31 else v)
 
+    def u64(x):
+        return np.uint64(int(x) & 0xFFFFFFFFFFFFFFFF)
+
     f32 = np.float32
 else:
-    u32, i32, f32 = uint32, int32, float32
+    u32, i32, u64, f32 = uint32, int32, uint64, float32
 
 # Kernel variants: the full kernel, and the stage-skipping / stage-repeating ones that give the time breakdown.
 FULL = "full"
@@ -811,9 +814,12 @@ def _stage_slot_fn(channels: int, max_bytes: int):
     ``entry`` (of at most ``max_bytes``) to the staging area at byte ``dst``, sign+mantissa chunk ``c``
     at ``c ^ ((c >> 3) & SWZ)`` (the layout :func:`_decode_tile_fn` reads without bank conflicts).
 
-    The rest of the slot takes a fixed number of predicated copies per lane and 32-bit indices: a
-    loop to ``slot_bytes // 16`` in numba's 64-bit loop arithmetic cost ~85 instructions per slot in
-    the attention kernel's block loop, more than the copies themselves."""
+    Lane ``l`` copies chunks ``l + 32k``.  Their swizzle is ``l ^ ((l >> 3) & SWZ) ^ ((4k) & SWZ)`` (``l >> 3``
+    is below 4, so adding ``4k`` only flips bit 2), so every copy's shared and global addresses are one
+    per-lane value plus a constant: one 64-bit multiply-add per slot for the source, immediates for the
+    rest.  The tail of the slot takes a fixed number of predicated copies.  (Written per copy, the
+    swizzle and 64-bit address arithmetic cost ~90 instructions a slot in the attention kernel's block
+    loop, more than the copies themselves.)"""
     C = channels
     SM_PER_LANE = C // WARP             # the sign+mantissa section is C chunks of 16 bytes
     REST_PER_LANE = -(-(max_bytes // 16 - C) // WARP)
@@ -821,19 +827,18 @@ def _stage_slot_fn(channels: int, max_bytes: int):
 
     @device
     def stage_slot(smem, dst, entry, slots, slot_bytes, lane):
-        g0 = gaddr(slots, entry * slot_bytes)
+        g0 = gaddr(slots, u64(u32(entry)) * u64(u32(slot_bytes)) + u64(16 * lane))
+        sw = u32(16 * (lane ^ ((lane >> 3) & SWZ)))
         for k in range(SM_PER_LANE):
-            i = u32(lane + WARP * k)
-            cp16(smem, u32(dst + 16 * (i ^ ((i >> 3) & SWZ))), slots, g0 + i32(16 * i))
-        n16 = u32(slot_bytes >> 4)
+            cp16(smem, u32(dst + (sw ^ (16 * ((4 * k) & SWZ))) + 512 * k), slots, g0 + 512 * k)
+        left = i32(i32(slot_bytes >> 4) - C - i32(lane))     # chunks of the tail from this lane's first one
+        rest = u32(dst + 16 * (C + lane))
         for k in range(REST_PER_LANE):
-            i = u32(C + lane + WARP * k)
-            if i < n16:
-                cp16(smem, u32(dst + 16 * i), slots, g0 + i32(16 * i))
+            if 32 * k < left:
+                cp16(smem, u32(rest + 512 * k), slots, g0 + 16 * (C + 32 * k))
     return stage_slot
 
 
-@functools.lru_cache(maxsize=None)
 def decode_check_kernel(channels: int, slot_bytes: int):
     """Stage and decode slots exactly as the attention kernel does and write the BF16 tiles out.
 
@@ -978,7 +983,7 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
         is_tail = blk >= nfull
         for kind in range(2):
             for j in range(T):
-                e = i32(-1) if is_tail else ents[(i * 2 + kind) * T + j]
+                e = i32(-1) if is_tail else ents[u32((i * 2 + kind) * T + j)]
                 dst = u32(sb + STG + ((st * 2 + kind) * T + j) * SB)
                 if plain:
                     if kind == 0:
@@ -1001,7 +1006,7 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
         src = u32(sb + STG + ((st * 2 + kind) * T + j) * SB)
         if plain:
             return src
-        e = i32(-1) if is_tail else ents[(i * 2 + kind) * T + j]
+        e = i32(-1) if is_tail else ents[u32((i * 2 + kind) * T + j)]
         dec = u32(sb + DEC)
         if is_tail or e < 0:
             copy_bf16_tile(smem, dec, is_tail, e, raw, tail, tail_byte, tail_valid, lane_id(), True)
@@ -1111,7 +1116,7 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
         blk0 = work[3 * w + 1]
         blk1 = work[3 * w + 2]
         seq = seq_lens[b]
-        nfull = seq // L.BLOCK_TOKENS
+        nfull = i32(seq // L.BLOCK_TOKENS)
         tail_valid = i32(seq - nfull * L.BLOCK_TOKENS)
         hq = i32(kv_heads * g)
 
@@ -1180,7 +1185,7 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
             valid = tail_valid if is_tail else i32(L.BLOCK_TOKENS)
             for c in range(8):
                 sc[c] = f32(0)
-            if overlap and not is_tail and ents[2 * i] >= 0 and ents[2 * i + 1] >= 0:
+            if overlap and not is_tail and ents[u32(2 * i)] >= 0 and ents[u32(2 * i + 1)] >= 0:
                 # Both tiles compressed: one escape scan; K decoded; then the V tile's reads, the q.k
                 # MMAs, the softmax and the V decode in one straight-line region.
                 src_k = u32(sb + STG + 2 * st * SB)
@@ -1241,25 +1246,31 @@ def as_int16(x):
     return i32((i32(x) ^ 0x8000) - 0x8000)
 
 
-def merge_threads(head_dim: int) -> int:
-    """Threads of a merge block: ``D/4`` channel quads x split lanes (512 threads, so that ~100
-    registers a thread fit; one lane in the simulator, where every barrier costs milliseconds)."""
-    return head_dim // 4 if SIMULATOR else 512
+MERGE_CHANNELS = 32                 # channels of one merge block
+
+
+def merge_launch(batch: int, q_heads: int, head_dim: int) -> tuple:
+    """Grid and threads of :func:`merge_kernel`: a block per (sequence, query head, 32 channels), so that
+    a batch-1 merge of 32 heads fills 128 SMs instead of 32; 512 threads = 8 channel quads x 64 split
+    lanes, enough that the ~200 splits of a long sequence take one round of loads (one lane in the
+    simulator, where every barrier costs milliseconds)."""
+    threads = MERGE_CHANNELS // 4 if SIMULATOR else 512
+    return (batch, q_heads, head_dim // MERGE_CHANNELS), threads
 
 
 @functools.lru_cache(maxsize=None)
 def merge_kernel(head_dim: int):
-    """Merge split partials: grid ``(B, Hq)``, :func:`merge_threads` threads = ``D/4`` channel quads x
-    ``lanes`` split lanes.  Each thread folds its splits into a running (max, sum, 4 channels) four
-    splits at a time (their loads in flight together), then the lanes are combined in shared memory.
+    """Merge split partials: grid and threads from :func:`merge_launch`: channel quads x ``lanes`` split
+    lanes.  Each thread folds its splits into a running (max, sum, 4 channels) four splits at a time
+    (their loads in flight together), then the lanes are combined in shared memory.
 
     ``o_part`` float32 ``[W*Hkv*g*D]``, ``lse_part`` float32 ``[W*Hkv*g]`` (log2), ``split0`` int32
     ``[B+1]`` (the splits of sequence ``b`` are ``split0[b] .. split0[b+1]-1``), out ``out`` int16
-    ``[B*Hq*D]`` (BF16 bits) and ``lse`` float32 ``[B*Hq]`` (natural log).
+    ``[B*Hq*D]`` (BF16 bits) and ``lse`` float32 ``[B*Hq]`` (natural log, written by the first channel block).
     """
     D = head_dim
-    QUADS = D // 4
-    THREADS = merge_threads(D)
+    QUADS = MERGE_CHANNELS // 4
+    THREADS = merge_launch(1, 1, D)[1]
     LANES = THREADS // QUADS
     RED = 4 * THREADS
     UNROLL = 4
@@ -1277,6 +1288,7 @@ def merge_kernel(head_dim: int):
         tid = cuda.threadIdx.x
         quad = tid % QUADS
         sl = tid // QUADS
+        ch = cuda.blockIdx.z * MERGE_CHANNELS + 4 * quad
         s0 = split0[b]
         s1 = split0[b + 1]
         m = f32(_NEG_INF)
@@ -1290,7 +1302,7 @@ def merge_kernel(head_dim: int):
             for u in range(UNROLL):
                 su = s + u * LANES
                 ls[u] = lse_part[(su * kv_heads + h) * g + r] if su < s1 else f32(_NEG_INF)
-                row = ((su * kv_heads + h) * g + r) * D + 4 * quad
+                row = ((su * kv_heads + h) * g + r) * D + ch
                 for c in range(4):
                     os_[4 * u + c] = o_part[row + c] if su < s1 else f32(0)
             mu = max(max(ls[0], ls[1]), max(ls[2], ls[3]))
@@ -1328,14 +1340,14 @@ def merge_kernel(head_dim: int):
             step //= 2
         if tid < QUADS:
             inv = f32(1) / sm[tid] if sm[tid] > 0 else f32(0)   # no split: an empty sequence, output 0
-            base = (b * kv_heads * g + hq) * D + 4 * tid
+            base = (b * kv_heads * g + hq) * D + cuda.blockIdx.z * MERGE_CHANNELS + 4 * tid
             lo = pack_bf16x2(red[4 * tid] * inv, red[4 * tid + 1] * inv)
             hi = pack_bf16x2(red[4 * tid + 2] * inv, red[4 * tid + 3] * inv)
             out[base] = as_int16(lo & 0xFFFF)
             out[base + 1] = as_int16(lo >> 16)
             out[base + 2] = as_int16(hi & 0xFFFF)
             out[base + 3] = as_int16(hi >> 16)
-            if tid == 0:
+            if tid == 0 and cuda.blockIdx.z == 0:
                 lse[b * kv_heads * g + hq] = ((mx[0] + math.log2(sm[0])) * f32(1 / _LOG2E) if sm[0] > 0
                                               else f32(_NEG_INF))
     return kernel
