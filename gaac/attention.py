@@ -502,7 +502,8 @@ class AttentionPlan:
         self.n_work = len(work)
         split0 = np.concatenate([[0], np.cumsum(splits)]).astype(np.int32)
         work = np.asarray(work, dtype=np.int32).reshape(-1)
-        self._merge = K.merge_kernel(d)
+        grid, threads, lanes = K.merge_launch(self.batch, q_heads, d, int(splits.max(initial=0)))
+        self._merge, self._merge_grid = K.merge_kernel(d, lanes), (grid, threads)
         bases = _epoch_bases(view)
         self.n_epochs = (n_epochs(view, 0), n_epochs(view, 1))
         if K.SIMULATOR:
@@ -547,7 +548,7 @@ class AttentionPlan:
             self._main_fixed = ([p for a in (*self._arrays, self.o_part, self.lse_part, self.status) for p in params(a)]
                                 + [p for x in self._scalars for p in params(int(x))]
                                 + [ctypes.c_float(self._scale_log2)])
-            self._merge_launch = FastLaunch(self._merge, *K.merge_launch(self.batch, q_heads, d))
+            self._merge_launch = FastLaunch(self._merge, *self._merge_grid)
             self._merge_fixed = [p for a in (self.o_part, self.lse_part, self._split0) for p in params(a)]
 
     def run(self, q, *, out=None, lse=None, return_lse: bool = False):
@@ -591,8 +592,7 @@ class AttentionPlan:
         K = self._K
         hk = self.view.kv_heads
         if K.SIMULATOR:
-            grid, threads = K.merge_launch(self.batch, self.q_heads, self.view.head_dim)
-            self._merge[grid, threads](
+            self._merge[self._merge_grid](
                 self.o_part, self.lse_part, self._split0, out.reshape(-1), lse.reshape(-1), hk, self.g)
             return
         import torch

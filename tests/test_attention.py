@@ -230,6 +230,35 @@ def test_synthetic_shapes(rng, d, heads, g, plan):
     check_against_reference(rng, ks, vs, g, **plan)
 
 
+@pytest.mark.parametrize("lanes", [1, 2, 8])
+def test_merge_kernel_split_lanes(rng, lanes):
+    """The merge with several split lanes per channel quad (the GPU uses up to 64; the simulator's
+    plans use 1) against a float64 log-sum-exp merge: ragged split counts, one sequence without splits
+    (output 0, LSE -inf), and partials whose maxima differ by far more than FP32's range."""
+    d, kv_heads, g = 64, 2, 3
+    counts = [int(rng.integers(1, 4 * lanes + 3)), 0, int(rng.integers(1, 3))]
+    split0 = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    w, hq = int(split0[-1]), kv_heads * g
+    o_part = rng.standard_normal((w, hq, d)).astype(np.float32)
+    lse_part = (rng.standard_normal((w, hq)) * 60).astype(np.float32)     # log2 domain
+    out = np.full((len(counts), hq, d), NAN_BITS, np.int16)
+    lse = np.full((len(counts), hq), np.nan, np.float32)
+    kernel = K.merge_kernel(d, lanes)
+    kernel[(len(counts), hq, d // K.MERGE_CHANNELS), K.MERGE_CHANNELS // 4 * lanes](
+        o_part.reshape(-1), lse_part.reshape(-1), split0, out.reshape(-1), lse.reshape(-1), kv_heads, g)
+    for b, (s0, s1) in enumerate(zip(split0[:-1], split0[1:])):
+        if s0 == s1:
+            assert (out[b] == 0).all() and np.isneginf(lse[b]).all()
+            continue
+        ls = lse_part[s0:s1].astype(np.float64)
+        m = ls.max(axis=0)
+        wgt = np.exp2(ls - m)
+        ref = (wgt[..., None] * o_part[s0:s1]).sum(axis=0) / wgt.sum(axis=0)[..., None]
+        got = bf16_to_float(out[b]).astype(np.float64)
+        np.testing.assert_allclose(got, ref, rtol=2 ** -7, atol=1e-6)
+        np.testing.assert_allclose(lse[b], (m + np.log2(wgt.sum(axis=0))) * np.log(2), rtol=1e-5, atol=1e-5)
+
+
 def test_raw_tiles_and_plain_kernel_agree(rng):
     """A capacity of 0 sends every tile with a 4-bit or raw group to the raw pool; the BF16 baseline
     (every tile raw, decode compiled out) computes the same output bits."""

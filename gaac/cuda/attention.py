@@ -1247,22 +1247,27 @@ def as_int16(x):
 
 
 MERGE_CHANNELS = 32                 # channels of one merge block
+MERGE_UNROLL = 4                    # splits a merge thread loads at once
 
 
-def merge_launch(batch: int, q_heads: int, head_dim: int) -> tuple:
-    """Grid and threads of :func:`merge_kernel`: a block per (sequence, query head, 32 channels), so that
-    a batch-1 merge of 32 heads fills 128 SMs instead of 32; 512 threads = 8 channel quads x 64 split
-    lanes, enough that the ~200 splits of a long sequence take one round of loads (one lane in the
-    simulator, where every barrier costs milliseconds)."""
-    threads = MERGE_CHANNELS // 4 if SIMULATOR else 512
-    return (batch, q_heads, head_dim // MERGE_CHANNELS), threads
+def merge_launch(batch: int, q_heads: int, head_dim: int, max_splits: int) -> tuple:
+    """Grid, threads and split lanes of :func:`merge_kernel`: a block per (sequence, query head, 32
+    channels), so that a batch-1 merge of 32 heads fills 128 SMs, not 32; 8 channel quads x ``lanes``
+    split lanes, as many as make the longest sequence's splits one round of loads (64 at most; one
+    lane in the simulator, where every barrier costs milliseconds).  More lanes than splits would only
+    lengthen the reduction and cut the blocks that fit an SM."""
+    lanes = 1
+    while not SIMULATOR and lanes < 64 and lanes * MERGE_UNROLL < max_splits:
+        lanes *= 2
+    return (batch, q_heads, head_dim // MERGE_CHANNELS), MERGE_CHANNELS // 4 * lanes, lanes
 
 
 @functools.lru_cache(maxsize=None)
-def merge_kernel(head_dim: int):
-    """Merge split partials: grid and threads from :func:`merge_launch`: channel quads x ``lanes`` split
-    lanes.  Each thread folds its splits into a running (max, sum, 4 channels) four splits at a time
-    (their loads in flight together), then the lanes are combined in shared memory.
+def merge_kernel(head_dim: int, lanes: int):
+    """Merge split partials (grid, threads and ``lanes`` from :func:`merge_launch`).  Each thread folds
+    its splits into a running (max, sum, 4 channels) :data:`MERGE_UNROLL` splits at a time (their loads
+    in flight together), then the lanes are combined in shared memory.  Indices are 32-bit and
+    unsigned: numba's signed indexing adds a negative-index fix-up to every load.
 
     ``o_part`` float32 ``[W*Hkv*g*D]``, ``lse_part`` float32 ``[W*Hkv*g]`` (log2), ``split0`` int32
     ``[B+1]`` (the splits of sequence ``b`` are ``split0[b] .. split0[b+1]-1``), out ``out`` int16
@@ -1270,10 +1275,10 @@ def merge_kernel(head_dim: int):
     """
     D = head_dim
     QUADS = MERGE_CHANNELS // 4
-    THREADS = merge_launch(1, 1, D)[1]
-    LANES = THREADS // QUADS
+    LANES = lanes
+    THREADS = QUADS * LANES
     RED = 4 * THREADS
-    UNROLL = 4
+    UNROLL = MERGE_UNROLL
     OS = 4 * UNROLL
 
     @cuda.jit
@@ -1283,12 +1288,10 @@ def merge_kernel(head_dim: int):
         sm = cuda.shared.array(THREADS, float32)
         b = cuda.blockIdx.x
         hq = cuda.blockIdx.y
-        h = hq // g
-        r = hq % g
         tid = cuda.threadIdx.x
         quad = tid % QUADS
         sl = tid // QUADS
-        ch = cuda.blockIdx.z * MERGE_CHANNELS + 4 * quad
+        ch = u32(cuda.blockIdx.z * MERGE_CHANNELS + 4 * quad)
         s0 = split0[b]
         s1 = split0[b + 1]
         m = f32(_NEG_INF)
@@ -1296,15 +1299,16 @@ def merge_kernel(head_dim: int):
         acc = cuda.local.array(4, float32)
         for c in range(4):
             acc[c] = f32(0)
+        nq = u32(kv_heads * g)
         for s in range(s0 + sl, s1, UNROLL * LANES):
             ls = cuda.local.array(UNROLL, float32)
             os_ = cuda.local.array(OS, float32)
             for u in range(UNROLL):
                 su = s + u * LANES
-                ls[u] = lse_part[(su * kv_heads + h) * g + r] if su < s1 else f32(_NEG_INF)
-                row = ((su * kv_heads + h) * g + r) * D + ch
+                row = u32(u32(su) * nq + hq)
+                ls[u] = lse_part[row] if su < s1 else f32(_NEG_INF)
                 for c in range(4):
-                    os_[4 * u + c] = o_part[row + c] if su < s1 else f32(0)
+                    os_[4 * u + c] = o_part[u32(row * D + ch + c)] if su < s1 else f32(0)
             mu = max(max(ls[0], ls[1]), max(ls[2], ls[3]))
             m_new = max(m, mu)
             scale = ex2(m - m_new)
