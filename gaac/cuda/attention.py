@@ -161,19 +161,23 @@ if not SIMULATOR:
         return types.int64(arr, byte), codegen
 
     @intrinsic
-    def _mma(typingctx, a0, a2, b0, b1, c0, c1):
-        rt = types.UniTuple(types.float32, 2)
+    def _mma(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        rt = types.UniTuple(types.float32, 4)
 
         def codegen(context, builder, sig, args):
-            zi, zf = ir.Constant(_I32, 0), ir.Constant(_F32, 0.0)
-            a0_, a2_, b0_, b1_, c0_, c1_ = args
-            r = _asm(builder, ir.LiteralStructType([_F32] * 4), [a0_, zi, a2_, zi, b0_, b1_, c0_, c1_, zf, zf],
+            r = _asm(builder, ir.LiteralStructType([_F32] * 4), list(args),
                      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
                      "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};",
                      "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
-            return _tuple(context, builder, rt, r, 2)
-        u = types.uint32
-        return rt(u, u, u, u, types.float32, types.float32), codegen
+            return _tuple(context, builder, rt, r, 4)
+        u, f = types.uint32, types.float32
+        return rt(u, u, u, u, u, u, f, f, f, f), codegen
+
+    @intrinsic
+    def _movt(typingctx, x):
+        def codegen(context, builder, sig, args):
+            return _asm(builder, _I32, list(args), "movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;", "=r,r")
+        return types.uint32(types.uint32), codegen
 
     def _ldsm_intrinsic(trans):
         text = f"ldmatrix.sync.aligned.m8n8.x4{'.trans' if trans else ''}.shared.b16 {{$0,$1,$2,$3}}, [$4];"
@@ -303,29 +307,29 @@ if not SIMULATOR:
         cuda.syncwarp()
 
     @device
-    def mma_chain(a0, a2, a0b, a2b, b0, b1, b2, b3, c0, c1, scr):
-        """Two chained m16n8k16 BF16 MMAs, ``C + A.B + A'.B'`` (A rows 8..15 zero): returns (d0, d1)."""
-        d0, d1 = _mma(a0, a2, b0, b1, c0, c1)
-        return _mma(a0b, a2b, b2, b3, d0, d1)
+    def mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scr):
+        """One m16n8k16 BF16 MMA with FP32 accumulation, ``C + A.B``: returns (d0, d1, d2, d3)."""
+        return _mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
 
     @device
-    def mma_pair(a0, a2, b0, b1, b2, b3, c0, c1, e0, e1, scr):
-        """One A against two B: ``(C + A.B, E + A.B')`` as (d0, d1, f0, f1)."""
-        d0, d1 = _mma(a0, a2, b0, b1, c0, c1)
-        f0, f1 = _mma(a0, a2, b2, b3, e0, e1)
-        return d0, d1, f0, f1
+    def transpose8(x, scr):
+        """``movmatrix.trans`` of the 8x8 BF16 matrix whose row ``r``, columns ``2q, 2q+1`` lane ``4r+q``
+        holds (an MMA C fragment packed to BF16 pairs; the result is a B fragment)."""
+        return _movt(x)
 
     @device
-    def ldsm_k(smem, base, rowb, scr):
-        """``ldmatrix.x4`` of four 8x8 BF16 blocks: lane ``i`` gives row ``base + (i%8)*rowb + 16*(i//8)``."""
+    def ldsm_rows(smem, base, rowb, scr):
+        """``ldmatrix.x4`` of a 16x16 BF16 block (rows ``rowb`` bytes apart) as an MMA A operand: lane ``i``
+        gives row ``i%8 + 8*(i//8 % 2)``, column byte ``16*(i//16)``."""
         lane = lane_id()
-        return _ldsm(u32(base + (lane & 7) * rowb + 16 * (lane >> 3)))
+        return _ldsm(u32(base + ((lane & 7) + 8 * ((lane >> 3) & 1)) * rowb + 16 * (lane >> 4)))
 
     @device
-    def ldsm_v(smem, base, rowb, scr):
-        """``ldmatrix.x4.trans``: lane ``i`` gives row ``base + (8*(i//8 % 2) + i%8)*rowb + 16*(i//16)``."""
+    def ldsm_cols(smem, base, rowb, scr):
+        """``ldmatrix.x4.trans``: the transpose of a 16x16 BF16 block as an MMA A operand: lane ``i`` gives
+        row ``i%8 + 8*(i//16)``, column byte ``16*(i//8 % 2)``."""
         lane = lane_id()
-        return _ldsm_t(u32(base + (((lane >> 3) & 1) * 8 + (lane & 7)) * rowb + 16 * (lane >> 4)))
+        return _ldsm_t(u32(base + ((lane & 7) + 8 * (lane >> 4)) * rowb + 16 * ((lane >> 3) & 1)))
 
     @device
     def lds4(smem, addr):
@@ -385,15 +389,17 @@ if not SIMULATOR:
         return u32(u32(a) * u32(b))
 
     @device
-    def quad_max(x, scr):
-        """Max over the 4 lanes of a quad (lanes 4r .. 4r+3)."""
-        x = max(x, cuda.shfl_xor_sync(0xFFFFFFFF, x, 1))
-        return max(x, cuda.shfl_xor_sync(0xFFFFFFFF, x, 2))
+    def col_max(x, scr):
+        """Max over the 8 lanes ``q, q+4, .. q+28`` (one column of an MMA C fragment)."""
+        x = max(x, cuda.shfl_xor_sync(0xFFFFFFFF, x, 4))
+        x = max(x, cuda.shfl_xor_sync(0xFFFFFFFF, x, 8))
+        return max(x, cuda.shfl_xor_sync(0xFFFFFFFF, x, 16))
 
     @device
-    def quad_sum(x, scr):
-        x += cuda.shfl_xor_sync(0xFFFFFFFF, x, 1)
-        return x + cuda.shfl_xor_sync(0xFFFFFFFF, x, 2)
+    def col_sum(x, scr):
+        x += cuda.shfl_xor_sync(0xFFFFFFFF, x, 4)
+        x += cuda.shfl_xor_sync(0xFFFFFFFF, x, 8)
+        return x + cuda.shfl_xor_sync(0xFFFFFFFF, x, 16)
 
     @device
     def escape_scan(cnt, scr):
@@ -443,21 +449,21 @@ else:
             return 0x7FC0 | ((f >> 16) & 0x8000)
         return ((f + 0x7FFF + ((f >> 16) & 1)) >> 16) & 0xFFFF
 
-    def _mma_sim(area, lane, a_words, b_words, c):
-        """Lane's (d0, d1) of ``C + sum_i A_i.B_i`` from the exchanged words (A: ``a_words`` = (a0, a2) word
-        indices per term, B: ``b_words`` = (b0, b1))."""
+    def _mma_sim(area, lane, c):
+        """Lane's (d0..d3) of ``C + A.B`` from the exchanged words a0..a3 (0..3) and b0, b1 (4, 5): row ``m``
+        of A is k = 0..7 from a0 (a1 for m >= 8) of lanes 4(m%8) .. +3, k = 8..15 from a2 (a3); column
+        ``n`` of B is b0, then b1, of lanes 4n .. 4n+3.  Each product is summed in float64 and added to C."""
         r, q = lane // 4, lane % 4
-        out = [float(c[0]), float(c[1])]
-        for (ia0, ia2), (ib0, ib1) in zip(a_words, b_words):
-            # Row r of A: k = 0..7 from a0 of lanes 4r..4r+3, k = 8..15 from a2; column n of B likewise.
-            a = _pairs(np.concatenate([area[32 * r + ia0:32 * r + 32:8], area[32 * r + ia2:32 * r + 32:8]]))
+        out = [float(x) for x in c]
+        for half in range(2):
+            a = _pairs(np.concatenate([area[32 * r + half:32 * r + 32:8], area[32 * r + 2 + half:32 * r + 32:8]]))
             for j in range(2):
                 n = 2 * q + j
-                col = _pairs(np.concatenate([area[32 * n + ib0:32 * n + 32:8], area[32 * n + ib1:32 * n + 32:8]]))
+                col = _pairs(np.concatenate([area[32 * n + 4:32 * n + 32:8], area[32 * n + 5:32 * n + 32:8]]))
                 with np.errstate(invalid="ignore", over="ignore"):
-                    out[j] += float(a @ col)
+                    out[2 * half + j] += float(a @ col)
         with np.errstate(invalid="ignore", over="ignore"):
-            return f32(out[0]), f32(out[1])
+            return f32(out[0]), f32(out[1]), f32(out[2]), f32(out[3])
 
     @device
     def lane_id():
@@ -482,18 +488,15 @@ else:
         return int(byte)
 
     @device
-    def mma_chain(a0, a2, a0b, a2b, b0, b1, b2, b3, c0, c1, scr):
-        area = _exchange(scr, a0, a2, a0b, a2b, b0, b1, b2, b3)
-        d0, d1 = _mma_sim(area, _lane(), ((0, 1),), ((4, 5),), (c0, c1))
-        # Accumulate like the hardware: the second product is added to the rounded first result.
-        return _mma_sim(area, _lane(), ((2, 3),), ((6, 7),), (d0, d1))
+    def mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scr):
+        return _mma_sim(_exchange(scr, a0, a1, a2, a3, b0, b1), _lane(), (c0, c1, c2, c3))
 
     @device
-    def mma_pair(a0, a2, b0, b1, b2, b3, c0, c1, e0, e1, scr):
-        area = _exchange(scr, a0, a2, b0, b1, b2, b3)
-        d0, d1 = _mma_sim(area, _lane(), ((0, 1),), ((2, 3),), (c0, c1))
-        f0, f1 = _mma_sim(area, _lane(), ((0, 1),), ((4, 5),), (e0, e1))
-        return d0, d1, f0, f1
+    def transpose8(x, scr):
+        area = _exchange(scr, x)
+        r, q = _lane() // 4, _lane() % 4
+        el = lambda i, j: (int(area[8 * (4 * i + j // 2)]) >> (16 * (j % 2))) & 0xFFFF  # noqa: E731  (row i, col j)
+        return u32(el(2 * q, r) | (el(2 * q + 1, r) << 16))
 
     def _ldsm_sim(smem, row_of, trans):
         """Lane's 4 fragment words; ``row_of(i)`` is the row byte address lane ``i`` would give."""
@@ -510,13 +513,12 @@ else:
         return out[0], out[1], out[2], out[3]
 
     @device
-    def ldsm_k(smem, base, rowb, scr):
-        return _ldsm_sim(smem, lambda i: int(base) + (i & 7) * int(rowb) + 16 * (i >> 3), False)
+    def ldsm_rows(smem, base, rowb, scr):
+        return _ldsm_sim(smem, lambda i: int(base) + ((i & 7) + 8 * ((i >> 3) & 1)) * int(rowb) + 16 * (i >> 4), False)
 
     @device
-    def ldsm_v(smem, base, rowb, scr):
-        return _ldsm_sim(smem, lambda i: int(base) + (((i >> 3) & 1) * 8 + (i & 7)) * int(rowb) + 16 * (i >> 4),
-                         True)
+    def ldsm_cols(smem, base, rowb, scr):
+        return _ldsm_sim(smem, lambda i: int(base) + ((i & 7) + 8 * (i >> 4)) * int(rowb) + 16 * ((i >> 3) & 1), True)
 
     @device
     def lds4(smem, addr):
@@ -588,20 +590,22 @@ else:
     def mul_lo(a, b):
         return u32(int(a) * int(b))
 
-    @device
-    def quad_max(x, scr):
+    def _column(x, scr):
+        """The 8 values of this lane's C-fragment column (lanes q, q+4, .. q+28), in lane order."""
         area = _exchange(scr, np.float32(x).view(np.uint32))
-        first = _lane() & ~3
-        v = [np.uint32(area[8 * (first + i)]).view(np.float32) for i in range(4)]
-        return np.fmax(np.fmax(v[0], v[1]), np.fmax(v[2], v[3]))      # NaN-ignoring, like the GPU's max
+        return [np.uint32(area[8 * (_lane() % 4 + 4 * i)]).view(np.float32) for i in range(8)]
 
     @device
-    def quad_sum(x, scr):
-        area = _exchange(scr, np.float32(x).view(np.uint32))
-        first = _lane() & ~3
-        v = [np.uint32(area[8 * (first + i)]).view(np.float32) for i in range(4)]
-        # The butterfly order of the GPU version: (x0 + x1) + (x2 + x3) for every lane of the quad.
-        return f32((v[0] + v[1]) + (v[2] + v[3]))
+    def col_max(x, scr):
+        return np.float32(np.fmax.reduce(_column(x, scr)))     # NaN-ignoring, like the GPU's max
+
+    @device
+    def col_sum(x, scr):
+        v = _column(x, scr)
+        # The butterfly order of the GPU version (xor 4, 8, 16 over the lanes = 1, 2, 4 over the column).
+        v = [v[i] + v[i ^ 1] for i in range(8)]
+        v = [v[i] + v[i ^ 2] for i in range(8)]
+        return f32(v[_lane() // 4] + v[(_lane() // 4) ^ 4])
 
     @device
     def escape_scan(cnt, scr):
@@ -932,9 +936,9 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
     SB = TB if plain else stage_bytes
     if not plain and (stage_bytes % 16 or not L.TileGeometry(C).fixed_bytes <= stage_bytes <= 2 * L.BLOCK_TOKENS * C):
         raise ValueError(f"stage_bytes {stage_bytes}: a multiple of 16 that holds a slot of {C}-channel tiles")
-    NCHUNK = D // 16                    # k-chunks of the score MMA
-    KF_WORDS = 2 * C // 8               # K fragment words of one tile (8 per 32 channels)
-    NOUT = D // 8                       # n-chunks of the P.V MMA
+    NCHUNK = D // 16                    # k-chunks of the score MMA (16 channels each)
+    KF_WORDS = C // 4                   # K fragment words of one tile (4 per 16 channels)
+    NACC = D // 4                       # O^T accumulators: 4 per 16 channels
     ROW_CHUNKS = C // 8                 # 16-byte chunks of a BF16 row
     RAW_PER_LANE = L.BLOCK_TOKENS * ROW_CHUNKS // WARP
     if overlap and (T != 1 or plain or variant != FULL):
@@ -1024,60 +1028,70 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
 
     @device
     def load_k_frags(smem, tile, kf, scr):
-        """B fragments of q.k for a K tile: ldmatrix of rows = tokens (8 nb + i), 8 channels a matrix."""
-        for kc in range(C // 32):
-            x0, x1, x2, x3 = ldsm_k(smem, u32(tile + 64 * kc), ROWB, scr)
-            y0, y1, y2, y3 = ldsm_k(smem, u32(tile + 8 * ROWB + 64 * kc), ROWB, scr)
-            kf[8 * kc] = x0
-            kf[8 * kc + 1] = x1
-            kf[8 * kc + 2] = x2
-            kf[8 * kc + 3] = x3
-            kf[8 * kc + 4] = y0
-            kf[8 * kc + 5] = y1
-            kf[8 * kc + 6] = y2
-            kf[8 * kc + 7] = y3
+        """A fragments of q.k for a K tile: 16 tokens x 16 channels a ``ldmatrix.x4``."""
+        for kk in range(C // 16):
+            a0, a1, a2, a3 = ldsm_rows(smem, u32(tile + 32 * kk), ROWB, scr)
+            kf[4 * kk] = a0
+            kf[4 * kk + 1] = a1
+            kf[4 * kk + 2] = a2
+            kf[4 * kk + 3] = a3
 
     @device
-    def qk_mma(kf, j, qa0, qa2, sc, scr):
-        """Scores S^T[head r][token] += Q . K^T for tile j: ``sc[4 nb + 2 par + (0, 1)]`` holds tokens
-        8 nb + 2q, +1 (the C fragment of token half nb), accumulated in two chains (par) so that the
-        MMAs of one chain wait for half as many predecessors."""
-        for kc in range(C // 32):
-            kk = j * (C // 16) + 2 * kc
-            c = 2 * (kc & 1)
-            sc[c], sc[c + 1] = mma_chain(qa0[kk], qa2[kk], qa0[kk + 1], qa2[kk + 1], kf[8 * kc], kf[8 * kc + 1],
-                                         kf[8 * kc + 2], kf[8 * kc + 3], sc[c], sc[c + 1], scr)
-            sc[4 + c], sc[5 + c] = mma_chain(qa0[kk], qa2[kk], qa0[kk + 1], qa2[kk + 1], kf[8 * kc + 4],
-                                             kf[8 * kc + 5], kf[8 * kc + 6], kf[8 * kc + 7], sc[4 + c], sc[5 + c],
-                                             scr)
+    def qk_mma(kf, j, qb0, qb1, sc, scr):
+        """Scores S^T[token][head] += K . Q^T for tile j: ``sc[4 par + i]`` holds token ``r + 8 (i // 2)``,
+        head ``2q + i % 2``, accumulated in two chains (par) so that an MMA waits for half as many."""
+        for kk in range(C // 16):
+            c = 4 * (kk & 1)
+            kq = j * (C // 16) + kk
+            sc[c], sc[c + 1], sc[c + 2], sc[c + 3] = mma(kf[4 * kk], kf[4 * kk + 1], kf[4 * kk + 2], kf[4 * kk + 3],
+                                                         qb0[kq], qb1[kq], sc[c], sc[c + 1], sc[c + 2], sc[c + 3], scr)
 
     @device
-    def softmax_update(sc, valid, q, m_run, l_run, acc0, acc1, scale_log2, scr):
-        """Online softmax in the log2 domain (tokens at or after ``valid`` masked): rescales the
-        accumulators, returns (m, l, P of token half 0, P of token half 1) as BF16 pairs."""
-        x00 = (sc[0] + sc[2]) * scale_log2 if 2 * q < valid else f32(_NEG_INF)
-        x01 = (sc[1] + sc[3]) * scale_log2 if 2 * q + 1 < valid else f32(_NEG_INF)
-        x10 = (sc[4] + sc[6]) * scale_log2 if 8 + 2 * q < valid else f32(_NEG_INF)
-        x11 = (sc[5] + sc[7]) * scale_log2 if 9 + 2 * q < valid else f32(_NEG_INF)
-        m_new = max(m_run, quad_max(max(max(x00, x01), max(x10, x11)), scr))
-        alpha = ex2(m_run - m_new)
-        p00 = ex2(x00 - m_new)
-        p01 = ex2(x01 - m_new)
-        p10 = ex2(x10 - m_new)
-        p11 = ex2(x11 - m_new)
-        for c in range(NOUT):
-            acc0[c] *= alpha
-            acc1[c] *= alpha
-        return m_new, l_run * alpha + ((p00 + p01) + (p10 + p11)), pack_bf16x2(p00, p01), pack_bf16x2(p10, p11)
+    def softmax_update(sc, valid, r, m0, m1, l0, l1, acc, scale_log2, scr):
+        """Online softmax in the log2 domain over the block's tokens (those at or after ``valid`` masked)
+        for this lane's heads ``2q`` and ``2q+1``: rescales the accumulators; returns their maxima,
+        this lane's partial sums, and P as the two B fragments of p.v (tokens 0..7, 8..15)."""
+        x0 = (sc[0] + sc[4]) * scale_log2 if r < valid else f32(_NEG_INF)
+        x1 = (sc[1] + sc[5]) * scale_log2 if r < valid else f32(_NEG_INF)
+        x2 = (sc[2] + sc[6]) * scale_log2 if r + 8 < valid else f32(_NEG_INF)
+        x3 = (sc[3] + sc[7]) * scale_log2 if r + 8 < valid else f32(_NEG_INF)
+        n0 = max(m0, col_max(max(x0, x2), scr))
+        n1 = max(m1, col_max(max(x1, x3), scr))
+        al0 = ex2(m0 - n0)
+        al1 = ex2(m1 - n1)
+        p0 = ex2(x0 - n0)
+        p1 = ex2(x1 - n1)
+        p2 = ex2(x2 - n0)
+        p3 = ex2(x3 - n1)
+        for t in range(NACC // 4):
+            acc[4 * t] *= al0
+            acc[4 * t + 1] *= al1
+            acc[4 * t + 2] *= al0
+            acc[4 * t + 3] *= al1
+        return (n0, n1, l0 * al0 + (p0 + p2), l1 * al1 + (p1 + p3),
+                transpose8(pack_bf16x2(p0, p1), scr), transpose8(pack_bf16x2(p2, p3), scr))
 
     @device
-    def pv_mma(smem, tile, j, pa0, pa2, acc0, acc1, scr):
-        """O[head r][8o + 2q, +1] += P . V for V tile j (ldmatrix.trans: rows = tokens)."""
-        for nc in range(C // 16):
-            o = j * (C // 8) + 2 * nc
-            x0, x1, x2, x3 = ldsm_v(smem, u32(tile + 32 * nc), ROWB, scr)
-            acc0[o], acc1[o], acc0[o + 1], acc1[o + 1] = mma_pair(
-                pa0, pa2, x0, x1, x2, x3, acc0[o], acc1[o], acc0[o + 1], acc1[o + 1], scr)
+    def pv_mma(smem, tile, j, pb0, pb1, acc, scr):
+        """O^T[channel][head] += V^T . P for V tile j (``ldmatrix.trans``): ``acc[4 t + i]`` holds channel
+        ``16 t + r + 8 (i // 2)``, head ``2q + i % 2``."""
+        for mt in range(C // 16):
+            o = 4 * (j * (C // 16) + mt)
+            a0, a1, a2, a3 = ldsm_cols(smem, u32(tile + 32 * mt), ROWB, scr)
+            acc[o], acc[o + 1], acc[o + 2], acc[o + 3] = mma(a0, a1, a2, a3, pb0, pb1, acc[o], acc[o + 1],
+                                                             acc[o + 2], acc[o + 3], scr)
+
+    @device
+    def store_head(o_part, lse_part, acc, i, row, r, m, l_):
+        """The normalised output of partial row ``row`` (this lane's head ``2q + i``: channels ``16 t + r``
+        and ``+ 8`` from ``acc[4 t + i]``, ``acc[4 t + i + 2]``) and, from lane r = 0, its log2-sum-exp."""
+        inv = f32(1) / l_ if l_ > 0 else f32(0)
+        o = row * D + r
+        for t in range(NACC // 4):
+            o_part[o + 16 * t] = acc[4 * t + i] * inv
+            o_part[o + 16 * t + 8] = acc[4 * t + i + 2] * inv
+        if r == 0:
+            lse_part[row] = m + math.log2(l_) if l_ > 0 else m
 
     @device
     def load_bases(smem, bases, kind, e, ne, h, kv_heads, lane):
@@ -1137,20 +1151,20 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
                 ev_ = checked_epoch(i32(epoch_v[b * max_blocks + blk0]), epochs_v, status)
             load_bases(smem, bases, 0, ek, ne, h, kv_heads, lane)
             load_bases(smem, bases, 1, ev_, ne, h, kv_heads, lane)
-        # Query fragments (A operand: rows = query heads of the group; rows >= g are zero).
-        qa0 = cuda.local.array(NCHUNK, uint32)
-        qa2 = cuda.local.array(NCHUNK, uint32)
+        # Query fragments (B operand of q.k: column r = query head r of the group; columns >= g zero).
+        qb0 = cuda.local.array(NCHUNK, uint32)
+        qb1 = cuda.local.array(NCHUNK, uint32)
         qrow = (b * hq + h * g + r) * (D // 2)
         for kk in range(NCHUNK):
-            qa0[kk] = u32(q32[qrow + 8 * kk + q]) if r < g else u32(0)
-            qa2[kk] = u32(q32[qrow + 8 * kk + 4 + q]) if r < g else u32(0)
-        acc0 = cuda.local.array(NOUT, float32)
-        acc1 = cuda.local.array(NOUT, float32)
-        for i in range(NOUT):
-            acc0[i] = f32(0)
-            acc1[i] = f32(0)
-        m_run = f32(_NEG_INF)
-        l_run = f32(0)
+            qb0[kk] = u32(q32[qrow + 8 * kk + q]) if r < g else u32(0)
+            qb1[kk] = u32(q32[qrow + 8 * kk + 4 + q]) if r < g else u32(0)
+        acc = cuda.local.array(NACC, float32)
+        for i in range(NACC):
+            acc[i] = f32(0)
+        m0 = f32(_NEG_INF)                      # running maxima and this lane's sums, heads 2q and 2q + 1
+        m1 = f32(_NEG_INF)
+        l0 = f32(0)
+        l1 = f32(0)
         tail_base = (b * kv_heads + h) * (L.BLOCK_TOKENS * D * 2)
         sc = cuda.local.array(8, float32)           # score accumulators (see qk_mma)
         kf = cuda.local.array(KF_WORDS, uint32)      # K fragments of one tile
@@ -1203,37 +1217,35 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
                 load_k_frags(smem, dec, kf, scr)
                 warp_sync(scr)                  # the V decode below overwrites the decode tile
                 decode_loads(smem, src_v, base_v, 4 * RS, tags_v, off_v, smw, cw, ev, bw)
-                qk_mma(kf, 0, qa0, qa2, sc, scr)
-                m_run, l_run, pa0, pa2 = softmax_update(sc, valid, q, m_run, l_run, acc0, acc1, scale_log2, scr)
+                qk_mma(kf, 0, qb0, qb1, sc, scr)
+                m0, m1, l0, l1, pb0, pb1 = softmax_update(sc, valid, r, m0, m1, l0, l1, acc, scale_log2, scr)
                 decode_compute(smem, dec, tags_v, smw, cw, ev, bw)
                 decode_fix(smem, src_v, dec, tags_v, off_v, cnt_v, cap_v, status)
                 warp_sync(scr)
-                pv_mma(smem, dec, 0, pa0, pa2, acc0, acc1, scr)
+                pv_mma(smem, dec, 0, pb0, pb1, acc, scr)
                 warp_sync(scr)
                 continue
             for j in range(T):
                 tile = tile_of(smem, sb, ents, i, st, 0, j, is_tail, raw_k, tail_k, tail_base + j * C * 2,
                                tail_valid, cap_k, status, scr, True)
                 load_k_frags(smem, tile, kf, scr)
-                qk_mma(kf, j, qa0, qa2, sc, scr)
+                qk_mma(kf, j, qb0, qb1, sc, scr)
                 warp_sync(scr)
-            m_run, l_run, pa0, pa2 = softmax_update(sc, valid, q, m_run, l_run, acc0, acc1, scale_log2, scr)
+            m0, m1, l0, l1, pb0, pb1 = softmax_update(sc, valid, r, m0, m1, l0, l1, acc, scale_log2, scr)
             for j in range(T):
                 tile = tile_of(smem, sb, ents, i, st, 1, j, is_tail, raw_v, tail_v, tail_base + j * C * 2,
                                tail_valid, cap_v, status, scr, True)
-                pv_mma(smem, tile, j, pa0, pa2, acc0, acc1, scr)
+                pv_mma(smem, tile, j, pb0, pb1, acc, scr)
                 warp_sync(scr)
 
         # This split's normalised partial output and log-sum-exp (log2 domain).
-        l_run = quad_sum(l_run, scr)
-        if r < g:
-            inv = f32(1) / l_run if l_run > 0 else f32(0)
-            orow = ((w * kv_heads + h) * g + r) * D
-            for c in range(NOUT):
-                o_part[orow + 8 * c + 2 * q] = acc0[c] * inv
-                o_part[orow + 8 * c + 2 * q + 1] = acc1[c] * inv
-            if q == 0:
-                lse_part[(w * kv_heads + h) * g + r] = m_run + math.log2(l_run) if l_run > 0 else m_run
+        l0 = col_sum(l0, scr)
+        l1 = col_sum(l1, scr)
+        row = (w * kv_heads + h) * g + 2 * q
+        if 2 * q < g:
+            store_head(o_part, lse_part, acc, 0, row, r, m0, l0)
+        if 2 * q + 1 < g:
+            store_head(o_part, lse_part, acc, 1, row + 1, r, m1, l1)
     return kernel
 
 
