@@ -642,7 +642,12 @@ def main():
         log(f"== timings (capacity K/V {cache.capacity}) ==")
         candidates = args.configs or [{}, {"nstage": 3, "max_registers": None}, {"overlap": False}]
         breakdown = candidates + [{"variant": v} for v in ("load_only", "no_decode", "decode_twice")]
-        plain_breakdown = [{}, {"variant": "load_only"}, {"nstage": 3, "max_registers": None}]
+        # The BF16 twin runs every candidate too (its own options: overlap is for the compressed kernel).
+        plain_breakdown = [{}, {"variant": "load_only"}]
+        for c in candidates[1:] + [{"nstage": 3, "max_registers": None}]:
+            c = {k: v for k, v in c.items() if k != "overlap"}
+            if all(label(c, True) != label(x, True) for x in plain_breakdown):
+                plain_breakdown.append(c)
         if SIM:
             candidates = breakdown = [{}, {"overlap": False}]
             plain_breakdown = [{}]

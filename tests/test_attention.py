@@ -221,7 +221,10 @@ def test_real_kv_gqa_with_tails(rng):
 @pytest.mark.parametrize("d, heads, g, plan", [
     (128, 1, 4, {"overlap": True, "blocks_per_split": 1}),     # every block its own split: the merge
     (128, 1, 8, {"nstage": 2}),
+    (128, 1, 2, {"nstage": 1, "overlap": True}),               # one area per kind, refilled once read
+    (64, 2, 3, {"nstage": 1, "overlap": False}),
     (256, 1, 1, {}),                                           # two half-head tiles per head
+    (256, 1, 2, {"nstage": 1}),
 ])
 def test_synthetic_shapes(rng, d, heads, g, plan):
     lens = [int(rng.integers(33, 50)), int(rng.integers(1, 16))]
@@ -271,9 +274,10 @@ def test_raw_tiles_and_plain_kernel_agree(rng):
     out = check_against_reference(rng, ks, vs, g, view=view)
     q = float_to_bf16(rng.standard_normal((len(ks), heads * g, d)).astype(np.float32))
     a, lse_a, _ = run_kernel(view, q)
-    b, lse_b, _ = run_kernel(plain_view(ks, vs), q, plain=True)
-    np.testing.assert_array_equal(a, b)
-    np.testing.assert_array_equal(lse_a, lse_b)
+    for nstage in (2, 1):
+        b, lse_b, _ = run_kernel(plain_view(ks, vs), q, plain=True, nstage=nstage)
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(lse_a, lse_b)
     assert out.shape == a.shape
 
 

@@ -956,7 +956,8 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
     decode, decode_tags, decode_loads, decode_compute, decode_fix, SIZES = _decode_tile_fn(C)
     SM_WORDS, CODE_ARRAY, GPL, BASE_WORDS = SIZES
     stage_slot = _stage_slot_fn(C, SB)
-    cp_wait = cp_wait_fn(NS - 1)
+    REFILL = NS == 1                    # one area per kind, refilled as soon as it is read (see refill_fn)
+    cp_wait = cp_wait_fn(1 if REFILL else NS - 1)
     do_decode = not plain and variant in (FULL, DECODE_TWICE)
     do_math = variant != LOAD_ONLY
 
@@ -979,28 +980,35 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
             else:
                 cp16(smem, a, tail if is_tail else raw, ga)
 
-    @device
-    def issue_block(smem, sb, ents, i, st, blk, nfull, slots_k, slots_v, slot_bytes_k, slot_bytes_v, raw_k, raw_v,
-                    tail_k, tail_v, tail_base, tail_valid, lane):
-        """Start the copies of block ``blk`` (split-relative ``i``) into stage ``st``: every tile for the
-        plain kernel, the slots for the compressed one."""
-        is_tail = blk >= nfull
-        for kind in range(2):
+    def issue_fn(kind: int):
+        """Device function starting the copies of kind ``kind``'s tiles of block ``blk`` (split-relative
+        ``i``) into stage ``st``: every tile for the plain kernel, the slots for the compressed one."""
+        @device
+        def issue(smem, sb, ents, i, st, blk, nfull, slots, slot_bytes, raw, tail, tail_base, tail_valid, lane):
+            is_tail = blk >= nfull
             for j in range(T):
                 e = i32(-1) if is_tail else ents[u32((i * 2 + kind) * T + j)]
                 dst = u32(sb + STG + ((st * 2 + kind) * T + j) * SB)
                 if plain:
-                    if kind == 0:
-                        copy_bf16_tile(smem, dst, is_tail, e, raw_k, tail_k, tail_base + j * C * 2, tail_valid, lane,
-                                       False)
-                    else:
-                        copy_bf16_tile(smem, dst, is_tail, e, raw_v, tail_v, tail_base + j * C * 2, tail_valid, lane,
-                                       False)
+                    copy_bf16_tile(smem, dst, is_tail, e, raw, tail, tail_base + j * C * 2, tail_valid, lane, False)
                 elif not is_tail and e >= 0:
-                    if kind == 0:
-                        stage_slot(smem, dst, e, slots_k, slot_bytes_k, lane)
-                    else:
-                        stage_slot(smem, dst, e, slots_v, slot_bytes_v, lane)
+                    stage_slot(smem, dst, e, slots, slot_bytes, lane)
+        return issue
+
+    issue_k, issue_v = issue_fn(0), issue_fn(1)
+
+    def refill_fn(issue):
+        """``nstage=1``: start block i+1's copies of one kind into the area block i's tiles of that kind
+        have just left (read into registers or decoded, then a warp barrier), as one copy group."""
+        @device
+        def refill(smem, sb, ents, i, blk, blk1, nfull, slots, slot_bytes, raw, tail, tail_base, tail_valid, lane):
+            if blk + 1 < blk1:
+                issue(smem, sb, ents, i32(i + 1), 0, i32(blk + 1), nfull, slots, slot_bytes, raw, tail, tail_base,
+                      tail_valid, lane)
+            cp_commit()
+        return refill
+
+    refill_k, refill_v = refill_fn(issue_k), refill_fn(issue_v)
 
     @device
     def tile_of(smem, sb, ents, i, st, kind, j, is_tail, raw, tail, tail_byte, tail_valid, cap, status, scr, sync):
@@ -1174,10 +1182,21 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
         bw = cuda.local.array(BASE_WORDS, uint32)
         warp_sync(scr)
 
+        if REFILL:                              # prologue: block blk0, K and V in copy groups of their own
+            if blk0 < blk1:
+                issue_k(smem, sb, ents, 0, 0, blk0, nfull, slots_k, slot_bytes_k, raw_k, tail_k, tail_base,
+                        tail_valid, lane)
+            cp_commit()
+            if blk0 < blk1:
+                issue_v(smem, sb, ents, 0, 0, blk0, nfull, slots_v, slot_bytes_v, raw_v, tail_v, tail_base,
+                        tail_valid, lane)
+            cp_commit()
         for s in range(NS - 1):                 # prologue: blocks blk0 .. blk0 + NS - 2
             if blk0 + s < blk1:
-                issue_block(smem, sb, ents, s, s, blk0 + s, nfull, slots_k, slots_v, slot_bytes_k, slot_bytes_v,
-                            raw_k, raw_v, tail_k, tail_v, tail_base, tail_valid, lane)
+                issue_k(smem, sb, ents, s, s, blk0 + s, nfull, slots_k, slot_bytes_k, raw_k, tail_k, tail_base,
+                        tail_valid, lane)
+                issue_v(smem, sb, ents, s, s, blk0 + s, nfull, slots_v, slot_bytes_v, raw_v, tail_v, tail_base,
+                        tail_valid, lane)
             cp_commit()
 
         # 32-bit counters: numba's int64 loop arithmetic and `i % NS` cost ~60 instructions a block.
@@ -1187,13 +1206,23 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
             ahead = i32(i + (NS - 1))
             sa = st                             # into the stage the previous iteration finished with
             st = i32(st + 1) if st < NS - 1 else i32(0)
-            if blk0 + ahead < blk1:
-                issue_block(smem, sb, ents, ahead, sa, i32(blk0 + ahead), nfull, slots_k, slots_v, slot_bytes_k,
-                            slot_bytes_v, raw_k, raw_v, tail_k, tail_v, tail_base, tail_valid, lane)
-            cp_commit()
-            cp_wait()
+            if not REFILL:
+                if blk0 + ahead < blk1:
+                    issue_k(smem, sb, ents, ahead, sa, i32(blk0 + ahead), nfull, slots_k, slot_bytes_k, raw_k, tail_k,
+                            tail_base, tail_valid, lane)
+                    issue_v(smem, sb, ents, ahead, sa, i32(blk0 + ahead), nfull, slots_v, slot_bytes_v, raw_v, tail_v,
+                            tail_base, tail_valid, lane)
+                cp_commit()
+            cp_wait()                           # REFILL: block i's K (its V may still be in flight)
             warp_sync(scr)
             if not do_math:
+                if REFILL:
+                    refill_k(smem, sb, ents, i, blk, blk1, nfull, slots_k, slot_bytes_k, raw_k, tail_k, tail_base,
+                             tail_valid, lane)
+                    cp_wait()
+                    warp_sync(scr)
+                    refill_v(smem, sb, ents, i, blk, blk1, nfull, slots_v, slot_bytes_v, raw_v, tail_v, tail_base,
+                             tail_valid, lane)
                 continue
             is_tail = blk >= nfull
             valid = tail_valid if is_tail else i32(L.BLOCK_TOKENS)
@@ -1208,20 +1237,34 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
                 base_v = u32(base_k + 4 * BASE_ROWS * RS)
                 dec = u32(sb + DEC)
                 tags_k, cnt_k = decode_tags(smem, src_k)
-                tags_v, cnt_v = decode_tags(smem, src_v)
-                off_k, off_v = escape_scan2(cnt_k, cnt_v, scr)
+                if REFILL:
+                    off_k = escape_scan(cnt_k, scr)
+                else:
+                    tags_v, cnt_v = decode_tags(smem, src_v)
+                    off_k, off_v = escape_scan2(cnt_k, cnt_v, scr)
                 decode_loads(smem, src_k, base_k, 4 * RS, tags_k, off_k, smw, cw, ev, bw)
                 decode_compute(smem, dec, tags_k, smw, cw, ev, bw)
                 decode_fix(smem, src_k, dec, tags_k, off_k, cnt_k, cap_k, status)
                 warp_sync(scr)
+                if REFILL:
+                    refill_k(smem, sb, ents, i, blk, blk1, nfull, slots_k, slot_bytes_k, raw_k, tail_k, tail_base,
+                             tail_valid, lane)
                 load_k_frags(smem, dec, kf, scr)
                 warp_sync(scr)                  # the V decode below overwrites the decode tile
+                if REFILL:
+                    cp_wait()
+                    warp_sync(scr)
+                    tags_v, cnt_v = decode_tags(smem, src_v)
+                    off_v = escape_scan(cnt_v, scr)
                 decode_loads(smem, src_v, base_v, 4 * RS, tags_v, off_v, smw, cw, ev, bw)
                 qk_mma(kf, 0, qb0, qb1, sc, scr)
                 m0, m1, l0, l1, pb0, pb1 = softmax_update(sc, valid, r, m0, m1, l0, l1, acc, scale_log2, scr)
                 decode_compute(smem, dec, tags_v, smw, cw, ev, bw)
                 decode_fix(smem, src_v, dec, tags_v, off_v, cnt_v, cap_v, status)
                 warp_sync(scr)
+                if REFILL:
+                    refill_v(smem, sb, ents, i, blk, blk1, nfull, slots_v, slot_bytes_v, raw_v, tail_v, tail_base,
+                             tail_valid, lane)
                 pv_mma(smem, dec, 0, pb0, pb1, acc, scr)
                 warp_sync(scr)
                 continue
@@ -1231,12 +1274,21 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
                 load_k_frags(smem, tile, kf, scr)
                 qk_mma(kf, j, qb0, qb1, sc, scr)
                 warp_sync(scr)
+            if REFILL:
+                refill_k(smem, sb, ents, i, blk, blk1, nfull, slots_k, slot_bytes_k, raw_k, tail_k, tail_base,
+                         tail_valid, lane)
             m0, m1, l0, l1, pb0, pb1 = softmax_update(sc, valid, r, m0, m1, l0, l1, acc, scale_log2, scr)
+            if REFILL:
+                cp_wait()
+                warp_sync(scr)
             for j in range(T):
                 tile = tile_of(smem, sb, ents, i, st, 1, j, is_tail, raw_v, tail_v, tail_base + j * C * 2,
                                tail_valid, cap_v, status, scr, True)
                 pv_mma(smem, tile, j, pb0, pb1, acc, scr)
                 warp_sync(scr)
+            if REFILL:
+                refill_v(smem, sb, ents, i, blk, blk1, nfull, slots_v, slot_bytes_v, raw_v, tail_v, tail_base,
+                         tail_valid, lane)
 
         # This split's normalised partial output and log-sum-exp (log2 domain).
         l0 = col_sum(l0, scr)
