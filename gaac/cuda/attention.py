@@ -389,6 +389,10 @@ if not SIMULATOR:
         return u32(u32(a) * u32(b))
 
     @device
+    def warp_any(pred, scr):
+        return cuda.any_sync(0xFFFFFFFF, pred)
+
+    @device
     def col_max(x, scr):
         """Max over the 8 lanes ``q, q+4, .. q+28`` (one column of an MMA C fragment)."""
         x = max(x, cuda.shfl_xor_sync(0xFFFFFFFF, x, 4))
@@ -590,6 +594,11 @@ else:
     def mul_lo(a, b):
         return u32(int(a) * int(b))
 
+    @device
+    def warp_any(pred, scr):
+        area = _exchange(scr, 1 if pred else 0)
+        return any(int(area[8 * i]) for i in range(WARP))
+
     def _column(x, scr):
         """The 8 values of this lane's C-fragment column (lanes q, q+4, .. q+28), in lane order."""
         area = _exchange(scr, np.float32(x).view(np.uint32))
@@ -706,7 +715,7 @@ def _decode_tile_fn(channels: int):
         return tags, i32(popc(tags & 0x5555) * ESC4 + popc(tags & 0xAAAA) * ESCR)
 
     @device
-    def decode_loads(smem, src, base, base_stride, tags, off, smw, cw, ev, bw):
+    def decode_loads(smem, src, base, base_stride, tags, off, cap, smw, cw, ev, bw):
         """Every other shared-memory read of this lane's part of a tile, issued back to back so that
         their latencies overlap (the compiler cannot move a read above the decoder's stores, which
         might alias): sign+mantissa words ``smw``, code words ``cw``, each group's first escape byte
@@ -714,10 +723,12 @@ def _decode_tile_fn(channels: int):
         lane = lane_id()
         t = lane & 15
         h = lane >> 4
+        # Chunks c0 + k (k < CPL) share c >> 3, and c0 is a multiple of CPL: chunk k's swizzled offset
+        # is chunk 0's xor 16k.
         c0 = u32(t * (C // 16) + h * CPL)
+        sm0 = u32(16 * (c0 ^ ((c0 >> 3) & SWZ)))
         for k in range(CPL):
-            c = u32(c0 + k)
-            w0, w1, w2, w3 = lds4(smem, u32(src + 16 * (c ^ ((c >> 3) & SWZ))))
+            w0, w1, w2, w3 = lds4(smem, u32(src + (sm0 ^ (16 * k))))
             smw[4 * k] = w0
             smw[4 * k + 1] = w1
             smw[4 * k + 2] = w2
@@ -732,11 +743,14 @@ def _decode_tile_fn(channels: int):
             for i in range(CODE_WORDS):
                 cw[i] = lds(smem, u32(code + 4 * i))
         cw[CODE_WORDS] = u32(0)
+        # In a valid slot off + (this lane's escape bytes) <= cap.  Clamped to cap, a corrupt ``off``
+        # still reads inside shared memory: at most 6 * GPL bytes past the slot (the decode tile, or the
+        # next stage, follows every staged slot), and the status word reports it.
+        pos = i32(min(off, i32(cap)))
         esc = u32(src + ESC_OFF)
-        pos = off
         for k in range(GPL):
             m = u32((tags >> (2 * k)) & 3)
-            ev[k] = lds_u8(smem, u32(esc + min(pos, ESC_MAX)))   # read even for a 3-bit group, then dropped
+            ev[k] = lds_u8(smem, u32(esc + pos))                  # read even for a 3-bit group, then dropped
             pos = i32(pos + m + 3 * (m >> 1))                     # escape bytes of mode m: 0, 1, 5
             b0, b1, b2, b3 = lds4(smem, u32(base + m * base_stride + 16 * k))
             bw[4 * k] = b0
@@ -806,7 +820,7 @@ def _decode_tile_fn(channels: int):
         bw = cuda.local.array(BASE_WORDS, uint32)
         tags, cnt = decode_tags(smem, src)
         off = escape_scan(cnt, scr)
-        decode_loads(smem, src, base, base_stride, tags, off, smw, cw, ev, bw)
+        decode_loads(smem, src, base, base_stride, tags, off, cap, smw, cw, ev, bw)
         decode_compute(smem, dst, tags, smw, cw, ev, bw)
         decode_fix(smem, src, dst, tags, off, cnt, cap, status)
 
@@ -1055,10 +1069,10 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
                                                          qb0[kq], qb1[kq], sc[c], sc[c + 1], sc[c + 2], sc[c + 3], scr)
 
     @device
-    def softmax_update(sc, valid, r, m0, m1, l0, l1, acc, scale_log2, scr):
+    def softmax_update(sc, valid, r, m0, m1, l0, l1, scale_log2, scr):
         """Online softmax in the log2 domain over the block's tokens (those at or after ``valid`` masked)
-        for this lane's heads ``2q`` and ``2q+1``: rescales the accumulators; returns their maxima,
-        this lane's partial sums, and P as the two B fragments of p.v (tokens 0..7, 8..15)."""
+        for this lane's heads ``2q`` and ``2q+1``: returns their maxima, this lane's partial sums, P as
+        the two B fragments of p.v (tokens 0..7, 8..15) and the factors :func:`rescale` applies."""
         x0 = (sc[0] + sc[4]) * scale_log2 if r < valid else f32(_NEG_INF)
         x1 = (sc[1] + sc[5]) * scale_log2 if r < valid else f32(_NEG_INF)
         x2 = (sc[2] + sc[6]) * scale_log2 if r + 8 < valid else f32(_NEG_INF)
@@ -1071,13 +1085,19 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
         p1 = ex2(x1 - n1)
         p2 = ex2(x2 - n0)
         p3 = ex2(x3 - n1)
-        for t in range(NACC // 4):
-            acc[4 * t] *= al0
-            acc[4 * t + 1] *= al1
-            acc[4 * t + 2] *= al0
-            acc[4 * t + 3] *= al1
         return (n0, n1, l0 * al0 + (p0 + p2), l1 * al1 + (p1 + p3),
-                transpose8(pack_bf16x2(p0, p1), scr), transpose8(pack_bf16x2(p2, p3), scr))
+                transpose8(pack_bf16x2(p0, p1), scr), transpose8(pack_bf16x2(p2, p3), scr), al0, al1)
+
+    @device
+    def rescale(acc, al0, al1, scr):
+        """The accumulators times the heads' factors, skipped (one warp vote) when no head's maximum
+        rose: past a split's first blocks that is most blocks, and the factors are then exactly 1."""
+        if warp_any(al0 != f32(1) or al1 != f32(1), scr):
+            for t in range(NACC // 4):
+                acc[4 * t] *= al0
+                acc[4 * t + 1] *= al1
+                acc[4 * t + 2] *= al0
+                acc[4 * t + 3] *= al1
 
     @device
     def pv_mma(smem, tile, j, pb0, pb1, acc, scr):
@@ -1242,7 +1262,7 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
                 else:
                     tags_v, cnt_v = decode_tags(smem, src_v)
                     off_k, off_v = escape_scan2(cnt_k, cnt_v, scr)
-                decode_loads(smem, src_k, base_k, 4 * RS, tags_k, off_k, smw, cw, ev, bw)
+                decode_loads(smem, src_k, base_k, 4 * RS, tags_k, off_k, cap_k, smw, cw, ev, bw)
                 decode_compute(smem, dec, tags_k, smw, cw, ev, bw)
                 decode_fix(smem, src_k, dec, tags_k, off_k, cnt_k, cap_k, status)
                 warp_sync(scr)
@@ -1256,15 +1276,16 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
                     warp_sync(scr)
                     tags_v, cnt_v = decode_tags(smem, src_v)
                     off_v = escape_scan(cnt_v, scr)
-                decode_loads(smem, src_v, base_v, 4 * RS, tags_v, off_v, smw, cw, ev, bw)
+                decode_loads(smem, src_v, base_v, 4 * RS, tags_v, off_v, cap_v, smw, cw, ev, bw)
                 qk_mma(kf, 0, qb0, qb1, sc, scr)
-                m0, m1, l0, l1, pb0, pb1 = softmax_update(sc, valid, r, m0, m1, l0, l1, acc, scale_log2, scr)
+                m0, m1, l0, l1, pb0, pb1, al0, al1 = softmax_update(sc, valid, r, m0, m1, l0, l1, scale_log2, scr)
                 decode_compute(smem, dec, tags_v, smw, cw, ev, bw)
                 decode_fix(smem, src_v, dec, tags_v, off_v, cnt_v, cap_v, status)
                 warp_sync(scr)
                 if REFILL:
                     refill_v(smem, sb, ents, i, blk, blk1, nfull, slots_v, slot_bytes_v, raw_v, tail_v, tail_base,
                              tail_valid, lane)
+                rescale(acc, al0, al1, scr)
                 pv_mma(smem, dec, 0, pb0, pb1, acc, scr)
                 warp_sync(scr)
                 continue
@@ -1277,7 +1298,8 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
             if REFILL:
                 refill_k(smem, sb, ents, i, blk, blk1, nfull, slots_k, slot_bytes_k, raw_k, tail_k, tail_base,
                          tail_valid, lane)
-            m0, m1, l0, l1, pb0, pb1 = softmax_update(sc, valid, r, m0, m1, l0, l1, acc, scale_log2, scr)
+            m0, m1, l0, l1, pb0, pb1, al0, al1 = softmax_update(sc, valid, r, m0, m1, l0, l1, scale_log2, scr)
+            rescale(acc, al0, al1, scr)
             if REFILL:
                 cp_wait()
                 warp_sync(scr)
