@@ -1162,21 +1162,31 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
         tail_valid = i32(seq - nfull * L.BLOCK_TOKENS)
         hq = i32(kv_heads * g)
 
-        # Block-table entries of this split (K then V, T tiles each) and this head's base pair words.
-        ntab = i32((min(blk1, nfull) - blk0) * 2 * T)
-        for i in range(lane, max(ntab, 0), WARP):
-            blk = blk0 + i // (2 * T)
-            j = i % T
-            row = (b * max_blocks + blk) * (kv_heads * T) + h * T + j
-            ents[i] = table_k[row] if (i // T) % 2 == 0 else table_v[row]
+        # Block-table entries of this split (K then V, T tiles each) and this head's base pair words.  The
+        # loads depend on the work item only (not on the sequence length, which would put a second
+        # round trip to memory before them), and a fixed, predicated count keeps them all in flight.
+        ntab = i32((min(blk1, max_blocks) - blk0) * 2 * T)
+        for k in range(NENT // WARP):
+            i = i32(lane + WARP * k)
+            if i < ntab:
+                blk = blk0 + i // (2 * T)
+                j = i % T
+                row = (b * max_blocks + blk) * (kv_heads * T) + h * T + j
+                ents[i] = table_k[row] if (i // T) % 2 == 0 else table_v[row]
         if not plain:
             # The split's epochs (one per kind: see the plan); a split of only the tail reads epoch 0.
             ne = max(epochs_k, epochs_v)
             ek = i32(0)
             ev_ = i32(0)
+            if blk0 < max_blocks:
+                ek = i32(epoch_k[b * max_blocks + blk0])
+                ev_ = i32(epoch_v[b * max_blocks + blk0])
             if blk0 < nfull:
-                ek = checked_epoch(i32(epoch_k[b * max_blocks + blk0]), epochs_k, status)
-                ev_ = checked_epoch(i32(epoch_v[b * max_blocks + blk0]), epochs_v, status)
+                ek = checked_epoch(ek, epochs_k, status)
+                ev_ = checked_epoch(ev_, epochs_v, status)
+            else:
+                ek = i32(0)
+                ev_ = i32(0)
             load_bases(smem, bases, 0, ek, ne, h, kv_heads, lane)
             load_bases(smem, bases, 1, ev_, ne, h, kv_heads, lane)
         # Query fragments (B operand of q.k: column r = query head r of the group; columns >= g zero).
