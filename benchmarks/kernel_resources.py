@@ -44,7 +44,8 @@ from gaac.fp8 import cuda as F8  # noqa: E402
 from gaac.fp8.layout import FORMATS, mode_set  # noqa: E402
 
 DEFAULT_VARIANTS = ("{'overlap': True, 'nstage': 2, 'max_registers': 168}", "{'nstage': 2, 'max_registers': 168}",
-                    "{'overlap': True}", "{'plain': True, 'nstage': 2, 'max_registers': 168}",
+                    "{'overlap': True}", "{'overlap': True, 'nstage': 1, 'max_registers': 128}",
+                    "{'plain': True, 'nstage': 2, 'max_registers': 168}",
                     "{'variant': 'load_only', 'nstage': 2}")
 HEAD_DIM = 128
 

@@ -434,7 +434,9 @@ class AttentionPlan:
     split partials.  :meth:`run` launches the attention kernel and the merge kernel; nothing in it
     synchronises with the host.  ``plain=True`` is the BF16 baseline (every tile raw, the same
     defaults); ``variant`` selects the timing variants of :mod:`gaac.cuda.attention`.  Defaults:
-    ``nstage=2``, ``overlap`` and ``max_registers`` as :func:`kernel_options` resolves them.  The
+    ``nstage=2`` (``nstage`` K+V staging areas in a ring; ``1``: one area per kind, refilled as soon as
+    it is read, for 16 warps per SM with ``max_registers=128``: measured slower, see
+    benchmarks/NOTES-attention.md), ``overlap`` and ``max_registers`` as :func:`kernel_options` resolves them.  The
     wave is sized by the driver's occupancy of the compiled kernel (``resources``); ``blocks_per_sm``
     overrides it, for experiments only (a wrong value costs a second wave, not correctness).
     """

@@ -6,16 +6,20 @@ On an H200 the cache streams at ~4 TB/s, so the kernel has about 5 integer
 operations per element for reconstruction before it stops being memory-bound;
 CUDA-core FMAs for ``q.k`` and ``p.v`` alone would cost 2*g more per element
 (g = query heads per KV head).  So the arithmetic of attention goes to the
-tensor cores (``mma.sync m16n8k16`` BF16 -> FP32, FlashAttention-2 layout with
-the query heads as the M dimension), and the CUDA cores only rebuild BF16 bits.
-BF16 products are exact in FP32, so the scores are those of the exact cache.
+tensor cores (``mma.sync m16n8k16`` BF16 -> FP32 with the 16 tokens of a block
+as the M dimension and the query heads as N: ``S^T = K.Q^T`` and ``O^T = V^T.P``,
+so that no MMA row is padding for g <= 8; P goes from the C layout of the first
+product to the B layout of the second by one ``movmatrix`` transpose per 8
+tokens), and the CUDA cores only rebuild BF16 bits.  BF16 products are exact in
+FP32, so the scores are those of the exact cache.
 
 One thread block = one warp = one *split*: a run of 16-token blocks of one
 sequence and one KV head.  Per block the warp
 
 1. copies the K and V slots of the block ``NSTAGE - 1`` blocks ahead into shared
    memory with ``cp.async`` (16-byte copies, no registers, so the loads of later
-   blocks are in flight while this one is computed);
+   blocks are in flight while this one is computed; ``nstage=1`` instead keeps one
+   area per kind and refills it with the next block as soon as it has been read);
 2. decodes each slot into a padded BF16 tile in shared memory (the device
    functions of :func:`_decode_tile_fn`: each lane rebuilds 8 groups of 8
    consecutive channels, two BF16 elements per 32-bit operation); a raw tile
@@ -23,18 +27,19 @@ sequence and one KV head.  Per block the warp
    when it is used;
 3. loads MMA fragments with ``ldmatrix`` (``.trans`` for V), computes the 16
    scores of every query head of the group, updates the online softmax in the
-   log2 domain, and accumulates ``P.V`` in FP32 registers.
+   log2 domain (the accumulators are rescaled only when a head's maximum rose),
+   and accumulates ``P.V`` in FP32 registers.
 
 Each split writes its normalised partial output and log-sum-exp; a second small
 kernel merges the splits of a sequence (:func:`merge_kernel`).  The BF16
 baseline (``plain=True``) is the same kernel with every tile raw: step 1 stages
 BF16 tiles and step 2 is compiled out.
 
-Performance (H200, benchmarks/results/attention-v10-h200.md): the compressed
+Performance (H200, benchmarks/results/attention-v11-h200.md): the compressed
 loads run 1.25x faster than the BF16 twin's, but the decode leaves the kernel
-issue- and latency-bound at 12 one-warp blocks per SM
-(168 registers and 18 KB of shared memory each); it is ~0.9x the speed of its
-BF16 twin and of torch's flash kernel at long contexts.  benchmarks/NOTES-attention.md has the analysis.
+issue-bound at 12 one-warp blocks per SM (168 registers and 18 KB of shared
+memory each): at 64K tokens it is 1.01x the speed of its BF16 twin and of torch's
+flash kernel, 1.03x at 128K, 0.97x at 16K.  benchmarks/NOTES-attention.md has the analysis.
 
 Pair words
 ==========
