@@ -562,27 +562,28 @@ def render(report: dict) -> str:
         def variant(prefix):
             """The time of the first configuration of a variant (key names hold the configuration)."""
             return us(next((k for k in first if k.startswith(prefix) and k.endswith("_us")), ""))
-        stages = [("KV loading (variant that only stages the tiles)", variant("gaac_load_only_"),
-                   variant("plain_load_only_")),
-                  ("+ ldmatrix, MMAs, softmax on the undecoded bytes", variant("gaac_no_decode_"), "-"),
-                  (f"full kernel + merge (the configuration the sweep uses: {first.get('gaac_config')})",
-                   us("gaac_us"), us("plain_us")),
-                  ("decode done twice", variant("gaac_decode_twice_"), "-"),
-                  ("of which the merge kernel", us("merge_us"), "-"),
-                  *[(f"full kernel with {n} calibration epochs (a change every "
-                     f"{first.get(f'epochs{n}_blocks_per_change', 0):.0f} blocks; {first.get(f'epochs{n}_splits')} "
-                     f"splits; the same cache without epochs and the same splits: "
-                     f"{us(f'epochs{n}_same_split_us')} us, output bit-identical: "
-                     f"{first.get(f'epochs{n}_same_output')})", us(f"epochs{n}_us"), "-")
-                    for n in (16, 256) if first.get(f"epochs{n}_us")],
-                  (f"floor: bytes / {COPY_TBPS} TB/s", us("floor_us"), us("bf16_floor_us")),
-                  ("torch flash SDPA", "-", us("torch_flash_us"))]
-        lines += [f"## Time breakdown ({first['hq']}/{first['hk']} heads, d={first['d']}, batch {first['batch']}, "
-                  f"{first['ctx'] // 1024}K tokens; us)", "",
-                  *table(("stage", "GAAC", "BF16 twin"), stages), "",
-                  "Configurations tried at this shape (us): " + ", ".join(
-                      f"{k[5:-3]} {v:.1f}" for k, v in first.items()
-                      if k.startswith("gaac_full") and k.endswith("_us")), ""]
+        if any(k.startswith("gaac_load_only_") for k in first):      # the 64K study (not with --shapes)
+            stages = [("KV loading (variant that only stages the tiles)", variant("gaac_load_only_"),
+                       variant("plain_load_only_")),
+                      ("+ ldmatrix, MMAs, softmax on the undecoded bytes", variant("gaac_no_decode_"), "-"),
+                      (f"full kernel + merge (the configuration the sweep uses: {first.get('gaac_config')})",
+                       us("gaac_us"), us("plain_us")),
+                      ("decode done twice", variant("gaac_decode_twice_"), "-"),
+                      ("of which the merge kernel", us("merge_us"), "-"),
+                      *[(f"full kernel with {n} calibration epochs (a change every "
+                         f"{first.get(f'epochs{n}_blocks_per_change', 0):.0f} blocks; {first.get(f'epochs{n}_splits')} "
+                         f"splits; the same cache without epochs and the same splits: "
+                         f"{us(f'epochs{n}_same_split_us')} us, output bit-identical: "
+                         f"{first.get(f'epochs{n}_same_output')})", us(f"epochs{n}_us"), "-")
+                        for n in (16, 256) if first.get(f"epochs{n}_us")],
+                      (f"floor: bytes / {COPY_TBPS} TB/s", us("floor_us"), us("bf16_floor_us")),
+                      ("torch flash SDPA", "-", us("torch_flash_us"))]
+            lines += [f"## Time breakdown ({first['hq']}/{first['hk']} heads, d={first['d']}, batch {first['batch']}, "
+                      f"{first['ctx'] // 1024}K tokens; us)", "",
+                      *table(("stage", "GAAC", "BF16 twin"), stages), "",
+                      "Configurations tried at this shape (us): " + ", ".join(
+                          f"{k[5:-3]} {v:.1f}" for k, v in first.items()
+                          if k.startswith("gaac_full") and k.endswith("_us")), ""]
         lines += ["## Decode attention, GPU time per call (CUDA-graph replay of attention + merge kernels, us)", "",
                   *table(("heads q/kv", "batch", "context", "GAAC", "BF16 twin", "torch flash", "GAAC floor",
                           "GAAC / floor", "speedup vs flash", "speedup vs BF16 twin", "splits x blocks"),
@@ -611,6 +612,8 @@ def main():
     ap.add_argument("--configs", type=json.loads, default=None,
                     help="JSON list of AttentionPlan options to compare at 64K, batch 1 (default: the study's)")
     ap.add_argument("--no-sweep", action="store_true", help="--bench: the 64K study only, no sweep")
+    ap.add_argument("--shapes", default=None,
+                    help="--bench: only these shapes ('q_heads:batch:context,...'), default configuration, no 64K study")
     ap.add_argument("--kv", type=Path, default=Path(__file__).resolve().parents[1] / ".devdata" / "kv")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -654,17 +657,22 @@ def main():
             first = (16, 1, 32)
         else:
             first = (32, 1, 65536)
-        # The configuration study at 64K, batch 1; the sweep then uses the fastest full configuration.
-        res = bench_config(cache, *first, breakdown, plain_configs=plain_breakdown, rng=rng, with_epochs=True)
-        rows.append(res)
-        log(json.dumps(res))
-        best = min(candidates, key=lambda c: res[f"gaac_{label(c)}_us"])
-        res["gaac_us"] = res[f"gaac_{label(best)}_us"]
-        res["gaac_config"] = label(best)
-        report["best_config"] = best
-        log(f"fastest configuration: {label(best)}")
-        one = [best]
-        if SIM or args.no_sweep:
+        if args.shapes:
+            first, one = None, [{}]
+        else:
+            # The configuration study at 64K, batch 1; the sweep then uses the fastest full configuration.
+            res = bench_config(cache, *first, breakdown, plain_configs=plain_breakdown, rng=rng, with_epochs=True)
+            rows.append(res)
+            log(json.dumps(res))
+            best = min(candidates, key=lambda c: res[f"gaac_{label(c)}_us"])
+            res["gaac_us"] = res[f"gaac_{label(best)}_us"]
+            res["gaac_config"] = label(best)
+            report["best_config"] = best
+            log(f"fastest configuration: {label(best)}")
+            one = [best]
+        if args.shapes:
+            configs = [tuple(int(x) for x in shape.split(":")) for shape in args.shapes.split(",")]
+        elif SIM or args.no_sweep:
             configs = []
         elif args.quick:
             configs = [(32, 1, 16384), (32, 1, 131072), (32, 4, 32768), (64, 1, 65536)]
