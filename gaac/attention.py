@@ -489,12 +489,8 @@ class AttentionPlan:
                                           resident_blocks(self._kernel, K.kernel_signature(), K.WARP)))
                 target = sms * max(1, blocks_per_sm or self.resources["blocks_per_sm"])
             # The fewest blocks per split that still fit one wave: each run rounds its splits up, so the
-            # bare quotient can spill a few blocks into a second, almost empty wave.  Where a wave of
-            # splits of MAX_BLOCKS_PER_SPLIT blocks cannot hold the work, plan whole waves: two waves of
-            # 42-block splits, not one of 64 and a quarter-full second (batch 8 at 32K: 1.3 waves).
-            total = int(run_len.sum()) * hk
-            target *= max(1, -(-total // (target * K.MAX_BLOCKS_PER_SPLIT)))
-            blocks_per_split = max(1, -(-total // target))
+            # bare quotient can spill a few blocks into a second, almost empty wave.
+            blocks_per_split = max(1, -(-int(run_len.sum()) * hk // target))
             while (blocks_per_split < min(K.MAX_BLOCKS_PER_SPLIT, max(int(run_len.max(initial=1)), 1))
                    and hk * int((-(-run_len // blocks_per_split)).sum()) > target):
                 blocks_per_split += 1
