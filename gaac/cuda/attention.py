@@ -1180,18 +1180,12 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
                 ents[i] = table_k[row] if (i // T) % 2 == 0 else table_v[row]
         if not plain:
             # The split's epochs (one per kind: see the plan); a split of only the tail reads epoch 0.
+            # (Loaded before the sequence length is known, like the table entries, and checked after.)
             ne = max(epochs_k, epochs_v)
-            ek = i32(0)
-            ev_ = i32(0)
-            if blk0 < max_blocks:
-                ek = i32(epoch_k[b * max_blocks + blk0])
-                ev_ = i32(epoch_v[b * max_blocks + blk0])
-            if blk0 < nfull:
-                ek = checked_epoch(ek, epochs_k, status)
-                ev_ = checked_epoch(ev_, epochs_v, status)
-            else:
-                ek = i32(0)
-                ev_ = i32(0)
+            ek = i32(epoch_k[b * max_blocks + blk0]) if blk0 < max_blocks else i32(0)
+            ev_ = i32(epoch_v[b * max_blocks + blk0]) if blk0 < max_blocks else i32(0)
+            ek = checked_epoch(ek, epochs_k, status) if blk0 < nfull else i32(0)
+            ev_ = checked_epoch(ev_, epochs_v, status) if blk0 < nfull else i32(0)
             load_bases(smem, bases, 0, ek, ne, h, kv_heads, lane)
             load_bases(smem, bases, 1, ev_, ne, h, kv_heads, lane)
         # Query fragments (B operand of q.k: column r = query head r of the group; columns >= g zero).
