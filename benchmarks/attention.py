@@ -659,6 +659,7 @@ def main():
             first = (32, 1, 65536)
         if args.shapes:
             first, one = None, [{}]
+            configs = [tuple(int(x) for x in shape.split(":")) for shape in args.shapes.split(",")]
         else:
             # The configuration study at 64K, batch 1; the sweep then uses the fastest full configuration.
             res = bench_config(cache, *first, breakdown, plain_configs=plain_breakdown, rng=rng, with_epochs=True)
@@ -670,14 +671,13 @@ def main():
             report["best_config"] = best
             log(f"fastest configuration: {label(best)}")
             one = [best]
-        if args.shapes:
-            configs = [tuple(int(x) for x in shape.split(":")) for shape in args.shapes.split(",")]
-        elif SIM or args.no_sweep:
-            configs = []
-        elif args.quick:
-            configs = [(32, 1, 16384), (32, 1, 131072), (32, 4, 32768), (64, 1, 65536)]
-        else:
-            configs = [(hq, b, ctx) for hq in (32, 64) for b in (1, 2, 4, 8) for ctx in (4096, 16384, 32768, 65536, 131072)]
+            if SIM or args.no_sweep:
+                configs = []
+            elif args.quick:
+                configs = [(32, 1, 16384), (32, 1, 131072), (32, 4, 32768), (64, 1, 65536)]
+            else:
+                configs = [(hq, b, ctx) for hq in (32, 64) for b in (1, 2, 4, 8)
+                           for ctx in (4096, 16384, 32768, 65536, 131072)]
         for hq, b, ctx in configs:
             if (hq, b, ctx) == first:
                 continue
