@@ -5,6 +5,7 @@ without a GPU.
     python benchmarks/kernel_resources.py "{'overlap': True}" "{'nstage': 2}"
     python benchmarks/kernel_resources.py --codec                 # BF16 and FP8 (both formats) encode/decode
     python benchmarks/kernel_resources.py --codec --channels 64 128
+    python benchmarks/kernel_resources.py --path "{'overlap': True, 'nstage': 2, 'max_registers': 168}"
 
 Device time is scarce and the simulator says nothing about resources, but compiling needs no GPU:
 numba's ``cuda.compile_ptx`` (NVVM from the ``nvidia-nvvm`` wheel) gives the PTX, ``ptxas`` assembles it for
@@ -13,7 +14,11 @@ scheduler's quarter of the register file, 228 KB / (shared + 1 KB)), and a varia
 changes its instruction count shows here before it costs a device call.  GPU-only typing errors (a shared
 array whose shape is not a compile-time constant, say) also show here and not in the simulator.  ``--codec``
 adds a digest of the SASS instruction text (addresses and encodings left out): a refactoring that claims to
-leave a kernel's machine code alone proves it by an unchanged digest.
+leave a kernel's machine code alone proves it by an unchanged digest.  ``--path`` walks the block loop of
+one attention variant (the longest backward branch): the instructions of its straight path (unconditional
+branches taken, conditional ones not) and, for each forward conditional branch on that path, what it skips,
+so that the common path's length is the straight path less the rare regions a warp usually skips
+(status atomics, raw-group fix-ups, the accumulator rescale).
 
 Needs ``ptxas`` (CUDA toolkit; the PTX's ``.version`` line is lowered to what that ptxas accepts) and
 ``cuobjdump`` on PATH or in the ``nvidia`` wheels.
@@ -117,7 +122,42 @@ def resources(fn, signature, workdir: Path, ptxas: str, cuobjdump: str, isa: str
     warps = warps_per_sm(regs, smem)
     digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()[:12]
     return {"registers": regs, "smem": smem, "spill_bytes": spill, "warps_per_sm": warps,
-            "sass": sum(ops.values()), "ops": ops, "digest": digest}
+            "sass": sum(ops.values()), "ops": ops, "digest": digest, "lines": lines,
+            "addresses": [int(a, 16) for a in re.findall(r"^\s+/\*([0-9a-f]+)\*/\s+.*?;", sass, re.M)]}
+
+
+def _opcode(text: str) -> str:
+    return re.match(r"(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", text).group(1)
+
+
+def _target(text: str) -> int | None:
+    """The address a BRA jumps to, else None."""
+    if _opcode(text) != "BRA":
+        return None
+    return int(re.search(r"(0x[0-9a-f]+)", text).group(1), 16)
+
+
+def loop_path(lines: list[str], addresses: list[int]):
+    """The block loop (the longest backward branch): its straight path and the forward conditional branches
+    on it, each with the number and kinds of the instructions it skips."""
+    at = {a: i for i, a in enumerate(addresses)}
+    back = [(t, a) for a, x in zip(addresses, lines) if (t := _target(x)) is not None and t < a]
+    start, end = max(back, key=lambda ta: ta[1] - ta[0])
+    path, skips, i = [], [], at[start]
+    while True:
+        text = lines[i]
+        path.append(text)
+        if addresses[i] == end or len(path) > len(lines):
+            break
+        target = _target(text)
+        if target is not None and not text.startswith("@"):
+            i = at[target]
+            continue
+        if target is not None and target > addresses[i]:
+            skipped = lines[i + 1:at[target]]
+            skips.append((addresses[i], len(skipped), Counter(_opcode(x) for x in skipped)))
+        i += 1
+    return at[end] - at[start] + 1, path, skips
 
 
 def main():
@@ -128,6 +168,8 @@ def main():
                         help="attention_kernel options, a Python dict literal each (default: "
                              f"{' '.join(DEFAULT_VARIANTS)})")
     parser.add_argument("--codec", action="store_true", help="the tile codecs' kernels instead of the attention kernel")
+    parser.add_argument("--path", action="store_true",
+                        help="the block loop's straight path and its skippable regions, for each variant given")
     parser.add_argument("--channels", type=int, nargs="+", default=[HEAD_DIM], choices=(64, 128),
                         help="tile widths of the codec kernels (default: %(default)s)")
     args = parser.parse_args()
@@ -151,6 +193,20 @@ def main():
                           flush=True)
             return
         print(f"attention kernel, head_dim {HEAD_DIM}, sm_90 (ptxas {ptxas}, PTX .version {isa})")
+        if args.path:
+            for text in args.variants or DEFAULT_VARIANTS[:1]:
+                options = ast.literal_eval(text)
+                r = resources(*attention_kernel(options), Path(tmp), ptxas, cuobjdump, isa,
+                              options.get("max_registers"))
+                size, path, skips = loop_path(r["lines"], r["addresses"])
+                ops = Counter(_opcode(x) for x in path)
+                print(f"\n{text}: {r['registers']} registers, block loop {size} SASS instructions, straight path "
+                      f"{len(path)}: {', '.join(f'{k} {v}' for k, v in ops.most_common(12))}")
+                print("| branch at | skips | most common |")
+                print("|---|---|---|")
+                for address, n, kinds in skips:
+                    print(f"| {address:#x} | {n} | {', '.join(f'{k} {v}' for k, v in kinds.most_common(5))} |")
+            return
         print("| variant | registers | shared bytes | spill bytes | warps/SM | SASS instructions | LDS | STS | HMMA |")
         print("|---|---|---|---|---|---|---|---|---|")
         for text in args.variants or DEFAULT_VARIANTS:

@@ -167,7 +167,9 @@ def test_decoder_is_bit_exact(rng, channels):
     e = b3[None, None, :].astype(np.int64) + rng.integers(0, 8, (n, 16, channels))
     groups = (n, 16, channels // 8)
     four = np.repeat(rng.random(groups) < 0.2, 8, axis=2)
-    raw = np.repeat(rng.random(groups) < 0.05, 8, axis=2)
+    raw = rng.random(groups) < 0.05
+    raw[:, 5, -3:] = True                               # one lane with several raw groups, the last among them
+    raw = np.repeat(raw, 8, axis=2)
     e = np.where(four, b4[None, None, :] + rng.integers(0, 16, e.shape), e)
     e = np.where(raw, rng.choice([0, 1, 127, 254, 255], e.shape), e)
     sm = rng.integers(0, 256, e.shape)

@@ -798,24 +798,30 @@ def _decode_tile_fn(channels: int):
             cuda.atomic.or_(status, 0, STATUS_BAD_ESCAPES)
         if tags & (tags >> 1) & 0x5555:
             cuda.atomic.or_(status, 0, STATUS_BAD_TAG)
-        if tags & 0xAAAA:
+        raw = u32(tags & 0xAAAA)                                  # bit 2k+1: group k is raw
+        if raw:
             # Raw groups (about 0.3% of groups): exponent bits 4..7 from bit planes 1..4, added to the
-            # words just stored (the exponent field has no carry out: exponents are at most 255).
+            # words just stored (the exponent field has no carry out: exponents are at most 255).  Only
+            # the raw groups are visited, lowest first: a tile with raw groups makes the whole warp
+            # take this branch (half of the K tiles of real caches), so the warp runs as many passes
+            # as its lane with the most raw groups has (usually one), not one pass per group.
             esc = u32(src + ESC_OFF)
             out = u32(dst + (lane & 15) * ROWB + (lane >> 4) * C)
-            for k in range(GPL):
-                if ((tags >> (2 * k)) & 3) == L.MODE_RAW:
-                    below = u32(tags & ((1 << (2 * k)) - 1))
-                    pos = u32(esc + min(i32(off + popc(below & 0x5555) * ESC4 + popc(below & 0xAAAA) * ESCR),
-                                        ESC_MAX))
-                    w0, w1, w2, w3 = lds4(smem, u32(out + 16 * k))
-                    for j in range(1, L.RAW_PLANES):
-                        pj = lds_u8(smem, u32(pos + j))
-                        w0 = u32(w0 + (escape_pair(pj, 0) << j))
-                        w1 = u32(w1 + (escape_pair(pj, 1) << j))
-                        w2 = u32(w2 + (escape_pair(pj, 2) << j))
-                        w3 = u32(w3 + (escape_pair(pj, 3) << j))
-                    sts4(smem, u32(out + 16 * k), w0, w1, w2, w3)
+            while raw:
+                low = u32(raw & (0 - raw))                           # bit 2k+1 alone
+                raw = u32(raw ^ low)
+                below = u32(tags & ((low >> 1) - 1))                 # the tags of groups 0..k-1
+                pos = u32(esc + min(i32(off + popc(below & 0x5555) * ESC4 + popc(below & 0xAAAA) * ESCR),
+                                    ESC_MAX))
+                at = u32(out + 8 * (popc(low - 1) - 1))                    # 16 k bytes into the lane's row
+                w0, w1, w2, w3 = lds4(smem, at)
+                for j in range(1, L.RAW_PLANES):
+                    pj = lds_u8(smem, u32(pos + j))
+                    w0 = u32(w0 + (escape_pair(pj, 0) << j))
+                    w1 = u32(w1 + (escape_pair(pj, 1) << j))
+                    w2 = u32(w2 + (escape_pair(pj, 2) << j))
+                    w3 = u32(w3 + (escape_pair(pj, 3) << j))
+                sts4(smem, at, w0, w1, w2, w3)
 
     @device
     def decode(smem, src, dst, base, base_stride, cap, status, scr):
