@@ -808,7 +808,7 @@ def _decode_tile_fn(channels: int):
             esc = u32(src + ESC_OFF)
             out = u32(dst + (lane & 15) * ROWB + (lane >> 4) * C)
             while raw:
-                low = u32(raw & (0 - raw))                           # bit 2k+1 alone
+                low = u32(raw & u32(~raw + 1))                       # bit 2k+1 alone
                 raw = u32(raw ^ low)
                 below = u32(tags & ((low >> 1) - 1))                 # the tags of groups 0..k-1
                 pos = u32(esc + min(i32(off + popc(below & 0x5555) * ESC4 + popc(below & 0xAAAA) * ESCR),
