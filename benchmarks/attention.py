@@ -417,11 +417,13 @@ def rotation(nbytes):
 
 def label(cfg: dict, plain: bool = False) -> str:
     """Short name of a kernel configuration (AttentionPlan options, defaults resolved for head_dim 128):
-    variant, stages, overlapped V decode, register cap, planned blocks per SM."""
+    variant, stages, overlapped V decode, register cap, planned blocks per SM, blocks per split, whole waves."""
     variant = cfg.get("variant", "full")
     overlap, regs = kernel_options(128, plain, variant, cfg.get("overlap"), cfg.get("max_registers", -1))
     return (f"{variant}_ns{cfg.get('nstage', 2)}" + ("_overlap" if overlap else "") + (f"_r{regs}" if regs else "")
-            + (f"_b{cfg['blocks_per_sm']}" if cfg.get("blocks_per_sm") else ""))
+            + (f"_b{cfg['blocks_per_sm']}" if cfg.get("blocks_per_sm") else "")
+            + (f"_s{cfg['blocks_per_split']}" if cfg.get("blocks_per_split") else "")
+            + ("_waves" if cfg.get("whole_waves") else ""))
 
 
 def with_epochs_view(view: LayerView, n_epochs: int) -> LayerView:
@@ -610,10 +612,11 @@ def main():
     ap.add_argument("--ncu", default=None, help="launch only the kernel of this JSON configuration (for ncu)")
     ap.add_argument("--render", type=Path, default=None, help="print the markdown tables of a results JSON")
     ap.add_argument("--configs", type=json.loads, default=None,
-                    help="JSON list of AttentionPlan options to compare at 64K, batch 1 (default: the study's)")
+                    help="JSON list of AttentionPlan options to compare at 64K, batch 1 (default: the study's); "
+                         "with --shapes, at each of those shapes (the first is the headline)")
     ap.add_argument("--no-sweep", action="store_true", help="--bench: the 64K study only, no sweep")
     ap.add_argument("--shapes", default=None,
-                    help="--bench: only these shapes ('q_heads:batch:context,...'), default configuration, no 64K study")
+                    help="--bench: only these shapes ('q_heads:batch:context,...'), no 64K study; the --configs given or the default")
     ap.add_argument("--kv", type=Path, default=Path(__file__).resolve().parents[1] / ".devdata" / "kv")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -658,7 +661,7 @@ def main():
         else:
             first = (32, 1, 65536)
         if args.shapes:
-            first, one = None, [{}]
+            first, one = None, args.configs or [{}]
             configs = [tuple(int(x) for x in shape.split(":")) for shape in args.shapes.split(",")]
         else:
             # The configuration study at 64K, batch 1; the sweep then uses the fastest full configuration.
@@ -706,6 +709,12 @@ def main():
             log(f"| {r['hq']}/{r['hk']} | {r['batch']} | {r['ctx'] // 1024}K | {g:.1f} | {r.get('plain_us', 0):.1f} | "
                 f"{r.get('torch_flash_us', 0):.1f} | {r['floor_us']:.1f} | {r['torch_flash_us'] / g:.2f}x | "
                 f"{r['plain_us'] / g:.2f}x |")
+        if args.shapes and len(one) > 1:
+            log("\n| heads q/kv | batch | ctx | " + " | ".join(f"{label(c)} us (splits)" for c in one) + " |")
+            log("|---|---|---|" + "---|" * len(one))
+            for r in rows:
+                log(f"| {r['hq']}/{r['hk']} | {r['batch']} | {r['ctx'] // 1024}K | " + " | ".join(
+                    f"{r[f'gaac_{label(c)}_us']:.1f} ({r[f'gaac_{label(c)}_splits']})" for c in one) + " |")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "attention.json").write_text(json.dumps(report, indent=1, default=str))

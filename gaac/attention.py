@@ -439,11 +439,15 @@ class AttentionPlan:
     benchmarks/NOTES-attention.md), ``overlap`` and ``max_registers`` as :func:`kernel_options` resolves them.  The
     wave is sized by the driver's occupancy of the compiled kernel (``resources``); ``blocks_per_sm``
     overrides it, for experiments only (a wrong value costs a second wave, not correctness).
+    Where one wave of splits of ``MAX_BLOCKS_PER_SPLIT`` blocks cannot hold the work (batch 8 at 32K),
+    the default plans such splits and a partial second wave; ``whole_waves=True`` plans whole waves of
+    shorter splits instead (not yet timed on the device: benchmarks/NOTES-attention.md).
     """
 
     def __init__(self, view: LayerView, q_heads: int, *, scale: float | None = None, plain: bool = False,
                  variant: str = "full", nstage: int = 2, blocks_per_split: int | None = None,
-                 overlap: bool | None = None, max_registers: int | None = -1, blocks_per_sm: int | None = None):
+                 overlap: bool | None = None, max_registers: int | None = -1, blocks_per_sm: int | None = None,
+                 whole_waves: bool = False):
         from .cuda import attention as K
 
         self._K = K
@@ -490,7 +494,10 @@ class AttentionPlan:
                 target = sms * max(1, blocks_per_sm or self.resources["blocks_per_sm"])
             # The fewest blocks per split that still fit one wave: each run rounds its splits up, so the
             # bare quotient can spill a few blocks into a second, almost empty wave.
-            blocks_per_split = max(1, -(-int(run_len.sum()) * hk // target))
+            total = int(run_len.sum()) * hk
+            if whole_waves:
+                target *= max(1, -(-total // (target * K.MAX_BLOCKS_PER_SPLIT)))
+            blocks_per_split = max(1, -(-total // target))
             while (blocks_per_split < min(K.MAX_BLOCKS_PER_SPLIT, max(int(run_len.max(initial=1)), 1))
                    and hk * int((-(-run_len // blocks_per_split)).sum()) > target):
                 blocks_per_split += 1

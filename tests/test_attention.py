@@ -235,6 +235,21 @@ def test_synthetic_shapes(rng, d, heads, g, plan):
     check_against_reference(rng, ks, vs, g, **plan)
 
 
+def test_whole_wave_planning(rng):
+    """Where one wave of the longest splits cannot hold the work, ``whole_waves`` plans whole waves of
+    shorter splits; the default keeps the longest splits and a partial last wave.  (The simulator's
+    wave is 4 blocks; 300 blocks x 2 KV heads need ceil(600 / (4 * 64)) = 3 waves.)"""
+    heads, d, tokens = 2, 64, 300 * L.BLOCK_TOKENS
+    ks, vs = [synth_cache(rng, heads, tokens, d)], [synth_cache(rng, heads, tokens, d)]
+    view = calibrated_view(rng, ks, vs)
+    default = AttentionPlan(view, heads)
+    assert default.blocks_per_split == K.MAX_BLOCKS_PER_SPLIT
+    assert heads * default.n_work == 10                       # 2.5 waves of 4 blocks
+    whole = AttentionPlan(view, heads, whole_waves=True)
+    assert whole.blocks_per_split == 50
+    assert heads * whole.n_work == 3 * 4                      # 3 full waves
+
+
 @pytest.mark.parametrize("lanes", [1, 2, 8])
 def test_merge_kernel_split_lanes(rng, lanes):
     """The merge with several split lanes per channel quad (the GPU uses up to 64; the simulator's
