@@ -29,10 +29,10 @@ def choose_modes(exponent: np.ndarray, b3: np.ndarray, b4: np.ndarray) -> np.nda
 
     ``exponent`` is ``[n, 16*C]`` in element order; returns ``[n, groups]`` mode tags.
     """
-    n = exponent.shape[0]
+    n, groups = exponent.shape[0], exponent.shape[1] // L.GROUP_SIZE     # (explicit: n may be 0)
     e = exponent.astype(np.int16)
-    d3 = (e - _per_element(b3)).reshape(n, -1, L.GROUP_SIZE)
-    d4 = (e - _per_element(b4)).reshape(n, -1, L.GROUP_SIZE)
+    d3 = (e - _per_element(b3)).reshape(n, groups, L.GROUP_SIZE)
+    d4 = (e - _per_element(b4)).reshape(n, groups, L.GROUP_SIZE)
     fits3 = ((d3 >= 0) & (d3 < L.WINDOW_3BIT)).all(axis=-1)
     fits4 = ((d4 >= 0) & (d4 < L.WINDOW_4BIT)).all(axis=-1)
     return np.where(fits3, L.MODE_3BIT, np.where(fits4, L.MODE_4BIT, L.MODE_RAW)).astype(np.uint8)
@@ -142,13 +142,13 @@ def fill_escape_area(escapes: np.ndarray, lengths: np.ndarray, capacity: int) ->
     in group order, then zeros.  Bytes beyond the capacity are dropped (the tile
     overflows and stays raw).  Shared by every element format.
     """
-    n = escapes.shape[0]
-    valid = (np.arange(escapes.shape[-1]) < lengths[..., None]).reshape(n, -1)
+    n, flat = escapes.shape[0], int(np.prod(escapes.shape[1:]))          # (explicit: n may be 0)
+    valid = (np.arange(escapes.shape[-1]) < lengths[..., None]).reshape(n, flat)
     position = np.cumsum(valid, axis=1) - 1
     keep = valid & (position < capacity)
     area = np.zeros((n, capacity), dtype=np.uint8)
     rows = np.broadcast_to(np.arange(n)[:, None], keep.shape)
-    area[rows[keep], position[keep]] = escapes.reshape(n, -1)[keep]
+    area[rows[keep], position[keep]] = escapes.reshape(n, flat)[keep]
     return area
 
 
@@ -186,6 +186,6 @@ def gather_escapes(area: np.ndarray, lengths: np.ndarray, planes: int) -> np.nda
         return np.zeros((n, groups, planes), dtype=np.uint8)
     start = np.cumsum(lengths, axis=1) - lengths                          # [n, G]
     k = np.arange(planes)
-    index = np.minimum(start[..., None] + k, area.shape[1] - 1).reshape(n, -1)
+    index = np.minimum(start[..., None] + k, area.shape[1] - 1).reshape(n, groups * planes)
     gathered = np.take_along_axis(area, index, axis=1).reshape(n, groups, planes)
     return np.where(k < lengths[..., None], gathered, 0).astype(np.uint8)
