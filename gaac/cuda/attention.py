@@ -1173,23 +1173,43 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
         tail_valid = i32(seq - nfull * L.BLOCK_TOKENS)
         hq = i32(kv_heads * g)
 
-        # Block-table entries of this split (K then V, T tiles each) and this head's base pair words.  The
-        # loads depend on the work item only (not on the sequence length, which would put a second
-        # round trip to memory before them), and a fixed, predicated count keeps them all in flight.
+        # Block-table entries of this split (K then V, T tiles each).  The loads depend on the work item
+        # only (not on the sequence length, which would put a second round trip to memory before them)
+        # and are unconditional (a lane past the split's entries reloads its last one): all of them in
+        # flight at once, where a load and store per lane under a condition made a round trip each.
         ntab = i32((min(blk1, max_blocks) - blk0) * 2 * T)
-        for k in range(NENT // WARP):
-            i = i32(lane + WARP * k)
-            if i < ntab:
-                blk = blk0 + i // (2 * T)
-                j = i % T
-                row = (b * max_blocks + blk) * (kv_heads * T) + h * T + j
+        if ntab > 0:
+            last = i32(min(blk1, max_blocks) - 1)
+            for k in range(NENT // WARP):
+                i = i32(lane + WARP * k)
+                row = u32((b * max_blocks + min(blk0 + i // (2 * T), last)) * (kv_heads * T) + h * T + i % T)
                 ents[i] = table_k[row] if (i // T) % 2 == 0 else table_v[row]
+        # The split's epochs (one per kind: see the plan); a split of only the tail reads epoch 0.
+        # (Loaded before the sequence length is known, like the table entries, and checked after.)
+        ek = i32(epoch_k[u32(b * max_blocks + blk0)]) if not plain and blk0 < max_blocks else i32(0)
+        ev_ = i32(epoch_v[u32(b * max_blocks + blk0)]) if not plain and blk0 < max_blocks else i32(0)
+        tail_base = (b * kv_heads + h) * (L.BLOCK_TOKENS * D * 2)
+        warp_sync(scr)
+        # The first stages' copies start as soon as the entries are in shared memory, so that the
+        # bases' round trip to memory below overlaps theirs (the first decode waits for both).
+        if REFILL:                              # prologue: block blk0, K and V in copy groups of their own
+            if blk0 < blk1:
+                issue_k(smem, sb, ents, 0, 0, blk0, nfull, slots_k, slot_bytes_k, raw_k, tail_k, tail_base,
+                        tail_valid, lane)
+            cp_commit()
+            if blk0 < blk1:
+                issue_v(smem, sb, ents, 0, 0, blk0, nfull, slots_v, slot_bytes_v, raw_v, tail_v, tail_base,
+                        tail_valid, lane)
+            cp_commit()
+        for s in range(NS - 1):                 # prologue: blocks blk0 .. blk0 + NS - 2
+            if blk0 + s < blk1:
+                issue_k(smem, sb, ents, s, s, blk0 + s, nfull, slots_k, slot_bytes_k, raw_k, tail_k, tail_base,
+                        tail_valid, lane)
+                issue_v(smem, sb, ents, s, s, blk0 + s, nfull, slots_v, slot_bytes_v, raw_v, tail_v, tail_base,
+                        tail_valid, lane)
+            cp_commit()
         if not plain:
-            # The split's epochs (one per kind: see the plan); a split of only the tail reads epoch 0.
-            # (Loaded before the sequence length is known, like the table entries, and checked after.)
             ne = max(epochs_k, epochs_v)
-            ek = i32(epoch_k[b * max_blocks + blk0]) if blk0 < max_blocks else i32(0)
-            ev_ = i32(epoch_v[b * max_blocks + blk0]) if blk0 < max_blocks else i32(0)
             ek = checked_epoch(ek, epochs_k, status) if blk0 < nfull else i32(0)
             ev_ = checked_epoch(ev_, epochs_v, status) if blk0 < nfull else i32(0)
             load_bases(smem, bases, 0, ek, ne, h, kv_heads, lane)
@@ -1208,7 +1228,6 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
         m1 = f32(_NEG_INF)
         l0 = f32(0)
         l1 = f32(0)
-        tail_base = (b * kv_heads + h) * (L.BLOCK_TOKENS * D * 2)
         sc = cuda.local.array(8, float32)           # score accumulators (see qk_mma)
         kf = cuda.local.array(KF_WORDS, uint32)      # K fragments of one tile
         smw = cuda.local.array(SM_WORDS, uint32)     # decoder state (overlap path)
@@ -1216,23 +1235,6 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
         ev = cuda.local.array(GPL, uint32)
         bw = cuda.local.array(BASE_WORDS, uint32)
         warp_sync(scr)
-
-        if REFILL:                              # prologue: block blk0, K and V in copy groups of their own
-            if blk0 < blk1:
-                issue_k(smem, sb, ents, 0, 0, blk0, nfull, slots_k, slot_bytes_k, raw_k, tail_k, tail_base,
-                        tail_valid, lane)
-            cp_commit()
-            if blk0 < blk1:
-                issue_v(smem, sb, ents, 0, 0, blk0, nfull, slots_v, slot_bytes_v, raw_v, tail_v, tail_base,
-                        tail_valid, lane)
-            cp_commit()
-        for s in range(NS - 1):                 # prologue: blocks blk0 .. blk0 + NS - 2
-            if blk0 + s < blk1:
-                issue_k(smem, sb, ents, s, s, blk0 + s, nfull, slots_k, slot_bytes_k, raw_k, tail_k, tail_base,
-                        tail_valid, lane)
-                issue_v(smem, sb, ents, s, s, blk0 + s, nfull, slots_v, slot_bytes_v, raw_v, tail_v, tail_base,
-                        tail_valid, lane)
-            cp_commit()
 
         # 32-bit counters: numba's int64 loop arithmetic and `i % NS` cost ~60 instructions a block.
         st = i32(NS - 1)                        # stage of block i - 1 (that of block i + NS - 1)
