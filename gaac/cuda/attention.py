@@ -966,6 +966,7 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
     NACC = D // 4                       # O^T accumulators: 4 per 16 channels
     ROW_CHUNKS = C // 8                 # 16-byte chunks of a BF16 row
     RAW_PER_LANE = L.BLOCK_TOKENS * ROW_CHUNKS // WARP
+    RAW_WORDS = 4 * RAW_PER_LANE        # a lane's words of a BF16 tile loaded through registers
     if overlap and (T != 1 or plain or variant != FULL):
         raise ValueError("overlap is for the full compressed kernel with head_dim <= 128")
     BASES = 0                           # byte offsets in the shared array: the bases, the stages, the decode tile
@@ -992,6 +993,23 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
         ``valid`` are zeroed so that 0 * garbage cannot make a NaN): asynchronously (``cp.async``), or
         with ``wait``, through registers so that the tile is ready after the next warp barrier."""
         g0 = gaddr(tail, tail_byte) if is_tail else gaddr(raw, (entry & 0x7FFFFFFF) * TILE_BYTES)
+        if wait:
+            # Every load before the first store: one round trip to memory, not one per chunk.  (The
+            # tail's rows at or after ``valid`` are read too, inside its 16-row buffer, and dropped.)
+            words = cuda.local.array(RAW_WORDS, uint32)
+            for k in range(RAW_PER_LANE):
+                i = u32(lane + WARP * k)
+                r = i // ROW_CHUNKS
+                ga = g0 + i32(r * (2 * D) + 16 * (i % ROW_CHUNKS)) if is_tail else g0 + i32(16 * i)
+                words[4 * k], words[4 * k + 1], words[4 * k + 2], words[4 * k + 3] = ldg4(tail if is_tail else raw,
+                                                                                          ga)
+            for k in range(RAW_PER_LANE):
+                i = u32(lane + WARP * k)
+                r = i // ROW_CHUNKS
+                keep = u32(0) if is_tail and r >= valid else u32(0xFFFFFFFF)
+                sts4(smem, u32(dst + r * ROWB + 16 * (i % ROW_CHUNKS)), u32(words[4 * k] & keep),
+                     u32(words[4 * k + 1] & keep), u32(words[4 * k + 2] & keep), u32(words[4 * k + 3] & keep))
+            return
         for k in range(RAW_PER_LANE):
             i = u32(lane + WARP * k)
             r = i // ROW_CHUNKS
@@ -999,9 +1017,6 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
             ga = g0 + i32(r * (2 * D) + 16 * (i % ROW_CHUNKS)) if is_tail else g0 + i32(16 * i)
             if is_tail and r >= valid:
                 sts4(smem, a, u32(0), u32(0), u32(0), u32(0))
-            elif wait:
-                w0, w1, w2, w3 = ldg4(tail if is_tail else raw, ga)
-                sts4(smem, a, w0, w1, w2, w3)
             else:
                 cp16(smem, a, tail if is_tail else raw, ga)
 
