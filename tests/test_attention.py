@@ -379,6 +379,20 @@ def test_paged_cache_view_with_an_empty_row(rng):
         assert_within_rounding(got, lse, q, ks, vs)
 
 
+def test_only_tails(rng):
+    """Sequences shorter than one block: no slot or raw tile anywhere, every split reads only a tail
+    (its unused rows NaN), against float64."""
+    heads, d, g = 2, 64, 3
+    cal = gaac.calibrate(synth_cache(rng, heads, 32, d)[None], synth_cache(rng, heads, 32, d)[None],
+                         show_progress=False)
+    lens = [int(rng.integers(1, 16)), int(rng.integers(1, 16))]
+    ks = [synth_cache(rng, heads, n, d) for n in lens]
+    vs = [synth_cache(rng, heads, n, d) for n in lens]
+    view = view_from_dense(ks, vs, (cal.b3[0, 0], cal.b3[1, 0]), (cal.b4[0, 0], cal.b4[1, 0]),
+                           tuple(int(c) for c in cal.capacity[:, 0]), rng=rng)
+    check_against_reference(rng, ks, vs, g, view=view)
+
+
 def epoch_view(rng, d=64, heads=1, lens=(80, 50), bad=False):
     """Two calibration epochs (FORMAT.md 3.5) over drifting caches: the first 32 tokens of each
     sequence are small, the rest 2^6 larger, so epoch 0's windows (calibrated on the small part)
