@@ -813,7 +813,7 @@ def _decode_tile_fn(channels: int):
                 below = u32(tags & ((low >> 1) - 1))                 # the tags of groups 0..k-1
                 pos = u32(esc + min(i32(off + popc(below & 0x5555) * ESC4 + popc(below & 0xAAAA) * ESCR),
                                     ESC_MAX))
-                at = u32(out + 8 * (popc(low - 1) - 1))                    # 16 k bytes into the lane's row
+                at = u32(out + 8 * (popc(low - 1) - 1))              # 16 k bytes into the lane's row
                 w0, w1, w2, w3 = lds4(smem, at)
                 for j in range(1, L.RAW_PLANES):
                     pj = lds_u8(smem, u32(pos + j))
