@@ -103,6 +103,12 @@ def warps_per_sm(registers: int, smem: int) -> int:
     return min(32, 4 * (16384 // per_warp), (228 * 1024) // (smem + 1024))
 
 
+def _opcode(text: str) -> str | None:
+    """The opcode of one SASS instruction (its predicate dropped), or None."""
+    m = re.match(r"(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", text)
+    return m.group(1) if m else None
+
+
 def resources(fn, signature, workdir: Path, ptxas: str, cuobjdump: str, isa: str, max_registers=None) -> dict:
     """Compile one kernel (with ptxas' register cap, as numba passes ``max_registers``) and read what
     ptxas and the SASS say."""
@@ -117,17 +123,14 @@ def resources(fn, signature, workdir: Path, ptxas: str, cuobjdump: str, isa: str
     smem = sum(int(x) for x in re.findall(r"(\d+) bytes smem", info.stderr))     # no line without shared memory
     spill = sum(int(x) for x in re.findall(r"(\d+) bytes spill", info.stderr))
     sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True).stdout
-    lines = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(.*?)\s*;", sass, re.M)
-    ops = Counter(m.group(1) for m in (re.match(r"(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", x) for x in lines) if m)
+    listing = re.findall(r"^\s+/\*([0-9a-f]+)\*/\s+(.*?)\s*;", sass, re.M)
+    lines = [text for _, text in listing]
+    ops = Counter(op for op in map(_opcode, lines) if op)
     warps = warps_per_sm(regs, smem)
     digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()[:12]
     return {"registers": regs, "smem": smem, "spill_bytes": spill, "warps_per_sm": warps,
             "sass": sum(ops.values()), "ops": ops, "digest": digest, "lines": lines,
-            "addresses": [int(a, 16) for a in re.findall(r"^\s+/\*([0-9a-f]+)\*/\s+.*?;", sass, re.M)]}
-
-
-def _opcode(text: str) -> str:
-    return re.match(r"(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", text).group(1)
+            "addresses": [int(address, 16) for address, _ in listing]}
 
 
 def _target(text: str) -> int | None:
