@@ -1427,7 +1427,9 @@ def merge_kernel(head_dim: int, lanes: int):
                 ls[u] = lse_part[row] if su < s1 else f32(_NEG_INF)
                 for c in range(4):
                     os_[4 * u + c] = o_part[u32(row * D + ch + c)] if su < s1 else f32(0)
-            mu = max(max(ls[0], ls[1]), max(ls[2], ls[3]))
+            mu = ls[0]
+            for u in range(1, UNROLL):
+                mu = max(mu, ls[u])
             m_new = max(m, mu)
             scale = ex2(m - m_new)
             den *= scale
