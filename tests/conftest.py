@@ -4,8 +4,44 @@ from pathlib import Path
 
 os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
+import sys  # noqa: E402
+import threading  # noqa: E402
+import traceback  # noqa: E402
+
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+
+
+def _serialise_simulator_shared_arrays():
+    """numba's simulator gives every thread of a launch the array a ``cuda.shared.array`` line allocated
+    first, by a check-then-set on a dict (``FakeCUDAShared.array``).  Two threads that reach the line
+    together can both find nothing and keep arrays of their own: one lane's shared writes then never
+    reach the others, which read ``np.empty`` garbage (seen: an escape offset of -1.6e9 in
+    ``test_decoder_is_bit_exact``, about one run of tests/test_attention.py in ten; a 32-thread kernel
+    that checks its shared array split it in 2 of 3000 launches).  The same code, under a lock."""
+    from numba.core import types
+    from numba.cuda.simulator import kernelapi
+    from numba.np import numpy_support
+
+    lock = threading.Lock()
+    original = kernelapi.FakeCUDAShared.array
+
+    def array(self, shape, dtype, alignment=None):
+        if shape == 0 or alignment is not None:       # dynamic shared memory, or the simulator's refusal
+            return original(self, shape, dtype, alignment)
+        if isinstance(dtype, types.Type):
+            dtype = numpy_support.as_dtype(dtype)
+        caller = traceback.extract_stack(sys._getframe())[-2][0:2]    # the kernel's line, as numba keys it
+        with lock:
+            if caller not in self._allocations:
+                self._allocations[caller] = np.empty(shape, dtype)
+            return self._allocations[caller]
+
+    kernelapi.FakeCUDAShared.array = array
+
+
+if os.environ["NUMBA_ENABLE_CUDASIM"] == "1":
+    _serialise_simulator_shared_arrays()
 
 KV_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "kv"
 
