@@ -413,6 +413,8 @@ def _check_q(q, view: LayerView, device):
 # most 168 registers a thread, so that 12 one-warp blocks fit an SM (3 warps per scheduler: each
 # scheduler has a quarter of the register file, 16384 registers), and the overlapped V decode.
 DEFAULT_MAX_REGISTERS = 168
+# Whole waves of shorter splits replace a partial last wave filled below this fraction (AttentionPlan).
+WHOLE_WAVES_BELOW = 0.5
 
 
 def kernel_options(head_dim: int, plain: bool, variant: str, overlap: bool | None, max_registers: int | None):
@@ -440,14 +442,17 @@ class AttentionPlan:
     wave is sized by the driver's occupancy of the compiled kernel (``resources``); ``blocks_per_sm``
     overrides it, for experiments only (a wrong value costs a second wave, not correctness).
     Where one wave of splits of ``MAX_BLOCKS_PER_SPLIT`` blocks cannot hold the work (batch 8 at 32K),
-    the default plans such splits and a partial second wave; ``whole_waves=True`` plans whole waves of
-    shorter splits instead (not yet timed on the device: benchmarks/NOTES-attention.md).
+    ``whole_waves=True`` plans whole waves of shorter splits, and ``False`` keeps the longest splits and
+    a partial last wave.  The default (``None``) plans whole waves where that last wave would be less
+    than half full: on the H200 whole waves saved 7-9% where it was 29% full (batch 8 at 32K, batch 4 at
+    64K, batch 2 at 128K) and cost 4% where it was 59% full (batch 8 at 64K), whose partial wave still
+    draws most of the bandwidth (benchmarks/results/attention-v12-waves-h200.md).
     """
 
     def __init__(self, view: LayerView, q_heads: int, *, scale: float | None = None, plain: bool = False,
                  variant: str = "full", nstage: int = 2, blocks_per_split: int | None = None,
                  overlap: bool | None = None, max_registers: int | None = -1, blocks_per_sm: int | None = None,
-                 whole_waves: bool = False):
+                 whole_waves: bool | None = None):
         from .cuda import attention as K
 
         self._K = K
@@ -495,8 +500,11 @@ class AttentionPlan:
             # The fewest blocks per split that still fit one wave: each run rounds its splits up, so the
             # bare quotient can spill a few blocks into a second, almost empty wave.
             total = int(run_len.sum()) * hk
-            if whole_waves:
-                target *= max(1, -(-total // (target * K.MAX_BLOCKS_PER_SPLIT)))
+            longest = hk * int((-(-run_len // K.MAX_BLOCKS_PER_SPLIT)).sum())   # splits of the longest kind
+            if longest > target:
+                last = longest % target / target                            # fill of the partial last wave
+                if whole_waves or (whole_waves is None and 0 < last < WHOLE_WAVES_BELOW):
+                    target *= -(-longest // target)
             blocks_per_split = max(1, -(-total // target))
             while (blocks_per_split < min(K.MAX_BLOCKS_PER_SPLIT, max(int(run_len.max(initial=1)), 1))
                    and hk * int((-(-run_len // blocks_per_split)).sum()) > target):

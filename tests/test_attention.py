@@ -248,6 +248,18 @@ def test_whole_wave_planning(rng):
     whole = AttentionPlan(view, heads, whole_waves=True)
     assert whole.blocks_per_split == 50
     assert heads * whole.n_work == 3 * 4                      # 3 full waves
+    assert AttentionPlan(view, heads, whole_waves=None).blocks_per_split == K.MAX_BLOCKS_PER_SPLIT  # half full
+
+
+def test_whole_waves_by_default_below_half_a_wave(rng):
+    """By default a last wave filled below half becomes whole waves: 130 blocks x 3 KV heads take 9
+    longest splits, 2.25 waves of the simulator's 4, so 3 waves of 12 shorter splits."""
+    heads, d, tokens = 3, 64, 130 * L.BLOCK_TOKENS
+    ks, vs = [synth_cache(rng, heads, tokens, d)], [synth_cache(rng, heads, tokens, d)]
+    view = calibrated_view(rng, ks, vs)
+    assert heads * AttentionPlan(view, heads, whole_waves=False).n_work == 9
+    auto = AttentionPlan(view, heads)
+    assert auto.blocks_per_split == 33 and heads * auto.n_work == 12
 
 
 @pytest.mark.parametrize("lanes", [1, 2, 8])
