@@ -418,13 +418,14 @@ def rotation(nbytes):
 def label(cfg: dict, plain: bool = False) -> str:
     """Short name of a kernel configuration (AttentionPlan options, defaults resolved for head_dim 128):
     variant, stages, overlapped V decode, register cap, planned blocks per SM, blocks per split, whole waves
-    (``_waves`` forced, ``_partial`` forced off; neither: the plan's choice)."""
+    (``_waves`` forced, ``_partial`` forced off; neither: the plan's choice), merge without PDL (``_nopdl``)."""
     variant = cfg.get("variant", "full")
     overlap, regs = kernel_options(128, plain, variant, cfg.get("overlap"), cfg.get("max_registers", -1))
     return (f"{variant}_ns{cfg.get('nstage', 2)}" + ("_overlap" if overlap else "") + (f"_r{regs}" if regs else "")
             + (f"_b{cfg['blocks_per_sm']}" if cfg.get("blocks_per_sm") else "")
             + (f"_s{cfg['blocks_per_split']}" if cfg.get("blocks_per_split") else "")
-            + {True: "_waves", False: "_partial"}.get(cfg.get("whole_waves"), ""))
+            + {True: "_waves", False: "_partial"}.get(cfg.get("whole_waves"), "")
+            + ("_nopdl" if cfg.get("pdl") is False else ""))
 
 
 def with_epochs_view(view: LayerView, n_epochs: int) -> LayerView:

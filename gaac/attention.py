@@ -446,13 +446,15 @@ class AttentionPlan:
     a partial last wave.  The default (``None``) plans whole waves where that last wave would be less
     than half full: on the H200 whole waves saved 7-9% where it was 29% full (batch 8 at 32K, batch 4 at
     64K, batch 2 at 128K) and cost 4% where it was 59% full (batch 8 at 64K), whose partial wave still
-    draws most of the bandwidth (benchmarks/results/attention-v12-waves-h200.md).
+    draws most of the bandwidth (benchmarks/results/attention-v12-waves-h200.md).  ``pdl`` launches the
+    merge kernel as a programmatic dependent of the split kernel, so that its launch and first loads
+    overlap the split kernel's last blocks (the merge waits for that grid before reading the partials).
     """
 
     def __init__(self, view: LayerView, q_heads: int, *, scale: float | None = None, plain: bool = False,
                  variant: str = "full", nstage: int = 2, blocks_per_split: int | None = None,
                  overlap: bool | None = None, max_registers: int | None = -1, blocks_per_sm: int | None = None,
-                 whole_waves: bool | None = None):
+                 whole_waves: bool | None = None, pdl: bool = True):
         from .cuda import attention as K
 
         self._K = K
@@ -565,7 +567,7 @@ class AttentionPlan:
             self._main_fixed = ([p for a in (*self._arrays, self.o_part, self.lse_part, self.status) for p in params(a)]
                                 + [p for x in self._scalars for p in params(int(x))]
                                 + [ctypes.c_float(self._scale_log2)])
-            self._merge_launch = FastLaunch(self._merge, *self._merge_grid)
+            self._merge_launch = FastLaunch(self._merge, *self._merge_grid, pdl=pdl)
             self._merge_fixed = [p for a in (self.o_part, self.lse_part, self._split0) for p in params(a)]
 
     def run(self, q, *, out=None, lse=None, return_lse: bool = False):

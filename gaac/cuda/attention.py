@@ -278,6 +278,22 @@ if not SIMULATOR:
             return types.void(), codegen
         return cp_wait
 
+    def _void_asm_fn(text: str):
+        """A device function that emits one PTX statement with no operands (and clobbers memory)."""
+        @intrinsic
+        def fn(typingctx):
+            def codegen(context, builder, sig, args):
+                _asm(builder, ir.VoidType(), [], text, "~{memory}", side_effect=True)
+                return context.get_dummy_value()
+            return types.void(), codegen
+        return fn
+
+    # Programmatic dependent launch (sm_90): the attention kernel lets the merge kernel's blocks be
+    # scheduled early; the merge waits for the attention grid's completion (and its memory) before it
+    # reads the partials.  Without the launch attribute both are no-ops.
+    grid_launch_dependents = _void_asm_fn("griddepcontrol.launch_dependents;")
+    grid_wait = _void_asm_fn("griddepcontrol.wait;")
+
     @intrinsic
     def _prmt(typingctx, a, sel):
         def codegen(context, builder, sig, args):
@@ -566,6 +582,14 @@ else:
 
     @device
     def cp_commit():
+        pass
+
+    @device
+    def grid_launch_dependents():
+        pass
+
+    @device
+    def grid_wait():
         pass
 
     def cp_wait_fn(count: int):
@@ -1174,6 +1198,9 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
         ents = cuda.shared.array(NENT, int32)
         scr = cuda.shared.array(SCRATCH_WORDS, uint32)
         scratch_init(scr)
+        # The merge kernel may be scheduled from now on (it waits for this grid before it reads): its
+        # launch and its first loads overlap this grid's last blocks.
+        grid_launch_dependents()
         sb = smem_base(smem)
         w = i32(cuda.blockIdx.x)
         h = i32(cuda.blockIdx.y)
@@ -1385,7 +1412,9 @@ def merge_kernel(head_dim: int, lanes: int):
     """Merge split partials (grid, threads and ``lanes`` from :func:`merge_launch`).  Each thread folds
     its splits into a running (max, sum, 4 channels) :data:`MERGE_UNROLL` splits at a time (their loads
     in flight together), then the lanes are combined in shared memory.  Indices are 32-bit and
-    unsigned: numba's signed indexing adds a negative-index fix-up to every load.
+    unsigned: numba's signed indexing adds a negative-index fix-up to every load.  Launched as a
+    programmatic dependent of the split kernel (``AttentionPlan``'s ``pdl``), it reads its split range,
+    then waits for that grid (``griddepcontrol.wait``) before it reads the partials.
 
     ``o_part`` float32 ``[W*Hkv*g*D]``, ``lse_part`` float32 ``[W*Hkv*g]`` (log2), ``split0`` int32
     ``[B+1]`` (the splits of sequence ``b`` are ``split0[b] .. split0[b+1]-1``), out ``out`` int16
@@ -1412,6 +1441,7 @@ def merge_kernel(head_dim: int, lanes: int):
         ch = u32(cuda.blockIdx.z * MERGE_CHANNELS + 4 * quad)
         s0 = split0[b]
         s1 = split0[b + 1]
+        grid_wait()                     # the split kernel's partials (a no-op without the launch attribute)
         m = f32(_NEG_INF)
         den = f32(0)
         acc = cuda.local.array(4, float32)

@@ -176,8 +176,9 @@ class FastLaunch:
     (which compiles); later calls take the fast path.
     """
 
-    def __init__(self, dispatcher, grid, block):
+    def __init__(self, dispatcher, grid, block, pdl: bool = False):
         self._dispatcher, self._grid, self._block = dispatcher, grid, block
+        self._pdl = pdl                     # programmatic stream serialization (see ``__call__``)
         self._cufunc = None
         self._config = None
         self._streams = {}
@@ -196,7 +197,17 @@ class FastLaunch:
         from cuda.core import LaunchConfig, Stream, launch
 
         if self._config is None:
-            self._config = LaunchConfig(grid=self._grid, block=self._block, shmem_size=0)
+            # ``pdl``: the kernel may start before the previous kernel on the stream has finished (once
+            # that kernel's blocks have run ``griddepcontrol.launch_dependents``); it must itself wait
+            # (``griddepcontrol.wait``) before it reads what that kernel wrote.
+            # A cuda.core without the option (before 1.0) launches in plain stream order: as correct
+            # (the wait is then a no-op), without the overlap.
+            try:
+                self._config = LaunchConfig(grid=self._grid, block=self._block, shmem_size=0,
+                                            programmatic_stream_serialization=self._pdl)
+            except TypeError:
+                self._pdl = False
+                self._config = LaunchConfig(grid=self._grid, block=self._block, shmem_size=0)
         s = self._streams.get(handle)
         if s is None:
             s = self._streams[handle] = Stream.from_handle(handle)
