@@ -35,11 +35,12 @@ kernel merges the splits of a sequence (:func:`merge_kernel`).  The BF16
 baseline (``plain=True``) is the same kernel with every tile raw: step 1 stages
 BF16 tiles and step 2 is compiled out.
 
-Performance (H200, benchmarks/results/attention-v11-h200.md): the compressed
-loads run 1.25x faster than the BF16 twin's, but the decode leaves the kernel
-issue-bound at 12 one-warp blocks per SM (168 registers and 18 KB of shared
-memory each): at 64K tokens it is 1.01x the speed of its BF16 twin and of torch's
-flash kernel, 1.03x at 128K, 0.97x at 16K.  benchmarks/NOTES-attention.md has the analysis.
+Performance (H200, benchmarks/results/attention-v13-h200.md): the compressed
+loads run 1.3x faster than the BF16 twin's, and the decode hides 85% of its work
+under them; the rest leaves the kernel instruction-bound at 12 one-warp blocks per
+SM (168 registers and 18 KB of shared memory each; attention-v13-profile-h200.md):
+at 64K tokens it is 1.12x the speed of its BF16 twin and 1.15x torch's flash kernel.
+benchmarks/NOTES-attention.md has the analysis.
 
 Pair words
 ==========
