@@ -525,10 +525,9 @@ class AttentionPlan:
         self._merge, self._merge_grid = K.merge_kernel(d, lanes), (grid, threads)
         bases = _epoch_bases(view)
         self.n_epochs = (n_epochs(view, 0), n_epochs(view, 1))
-        etab = K.escape_table().view(np.uint8).reshape(-1)
         if K.SIMULATOR:
             alloc = lambda shape, dt: np.zeros(shape, dt)  # noqa: E731
-            self._work, self._split0, self._bases, self._etab = work, split0, bases, etab
+            self._work, self._split0, self._bases = work, split0, bases
             flat = lambda x, dt=None: _host(x).reshape(-1) if dt is None else _host(x).view(dt).reshape(-1)  # noqa: E731
         else:
             import torch
@@ -538,7 +537,6 @@ class AttentionPlan:
             self._work = torch.from_numpy(work).to(dev)
             self._split0 = torch.from_numpy(split0).to(dev)
             self._bases = torch.from_numpy(bases).to(dev)
-            self._etab = torch.from_numpy(etab).to(dev)
             flat = lambda x, dt=None: (x if dt is None else x.view(getattr(torch, dt))).reshape(-1)  # noqa: E731
         # Blocks without recorded epochs are epoch 0: one zero array serves both kinds.
         zeros = None
@@ -558,7 +556,7 @@ class AttentionPlan:
         self._arrays = (flat(view.slots[0]), flat(view.slots[1]), flat(view.raw[0], "uint8"),
                         flat(view.raw[1], "uint8"), flat(view.table[0]), flat(view.table[1]),
                         flat(view.tail_k, "uint8"), flat(view.tail_v, "uint8"), flat(self._bases),
-                        flat(self._etab), flat(eps[0]), flat(eps[1]), flat(view.seq_lens), flat(self._work))
+                        flat(eps[0]), flat(eps[1]), flat(view.seq_lens), flat(self._work))
         self._alloc = alloc
         self._scalars = (mb, hk, self.g, *self._sizes, *view.capacity, *self.n_epochs)
         self._scale_log2 = np.float32(self.scale * 1.4426950408889634)

@@ -26,7 +26,6 @@ from gaac.errors import FormatError, InputError
 from gaac.reference.codec import encode_tiles
 
 NAN_BITS = 0x7FC1
-ETAB = K.escape_table().view(np.uint8).reshape(-1)       # the decoder's escape words, as the plan passes them
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -182,21 +181,9 @@ def test_decoder_is_bit_exact(rng, channels):
     tiles = np.zeros(n * 16 * channels // 2, np.int32)
     status = np.zeros(1, np.int32)
     K.decode_check_kernel(channels, slot_bytes)[n, K.WARP](
-        enc.slots.reshape(-1), _pair_base_words(b3[None], b4[None])[0].reshape(-1), ETAB, capacity, tiles, status)
+        enc.slots.reshape(-1), _pair_base_words(b3[None], b4[None])[0].reshape(-1), capacity, tiles, status)
     np.testing.assert_array_equal(tiles.view(np.uint16).reshape(n, 16, channels), bits)
     assert status[0] == 0
-
-
-def test_escape_table_places_each_escape_bit():
-    """Row ``e`` of the escape table holds, for pair word ``p`` of a group, escape bits ``2p`` and ``2p+1``
-    of ``e`` at bits 10 and 26 (exponent bit 3 of the pair's two BF16 elements), and nothing else: the
-    words the multiply-and-mask form :func:`escape_pair` builds (still used for raw groups' planes)."""
-    table = K.escape_table()
-    assert table.shape == (256, 4) and table.dtype == np.uint32
-    for e in range(256):
-        for p in range(4):
-            want = ((e >> (2 * p)) & 1) << 10 | ((e >> (2 * p + 1)) & 1) << 26
-            assert table[e, p] == want == int(K.escape_pair(np.uint32(e), p))
 
 
 def test_decoder_flags_reserved_tag_and_overfull_escapes(rng):
@@ -216,7 +203,7 @@ def test_decoder_flags_reserved_tag_and_overfull_escapes(rng):
         tamper(slots)
         status = np.zeros(1, np.int32)
         cap = 0 if flag == K.STATUS_BAD_ESCAPES else 16   # tile 1 needs one escape byte
-        kern[2, K.WARP](slots.reshape(-1), bases, ETAB, cap, np.zeros(2 * 16 * channels // 2, np.int32), status)
+        kern[2, K.WARP](slots.reshape(-1), bases, cap, np.zeros(2 * 16 * channels // 2, np.int32), status)
         assert status[0] == flag
 
 

@@ -51,10 +51,7 @@ of two elements move from bits ``0..5`` of a 12-bit code field to bits 7 and 23
 with one multiply (the two shifted copies cannot overlap, so no carries), the
 bases are stored pre-shifted per channel pair (rows b3, b4 and a zero row for
 raw groups, selected by the mode tag), and an escape byte's bits land on bits
-10 and 26 (exponent bit 3): a group's four escape words are one 16-byte row of a
-4 KB table in global memory (:func:`escape_table`, L1-resident), indexed by the
-byte, so that per pair word ``Z = ((code product & mask) | escape word) + base``
-(PRMT, IMAD, LOP3, IADD, LOP3).  Raw groups add bit planes 1..4 on a slow path.
+10 and 26 (exponent bit 3) by one more multiply.  Raw groups add bit planes 1..4 on a slow path.
 
 Simulator
 =========
@@ -257,17 +254,6 @@ if not SIMULATOR:
         return rt(types.int64), codegen
 
     @intrinsic
-    def _ldg4_row(typingctx, gptr, row):
-        rt = types.UniTuple(types.uint32, 4)
-
-        def codegen(context, builder, sig, args):
-            r = _asm(builder, ir.LiteralStructType([_I32] * 4), list(args),
-                     "{ .reg .u64 a; mad.wide.u32 a, $5, 16, $4; ld.global.nc.v4.u32 {$0,$1,$2,$3}, [a]; }",
-                     "=r,=r,=r,=r,l,r", side_effect=True)
-            return _tuple(context, builder, rt, r, 4)
-        return rt(types.int64, types.uint32), codegen
-
-    @intrinsic
     def _cp16(typingctx, addr, gptr):
         def codegen(context, builder, sig, args):
             _asm(builder, ir.VoidType(), list(args), "cp.async.cg.shared.global [$0], [$1], 16;", "r,l,~{memory}",
@@ -396,11 +382,6 @@ if not SIMULATOR:
     def ldg4(src, gptr):
         """16 bytes of read-only global memory at ``gptr`` (``src``: the array, for the simulator)."""
         return _ldg4(gptr)
-
-    @device
-    def ldg4_row(src, gptr, row):
-        """Row ``row`` (16 bytes) of a read-only global table at ``gptr`` (one multiply-add and one load)."""
-        return _ldg4_row(gptr, u32(row))
 
     @device
     def cp_commit():
@@ -596,10 +577,6 @@ else:
         return u32(w[0]), u32(w[1]), u32(w[2]), u32(w[3])
 
     @device
-    def ldg4_row(src, gptr, row):
-        return ldg4(src, int(gptr) + 16 * int(row))
-
-    @device
     def cp16(smem, addr, src, gptr):
         b = int(gptr)
         smem[int(addr) >> 2:(int(addr) >> 2) + 4] = np.asarray(src[b:b + 16]).view(np.uint8).view(np.uint32)
@@ -721,24 +698,13 @@ def smem_bytes(channels: int, tph: int, nstage: int, plain: bool, stage_bytes: i
 def escape_pair(e, p):
     """Bits ``2p``, ``2p+1`` of escape byte ``e`` -> bits 10 and 26 (exponent bit 3 of pair word ``p``'s
     two elements): one multiply and one mask.  The multiplier places two copies of the byte, shifted
-    by ``10 - 2p`` and ``25 - 2p``; they occupy disjoint bits, so the product has no carries.  (The
-    common path reads these words from :func:`escape_table`; raw groups' planes 1..4 use this.)"""
+    by ``10 - 2p`` and ``25 - 2p``; they occupy disjoint bits, so the product has no carries."""
     return u32(mul_lo(e, (1 << (10 - 2 * p)) + (1 << (25 - 2 * p))) & 0x04000400)
-
-
-def escape_table() -> np.ndarray:
-    """The escape words of every escape byte: ``[256, 4]`` uint32, row ``e`` = :func:`escape_pair` of ``e``
-    for the pair words 0..3 of a group.  The decoder reads a group's four words with one 16-byte load (a
-    4 KB table, resident in L1) instead of a multiply and a mask per pair word: 6 integer instructions a
-    group fewer on the kernel's busiest pipes."""
-    e = np.arange(256, dtype=np.uint32)[:, None]
-    p = np.arange(4, dtype=np.uint32)[None, :]
-    return ((((e >> (2 * p)) & 1) << 10) | (((e >> (2 * p + 1)) & 1) << 26)).astype(np.uint32)
 
 
 @functools.lru_cache(maxsize=None)
 def _decode_tile_fn(channels: int):
-    """Device functions for C-wide tiles: ``decode(smem, src, dst, base, base_stride, cap, status, etab, scr)``,
+    """Device functions for C-wide tiles: ``decode(smem, src, dst, base, base_stride, cap, status, scr)``,
     and its stages (tags, reads, compute+stores, fix-up) for callers that interleave two decodes with
     other work (:func:`attention_kernel`'s ``overlap``); last, the sizes of the stages' local arrays.
 
@@ -823,13 +789,11 @@ def _decode_tile_fn(channels: int):
             bw[4 * k + 3] = b3
 
     @device
-    def decode_compute(smem, dst, tags, smw, cw, ev, bw, etab):
+    def decode_compute(smem, dst, tags, smw, cw, ev, bw):
         """Branch-free over the groups: the BF16 words of 3-bit and 4-bit groups; a raw group gets
-        exponent bits 0..3 here and bits 4..7 in :func:`decode_fix`.  ``etab``: :func:`escape_table`
-        (uint8 view) in global memory."""
+        exponent bits 0..3 here and bits 4..7 in :func:`decode_fix`."""
         lane = lane_id()
         out = u32(dst + (lane & 15) * ROWB + (lane >> 4) * C)
-        et = gaddr(etab, 0)
         for k in range(GPL):
             bit = 24 * k
             sh = bit % 32
@@ -839,14 +803,17 @@ def _decode_tile_fn(channels: int):
             y_lo = u32(y & 0xFFF)
             y_hi = u32((y >> 12) & 0xFFF)
             sp = ev[k] if (tags >> (2 * k)) & 3 else u32(0)
-            e0, e1, e2, e3 = ldg4_row(etab, et, sp)
             s0 = smw[2 * k]
             s1 = smw[2 * k + 1]
             sts4(smem, u32(out + 16 * k),
-                 u32((prmt(s0, 0x1100) & 0x807F807F) | u32(u32(((y_lo * K_EVEN) & 0x03800380) | e0) + bw[4 * k])),
-                 u32((prmt(s0, 0x3322) & 0x807F807F) | u32(u32(((y_lo * K_ODD) & 0x03800380) | e1) + bw[4 * k + 1])),
-                 u32((prmt(s1, 0x1100) & 0x807F807F) | u32(u32(((y_hi * K_EVEN) & 0x03800380) | e2) + bw[4 * k + 2])),
-                 u32((prmt(s1, 0x3322) & 0x807F807F) | u32(u32(((y_hi * K_ODD) & 0x03800380) | e3) + bw[4 * k + 3])))
+                 u32((prmt(s0, 0x1100) & 0x807F807F) | u32(((y_lo * K_EVEN) & 0x03800380) + bw[4 * k]
+                                                            + escape_pair(sp, 0))),
+                 u32((prmt(s0, 0x3322) & 0x807F807F) | u32(((y_lo * K_ODD) & 0x03800380) + bw[4 * k + 1]
+                                                            + escape_pair(sp, 1))),
+                 u32((prmt(s1, 0x1100) & 0x807F807F) | u32(((y_hi * K_EVEN) & 0x03800380) + bw[4 * k + 2]
+                                                            + escape_pair(sp, 2))),
+                 u32((prmt(s1, 0x3322) & 0x807F807F) | u32(((y_hi * K_ODD) & 0x03800380) + bw[4 * k + 3]
+                                                            + escape_pair(sp, 3))))
 
     @device
     def decode_fix(smem, src, dst, tags, off, cnt, cap, status):
@@ -882,7 +849,7 @@ def _decode_tile_fn(channels: int):
                 sts4(smem, at, w0, w1, w2, w3)
 
     @device
-    def decode(smem, src, dst, base, base_stride, cap, status, etab, scr):
+    def decode(smem, src, dst, base, base_stride, cap, status, scr):
         smw = cuda.local.array(SM_WORDS, uint32)
         cw = cuda.local.array(CODE_ARRAY, uint32)
         ev = cuda.local.array(GPL, uint32)
@@ -890,7 +857,7 @@ def _decode_tile_fn(channels: int):
         tags, cnt = decode_tags(smem, src)
         off = escape_scan(cnt, scr)
         decode_loads(smem, src, base, base_stride, tags, off, cap, smw, cw, ev, bw)
-        decode_compute(smem, dst, tags, smw, cw, ev, bw, etab)
+        decode_compute(smem, dst, tags, smw, cw, ev, bw)
         decode_fix(smem, src, dst, tags, off, cnt, cap, status)
 
     return decode, decode_tags, decode_loads, decode_compute, decode_fix, (SM_WORDS, CODE_ARRAY, GPL, BASE_WORDS)
@@ -946,7 +913,7 @@ def decode_check_kernel(channels: int, slot_bytes: int):
     wait_all = cp_wait_fn(0)
 
     @cuda.jit
-    def kernel(slots, bases, etab, cap, tiles, status):
+    def kernel(slots, bases, cap, tiles, status):
         smem = cuda.shared.array(SMEM_WORDS, uint32, alignment=SMEM_ALIGN)
         scr = cuda.shared.array(SCRATCH_WORDS, uint32)
         scratch_init(scr)
@@ -960,7 +927,7 @@ def decode_check_kernel(channels: int, slot_bytes: int):
         wait_all()
         warp_sync(scr)
         decode(smem, u32(sb + BASE_BYTES), u32(sb + BASE_BYTES + STAGE), u32(sb + C * (lane >> 4)), 4 * RS, cap, status,
-               etab, scr)
+               scr)
         warp_sync(scr)
         for i in range(lane, L.BLOCK_TOKENS * PAIRS, WARP):
             tiles[n * L.BLOCK_TOKENS * PAIRS + i] = i32(smem[(BASE_BYTES + STAGE + (i // PAIRS) * ROWB) // 4 + i % PAIRS])
@@ -977,7 +944,7 @@ def kernel_signature() -> tuple:
 
     def array(dtype):
         return types.Array(dtype, 1, "C")
-    arrays = [types.int32] + [types.uint8] * 4 + [types.int32] * 2 + [types.uint8] * 2 + [types.int32] + [types.uint8] + \
+    arrays = [types.int32] + [types.uint8] * 4 + [types.int32] * 2 + [types.uint8] * 2 + [types.int32] + \
         [types.int16] * 2 + [types.int32] * 2 + [types.float32] * 2 + [types.int32]
     return tuple([array(a) for a in arrays] + [types.int64] * 9 + [types.float32])
 
@@ -1109,8 +1076,7 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
     refill_k, refill_v = refill_fn(issue_k), refill_fn(issue_v)
 
     @device
-    def tile_of(smem, sb, ents, i, st, kind, j, is_tail, raw, tail, tail_byte, tail_valid, cap, status, etab, scr,
-                sync):
+    def tile_of(smem, sb, ents, i, st, kind, j, is_tail, raw, tail, tail_byte, tail_valid, cap, status, scr, sync):
         """Byte address of the BF16 tile (kind, j) of the block in stage ``st``: the staged tile (plain),
         or the kind's decode tile after decoding the slot / loading the raw tile or tail into it (ready
         after a warp barrier: this one if ``sync``)."""
@@ -1123,10 +1089,10 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
             copy_bf16_tile(smem, dec, is_tail, e, raw, tail, tail_byte, tail_valid, lane_id(), True)
         elif do_decode:
             base = u32(sb + BASES + 4 * (kind * BASE_ROWS * RS + j * (C // 2)) + C * (lane_id() >> 4))
-            decode(smem, src, dec, base, 4 * RS, cap, status, etab, scr)
+            decode(smem, src, dec, base, 4 * RS, cap, status, scr)
             if variant == DECODE_TWICE:
                 warp_sync(scr)
-                decode(smem, src, dec, base, 4 * RS, cap, status, etab, scr)
+                decode(smem, src, dec, base, 4 * RS, cap, status, scr)
         else:
             return src
         if sync:
@@ -1226,7 +1192,7 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
     jit = cuda.jit if max_registers is None or SIMULATOR else cuda.jit(max_registers=max_registers)
 
     @jit
-    def kernel(q32, slots_k, slots_v, raw_k, raw_v, table_k, table_v, tail_k, tail_v, bases, etab, epoch_k, epoch_v,
+    def kernel(q32, slots_k, slots_v, raw_k, raw_v, table_k, table_v, tail_k, tail_v, bases, epoch_k, epoch_v,
                seq_lens, work, o_part, lse_part, status, max_blocks, kv_heads, g, slot_bytes_k, slot_bytes_v, cap_k,
                cap_v, epochs_k, epochs_v, scale_log2):
         smem = cuda.shared.array(SMEM_WORDS, uint32, alignment=SMEM_ALIGN)
@@ -1357,7 +1323,7 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
                     tags_v, cnt_v = decode_tags(smem, src_v)
                     off_k, off_v = escape_scan2(cnt_k, cnt_v, scr)
                 decode_loads(smem, src_k, base_k, 4 * RS, tags_k, off_k, cap_k, smw, cw, ev, bw)
-                decode_compute(smem, dec, tags_k, smw, cw, ev, bw, etab)
+                decode_compute(smem, dec, tags_k, smw, cw, ev, bw)
                 decode_fix(smem, src_k, dec, tags_k, off_k, cnt_k, cap_k, status)
                 warp_sync(scr)
                 if REFILL:
@@ -1373,7 +1339,7 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
                 decode_loads(smem, src_v, base_v, 4 * RS, tags_v, off_v, cap_v, smw, cw, ev, bw)
                 qk_mma(kf, 0, qb0, qb1, sc, scr)
                 m0, m1, l0, l1, pb0, pb1, al0, al1 = softmax_update(sc, valid, r, m0, m1, l0, l1, scale_log2, scr)
-                decode_compute(smem, dec, tags_v, smw, cw, ev, bw, etab)
+                decode_compute(smem, dec, tags_v, smw, cw, ev, bw)
                 decode_fix(smem, src_v, dec, tags_v, off_v, cnt_v, cap_v, status)
                 warp_sync(scr)
                 if REFILL:
@@ -1385,7 +1351,7 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
                 continue
             for j in range(T):
                 tile = tile_of(smem, sb, ents, i, st, 0, j, is_tail, raw_k, tail_k, tail_base + j * C * 2,
-                               tail_valid, cap_k, status, etab, scr, True)
+                               tail_valid, cap_k, status, scr, True)
                 load_k_frags(smem, tile, kf, scr)
                 qk_mma(kf, j, qb0, qb1, sc, scr)
                 warp_sync(scr)
@@ -1399,7 +1365,7 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
                 warp_sync(scr)
             for j in range(T):
                 tile = tile_of(smem, sb, ents, i, st, 1, j, is_tail, raw_v, tail_v, tail_base + j * C * 2,
-                               tail_valid, cap_v, status, etab, scr, True)
+                               tail_valid, cap_v, status, scr, True)
                 pv_mma(smem, tile, j, pb0, pb1, acc, scr)
                 warp_sync(scr)
             if REFILL:
