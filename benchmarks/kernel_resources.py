@@ -56,6 +56,8 @@ HEAD_DIM = 128
 
 
 def _tool(name: str) -> str:
+    """``name`` on PATH, else in the ``nvidia`` wheels' bin folders, which then go on PATH too: cuobjdump
+    runs ``nvdisasm`` (wheel ``nvidia-cuda-nvdisasm``) from PATH and prints no SASS without it."""
     found = shutil.which(name)
     if found:
         return found
@@ -63,8 +65,10 @@ def _tool(name: str) -> str:
 
     for root in nvidia.__path__:
         for path in Path(root).glob(f"*/bin/{name}"):
+            os.environ["PATH"] = f"{path.parent}{os.pathsep}{os.environ.get('PATH', '')}"
             return str(path)
-    raise SystemExit(f"{name} not found (install the CUDA toolkit or the nvidia-cuda-* wheels)")
+    raise SystemExit(f"{name} not found (install the CUDA toolkit, or the wheels nvidia-cuda-cuobjdump and "
+                     "nvidia-cuda-nvdisasm)")
 
 
 def _ptxas_version(ptxas: str) -> str:
@@ -124,6 +128,8 @@ def resources(fn, signature, workdir: Path, ptxas: str, cuobjdump: str, isa: str
     spill = sum(int(x) for x in re.findall(r"(\d+) bytes spill", info.stderr))
     sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True).stdout
     listing = re.findall(r"^\s+/\*([0-9a-f]+)\*/\s+(.*?)\s*;", sass, re.M)
+    if not listing:
+        raise SystemExit(f"{cuobjdump} printed no SASS (it needs nvdisasm on PATH)")
     lines = [text for _, text in listing]
     ops = Counter(op for op in map(_opcode, lines) if op)
     warps = warps_per_sm(regs, smem)
