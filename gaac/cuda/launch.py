@@ -200,7 +200,7 @@ class FastLaunch:
             # ``pdl``: the kernel may start before the previous kernel on the stream has finished (once
             # that kernel's blocks have run ``griddepcontrol.launch_dependents``); it must itself wait
             # (``griddepcontrol.wait``) before it reads what that kernel wrote.
-            # A cuda.core without the option (before 1.0) launches in plain stream order: as correct
+            # A cuda.core without the option launches in plain stream order: as correct
             # (the wait is then a no-op), without the overlap.
             try:
                 self._config = LaunchConfig(grid=self._grid, block=self._block, shmem_size=0,
