@@ -261,24 +261,6 @@ if not SIMULATOR:
             return context.get_dummy_value()
         return types.void(types.uint32, types.int64), codegen
 
-    @intrinsic
-    def _cp_commit(typingctx):
-        def codegen(context, builder, sig, args):
-            _asm(builder, ir.VoidType(), [], "cp.async.commit_group;", "~{memory}", side_effect=True)
-            return context.get_dummy_value()
-        return types.void(), codegen
-
-    @functools.lru_cache(maxsize=None)
-    def cp_wait_fn(count: int):
-        """``cp.async.wait_group count``: all but this lane's ``count`` newest copy groups are done."""
-        @intrinsic
-        def cp_wait(typingctx):
-            def codegen(context, builder, sig, args):
-                _asm(builder, ir.VoidType(), [], f"cp.async.wait_group {count};", "~{memory}", side_effect=True)
-                return context.get_dummy_value()
-            return types.void(), codegen
-        return cp_wait
-
     def _void_asm_fn(text: str):
         """A device function that emits one PTX statement with no operands (and clobbers memory)."""
         @intrinsic
@@ -288,6 +270,13 @@ if not SIMULATOR:
                 return context.get_dummy_value()
             return types.void(), codegen
         return fn
+
+    _cp_commit = _void_asm_fn("cp.async.commit_group;")
+
+    @functools.lru_cache(maxsize=None)
+    def cp_wait_fn(count: int):
+        """``cp.async.wait_group count``: all but this lane's ``count`` newest copy groups are done."""
+        return _void_asm_fn(f"cp.async.wait_group {count};")
 
     # Programmatic dependent launch (sm_90): the attention kernel lets the merge kernel's blocks be
     # scheduled early; the merge waits for the attention grid's completion (and its memory) before it
