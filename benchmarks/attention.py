@@ -236,7 +236,7 @@ def check_case(name, ks, vs, b3, b4, cap, g, rng, results, blocks_per_split=None
         qd = qd.view(torch.bfloat16)
     gaac_view = view_from_dense(ks, vs, b3, b4, cap, rng=rng, epochs=epochs)
     runs = [("gaac" if n == 0 else f"gaac_{label(cfg)}", gaac_view, cfg) for n, cfg in enumerate(CHECK_CONFIGS)
-            if d <= 128 or not (cfg.get("overlap") or cfg.get("specialized"))]
+            if d <= 128 or not cfg.get("overlap")]
     for name_, view, cfg in runs + [("plain", plain_view(ks, vs), {})]:
         dv = view_to(view, DEV)
         plan = AttentionPlan(dv, hk * g, plain=name_ == "plain", blocks_per_split=blocks_per_split, **cfg)
@@ -417,13 +417,11 @@ def rotation(nbytes):
 
 def label(cfg: dict, plain: bool = False) -> str:
     """Short name of a kernel configuration (AttentionPlan options, defaults resolved for head_dim 128):
-    variant, stages, warp-specialised (``_ws``), overlapped V decode, register cap, planned blocks per SM, blocks per split, whole waves
+    variant, stages, overlapped V decode, register cap, planned blocks per SM, blocks per split, whole waves
     (``_waves`` forced, ``_partial`` forced off; neither: the plan's choice), merge without PDL (``_nopdl``)."""
     variant = cfg.get("variant", "full")
-    ws = cfg.get("specialized") or False
-    overlap, regs = kernel_options(128, plain, variant, cfg.get("overlap"), cfg.get("max_registers", -1), ws)
-    return (f"{variant}_ns{cfg.get('nstage', 2)}" + ({True: "_ws", "scores": "_wss"}.get(ws, "") if ws else "") + ("_overlap" if overlap else "")
-            + (f"_r{regs}" if regs else "")
+    overlap, regs = kernel_options(128, plain, variant, cfg.get("overlap"), cfg.get("max_registers", -1))
+    return (f"{variant}_ns{cfg.get('nstage', 2)}" + ("_overlap" if overlap else "") + (f"_r{regs}" if regs else "")
             + (f"_b{cfg['blocks_per_sm']}" if cfg.get("blocks_per_sm") else "")
             + (f"_s{cfg['blocks_per_split']}" if cfg.get("blocks_per_split") else "")
             + {True: "_waves", False: "_partial"}.get(cfg.get("whole_waves"), "")

@@ -99,13 +99,12 @@ def codec_kernels(channels: int):
         yield f"{name} decode C={channels}", F8.decode_source(modes, channels), C.DECODE_SIG
 
 
-def warps_per_sm(registers: int, smem: int, warps: int = 1) -> int:
-    """Resident warps per SM (sm_90) in blocks of ``warps`` warps: each of the 4 schedulers owns a quarter
-    of the register file (16384), allocated to a warp in units of 256, and each block reserves 1 KB of
-    shared memory beyond its own (228 KB per SM).  So 168 registers a thread allow 12 warps and 174 only 8.
-    (Named barriers can cut this further; the driver's count, ``gaac.cuda.launch.resident_blocks``, decides.)"""
+def warps_per_sm(registers: int, smem: int) -> int:
+    """Resident one-warp blocks per SM (sm_90): each of the 4 schedulers owns a quarter of the register
+    file (16384), allocated to a warp in units of 256, and each block reserves 1 KB of shared memory
+    beyond its own (228 KB per SM).  So 168 registers a thread allow 12 warps and 174 only 8."""
     per_warp = -(-registers * 32 // 256) * 256
-    return warps * min(32, 4 * (16384 // per_warp) // warps, (228 * 1024) // (smem + 1024))
+    return min(32, 4 * (16384 // per_warp), (228 * 1024) // (smem + 1024))
 
 
 def _opcode(text: str) -> str | None:
@@ -114,8 +113,7 @@ def _opcode(text: str) -> str | None:
     return m.group(1) if m else None
 
 
-def resources(fn, signature, workdir: Path, ptxas: str, cuobjdump: str, isa: str, max_registers=None,
-              options: dict | None = None) -> dict:
+def resources(fn, signature, workdir: Path, ptxas: str, cuobjdump: str, isa: str, max_registers=None) -> dict:
     """Compile one kernel (with ptxas' register cap, as numba passes ``max_registers``) and read what
     ptxas and the SASS say."""
     ptx, _ = cuda.compile_ptx(fn, signature, cc=(9, 0))
@@ -128,18 +126,15 @@ def resources(fn, signature, workdir: Path, ptxas: str, cuobjdump: str, isa: str
     regs = int(re.search(r"Used (\d+) registers", info.stderr).group(1))
     smem = sum(int(x) for x in re.findall(r"(\d+) bytes smem", info.stderr))     # no line without shared memory
     spill = sum(int(x) for x in re.findall(r"(\d+) bytes spill", info.stderr))
-    # Named barriers (a ``bar`` with a register id reserves all 16); the driver counts them against a block's
-    # residency, so a two-warp kernel that shows 16 here fits fewer blocks than its registers allow.
-    barriers = int(m.group(1)) if (m := re.search(r"used (\d+) barriers", info.stderr)) else 0
     sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True).stdout
     listing = re.findall(r"^\s+/\*([0-9a-f]+)\*/\s+(.*?)\s*;", sass, re.M)
     if not listing:
         raise SystemExit(f"{cuobjdump} printed no SASS (it needs nvdisasm on PATH)")
     lines = [text for _, text in listing]
     ops = Counter(op for op in map(_opcode, lines) if op)
-    warps = warps_per_sm(regs, smem, 2 if options.get("specialized") else 1)
+    warps = warps_per_sm(regs, smem)
     digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()[:12]
-    return {"registers": regs, "smem": smem, "spill_bytes": spill, "barriers": barriers, "warps_per_sm": warps,
+    return {"registers": regs, "smem": smem, "spill_bytes": spill, "warps_per_sm": warps,
             "sass": sum(ops.values()), "ops": ops, "digest": digest, "lines": lines,
             "addresses": [int(address, 16) for address, _ in listing]}
 
@@ -221,16 +216,13 @@ def main():
                 for address, n, kinds in skips:
                     print(f"| {address:#x} | {n} | {', '.join(f'{k} {v}' for k, v in kinds.most_common(5))} |")
             return
-        print("| variant | registers | shared bytes | spill bytes | barriers | warps/SM | SASS instructions | LDS | STS "
-              "| HMMA |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+        print("| variant | registers | shared bytes | spill bytes | warps/SM | SASS instructions | LDS | STS | HMMA |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for text in args.variants or DEFAULT_VARIANTS:
             options = ast.literal_eval(text)
-            r = resources(*attention_kernel(options), Path(tmp), ptxas, cuobjdump, isa, options.get("max_registers"),
-                          options)
+            r = resources(*attention_kernel(options), Path(tmp), ptxas, cuobjdump, isa, options.get("max_registers"))
             o = r["ops"]
-            print(f"| {text} | {r['registers']} | {r['smem']} | {r['spill_bytes']} | {r['barriers']} | "
-                  f"{r['warps_per_sm']} | "
+            print(f"| {text} | {r['registers']} | {r['smem']} | {r['spill_bytes']} | {r['warps_per_sm']} | "
                   f"{r['sass']} | {o['LDS']} | {o['STS']} | {o['HMMA']} |", flush=True)
 
 

@@ -417,13 +417,12 @@ DEFAULT_MAX_REGISTERS = 168
 WHOLE_WAVES_BELOW = 0.5
 
 
-def kernel_options(head_dim: int, plain: bool, variant: str, overlap: bool | None, max_registers: int | None,
-                   specialized: bool = False):
+def kernel_options(head_dim: int, plain: bool, variant: str, overlap: bool | None, max_registers: int | None):
     """``(overlap, max_registers)`` with :class:`AttentionPlan`'s defaults resolved: ``overlap=None`` is on
     for the compressed full kernel with head_dim <= 128, ``max_registers=-1`` is
     :data:`DEFAULT_MAX_REGISTERS` for head_dim <= 128 and no cap above."""
     if overlap is None:
-        overlap = not plain and head_dim <= 128 and variant == "full" and not specialized
+        overlap = not plain and head_dim <= 128 and variant == "full"
     if max_registers == -1:
         max_registers = DEFAULT_MAX_REGISTERS if head_dim <= 128 else None
     return overlap, max_registers
@@ -455,7 +454,7 @@ class AttentionPlan:
     def __init__(self, view: LayerView, q_heads: int, *, scale: float | None = None, plain: bool = False,
                  variant: str = "full", nstage: int = 2, blocks_per_split: int | None = None,
                  overlap: bool | None = None, max_registers: int | None = -1, blocks_per_sm: int | None = None,
-                 whole_waves: bool | None = None, pdl: bool = True, specialized: bool = False):
+                 whole_waves: bool | None = None, pdl: bool = True):
         from .cuda import attention as K
 
         self._K = K
@@ -467,7 +466,7 @@ class AttentionPlan:
             raise InputError(f"{q_heads} query heads for {hk} KV heads; need 1..{MAX_GROUP} per KV head")
         self.q_heads, self.g = q_heads, q_heads // hk
         self.scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-        overlap, max_registers = kernel_options(d, plain, variant, overlap, max_registers, specialized)
+        overlap, max_registers = kernel_options(d, plain, variant, overlap, max_registers)
         self.plain = plain
         lens = np.asarray(view.seq_lens.cpu() if _is_torch(view.seq_lens) else view.seq_lens).astype(np.int64)
         if lens.size == 0 or lens.min() < 0:
@@ -485,9 +484,7 @@ class AttentionPlan:
         # Runs of blocks with one K epoch and one V epoch (no split crosses a run's end), per sequence.
         runs = _epoch_runs(view, lens // L.BLOCK_TOKENS, nblk)
         run_len = np.array([z - a for _, a, z in runs], np.int64)
-        self._kernel = K.attention_kernel(d, plain, variant, nstage, 0 if plain else stage, overlap, max_registers,
-                                          specialized)
-        self._threads = K.WARP * (2 if specialized else 1)
+        self._kernel = K.attention_kernel(d, plain, variant, nstage, 0 if plain else stage, overlap, max_registers)
         self.resources = None               # what the driver says of the kernel's occupancy (GPU, planned splits)
         if blocks_per_split is None:
             if K.SIMULATOR:
@@ -500,7 +497,7 @@ class AttentionPlan:
                 sms = torch.cuda.get_device_properties(view.slots[0].device).multi_processor_count
                 # One wave of one-warp blocks: as many as the driver says fit an SM (registers, shared memory).
                 self.resources = dict(zip(("blocks_per_sm", "registers", "shared_bytes"),
-                                          resident_blocks(self._kernel, K.kernel_signature(), self._threads)))
+                                          resident_blocks(self._kernel, K.kernel_signature(), K.WARP)))
                 target = sms * max(1, blocks_per_sm or self.resources["blocks_per_sm"])
             # The fewest blocks per split that still fit one wave: each run rounds its splits up, so the
             # bare quotient can spill a few blocks into a second, almost empty wave.
@@ -566,7 +563,7 @@ class AttentionPlan:
         if not K.SIMULATOR:
             from .cuda.launch import FastLaunch, params
 
-            self._main = FastLaunch(self._kernel, (self.n_work, hk), self._threads)
+            self._main = FastLaunch(self._kernel, (self.n_work, hk), K.WARP)
             self._main_fixed = ([p for a in (*self._arrays, self.o_part, self.lse_part, self.status) for p in params(a)]
                                 + [p for x in self._scalars for p in params(int(x))]
                                 + [ctypes.c_float(self._scale_log2)])
@@ -600,7 +597,7 @@ class AttentionPlan:
         K = self._K
         if K.SIMULATOR:
             q32 = _host(qb).view(np.int32).reshape(-1)
-            self._kernel[(self.n_work, self.view.kv_heads), self._threads](
+            self._kernel[(self.n_work, self.view.kv_heads), K.WARP](
                 q32, *self._arrays, self.o_part, self.lse_part, self.status, *self._scalars, self._scale_log2)
             return
         import torch

@@ -227,9 +227,6 @@ def test_real_kv_gqa_with_tails(rng):
     (64, 2, 3, {"nstage": 1, "overlap": False}),
     (256, 1, 1, {}),                                           # two half-head tiles per head
     (256, 1, 2, {"nstage": 1}),
-    (128, 1, 4, {"specialized": True, "blocks_per_split": 3}),   # K and V warps, P handed over per block
-    (64, 2, 3, {"specialized": True, "nstage": 3}),
-    (128, 2, 8, {"specialized": "scores", "blocks_per_split": 3}),  # the scores handed over, softmax in the V warp
 ])
 def test_synthetic_shapes(rng, d, heads, g, plan):
     lens = [int(rng.integers(33, 50)), int(rng.integers(1, 16))]

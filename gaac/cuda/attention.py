@@ -284,13 +284,6 @@ if not SIMULATOR:
     grid_launch_dependents = _void_asm_fn("griddepcontrol.launch_dependents;")
     grid_wait = _void_asm_fn("griddepcontrol.wait;")
 
-    # Named barriers with immediate ids: ptxas reserves all 16 of a block's barriers for a ``bar`` whose id
-    # is a register, and the driver then fits only 4 blocks an SM (seen on the H200: 4 two-warp blocks at
-    # 128 registers, where registers and shared memory allow 8).
-    _bar_sync1, _bar_sync2, _bar_sync3, _bar_sync4 = (_void_asm_fn(f"bar.sync {i}, 64;") for i in range(1, 5))
-    _bar_arrive1, _bar_arrive2, _bar_arrive3, _bar_arrive4 = (_void_asm_fn(f"bar.arrive {i}, 64;")
-                                                              for i in range(1, 5))
-
     @intrinsic
     def _prmt(typingctx, a, sel):
         def codegen(context, builder, sig, args):
@@ -310,7 +303,7 @@ if not SIMULATOR:
             return _asm(builder, _F32, list(args), "ex2.approx.ftz.f32 $0, $1;", "=f,f")
         return types.float32(types.float32), codegen
 
-    SCRATCH_WORDS = 1                   # per warp: the simulator's exchange area; unused on the GPU
+    SCRATCH_WORDS = 1                   # the simulator's exchange area; unused on the GPU
 
     @device
     def lane_id():
@@ -323,32 +316,6 @@ if not SIMULATOR:
     @device
     def warp_sync(scr):
         cuda.syncwarp()
-
-    @device
-    def pair_sync(ident):
-        """Wait at named barrier ``ident`` (1..4) until both warps of the block have reached or passed it
-        (:func:`pair_arrive`); shared-memory writes before it are then visible.  The branches keep the
-        id an immediate (see ``_bar_sync1``)."""
-        if ident == 1:
-            _bar_sync1()
-        elif ident == 2:
-            _bar_sync2()
-        elif ident == 3:
-            _bar_sync3()
-        else:
-            _bar_sync4()
-
-    @device
-    def pair_arrive(ident):
-        """Pass named barrier ``ident`` (1..4) without waiting (the producer side of :func:`pair_sync`)."""
-        if ident == 1:
-            _bar_arrive1()
-        elif ident == 2:
-            _bar_arrive2()
-        elif ident == 3:
-            _bar_arrive3()
-        else:
-            _bar_arrive4()
 
     @device
     def mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scr):
@@ -464,78 +431,24 @@ if not SIMULATOR:
         return i32(incl - row + (other if lane >= 16 else 0))
 
 else:
-    # The simulator: an exchange publishes this lane's words in one of two alternating areas of its
-    # warp's part of a shared scratch array and waits at the warp's barrier (a lane reuses an area only
-    # after the next exchange's barrier, when every lane has read it); the last WARP words of a warp's
-    # part count exchanges.  Warp barriers and the named barriers of two-warp blocks are Python
-    # barriers of the block's simulator threads (numba's ``syncthreads`` would wait for the whole block,
-    # whose two warps run different code in the warp-specialised kernel).
-    import threading
-
+    # The simulator: an exchange publishes this lane's words in one of two alternating areas of a
+    # shared scratch array and synchronises once (a lane reuses an area only after the next
+    # exchange's barrier, when every lane has read it); the last WARP words count exchanges.
     _AREA = 8 * WARP
-    SCRATCH_WORDS = 2 * _AREA + WARP    # per warp
+    SCRATCH_WORDS = 2 * _AREA + WARP
 
     def _lane():
         return cuda.threadIdx.x % WARP
 
-    def _warp():
-        return cuda.threadIdx.x // WARP
-
-    class _SimBarrier:
-        """A reusable barrier of ``n`` simulator threads: ``arrive`` returns the barrier's generation,
-        ``wait(gen)`` blocks until that generation has completed.  A waiting thread gives up when numba
-        aborts the block (another thread raised), so that a failing kernel cannot hang the tests."""
-
-        def __init__(self, n):
-            self.n, self.count, self.gen = n, 0, 0
-            self.cond = threading.Condition()
-
-        def arrive(self):
-            with self.cond:
-                gen = self.gen
-                self.count += 1
-                if self.count == self.n:
-                    self.count, self.gen = 0, self.gen + 1
-                    self.cond.notify_all()
-                return gen
-
-        def wait(self, gen):
-            with self.cond:
-                while self.gen == gen:
-                    if not self.cond.wait(timeout=0.5) and getattr(threading.current_thread(), "abort", False):
-                        raise RuntimeError("simulator block aborted while waiting at a barrier")
-
-    _BARRIER_LOCK = threading.Lock()
-
-    def _barrier(key, n):
-        """The barrier ``key`` of the current block (kept on numba's per-block BlockManager, so that it
-        lives exactly as long as the block)."""
-        manager = threading.current_thread()._manager
-        with _BARRIER_LOCK:
-            table = manager.__dict__.setdefault("_gaac_barriers", {})
-            if key not in table:
-                table[key] = _SimBarrier(n)
-            return table[key]
-
-    def _warp_barrier():
-        bar = _barrier(("warp", _warp()), WARP)
-        bar.wait(bar.arrive())
-
-    def _region(scr):
-        """This warp's part of the scratch array."""
-        w = _warp()
-        return scr[w * SCRATCH_WORDS:(w + 1) * SCRATCH_WORDS]
-
     def _exchange(scr, *words):
         """Publish up to 8 words of this lane; returns the area: lane ``l``'s word ``i`` is ``area[8l + i]``."""
         lane = _lane()
-        scr = _region(scr)
         count = int(scr[2 * _AREA + lane])
         area = scr[_AREA * (count & 1):_AREA * ((count & 1) + 1)]
         for i, w in enumerate(words):
             area[8 * lane + i] = int(w) & 0xFFFFFFFF
         scr[2 * _AREA + lane] = count + 1
-        _warp_barrier()
+        cuda.syncthreads()
         return np.asarray(area)
 
     def _pairs(words):
@@ -574,21 +487,12 @@ else:
     @device
     def scratch_init(scr):
         """Zero this lane's exchange counter (shared memory starts undefined)."""
-        _region(scr)[2 * _AREA + _lane()] = 0
-        _warp_barrier()
+        scr[2 * _AREA + _lane()] = 0
+        cuda.syncthreads()
 
     @device
     def warp_sync(scr):
-        _warp_barrier()
-
-    @device
-    def pair_sync(ident):
-        bar = _barrier(("pair", int(ident)), 2 * WARP)
-        bar.wait(bar.arrive())
-
-    @device
-    def pair_arrive(ident):
-        _barrier(("pair", int(ident)), 2 * WARP).arrive()
+        cuda.syncthreads()
 
     @device
     def smem_base(arr):
@@ -768,13 +672,12 @@ def base_row_words(head_dim: int) -> int:
     return head_dim // 2 + PAD_WORDS
 
 
-def smem_bytes(channels: int, tph: int, nstage: int, plain: bool, stage_bytes: int, tiles: int = 1) -> int:
+def smem_bytes(channels: int, tph: int, nstage: int, plain: bool, stage_bytes: int) -> int:
     """Shared bytes of the tile area of one block: stages (K and V, ``tph`` areas of ``stage_bytes``
-    each), then, unless ``plain``, ``tiles`` decode tiles (one per warp) and the pre-shifted bases
-    (2 kinds x :data:`BASE_ROWS` rows of :func:`base_row_words`)."""
+    each), then, unless ``plain``, one decode tile and the pre-shifted bases (2 kinds x
+    :data:`BASE_ROWS` rows of :func:`base_row_words`)."""
     stages = nstage * 2 * tph * stage_bytes
-    return stages if plain else (stages + tiles * tile_bytes(channels)
-                                 + 4 * 2 * BASE_ROWS * base_row_words(tph * channels))
+    return stages if plain else stages + tile_bytes(channels) + 4 * 2 * BASE_ROWS * base_row_words(tph * channels)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1036,7 +939,7 @@ def kernel_signature() -> tuple:
 
 @functools.lru_cache(maxsize=None)
 def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: int = 3, stage_bytes: int = 0,
-                     overlap: bool = False, max_registers: int | None = None, specialized: bool = False):
+                     overlap: bool = False, max_registers: int | None = None):
     """The split-KV decode kernel for ``head_dim``; ``plain`` = every tile is BF16 (the baseline).
 
     ``overlap`` (compressed, head_dim <= 128): when both tiles of a block are slots, one escape scan
@@ -1080,16 +983,12 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
     RAW_WORDS = 4 * RAW_PER_LANE        # a lane's words of a BF16 tile loaded through registers
     if overlap and (T != 1 or plain or variant != FULL):
         raise ValueError("overlap is for the full compressed kernel with head_dim <= 128")
-    if specialized and (T != 1 or overlap or nstage < 2):
-        raise ValueError("the warp-specialised kernel is for head_dim <= 128, without overlap, with 2+ stages")
-    WARPS = 2 if specialized else 1
     BASES = 0                           # byte offsets in the shared array: the bases, the stages, the decode tile
     STG = 0 if plain else 4 * 2 * BASE_ROWS * base_row_words(D)
     DEC = STG + NS * 2 * T * SB
     PAIRS = D // 2                      # base pair words per row of one kind
     RS = base_row_words(D)              # words per base row in shared memory
-    DEC_KIND = TB if specialized else 0     # byte offset of V's decode tile from K's (one per warp)
-    SMEM_WORDS = smem_bytes(C, T, NS, plain, SB, WARPS) // 4
+    SMEM_WORDS = smem_bytes(C, T, NS, plain, SB) // 4
     NENT = MAX_BLOCKS_PER_SPLIT * 2 * T
     KIND_BASE = BASE_ROWS * PAIRS       # base words of one kind, one head, one epoch
     KIND_PER_LANE = 0 if plain else KIND_BASE // WARP
@@ -1174,7 +1073,7 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
         if plain:
             return src
         e = i32(-1) if is_tail else ents[u32((i * 2 + kind) * T + j)]
-        dec = u32(sb + DEC + kind * DEC_KIND)
+        dec = u32(sb + DEC)
         if is_tail or e < 0:
             copy_bf16_tile(smem, dec, is_tail, e, raw, tail, tail_byte, tail_valid, lane_id(), True)
         elif do_decode:
@@ -1280,198 +1179,6 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
         return i32(e)
 
     jit = cuda.jit if max_registers is None or SIMULATOR else cuda.jit(max_registers=max_registers)
-
-    if specialized:
-        PAIR = 2 * WARP                 # words of one P buffer (B fragments) and of one factor buffer
-        NBUF = 2                        # P buffers: the K warp runs up to one block ahead of the V warp
-        FULL_BAR, EMPTY_BAR = 1, 1 + NBUF   # named barrier ids (0 is syncthreads'): + buffer
-        # Compile-time constants for the shared arrays' shapes (numba does not fold an expression there).
-        SCR_WORDS = WARPS * SCRATCH_WORDS
-        SCORES = specialized == "scores"    # hand over the raw scores (the V warp runs the softmax), not P
-        PW_WORDS = NBUF * PAIR
-        PF_WORDS = NBUF * 8 * WARP if SCORES else NBUF * PAIR + 4 * WARP
-
-        @jit
-        def kernel_ws(q32, slots_k, slots_v, raw_k, raw_v, table_k, table_v, tail_k, tail_v, bases, epoch_k,
-                      epoch_v, seq_lens, work, o_part, lse_part, status, max_blocks, kv_heads, g, slot_bytes_k,
-                      slot_bytes_v, cap_k, cap_v, epochs_k, epochs_v, scale_log2):
-            """Warp 0 stages and decodes the K tiles and runs q.k and the softmax; warp 1 stages and
-            decodes the V tiles and runs p.v.  Per block the K warp hands P (B fragments) and the
-            rescale factors to the V warp through one of NBUF shared buffers: ``pair_arrive(FULL + b)``
-            after writing, the V warp's ``pair_sync(FULL + b)`` before reading, and back through
-            ``EMPTY + b`` before the K warp refills buffer b."""
-            smem = cuda.shared.array(SMEM_WORDS, uint32, alignment=SMEM_ALIGN)
-            ents = cuda.shared.array(NENT, int32)
-            pw = cuda.shared.array(PW_WORDS, uint32)                 # P: lane l's pb0 at l, pb1 at WARP + l
-            pf = cuda.shared.array(PF_WORDS, float32)  # factors al0, al1; then m0, m1, l0, l1
-            scr = cuda.shared.array(SCR_WORDS, uint32)
-            scratch_init(scr)
-            grid_launch_dependents()
-            sb = smem_base(smem)
-            w = i32(cuda.blockIdx.x)
-            h = i32(cuda.blockIdx.y)
-            tid = i32(cuda.threadIdx.x)
-            kind = i32(tid >> 5)
-            lane = lane_id()
-            r = i32(lane >> 2)
-            q = i32(lane & 3)
-            b = work[3 * w]
-            blk0 = work[3 * w + 1]
-            blk1 = work[3 * w + 2]
-            seq = seq_lens[b]
-            nfull = i32(seq // L.BLOCK_TOKENS)
-            tail_valid = i32(seq - nfull * L.BLOCK_TOKENS)
-            hq = i32(kv_heads * g)
-            n = i32(blk1 - blk0)
-            ntab = i32((min(blk1, max_blocks) - blk0) * 2)
-            if ntab > 0:
-                last = i32(min(blk1, max_blocks) - 1)
-                for k in range(NENT // (WARPS * WARP)):
-                    i = i32(tid + WARPS * WARP * k)
-                    row = u32((b * max_blocks + min(blk0 + i // 2, last)) * kv_heads + h)
-                    ents[i] = table_k[row] if i % 2 == 0 else table_v[row]
-            ep = i32(0)
-            if not plain and blk0 < max_blocks:
-                ep = i32(epoch_k[u32(b * max_blocks + blk0)]) if kind == 0 else i32(epoch_v[u32(b * max_blocks + blk0)])
-            tail_base = (b * kv_heads + h) * (L.BLOCK_TOKENS * D * 2)
-            cuda.syncthreads()
-            st = i32(NS - 1)
-            if kind == 0:
-                for s in range(NS - 1):
-                    if blk0 + s < blk1:
-                        issue_k(smem, sb, ents, s, s, blk0 + s, nfull, slots_k, slot_bytes_k, raw_k, tail_k,
-                                tail_base, tail_valid, lane)
-                    cp_commit()
-                if not plain:
-                    ep = checked_epoch(ep, epochs_k, status) if blk0 < nfull else i32(0)
-                    load_bases(smem, bases, 0, ep, max(epochs_k, epochs_v), h, kv_heads, lane)
-                qb0 = cuda.local.array(NCHUNK, uint32)
-                qb1 = cuda.local.array(NCHUNK, uint32)
-                qrow = (b * hq + h * g + r) * (D // 2)
-                for kk in range(NCHUNK):
-                    qb0[kk] = u32(q32[qrow + 8 * kk + q]) if r < g else u32(0)
-                    qb1[kk] = u32(q32[qrow + 8 * kk + 4 + q]) if r < g else u32(0)
-                m0 = f32(_NEG_INF)
-                m1 = f32(_NEG_INF)
-                l0 = f32(0)
-                l1 = f32(0)
-                sc = cuda.local.array(8, float32)
-                kf = cuda.local.array(KF_WORDS, uint32)
-                warp_sync(scr)
-                for i in range(n):
-                    blk = i32(blk0 + i)
-                    ahead = i32(i + (NS - 1))
-                    sa = st
-                    st = i32(st + 1) if st < NS - 1 else i32(0)
-                    if blk0 + ahead < blk1:
-                        issue_k(smem, sb, ents, ahead, sa, i32(blk0 + ahead), nfull, slots_k, slot_bytes_k, raw_k,
-                                tail_k, tail_base, tail_valid, lane)
-                    cp_commit()
-                    cp_wait()
-                    warp_sync(scr)
-                    if not do_math:
-                        continue
-                    is_tail = blk >= nfull
-                    valid = tail_valid if is_tail else i32(L.BLOCK_TOKENS)
-                    for c in range(8):
-                        sc[c] = f32(0)
-                    tile = tile_of(smem, sb, ents, i, st, 0, 0, is_tail, raw_k, tail_k, tail_base, tail_valid,
-                                   cap_k, status, scr, True)
-                    load_k_frags(smem, tile, kf, scr)
-                    qk_mma(kf, 0, qb0, qb1, sc, scr)
-                    warp_sync(scr)              # the tile and the stage are free for the next block
-                    buf = i32(i & (NBUF - 1))
-                    if SCORES:
-                        if i >= NBUF:
-                            pair_sync(EMPTY_BAR + buf)
-                        for c in range(8):
-                            pf[(buf * 8 + c) * WARP + lane] = sc[c]
-                        pair_arrive(FULL_BAR + buf)
-                        continue
-                    m0, m1, l0, l1, pb0, pb1, al0, al1 = softmax_update(sc, valid, r, m0, m1, l0, l1, scale_log2,
-                                                                        scr)
-                    if i >= NBUF:
-                        pair_sync(EMPTY_BAR + buf)
-                    pw[buf * PAIR + lane] = pb0
-                    pw[buf * PAIR + WARP + lane] = pb1
-                    pf[buf * PAIR + lane] = al0
-                    pf[buf * PAIR + WARP + lane] = al1
-                    pair_arrive(FULL_BAR + buf)
-                if not SCORES:
-                    pf[NBUF * PAIR + lane] = m0
-                    pf[NBUF * PAIR + WARP + lane] = m1
-                    pf[NBUF * PAIR + 2 * WARP + lane] = col_sum(l0, scr)
-                    pf[NBUF * PAIR + 3 * WARP + lane] = col_sum(l1, scr)
-                    cuda.syncthreads()
-            else:
-                for s in range(NS - 1):
-                    if blk0 + s < blk1:
-                        issue_v(smem, sb, ents, s, s, blk0 + s, nfull, slots_v, slot_bytes_v, raw_v, tail_v,
-                                tail_base, tail_valid, lane)
-                    cp_commit()
-                if not plain:
-                    ep = checked_epoch(ep, epochs_v, status) if blk0 < nfull else i32(0)
-                    load_bases(smem, bases, 1, ep, max(epochs_k, epochs_v), h, kv_heads, lane)
-                acc = cuda.local.array(NACC, float32)
-                for i in range(NACC):
-                    acc[i] = f32(0)
-                sc = cuda.local.array(8, float32)
-                m0 = f32(_NEG_INF)
-                m1 = f32(_NEG_INF)
-                l0 = f32(0)
-                l1 = f32(0)
-                warp_sync(scr)
-                for i in range(n):
-                    blk = i32(blk0 + i)
-                    ahead = i32(i + (NS - 1))
-                    sa = st
-                    st = i32(st + 1) if st < NS - 1 else i32(0)
-                    if blk0 + ahead < blk1:
-                        issue_v(smem, sb, ents, ahead, sa, i32(blk0 + ahead), nfull, slots_v, slot_bytes_v, raw_v,
-                                tail_v, tail_base, tail_valid, lane)
-                    cp_commit()
-                    cp_wait()
-                    warp_sync(scr)
-                    if not do_math:
-                        continue
-                    is_tail = blk >= nfull
-                    tile = tile_of(smem, sb, ents, i, st, 1, 0, is_tail, raw_v, tail_v, tail_base, tail_valid,
-                                   cap_v, status, scr, True)
-                    buf = i32(i & (NBUF - 1))
-                    pair_sync(FULL_BAR + buf)
-                    if SCORES:
-                        for c in range(8):
-                            sc[c] = pf[(buf * 8 + c) * WARP + lane]
-                        if i < n - NBUF:
-                            pair_arrive(EMPTY_BAR + buf)
-                        valid = tail_valid if is_tail else i32(L.BLOCK_TOKENS)
-                        m0, m1, l0, l1, pb0, pb1, al0, al1 = softmax_update(sc, valid, r, m0, m1, l0, l1,
-                                                                            scale_log2, scr)
-                    else:
-                        pb0 = pw[buf * PAIR + lane]
-                        pb1 = pw[buf * PAIR + WARP + lane]
-                        al0 = pf[buf * PAIR + lane]
-                        al1 = pf[buf * PAIR + WARP + lane]
-                        if i < n - NBUF:
-                            pair_arrive(EMPTY_BAR + buf)
-                    rescale(acc, al0, al1, scr)
-                    pv_mma(smem, tile, 0, pb0, pb1, acc, scr)
-                    warp_sync(scr)              # the tile and the stage are free for the next block
-                if SCORES:
-                    l0 = col_sum(l0, scr)
-                    l1 = col_sum(l1, scr)
-                else:
-                    cuda.syncthreads()
-                    m0 = pf[NBUF * PAIR + lane]
-                    m1 = pf[NBUF * PAIR + WARP + lane]
-                    l0 = pf[NBUF * PAIR + 2 * WARP + lane]
-                    l1 = pf[NBUF * PAIR + 3 * WARP + lane]
-                row = (w * kv_heads + h) * g + 2 * q
-                if 2 * q < g:
-                    store_head(o_part, lse_part, acc, 0, row, r, m0, l0)
-                if 2 * q + 1 < g:
-                    store_head(o_part, lse_part, acc, 1, row + 1, r, m1, l1)
-        return kernel_ws
 
     @jit
     def kernel(q32, slots_k, slots_v, raw_k, raw_v, table_k, table_v, tail_k, tail_v, bases, epoch_k, epoch_v,
