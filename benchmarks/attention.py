@@ -686,7 +686,13 @@ def main():
         for hq, b, ctx in configs:
             if (hq, b, ctx) == first:
                 continue
-            res = bench_config(cache, hq, b, ctx, one, plain_configs=[{}], rng=rng)
+            # The BF16 twin with each candidate's options that apply to it (overlap is the compressed kernel's).
+            plain = [{}]
+            for c in one:
+                c = {k: v for k, v in c.items() if k != "overlap"}
+                if all(label(c, True) != label(x, True) for x in plain):
+                    plain.append(c)
+            res = bench_config(cache, hq, b, ctx, one, plain_configs=plain, rng=rng)
             rows.append(res)
             log(json.dumps(res))
             if args.out:                        # keep what is measured if the run is cut short

@@ -35,11 +35,13 @@ kernel merges the splits of a sequence (:func:`merge_kernel`).  The BF16
 baseline (``plain=True``) is the same kernel with every tile raw: step 1 stages
 BF16 tiles and step 2 is compiled out.
 
-Performance (H200, benchmarks/results/attention-v13-h200.md): the compressed
-loads run 1.3x faster than the BF16 twin's, and the decode hides 85% of its work
+Performance (H200, benchmarks/results/attention-v16-h200.md): the compressed
+loads run 1.3x faster than the BF16 twin's, and the decode hides most of its work
 under them; the rest leaves the kernel instruction-bound at 12 one-warp blocks per
 SM (168 registers and 18 KB of shared memory each; attention-v13-profile-h200.md):
-at 64K tokens it is 1.12x the speed of its BF16 twin and 1.15x torch's flash kernel.
+at 64K tokens it is 1.14x the speed of its BF16 twin and 1.17x torch's flash kernel.
+A split's prologue and epilogue run in every warp at once with nothing to overlap
+them, so their instruction counts and round trips to memory are kept short (v16).
 benchmarks/NOTES-attention.md has the analysis.
 
 Pair words
@@ -297,11 +299,20 @@ if not SIMULATOR:
             return _asm(builder, _I32, [args[1], args[0]], "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f")
         return types.uint32(types.float32, types.float32), codegen
 
-    @intrinsic
-    def _ex2(typingctx, x):
-        def codegen(context, builder, sig, args):
-            return _asm(builder, _F32, list(args), "ex2.approx.ftz.f32 $0, $1;", "=f,f")
-        return types.float32(types.float32), codegen
+    def _f32_asm_fn(text: str):
+        """A float32 -> float32 device function of one PTX instruction (``$0`` = result, ``$1`` = x)."""
+        @intrinsic
+        def fn(typingctx, x):
+            def codegen(context, builder, sig, args):
+                return _asm(builder, _F32, list(args), text, "=f,f")
+            return types.float32(types.float32), codegen
+        return fn
+
+    _ex2 = _f32_asm_fn("ex2.approx.ftz.f32 $0, $1;")
+    # The split's epilogue: one MUFU instruction each where numba's 1 / x and math.log2 are a
+    # correctly rounded division and libdevice's log2f (~40 and ~30 SASS, run by every warp at the end).
+    lg2 = _f32_asm_fn("lg2.approx.ftz.f32 $0, $1;")
+    rcp = _f32_asm_fn("rcp.approx.ftz.f32 $0, $1;")
 
     SCRATCH_WORDS = 1                   # the simulator's exchange area; unused on the GPU
 
@@ -604,6 +615,14 @@ else:
     def ex2(x):
         with np.errstate(over="ignore", invalid="ignore"):
             return np.exp2(np.float32(x))
+
+    @device
+    def lg2(x):
+        return np.float32(np.log2(np.float32(x)))
+
+    @device
+    def rcp(x):
+        return np.float32(np.float32(1) / np.float32(x))
 
     @device
     def popc(x):
@@ -992,6 +1011,7 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
     NENT = MAX_BLOCKS_PER_SPLIT * 2 * T
     KIND_BASE = BASE_ROWS * PAIRS       # base words of one kind, one head, one epoch
     KIND_PER_LANE = 0 if plain else KIND_BASE // WARP
+    BASE_REGS = max(1, 2 * KIND_PER_LANE)  # a lane's base words of both kinds, held while the first copies go out
     TILE_BYTES = L.BLOCK_TOKENS * C * 2
     decode, decode_tags, decode_loads, decode_compute, decode_fix, SIZES = _decode_tile_fn(C)
     SM_WORDS, CODE_ARRAY, GPL, BASE_WORDS = SIZES
@@ -1034,14 +1054,21 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
             else:
                 cp16(smem, a, tail if is_tail else raw, ga)
 
+    @device
+    def entry(ents, i, kind):
+        """Block-table entry of tile 0 of kind ``kind`` of split-relative block ``i`` (clamped to the staged
+        entries: past the split's last block the value is not used)."""
+        return ents[u32(min(i32(i), i32(MAX_BLOCKS_PER_SPLIT - 1)) * 2 * T + kind * T)]
+
     def issue_fn(kind: int):
         """Device function starting the copies of kind ``kind``'s tiles of block ``blk`` (split-relative
-        ``i``) into stage ``st``: every tile for the plain kernel, the slots for the compressed one."""
+        ``i``) into stage ``st``: every tile for the plain kernel, the slots for the compressed one.  With
+        one tile a head (T = 1) the caller passes the tile's block-table entry ``e1`` (see :func:`entry`)."""
         @device
-        def issue(smem, sb, ents, i, st, blk, nfull, slots, slot_bytes, raw, tail, tail_base, tail_valid, lane):
+        def issue(smem, sb, ents, i, st, blk, nfull, slots, slot_bytes, raw, tail, tail_base, tail_valid, lane, e1):
             is_tail = blk >= nfull
             for j in range(T):
-                e = i32(-1) if is_tail else ents[u32((i * 2 + kind) * T + j)]
+                e = i32(-1) if is_tail else (i32(e1) if T == 1 else ents[u32((i * 2 + kind) * T + j)])
                 dst = u32(sb + STG + ((st * 2 + kind) * T + j) * SB)
                 if plain:
                     copy_bf16_tile(smem, dst, is_tail, e, raw, tail, tail_base + j * C * 2, tail_valid, lane, False)
@@ -1051,18 +1078,18 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
 
     issue_k, issue_v = issue_fn(0), issue_fn(1)
 
-    def refill_fn(issue):
+    def refill_fn(issue, kind: int):
         """``nstage=1``: start block i+1's copies of one kind into the area block i's tiles of that kind
         have just left (read into registers or decoded, then a warp barrier), as one copy group."""
         @device
         def refill(smem, sb, ents, i, blk, blk1, nfull, slots, slot_bytes, raw, tail, tail_base, tail_valid, lane):
             if blk + 1 < blk1:
                 issue(smem, sb, ents, i32(i + 1), 0, i32(blk + 1), nfull, slots, slot_bytes, raw, tail, tail_base,
-                      tail_valid, lane)
+                      tail_valid, lane, entry(ents, i + 1, kind))
             cp_commit()
         return refill
 
-    refill_k, refill_v = refill_fn(issue_k), refill_fn(issue_v)
+    refill_k, refill_v = refill_fn(issue_k, 0), refill_fn(issue_v, 1)
 
     @device
     def tile_of(smem, sb, ents, i, st, kind, j, is_tail, raw, tail, tail_byte, tail_valid, cap, status, scr, sync):
@@ -1153,22 +1180,29 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
     def store_head(o_part, lse_part, acc, i, row, r, m, l_):
         """The normalised output of partial row ``row`` (this lane's head ``2q + i``: channels ``16 t + r``
         and ``+ 8`` from ``acc[4 t + i]``, ``acc[4 t + i + 2]``) and, from lane r = 0, its log2-sum-exp."""
-        inv = f32(1) / l_ if l_ > 0 else f32(0)
-        o = row * D + r
+        inv = rcp(l_) if l_ > 0 else f32(0)
+        o = u32(row * D + r)                # unsigned indices: no negative-index fix-up a store
         for t in range(NACC // 4):
-            o_part[o + 16 * t] = acc[4 * t + i] * inv
-            o_part[o + 16 * t + 8] = acc[4 * t + i + 2] * inv
+            o_part[u32(o + 16 * t)] = acc[4 * t + i] * inv
+            o_part[u32(o + 16 * t + 8)] = acc[4 * t + i + 2] * inv
         if r == 0:
-            lse_part[row] = m + math.log2(l_) if l_ > 0 else m
+            lse_part[u32(row)] = m + lg2(l_) if l_ > 0 else m
 
     @device
-    def load_bases(smem, bases, kind, e, ne, h, kv_heads, lane):
-        """Copy epoch ``e``'s base rows of ``kind`` and head ``h`` into shared memory (unrolled: every
-        load in flight before the first store); ``ne`` = the larger epoch count of K and V."""
-        src = ((kind * ne + e) * kv_heads + h) * KIND_BASE
+    def load_bases(bases, kind, e, ne, h, kv_heads, lane, words):
+        """This lane's words of epoch ``e``'s base rows of ``kind`` and head ``h`` into ``words`` (``ne`` = the
+        larger epoch count of K and V); :func:`store_bases` puts them in shared memory after the first stages'
+        copies are issued: loaded after the copies, they came back after them (v13's prologue)."""
+        src = u32(((kind * ne + e) * kv_heads + h) * KIND_BASE)
         for k in range(KIND_PER_LANE):
-            i = lane + WARP * k
-            smem[BASES // 4 + (kind * BASE_ROWS + i // PAIRS) * RS + i % PAIRS] = bases[src + i]
+            words[kind * KIND_PER_LANE + k] = bases[u32(src + lane + WARP * k)]
+
+    @device
+    def store_bases(smem, words, lane):
+        for kind in range(2):
+            for k in range(KIND_PER_LANE):
+                i = lane + WARP * k
+                smem[BASES // 4 + (kind * BASE_ROWS + i // PAIRS) * RS + i % PAIRS] = words[kind * KIND_PER_LANE + k]
 
     @device
     def checked_epoch(e, n, status):
@@ -1197,13 +1231,23 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
         lane = lane_id()
         r = i32(lane >> 2)
         q = i32(lane & 3)
-        b = work[3 * w]
-        blk0 = work[3 * w + 1]
-        blk1 = work[3 * w + 2]
-        seq = seq_lens[b]
+        # Unsigned indices in the prologue and epilogue: numba's signed ones add a negative-index fix-up
+        # to every load and store, and every warp runs these at the same time (nothing overlaps them).
+        b = work[u32(3 * w)]
+        blk0 = work[u32(3 * w + 1)]
+        blk1 = work[u32(3 * w + 2)]
+        seq = seq_lens[u32(b)]
         nfull = i32(seq // L.BLOCK_TOKENS)
         tail_valid = i32(seq - nfull * L.BLOCK_TOKENS)
         hq = i32(kv_heads * g)
+        # Query fragments (B operand of q.k: column r = query head r of the group; columns >= g zero),
+        # loaded with the block-table entries: they depend on the work item only.
+        qb0 = cuda.local.array(NCHUNK, uint32)
+        qb1 = cuda.local.array(NCHUNK, uint32)
+        qrow = u32((b * hq + h * g + r) * (D // 2))
+        for kk in range(NCHUNK):
+            qb0[kk] = u32(q32[u32(qrow + 8 * kk + q)]) if r < g else u32(0)
+            qb1[kk] = u32(q32[u32(qrow + 8 * kk + 4 + q)]) if r < g else u32(0)
 
         # Block-table entries of this split (K then V, T tiles each).  The loads depend on the work item
         # only (not on the sequence length, which would put a second round trip to memory before them)
@@ -1221,38 +1265,34 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
         ek = i32(epoch_k[u32(b * max_blocks + blk0)]) if not plain and blk0 < max_blocks else i32(0)
         ev_ = i32(epoch_v[u32(b * max_blocks + blk0)]) if not plain and blk0 < max_blocks else i32(0)
         tail_base = (b * kv_heads + h) * (L.BLOCK_TOKENS * D * 2)
+        bw0 = cuda.local.array(BASE_REGS, int32)
+        if not plain:
+            ne = max(epochs_k, epochs_v)
+            ek = checked_epoch(ek, epochs_k, status) if blk0 < nfull else i32(0)
+            ev_ = checked_epoch(ev_, epochs_v, status) if blk0 < nfull else i32(0)
+            load_bases(bases, 0, ek, ne, h, kv_heads, lane, bw0)
+            load_bases(bases, 1, ev_, ne, h, kv_heads, lane, bw0)
         warp_sync(scr)
         # The first stages' copies start as soon as the entries are in shared memory, so that the
         # bases' round trip to memory below overlaps theirs (the first decode waits for both).
         if REFILL:                              # prologue: block blk0, K and V in copy groups of their own
             if blk0 < blk1:
                 issue_k(smem, sb, ents, 0, 0, blk0, nfull, slots_k, slot_bytes_k, raw_k, tail_k, tail_base,
-                        tail_valid, lane)
+                        tail_valid, lane, entry(ents, 0, 0))
             cp_commit()
             if blk0 < blk1:
                 issue_v(smem, sb, ents, 0, 0, blk0, nfull, slots_v, slot_bytes_v, raw_v, tail_v, tail_base,
-                        tail_valid, lane)
+                        tail_valid, lane, entry(ents, 0, 1))
             cp_commit()
         for s in range(NS - 1):                 # prologue: blocks blk0 .. blk0 + NS - 2
             if blk0 + s < blk1:
                 issue_k(smem, sb, ents, s, s, blk0 + s, nfull, slots_k, slot_bytes_k, raw_k, tail_k, tail_base,
-                        tail_valid, lane)
+                        tail_valid, lane, entry(ents, s, 0))
                 issue_v(smem, sb, ents, s, s, blk0 + s, nfull, slots_v, slot_bytes_v, raw_v, tail_v, tail_base,
-                        tail_valid, lane)
+                        tail_valid, lane, entry(ents, s, 1))
             cp_commit()
         if not plain:
-            ne = max(epochs_k, epochs_v)
-            ek = checked_epoch(ek, epochs_k, status) if blk0 < nfull else i32(0)
-            ev_ = checked_epoch(ev_, epochs_v, status) if blk0 < nfull else i32(0)
-            load_bases(smem, bases, 0, ek, ne, h, kv_heads, lane)
-            load_bases(smem, bases, 1, ev_, ne, h, kv_heads, lane)
-        # Query fragments (B operand of q.k: column r = query head r of the group; columns >= g zero).
-        qb0 = cuda.local.array(NCHUNK, uint32)
-        qb1 = cuda.local.array(NCHUNK, uint32)
-        qrow = (b * hq + h * g + r) * (D // 2)
-        for kk in range(NCHUNK):
-            qb0[kk] = u32(q32[qrow + 8 * kk + q]) if r < g else u32(0)
-            qb1[kk] = u32(q32[qrow + 8 * kk + 4 + q]) if r < g else u32(0)
+            store_bases(smem, bw0, lane)
         acc = cuda.local.array(NACC, float32)
         for i in range(NACC):
             acc[i] = f32(0)
@@ -1275,12 +1315,19 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
             ahead = i32(i + (NS - 1))
             sa = st                             # into the stage the previous iteration finished with
             st = i32(st + 1) if st < NS - 1 else i32(0)
+            # The block-table entries this iteration uses, read together before any of them is needed: read
+            # where each is used, they put two shared-memory round trips one after the other in the
+            # copies' path and a third before the overlap test (the profile's top stalls of a block).
+            ek_n = entry(ents, ahead, 0)
+            ev_n = entry(ents, ahead, 1)
+            ek_c = entry(ents, i, 0)
+            ev_c = entry(ents, i, 1)
             if not REFILL:
                 if blk0 + ahead < blk1:
                     issue_k(smem, sb, ents, ahead, sa, i32(blk0 + ahead), nfull, slots_k, slot_bytes_k, raw_k, tail_k,
-                            tail_base, tail_valid, lane)
+                            tail_base, tail_valid, lane, ek_n)
                     issue_v(smem, sb, ents, ahead, sa, i32(blk0 + ahead), nfull, slots_v, slot_bytes_v, raw_v, tail_v,
-                            tail_base, tail_valid, lane)
+                            tail_base, tail_valid, lane, ev_n)
                 cp_commit()
             cp_wait()                           # REFILL: block i's K (its V may still be in flight)
             warp_sync(scr)
@@ -1297,7 +1344,7 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
             valid = tail_valid if is_tail else i32(L.BLOCK_TOKENS)
             for c in range(8):
                 sc[c] = f32(0)
-            if overlap and not is_tail and ents[u32(2 * i)] >= 0 and ents[u32(2 * i + 1)] >= 0:
+            if overlap and not is_tail and ek_c >= 0 and ev_c >= 0:
                 # Both tiles compressed: one escape scan; K decoded; then the V tile's reads, the q.k
                 # MMAs, the softmax and the V decode in one straight-line region.
                 src_k = u32(sb + STG + 2 * st * SB)
