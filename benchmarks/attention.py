@@ -465,6 +465,17 @@ def epoch_timing(views, plans, hq, cfg, q, out, lse):
     return res
 
 
+def twin_configs(start: list, candidates) -> list:
+    """``start`` plus each candidate's options that apply to the BF16 twin (``overlap`` is the compressed
+    kernel's), each configuration once."""
+    plain = list(start)
+    for c in candidates:
+        c = {k: v for k, v in c.items() if k != "overlap"}
+        if all(label(c, True) != label(x, True) for x in plain):
+            plain.append(c)
+    return plain
+
+
 def bench_config(cache, hq, batch, ctx, configs=({},), with_torch=True, plain_configs=({},), rng=None,
                  with_epochs=False):
     """GPU times (us, CUDA-graph replay) for one shape: GAAC kernel configurations (dicts of
@@ -651,11 +662,8 @@ def main():
         candidates = args.configs or [{}, {"nstage": 3, "max_registers": None}, {"overlap": False}]
         breakdown = candidates + [{"variant": v} for v in ("load_only", "no_decode", "decode_twice")]
         # The BF16 twin runs every candidate too (its own options: overlap is for the compressed kernel).
-        plain_breakdown = [{}, {"variant": "load_only"}]
-        for c in candidates[1:] + [{"nstage": 3, "max_registers": None}]:
-            c = {k: v for k, v in c.items() if k != "overlap"}
-            if all(label(c, True) != label(x, True) for x in plain_breakdown):
-                plain_breakdown.append(c)
+        plain_breakdown = twin_configs([{}, {"variant": "load_only"}],
+                                       candidates[1:] + [{"nstage": 3, "max_registers": None}])
         if SIM:
             candidates = breakdown = [{}, {"overlap": False}]
             plain_breakdown = [{}]
@@ -686,13 +694,7 @@ def main():
         for hq, b, ctx in configs:
             if (hq, b, ctx) == first:
                 continue
-            # The BF16 twin with each candidate's options that apply to it (overlap is the compressed kernel's).
-            plain = [{}]
-            for c in one:
-                c = {k: v for k, v in c.items() if k != "overlap"}
-                if all(label(c, True) != label(x, True) for x in plain):
-                    plain.append(c)
-            res = bench_config(cache, hq, b, ctx, one, plain_configs=plain, rng=rng)
+            res = bench_config(cache, hq, b, ctx, one, plain_configs=twin_configs([{}], one), rng=rng)
             rows.append(res)
             log(json.dumps(res))
             if args.out:                        # keep what is measured if the run is cut short
