@@ -1273,8 +1273,8 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
             load_bases(bases, 0, ek, ne, h, kv_heads, lane, bw0)
             load_bases(bases, 1, ev_, ne, h, kv_heads, lane, bw0)
         warp_sync(scr)
-        # The first stages' copies start as soon as the entries are in shared memory, so that the
-        # bases' round trip to memory below overlaps theirs (the first decode waits for both).
+        # The first stages' copies start as soon as the entries are in shared memory, right behind the
+        # bases' loads above (the first decode waits for both; the bases are stored after the copies).
         if REFILL:                              # prologue: block blk0, K and V in copy groups of their own
             if blk0 < blk1:
                 issue_k(smem, sb, ents, 0, 0, blk0, nfull, slots_k, slot_bytes_k, raw_k, tail_k, tail_base,
