@@ -101,7 +101,15 @@ NO_DECODE = "no_decode"      # stage, then run the MMAs on the staged bytes as i
 DECODE_TWICE = "decode_twice"  # decode every compressed tile twice
 VARIANTS = (FULL, LOAD_ONLY, NO_DECODE, DECODE_TWICE)
 
-SMEM_ALIGN = None if SIMULATOR else 16   # 16-byte vector and cp.async accesses (the simulator takes no alignment)
+# The staging areas start on 128-byte lines of shared memory: a cp.async copy's 16-byte chunks are written a
+# line at a time, and a group of 8 lanes whose destinations straddle two lines costs two wavefronts of the L1
+# data pipe instead of one.  ncu, v16 at 64K: a warp-wide copy of a V slot took 8 wavefronts for 4 ideal (the
+# areas sat at 96 mod 128), of a K slot 15.75 (its source, 2928-byte slots, is off the lines too: 10.5 with
+# the areas on lines, 4 with slots of whole lines, gaac.calibrate's slot_line); the copies were 29% of the
+# kernel's shared-memory wavefronts.  Every area is on a line when the stage size is a multiple of 128 bytes
+# (the real caches' 2944); the plan does not round it up, which would cost shared memory, so occupancy.
+LINE = 128
+SMEM_ALIGN = None if SIMULATOR else LINE   # (the simulator takes no alignment)
 MAX_BLOCKS_PER_SPLIT = 64    # the split's block-table entries are staged in shared memory
 BASE_ROWS = 3                # pre-shifted base rows per kind, indexed by the mode tag: b3, b4, 0 (raw); the
                              # reserved tag 3 (flagged) reads the next row, so shared memory follows the bases
@@ -691,12 +699,17 @@ def base_row_words(head_dim: int) -> int:
     return head_dim // 2 + PAD_WORDS
 
 
+def bases_bytes(head_dim: int) -> int:
+    """Shared bytes of the pre-shifted bases (2 kinds x :data:`BASE_ROWS` rows of :func:`base_row_words`),
+    rounded up to a :data:`LINE` so that the staging areas after them start on one."""
+    return -(-4 * 2 * BASE_ROWS * base_row_words(head_dim) // LINE) * LINE
+
+
 def smem_bytes(channels: int, tph: int, nstage: int, plain: bool, stage_bytes: int) -> int:
-    """Shared bytes of the tile area of one block: stages (K and V, ``tph`` areas of ``stage_bytes``
-    each), then, unless ``plain``, one decode tile and the pre-shifted bases (2 kinds x
-    :data:`BASE_ROWS` rows of :func:`base_row_words`)."""
+    """Shared bytes of the tile area of one block: unless ``plain``, the bases (:func:`bases_bytes`); the
+    stages (K and V, ``tph`` areas of ``stage_bytes`` each); unless ``plain``, one decode tile."""
     stages = nstage * 2 * tph * stage_bytes
-    return stages if plain else stages + tile_bytes(channels) + 4 * 2 * BASE_ROWS * base_row_words(tph * channels)
+    return stages if plain else bases_bytes(tph * channels) + stages + tile_bytes(channels)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1003,7 +1016,7 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
     if overlap and (T != 1 or plain or variant != FULL):
         raise ValueError("overlap is for the full compressed kernel with head_dim <= 128")
     BASES = 0                           # byte offsets in the shared array: the bases, the stages, the decode tile
-    STG = 0 if plain else 4 * 2 * BASE_ROWS * base_row_words(D)
+    STG = 0 if plain else bases_bytes(D)
     DEC = STG + NS * 2 * T * SB
     PAIRS = D // 2                      # base pair words per row of one kind
     RS = base_row_words(D)              # words per base row in shared memory
