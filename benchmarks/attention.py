@@ -95,9 +95,12 @@ def pseudo_heads(real, kv_heads: int, d: int, first_layer: int = 0):
     return np.stack(ks), np.stack(vs)
 
 
+SLOT_LINE = [None]       # --slot-line: gaac.calibrate's slot_line for the benchmark caches
+
+
 def calibrated(k, v):
     """(b3, b4, capacity) for dense ``[H, T, d]`` caches, from gaac.calibrate."""
-    cal = gaac.calibrate(k[None], v[None], show_progress=False)
+    cal = gaac.calibrate(k[None], v[None], slot_line=SLOT_LINE[0], show_progress=False)
     return ((cal.b3[0, 0], cal.b3[1, 0]), (cal.b4[0, 0], cal.b4[1, 0]),
             (int(cal.capacity[0, 0]), int(cal.capacity[1, 0])))
 
@@ -630,6 +633,9 @@ def main():
     ap.add_argument("--no-sweep", action="store_true", help="--bench: the 64K study only, no sweep")
     ap.add_argument("--shapes", default=None,
                     help="--bench: only these shapes ('q_heads:batch:context,...'), no 64K study; the --configs given or the default")
+    ap.add_argument("--slot-line", type=int, default=None,
+                    help="--bench: calibrate the benchmark caches with gaac.calibrate(slot_line=...) (128: K and V "
+                         "slots of whole 128-byte lines)")
     ap.add_argument("--kv", type=Path, default=Path(__file__).resolve().parents[1] / ".devdata" / "kv")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -637,6 +643,7 @@ def main():
         print(render(json.loads(args.render.read_text())), end="")
         return
     rng = np.random.default_rng()
+    SLOT_LINE[0] = args.slot_line
     real = load_real(args.kv)
     if args.ncu is not None:
         ncu_target(BenchCache(real, 8, 128), json.loads(args.ncu))
@@ -659,6 +666,7 @@ def main():
         rows = []
         cache = BenchCache(real, 8, 128)
         log(f"== timings (capacity K/V {cache.capacity}) ==")
+        report["capacity"], report["slot_line"] = list(cache.capacity), args.slot_line
         candidates = args.configs or [{}, {"nstage": 3, "max_registers": None}, {"overlap": False}]
         breakdown = candidates + [{"variant": v} for v in ("load_only", "no_decode", "decode_twice")]
         # The BF16 twin runs every candidate too (its own options: overlap is for the compressed kernel).

@@ -362,27 +362,38 @@ def tile_escape_bytes(x: np.ndarray, b3: np.ndarray, b4: np.ndarray) -> np.ndarr
     return escape_bytes(choose_modes(exponent, t3, t4))
 
 
-def best_capacity(escapes: np.ndarray, tile) -> int:
+def best_capacity(escapes: np.ndarray, tile, slot_line: int | None = None) -> int:
     """The escape capacity that minimises resident bytes over tiles with ``escapes`` escape bytes.
 
     ``tile`` is a head_dim (BF16 tiles of that head) or a :class:`gaac.layout.TileGeometry`
-    (any element format: the rule is the same, only the section sizes differ).
+    (any element format: the rule is the same, only the section sizes differ).  ``slot_line``: only
+    capacities whose slots are a whole number of ``slot_line``-byte lines (when there is one), see
+    :func:`calibrate`.
     """
     geo = tile if isinstance(tile, L.TileGeometry) else L.geometry(tile)
     candidates = np.arange(0, geo.max_useful_capacity + 1, L.SLOT_ALIGN)
+    if slot_line:
+        lined = candidates[(geo.fixed_bytes + candidates) % slot_line == 0]
+        candidates = lined if lined.size else candidates
     if escapes.size == 0:
-        return 0
+        return int(candidates[0])
     fits = escapes[None, :] <= candidates[:, None]
     cost = np.where(fits, geo.fixed_bytes + candidates[:, None], geo.raw_bytes).sum(axis=1)
     return int(candidates[np.argmin(cost)])
 
 
-def calibrate(k, v, *, model: str | None = None, capacity: int | None = None,
+def calibrate(k, v, *, model: str | None = None, capacity: int | None = None, slot_line: int | None = None,
               show_progress: bool | None = None) -> Calibration:
     """Calibrate on sample caches ``k``, ``v`` shaped ``[layers, kv_heads, tokens, head_dim]``.
 
     Inputs are torch BF16 tensors or uint16 NumPy arrays of BF16 bit patterns.
-    ``capacity`` forces one escape capacity everywhere instead of choosing it.
+    ``capacity`` forces one escape capacity everywhere instead of choosing it.  ``slot_line=128``
+    chooses the capacity among those whose slots fill whole 128-byte lines (the one with the fewest
+    resident bytes among them): a paged pool of such slots keeps every slot on a line, and the fused
+    attention kernel's copies of a slot that straddles lines cost it 2.6x the shared-memory
+    wavefronts (ncu on the H200; benchmarks/NOTES-attention.md, v17).  It costs up to 112 bytes a
+    slot: on the real SmolLM2 caches at head_dim 128, K's capacity 48 becomes 64 (+0.55% of K's
+    bytes); at head_dim 64 the smallest lined capacity is 96.
     """
     ks, vs = as_bits(k, "k", ndim=4), as_bits(v, "v", ndim=4)
     if ks.shape[0] != vs.shape[0] or ks.shape[1] != vs.shape[1] or ks.shape[3] != vs.shape[3]:
@@ -407,6 +418,6 @@ def calibrate(k, v, *, model: str | None = None, capacity: int | None = None,
                 cap[kind, layer] = capacity
             else:
                 esc = tile_escape_bytes(x[layer], b3[kind, layer], b4[kind, layer])
-                cap[kind, layer] = best_capacity(esc, dim)
+                cap[kind, layer] = best_capacity(esc, dim, slot_line)
     return Calibration(b3=b3, b4=b4, capacity=cap, model=model,
                        notes={"tokens": {"k": int(tokens), "v": int(vs.shape[2])}})

@@ -47,10 +47,13 @@ def fixed_bytes(head_dim: int) -> int:
     return n + n * L.CODE_BITS // 8 + (n // L.GROUP_SIZE) * L.TAG_BITS // 8
 
 
-def brute_capacity(escapes, head_dim: int) -> int:
-    """The smallest capacity, of all the header can hold, with the fewest resident bytes."""
+def brute_capacity(escapes, head_dim: int, line: int | None = None) -> int:
+    """The smallest capacity, of all the header can hold (with ``line``: of those whose slots are whole
+    ``line``-byte lines), with the fewest resident bytes."""
     raw = 2 * L.BLOCK_TOKENS * L.tile_channels(head_dim)
     caps = np.arange(0, L.MAX_ESCAPE_CAPACITY + 1, L.SLOT_ALIGN)
+    if line:
+        caps = caps[(fixed_bytes(head_dim) + caps) % line == 0]
     esc = np.asarray(escapes, dtype=np.int64)
     costs = np.where(esc[None, :] <= caps[:, None], fixed_bytes(head_dim) + caps[:, None], raw).sum(axis=1)
     return int(caps[np.flatnonzero(costs == costs.min())[0]])
@@ -100,6 +103,15 @@ def tile_escape_counts(draw):
 def test_best_capacity_is_brute_force(case):
     escapes, dim = case
     assert best_capacity(np.array(escapes, dtype=np.int64), dim) == brute_capacity(escapes, dim)
+
+
+@settings(max_examples=60, deadline=None)
+@given(tile_escape_counts())
+def test_best_capacity_on_lines_is_brute_force(case):
+    escapes, dim = case
+    got = best_capacity(np.array(escapes, dtype=np.int64), dim, slot_line=128)
+    assert (fixed_bytes(dim) + got) % 128 == 0
+    assert got == brute_capacity(escapes, dim, line=128)
 
 
 @st.composite
