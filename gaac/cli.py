@@ -1,6 +1,6 @@
 """The ``gaac`` command: calibrate on a cache, measure what the codec makes of one, capture one.
 
-    gaac calibrate --k K.npy --v V.npy -o cal.json [--model NAME] [--tokens A:B]
+    gaac calibrate --k K.npy --v V.npy -o cal.json [--model NAME] [--tokens A:B] [--slot-line 128]
     gaac stats [--k K.npy --v V.npy] [--calibration cal.json] [--json] [--per-layer] [--segments N]
                [--no-adapt] [--plot out.png]
     gaac capture ...            (gaac.capture, where installed)
@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("-o", "--output", required=True, help="calibration file to write (JSON)")
     cal.add_argument("--model", help="model name recorded in the calibration")
     cal.add_argument("--tokens", metavar="A:B", help="calibrate on tokens A..B-1 only, e.g. 0:512")
+    cal.add_argument("--slot-line", type=int, choices=(128,), default=None,
+                     help="slot capacities whose slots fill whole 128-byte lines (faster fused attention on a GPU, "
+                          "a few more bytes a slot; see gaac.calibrate)")
     cal.set_defaults(func=cmd_calibrate)
 
     st = sub.add_parser("stats", help="encode, decode and measure a cache",
@@ -116,7 +119,9 @@ def cmd_calibrate(args) -> int:
         k = k[:, :, parse_token_range(args.tokens, k.shape[2])]
         v = v[:, :, parse_token_range(args.tokens, v.shape[2])]
         notes["token_range"] = args.tokens
-    cal = calibrate(k, v, model=args.model)
+    cal = calibrate(k, v, model=args.model, slot_line=args.slot_line)
+    if args.slot_line:
+        notes["slot_line"] = args.slot_line
     cal.notes.update(notes)
     cal.save(args.output)
     print(f"wrote {args.output}: calibration {cal.id:08x} for {cal.layers} layers x {cal.kv_heads} KV heads x "

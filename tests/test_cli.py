@@ -90,6 +90,18 @@ def test_calibrate_then_stats(capsys, sample_files, tmp_path):
         assert d[name]["tokens"] == 256 and d[name]["capacity"] == cal.capacity[kind].tolist()
 
 
+def test_calibrate_slot_line(capsys, sample_files, tmp_path):
+    cal_path = tmp_path / "cal.json"
+    rc, out, _ = run(capsys, "calibrate", "--k", str(sample_files / "k.npy"), "--v", str(sample_files / "v.npy"),
+                     "-o", str(cal_path), "--slot-line", "128")
+    assert rc == 0
+    cal = Calibration.load(cal_path)
+    k, v = np.load(sample_files / "k.npy"), np.load(sample_files / "v.npy")
+    assert cal.id == calibrate(k, v, slot_line=128).id and cal.notes["slot_line"] == 128
+    slots = L.geometry(cal.head_dim).fixed_bytes + cal.capacity
+    assert (slots % 128 == 0).all(), slots.tolist()
+
+
 def test_stats_segments_and_no_adapt(capsys, sample_files):
     files = ["--k", str(sample_files / "k.npy"), "--v", str(sample_files / "v.npy")]
     rc, out, err = run(capsys, "stats", *files, "--segments", "64", "--json")
