@@ -35,13 +35,15 @@ kernel merges the splits of a sequence (:func:`merge_kernel`).  The BF16
 baseline (``plain=True``) is the same kernel with every tile raw: step 1 stages
 BF16 tiles and step 2 is compiled out.
 
-Performance (H200, benchmarks/results/attention-v16-h200.md): the compressed
-loads run 1.3x faster than the BF16 twin's, and the decode hides most of its work
-under them; the rest leaves the kernel instruction-bound at 12 one-warp blocks per
-SM (168 registers and 18 KB of shared memory each; attention-v13-profile-h200.md):
-at 64K tokens it is 1.14x the speed of its BF16 twin and 1.17x torch's flash kernel.
+Performance (H200, benchmarks/results/attention-v17-h200.md): the compressed
+loads run 1.4x faster than the BF16 twin's, and the decode hides most of its work
+under them; the rest leaves the kernel bound by its shared-memory traffic (the L1
+data pipe, ~70% busy) and its integer instructions (the ALU pipe, ~56%) at 12
+one-warp blocks per SM (168 registers and 18 KB of shared memory each): at 64K
+tokens it is 1.15x the speed of its BF16 twin and 1.18x torch's flash kernel.
 A split's prologue and epilogue run in every warp at once with nothing to overlap
-them, so their instruction counts and round trips to memory are kept short (v16).
+them, so their instruction counts and round trips to memory are kept short (v16);
+the staging areas start on 128-byte lines (v17, :data:`LINE`).
 benchmarks/NOTES-attention.md has the analysis.
 
 Pair words
