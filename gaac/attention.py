@@ -96,23 +96,30 @@ def reference_attention(q, ks, vs, scale: float | None = None, dtype=np.float64)
 # ----------------------------------------------------------------------------------------------
 # Building LayerViews from dense caches (tests, benchmarks).
 
-def _epoch_bases(view: LayerView) -> np.ndarray:
-    """The kernel's base table: ``[E, Hkv, KW + VW]`` int32, each epoch's shared-memory image of the bases
-    (:func:`gaac.cuda.attention.kernel_bases`: K's part from K's bases, V's part from V's), ``E`` = the
-    larger epoch count of K and V (the other kind's rows past its own count are zero and never read: the
-    kernel flags such an epoch instead)."""
-    from .cuda.attention import base_words, kernel_bases
+def _pair_base_words(b3, b4) -> np.ndarray:
+    """Per-channel bases ``[..., Hkv, D]`` -> pair words ``[..., Hkv, 3, D/2]`` int32: rows b3, b4, 0.
 
-    images = []
-    for kind in range(2):
-        b3, b4 = (np.asarray(_host(b[kind])) for b in (view.b3, view.b4))
-        img = kernel_bases(b3, b4)
-        images.append(img[None] if img.ndim == 2 else img)
-    kw, _ = base_words(view.head_dim)
-    n = max(len(x) for x in images)
-    out = np.zeros((n, *images[0].shape[1:]), np.int32)
-    out[:len(images[0]), :, :kw] = images[0][..., :kw]
-    out[:len(images[1]), :, kw:] = images[1][..., kw:]
+    Word ``p`` of a row is ``b[2p] << 7 | b[2p+1] << 23``: the exponent fields of two BF16
+    lanes, which the kernel adds to a code pair; the row is the group's mode tag (the base of a
+    raw group is 0; tag 3 is reserved and flagged: the kernel reads the row after these).  See
+    gaac.cuda.attention.
+    """
+    rows = [np.asarray(b).astype(np.int32) for b in (b3, b4)]
+    rows = [(x[..., 0::2] << 7) | (x[..., 1::2] << 23) for x in rows]
+    zero = np.zeros_like(rows[0])
+    return np.stack([rows[0], rows[1], zero], axis=-2)
+
+
+def _epoch_bases(view: LayerView) -> np.ndarray:
+    """The kernel's base table: pair words ``[2, E, Hkv, 3, D/2]`` int32, ``E`` = the larger epoch count of
+    K and V (the other kind's rows past its own count are zero and never read: the kernel flags such
+    an epoch instead)."""
+    words = [_pair_base_words(*(np.asarray(_host(b[kind])) for b in (view.b3, view.b4))) for kind in range(2)]
+    words = [w[None] if w.ndim == 3 else w for w in words]
+    n = max(len(w) for w in words)
+    out = np.zeros((2, n, *words[0].shape[1:]), np.int32)
+    for kind, w in enumerate(words):
+        out[kind, :len(w)] = w
     return out
 
 

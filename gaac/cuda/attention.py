@@ -20,13 +20,14 @@ sequence and one KV head.  Per block the warp
    memory with ``cp.async`` (16-byte copies, no registers, so the loads of later
    blocks are in flight while this one is computed; ``nstage=1`` instead keeps one
    area per kind and refills it with the next block as soon as it has been read);
-2. decodes each slot straight into the MMA A fragments of ``q.k`` and ``p.v`` in
-   registers (:func:`_frag_decoder_fn`: each lane owns whole groups of rows and
-   channels, and the query and the output follow the fragments' channel order); a raw
-   tile (slot overflow, rare) or the sequence's BF16 tail is loaded from global memory
-   into the same fragments when it is used;
-3. computes the 16 scores of every query head of the group, updates the online softmax
-   in the log2 domain (the accumulators are rescaled only when a head's maximum rose),
+2. decodes each slot into a padded BF16 tile in shared memory (the device
+   functions of :func:`_decode_tile_fn`: each lane rebuilds 8 groups of 8
+   consecutive channels, two BF16 elements per 32-bit operation); a raw tile
+   (slot overflow, rare) or the sequence's BF16 tail is loaded into that tile
+   when it is used;
+3. loads MMA fragments with ``ldmatrix`` (``.trans`` for V), computes the 16
+   scores of every query head of the group, updates the online softmax in the
+   log2 domain (the accumulators are rescaled only when a head's maximum rose),
    and accumulates ``P.V`` in FP32 registers.
 
 Each split writes its normalised partial output and log-sum-exp; a second small
@@ -303,12 +304,6 @@ if not SIMULATOR:
         return types.uint32(types.uint32, types.uint32), codegen
 
     @intrinsic
-    def _prmt2(typingctx, a, b, sel):
-        def codegen(context, builder, sig, args):
-            return _asm(builder, _I32, list(args), "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r")
-        return types.uint32(types.uint32, types.uint32, types.uint32), codegen
-
-    @intrinsic
     def _pack_bf16x2(typingctx, lo, hi):
         def codegen(context, builder, sig, args):
             return _asm(builder, _I32, [args[1], args[0]], "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f")
@@ -406,21 +401,6 @@ if not SIMULATOR:
     def prmt(a, sel):
         """Byte permute of ``a`` (bytes 4..7 are zero)."""
         return _prmt(a, sel)
-
-    @device
-    def prmt2(a, b, sel):
-        """Byte permute of the 8 bytes ``b:a`` (selector nibbles 0..3 pick ``a``'s bytes, 4..7 ``b``'s)."""
-        return _prmt2(a, b, sel)
-
-    @device
-    def shfl_idx(x, src, scr):
-        """Lane ``src``'s ``x`` (32-bit)."""
-        return u32(cuda.shfl_sync(0xFFFFFFFF, i32(x), i32(src)))
-
-    @device
-    def shfl_up(x, d, scr):
-        """Lane ``lane - d``'s ``x`` (this lane's own below ``d``)."""
-        return u32(cuda.shfl_up_sync(0xFFFFFFFF, i32(x), i32(d)))
 
     @device
     def pack_bf16x2(lo, hi):
@@ -609,8 +589,6 @@ else:
     @device
     def cp16(smem, addr, src, gptr):
         b = int(gptr)
-        if src.dtype != np.uint8:           # (gptr is a byte offset: the bases are int32)
-            src = np.asarray(src).view(np.uint8)
         smem[int(addr) >> 2:(int(addr) >> 2) + 4] = np.asarray(src[b:b + 16]).view(np.uint8).view(np.uint32)
 
     @device
@@ -638,25 +616,6 @@ else:
         for i in range(4):
             out |= ((x >> (8 * ((int(sel) >> (4 * i)) & 7))) & 0xFF) << (8 * i)
         return u32(out & 0xFFFFFFFF)
-
-    @device
-    def prmt2(a, b, sel):
-        x = int(a) | (int(b) << 32)
-        out = 0
-        for i in range(4):
-            out |= ((x >> (8 * ((int(sel) >> (4 * i)) & 7))) & 0xFF) << (8 * i)
-        return u32(out)
-
-    @device
-    def shfl_idx(x, src, scr):
-        area = _exchange(scr, u32(x))
-        return u32(area[8 * (int(src) & 31)])
-
-    @device
-    def shfl_up(x, d, scr):
-        area = _exchange(scr, u32(x))
-        lane = _lane()
-        return u32(area[8 * (lane - d)] if lane >= d else x)
 
     @device
     def pack_bf16x2(lo, hi):
@@ -727,85 +686,36 @@ def escape_scan2(a, b, scr):
 # Shared-memory layout (bytes).
 
 def row_bytes(channels: int) -> int:
-    """Bytes per row of a staged BF16 tile (the plain kernel): 2C plus 16 bytes of padding."""
+    """Bytes per row of a staged or decoded BF16 tile: 2C plus 16 bytes of padding."""
     return 2 * channels + 4 * PAD_WORDS
 
 
 def tile_bytes(channels: int) -> int:
-    """Bytes of one staging area of the plain kernel: a padded BF16 tile."""
+    """Bytes of one staging area: a padded BF16 tile, which also holds any slot (slot <= raw bytes)."""
     return L.BLOCK_TOKENS * row_bytes(channels)
 
 
-def k_base_row_words(head_dim: int) -> int:
-    """Words of one of K's pre-shifted base rows (b3, b4, zeros; pair words): the D/2 pair words in 16-byte
-    chunks, chunk ``j`` at ``j + j // 8`` (a spare chunk after every 8, so that the lanes of one 8-lane
-    phase, which read chunks ``4q + g``, fall in 8 different bank groups), and a spare chunk at the end."""
-    return 4 * (head_dim // 8 + head_dim // 64 + 1)
-
-
-def v_base_strides(head_dim: int) -> tuple:
-    """Word strides ``(S0, S1)`` of V's base table: the word of channel ``c`` for a token pair whose groups
-    have modes ``m0``, ``m1`` is at ``m0 * S0 + m1 * S1 + c``.  ``S1`` is 1 chunk mod 8 and ``S0`` 2 mod 4, so
-    that the four common rows (modes 3-bit and 4-bit) start in four different bank groups."""
-    s1 = head_dim + 4
-    return 3 * s1 + 12, s1
-
-
-def base_words(head_dim: int) -> tuple:
-    """Words ``(K rows, V table)`` of one head's bases in shared memory (both multiples of 4)."""
-    s0, s1 = v_base_strides(head_dim)
-    return BASE_ROWS * k_base_row_words(head_dim), 2 * s0 + 3 * s1
+def base_row_words(head_dim: int) -> int:
+    """Words per pre-shifted base row in shared memory: D/2 pair words and 16 bytes of padding, so that
+    the rows of one channel group (read by lanes of different mode tags) fall in different banks."""
+    return head_dim // 2 + PAD_WORDS
 
 
 def bases_bytes(head_dim: int) -> int:
-    """Shared bytes of one head's bases, rounded up to a :data:`LINE` so that the stages after them start
-    on one."""
-    return -(-4 * sum(base_words(head_dim)) // LINE) * LINE
+    """Shared bytes of the pre-shifted bases (2 kinds x :data:`BASE_ROWS` rows of :func:`base_row_words`),
+    rounded up to a :data:`LINE` so that the staging areas after them start on one."""
+    return -(-4 * 2 * BASE_ROWS * base_row_words(head_dim) // LINE) * LINE
 
 
 def smem_bytes(channels: int, tph: int, nstage: int, plain: bool, stage_bytes: int) -> int:
     """Shared bytes of the tile area of one block: unless ``plain``, the bases (:func:`bases_bytes`); the
-    stages (K and V, ``tph`` areas of ``stage_bytes`` each); unless ``plain``, :data:`END_PAD`."""
+    stages (K and V, ``tph`` areas of ``stage_bytes`` each); unless ``plain``, one decode tile."""
     stages = nstage * 2 * tph * stage_bytes
-    return stages if plain else bases_bytes(tph * channels) + stages + END_PAD
-
-
-END_PAD = 32        # a corrupt slot's escape reads (clamped to its capacity) end at most 20 bytes past it
-
-
-def kernel_bases(b3, b4) -> np.ndarray:
-    """Per-channel bases ``[..., D]`` (uint8) -> the shared-memory image of one kind's bases, int32
-    ``[..., K rows + V table]`` (:func:`base_words`): K's part is used for K, V's for V.
-
-    K: rows b3, b4, 0 of pair words ``b[2p] << 7 | b[2p+1] << 23`` (the exponent fields of two channels of
-    one token, added to a code pair), row = the group's mode tag, chunks placed as
-    :func:`k_base_row_words` says.  V: the words of token pairs, ``b_m0[c] << 7 | b_m1[c] << 23`` at
-    ``m0 * S0 + m1 * S1 + c`` (:func:`v_base_strides`; the base of a raw group is 0).  The reserved tag 3
-    reads past a kind's rows, which must be shared memory: the kernel flags it."""
-    b3 = np.asarray(b3).astype(np.int32)
-    b4 = np.asarray(b4).astype(np.int32)
-    d = b3.shape[-1]
-    lead = b3.shape[:-1]
-    kw, vw = base_words(d)
-    out = np.zeros(lead + (kw + vw,), np.int32)
-    rs = k_base_row_words(d)
-    chunk = np.arange(d // 8)
-    at = 4 * (chunk + chunk // 8)
-    for m, b in enumerate((b3, b4)):
-        pairs = (b[..., 0::2] << 7) | (b[..., 1::2] << 23)             # [..., D/2]
-        for i in range(4):
-            out[..., m * rs + at + i] = pairs[..., 4 * chunk + i]
-    s0, s1 = v_base_strides(d)
-    half = [b3 << 7, b4 << 7, np.zeros_like(b3)]
-    for m0 in range(3):
-        for m1 in range(3):
-            o = kw + m0 * s0 + m1 * s1
-            out[..., o:o + d] = half[m0] | (half[m1] << 16)
-    return out
+    return stages if plain else bases_bytes(tph * channels) + stages + tile_bytes(channels)
 
 
 # ----------------------------------------------------------------------------------------------
-# The decoder: a staged slot straight into MMA fragments.
+# The decode of one staged slot into a padded BF16 tile.
 
 @device
 def escape_pair(e, p):
@@ -815,315 +725,171 @@ def escape_pair(e, p):
     return u32(mul_lo(e, (1 << (10 - 2 * p)) + (1 << (25 - 2 * p))) & 0x04000400)
 
 
-@device
-def escape_count(tags):
-    """Escape bytes of the groups whose 2-bit tags ``tags`` holds: 1 a 4-bit group, 5 a raw one."""
-    return i32(popc(tags & 0x55555555) + 5 * popc(tags & 0xAAAAAAAA))
-
-
-@device
-def shift(x, s):
-    """``x << s`` for a compile-time ``s``, ``x >> -s`` for a negative one."""
-    return u32(x << s) if s >= 0 else u32(x >> -s)
-
-
 @functools.lru_cache(maxsize=None)
-def _frag_decoder_fn(channels: int, head_dim: int):
-    """Device functions that decode a staged slot of C-wide tiles straight into the MMA A fragments of
-    :func:`attention_kernel`: no decoded tile in shared memory, no ``ldmatrix``.
+def _decode_tile_fn(channels: int):
+    """Device functions for C-wide tiles: ``decode(smem, src, dst, base, base_stride, cap, status, scr)``,
+    and its stages (tags, reads, compute+stores, fix-up) for callers that interleave two decodes with
+    other work (:func:`attention_kernel`'s ``overlap``); last, the sizes of the stages' local arrays.
 
-    Lane ``4r + q`` owns whole groups, so that every group's mode tag, codes and escape bytes are read by
-    one lane, and the fragments' element order is chosen to fit (``q.k`` and ``p.v`` tolerate any order
-    that the query and the output follow):
-
-    * K (A of ``S^T = K.Q^T``, pairs along channels): rows ``r`` and ``r + 8``, channels
-      ``C/4 q .. C/4 q + C/4``; chunk ``kk`` of the MMA's k dimension is channels ``C/4 q + 4 kk`` .. +3.
-    * V (A of ``O^T = V^T.P``, pairs along tokens): tokens ``2q, 2q+1, 2q+8, 2q+9``, channels
-      ``C/8 r .. C/8 r + C/8``; rows ``r`` and ``r + 8`` of M chunk ``mt`` are channels ``C/8 r + 2 mt``, +1.
-      A word is two tokens' elements of one channel: bytes from two rows' sign+mantissa words (one
-      ``prmt``), codes of two rows side by side (one ``prmt`` a half group), a base word of the token
-      pair's two modes (V's base table).
-
-    A lane's groups form *runs* of consecutive groups of one row (K: 2 runs of ``C/32`` groups, V: 4 of
-    ``C/64``): each run's first escape byte is the row's offset (a 16-row prefix over lanes, one shuffle
-    scan for K and V together) plus the escape bytes of the row's groups before it (a masked ``popc``).
+    Lane ``l`` decodes row ``t = l % 16``, channels ``(l // 16) * C/2 ..`` (``C/16`` groups): with the
+    staging swizzle of the sign+mantissa chunks (chunk ``c`` at ``c ^ ((c >> 3) & SWZ)``) and the
+    16 bytes of row padding, every 16-byte shared access of a phase of 8 lanes is conflict-free.
+    ``src``/``dst``: byte addresses of the staged slot and of the BF16 tile; ``base``: of this lane's
+    first b3 pair word (rows b3, b4, zeros ``base_stride`` bytes apart: row = mode tag; the reserved tag
+    reads the row after them, which must be shared memory: its output is garbage, its status flagged).
     """
-    C, D = channels, head_dim
-    geo = L.TileGeometry(C)
-    GK, GV = C // 32, C // 64            # groups of a K run, of a V run
+    geo = L.TileGeometry(channels)
+    C = channels
+    GPL = C // 16                       # groups per lane
+    CPL = C // 32                       # 16-byte sign+mantissa chunks per lane
+    SM_WORDS = 2 * GPL                  # sign+mantissa words per lane
+    CODE_WORDS = 3 * C // 64            # code words per lane (8-byte aligned for C=128, 4 for C=64)
+    CODE_ARRAY = CODE_WORDS + 1         # and a zero word after them
+    BASE_WORDS = 4 * GPL                # base pair words of a lane's groups
+    ROWB = row_bytes(C)
+    SWZ = 7 if C == 128 else 3
     CODE_OFF, TAG_OFF, ESC_OFF = geo.code_offset, geo.tag_offset, geo.escape_offset
-    ROW_CODE = 3 * C // 8                # code bytes of a row
-    SWZ = 7 if C == 128 else 3           # sign+mantissa chunk c is staged at c ^ ((c >> 3) & SWZ)
-    RS = k_base_row_words(D)
-    KW, _ = base_words(D)
-    S0, S1 = v_base_strides(D)
-    K_EVEN = (1 << 7) | (1 << 20)        # codes at bits 0-2, 3-5 of a 12-bit field -> bits 7, 23
-    K_ODD = (1 << 1) | (1 << 14)         # codes at bits 6-8, 9-11 -> bits 7, 23
-    RUN_K = (1 << 2 * GK) - 1
-    RUN_V = (1 << 2 * GV) - 1
-    KSM, VSM = 2 * GK, 2 * GV            # sign+mantissa words of a run
-    KCW = 3 if C == 128 else 2           # code words of a K run (C=128: 12 aligned bytes)
-    SIZES = (2 * KSM, 8, 2 * GK, 8 * GK)   # sizes of the loads' local arrays (the larger of K's and V's)
+    ESC_MAX = i32(2 * L.BLOCK_TOKENS * C - ESC_OFF - L.RAW_PLANES)   # escape reads stay in a raw tile's size
+    K_EVEN = (1 << 7) | (1 << 20)       # codes at bits 0-2, 3-5 of a 12-bit field -> bits 7, 23
+    K_ODD = (1 << 1) | (1 << 14)        # codes at bits 6-8, 9-11 -> bits 7, 23
+    ESC4 = L.ESCAPE_BYTES[L.MODE_4BIT]
+    ESCR = L.ESCAPE_BYTES[L.MODE_RAW]
 
     @device
-    def row_tags(smem, src, t):
-        """Row ``t``'s mode tags: 2 bits a group, group 0 lowest."""
+    def decode_tags(smem, src):
+        """This lane's mode tags (2 bits a group) and the escape bytes its groups need."""
+        lane = lane_id()
+        t = lane & 15
         if C == 128:
-            return lds(smem, u32(src + TAG_OFF + 4 * t))
-        return u32((lds(smem, u32(src + TAG_OFF + 4 * (t >> 1))) >> (16 * (t & 1))) & 0xFFFF)
+            tags = u32(lds(smem, u32(src + TAG_OFF + 4 * t)) >> (16 * (lane >> 4)))
+        else:
+            tags = u32(lds(smem, u32(src + TAG_OFF + 4 * (t >> 1))) >> (16 * (t & 1) + 8 * (lane >> 4)))
+        tags = u32(tags & (0xFFFF if C == 128 else 0xFF))
+        return tags, i32(popc(tags & 0x5555) * ESC4 + popc(tags & 0xAAAA) * ESCR)
 
     @device
-    def row_prefix(smem, src_k, src_v, cap_k, cap_v, status, scr):
-        """The escape bytes of the rows before each row, K's in bits 0..15 and V's in 16..31, in lanes
-        ``t`` and ``t + 16``; flags the tiles' reserved tags and escapes past their capacities."""
-        t = i32(lane_id() & 15)
-        tk = row_tags(smem, src_k, t)
-        tv = row_tags(smem, src_v, t)
-        x = u32(escape_count(tk) | (escape_count(tv) << 16))
-        incl = x
-        for d in (1, 2, 4, 8):
-            v = shfl_up(incl, d, scr)
-            if t >= d:
-                incl = u32(incl + v)
-        if ((tk & (tk >> 1)) | (tv & (tv >> 1))) & 0x55555555:
-            cuda.atomic.or_(status, 0, STATUS_BAD_TAG)
-        if t == 15 and (i32(incl & 0xFFFF) > cap_k or i32(incl >> 16) > cap_v):
-            cuda.atomic.or_(status, 0, STATUS_BAD_ESCAPES)
-        return u32(incl - x)
-
-    @device
-    def k_runs(smem, src, pre, cap, offs, scr):
-        """This lane's K runs (rows r, r + 8): their tags (run i in bits 8i..) and first escape bytes,
-        clamped to ``cap`` (a corrupt slot then reads at most 20 bytes past itself: :data:`END_PAD`)."""
+    def decode_loads(smem, src, base, base_stride, tags, off, cap, smw, cw, ev, bw):
+        """Every other shared-memory read of this lane's part of a tile, issued back to back so that
+        their latencies overlap (the compiler cannot move a read above the decoder's stores, which
+        might alias): sign+mantissa words ``smw``, code words ``cw``, each group's first escape byte
+        ``ev`` (``off`` = escape bytes of the tile's earlier groups) and base pair words ``bw``."""
         lane = lane_id()
-        q = lane & 3
-        below = u32((1 << (2 * GK * q)) - 1)
-        tags = u32(0)
-        for i in range(2):
-            t = i32((lane >> 2) + 8 * i)
-            tr = row_tags(smem, src, t)
-            offs[i] = min(i32(i32(shfl_idx(pre, t, scr) & 0xFFFF) + escape_count(tr & below)), i32(cap))
-            tags = u32(tags | (((tr >> (2 * GK * q)) & RUN_K) << (8 * i)))
-        return tags
-
-    @device
-    def v_runs(smem, src, pre, cap, offs, scr):
-        """This lane's V runs (rows 2q, 2q+1, 2q+8, 2q+9): tags (run i in bits 8i..) and first escape
-        bytes, as :func:`k_runs`."""
-        lane = lane_id()
-        r = lane >> 2
-        below = u32((1 << (2 * GV * r)) - 1)
-        tags = u32(0)
-        for i in range(4):
-            t = i32(2 * (lane & 3) + (i & 1) + 8 * (i >> 1))
-            tr = row_tags(smem, src, t)
-            offs[i] = min(i32(i32(shfl_idx(pre, t, scr) >> 16) + escape_count(tr & below)), i32(cap))
-            tags = u32(tags | (((tr >> (2 * GV * r)) & RUN_V) << (8 * i)))
-        return tags
-
-    @device
-    def escapes(smem, src, tags, offs, runs, per_run, ev):
-        """Each group's first escape byte (read for 3-bit groups too, then dropped)."""
+        t = lane & 15
+        h = lane >> 4
+        # Chunks c0 + k (k < CPL) share c >> 3, and c0 is a multiple of CPL: chunk k's swizzled offset
+        # is chunk 0's xor 16k.
+        c0 = u32(t * (C // 16) + h * CPL)
+        sm0 = u32(16 * (c0 ^ ((c0 >> 3) & SWZ)))
+        for k in range(CPL):
+            w0, w1, w2, w3 = lds4(smem, u32(src + (sm0 ^ (16 * k))))
+            smw[4 * k] = w0
+            smw[4 * k + 1] = w1
+            smw[4 * k + 2] = w2
+            smw[4 * k + 3] = w3
+        code = u32(src + CODE_OFF + t * (3 * C // 8) + h * (4 * CODE_WORDS))
+        if C == 128:
+            for i in range(CODE_WORDS // 2):
+                u0, u1 = lds2(smem, u32(code + 8 * i))
+                cw[2 * i] = u0
+                cw[2 * i + 1] = u1
+        else:
+            for i in range(CODE_WORDS):
+                cw[i] = lds(smem, u32(code + 4 * i))
+        cw[CODE_WORDS] = u32(0)
+        # In a valid slot off + (this lane's escape bytes) <= cap.  Clamped to cap, a corrupt ``off``
+        # still reads inside shared memory: at most 6 * GPL bytes past the slot (the decode tile, or the
+        # next stage, follows every staged slot), and the status word reports it.
+        pos = i32(min(off, i32(cap)))
         esc = u32(src + ESC_OFF)
-        for i in range(runs):
-            pos = offs[i]
-            for g in range(per_run):
-                m = u32((tags >> (8 * i + 2 * g)) & 3)
-                ev[i * per_run + g] = lds_u8(smem, u32(esc + pos))
-                pos = i32(pos + m + 3 * (m >> 1))          # escape bytes of mode m: 0, 1, 5
+        for k in range(GPL):
+            m = u32((tags >> (2 * k)) & 3)
+            ev[k] = lds_u8(smem, u32(esc + pos))                  # read even for a 3-bit group, then dropped
+            pos = i32(pos + m + 3 * (m >> 1))                     # escape bytes of mode m: 0, 1, 5
+            b0, b1, b2, b3 = lds4(smem, u32(base + m * base_stride + 16 * k))
+            bw[4 * k] = b0
+            bw[4 * k + 1] = b1
+            bw[4 * k + 2] = b2
+            bw[4 * k + 3] = b3
 
     @device
-    def code_words(smem, at, cw, o):
-        """The 2 code words at byte ``at`` rounded down to a word, into ``cw[o]``, ``cw[o+1]``."""
-        a = u32(at & ~u32(3))
-        cw[o] = lds(smem, a)
-        cw[o + 1] = lds(smem, u32(a + 4))
-
-    @device
-    def code24(cw, o, g):
-        """The 24 code bits of group ``g`` of a run whose code words ``cw[o..]`` start with it (K, C=128)."""
-        bit = 24 * g
-        y = u32(cw[o + bit // 32] >> (bit % 32))
-        if bit % 32 > 8:
-            y = u32(y | (cw[o + bit // 32 + 1] << (32 - bit % 32)))
-        return u32(y & 0xFFFFFF)
-
-    @device
-    def code24_at(cw, o, sh, g):
-        """The same for a run that starts ``sh`` bits into its two code words ``cw[o], cw[o+1]``."""
-        v = u64(u64((u64(cw[o + 1]) << u64(32)) | u64(cw[o])) >> u64(sh))
-        return u32(u32(v >> u64(24 * g)) & 0xFFFFFF)
-
-    # -- K ---------------------------------------------------------------------------------------
-
-    @device
-    def k_loads(smem, src, kbase, tags, offs, smw, cw, ev, bw):
-        """Every shared-memory read of this lane's K groups, issued back to back: sign+mantissa words,
-        code words, escape bytes, base pair words (``kbase``: its first group's b3 chunk)."""
+    def decode_compute(smem, dst, tags, smw, cw, ev, bw):
+        """Branch-free over the groups: the BF16 words of 3-bit and 4-bit groups; a raw group gets
+        exponent bits 0..3 here and bits 4..7 in :func:`decode_fix`."""
         lane = lane_id()
-        q = lane & 3
-        for i in range(2):
-            t = u32((lane >> 2) + 8 * i)
-            if C == 128:
-                for k in range(2):
-                    c = u32(8 * t + ((2 * q + k) ^ (t & 7)))
-                    w0, w1, w2, w3 = lds4(smem, u32(src + 16 * c))
-                    smw[KSM * i + 4 * k], smw[KSM * i + 4 * k + 1] = w0, w1
-                    smw[KSM * i + 4 * k + 2], smw[KSM * i + 4 * k + 3] = w2, w3
-                code = u32(src + CODE_OFF + ROW_CODE * t + 12 * q)
-                for k in range(3):
-                    cw[3 * i + k] = lds(smem, u32(code + 4 * k))
-            else:
-                c = u32(4 * t + q)
-                w0, w1, w2, w3 = lds4(smem, u32(src + 16 * (c ^ ((t >> 1) & 3))))
-                smw[KSM * i], smw[KSM * i + 1], smw[KSM * i + 2], smw[KSM * i + 3] = w0, w1, w2, w3
-                code_words(smem, u32(src + CODE_OFF + ROW_CODE * t + 6 * q), cw, 2 * i)
-        escapes(smem, src, tags, offs, 2, GK, ev)
-        for i in range(2):
-            for g in range(GK):
-                m = u32((tags >> (8 * i + 2 * g)) & 3)
-                b0, b1, b2, b3 = lds4(smem, u32(kbase + m * (4 * RS) + 16 * g))
-                k = 4 * (i * GK + g)
-                bw[k], bw[k + 1], bw[k + 2], bw[k + 3] = b0, b1, b2, b3
+        out = u32(dst + (lane & 15) * ROWB + (lane >> 4) * C)
+        for k in range(GPL):
+            bit = 24 * k
+            sh = bit % 32
+            y = cw[bit // 32] >> sh
+            if sh > 8:
+                y = u32(y | (cw[bit // 32 + 1] << (32 - sh)))
+            y_lo = u32(y & 0xFFF)
+            y_hi = u32((y >> 12) & 0xFFF)
+            sp = ev[k] if (tags >> (2 * k)) & 3 else u32(0)
+            s0 = smw[2 * k]
+            s1 = smw[2 * k + 1]
+            sts4(smem, u32(out + 16 * k),
+                 u32((prmt(s0, 0x1100) & 0x807F807F) | u32(((y_lo * K_EVEN) & 0x03800380) + bw[4 * k]
+                                                            + escape_pair(sp, 0))),
+                 u32((prmt(s0, 0x3322) & 0x807F807F) | u32(((y_lo * K_ODD) & 0x03800380) + bw[4 * k + 1]
+                                                            + escape_pair(sp, 1))),
+                 u32((prmt(s1, 0x1100) & 0x807F807F) | u32(((y_hi * K_EVEN) & 0x03800380) + bw[4 * k + 2]
+                                                            + escape_pair(sp, 2))),
+                 u32((prmt(s1, 0x3322) & 0x807F807F) | u32(((y_hi * K_ODD) & 0x03800380) + bw[4 * k + 3]
+                                                            + escape_pair(sp, 3))))
 
     @device
-    def k_compute(tags, smw, cw, ev, bw, kf):
-        """K's fragment words: the word of pair ``p`` of group ``g`` of run ``i`` (row r + 8i) is
-        ``kf[4 (2g + p // 2) + 2 (p % 2) + i]``.  Raw groups get exponent bits 0..3 here, 4..7 in
-        :func:`k_fix`."""
-        sh = u32(16 * (lane_id() & 1))                   # C=64: a run starts at byte 6q of its row
-        for i in range(2):
-            for g in range(GK):
-                y = code24(cw, KCW * i, g) if C == 128 else code24_at(cw, KCW * i, sh, g)
-                y_lo = u32(y & 0xFFF)
-                y_hi = u32(y >> 12)
-                k = i * GK + g
-                sp = ev[k] if (tags >> (8 * i + 2 * g)) & 3 else u32(0)
-                s0 = smw[KSM * i + 2 * g]
-                s1 = smw[KSM * i + 2 * g + 1]
-                o = 8 * g + i
-                kf[o] = u32((prmt(s0, 0x1100) & 0x807F807F) | u32(((y_lo * K_EVEN) & 0x03800380) + bw[4 * k]
-                                                                   + escape_pair(sp, 0)))
-                kf[o + 2] = u32((prmt(s0, 0x3322) & 0x807F807F) | u32(((y_lo * K_ODD) & 0x03800380) + bw[4 * k + 1]
-                                                                       + escape_pair(sp, 1)))
-                kf[o + 4] = u32((prmt(s1, 0x1100) & 0x807F807F) | u32(((y_hi * K_EVEN) & 0x03800380) + bw[4 * k + 2]
-                                                                       + escape_pair(sp, 2)))
-                kf[o + 6] = u32((prmt(s1, 0x3322) & 0x807F807F) | u32(((y_hi * K_ODD) & 0x03800380) + bw[4 * k + 3]
-                                                                       + escape_pair(sp, 3)))
-
-    @device
-    def planes(smem, at):
-        """Bit planes 1..4 of a raw group (escape bytes ``at + 1 .. at + 4``) as ``p4 | p3 << 8 | p2 << 16 |
-        p1 << 24``, for :func:`high_bits`."""
-        return u32(lds_u8(smem, u32(at + 4)) | (lds_u8(smem, u32(at + 3)) << 8) | (lds_u8(smem, u32(at + 2)) << 16)
-                   | (lds_u8(smem, u32(at + 1)) << 24))
-
-    @device
-    def high_bits(pw, e, half):
-        """Exponent bits 4..7 of element ``e`` of a raw group (:func:`planes`) at bits 11..14 of a BF16 pair
-        word's ``half``: bits e, 8+e, 16+e, 24+e gathered into bits 24..27 by one multiply (its four shifted
-        copies of each bit never meet, so there are no carries)."""
-        nib = u32(mul_lo(u32((pw >> e) & 0x01010101), 0x08040201) >> 24)
-        return u32((nib & 0xF) << (11 + 16 * half))
-
-    @device
-    def k_fix(smem, src, tags, offs, kf):
-        """Exponent bits 4..7 of raw K groups (about 0.3% of groups), added to their words (the exponent
-        field has no carry out: a raw group's bits 0..3 are all it holds so far)."""
-        if tags & 0xAAAAAAAA:
+    def decode_fix(smem, src, dst, tags, off, cnt, cap, status):
+        """The rare part: format checks (status word) and exponent bits 4..7 of raw groups."""
+        lane = lane_id()
+        if off + cnt > cap:
+            cuda.atomic.or_(status, 0, STATUS_BAD_ESCAPES)
+        if tags & (tags >> 1) & 0x5555:
+            cuda.atomic.or_(status, 0, STATUS_BAD_TAG)
+        raw = u32(tags & 0xAAAA)                                  # bit 2k+1: group k is raw
+        if raw:
+            # Raw groups (about 0.3% of groups): exponent bits 4..7 from bit planes 1..4, added to the
+            # words just stored (the exponent field has no carry out: exponents are at most 255).  Only
+            # the raw groups are visited, lowest first: a tile with raw groups makes the whole warp
+            # take this branch (half of the K tiles of real caches), so the warp runs as many passes
+            # as its lane with the most raw groups has (usually one), not one pass per group.
             esc = u32(src + ESC_OFF)
-            for i in range(2):
-                for g in range(GK):
-                    if (tags >> (8 * i + 2 * g + 1)) & 1:
-                        pw = planes(smem, u32(esc + offs[i] + escape_count((tags >> (8 * i)) & ((1 << 2 * g) - 1))))
-                        for p in range(4):
-                            o = 8 * g + i + 2 * p
-                            kf[o] = u32(kf[o] + (high_bits(pw, 2 * p, 0) | high_bits(pw, 2 * p + 1, 1)))
-
-    # -- V ---------------------------------------------------------------------------------------
-
-    @device
-    def v_loads(smem, src, vbase, tags, offs, smw, cw, ev, bw):
-        """Every shared-memory read of this lane's V groups (``vbase``: the address of its first channel's
-        word in V's base table, modes 0, 0)."""
-        lane = lane_id()
-        r = lane >> 2
-        for i in range(4):
-            t = u32(2 * (lane & 3) + (i & 1) + 8 * (i >> 1))
-            if C == 128:
-                w0, w1, w2, w3 = lds4(smem, u32(src + 16 * (8 * t + (r ^ (t & 7)))))
-                smw[4 * i], smw[4 * i + 1], smw[4 * i + 2], smw[4 * i + 3] = w0, w1, w2, w3
-                code_words(smem, u32(src + CODE_OFF + ROW_CODE * t + 6 * r), cw, 2 * i)
-            else:
-                c = u32(4 * t + (r >> 1))
-                w0, w1 = lds2(smem, u32(src + 16 * (c ^ ((t >> 1) & 3)) + 8 * (r & 1)))
-                smw[2 * i], smw[2 * i + 1] = w0, w1
-                code_words(smem, u32(src + CODE_OFF + ROW_CODE * t + 3 * r), cw, 2 * i)
-        escapes(smem, src, tags, offs, 4, GV, ev)
-        for p in range(2):
-            for g in range(GV):
-                m0 = u32((tags >> (16 * p + 2 * g)) & 3)
-                m1 = u32((tags >> (16 * p + 8 + 2 * g)) & 3)
-                a = u32(vbase + 4 * (m0 * S0 + m1 * S1) + 32 * g)
-                k = 8 * (p * GV + g)
-                bw[k], bw[k + 1], bw[k + 2], bw[k + 3] = lds4(smem, a)
-                bw[k + 4], bw[k + 5], bw[k + 6], bw[k + 7] = lds4(smem, u32(a + 16))
+            out = u32(dst + (lane & 15) * ROWB + (lane >> 4) * C)
+            while raw:
+                low = u32(raw & u32(~raw + 1))                       # bit 2k+1 alone
+                raw = u32(raw ^ low)
+                below = u32(tags & ((low >> 1) - 1))                 # the tags of groups 0..k-1
+                pos = u32(esc + min(i32(off + popc(below & 0x5555) * ESC4 + popc(below & 0xAAAA) * ESCR),
+                                    ESC_MAX))
+                at = u32(out + 8 * (popc(low - 1) - 1))              # 16 k bytes into the lane's row
+                w0, w1, w2, w3 = lds4(smem, at)
+                for j in range(1, L.RAW_PLANES):
+                    pj = lds_u8(smem, u32(pos + j))
+                    w0 = u32(w0 + (escape_pair(pj, 0) << j))
+                    w1 = u32(w1 + (escape_pair(pj, 1) << j))
+                    w2 = u32(w2 + (escape_pair(pj, 2) << j))
+                    w3 = u32(w3 + (escape_pair(pj, 3) << j))
+                sts4(smem, at, w0, w1, w2, w3)
 
     @device
-    def v_compute(tags, smw, cw, ev, bw, vf):
-        """V's fragment words: element ``e`` of group ``g`` of runs ``2p`` (low halves) and ``2p + 1``
-        (high halves) is ``vf[4 (4g + e // 2) + e % 2 + 2p]``."""
-        lane = lane_id()
-        r = lane >> 2
-        sh = u32(16 * (r & 1)) if C == 128 else u32(8 * ((3 * r) & 3))
-        for p in range(2):
-            for g in range(GV):
-                ka = 2 * p * GV + g
-                kb = ka + GV
-                ea = ev[ka] if (tags >> (16 * p + 2 * g)) & 3 else u32(0)
-                eb = ev[kb] if (tags >> (16 * p + 8 + 2 * g)) & 3 else u32(0)
-                esc = u32(ea | (eb << 16))
-                y0 = code24_at(cw, 4 * p, sh, g)
-                y1 = code24_at(cw, 4 * p + 2, sh, g)
-                lo = prmt2(y0, y1, 0x5410)                   # codes of elements 0..4 at bits 3e, 16 + 3e
-                hi = prmt2(y0, y1, 0x6521)                   # of elements 3..7 at bits 3e - 8, 8 + 3e
-                for e in range(8):
-                    code = shift(lo, 7 - 3 * e) if e < 5 else shift(hi, 15 - 3 * e)
-                    j = e & 3
-                    sm = prmt2(smw[VSM * 2 * p + 2 * g + e // 4], smw[VSM * (2 * p + 1) + 2 * g + e // 4],
-                               j | (j << 4) | ((4 + j) << 8) | ((4 + j) << 12))
-                    vf[4 * (4 * g + e // 2) + e % 2 + 2 * p] = u32(
-                        (sm & 0x807F807F) | u32((code & 0x03800380) + ((esc << (10 - e)) & 0x04000400)
-                                                + bw[8 * (p * GV + g) + e]))
+    def decode(smem, src, dst, base, base_stride, cap, status, scr):
+        smw = cuda.local.array(SM_WORDS, uint32)
+        cw = cuda.local.array(CODE_ARRAY, uint32)
+        ev = cuda.local.array(GPL, uint32)
+        bw = cuda.local.array(BASE_WORDS, uint32)
+        tags, cnt = decode_tags(smem, src)
+        off = escape_scan(cnt, scr)
+        decode_loads(smem, src, base, base_stride, tags, off, cap, smw, cw, ev, bw)
+        decode_compute(smem, dst, tags, smw, cw, ev, bw)
+        decode_fix(smem, src, dst, tags, off, cnt, cap, status)
 
-    @device
-    def v_fix(smem, src, tags, offs, vf):
-        """Exponent bits 4..7 of raw V groups, as :func:`k_fix`: runs ``2p`` and ``2p + 1`` give the low and
-        the high halves of the same words, so they are fixed together (one loop over the words they share,
-        which the compiler unrolls: a larger one was left a loop and put ``vf`` in local memory)."""
-        if tags & 0xAAAAAAAA:
-            esc = u32(src + ESC_OFF)
-            for p in range(2):
-                for g in range(GV):
-                    pa = u32(0)
-                    pb = u32(0)
-                    below = (1 << 2 * g) - 1
-                    if (tags >> (16 * p + 2 * g + 1)) & 1:
-                        pa = planes(smem, u32(esc + offs[2 * p] + escape_count((tags >> (16 * p)) & below)))
-                    if (tags >> (16 * p + 8 + 2 * g + 1)) & 1:
-                        pb = planes(smem, u32(esc + offs[2 * p + 1] + escape_count((tags >> (16 * p + 8)) & below)))
-                    if pa | pb:
-                        for e in range(8):
-                            o = 4 * (4 * g + e // 2) + e % 2 + 2 * p
-                            vf[o] = u32(vf[o] + (high_bits(pa, e, 0) | high_bits(pb, e, 1)))
-
-    return row_prefix, k_runs, v_runs, k_loads, k_compute, k_fix, v_loads, v_compute, v_fix, SIZES
+    return decode, decode_tags, decode_loads, decode_compute, decode_fix, (SM_WORDS, CODE_ARRAY, GPL, BASE_WORDS)
 
 
 def _stage_slot_fn(channels: int, max_bytes: int):
     """Device function ``stage_slot(smem, dst, entry, slots, slot_bytes, lane)``: start copying slot
     ``entry`` (of at most ``max_bytes``) to the staging area at byte ``dst``, sign+mantissa chunk ``c``
-    at ``c ^ ((c >> 3) & SWZ)`` (the layout :func:`_frag_decoder_fn` reads without bank conflicts).
+    at ``c ^ ((c >> 3) & SWZ)`` (the layout :func:`_decode_tile_fn` reads without bank conflicts).
 
     Lane ``l`` copies chunks ``l + 32k``.  Their swizzle is ``l ^ ((l >> 3) & SWZ) ^ ((4k) & SWZ)`` (``l >> 3``
     is below 4, so adding ``4k`` only flips bit 2), so every copy's shared and global addresses are one
@@ -1151,21 +917,21 @@ def _stage_slot_fn(channels: int, max_bytes: int):
 
 
 def decode_check_kernel(channels: int, slot_bytes: int):
-    """Stage and decode slots exactly as the attention kernel does, as K and as V, and write out the tiles
-    that the fragments hold.
+    """Stage and decode slots exactly as the attention kernel does and write the BF16 tiles out.
 
     For the decoder's bit-exact tests against the reference codec: grid = one warp per slot;
-    ``slots`` uint8 ``[n*slot_bytes]``, ``bases`` int32 (:func:`kernel_bases` of one tile's channels),
-    ``cap``; out ``tiles`` uint16 ``[2, n, 16, C]`` (BF16 bits: as K, as V) and ``status`` int32 ``[1]``."""
+    ``slots`` uint8 ``[n*slot_bytes]``, ``bases`` int32 ``[3*C/2]`` (pair-word rows b3, b4, 0 of
+    one tile), ``cap``; out ``tiles`` int32 ``[n*16*C/2]`` (BF16 pairs) and ``status`` int32 ``[1]``.
+    """
     C = channels
+    ROWB = row_bytes(C)
+    TB = tile_bytes(C)
     STAGE = -(-slot_bytes // 16) * 16
-    KW, VW = base_words(C)
-    BASE_BYTES = bases_bytes(C)
-    SMEM_WORDS = (BASE_BYTES + STAGE + END_PAD) // 4
-    TILE = L.BLOCK_TOKENS * C
-    row_prefix, k_runs, v_runs, k_loads, k_compute, k_fix, v_loads, v_compute, v_fix, SIZES = \
-        _frag_decoder_fn(C, C)
-    NSM, NCW, NEV, NBW = SIZES
+    PAIRS = C // 2
+    RS = base_row_words(C)
+    BASE_BYTES = 4 * BASE_ROWS * RS     # the bases first: the reserved tag reads the row after them
+    SMEM_WORDS = (BASE_BYTES + STAGE + TB) // 4
+    decode = _decode_tile_fn(C)[0]
     stage_slot = _stage_slot_fn(C, slot_bytes)
     wait_all = cp_wait_fn(0)
 
@@ -1177,44 +943,17 @@ def decode_check_kernel(channels: int, slot_bytes: int):
         sb = smem_base(smem)
         n = i32(cuda.blockIdx.x)
         lane = lane_id()
-        r = i32(lane >> 2)
-        q = i32(lane & 3)
-        for i in range(lane, KW + VW, WARP):
-            smem[i] = bases[i]
-        src = u32(sb + BASE_BYTES)
-        stage_slot(smem, src, n, slots, slot_bytes, lane)
+        for i in range(lane, BASE_ROWS * PAIRS, WARP):
+            smem[(i // PAIRS) * RS + i % PAIRS] = bases[i]
+        stage_slot(smem, u32(sb + BASE_BYTES), n, slots, slot_bytes, lane)
         cp_commit()
         wait_all()
         warp_sync(scr)
-        smw = cuda.local.array(NSM, uint32)
-        cw = cuda.local.array(NCW, uint32)
-        ev = cuda.local.array(NEV, uint32)
-        bw = cuda.local.array(NBW, uint32)
-        offs = cuda.local.array(4, int32)
-        frag = cuda.local.array(C // 4, uint32)
-        pre = row_prefix(smem, src, src, cap, cap, status, scr)
-        tags = k_runs(smem, src, pre, cap, offs, scr)
-        k_loads(smem, src, u32(sb + 16 * ((C // 32) * q + (q >> 1) * (C // 128))), tags, offs, smw, cw, ev, bw)
-        k_compute(tags, smw, cw, ev, bw, frag)
-        k_fix(smem, src, tags, offs, frag)
-        out = n * TILE
-        for kk in range(C // 16):          # word 4 kk + 2 p + i: row r + 8 i, channels C/4 q + 4 kk + 2 p, +1
-            for w in range(4):
-                x = frag[4 * kk + w]
-                at = out + (r + 8 * (w & 1)) * C + (C // 4) * q + 4 * kk + 2 * (w >> 1)
-                tiles[at] = u32(x & 0xFFFF)
-                tiles[at + 1] = u32(x >> 16)
-        tags = v_runs(smem, src, pre, cap, offs, scr)
-        v_loads(smem, src, u32(sb + 4 * (KW + (C // 8) * r)), tags, offs, smw, cw, ev, bw)
-        v_compute(tags, smw, cw, ev, bw, frag)
-        v_fix(smem, src, tags, offs, frag)
-        out = (cuda.gridDim.x + n) * TILE
-        for mt in range(C // 16):          # word 4 mt + b + 2 p: channel C/8 r + 2 mt + b, tokens 2q + 8p, +1
-            for w in range(4):
-                x = frag[4 * mt + w]
-                at = out + (2 * q + 8 * (w >> 1)) * C + (C // 8) * r + 2 * mt + (w & 1)
-                tiles[at] = u32(x & 0xFFFF)
-                tiles[at + C] = u32(x >> 16)
+        decode(smem, u32(sb + BASE_BYTES), u32(sb + BASE_BYTES + STAGE), u32(sb + C * (lane >> 4)), 4 * RS, cap, status,
+               scr)
+        warp_sync(scr)
+        for i in range(lane, L.BLOCK_TOKENS * PAIRS, WARP):
+            tiles[n * L.BLOCK_TOKENS * PAIRS + i] = i32(smem[(BASE_BYTES + STAGE + (i // PAIRS) * ROWB) // 4 + i % PAIRS])
     return kernel
 
 
@@ -1237,26 +976,26 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
                      overlap: bool = False, max_registers: int | None = None):
     """The split-KV decode kernel for ``head_dim``; ``plain`` = every tile is BF16 (the baseline).
 
-    ``overlap`` (compressed, head_dim <= 128): when both tiles of a block are slots, one escape prefix
+    ``overlap`` (compressed, head_dim <= 128): when both tiles of a block are slots, one escape scan
     serves K and V, and the V tile's reads, then its decode, sit in one straight-line region with the
     q.k MMAs and the softmax, so that the compiler overlaps their latencies.  ``max_registers``
     caps registers per thread (more resident warps, possibly spills).
 
     ``stage_bytes``: bytes of a staging area, at least the larger slot of K and V (compressed kernel;
-    raw tiles and the tail are loaded from global memory into fragments when used, so the stages only
-    hold slots); the plain kernel stages padded BF16 tiles.  Arguments (all 1-D, C-contiguous;
-    ``D = head_dim``, ``C = min(D, 128)``, ``T = D // C``): ``q32`` int32 ``[B*Hq*D/2]`` (BF16 pairs);
-    ``slots_k/v`` uint8 slot pools (flat); ``raw_k/v`` uint8 raw-tile pools (flat, 32*C bytes a tile);
+    raw tiles and the tail are loaded when used, so the stages only hold slots); the plain kernel
+    stages padded BF16 tiles.  Arguments (all 1-D, C-contiguous; ``D = head_dim``,
+    ``C = min(D, 128)``, ``T = D // C``): ``q32`` int32 ``[B*Hq*D/2]`` (BF16 pairs); ``slots_k/v``
+    uint8 slot pools (flat); ``raw_k/v`` uint8 raw-tile pools (flat, 32*C bytes a tile);
     ``table_k/v`` int32 ``[B*MB*Hkv*T]``; ``tail_k/v`` uint8 ``[B*Hkv*16*D*2]``; ``bases`` int32
-    ``[E, Hkv, KW + VW]``: each epoch's shared-memory image of the bases (:func:`kernel_bases`; K's part
-    from K's bases, V's from V's); ``epoch_k/v`` int16 ``[B*MB]`` each block's epoch (FORMAT.md 3.5);
-    ``seq_lens`` int32 ``[B]``; ``work`` int32 ``[W*3]`` (sequence, first block, end block); out
-    ``o_part`` float32 ``[W*Hkv*g*D]``, ``lse_part`` float32 ``[W*Hkv*g]`` (log2 domain); ``status`` int32
-    ``[1]``; then ``max_blocks, kv_heads, g, slot_bytes_k, slot_bytes_v, cap_k, cap_v, epochs_k, epochs_v``
-    (epoch counts; ``E = max``) and ``scale_log2``.  Grid ``(W, Hkv)``, one warp per block.
+    ``[2, E, Hkv, 3, D/2]`` pair words (b3, b4, zeros) of each calibration epoch;
+    ``epoch_k/v`` int16 ``[B*MB]`` each block's epoch (FORMAT.md 3.5); ``seq_lens`` int32 ``[B]``;
+    ``work`` int32 ``[W*3]`` (sequence, first block, end block); out ``o_part`` float32
+    ``[W*Hkv*g*D]``, ``lse_part`` float32 ``[W*Hkv*g]`` (log2 domain); ``status`` int32 ``[1]``; then
+    ``max_blocks, kv_heads, g, slot_bytes_k, slot_bytes_v, cap_k, cap_v, epochs_k, epochs_v`` (epoch
+    counts; ``E = max``) and ``scale_log2``.  Grid ``(W, Hkv)``, one warp per block.
 
     Epochs: the plan cuts splits where a sequence's K or V epoch changes (``AttentionPlan``), so every
-    split reads one epoch's bases per kind: copied into shared memory once, from its first block's
+    split reads one epoch's bases per kind: loaded into shared memory once, from its first block's
     epoch, and the block loop is the same as without epochs.
     """
     if variant not in VARIANTS:
@@ -1266,24 +1005,31 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
     T = D // C
     NS = nstage
     ROWB = row_bytes(C)
-    SB = tile_bytes(C) if plain else stage_bytes
+    TB = tile_bytes(C)
+    SB = TB if plain else stage_bytes
     if not plain and (stage_bytes % 16 or not L.TileGeometry(C).fixed_bytes <= stage_bytes <= 2 * L.BLOCK_TOKENS * C):
         raise ValueError(f"stage_bytes {stage_bytes}: a multiple of 16 that holds a slot of {C}-channel tiles")
     NCHUNK = D // 16                    # k-chunks of the score MMA (16 channels each)
-    FRAG = C // 4                       # fragment words of one tile (K or V)
+    KF_WORDS = C // 4                   # K fragment words of one tile (4 per 16 channels)
     NACC = D // 4                       # O^T accumulators: 4 per 16 channels
     ROW_CHUNKS = C // 8                 # 16-byte chunks of a BF16 row
     RAW_PER_LANE = L.BLOCK_TOKENS * ROW_CHUNKS // WARP
+    RAW_WORDS = 4 * RAW_PER_LANE        # a lane's words of a BF16 tile loaded through registers
     if overlap and (T != 1 or plain or variant != FULL):
         raise ValueError("overlap is for the full compressed kernel with head_dim <= 128")
-    STG = 0 if plain else bases_bytes(D)   # byte offsets in the shared array: the bases, then the stages
+    BASES = 0                           # byte offsets in the shared array: the bases, the stages, the decode tile
+    STG = 0 if plain else bases_bytes(D)
+    DEC = STG + NS * 2 * T * SB
+    PAIRS = D // 2                      # base pair words per row of one kind
+    RS = base_row_words(D)              # words per base row in shared memory
     SMEM_WORDS = smem_bytes(C, T, NS, plain, SB) // 4
     NENT = MAX_BLOCKS_PER_SPLIT * 2 * T
-    KW, VW = base_words(D)
-    KCH, VCH = KW // 4, VW // 4         # 16-byte chunks of K's and V's bases
+    KIND_BASE = BASE_ROWS * PAIRS       # base words of one kind, one head, one epoch
+    KIND_PER_LANE = 0 if plain else KIND_BASE // WARP
+    BASE_REGS = max(1, 2 * KIND_PER_LANE)  # a lane's base words of both kinds, held while the first copies go out
     TILE_BYTES = L.BLOCK_TOKENS * C * 2
-    (row_prefix, k_runs, v_runs, k_loads, k_compute, k_fix, v_loads, v_compute, v_fix,
-     (NSM, NCW, NEV, NBW)) = _frag_decoder_fn(C, D)
+    decode, decode_tags, decode_loads, decode_compute, decode_fix, SIZES = _decode_tile_fn(C)
+    SM_WORDS, CODE_ARRAY, GPL, BASE_WORDS = SIZES
     stage_slot = _stage_slot_fn(C, SB)
     REFILL = NS == 1                    # one area per kind, refilled as soon as it is read (see refill_fn)
     cp_wait = cp_wait_fn(1 if REFILL else NS - 1)
@@ -1291,10 +1037,28 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
     do_math = variant != LOAD_ONLY
 
     @device
-    def copy_bf16_tile(smem, dst, is_tail, entry, raw, tail, tail_byte, valid, lane):
-        """Start copying a raw tile or the tail to the padded BF16 tile at byte ``dst`` (plain kernel; tail
-        rows at or after ``valid`` are zeroed so that 0 * garbage cannot make a NaN)."""
+    def copy_bf16_tile(smem, dst, is_tail, entry, raw, tail, tail_byte, valid, lane, wait):
+        """Copy a raw tile or the tail to the padded BF16 tile at byte ``dst`` (tail rows at or after
+        ``valid`` are zeroed so that 0 * garbage cannot make a NaN): asynchronously (``cp.async``), or
+        with ``wait``, through registers so that the tile is ready after the next warp barrier."""
         g0 = gaddr(tail, tail_byte) if is_tail else gaddr(raw, (entry & 0x7FFFFFFF) * TILE_BYTES)
+        if wait:
+            # Every load before the first store: one round trip to memory, not one per chunk.  (The
+            # tail's rows at or after ``valid`` are read too, inside its 16-row buffer, and dropped.)
+            words = cuda.local.array(RAW_WORDS, uint32)
+            for k in range(RAW_PER_LANE):
+                i = u32(lane + WARP * k)
+                r = i // ROW_CHUNKS
+                ga = g0 + i32(r * (2 * D) + 16 * (i % ROW_CHUNKS)) if is_tail else g0 + i32(16 * i)
+                words[4 * k], words[4 * k + 1], words[4 * k + 2], words[4 * k + 3] = ldg4(tail if is_tail else raw,
+                                                                                          ga)
+            for k in range(RAW_PER_LANE):
+                i = u32(lane + WARP * k)
+                r = i // ROW_CHUNKS
+                keep = u32(0) if is_tail and r >= valid else u32(0xFFFFFFFF)
+                sts4(smem, u32(dst + r * ROWB + 16 * (i % ROW_CHUNKS)), u32(words[4 * k] & keep),
+                     u32(words[4 * k + 1] & keep), u32(words[4 * k + 2] & keep), u32(words[4 * k + 3] & keep))
+            return
         for k in range(RAW_PER_LANE):
             i = u32(lane + WARP * k)
             r = i // ROW_CHUNKS
@@ -1322,7 +1086,7 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
                 e = i32(-1) if is_tail else (i32(e1) if T == 1 else ents[u32((i * 2 + kind) * T + j)])
                 dst = u32(sb + STG + ((st * 2 + kind) * T + j) * SB)
                 if plain:
-                    copy_bf16_tile(smem, dst, is_tail, e, raw, tail, tail_base + j * C * 2, tail_valid, lane)
+                    copy_bf16_tile(smem, dst, is_tail, e, raw, tail, tail_base + j * C * 2, tail_valid, lane, False)
                 elif not is_tail and e >= 0:
                     stage_slot(smem, dst, e, slots, slot_bytes, lane)
         return issue
@@ -1331,7 +1095,7 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
 
     def refill_fn(issue, kind: int):
         """``nstage=1``: start block i+1's copies of one kind into the area block i's tiles of that kind
-        have just left (read into registers, then a warp barrier), as one copy group."""
+        have just left (read into registers or decoded, then a warp barrier), as one copy group."""
         @device
         def refill(smem, sb, ents, i, blk, blk1, nfull, slots, slot_bytes, raw, tail, tail_base, tail_valid, lane):
             if blk + 1 < blk1:
@@ -1342,132 +1106,39 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
 
     refill_k, refill_v = refill_fn(issue_k, 0), refill_fn(issue_v, 1)
 
-    # -- fragments -------------------------------------------------------------------------------
-
     @device
-    def k_from_bf16(arr, byte, stride, valid, kf):
-        """K fragments of a raw tile or the tail (global memory, row 0 at ``byte``, rows ``stride`` bytes
-        apart, rows at or after ``valid`` zero): rows r, r + 8, channels C/4 q ..; word ``w`` of row r + 8 i
-        (channels C/4 q + 2w) is ``kf[4 (w // 2) + 2 (w % 2) + i]``.  Every load before the first use."""
-        lane = lane_id()
-        g0 = gaddr(arr, byte) + i32((C // 2) * (lane & 3))
-        for i in range(2):
-            t = i32((lane >> 2) + 8 * i)
-            keep = u32(0xFFFFFFFF) if t < valid else u32(0)
-            for k in range(C // 32):
-                w0, w1, w2, w3 = ldg4(arr, g0 + i32(t * stride + 16 * k))
-                o = 8 * k + i
-                kf[o], kf[o + 2], kf[o + 4], kf[o + 6] = (u32(w0 & keep), u32(w1 & keep), u32(w2 & keep),
-                                                          u32(w3 & keep))
-
-    @device
-    def v_from_bf16(arr, byte, stride, valid, vf):
-        """V fragments of a raw tile or the tail: rows 2q, 2q+1, 2q+8, 2q+9, channels C/8 r ..; the pair
-        words of two rows become words of token pairs by one ``prmt`` each."""
-        lane = lane_id()
-        g0 = gaddr(arr, byte) + i32((C // 4) * (lane >> 2))
-        words = cuda.local.array(FRAG, uint32)
-        for i in range(4):
-            t = i32(2 * (lane & 3) + (i & 1) + 8 * (i >> 1))
-            keep = u32(0xFFFFFFFF) if t < valid else u32(0)
-            for k in range(C // 64):
-                w0, w1, w2, w3 = ldg4(arr, g0 + i32(t * stride + 16 * k))
-                o = (C // 16) * i + 4 * k
-                words[o], words[o + 1], words[o + 2], words[o + 3] = (u32(w0 & keep), u32(w1 & keep),
-                                                                      u32(w2 & keep), u32(w3 & keep))
-        for p in range(2):
-            for w in range(C // 16):
-                a = words[(C // 16) * 2 * p + w]
-                b = words[(C // 16) * (2 * p + 1) + w]
-                vf[4 * w + 2 * p] = prmt2(a, b, 0x5410)
-                vf[4 * w + 1 + 2 * p] = prmt2(a, b, 0x7632)
-
-    @device
-    def perturb(words, n, frag, z):
-        """``words[i] ^ (frag[i] & z)``, ``z`` a zero the compiler cannot see: the second decode of
-        DECODE_TWICE depends on the first, so neither is merged away."""
-        for i in range(n):
-            words[i] = u32(words[i] ^ (frag[i % FRAG] & z))
-
-    @device
-    def decode_k(smem, sb, src, j, pre, cap, kf, smw, cw, ev, bw, offs, scr):
-        """K tile j's fragments from its staged slot (``pre``: :func:`row_prefix`)."""
-        q = lane_id() & 3
-        kc = u32(j * (C // 8) + (C // 32) * q)
-        kbase = u32(sb + 16 * (kc + (kc >> 3)))
-        if variant == NO_DECODE:
-            for i in range(4):
-                offs[i] = i32(0)
-            k_loads(smem, src, kbase, u32(0), offs, smw, cw, ev, bw)
-            for i in range(FRAG):
-                kf[i] = u32(smw[i % NSM] ^ bw[i % NBW])
-            return
-        tags = k_runs(smem, src, pre, cap, offs, scr)
-        k_loads(smem, src, kbase, tags, offs, smw, cw, ev, bw)
-        k_compute(tags, smw, cw, ev, bw, kf)
-        if variant == DECODE_TWICE:
-            perturb(smw, NSM, kf, u32(cuda.threadIdx.x >> 5))
-            k_compute(tags, smw, cw, ev, bw, kf)
-        k_fix(smem, src, tags, offs, kf)
-
-    @device
-    def v_base(sb, j):
-        return u32(sb + 4 * (KW + j * C + (C // 8) * (lane_id() >> 2)))
-
-    @device
-    def decode_v(smem, sb, src, j, pre, cap, vf, smw, cw, ev, bw, offs, scr):
-        """V tile j's fragments from its staged slot."""
-        if variant == NO_DECODE:
-            for i in range(4):
-                offs[i] = i32(0)
-            v_loads(smem, src, v_base(sb, j), u32(0), offs, smw, cw, ev, bw)
-            for i in range(FRAG):
-                vf[i] = u32(smw[i % NSM] ^ bw[i % NBW])
-            return
-        tags = v_runs(smem, src, pre, cap, offs, scr)
-        v_loads(smem, src, v_base(sb, j), tags, offs, smw, cw, ev, bw)
-        v_compute(tags, smw, cw, ev, bw, vf)
-        if variant == DECODE_TWICE:
-            perturb(smw, NSM, vf, u32(cuda.threadIdx.x >> 5))
-            v_compute(tags, smw, cw, ev, bw, vf)
-        v_fix(smem, src, tags, offs, vf)
-
-    @device
-    def tile_frags(smem, sb, ents, i, st, kind, j, is_tail, raw, tail, tail_byte, tail_valid, cap, status, frag,
-                   smw, cw, ev, bw, offs, scr):
-        """Fragments of tile (kind, j) of the block in stage ``st`` (compressed kernel): decoded from its
-        slot, or loaded from its raw tile or the tail."""
+    def tile_of(smem, sb, ents, i, st, kind, j, is_tail, raw, tail, tail_byte, tail_valid, cap, status, scr, sync):
+        """Byte address of the BF16 tile (kind, j) of the block in stage ``st``: the staged tile (plain),
+        or the kind's decode tile after decoding the slot / loading the raw tile or tail into it (ready
+        after a warp barrier: this one if ``sync``)."""
         src = u32(sb + STG + ((st * 2 + kind) * T + j) * SB)
+        if plain:
+            return src
         e = i32(-1) if is_tail else ents[u32((i * 2 + kind) * T + j)]
+        dec = u32(sb + DEC)
         if is_tail or e < 0:
-            arr = tail if is_tail else raw
-            byte = tail_byte if is_tail else (e & 0x7FFFFFFF) * TILE_BYTES
-            stride = 2 * D if is_tail else 2 * C
-            valid = tail_valid if is_tail else i32(L.BLOCK_TOKENS)
-            if kind == 0:
-                k_from_bf16(arr, byte, stride, valid, frag)
-            else:
-                v_from_bf16(arr, byte, stride, valid, frag)
-            return
-        pre = row_prefix(smem, src, src, cap, cap, status, scr) if variant != NO_DECODE else u32(0)
-        if kind == 0:
-            decode_k(smem, sb, src, j, pre, cap, frag, smw, cw, ev, bw, offs, scr)
+            copy_bf16_tile(smem, dec, is_tail, e, raw, tail, tail_byte, tail_valid, lane_id(), True)
+        elif do_decode:
+            base = u32(sb + BASES + 4 * (kind * BASE_ROWS * RS + j * (C // 2)) + C * (lane_id() >> 4))
+            decode(smem, src, dec, base, 4 * RS, cap, status, scr)
+            if variant == DECODE_TWICE:
+                warp_sync(scr)
+                decode(smem, src, dec, base, 4 * RS, cap, status, scr)
         else:
-            decode_v(smem, sb, src, j, pre, cap, frag, smw, cw, ev, bw, offs, scr)
+            return src
+        if sync:
+            warp_sync(scr)
+        return dec
 
     @device
     def load_k_frags(smem, tile, kf, scr):
-        """Plain kernel: A fragments of q.k for a staged K tile, 16 tokens x 16 channels a ``ldmatrix.x4``."""
+        """A fragments of q.k for a K tile: 16 tokens x 16 channels a ``ldmatrix.x4``."""
         for kk in range(C // 16):
             a0, a1, a2, a3 = ldsm_rows(smem, u32(tile + 32 * kk), ROWB, scr)
-            kf[4 * kk], kf[4 * kk + 1], kf[4 * kk + 2], kf[4 * kk + 3] = a0, a1, a2, a3
-
-    @device
-    def load_v_frags(smem, tile, vf, scr):
-        """Plain kernel: A fragments of p.v for a staged V tile (``ldmatrix.x4.trans``)."""
-        for mt in range(C // 16):
-            a0, a1, a2, a3 = ldsm_cols(smem, u32(tile + 32 * mt), ROWB, scr)
-            vf[4 * mt], vf[4 * mt + 1], vf[4 * mt + 2], vf[4 * mt + 3] = a0, a1, a2, a3
+            kf[4 * kk] = a0
+            kf[4 * kk + 1] = a1
+            kf[4 * kk + 2] = a2
+            kf[4 * kk + 3] = a3
 
     @device
     def qk_mma(kf, j, qb0, qb1, sc, scr):
@@ -1511,48 +1182,42 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
                 acc[4 * t + 3] *= al1
 
     @device
-    def pv_mma(vf, j, pb0, pb1, acc, scr):
-        """O^T[channel][head] += V^T . P for V tile j: ``acc[4 (j C/16 + mt) + i]`` holds head ``2q + i % 2``
-        of M row ``r + 8 (i // 2)`` of chunk mt (:func:`out_channel`)."""
+    def pv_mma(smem, tile, j, pb0, pb1, acc, scr):
+        """O^T[channel][head] += V^T . P for V tile j (``ldmatrix.trans``): ``acc[4 t + i]`` holds channel
+        ``16 t + r + 8 (i // 2)``, head ``2q + i % 2``."""
         for mt in range(C // 16):
             o = 4 * (j * (C // 16) + mt)
-            acc[o], acc[o + 1], acc[o + 2], acc[o + 3] = mma(vf[4 * mt], vf[4 * mt + 1], vf[4 * mt + 2],
-                                                             vf[4 * mt + 3], pb0, pb1, acc[o], acc[o + 1],
+            a0, a1, a2, a3 = ldsm_cols(smem, u32(tile + 32 * mt), ROWB, scr)
+            acc[o], acc[o + 1], acc[o + 2], acc[o + 3] = mma(a0, a1, a2, a3, pb0, pb1, acc[o], acc[o + 1],
                                                              acc[o + 2], acc[o + 3], scr)
 
     @device
-    def out_channel(t, half, r):
-        """Channel of M row ``r + 8 half`` of O^T chunk ``t`` (16 channels of tile ``t // (C/16)``): in
-        order for the plain kernel (``ldmatrix``), ``C/8 r + 2 mt + half`` for the decoded fragments."""
-        if plain:
-            return 16 * t + r + 8 * half
-        return C * (t // (C // 16)) + (C // 8) * r + 2 * (t % (C // 16)) + half
-
-    @device
     def store_head(o_part, lse_part, acc, i, row, r, m, l_):
-        """The normalised output of partial row ``row`` (this lane's head ``2q + i``, from ``acc[4 t + i]``
-        and ``acc[4 t + i + 2]``) and, from lane r = 0, its log2-sum-exp."""
+        """The normalised output of partial row ``row`` (this lane's head ``2q + i``: channels ``16 t + r``
+        and ``+ 8`` from ``acc[4 t + i]``, ``acc[4 t + i + 2]``) and, from lane r = 0, its log2-sum-exp."""
         inv = rcp(l_) if l_ > 0 else f32(0)
-        o = u32(row * D)                    # unsigned indices: no negative-index fix-up a store
+        o = u32(row * D + r)                # unsigned indices: no negative-index fix-up a store
         for t in range(NACC // 4):
-            o_part[u32(o + out_channel(t, 0, r))] = acc[4 * t + i] * inv
-            o_part[u32(o + out_channel(t, 1, r))] = acc[4 * t + i + 2] * inv
+            o_part[u32(o + 16 * t)] = acc[4 * t + i] * inv
+            o_part[u32(o + 16 * t + 8)] = acc[4 * t + i + 2] * inv
         if r == 0:
             lse_part[u32(row)] = m + lg2(l_) if l_ > 0 else m
 
     @device
-    def copy_bases(smem, sb, bases, ek, ev_, h, kv_heads, lane):
-        """Start copying K's part of epoch ``ek``'s bases and V's part of epoch ``ev_`` (head ``h``) into
-        shared memory: 16-byte ``cp.async`` copies in the first stages' group, no registers held."""
-        row = u64(KW + VW) * u64(4)
-        gk = gaddr(bases, u64(u32(ek * kv_heads + h)) * row + u64(16 * lane))
-        gv = gaddr(bases, u64(u32(ev_ * kv_heads + h)) * row + u64(4 * KW + 16 * lane))
-        for k in range(-(-KCH // WARP)):
-            if lane + WARP * k < KCH:
-                cp16(smem, u32(sb + 16 * lane + 512 * k), bases, gk + 512 * k)
-        for k in range(-(-VCH // WARP)):
-            if lane + WARP * k < VCH:
-                cp16(smem, u32(sb + 4 * KW + 16 * lane + 512 * k), bases, gv + 512 * k)
+    def load_bases(bases, kind, e, ne, h, kv_heads, lane, words):
+        """This lane's words of epoch ``e``'s base rows of ``kind`` and head ``h`` into ``words`` (``ne`` = the
+        larger epoch count of K and V); :func:`store_bases` puts them in shared memory after the first stages'
+        copies are issued: loaded after the copies, they came back after them (v13's prologue)."""
+        src = u32(((kind * ne + e) * kv_heads + h) * KIND_BASE)
+        for k in range(KIND_PER_LANE):
+            words[kind * KIND_PER_LANE + k] = bases[u32(src + lane + WARP * k)]
+
+    @device
+    def store_bases(smem, words, lane):
+        for kind in range(2):
+            for k in range(KIND_PER_LANE):
+                i = lane + WARP * k
+                smem[BASES // 4 + (kind * BASE_ROWS + i // PAIRS) * RS + i % PAIRS] = words[kind * KIND_PER_LANE + k]
 
     @device
     def checked_epoch(e, n, status):
@@ -1590,21 +1255,14 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
         nfull = i32(seq // L.BLOCK_TOKENS)
         tail_valid = i32(seq - nfull * L.BLOCK_TOKENS)
         hq = i32(kv_heads * g)
-        # Query fragments (B operand of q.k: column r = query head r of the group; columns >= g zero), in
-        # the channel order of the K fragments (natural for ldmatrix, C/4 q + 4 kk .. for the decoder's),
+        # Query fragments (B operand of q.k: column r = query head r of the group; columns >= g zero),
         # loaded with the block-table entries: they depend on the work item only.
         qb0 = cuda.local.array(NCHUNK, uint32)
         qb1 = cuda.local.array(NCHUNK, uint32)
         qrow = u32((b * hq + h * g + r) * (D // 2))
         for kk in range(NCHUNK):
-            if plain:
-                p0 = u32(qrow + 8 * kk + q)
-                p1 = u32(p0 + 4)
-            else:
-                p0 = u32(qrow + (C // 2) * (kk // (C // 16)) + (C // 8) * q + 2 * (kk % (C // 16)))
-                p1 = u32(p0 + 1)
-            qb0[kk] = u32(q32[p0]) if r < g else u32(0)
-            qb1[kk] = u32(q32[p1]) if r < g else u32(0)
+            qb0[kk] = u32(q32[u32(qrow + 8 * kk + q)]) if r < g else u32(0)
+            qb1[kk] = u32(q32[u32(qrow + 8 * kk + 4 + q)]) if r < g else u32(0)
 
         # Block-table entries of this split (K then V, T tiles each).  The loads depend on the work item
         # only (not on the sequence length, which would put a second round trip to memory before them)
@@ -1622,12 +1280,16 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
         ek = i32(epoch_k[u32(b * max_blocks + blk0)]) if not plain and blk0 < max_blocks else i32(0)
         ev_ = i32(epoch_v[u32(b * max_blocks + blk0)]) if not plain and blk0 < max_blocks else i32(0)
         tail_base = (b * kv_heads + h) * (L.BLOCK_TOKENS * D * 2)
+        bw0 = cuda.local.array(BASE_REGS, int32)
         if not plain:
+            ne = max(epochs_k, epochs_v)
             ek = checked_epoch(ek, epochs_k, status) if blk0 < nfull else i32(0)
             ev_ = checked_epoch(ev_, epochs_v, status) if blk0 < nfull else i32(0)
-            copy_bases(smem, sb, bases, ek, ev_, h, kv_heads, lane)
+            load_bases(bases, 0, ek, ne, h, kv_heads, lane, bw0)
+            load_bases(bases, 1, ev_, ne, h, kv_heads, lane, bw0)
         warp_sync(scr)
-        # The first stages' copies start as soon as the entries are in shared memory, in the bases' group.
+        # The first stages' copies start as soon as the entries are in shared memory, right behind the
+        # bases' loads above (the first decode waits for both; the bases are stored after the copies).
         if REFILL:                              # prologue: block blk0, K and V in copy groups of their own
             if blk0 < blk1:
                 issue_k(smem, sb, ents, 0, 0, blk0, nfull, slots_k, slot_bytes_k, raw_k, tail_k, tail_base,
@@ -1644,6 +1306,8 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
                 issue_v(smem, sb, ents, s, s, blk0 + s, nfull, slots_v, slot_bytes_v, raw_v, tail_v, tail_base,
                         tail_valid, lane, entry(ents, s, 1))
             cp_commit()
+        if not plain:
+            store_bases(smem, bw0, lane)
         acc = cuda.local.array(NACC, float32)
         for i in range(NACC):
             acc[i] = f32(0)
@@ -1652,14 +1316,12 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
         l0 = f32(0)
         l1 = f32(0)
         sc = cuda.local.array(8, float32)           # score accumulators (see qk_mma)
-        kf = cuda.local.array(FRAG, uint32)         # K fragments of one tile
-        vf = cuda.local.array(FRAG, uint32)         # V fragments of one tile
-        smw = cuda.local.array(NSM, uint32)         # decoder state
-        cw = cuda.local.array(NCW, uint32)
-        ev = cuda.local.array(NEV, uint32)
-        bw = cuda.local.array(NBW, uint32)
-        offs_k = cuda.local.array(4, int32)
-        offs_v = cuda.local.array(4, int32)
+        kf = cuda.local.array(KF_WORDS, uint32)      # K fragments of one tile
+        smw = cuda.local.array(SM_WORDS, uint32)     # decoder state (overlap path)
+        cw = cuda.local.array(CODE_ARRAY, uint32)
+        ev = cuda.local.array(GPL, uint32)
+        bw = cuda.local.array(BASE_WORDS, uint32)
+        warp_sync(scr)
 
         # 32-bit counters: numba's int64 loop arithmetic and `i % NS` cost ~60 instructions a block.
         st = i32(NS - 1)                        # stage of block i - 1 (that of block i + NS - 1)
@@ -1698,44 +1360,53 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
             for c in range(8):
                 sc[c] = f32(0)
             if overlap and not is_tail and ek_c >= 0 and ev_c >= 0:
-                # Both tiles compressed: one escape prefix; K decoded; then the V tile's reads, the q.k
+                # Both tiles compressed: one escape scan; K decoded; then the V tile's reads, the q.k
                 # MMAs, the softmax and the V decode in one straight-line region.
                 src_k = u32(sb + STG + 2 * st * SB)
                 src_v = u32(src_k + SB)
+                base_k = u32(sb + BASES + C * (lane >> 4))
+                base_v = u32(base_k + 4 * BASE_ROWS * RS)
+                dec = u32(sb + DEC)
+                tags_k, cnt_k = decode_tags(smem, src_k)
                 if REFILL:
-                    pre = row_prefix(smem, src_k, src_k, cap_k, cap_k, status, scr)
+                    off_k = escape_scan(cnt_k, scr)
                 else:
-                    pre = row_prefix(smem, src_k, src_v, cap_k, cap_v, status, scr)
-                decode_k(smem, sb, src_k, 0, pre, cap_k, kf, smw, cw, ev, bw, offs_k, scr)
+                    tags_v, cnt_v = decode_tags(smem, src_v)
+                    off_k, off_v = escape_scan2(cnt_k, cnt_v, scr)
+                decode_loads(smem, src_k, base_k, 4 * RS, tags_k, off_k, cap_k, smw, cw, ev, bw)
+                decode_compute(smem, dec, tags_k, smw, cw, ev, bw)
+                decode_fix(smem, src_k, dec, tags_k, off_k, cnt_k, cap_k, status)
+                warp_sync(scr)
                 if REFILL:
-                    warp_sync(scr)
                     refill_k(smem, sb, ents, i, blk, blk1, nfull, slots_k, slot_bytes_k, raw_k, tail_k, tail_base,
                              tail_valid, lane)
+                load_k_frags(smem, dec, kf, scr)
+                warp_sync(scr)                  # the V decode below overwrites the decode tile
+                if REFILL:
                     cp_wait()
                     warp_sync(scr)
-                    pre = row_prefix(smem, src_v, src_v, cap_v, cap_v, status, scr)
-                tags_v = v_runs(smem, src_v, pre, cap_v, offs_v, scr)
-                v_loads(smem, src_v, v_base(sb, 0), tags_v, offs_v, smw, cw, ev, bw)
+                    tags_v, cnt_v = decode_tags(smem, src_v)
+                    off_v = escape_scan(cnt_v, scr)
+                decode_loads(smem, src_v, base_v, 4 * RS, tags_v, off_v, cap_v, smw, cw, ev, bw)
                 qk_mma(kf, 0, qb0, qb1, sc, scr)
                 m0, m1, l0, l1, pb0, pb1, al0, al1 = softmax_update(sc, valid, r, m0, m1, l0, l1, scale_log2, scr)
-                v_compute(tags_v, smw, cw, ev, bw, vf)
-                v_fix(smem, src_v, tags_v, offs_v, vf)
+                decode_compute(smem, dec, tags_v, smw, cw, ev, bw)
+                decode_fix(smem, src_v, dec, tags_v, off_v, cnt_v, cap_v, status)
                 warp_sync(scr)
                 if REFILL:
                     refill_v(smem, sb, ents, i, blk, blk1, nfull, slots_v, slot_bytes_v, raw_v, tail_v, tail_base,
                              tail_valid, lane)
                 rescale(acc, al0, al1, scr)
-                pv_mma(vf, 0, pb0, pb1, acc, scr)
+                pv_mma(smem, dec, 0, pb0, pb1, acc, scr)
+                warp_sync(scr)
                 continue
             for j in range(T):
-                if plain:
-                    load_k_frags(smem, u32(sb + STG + (2 * st * T + j) * SB), kf, scr)
-                else:
-                    tile_frags(smem, sb, ents, i, st, 0, j, is_tail, raw_k, tail_k, tail_base + j * C * 2, tail_valid,
-                               cap_k, status, kf, smw, cw, ev, bw, offs_k, scr)
+                tile = tile_of(smem, sb, ents, i, st, 0, j, is_tail, raw_k, tail_k, tail_base + j * C * 2,
+                               tail_valid, cap_k, status, scr, True)
+                load_k_frags(smem, tile, kf, scr)
                 qk_mma(kf, j, qb0, qb1, sc, scr)
-            if REFILL:
                 warp_sync(scr)
+            if REFILL:
                 refill_k(smem, sb, ents, i, blk, blk1, nfull, slots_k, slot_bytes_k, raw_k, tail_k, tail_base,
                          tail_valid, lane)
             m0, m1, l0, l1, pb0, pb1, al0, al1 = softmax_update(sc, valid, r, m0, m1, l0, l1, scale_log2, scr)
@@ -1744,13 +1415,10 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
                 cp_wait()
                 warp_sync(scr)
             for j in range(T):
-                if plain:
-                    load_v_frags(smem, u32(sb + STG + ((2 * st + 1) * T + j) * SB), vf, scr)
-                else:
-                    tile_frags(smem, sb, ents, i, st, 1, j, is_tail, raw_v, tail_v, tail_base + j * C * 2, tail_valid,
-                               cap_v, status, vf, smw, cw, ev, bw, offs_v, scr)
-                pv_mma(vf, j, pb0, pb1, acc, scr)
-            warp_sync(scr)                      # this stage's reads are done before the next copies into it
+                tile = tile_of(smem, sb, ents, i, st, 1, j, is_tail, raw_v, tail_v, tail_base + j * C * 2,
+                               tail_valid, cap_v, status, scr, True)
+                pv_mma(smem, tile, j, pb0, pb1, acc, scr)
+                warp_sync(scr)
             if REFILL:
                 refill_v(smem, sb, ents, i, blk, blk1, nfull, slots_v, slot_bytes_v, raw_v, tail_v, tail_base,
                          tail_valid, lane)
