@@ -403,21 +403,6 @@ if not SIMULATOR:
         return _prmt(a, sel)
 
     @device
-    def shfl_idx(x, src, scr):
-        """Lane ``src``'s ``x`` (32-bit)."""
-        return u32(cuda.shfl_sync(0xFFFFFFFF, i32(x), i32(src)))
-
-    @device
-    def shfl_up(x, d, scr):
-        """Lane ``lane - d``'s ``x`` (this lane's own below ``d``)."""
-        return u32(cuda.shfl_up_sync(0xFFFFFFFF, i32(x), i32(d)))
-
-    @device
-    def shfl_xor(x, m, scr):
-        """Lane ``lane ^ m``'s ``x``."""
-        return u32(cuda.shfl_xor_sync(0xFFFFFFFF, i32(x), i32(m)))
-
-    @device
     def pack_bf16x2(lo, hi):
         """Two floats -> a BF16 pair (round to nearest even), ``lo`` in bits 0..15."""
         return _pack_bf16x2(lo, hi)
@@ -633,19 +618,6 @@ else:
         return u32(out & 0xFFFFFFFF)
 
     @device
-    def shfl_idx(x, src, scr):
-        return u32(_exchange(scr, u32(x))[8 * (int(src) & 31)])
-
-    @device
-    def shfl_up(x, d, scr):
-        area = _exchange(scr, u32(x))
-        return u32(area[8 * (_lane() - d)] if _lane() >= d else x)
-
-    @device
-    def shfl_xor(x, m, scr):
-        return u32(_exchange(scr, u32(x))[8 * (_lane() ^ int(m))])
-
-    @device
     def pack_bf16x2(lo, hi):
         return u32(_float_to_bf16(lo) | (_float_to_bf16(hi) << 16))
 
@@ -702,6 +674,14 @@ else:
 
 
 
+@device
+def escape_scan2(a, b, scr):
+    """Two exclusive escape scans in one: the counts packed in 16-bit halves (a tile needs at most
+    256 x 5 escape bytes, so the low half never carries into the high one)."""
+    x = escape_scan(i32(a | (b << 16)), scr)
+    return i32(x & 0xFFFF), i32(x >> 16)
+
+
 # ----------------------------------------------------------------------------------------------
 # Shared-memory layout (bytes).
 
@@ -722,10 +702,9 @@ def base_row_words(head_dim: int) -> int:
 
 
 def bases_bytes(head_dim: int) -> int:
-    """Shared bytes of the pre-shifted bases (:data:`BASE_ROWS` rows of :func:`k_base_row_words` for K, of
-    :func:`base_row_words` for V), rounded up to a :data:`LINE` so that the staging areas after them start
-    on one."""
-    return -(-4 * BASE_ROWS * (k_base_row_words(head_dim) + base_row_words(head_dim)) // LINE) * LINE
+    """Shared bytes of the pre-shifted bases (2 kinds x :data:`BASE_ROWS` rows of :func:`base_row_words`),
+    rounded up to a :data:`LINE` so that the staging areas after them start on one."""
+    return -(-4 * 2 * BASE_ROWS * base_row_words(head_dim) // LINE) * LINE
 
 
 def smem_bytes(channels: int, tph: int, nstage: int, plain: bool, stage_bytes: int) -> int:
@@ -907,191 +886,6 @@ def _decode_tile_fn(channels: int):
     return decode, decode_tags, decode_loads, decode_compute, decode_fix, (SM_WORDS, CODE_ARRAY, GPL, BASE_WORDS)
 
 
-def k_base_row_words(head_dim: int) -> int:
-    """Words of one of K's pre-shifted base rows in shared memory: the D/2 pair words in 16-byte chunks,
-    chunk ``j`` at ``j + j // 8``, so that the 8 lanes of a phase of :func:`_k_frag_fn`'s reads (chunks
-    ``4q + g`` of lanes q = 0..3, two rows) fall in 8 bank groups; an odd number of chunks a row, so that
-    the rows of the three modes start in different ones."""
-    chunks = head_dim // 8 + (head_dim // 8 - 1) // 8
-    return 4 * (chunks + 1 - chunks % 2)
-
-
-@device
-def escape_count(tags):
-    """Escape bytes of the groups whose 2-bit tags ``tags`` holds: 1 a 4-bit group, 5 a raw one."""
-    return i32(popc(tags & 0x55555555) + 5 * popc(tags & 0xAAAAAAAA))
-
-
-@device
-def escape_scan_kv(ck, cv, scr):
-    """One scan for the escape offsets of a block's K and V tiles: ``ck`` = the escape bytes of this lane's
-    two K runs (bits 0..9: row r, 10..19: row r + 8; see :func:`_k_frag_fn`), ``cv`` = of its V groups
-    (row t, half h of lane ``t + 16h``: :func:`_decode_tile_fn`).  Returns the first escape byte of each
-    K run and of the V groups.
-
-    K's runs are in lane order (run 0 of lane l is the l-th quarter row, run 1 the (32 + l)-th), so a
-    32-lane prefix of ``ck | cv << 20`` gives them (fields of 10, 10 and 11 bits never carry: at most
-    32 x 20 and 32 x 40 bytes).  V's order is 2t + h; from the lane-order prefix P of its counts, lane t
-    (h = 0) starts at P(t) + P(16 + t) - P(16), lane 16 + t at that plus its partner's count."""
-    lane = lane_id()
-    x = u32(ck | (cv << 20))
-    incl = x
-    for d in (1, 2, 4, 8, 16):
-        v = shfl_up(incl, d, scr)
-        if lane >= d:
-            incl = u32(incl + v)
-    excl = u32(incl - x)
-    tot = shfl_idx(incl, 31, scr)
-    p16 = shfl_idx(excl, 16, scr) >> 20
-    mine = excl >> 20
-    other = shfl_xor(mine if lane >= 16 else incl >> 20, 16, scr)   # lane 16 + t needs P(t) + c(t, 0)
-    off_v = i32(mine + other - p16)
-    return i32(excl & 0x3FF), i32((tot & 0x3FF) + ((excl >> 10) & 0x3FF)), off_v
-
-
-@functools.lru_cache(maxsize=None)
-def _k_frag_fn(channels: int, head_dim: int):
-    """Device functions that decode a staged K slot straight into the A fragments of ``q.k`` (no decoded
-    tile in shared memory, no ``ldmatrix``): ``k_tags``, ``k_loads``, ``k_compute`` (the fragments),
-    ``k_fix`` (raw groups, format checks); last, the sizes of the loads' local arrays.
-
-    Lane ``4r + q`` owns whole groups: rows r and r + 8, channels ``C/4 q .. C/4 q + C/4`` (a *run* of
-    ``C/32`` groups in each row), and chunk ``kk`` of the MMA's k dimension is channels ``C/4 q + 4 kk``
-    .. +3.  The dot product does not care about the order of the channels; the query follows it.  The
-    words are those of :func:`_decode_tile_fn` (pairs of channels of one token); only where they go
-    differs.  V keeps the decoded tile: its A fragments pair tokens, not channels."""
-    C, D = channels, head_dim
-    geo = L.TileGeometry(C)
-    GK = C // 32                         # groups of a run
-    CODE_OFF, TAG_OFF, ESC_OFF = geo.code_offset, geo.tag_offset, geo.escape_offset
-    ROW_CODE = 3 * C // 8                # code bytes of a row
-    RS = k_base_row_words(D)
-    K_EVEN = (1 << 7) | (1 << 20)        # codes at bits 0-2, 3-5 of a 12-bit field -> bits 7, 23
-    K_ODD = (1 << 1) | (1 << 14)         # codes at bits 6-8, 9-11 -> bits 7, 23
-    KSM = 2 * GK                         # sign+mantissa words of a run
-    KCW = 3 if C == 128 else 2           # code words of a run (C=128: 12 aligned bytes)
-    SIZES = (2 * KSM, 2 * KCW, 2 * GK, 8 * GK)
-
-    @device
-    def k_tags(smem, src):
-        """This lane's runs' mode tags (run i in bits 8i..) and escape bytes (run i in bits 10i..)."""
-        lane = lane_id()
-        q = lane & 3
-        tags = u32(0)
-        cnt = u32(0)
-        for i in range(2):
-            t = u32((lane >> 2) + 8 * i)
-            if C == 128:
-                run = u32((lds(smem, u32(src + TAG_OFF + 4 * t)) >> (8 * q)) & 0xFF)
-            else:
-                run = u32((lds(smem, u32(src + TAG_OFF + 4 * (t >> 1))) >> (16 * (t & 1) + 4 * q)) & 0xF)
-            tags = u32(tags | (run << (8 * i)))
-            cnt = u32(cnt | (u32(escape_count(run)) << (10 * i)))
-        return tags, cnt
-
-    @device
-    def k_loads(smem, src, kbase, tags, off0, off1, cap, smw, cw, ev, bw):
-        """Every shared-memory read of this lane's groups, issued back to back: sign+mantissa words, code
-        words, each group's first escape byte (runs from ``off0``, ``off1``, clamped to ``cap``), base pair
-        words (``kbase``: the b3 chunk of its first group)."""
-        lane = lane_id()
-        q = lane & 3
-        esc = u32(src + ESC_OFF)
-        for i in range(2):
-            t = u32((lane >> 2) + 8 * i)
-            if C == 128:
-                for k in range(2):
-                    c = u32(8 * t + ((2 * q + k) ^ (t & 7)))       # the staging swizzle c ^ ((c >> 3) & 7)
-                    w0, w1, w2, w3 = lds4(smem, u32(src + 16 * c))
-                    smw[KSM * i + 4 * k], smw[KSM * i + 4 * k + 1] = w0, w1
-                    smw[KSM * i + 4 * k + 2], smw[KSM * i + 4 * k + 3] = w2, w3
-                code = u32(src + CODE_OFF + ROW_CODE * t + 12 * q)
-                for k in range(3):
-                    cw[3 * i + k] = lds(smem, u32(code + 4 * k))
-            else:
-                c = u32(4 * t + q)
-                w0, w1, w2, w3 = lds4(smem, u32(src + 16 * (c ^ ((t >> 1) & 3))))
-                smw[KSM * i], smw[KSM * i + 1], smw[KSM * i + 2], smw[KSM * i + 3] = w0, w1, w2, w3
-                code = u32((src + CODE_OFF + ROW_CODE * t + 6 * q) & ~u32(3))
-                cw[2 * i] = lds(smem, code)
-                cw[2 * i + 1] = lds(smem, u32(code + 4))
-            pos = min(off1 if i else off0, i32(cap))
-            for g in range(GK):
-                m = u32((tags >> (8 * i + 2 * g)) & 3)
-                ev[i * GK + g] = lds_u8(smem, u32(esc + pos))      # read for 3-bit groups too, then dropped
-                pos = i32(pos + m + 3 * (m >> 1))
-                b0, b1, b2, b3 = lds4(smem, u32(kbase + m * (4 * RS) + 16 * g))
-                k = 4 * (i * GK + g)
-                bw[k], bw[k + 1], bw[k + 2], bw[k + 3] = b0, b1, b2, b3
-
-    @device
-    def k_compute(tags, smw, cw, ev, bw, kf):
-        """The fragment words: pair ``p`` of group ``g`` of run ``i`` is ``kf[4 (2g + p // 2) + 2 (p % 2) + i]``.
-        Raw groups get exponent bits 0..3 here, 4..7 in :func:`k_fix`."""
-        sh = u32(16 * (lane_id() & 1))                   # C=64: a run starts at byte 6q of its row
-        for i in range(2):
-            for g in range(GK):
-                if C == 128:
-                    bit = 24 * g
-                    y = u32(cw[3 * i + bit // 32] >> (bit % 32))
-                    if bit % 32 > 8:
-                        y = u32(y | (cw[3 * i + bit // 32 + 1] << (32 - bit % 32)))
-                else:
-                    y = u32(u64(u64((u64(cw[2 * i + 1]) << u64(32)) | u64(cw[2 * i])) >> u64(sh)) >> u64(24 * g))
-                y_lo = u32(y & 0xFFF)
-                y_hi = u32((y >> 12) & 0xFFF)
-                k = i * GK + g
-                sp = ev[k] if (tags >> (8 * i + 2 * g)) & 3 else u32(0)
-                s0 = smw[KSM * i + 2 * g]
-                s1 = smw[KSM * i + 2 * g + 1]
-                o = 8 * g + i
-                kf[o] = u32((prmt(s0, 0x1100) & 0x807F807F) | u32(((y_lo * K_EVEN) & 0x03800380) + bw[4 * k]
-                                                                   + escape_pair(sp, 0)))
-                kf[o + 2] = u32((prmt(s0, 0x3322) & 0x807F807F) | u32(((y_lo * K_ODD) & 0x03800380) + bw[4 * k + 1]
-                                                                       + escape_pair(sp, 1)))
-                kf[o + 4] = u32((prmt(s1, 0x1100) & 0x807F807F) | u32(((y_hi * K_EVEN) & 0x03800380) + bw[4 * k + 2]
-                                                                       + escape_pair(sp, 2)))
-                kf[o + 6] = u32((prmt(s1, 0x3322) & 0x807F807F) | u32(((y_hi * K_ODD) & 0x03800380) + bw[4 * k + 3]
-                                                                       + escape_pair(sp, 3)))
-
-    @device
-    def planes(smem, at):
-        """Bit planes 1..4 of a raw group (escape bytes ``at + 1 .. at + 4``) as ``p4 | p3 << 8 | p2 << 16 |
-        p1 << 24``, for :func:`high_bits`."""
-        return u32(lds_u8(smem, u32(at + 4)) | (lds_u8(smem, u32(at + 3)) << 8) | (lds_u8(smem, u32(at + 2)) << 16)
-                   | (lds_u8(smem, u32(at + 1)) << 24))
-
-    @device
-    def high_bits(pw, e, half):
-        """Exponent bits 4..7 of element ``e`` of a raw group (:func:`planes`) at bits 11..14 of a BF16 pair
-        word's ``half``: bits e, 8+e, 16+e, 24+e gathered into bits 24..27 by one multiply (its four shifted
-        copies of each bit never meet, so there are no carries)."""
-        nib = u32(mul_lo(u32((pw >> e) & 0x01010101), 0x08040201) >> 24)
-        return u32((nib & 0xF) << (11 + 16 * half))
-
-    @device
-    def k_fix(smem, src, tags, cnt, off0, off1, cap, kf, status):
-        """The rare part: format checks (status word) and exponent bits 4..7 of raw groups (about 0.3% of K's
-        groups), added to their words (the exponent field has no carry out: a raw group's bits 0..3 are all
-        it holds so far)."""
-        if off1 + i32(cnt >> 10) > cap:
-            cuda.atomic.or_(status, 0, STATUS_BAD_ESCAPES)
-        if tags & (tags >> 1) & 0x5555:
-            cuda.atomic.or_(status, 0, STATUS_BAD_TAG)
-        if tags & 0xAAAA:
-            esc = u32(src + ESC_OFF)
-            for i in range(2):
-                for g in range(GK):
-                    if (tags >> (8 * i + 2 * g + 1)) & 1:
-                        first = min(off1 if i else off0, i32(cap))
-                        pw = planes(smem, u32(esc + first + escape_count((tags >> (8 * i)) & ((1 << 2 * g) - 1))))
-                        for p in range(4):
-                            o = 8 * g + i + 2 * p
-                            kf[o] = u32(kf[o] + (high_bits(pw, 2 * p, 0) | high_bits(pw, 2 * p + 1, 1)))
-
-    return k_tags, k_loads, k_compute, k_fix, SIZES
-
-
 def _stage_slot_fn(channels: int, max_bytes: int):
     """Device function ``stage_slot(smem, dst, entry, slots, slot_bytes, lane)``: start copying slot
     ``entry`` (of at most ``max_bytes``) to the staging area at byte ``dst``, sign+mantissa chunk ``c``
@@ -1122,21 +916,12 @@ def _stage_slot_fn(channels: int, max_bytes: int):
     return stage_slot
 
 
-@device
-def k_base_word(i, pairs, rs_k):
-    """Shared-memory word (from K's first base row) of word ``i`` of K's pair-word rows (``pairs`` a row)."""
-    row, p = i // pairs, i % pairs
-    return row * rs_k + 4 * (p // 4 + p // 32) + p % 4
-
-
 def decode_check_kernel(channels: int, slot_bytes: int):
-    """Stage and decode slots exactly as the attention kernel does, as K (into fragments) and as V (into the
-    decoded tile), and write the BF16 tiles out.
+    """Stage and decode slots exactly as the attention kernel does and write the BF16 tiles out.
 
     For the decoder's bit-exact tests against the reference codec: grid = one warp per slot;
     ``slots`` uint8 ``[n*slot_bytes]``, ``bases`` int32 ``[3*C/2]`` (pair-word rows b3, b4, 0 of
-    one tile), ``cap``; out ``tiles`` int32 ``[2, n, 16*C/2]`` (BF16 pairs: as K, as V) and ``status``
-    int32 ``[1]``.
+    one tile), ``cap``; out ``tiles`` int32 ``[n*16*C/2]`` (BF16 pairs) and ``status`` int32 ``[1]``.
     """
     C = channels
     ROWB = row_bytes(C)
@@ -1144,15 +929,11 @@ def decode_check_kernel(channels: int, slot_bytes: int):
     STAGE = -(-slot_bytes // 16) * 16
     PAIRS = C // 2
     RS = base_row_words(C)
-    RSK = k_base_row_words(C)
-    VB = 4 * BASE_ROWS * RSK            # V's rows after K's (the reserved tag reads the row after a kind's)
-    BASE_BYTES = bases_bytes(C)
+    BASE_BYTES = 4 * BASE_ROWS * RS     # the bases first: the reserved tag reads the row after them
     SMEM_WORDS = (BASE_BYTES + STAGE + TB) // 4
-    _, decode_tags, decode_loads, decode_compute, decode_fix, (VSM, VCW, VEV, VBW) = _decode_tile_fn(C)
-    k_tags, k_loads, k_compute, k_fix, (NSM, NCW, NEV, NBW) = _k_frag_fn(C, C)
+    decode = _decode_tile_fn(C)[0]
     stage_slot = _stage_slot_fn(C, slot_bytes)
     wait_all = cp_wait_fn(0)
-    HALF = L.BLOCK_TOKENS * PAIRS
 
     @cuda.jit
     def kernel(slots, bases, cap, tiles, status):
@@ -1162,44 +943,17 @@ def decode_check_kernel(channels: int, slot_bytes: int):
         sb = smem_base(smem)
         n = i32(cuda.blockIdx.x)
         lane = lane_id()
-        r = i32(lane >> 2)
-        q = i32(lane & 3)
         for i in range(lane, BASE_ROWS * PAIRS, WARP):
-            smem[k_base_word(i, PAIRS, RSK)] = bases[i]
-            smem[VB // 4 + (i // PAIRS) * RS + i % PAIRS] = bases[i]
-        src = u32(sb + BASE_BYTES)
-        stage_slot(smem, src, n, slots, slot_bytes, lane)
+            smem[(i // PAIRS) * RS + i % PAIRS] = bases[i]
+        stage_slot(smem, u32(sb + BASE_BYTES), n, slots, slot_bytes, lane)
         cp_commit()
         wait_all()
         warp_sync(scr)
-        tags, ck = k_tags(smem, src)
-        tags_v, cnt_v = decode_tags(smem, src)
-        off0, off1, off_v = escape_scan_kv(ck, cnt_v, scr)      # the slot as K and as V: one scan, as in a block
-        smw = cuda.local.array(NSM, uint32)
-        cw = cuda.local.array(NCW, uint32)
-        ev = cuda.local.array(NEV, uint32)
-        bw = cuda.local.array(NBW, uint32)
-        kf = cuda.local.array(C // 4, uint32)
-        kc = (C // 32) * q
-        k_loads(smem, src, u32(sb + 16 * (kc + (kc >> 3))), tags, off0, off1, cap, smw, cw, ev, bw)
-        k_compute(tags, smw, cw, ev, bw, kf)
-        k_fix(smem, src, tags, ck, off0, off1, cap, kf, status)
-        for kk in range(C // 16):          # word 4 kk + 2 p + i: row r + 8 i, channels C/4 q + 4 kk + 2 p, +1
-            for w in range(4):
-                at = n * HALF + (r + 8 * (w & 1)) * PAIRS + (C // 8) * q + 2 * kk + (w >> 1)
-                tiles[at] = i32(kf[4 * kk + w])
-        dec = u32(sb + BASE_BYTES + STAGE)
-        smv = cuda.local.array(VSM, uint32)
-        cwv = cuda.local.array(VCW, uint32)
-        evv = cuda.local.array(VEV, uint32)
-        bwv = cuda.local.array(VBW, uint32)
-        decode_loads(smem, src, u32(sb + VB + C * (lane >> 4)), 4 * RS, tags_v, off_v, cap, smv, cwv, evv, bwv)
-        decode_compute(smem, dec, tags_v, smv, cwv, evv, bwv)
-        decode_fix(smem, src, dec, tags_v, off_v, cnt_v, cap, status)
+        decode(smem, u32(sb + BASE_BYTES), u32(sb + BASE_BYTES + STAGE), u32(sb + C * (lane >> 4)), 4 * RS, cap, status,
+               scr)
         warp_sync(scr)
-        for i in range(lane, HALF, WARP):
-            tiles[(cuda.gridDim.x + n) * HALF + i] = i32(smem[(BASE_BYTES + STAGE + (i // PAIRS) * ROWB) // 4
-                                                               + i % PAIRS])
+        for i in range(lane, L.BLOCK_TOKENS * PAIRS, WARP):
+            tiles[n * L.BLOCK_TOKENS * PAIRS + i] = i32(smem[(BASE_BYTES + STAGE + (i // PAIRS) * ROWB) // 4 + i % PAIRS])
     return kernel
 
 
@@ -1267,9 +1021,7 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
     STG = 0 if plain else bases_bytes(D)
     DEC = STG + NS * 2 * T * SB
     PAIRS = D // 2                      # base pair words per row of one kind
-    RS = base_row_words(D)              # words per base row of V in shared memory
-    RSK = k_base_row_words(D)           # of K (K's rows first, then V's)
-    VB = BASES + 4 * BASE_ROWS * RSK
+    RS = base_row_words(D)              # words per base row in shared memory
     SMEM_WORDS = smem_bytes(C, T, NS, plain, SB) // 4
     NENT = MAX_BLOCKS_PER_SPLIT * 2 * T
     KIND_BASE = BASE_ROWS * PAIRS       # base words of one kind, one head, one epoch
@@ -1278,7 +1030,6 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
     TILE_BYTES = L.BLOCK_TOKENS * C * 2
     decode, decode_tags, decode_loads, decode_compute, decode_fix, SIZES = _decode_tile_fn(C)
     SM_WORDS, CODE_ARRAY, GPL, BASE_WORDS = SIZES
-    k_tags, k_loads, k_compute, k_fix, (KSM, KCW, KEV, KBW) = _k_frag_fn(C, D)
     stage_slot = _stage_slot_fn(C, SB)
     REFILL = NS == 1                    # one area per kind, refilled as soon as it is read (see refill_fn)
     cp_wait = cp_wait_fn(1 if REFILL else NS - 1)
@@ -1358,7 +1109,7 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
     @device
     def tile_of(smem, sb, ents, i, st, kind, j, is_tail, raw, tail, tail_byte, tail_valid, cap, status, scr, sync):
         """Byte address of the BF16 tile (kind, j) of the block in stage ``st``: the staged tile (plain),
-        or (V) the decode tile after decoding the slot / loading the raw tile or tail into it (ready
+        or the kind's decode tile after decoding the slot / loading the raw tile or tail into it (ready
         after a warp barrier: this one if ``sync``)."""
         src = u32(sb + STG + ((st * 2 + kind) * T + j) * SB)
         if plain:
@@ -1368,7 +1119,7 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
         if is_tail or e < 0:
             copy_bf16_tile(smem, dec, is_tail, e, raw, tail, tail_byte, tail_valid, lane_id(), True)
         elif do_decode:
-            base = u32(sb + VB + 4 * (j * (C // 2)) + C * (lane_id() >> 4))
+            base = u32(sb + BASES + 4 * (kind * BASE_ROWS * RS + j * (C // 2)) + C * (lane_id() >> 4))
             decode(smem, src, dec, base, 4 * RS, cap, status, scr)
             if variant == DECODE_TWICE:
                 warp_sync(scr)
@@ -1378,61 +1129,6 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
         if sync:
             warp_sync(scr)
         return dec
-
-    @device
-    def k_from_bf16(arr, byte, stride, valid, kf):
-        """K fragments of a raw tile or the tail (global memory, row 0 at ``byte``, rows ``stride`` bytes
-        apart, rows at or after ``valid`` zero) in the decoder's order (:func:`_k_frag_fn`): every load
-        before the first use, one round trip."""
-        lane = lane_id()
-        g0 = gaddr(arr, byte) + i32((C // 2) * (lane & 3))
-        for i in range(2):
-            t = i32((lane >> 2) + 8 * i)
-            keep = u32(0xFFFFFFFF) if t < valid else u32(0)
-            for k in range(C // 32):
-                w0, w1, w2, w3 = ldg4(arr, g0 + i32(t * stride + 16 * k))
-                o = 8 * k + i
-                kf[o], kf[o + 2], kf[o + 4], kf[o + 6] = (u32(w0 & keep), u32(w1 & keep), u32(w2 & keep),
-                                                          u32(w3 & keep))
-
-    @device
-    def decode_k(smem, sb, src, j, tags, ck, off0, off1, cap, kf, smw, cw, ev, bw, status):
-        """K tile j's fragments from its staged slot (``tags``, ``ck``: :func:`k_tags`; ``off0``, ``off1``:
-        :func:`escape_scan_kv`).  NO_DECODE: the reads only, one XOR a word instead of the arithmetic;
-        DECODE_TWICE: the arithmetic twice, the second run depending on the first through a zero the
-        compiler cannot see (``threadIdx.x >> 5``), so that neither is merged away."""
-        kc = u32(j * (C // 8) + (C // 32) * (lane_id() & 3))
-        kbase = u32(sb + BASES + 16 * (kc + (kc >> 3)))
-        if variant == NO_DECODE:
-            k_loads(smem, src, kbase, u32(0), i32(0), i32(0), cap, smw, cw, ev, bw)
-            for x in range(KF_WORDS):
-                kf[x] = u32(smw[x % KSM] ^ bw[x % KBW])
-            return
-        k_loads(smem, src, kbase, tags, off0, off1, cap, smw, cw, ev, bw)
-        k_compute(tags, smw, cw, ev, bw, kf)
-        if variant == DECODE_TWICE:
-            z = u32(cuda.threadIdx.x >> 5)
-            for x in range(KSM):
-                smw[x] = u32(smw[x] ^ (kf[x] & z))
-            k_compute(tags, smw, cw, ev, bw, kf)
-        k_fix(smem, src, tags, ck, off0, off1, cap, kf, status)
-
-    @device
-    def k_frags(smem, sb, ents, i, st, j, is_tail, raw, tail, tail_byte, tail_valid, cap, status, kf, smw, cw, ev,
-                bw, scr):
-        """K tile j's fragments (compressed kernel): decoded from its slot, or loaded from its raw tile or
-        the tail."""
-        src = u32(sb + STG + (2 * st * T + j) * SB)
-        e = i32(-1) if is_tail else ents[u32(i * 2 * T + j)]
-        if is_tail or e < 0:
-            if is_tail:
-                k_from_bf16(tail, tail_byte, 2 * D, tail_valid, kf)
-            else:
-                k_from_bf16(raw, (e & 0x7FFFFFFF) * TILE_BYTES, 2 * C, i32(L.BLOCK_TOKENS), kf)
-            return
-        tags, ck = k_tags(smem, src)
-        off0, off1, _ = escape_scan_kv(ck, u32(0), scr)
-        decode_k(smem, sb, src, j, tags, ck, off0, off1, cap, kf, smw, cw, ev, bw, status)
 
     @device
     def load_k_frags(smem, tile, kf, scr):
@@ -1521,10 +1217,7 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
         for kind in range(2):
             for k in range(KIND_PER_LANE):
                 i = lane + WARP * k
-                if kind == 0:
-                    smem[BASES // 4 + k_base_word(i, PAIRS, RSK)] = words[k]
-                else:
-                    smem[VB // 4 + (i // PAIRS) * RS + i % PAIRS] = words[KIND_PER_LANE + k]
+                smem[BASES // 4 + (kind * BASE_ROWS + i // PAIRS) * RS + i % PAIRS] = words[kind * KIND_PER_LANE + k]
 
     @device
     def checked_epoch(e, n, status):
@@ -1568,14 +1261,8 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
         qb1 = cuda.local.array(NCHUNK, uint32)
         qrow = u32((b * hq + h * g + r) * (D // 2))
         for kk in range(NCHUNK):
-            if plain:                           # ldmatrix's channel order
-                p0 = u32(qrow + 8 * kk + q)
-                p1 = u32(p0 + 4)
-            else:                               # the decoder's (_k_frag_fn)
-                p0 = u32(qrow + (C // 2) * (kk // (C // 16)) + (C // 8) * q + 2 * (kk % (C // 16)))
-                p1 = u32(p0 + 1)
-            qb0[kk] = u32(q32[p0]) if r < g else u32(0)
-            qb1[kk] = u32(q32[p1]) if r < g else u32(0)
+            qb0[kk] = u32(q32[u32(qrow + 8 * kk + q)]) if r < g else u32(0)
+            qb1[kk] = u32(q32[u32(qrow + 8 * kk + 4 + q)]) if r < g else u32(0)
 
         # Block-table entries of this split (K then V, T tiles each).  The loads depend on the work item
         # only (not on the sequence length, which would put a second round trip to memory before them)
@@ -1677,19 +1364,25 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
                 # MMAs, the softmax and the V decode in one straight-line region.
                 src_k = u32(sb + STG + 2 * st * SB)
                 src_v = u32(src_k + SB)
-                base_v = u32(sb + VB + C * (lane >> 4))
+                base_k = u32(sb + BASES + C * (lane >> 4))
+                base_v = u32(base_k + 4 * BASE_ROWS * RS)
                 dec = u32(sb + DEC)
-                tags_k, ck = k_tags(smem, src_k)
+                tags_k, cnt_k = decode_tags(smem, src_k)
                 if REFILL:
-                    off0, off1, _ = escape_scan_kv(ck, u32(0), scr)
+                    off_k = escape_scan(cnt_k, scr)
                 else:
                     tags_v, cnt_v = decode_tags(smem, src_v)
-                    off0, off1, off_v = escape_scan_kv(ck, u32(cnt_v), scr)
-                decode_k(smem, sb, src_k, 0, tags_k, ck, off0, off1, cap_k, kf, smw, cw, ev, bw, status)
+                    off_k, off_v = escape_scan2(cnt_k, cnt_v, scr)
+                decode_loads(smem, src_k, base_k, 4 * RS, tags_k, off_k, cap_k, smw, cw, ev, bw)
+                decode_compute(smem, dec, tags_k, smw, cw, ev, bw)
+                decode_fix(smem, src_k, dec, tags_k, off_k, cnt_k, cap_k, status)
+                warp_sync(scr)
                 if REFILL:
-                    warp_sync(scr)
                     refill_k(smem, sb, ents, i, blk, blk1, nfull, slots_k, slot_bytes_k, raw_k, tail_k, tail_base,
                              tail_valid, lane)
+                load_k_frags(smem, dec, kf, scr)
+                warp_sync(scr)                  # the V decode below overwrites the decode tile
+                if REFILL:
                     cp_wait()
                     warp_sync(scr)
                     tags_v, cnt_v = decode_tags(smem, src_v)
@@ -1708,14 +1401,12 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
                 warp_sync(scr)
                 continue
             for j in range(T):
-                if plain:
-                    load_k_frags(smem, u32(sb + STG + (2 * st * T + j) * SB), kf, scr)
-                else:
-                    k_frags(smem, sb, ents, i, st, j, is_tail, raw_k, tail_k, tail_base + j * C * 2, tail_valid, cap_k,
-                            status, kf, smw, cw, ev, bw, scr)
+                tile = tile_of(smem, sb, ents, i, st, 0, j, is_tail, raw_k, tail_k, tail_base + j * C * 2,
+                               tail_valid, cap_k, status, scr, True)
+                load_k_frags(smem, tile, kf, scr)
                 qk_mma(kf, j, qb0, qb1, sc, scr)
-            if REFILL:
                 warp_sync(scr)
+            if REFILL:
                 refill_k(smem, sb, ents, i, blk, blk1, nfull, slots_k, slot_bytes_k, raw_k, tail_k, tail_base,
                          tail_valid, lane)
             m0, m1, l0, l1, pb0, pb1, al0, al1 = softmax_update(sc, valid, r, m0, m1, l0, l1, scale_log2, scr)
