@@ -1033,12 +1033,6 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
     stage_slot = _stage_slot_fn(C, SB)
     REFILL = NS == 1                    # one area per kind, refilled as soon as it is read (see refill_fn)
     cp_wait = cp_wait_fn(1 if REFILL else NS - 1)
-    # Two stages: block i+1's copies are waited for right after block i anyway, so the overlap path waits for
-    # them before block i's p.v and runs block i+1's mode tags and escape scan there, in the shadow of the
-    # MMAs, instead of on the dependent chain at the start of block i+1 (v17's profile: 12.5% of the warp
-    # stall samples in that chain).
-    SCAN_AHEAD = overlap and NS == 2
-    cp_wait_all = cp_wait_fn(0)
     do_decode = not plain and variant in (FULL, DECODE_TWICE)
     do_math = variant != LOAD_ONLY
 
@@ -1331,13 +1325,6 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
 
         # 32-bit counters: numba's int64 loop arithmetic and `i % NS` cost ~60 instructions a block.
         st = i32(NS - 1)                        # stage of block i - 1 (that of block i + NS - 1)
-        ready = False                           # SCAN_AHEAD: block i's tags and escape offsets are known
-        tags_k = u32(0)
-        tags_v = u32(0)
-        cnt_k = i32(0)
-        cnt_v = i32(0)
-        off_k = i32(0)
-        off_v = i32(0)
         for i in range(i32(blk1 - blk0)):
             blk = i32(blk0 + i)
             ahead = i32(i + (NS - 1))
@@ -1380,11 +1367,10 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
                 base_k = u32(sb + BASES + C * (lane >> 4))
                 base_v = u32(base_k + 4 * BASE_ROWS * RS)
                 dec = u32(sb + DEC)
+                tags_k, cnt_k = decode_tags(smem, src_k)
                 if REFILL:
-                    tags_k, cnt_k = decode_tags(smem, src_k)
                     off_k = escape_scan(cnt_k, scr)
-                elif not ready:
-                    tags_k, cnt_k = decode_tags(smem, src_k)
+                else:
                     tags_v, cnt_v = decode_tags(smem, src_v)
                     off_k, off_v = escape_scan2(cnt_k, cnt_v, scr)
                 decode_loads(smem, src_k, base_k, 4 * RS, tags_k, off_k, cap_k, smw, cw, ev, bw)
@@ -1410,17 +1396,6 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
                 if REFILL:
                     refill_v(smem, sb, ents, i, blk, blk1, nfull, slots_v, slot_bytes_v, raw_v, tail_v, tail_base,
                              tail_valid, lane)
-                ready = False
-                if SCAN_AHEAD and blk + 1 < min(blk1, nfull) and entry(ents, i + 1, 0) >= 0 and \
-                        entry(ents, i + 1, 1) >= 0:
-                    cp_wait_all()
-                    warp_sync(scr)
-                    src_k = u32(sb + STG + 2 * (1 - st) * SB)       # the other stage: block i + 1's
-                    src_v = u32(src_k + SB)
-                    tags_k, cnt_k = decode_tags(smem, src_k)
-                    tags_v, cnt_v = decode_tags(smem, src_v)
-                    off_k, off_v = escape_scan2(cnt_k, cnt_v, scr)
-                    ready = True
                 rescale(acc, al0, al1, scr)
                 pv_mma(smem, dec, 0, pb0, pb1, acc, scr)
                 warp_sync(scr)
