@@ -561,6 +561,59 @@ def ncu_target(cache, cfg):
     torch.cuda.synchronize()
 
 
+def timeline(cache, hq, batch, ctx, cfg, runs=5):
+    """When each split starts and ends inside one launch of the attention kernel (variant ``timeline``: the
+    full kernel writing ``%globaltimer`` at its start and end over its partial output), and which splits
+    hold raw tiles: how much of the kernel's time is its last splits' (the wave's tail).  Times in us from
+    the launch's first start; medians over ``runs`` launches."""
+    view = cache.view(batch, ctx)
+    plan = AttentionPlan(view, hq, variant="timeline", **cfg)
+    q = torch.zeros((batch, hq, cache.d), dtype=torch.int16, device=DEV)
+    work = plan._work.cpu().numpy().reshape(-1, 3) if not SIM else plan._work.reshape(-1, 3)
+    hk, g, d = cache.kv_heads, plan.g, cache.d
+    raws = np.zeros((len(work), hk, 2), np.int64)
+    for kind in range(2):
+        tab = view.table[kind].cpu().numpy() if not SIM else view.table[kind]
+        for w, (b, a, z) in enumerate(work):
+            z = min(z, tab.shape[1])
+            raws[w, :, kind] = (tab[b, a:z, :].reshape(z - a, hk, -1) < 0).any(axis=2).sum(axis=0)
+    per_run = []
+    for _ in range(runs + 1):
+        plan._launch_attention(q)
+        sync()
+        o = plan.o_part.cpu().numpy() if not SIM else plan.o_part
+        rec = o.reshape(len(work), hk, g * d)[:, :, :5].astype(np.int64)
+        t0 = rec[..., 0] + (rec[..., 1] << 16)
+        t1 = rec[..., 2] + (rec[..., 3] << 16)
+        t1 = np.where(t1 < t0, t1 + (1 << 32), t1)
+        origin = t0.min()
+        start, end = (t0 - origin) / 1e3, (t1 - origin) / 1e3
+        per_run.append((start, end, rec[..., 4]))
+    per_run = per_run[1:]                          # the first launch compiles and warms up
+    nraw = raws.sum(axis=2)
+
+    def med(f):
+        return float(np.median([f(*r) for r in per_run]))
+    res = {"hq": hq, "batch": batch, "ctx": ctx, "config": cfg, "splits": int(plan.n_work * hk),
+           "blocks_per_split": plan.blocks_per_split, "runs": runs,
+           "start_spread_us": med(lambda s, e, sm: s.max()),
+           "span_us": med(lambda s, e, sm: e.max()),
+           **{f"end_p{p}_us": med(lambda s, e, sm, p=p: np.percentile(e, p)) for p in (0, 10, 50, 90, 99)},
+           "duration_median_us": med(lambda s, e, sm: np.median(e - s)),
+           "sm_last_end_spread_us": med(lambda s, e, sm: np.ptp([e[sm == x].max() for x in np.unique(sm)])),
+           "splits_with_raw": {int(n): int((nraw == n).sum()) for n in np.unique(nraw)},
+           "duration_by_raw_us": {int(n): med(lambda s, e, sm, n=n: np.median((e - s)[nraw == n]))
+                                  for n in np.unique(nraw)},
+           "end_by_raw_us": {int(n): med(lambda s, e, sm, n=n: np.median(e[nraw == n])) for n in np.unique(nraw)}}
+    s, e, sm = per_run[-1]
+    last = np.argsort(e, axis=None)[::-1][:12]
+    res["last_splits"] = [{"split": int(i // hk), "kv_head": int(i % hk), "sm": int(sm.flat[i]),
+                           "raw_k": int(raws[i // hk, i % hk, 0]), "raw_v": int(raws[i // hk, i % hk, 1]),
+                           "start_us": round(float(s.flat[i]), 2), "end_us": round(float(e.flat[i]), 2)}
+                          for i in last]
+    return res
+
+
 def render(report: dict) -> str:
     """The markdown tables of a results JSON (``--out``'s attention.json)."""
     lines = []
@@ -636,6 +689,9 @@ def main():
     ap.add_argument("--slot-line", type=int, default=None,
                     help="--bench: calibrate the benchmark caches with gaac.calibrate(slot_line=...) (128: K and V "
                          "slots of whole 128-byte lines)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="when each split starts and ends in one launch (variant 'timeline'), at --shapes (default "
+                         "32:1:65536), for each of --configs")
     ap.add_argument("--kv", type=Path, default=Path(__file__).resolve().parents[1] / ".devdata" / "kv")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -656,6 +712,19 @@ def main():
                            rng=rng, with_epochs=True)
         log(json.dumps(res))
         report["epochs"] = res
+    if args.timeline:
+        shapes = args.shapes or ("16:1:64" if SIM else "32:1:65536")
+        cache = BenchCache(real, 8, 128)
+        report["capacity"], report["slot_line"] = list(cache.capacity), args.slot_line
+        report["timeline"] = [timeline(cache, *(int(x) for x in shape.split(":")), cfg, runs=1 if SIM else 5)
+                              for shape in shapes.split(",") for cfg in (args.configs or [{}])]
+        for r in report["timeline"]:
+            log(json.dumps(r))
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "timeline.json").write_text(json.dumps(report, indent=1, default=str))
+        if not (args.check or args.bench):
+            return
     if args.check:
         t = time.time()
         if args.configs:

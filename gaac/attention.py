@@ -422,7 +422,7 @@ def kernel_options(head_dim: int, plain: bool, variant: str, overlap: bool | Non
     for the compressed full kernel with head_dim <= 128, ``max_registers=-1`` is
     :data:`DEFAULT_MAX_REGISTERS` for head_dim <= 128 and no cap above."""
     if overlap is None:
-        overlap = not plain and head_dim <= 128 and variant == "full"
+        overlap = not plain and head_dim <= 128 and variant in ("full", "timeline")
     if max_registers == -1:
         max_registers = DEFAULT_MAX_REGISTERS if head_dim <= 128 else None
     return overlap, max_registers

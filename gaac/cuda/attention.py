@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 
 import numpy as np
 from numba import config, cuda, float32, int32, uint32, uint64
@@ -101,7 +102,9 @@ FULL = "full"
 LOAD_ONLY = "load_only"      # stage the tiles (cp.async) and nothing else
 NO_DECODE = "no_decode"      # stage, then run the MMAs on the staged bytes as if they were BF16
 DECODE_TWICE = "decode_twice"  # decode every compressed tile twice
-VARIANTS = (FULL, LOAD_ONLY, NO_DECODE, DECODE_TWICE)
+TIMELINE = "timeline"        # the full kernel; each split's start and end times and SM written over its output
+VARIANTS = (FULL, LOAD_ONLY, NO_DECODE, DECODE_TWICE, TIMELINE)
+TIMELINE_WORDS = 5           # o_part[row * D ..]: start, end (%globaltimer, ns: low 16 bits, then bits 16..31), SM
 
 # The staging areas start on 128-byte lines of shared memory: a cp.async copy's 16-byte chunks are written a
 # line at a time, and a group of 8 lanes whose destinations straddle two lines costs two wavefronts of the L1
@@ -285,6 +288,25 @@ if not SIMULATOR:
 
     _cp_commit = _void_asm_fn("cp.async.commit_group;")
 
+    @intrinsic
+    def _prefetch_l2(typingctx, gptr):
+        def codegen(context, builder, sig, args):
+            _asm(builder, ir.VoidType(), list(args), "prefetch.global.L2 [$0];", "l", side_effect=True)
+            return context.get_dummy_value()
+        return types.void(types.int64), codegen
+
+    @intrinsic
+    def _globaltimer(typingctx):
+        def codegen(context, builder, sig, args):
+            return _asm(builder, _I64, [], "mov.u64 $0, %globaltimer;", "=l", side_effect=True)
+        return types.uint64(), codegen
+
+    @intrinsic
+    def _smid(typingctx):
+        def codegen(context, builder, sig, args):
+            return _asm(builder, _I32, [], "mov.u32 $0, %smid;", "=r", side_effect=True)
+        return types.uint32(), codegen
+
     @functools.lru_cache(maxsize=None)
     def cp_wait_fn(count: int):
         """``cp.async.wait_group count``: all but this lane's ``count`` newest copy groups are done."""
@@ -396,6 +418,20 @@ if not SIMULATOR:
     @device
     def cp_commit():
         _cp_commit()
+
+    @device
+    def prefetch_l2(src, gptr):
+        """Start bringing the 128-byte line of global ``gptr`` into L2 (``src``: the array, for the simulator)."""
+        _prefetch_l2(gptr)
+
+    @device
+    def globaltimer():
+        """The device's nanosecond clock (``%globaltimer``), common to all SMs."""
+        return _globaltimer()
+
+    @device
+    def smid():
+        return _smid()
 
     @device
     def prmt(a, sel):
@@ -594,6 +630,18 @@ else:
     @device
     def cp_commit():
         pass
+
+    @device
+    def prefetch_l2(src, gptr):
+        pass
+
+    @device
+    def globaltimer():
+        return u64(time.perf_counter_ns())
+
+    @device
+    def smid():
+        return u32(0)
 
     @device
     def grid_launch_dependents():
@@ -1015,7 +1063,7 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
     ROW_CHUNKS = C // 8                 # 16-byte chunks of a BF16 row
     RAW_PER_LANE = L.BLOCK_TOKENS * ROW_CHUNKS // WARP
     RAW_WORDS = 4 * RAW_PER_LANE        # a lane's words of a BF16 tile loaded through registers
-    if overlap and (T != 1 or plain or variant != FULL):
+    if overlap and (T != 1 or plain or variant not in (FULL, TIMELINE)):
         raise ValueError("overlap is for the full compressed kernel with head_dim <= 128")
     BASES = 0                           # byte offsets in the shared array: the bases, the stages, the decode tile
     STG = 0 if plain else bases_bytes(D)
@@ -1028,12 +1076,14 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
     KIND_PER_LANE = 0 if plain else KIND_BASE // WARP
     BASE_REGS = max(1, 2 * KIND_PER_LANE)  # a lane's base words of both kinds, held while the first copies go out
     TILE_BYTES = L.BLOCK_TOKENS * C * 2
+    ROW_LINES = 2 * C // LINE           # 128-byte lines of a BF16 tile row (the tail's rows are 2D bytes apart)
+    TILE_LINES = L.BLOCK_TOKENS * ROW_LINES
     decode, decode_tags, decode_loads, decode_compute, decode_fix, SIZES = _decode_tile_fn(C)
     SM_WORDS, CODE_ARRAY, GPL, BASE_WORDS = SIZES
     stage_slot = _stage_slot_fn(C, SB)
     REFILL = NS == 1                    # one area per kind, refilled as soon as it is read (see refill_fn)
     cp_wait = cp_wait_fn(1 if REFILL else NS - 1)
-    do_decode = not plain and variant in (FULL, DECODE_TWICE)
+    do_decode = not plain and variant in (FULL, DECODE_TWICE, TIMELINE)
     do_math = variant != LOAD_ONLY
 
     @device
@@ -1068,6 +1118,23 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
                 sts4(smem, a, u32(0), u32(0), u32(0), u32(0))
             else:
                 cp16(smem, a, tail if is_tail else raw, ga)
+
+    @device
+    def prefetch_bf16_tiles(ents, i, is_tail, raw_k, raw_v, tail_k, tail_v, tail_base, lane):
+        """Bring block ``i``'s raw tiles, or its tail, into L2 (a line a lane) when its slots are staged: they
+        are read when used (:func:`copy_bf16_tile` with ``wait``), and a read from L2 stalls the split less
+        than one from DRAM.  (The split holding a raw tile is the last of its wave to finish.)"""
+        if lane < TILE_LINES:
+            for kind in range(2):
+                for j in range(T):
+                    e = ents[u32((i * 2 + kind) * T + j)]
+                    if is_tail:
+                        tail = tail_k if kind == 0 else tail_v
+                        prefetch_l2(tail, gaddr(tail, tail_base + j * C * 2)
+                                    + i32((lane // ROW_LINES) * (2 * D) + LINE * (lane % ROW_LINES)))
+                    elif e < 0:
+                        raw = raw_k if kind == 0 else raw_v
+                        prefetch_l2(raw, gaddr(raw, (e & 0x7FFFFFFF) * TILE_BYTES) + i32(LINE * lane))
 
     @device
     def entry(ents, i, kind):
@@ -1240,6 +1307,7 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
         # The merge kernel may be scheduled from now on (it waits for this grid before it reads): its
         # launch and its first loads overlap this grid's last blocks.
         grid_launch_dependents()
+        t_start = globaltimer() if variant == TIMELINE else u64(0)
         sb = smem_base(smem)
         w = i32(cuda.blockIdx.x)
         h = i32(cuda.blockIdx.y)
@@ -1343,6 +1411,10 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
                             tail_base, tail_valid, lane, ek_n)
                     issue_v(smem, sb, ents, ahead, sa, i32(blk0 + ahead), nfull, slots_v, slot_bytes_v, raw_v, tail_v,
                             tail_base, tail_valid, lane, ev_n)
+                    # (ek_n, ev_n: tile 0's entries; a head of two tiles tests its entries there)
+                    if not plain and (T > 1 or i32(ek_n | ev_n) < 0 or blk0 + ahead >= nfull):
+                        prefetch_bf16_tiles(ents, ahead, blk0 + ahead >= nfull, raw_k, raw_v, tail_k, tail_v,
+                                            tail_base, lane)
                 cp_commit()
             cp_wait()                           # REFILL: block i's K (its V may still be in flight)
             warp_sync(scr)
@@ -1431,6 +1503,17 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
             store_head(o_part, lse_part, acc, 0, row, r, m0, l0)
         if 2 * q + 1 < g:
             store_head(o_part, lse_part, acc, 1, row + 1, r, m1, l1)
+        if variant == TIMELINE:
+            warp_sync(scr)
+            if lane == 0:
+                t0 = u32(t_start)
+                t1 = u32(globaltimer())
+                at = u32((w * kv_heads + h) * g * D)
+                o_part[at] = f32(t0 & 0xFFFF)
+                o_part[at + 1] = f32(t0 >> 16)
+                o_part[at + 2] = f32(t1 & 0xFFFF)
+                o_part[at + 3] = f32(t1 >> 16)
+                o_part[at + 4] = f32(smid())
     return kernel
 
 
@@ -1459,14 +1542,45 @@ def merge_launch(batch: int, q_heads: int, head_dim: int, max_splits: int) -> tu
     return (batch, q_heads, head_dim // MERGE_CHANNELS), MERGE_CHANNELS // 4 * lanes, lanes
 
 
+@device
+def merge_pair(m, d, a0, a1, a2, a3, m2, d2, b0, b1, b2, b3):
+    """Two partial softmax states (log2 maximum, sum, 4 weighted channel sums) as one."""
+    mn = max(m, m2)
+    s1 = ex2(m - mn) if m != _NEG_INF else f32(0)
+    s2 = ex2(m2 - mn) if m2 != _NEG_INF else f32(0)
+    return mn, d * s1 + d2 * s2, a0 * s1 + b0 * s2, a1 * s1 + b1 * s2, a2 * s1 + b2 * s2, a3 * s1 + b3 * s2
+
+
+if SIMULATOR:
+    def merge_shuffle(x, off, mask, scr):
+        """``merge_pair`` of this thread's state (a 6-tuple) and thread ``tid ^ off``'s, every thread of the
+        block taking part: through ``scr`` (6 words a thread) in the simulator, which has no shuffles."""
+        tid = cuda.threadIdx.x
+        for c in range(6):
+            scr[6 * tid + c] = x[c]
+        cuda.syncthreads()
+        y = [scr[6 * (tid ^ off) + c] for c in range(6)]
+        cuda.syncthreads()
+        return merge_pair(*x, *y)
+else:
+    @device
+    def merge_shuffle(x, off, mask, scr):
+        """``merge_pair`` of this lane's state (a 6-tuple) and lane ``lane ^ off``'s (``scr``: unused here)."""
+        m, d, a0, a1, a2, a3 = x
+        return merge_pair(m, d, a0, a1, a2, a3, cuda.shfl_xor_sync(mask, m, off), cuda.shfl_xor_sync(mask, d, off),
+                          cuda.shfl_xor_sync(mask, a0, off), cuda.shfl_xor_sync(mask, a1, off),
+                          cuda.shfl_xor_sync(mask, a2, off), cuda.shfl_xor_sync(mask, a3, off))
+
+
 @functools.lru_cache(maxsize=None)
 def merge_kernel(head_dim: int, lanes: int):
     """Merge split partials (grid, threads and ``lanes`` from :func:`merge_launch`).  Each thread folds
     its splits into a running (max, sum, 4 channels) :data:`MERGE_UNROLL` splits at a time (their loads
-    in flight together), then the lanes are combined in shared memory.  Indices are 32-bit and
-    unsigned: numba's signed indexing adds a negative-index fix-up to every load.  Launched as a
-    programmatic dependent of the split kernel (``AttentionPlan``'s ``pdl``), it reads its split range,
-    then waits for that grid (``griddepcontrol.wait``) before it reads the partials.
+    in flight together); then the lanes of a channel quad are combined by shuffles within each warp and
+    across the warps through shared memory with one barrier (a pairwise tree in shared memory took 12).
+    Indices are 32-bit and unsigned: numba's signed indexing adds a negative-index fix-up to every load.
+    Launched as a programmatic dependent of the split kernel (``AttentionPlan``'s ``pdl``), it reads its
+    split range, then waits for that grid (``griddepcontrol.wait``) before it reads the partials.
 
     ``o_part`` float32 ``[W*Hkv*g*D]``, ``lse_part`` float32 ``[W*Hkv*g]`` (log2), ``split0`` int32
     ``[B+1]`` (the splits of sequence ``b`` are ``split0[b] .. split0[b+1]-1``), out ``out`` int16
@@ -1476,15 +1590,18 @@ def merge_kernel(head_dim: int, lanes: int):
     QUADS = MERGE_CHANNELS // 4
     LANES = lanes
     THREADS = QUADS * LANES
-    RED = 4 * THREADS
+    WARPS = -(-THREADS // WARP)
+    MASK = (1 << min(THREADS, WARP)) - 1
     UNROLL = MERGE_UNROLL
     OS = 4 * UNROLL
+    STATE = 6                           # max, sum, 4 channel sums
+    PART = WARPS * QUADS * STATE if WARPS > 1 else 1
+    SCR = STATE * THREADS if SIMULATOR else 1
 
     @cuda.jit
     def kernel(o_part, lse_part, split0, out, lse, kv_heads, g):
-        red = cuda.shared.array(RED, float32)
-        mx = cuda.shared.array(THREADS, float32)
-        sm = cuda.shared.array(THREADS, float32)
+        part = cuda.shared.array(PART, float32)
+        scr = cuda.shared.array(SCR, float32)
         b = cuda.blockIdx.x
         hq = cuda.blockIdx.y
         tid = cuda.threadIdx.x
@@ -1523,37 +1640,40 @@ def merge_kernel(head_dim: int, lanes: int):
                 for c in range(4):
                     acc[c] += wgt * os_[4 * u + c]
             m = m_new
-        mx[tid] = m
-        cuda.syncthreads()
-        step = THREADS // 2
-        while step >= QUADS:
-            if tid < step:
-                mx[tid] = max(mx[tid], mx[tid + step])
+        x = (m, den, acc[0], acc[1], acc[2], acc[3])
+        # The lanes of a quad: within a warp (lanes 8 apart), then across the warps.
+        if THREADS > QUADS:
+            x = merge_shuffle(x, QUADS, MASK, scr)
+        if THREADS > 2 * QUADS:
+            x = merge_shuffle(x, 2 * QUADS, MASK, scr)
+        if WARPS > 1:
+            wid = tid // WARP
+            if tid % WARP < QUADS:
+                at = (wid * QUADS + quad) * STATE
+                for c in range(STATE):
+                    part[at + c] = x[c]
             cuda.syncthreads()
-            step //= 2
-        scale = ex2(m - mx[quad]) if m != _NEG_INF else f32(0)
-        for c in range(4):
-            red[4 * tid + c] = acc[c] * scale
-        sm[tid] = den * scale
-        cuda.syncthreads()
-        step = THREADS // 2
-        while step >= QUADS:
-            if tid < step:
-                for c in range(4):
-                    red[4 * tid + c] += red[4 * (tid + step) + c]
-                sm[tid] += sm[tid + step]
-            cuda.syncthreads()
-            step //= 2
+            x = (f32(_NEG_INF), f32(0), f32(0), f32(0), f32(0), f32(0))
+            if wid == 0:
+                for k in range(tid // QUADS, WARPS, WARP // QUADS):     # warps k, k + 4, ...: 4 lanes a quad
+                    at = (k * QUADS + quad) * STATE
+                    m, d, a0, a1, a2, a3 = x
+                    x = merge_pair(m, d, a0, a1, a2, a3, part[at], part[at + 1], part[at + 2], part[at + 3],
+                                   part[at + 4], part[at + 5])
+            # (every warp shuffles, as the simulator's exchange needs; only warp 0's lanes 0..7 are kept)
+            x = merge_shuffle(x, QUADS, 0xFFFFFFFF, scr)
+            x = merge_shuffle(x, 2 * QUADS, 0xFFFFFFFF, scr)
+        m, den, a0, a1, a2, a3 = x
         if tid < QUADS:
-            inv = f32(1) / sm[tid] if sm[tid] > 0 else f32(0)   # no split: an empty sequence, output 0
+            inv = f32(1) / den if den > 0 else f32(0)   # no split: an empty sequence, output 0
             base = (b * kv_heads * g + hq) * D + cuda.blockIdx.z * MERGE_CHANNELS + 4 * tid
-            lo = pack_bf16x2(red[4 * tid] * inv, red[4 * tid + 1] * inv)
-            hi = pack_bf16x2(red[4 * tid + 2] * inv, red[4 * tid + 3] * inv)
+            lo = pack_bf16x2(a0 * inv, a1 * inv)
+            hi = pack_bf16x2(a2 * inv, a3 * inv)
             out[base] = as_int16(lo & 0xFFFF)
             out[base + 1] = as_int16(lo >> 16)
             out[base + 2] = as_int16(hi & 0xFFFF)
             out[base + 3] = as_int16(hi >> 16)
             if tid == 0 and cuda.blockIdx.z == 0:
-                lse[b * kv_heads * g + hq] = ((mx[0] + math.log2(sm[0])) * f32(1 / _LOG2E) if sm[0] > 0
+                lse[b * kv_heads * g + hq] = ((m + math.log2(den)) * f32(1 / _LOG2E) if den > 0
                                               else f32(_NEG_INF))
     return kernel
