@@ -607,6 +607,9 @@ def timeline(cache, hq, batch, ctx, cfg, runs=5):
            "end_by_raw_us": {int(n): med(lambda s, e, sm, n=n: np.median(e[nraw == n])) for n in np.unique(nraw)}}
     s, e, sm = per_run[-1]
     last = np.argsort(e, axis=None)[::-1][:12]
+    res["detail"] = {"columns": ["split", "kv_head", "sm", "raw_tiles", "start_us", "end_us"],
+                     "rows": [[int(i // hk), int(i % hk), int(sm.flat[i]), int(nraw.flat[i]), round(float(s.flat[i]), 3),
+                               round(float(e.flat[i]), 3)] for i in range(e.size)]}
     res["last_splits"] = [{"split": int(i // hk), "kv_head": int(i % hk), "sm": int(sm.flat[i]),
                            "raw_k": int(raws[i // hk, i % hk, 0]), "raw_v": int(raws[i // hk, i % hk, 1]),
                            "start_us": round(float(s.flat[i]), 2), "end_us": round(float(e.flat[i]), 2)}
@@ -719,7 +722,7 @@ def main():
         report["timeline"] = [timeline(cache, *(int(x) for x in shape.split(":")), cfg, runs=1 if SIM else 5)
                               for shape in shapes.split(",") for cfg in (args.configs or [{}])]
         for r in report["timeline"]:
-            log(json.dumps(r))
+            log(json.dumps({k: v for k, v in r.items() if k not in ("detail", "last_splits")}))
         if args.out:
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / "timeline.json").write_text(json.dumps(report, indent=1, default=str))
