@@ -428,8 +428,7 @@ def label(cfg: dict, plain: bool = False) -> str:
             + (f"_b{cfg['blocks_per_sm']}" if cfg.get("blocks_per_sm") else "")
             + (f"_s{cfg['blocks_per_split']}" if cfg.get("blocks_per_split") else "")
             + {True: "_waves", False: "_partial"}.get(cfg.get("whole_waves"), "")
-            + ("_nopdl" if cfg.get("pdl") is False else "")
-            + (f"_k{cfg['skew']:g}" if "skew" in cfg else ""))
+            + ("_nopdl" if cfg.get("pdl") is False else ""))
 
 
 def with_epochs_view(view: LayerView, n_epochs: int) -> LayerView:

@@ -428,41 +428,6 @@ def kernel_options(head_dim: int, plain: bool, variant: str, overlap: bool | Non
     return overlap, max_registers
 
 
-SCHEDULERS = 4                      # warp schedulers of an SM (sm_90)
-MAX_GRID_Y = 65535                  # the grid's y dimension holds the splits
-DEFAULT_SKEW = 0.12
-
-
-def split_runs(runs: list, bps: int, kv_heads: int, sms: int, levels: int, skew: float, max_blocks: int) -> list:
-    """Cut each run ``(sequence, start, stop)`` of blocks into ``ceil(len / bps)`` splits ``(sequence, start,
-    stop)``: of equal lengths (within a block), or, with ``levels`` > 1 and ``skew``, of lengths that follow
-    the issue priority of the warps that will run them.
-
-    Why: a scheduler of the SM runs ``levels`` one-warp blocks of a wave and issues for the oldest first.
-    On the H200 (12 blocks an SM, 3 a scheduler) the splits of equal length ended at 48.5, 53 and 58.5 us
-    by age (64K tokens, batch 1; benchmarks/results/attention-v21-h200.md): the youngest warps, and a
-    scheduler left with one warp, set the kernel's time.  The grid is ``(kv_heads, splits)`` and the
-    blocks start in its linear order, a block an SM per round (``sms`` of them), round ``r`` on scheduler
-    ``r % 4``, so split ``w``'s warps have age rank ``(kv_heads * w // sms) // 4``; its length is weighted by
-    ``1 + skew`` for the oldest rank down to ``1 - skew`` for the youngest.  A run keeps its equal cut if
-    the weighted one would give a split of no block or more than ``max_blocks``."""
-    counts = [-(-(z - a) // bps) for _, a, z in runs]
-    n = sum(counts)
-    weights = np.ones(n)
-    if levels > 1 and skew:
-        rank = (kv_heads * np.arange(n) + kv_heads // 2) // sms // SCHEDULERS
-        weights = 1 + skew * (levels - 1 - 2 * np.minimum(rank, levels - 1)) / (levels - 1)
-    work, w = [], 0
-    for (b, a, z), c in zip(runs, counts):
-        for wt in (weights[w:w + c], np.ones(c)):
-            cut = a + np.rint(np.concatenate([[0], np.cumsum(wt)]) / wt.sum() * (z - a)).astype(np.int64)
-            if np.diff(cut).min(initial=1) >= 1 and np.diff(cut).max(initial=0) <= max_blocks:
-                break
-        work += [(b, int(cut[i]), int(cut[i + 1])) for i in range(c)]
-        w += c
-    return work
-
-
 class AttentionPlan:
     """Launch plan of decode attention for one LayerView shape and one set of sequence lengths.
 
@@ -484,14 +449,12 @@ class AttentionPlan:
     draws most of the bandwidth (benchmarks/results/attention-v12-waves-h200.md).  ``pdl`` launches the
     merge kernel as a programmatic dependent of the split kernel, so that its launch and first loads
     overlap the split kernel's last blocks (the merge waits for that grid before reading the partials).
-    ``skew`` lengthens the splits whose warps the SM's schedulers favour (the oldest) and shortens the
-    youngest ones' (:func:`split_runs`), where the splits are one wave; ``0`` cuts equal splits.
     """
 
     def __init__(self, view: LayerView, q_heads: int, *, scale: float | None = None, plain: bool = False,
                  variant: str = "full", nstage: int = 2, blocks_per_split: int | None = None,
                  overlap: bool | None = None, max_registers: int | None = -1, blocks_per_sm: int | None = None,
-                 whole_waves: bool | None = None, pdl: bool = True, skew: float = DEFAULT_SKEW):
+                 whole_waves: bool | None = None, pdl: bool = True):
         from .cuda import attention as K
 
         self._K = K
@@ -549,17 +512,12 @@ class AttentionPlan:
                    and hk * int((-(-run_len // blocks_per_split)).sum()) > target):
                 blocks_per_split += 1
         self.blocks_per_split = bps = int(min(max(blocks_per_split, 1), K.MAX_BLOCKS_PER_SPLIT))
-        levels = 0                          # warps a scheduler holds, when the splits are one wave of the plan's
-        if self.resources is not None and skew:
-            per_sm = blocks_per_sm or self.resources["blocks_per_sm"]
-            if per_sm % SCHEDULERS == 0 and hk * int((-(-run_len // bps)).sum()) <= sms * per_sm:
-                levels = per_sm // SCHEDULERS
-        work = split_runs(runs, bps, hk, sms if levels else 0, levels, skew, K.MAX_BLOCKS_PER_SPLIT)
-        self.skew = skew if levels > 1 else 0.0
-        splits = np.bincount([b for b, _, _ in work], minlength=self.batch)
-        if len(work) > MAX_GRID_Y:
-            raise InputError(f"{len(work)} splits of {bps} blocks: more than the grid's {MAX_GRID_Y}; "
-                             "plan longer splits (blocks_per_split)")
+        work = []
+        splits = np.zeros(self.batch, np.int64)
+        for b, a, z in runs:
+            for s in range(a, z, bps):
+                work.append((b, s, min(s + bps, z)))
+                splits[b] += 1
         self.n_work = len(work)
         split0 = np.concatenate([[0], np.cumsum(splits)]).astype(np.int32)
         work = np.asarray(work, dtype=np.int32).reshape(-1)
@@ -605,7 +563,7 @@ class AttentionPlan:
         if not K.SIMULATOR:
             from .cuda.launch import FastLaunch, params
 
-            self._main = FastLaunch(self._kernel, (hk, self.n_work), K.WARP)
+            self._main = FastLaunch(self._kernel, (self.n_work, hk), K.WARP)
             self._main_fixed = ([p for a in (*self._arrays, self.o_part, self.lse_part, self.status) for p in params(a)]
                                 + [p for x in self._scalars for p in params(int(x))]
                                 + [ctypes.c_float(self._scale_log2)])
@@ -639,7 +597,7 @@ class AttentionPlan:
         K = self._K
         if K.SIMULATOR:
             q32 = _host(qb).view(np.int32).reshape(-1)
-            self._kernel[(self.view.kv_heads, self.n_work), K.WARP](
+            self._kernel[(self.n_work, self.view.kv_heads), K.WARP](
                 q32, *self._arrays, self.o_part, self.lse_part, self.status, *self._scalars, self._scale_log2)
             return
         import torch

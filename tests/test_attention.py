@@ -465,24 +465,3 @@ def test_bad_block_epoch_is_refused_or_flagged(rng):
     p.run(q)
     with pytest.raises(FormatError, match="epoch"):
         p.check_status()
-
-
-@pytest.mark.parametrize("skew", [0.0, 0.12, 0.5])
-def test_split_runs_cover_runs_in_order(skew):
-    """Splits tile every run exactly, in order, with 1..max blocks each; equal cuts differ by at most a
-    block; with a skew the splits of the oldest warps (first in the grid's order) are the longest."""
-    from gaac.attention import split_runs
-
-    runs = [(0, 0, 4096), (1, 0, 3), (2, 0, 700), (2, 700, 701)]
-    work = split_runs(runs, 21, 8, 132, 3, skew, 64)
-    lengths = np.array([z - a for _, a, z in work])
-    assert lengths.min() >= 1 and lengths.max() <= 64
-    for b, a, z in runs:
-        mine = [(s, e) for bb, s, e in work if bb == b and a <= s < z]
-        assert mine[0][0] == a and mine[-1][1] == z and all(x[1] == y[0] for x, y in zip(mine, mine[1:]))
-    first = lengths[:196]
-    if skew == 0:
-        assert first.max() - first.min() <= 1
-    else:
-        assert first[:60].min() > first[140:196].max()
-        assert first[:60].mean() / first[140:196].mean() == pytest.approx((1 + skew) / (1 - skew), rel=0.05)

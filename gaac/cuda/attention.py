@@ -1040,7 +1040,7 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
     ``work`` int32 ``[W*3]`` (sequence, first block, end block); out ``o_part`` float32
     ``[W*Hkv*g*D]``, ``lse_part`` float32 ``[W*Hkv*g]`` (log2 domain); ``status`` int32 ``[1]``; then
     ``max_blocks, kv_heads, g, slot_bytes_k, slot_bytes_v, cap_k, cap_v, epochs_k, epochs_v`` (epoch
-    counts; ``E = max``) and ``scale_log2``.  Grid ``(Hkv, W)``, one warp per block.
+    counts; ``E = max``) and ``scale_log2``.  Grid ``(W, Hkv)``, one warp per block.
 
     Epochs: the plan cuts splits where a sequence's K or V epoch changes (``AttentionPlan``), so every
     split reads one epoch's bases per kind: loaded into shared memory once, from its first block's
@@ -1309,8 +1309,8 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
         grid_launch_dependents()
         t_start = globaltimer() if variant == TIMELINE else u64(0)
         sb = smem_base(smem)
-        h = i32(cuda.blockIdx.x)              # grid (KV heads, splits): see gaac.attention.split_runs
-        w = i32(cuda.blockIdx.y)
+        w = i32(cuda.blockIdx.x)
+        h = i32(cuda.blockIdx.y)
         lane = lane_id()
         r = i32(lane >> 2)
         q = i32(lane & 3)
