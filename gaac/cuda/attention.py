@@ -102,9 +102,9 @@ FULL = "full"
 LOAD_ONLY = "load_only"      # stage the tiles (cp.async) and nothing else
 NO_DECODE = "no_decode"      # stage, then run the MMAs on the staged bytes as if they were BF16
 DECODE_TWICE = "decode_twice"  # decode every compressed tile twice
-TIMELINE = "timeline"        # the full kernel; each split's start and end times and SM written over its output
+TIMELINE = "timeline"        # the full kernel; each split's start and end times (%globaltimer, ns: bits 0..15, then
+                             # 16..31) and its SM written over o_part[row * D ..] of its first head (5 floats)
 VARIANTS = (FULL, LOAD_ONLY, NO_DECODE, DECODE_TWICE, TIMELINE)
-TIMELINE_WORDS = 5           # o_part[row * D ..]: start, end (%globaltimer, ns: low 16 bits, then bits 16..31), SM
 
 # The staging areas start on 128-byte lines of shared memory: a cp.async copy's 16-byte chunks are written a
 # line at a time, and a group of 8 lanes whose destinations straddle two lines costs two wavefronts of the L1
@@ -1121,9 +1121,10 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
 
     @device
     def prefetch_bf16_tiles(ents, i, is_tail, raw_k, raw_v, tail_k, tail_v, tail_base, lane):
-        """Bring block ``i``'s raw tiles, or its tail, into L2 (a line a lane) when its slots are staged: they
-        are read when used (:func:`copy_bf16_tile` with ``wait``), and a read from L2 stalls the split less
-        than one from DRAM.  (The split holding a raw tile is the last of its wave to finish.)"""
+        """Bring block ``i``'s raw tiles, or its tail, into L2 (a line a lane) when its slots would be staged:
+        they are read when used (:func:`copy_bf16_tile` with ``wait``), and a read from L2 stalls the split
+        less than one from DRAM.  (Even so, a split holding a raw tile took 3.5-4 us longer than one without
+        at 64K: benchmarks/results/attention-v21-h200.md.)"""
         if lane < TILE_LINES:
             for kind in range(2):
                 for j in range(T):
