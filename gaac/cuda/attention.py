@@ -24,7 +24,7 @@ sequence and one KV head.  Per block the warp
    functions of :func:`_decode_tile_fn`: each lane rebuilds 8 groups of 8
    consecutive channels, two BF16 elements per 32-bit operation); a raw tile
    (slot overflow, rare) or the sequence's BF16 tail is loaded into that tile
-   when it is used;
+   when it is used, from L2 (prefetched there with the copies of the block ahead);
 3. loads MMA fragments with ``ldmatrix`` (``.trans`` for V), computes the 16
    scores of every query head of the group, updates the online softmax in the
    log2 domain (the accumulators are rescaled only when a head's maximum rose),
