@@ -573,12 +573,12 @@ def timeline(cache, hq, batch, ctx, cfg, runs=5):
     q = torch.zeros((batch, hq, cache.d), dtype=torch.int16, device=DEV)
     work = plan._work.cpu().numpy().reshape(-1, 3) if not SIM else plan._work.reshape(-1, 3)
     hk, g, d = cache.kv_heads, plan.g, cache.d
-    raws = np.zeros((len(work), hk, 2), np.int64)
+    nraw = np.zeros((len(work), hk), np.int64)            # raw tiles of each split (K and V)
     for kind in range(2):
-        tab = view.table[kind].cpu().numpy() if not SIM else view.table[kind]
+        tab = view.table[kind].cpu().numpy()
         for w, (b, a, z) in enumerate(work):
             z = min(z, tab.shape[1])
-            raws[w, :, kind] = (tab[b, a:z, :].reshape(z - a, hk, -1) < 0).any(axis=2).sum(axis=0)
+            nraw[w] += (tab[b, a:z, :].reshape(z - a, hk, -1) < 0).any(axis=2).sum(axis=0)
     per_run = []
     for _ in range(runs + 1):
         plan._launch_attention(q)
@@ -592,7 +592,6 @@ def timeline(cache, hq, batch, ctx, cfg, runs=5):
         start, end = (t0 - origin) / 1e3, (t1 - origin) / 1e3
         per_run.append((start, end, rec[..., 4]))
     per_run = per_run[1:]                          # the first launch compiles and warms up
-    nraw = raws.sum(axis=2)
 
     def med(f):
         return float(np.median([f(*r) for r in per_run]))
@@ -608,14 +607,9 @@ def timeline(cache, hq, batch, ctx, cfg, runs=5):
                                   for n in np.unique(nraw)},
            "end_by_raw_us": {int(n): med(lambda s, e, sm, n=n: np.median(e[nraw == n])) for n in np.unique(nraw)}}
     s, e, sm = per_run[-1]
-    last = np.argsort(e, axis=None)[::-1][:12]
     res["detail"] = {"columns": ["split", "kv_head", "sm", "raw_tiles", "start_us", "end_us"],
                      "rows": [[int(i // hk), int(i % hk), int(sm.flat[i]), int(nraw.flat[i]), round(float(s.flat[i]), 3),
                                round(float(e.flat[i]), 3)] for i in range(e.size)]}
-    res["last_splits"] = [{"split": int(i // hk), "kv_head": int(i % hk), "sm": int(sm.flat[i]),
-                           "raw_k": int(raws[i // hk, i % hk, 0]), "raw_v": int(raws[i // hk, i % hk, 1]),
-                           "start_us": round(float(s.flat[i]), 2), "end_us": round(float(e.flat[i]), 2)}
-                          for i in last]
     return res
 
 
@@ -724,7 +718,7 @@ def main():
         report["timeline"] = [timeline(cache, *(int(x) for x in shape.split(":")), cfg, runs=1 if SIM else 5)
                               for shape in shapes.split(",") for cfg in (args.configs or [{}])]
         for r in report["timeline"]:
-            log(json.dumps({k: v for k, v in r.items() if k not in ("detail", "last_splits")}))
+            log(json.dumps({k: v for k, v in r.items() if k != "detail"}))
         if args.out:
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / "timeline.json").write_text(json.dumps(report, indent=1, default=str))

@@ -24,7 +24,8 @@ sequence and one KV head.  Per block the warp
    functions of :func:`_decode_tile_fn`: each lane rebuilds 8 groups of 8
    consecutive channels, two BF16 elements per 32-bit operation); a raw tile
    (slot overflow, rare) or the sequence's BF16 tail is loaded into that tile
-   when it is used, from L2 (prefetched there with the copies of the block ahead);
+   when it is used, from L2 (prefetched there with the copies of the block ahead;
+   not with ``nstage=1``, whose refills have no block ahead to prefetch for);
 3. loads MMA fragments with ``ldmatrix`` (``.trans`` for V), computes the 16
    scores of every query head of the group, updates the online softmax in the
    log2 domain (the accumulators are rescaled only when a head's maximum rose),
@@ -1128,14 +1129,15 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
         if lane < TILE_LINES:
             for kind in range(2):
                 for j in range(T):
-                    e = ents[u32((i * 2 + kind) * T + j)]
                     if is_tail:
                         tail = tail_k if kind == 0 else tail_v
                         prefetch_l2(tail, gaddr(tail, tail_base + j * C * 2)
                                     + i32((lane // ROW_LINES) * (2 * D) + LINE * (lane % ROW_LINES)))
-                    elif e < 0:
-                        raw = raw_k if kind == 0 else raw_v
-                        prefetch_l2(raw, gaddr(raw, (e & 0x7FFFFFFF) * TILE_BYTES) + i32(LINE * lane))
+                    else:
+                        e = ents[u32((i * 2 + kind) * T + j)]
+                        if e < 0:
+                            raw = raw_k if kind == 0 else raw_v
+                            prefetch_l2(raw, gaddr(raw, (e & 0x7FFFFFFF) * TILE_BYTES) + i32(LINE * lane))
 
     @device
     def entry(ents, i, kind):
@@ -1413,9 +1415,9 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
                     issue_v(smem, sb, ents, ahead, sa, i32(blk0 + ahead), nfull, slots_v, slot_bytes_v, raw_v, tail_v,
                             tail_base, tail_valid, lane, ev_n)
                     # (ek_n, ev_n: tile 0's entries; a head of two tiles tests its entries there)
-                    if not plain and (T > 1 or i32(ek_n | ev_n) < 0 or blk0 + ahead >= nfull):
-                        prefetch_bf16_tiles(ents, ahead, blk0 + ahead >= nfull, raw_k, raw_v, tail_k, tail_v,
-                                            tail_base, lane)
+                    ahead_tail = blk0 + ahead >= nfull
+                    if not plain and (T > 1 or i32(ek_n | ev_n) < 0 or ahead_tail):
+                        prefetch_bf16_tiles(ents, ahead, ahead_tail, raw_k, raw_v, tail_k, tail_v, tail_base, lane)
                 cp_commit()
             cp_wait()                           # REFILL: block i's K (its V may still be in flight)
             warp_sync(scr)
