@@ -1,12 +1,14 @@
 """``gaac capture``: the files it writes are what ``gaac stats`` reads, and what the model's cache holds.
 
 The shared dumps in ../shared/data/kv were captured from the same model and
-token ids on another machine.  Recapturing them here is exact wherever the
-arithmetic cannot differ (the embedding, RMSNorm, K/V projections and RoPE of
-layer 0 -- K bit-identical, V within one BF16 step) and drifts by a few BF16
-steps with depth (BF16 matmul and attention rounding differ between CPUs), so
-the test checks exactly that: a wrong layout, token order, position or BOS
-would break layer 0 everywhere.
+token ids on another machine.  Recapturing them here is exact almost
+everywhere in layer 0 (the embedding, RMSNorm, K/V projections and RoPE): K
+and V there agree bit for bit in more than 99.9% of values and differ by at
+most one BF16 step elsewhere, because the CPU's BF16 matmul kernels round
+differently on different instruction sets (one CI machine differed in 0.004%
+of layer-0 K).  Deeper layers drift by a few steps.  So the test checks
+exactly that: a wrong layout, token order, position or BOS would break layer
+0 everywhere.
 """
 import json
 
@@ -70,10 +72,10 @@ def test_recapture_of_a_shared_dump(smollm, tmp_path, capsys):
     assert ("bit-identical to" if check["identical"] else "DIFFERS from") in capsys.readouterr().out
     k, v = np.load(tmp_path / f"{name}__k.npy"), np.load(tmp_path / f"{name}__v.npy")
     ref_k, ref_v = (np.load(KV_DIR / ref["files"][kind]) for kind in "kv")
-    assert check["k"][0] == 1.0 and np.array_equal(k[0], ref_k[0])
-    steps = np.abs(v[0].astype(np.int32) - ref_v[0].astype(np.int32))      # same sign: BF16 steps apart
-    assert steps.max() <= 1 and (steps == 0).mean() > 0.999
-    assert check["v"][0] == (v[0] == ref_v[0]).mean()
+    for kind, got, want in (("k", k, ref_k), ("v", v, ref_v)):
+        steps = np.abs(got[0].astype(np.int32) - want[0].astype(np.int32))  # same sign: BF16 steps apart
+        assert steps.max() <= 1 and (steps == 0).mean() > 0.999, kind
+        assert check[kind][0] == (got[0] == want[0]).mean(), kind
 
 
 def test_builtin_texts():
