@@ -1,13 +1,13 @@
 """What a warp-wide shared-memory load costs for the access patterns of the attention kernel's decoder.
 
-    python benchmarks/smem_patterns.py [--out results.json]
+    python benchmarks/smem_patterns.py [--out benchmarks/results/smem-patterns-h200.md]
 
 Every SM runs many warps that repeat one load of one pattern (a byte offset per lane) as fast as the
 shared-memory pipe allows; the time per warp-instruction, relative to a conflict-free 16-byte load of
-32 distinct chunks (4 wavefronts by the hardware's rule), gives the wavefronts a pattern costs.  This
-is how the kernel's base rows and code words were laid out: ncu counts wavefronts per instruction, but
-only of the layout a kernel already has, and Nsight's "ideal" column does not say whether broadcast
-reads of a few distinct 16-byte chunks merge.
+32 distinct chunks (4 wavefronts by the hardware's rule), gives the wavefronts a pattern costs.  It is
+meant to decide a layout before the kernel is changed (not yet run: benchmarks/NOTES-attention.md, the
+twelfth session): ncu counts wavefronts per instruction, but only of the layout a kernel already has,
+and Nsight's "ideal" column does not say whether broadcast reads of a few distinct 16-byte chunks merge.
 
 Patterns (``t = lane % 16``, ``h = lane // 16``, as in the decoder):
 - ``distinct`` 16 l; ``same`` one address; ``halves_same_bank``: 128 h; ``halves_apart``: 48 h;
@@ -19,7 +19,6 @@ Patterns (``t = lane % 16``, ``h = lane // 16``, as in the decoder):
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -30,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from numba import cuda, uint32  # noqa: E402
 
+from benchmarks.report import commit, table, write  # noqa: E402
 from gaac.cuda.attention import lds2, lds4, smem_base  # noqa: E402
 
 SMEM_WORDS = 2048                       # 8 KB of shared memory a block
@@ -78,13 +78,22 @@ def kernel(width: int):
     return k
 
 
+def render(rep: dict) -> str:
+    rows = [(name, r["width_bytes"], f"{r['ns_per_warp_instr_sm']:.3f}", f"{r['wavefronts']:.2f}")
+            for name, r in rep["rows"].items()]
+    return "\n".join([f"# Shared-memory read patterns ({rep['device']}, commit {rep['commit']})", "",
+                      *table(("pattern", "load bytes", "ns per warp-instruction an SM",
+                              "wavefronts (16-byte distinct = 4, 8-byte = 2)"), rows), ""])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--iters", type=int, default=2000)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--out", type=Path)
+    ap.add_argument("--out", type=Path, help="markdown report (and its JSON beside it)")
     args = ap.parse_args()
-    sms = cuda.get_current_device().MULTIPROCESSOR_COUNT
+    dev = cuda.get_current_device()
+    sms = dev.MULTIPROCESSOR_COUNT
     blocks = 8 * sms
     out = cuda.device_array(blocks * WARPS * 32, np.uint32)
     kernels = {w: kernel(w) for w in (2, 4)}
@@ -105,15 +114,13 @@ def main() -> int:
         rows[name] = {"width_bytes": 4 * width, "us": statistics.median(times), "ns_per_warp_instr_sm": per * 1e9,
                       "offsets": offs.tolist()}
     ref = {4: rows["distinct"]["ns_per_warp_instr_sm"] / 4, 2: rows["distinct_64"]["ns_per_warp_instr_sm"] / 2}
-    print("| pattern | load bytes | ns per warp-instruction an SM | wavefronts (16-byte distinct = 4, 8-byte = 2) |")
-    print("|---|---|---|---|")
-    for name, r in rows.items():
+    for r in rows.values():
         r["wavefronts"] = r["ns_per_warp_instr_sm"] / ref[r["width_bytes"] // 4]
-        print(f"| {name} | {r['width_bytes']} | {r['ns_per_warp_instr_sm']:.3f} | {r['wavefronts']:.2f} |")
+    name = dev.name
+    rep = {"device": name.decode() if isinstance(name, bytes) else name, "commit": commit(), "rows": rows}
+    print(render(rep))
     if args.out:
-        args.out.write_text(json.dumps({"device": cuda.get_current_device().name.decode()
-                                        if isinstance(cuda.get_current_device().name, bytes)
-                                        else cuda.get_current_device().name, "rows": rows}, indent=1))
+        write(rep, args.out, render)
     return 0
 
 
