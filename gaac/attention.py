@@ -428,6 +428,75 @@ def kernel_options(head_dim: int, plain: bool, variant: str, overlap: bool | Non
     return overlap, max_registers
 
 
+@dataclass
+class SplitWork:
+    """The split-KV work list of one decode step: what the attention kernel's grid walks.
+
+    ``work`` int32 ``[n_work * 3]`` holds (sequence, first block, end block) per split; the splits of
+    sequence ``b`` are ``split0[b] .. split0[b + 1]``; ``splits`` counts them per sequence."""
+
+    blocks_per_split: int
+    work: np.ndarray
+    split0: np.ndarray
+    splits: np.ndarray
+
+    @property
+    def n_work(self) -> int:
+        return len(self.work) // 3
+
+
+def wave_target(kernel, like, blocks_per_sm: int | None = None):
+    """``(warps in one wave of the attention kernel, resources)``: as many one-warp blocks as the
+    driver says fit an SM (registers, shared memory) times the SMs of ``like``'s device; 4 in the
+    simulator (resources None)."""
+    from .cuda import attention as K
+
+    if K.SIMULATOR:
+        return 4, None
+    import torch
+
+    from .cuda.launch import resident_blocks
+
+    sms = torch.cuda.get_device_properties(like.device).multi_processor_count
+    resources = dict(zip(("blocks_per_sm", "registers", "shared_bytes"),
+                         resident_blocks(kernel, K.kernel_signature(), K.WARP)))
+    return sms * max(1, blocks_per_sm or resources["blocks_per_sm"]), resources
+
+
+def split_work(runs, batch: int, kv_heads: int, target: int | None, blocks_per_split: int | None = None,
+               whole_waves: bool | None = None) -> SplitWork:
+    """Cut ``runs`` ``(sequence, first block, end block)`` -- no split crosses a run's end -- into splits
+    of at most ``blocks_per_split`` blocks; ``None`` chooses the fewest blocks per split whose splits
+    (times ``kv_heads``) fit one wave of ``target`` warps (see :class:`AttentionPlan` for
+    ``whole_waves``)."""
+    from .cuda import attention as K
+
+    runs = np.asarray(runs, dtype=np.int64).reshape(-1, 3)
+    run_len = runs[:, 2] - runs[:, 1]
+    if blocks_per_split is None:
+        # The fewest blocks per split that still fit one wave: each run rounds its splits up, so the
+        # bare quotient can spill a few blocks into a second, almost empty wave.
+        total = int(run_len.sum()) * kv_heads
+        longest = kv_heads * int((-(-run_len // K.MAX_BLOCKS_PER_SPLIT)).sum())   # splits of the longest kind
+        if longest > target:
+            last = longest % target / target                            # fill of the partial last wave
+            if whole_waves or (whole_waves is None and 0 < last < WHOLE_WAVES_BELOW):
+                target *= -(-longest // target)
+        blocks_per_split = max(1, -(-total // target))
+        while (blocks_per_split < min(K.MAX_BLOCKS_PER_SPLIT, max(int(run_len.max(initial=1)), 1))
+               and kv_heads * int((-(-run_len // blocks_per_split)).sum()) > target):
+            blocks_per_split += 1
+    bps = int(min(max(blocks_per_split, 1), K.MAX_BLOCKS_PER_SPLIT))
+    per_run = -(-run_len // bps)
+    first = np.repeat(runs[:, 1], per_run) + bps * (np.arange(int(per_run.sum())) -
+                                                  np.repeat(np.cumsum(per_run) - per_run, per_run))
+    work = np.stack([np.repeat(runs[:, 0], per_run), first, np.minimum(first + bps, np.repeat(runs[:, 2], per_run))],
+                    axis=1).astype(np.int32).reshape(-1)
+    splits = np.bincount(runs[:, 0], weights=per_run, minlength=batch).astype(np.int64)
+    split0 = np.concatenate([[0], np.cumsum(splits)]).astype(np.int32)
+    return SplitWork(blocks_per_split=bps, work=work, split0=split0, splits=splits)
+
+
 class AttentionPlan:
     """Launch plan of decode attention for one LayerView shape and one set of sequence lengths.
 
@@ -483,44 +552,15 @@ class AttentionPlan:
         stage = K.tile_bytes(c) if plain else -(-max(self._sizes) // 16) * 16
         # Runs of blocks with one K epoch and one V epoch (no split crosses a run's end), per sequence.
         runs = _epoch_runs(view, lens // L.BLOCK_TOKENS, nblk)
-        run_len = np.array([z - a for _, a, z in runs], np.int64)
         self._kernel = K.attention_kernel(d, plain, variant, nstage, 0 if plain else stage, overlap, max_registers)
         self.resources = None               # what the driver says of the kernel's occupancy (GPU, planned splits)
         if blocks_per_split is None:
-            if K.SIMULATOR:
-                target = 4
-            else:
-                import torch
-
-                from .cuda.launch import resident_blocks
-
-                sms = torch.cuda.get_device_properties(view.slots[0].device).multi_processor_count
-                # One wave of one-warp blocks: as many as the driver says fit an SM (registers, shared memory).
-                self.resources = dict(zip(("blocks_per_sm", "registers", "shared_bytes"),
-                                          resident_blocks(self._kernel, K.kernel_signature(), K.WARP)))
-                target = sms * max(1, blocks_per_sm or self.resources["blocks_per_sm"])
-            # The fewest blocks per split that still fit one wave: each run rounds its splits up, so the
-            # bare quotient can spill a few blocks into a second, almost empty wave.
-            total = int(run_len.sum()) * hk
-            longest = hk * int((-(-run_len // K.MAX_BLOCKS_PER_SPLIT)).sum())   # splits of the longest kind
-            if longest > target:
-                last = longest % target / target                            # fill of the partial last wave
-                if whole_waves or (whole_waves is None and 0 < last < WHOLE_WAVES_BELOW):
-                    target *= -(-longest // target)
-            blocks_per_split = max(1, -(-total // target))
-            while (blocks_per_split < min(K.MAX_BLOCKS_PER_SPLIT, max(int(run_len.max(initial=1)), 1))
-                   and hk * int((-(-run_len // blocks_per_split)).sum()) > target):
-                blocks_per_split += 1
-        self.blocks_per_split = bps = int(min(max(blocks_per_split, 1), K.MAX_BLOCKS_PER_SPLIT))
-        work = []
-        splits = np.zeros(self.batch, np.int64)
-        for b, a, z in runs:
-            for s in range(a, z, bps):
-                work.append((b, s, min(s + bps, z)))
-                splits[b] += 1
-        self.n_work = len(work)
-        split0 = np.concatenate([[0], np.cumsum(splits)]).astype(np.int32)
-        work = np.asarray(work, dtype=np.int32).reshape(-1)
+            target, self.resources = wave_target(self._kernel, view.slots[0], blocks_per_sm)
+        else:
+            target = None
+        split = split_work(runs, self.batch, hk, target, blocks_per_split, whole_waves)
+        self.blocks_per_split, self.n_work = split.blocks_per_split, split.n_work
+        work, split0, splits = split.work, split.split0, split.splits
         grid, threads, lanes = K.merge_launch(self.batch, q_heads, d, int(splits.max(initial=0)))
         self._merge, self._merge_grid = K.merge_kernel(d, lanes), (grid, threads)
         bases = _epoch_bases(view)
