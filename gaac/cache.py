@@ -50,7 +50,9 @@ reference on the CPU; on a CUDA device it is :mod:`gaac.cuda.codec`.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+import functools
+import itertools
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -190,7 +192,10 @@ class _Pool:
 
     @property
     def used(self) -> int:
-        return self.size - len(self.free)
+        return self.size - self.n_free()
+
+    def n_free(self) -> int:
+        return len(self.free)
 
     def grow_to(self, n: int) -> None:
         old = self.size
@@ -205,6 +210,73 @@ class _Pool:
 
     def give(self, indices) -> None:
         self.free.extend(int(i) for i in sorted(indices, reverse=True))
+
+
+_VERSIONS = itertools.count()
+
+
+class _DevicePool(_Pool):
+    """A pool whose free list lives on the device, where the CUDA encoder pops records itself.
+
+    ``order`` int32 holds the free records in the order they are taken; ``heads[cls]`` (device) counts
+    the entries the encoder has taken (it pops with atomics, and counts on past the end when the list
+    runs dry).  The host never waits for that count on the serving path: it keeps ``taken``, the count
+    when it last read it, and ``pending``, how many records encodes launched since may have taken --
+    so ``order``'s length minus both is a lower bound of the free records, exact after :meth:`sync`.
+    """
+
+    def __init__(self, name: str, n: int, record: tuple, dtype: torch.dtype, device: torch.device,
+                 heads: torch.Tensor, cls: int):
+        self.name = name
+        # The kernels cannot take an empty array: an empty pool holds one record that no list hands out.
+        self.data = torch.zeros((max(n, 1), *record), dtype=dtype, device=device)
+        self._size = n
+        self.heads, self.cls = heads, cls
+        self._set_order(torch.arange(n, dtype=torch.int32, device=device))
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def _set_order(self, order: torch.Tensor) -> None:
+        self.version = next(_VERSIONS)      # a new free list (and perhaps new data): plans made before are stale
+        self.order = order.contiguous()
+        self.heads[self.cls] = 0
+        self.taken = self.pending = 0
+
+    def sync(self) -> None:
+        """Read the device's count of taken records (waits for the encodes in flight)."""
+        self.taken, self.pending = int(self.heads[self.cls]), 0
+
+    def free_lower(self) -> int:
+        """Free records, at least (no synchronisation)."""
+        return self.order.shape[0] - self.taken - self.pending
+
+    def n_free(self) -> int:
+        self.sync()
+        return max(self.order.shape[0] - self.taken, 0)
+
+    def _rest(self) -> torch.Tensor:
+        self.sync()
+        return self.order[min(self.taken, self.order.shape[0]):]
+
+    def grow_to(self, n: int) -> None:
+        old = self.size
+        extra = torch.zeros((n - old, *self.data.shape[1:]), dtype=self.data.dtype, device=self.data.device)
+        self.data = torch.cat([self.data[:old], extra])
+        self._size = n
+        self._set_order(torch.cat([self._rest(), torch.arange(old, n, dtype=torch.int32, device=self.data.device)]))
+
+    def take(self, k: int) -> np.ndarray:
+        rest = self._rest()
+        taken = rest[:k].cpu().numpy().astype(np.int64)
+        self.heads[self.cls] += k
+        self.taken += k
+        return taken
+
+    def give(self, indices) -> None:
+        back = torch.from_numpy(np.sort(np.asarray(indices, dtype=np.int64)).astype(np.int32)).to(self.data.device)
+        self._set_order(torch.cat([self._rest(), back]))
 
 
 @dataclass
@@ -223,6 +295,9 @@ class _Kind:
     epochs: np.ndarray           # int16 [max_seqs, max_blocks]: each finalized block's epoch (host: the logic's)
     epoch: torch.Tensor | None   # the same on the device (LayerView.epoch); None without adaptation
     adapter: Adapter | None      # None without adaptation
+    heads: torch.Tensor | None = None    # int32 [2]: the device free lists' taken counts (CUDA codec)
+    deferred: list = field(default_factory=list)    # finalized blocks on their way to the adapter (GPU)
+    encoders: dict = field(default_factory=dict)    # (epoch, pools) -> the CUDA codec's EncodePlan
 
     def add_epoch(self, b3: np.ndarray, b4: np.ndarray) -> None:
         """Append one epoch's bases ``[kv_heads, head_dim]`` to the device tables."""
@@ -230,6 +305,10 @@ class _Kind:
         for name, table in (("b3", b3), ("b4", b4), ("tb3", tb3), ("tb4", tb4)):
             old = getattr(self, name)
             setattr(self, name, torch.cat([old, torch.from_numpy(np.ascontiguousarray(table)).to(old.device)[None]]))
+
+    def pools_key(self) -> tuple:
+        """What an EncodePlan bakes in: the versions of the pools' arrays and free lists."""
+        return self.slots.version, self.raw.version
 
 
 @dataclass
@@ -239,7 +318,8 @@ class _Epochs:
     epochs: np.ndarray           # int64 [n]: each finalized block's epoch, in finalized order (non-decreasing)
     tables: list                 # the epochs it appends: (b3, b4) [kv_heads, head_dim] each, in order
     after: Adapter | None        # a check ran: the adapter after the blocks (on a copy of the calibration)
-    pending: np.ndarray | None   # no check was due: the host blocks the live adapter observes at commit
+    pending: object              # no check was due: the blocks the live adapter observes after commit
+                                 # (NumPy, or a pinned host copy and its event on a GPU)
 
 
 @dataclass
@@ -252,8 +332,9 @@ class _Update:
     blocks: list                 # per sequence: how many blocks the new tokens finish
     tiles: tuple                 # per kind: the finished blocks' tiles int16 [n_tiles, 16, C], or None
     slots: tuple                 # per kind: slot bytes of the fitting tiles uint8 [n_fit, slot_bytes], tile order
-    fits: tuple                  # per kind: bool [n_tiles]
+    fits: tuple                  # per kind: bool [n_tiles] (None: the CUDA encoder decides as it writes)
     epochs: tuple                # per kind: _Epochs, or None where no block finishes
+    entries: list = field(default_factory=lambda: [None, None])   # per kind: table entries int32 [n_tiles] (GPU)
 
 
 @dataclass(frozen=True)
@@ -323,7 +404,7 @@ class PagedKVCache:
         if not isinstance(adapt, bool):
             raise InputError(f"adapt must be True or False, got {adapt!r}")
         self.adapt = adapt
-        self.calibration = calibration.copy()
+        self._calibration = calibration.copy()
         self.layers, self.kv_heads, self.head_dim = calibration.layers, calibration.kv_heads, calibration.head_dim
         self.geometry = L.geometry(self.head_dim)
         self.tiles_per_block = self.kv_heads * L.tiles_per_head(self.head_dim)
@@ -340,19 +421,29 @@ class PagedKVCache:
         self._lens = np.zeros((self.layers, max_seqs), dtype=np.int64)       # host copy: the cache's logic
         self._seq_lens = torch.zeros((self.layers, max_seqs), dtype=torch.int32, device=self.device)
         self._live = np.zeros(max_seqs, dtype=bool)
+        self._cuts = [set() for _ in range(max_seqs)]      # per sequence: blocks where some layer's epoch changes
+        self._layer_state = {}       # layer -> what a step plan launches attention with (gaac.step)
+        self._step_index = None      # the device indices of the current one-token step (_append_token)
+        self._wave = {}              # attention kernel -> warps in one wave (gaac.step)
         self.blocks_encoded = 0      # (layer, sequence, block) finalizations, each encoding K and V once
 
     def _make_kind(self, layer, kind, max_seqs, max_blocks, n_slots, n_raw) -> _Kind:
         geo, dev = self.geometry, self.device
-        capacity = int(self.calibration.capacity[kind, layer])
+        capacity = int(self._calibration.capacity[kind, layer])
         # Without adaptation only epoch 0 codes blocks; with it, every epoch the calibration holds may.
-        epochs = range(self.calibration.n_epochs(layer, kind)) if self.adapt else [0]
-        b3, b4 = (np.stack(t) for t in zip(*(self.calibration.bases(layer, kind, e) for e in epochs)))
+        epochs = range(self._calibration.n_epochs(layer, kind)) if self.adapt else [0]
+        b3, b4 = (np.stack(t) for t in zip(*(self._calibration.bases(layer, kind, e) for e in epochs)))
         tb3, tb4 = (np.stack(t) for t in zip(*(tile_bases(x3, x4) for x3, x4 in zip(b3, b4))))
         name = f"layer {layer} {L.KIND_NAMES[kind].upper()}"
-        return _Kind(capacity=capacity,
-                     slots=_Pool(f"{name} slot pool", n_slots, (geo.slot_bytes(capacity),), torch.uint8, dev),
-                     raw=_Pool(f"{name} raw-tile pool", n_raw, (L.BLOCK_TOKENS, geo.channels), torch.int16, dev),
+        heads = None
+        if isinstance(self.codec, CudaCodec):     # the encoder pops records from free lists on the device
+            heads = torch.zeros(2, dtype=torch.int32, device=dev)
+            pools = [functools.partial(_DevicePool, heads=heads, cls=cls) for cls in range(2)]
+        else:
+            pools = [_Pool, _Pool]
+        return _Kind(capacity=capacity, heads=heads,
+                     slots=pools[0](f"{name} slot pool", n_slots, (geo.slot_bytes(capacity),), torch.uint8, dev),
+                     raw=pools[1](f"{name} raw-tile pool", n_raw, (L.BLOCK_TOKENS, geo.channels), torch.int16, dev),
                      table=torch.zeros((max_seqs, max_blocks, self.tiles_per_block), dtype=torch.int32, device=dev),
                      tail=torch.zeros((max_seqs, self.kv_heads, L.BLOCK_TOKENS, self.head_dim), dtype=torch.int16,
                                       device=dev),
@@ -362,7 +453,14 @@ class PagedKVCache:
                      tb4=torch.from_numpy(np.ascontiguousarray(tb4)).to(dev),
                      epochs=np.zeros((max_seqs, max_blocks), dtype=np.int16),
                      epoch=torch.zeros((max_seqs, max_blocks), dtype=torch.int16, device=dev) if self.adapt else None,
-                     adapter=Adapter(self.calibration, layer, kind) if self.adapt else None)
+                     adapter=Adapter(self._calibration, layer, kind) if self.adapt else None)
+
+    @property
+    def calibration(self) -> Calibration:
+        """The cache's own calibration, with every epoch the cache has appended (the one to save with
+        blocks taken out of the cache)."""
+        self._flush_all()
+        return self._calibration
 
     # -- shape ------------------------------------------------------------------
     @property
@@ -428,6 +526,8 @@ class PagedKVCache:
         self._lens[:, seq] = 0
         self._seq_lens[:, seq] = 0
         self._live[seq] = False
+        self._cuts[seq].clear()
+        self._step_index = None
 
     def _grow_rows(self, n: int) -> None:
         extra = n - self.max_seqs
@@ -441,6 +541,9 @@ class PagedKVCache:
         self._lens = np.concatenate([self._lens, np.zeros((self.layers, extra), np.int64)], axis=1)
         self._seq_lens = torch.cat([self._seq_lens, self._seq_lens.new_zeros((self.layers, extra))], dim=1)
         self._live = np.concatenate([self._live, np.zeros(extra, bool)])
+        self._cuts += [set() for _ in range(extra)]
+        self._layer_state.clear()
+        self._step_index = None
 
     # -- appending --------------------------------------------------------------
     def append(self, seq: int, k, v) -> None:
@@ -454,10 +557,7 @@ class PagedKVCache:
         if k.shape[0] != self.layers or v.shape[0] != self.layers:
             raise InputError(f"k {list(k.shape)} / v {list(v.shape)}: expected {self.layers} layers first "
                              "([layers, kv_heads, tokens, head_dim])")
-        updates = [self._prepare(layer, [seq], k[layer][None], v[layer][None]) for layer in range(self.layers)]
-        self._reserve(updates)
-        for u in updates:
-            self._commit(u)
+        self._apply([self._prepare(layer, [seq], k[layer][None], v[layer][None]) for layer in range(self.layers)])
 
     def update_layer(self, layer: int, seqs, k, v) -> None:
         """Append ``t`` tokens to each sequence of ``seqs`` in one layer: ``k``/``v`` ``[len(seqs), kv_heads, t, D]``.
@@ -466,6 +566,11 @@ class PagedKVCache:
         sequences); the finished blocks of the batch are encoded together, one codec
         call per epoch.  With calibration epochs they are finalized -- seen by the
         layer's adapters -- in the order of ``seqs``, each sequence's in token order.
+
+        On a GPU a step that finishes no block is a few device writes (the tails and
+        the layer's lengths) with no synchronisation; a finished block is encoded
+        straight into the pools by the CUDA encoder, which takes its records from free
+        lists on the device.
         """
         self._check_layer(layer)
         seqs = [int(s) for s in seqs]
@@ -473,9 +578,52 @@ class PagedKVCache:
             self._check_seq(s)
         if len(set(seqs)) != len(seqs):
             raise InputError(f"sequences {seqs}: each may appear once")
-        u = self._prepare(layer, seqs, self._bits(k, "k", 4), self._bits(v, "v", 4))
-        self._reserve([u])
-        self._commit(u)
+        k, v = self._bits(k, "k", 4), self._bits(v, "v", 4)
+        if k.shape != v.shape or k.shape[0] != len(seqs):
+            raise InputError(f"k {list(k.shape)} and v {list(v.shape)} must both be [{len(seqs)} sequences, "
+                             f"kv_heads, tokens, head_dim]")
+        if k.shape[2] == 1 and self._append_token(layer, seqs, k, v):
+            return
+        self._apply([self._prepare(layer, seqs, k, v)])
+
+    def _append_token(self, layer: int, seqs: list, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """One new token per sequence that finishes no block: written with device indexing, no host sync.
+
+        Returns False (nothing written) where a block finishes.  The index tensors are made once per
+        step -- every layer of a step appends at the same positions -- and the lengths the kernel reads
+        are copied from the host's, which the host advances itself."""
+        rows = np.asarray(seqs, dtype=np.int64)
+        lens = self._lens[layer, rows]
+        r = lens % L.BLOCK_TOKENS
+        if (r == L.BLOCK_TOKENS - 1).any():
+            return False
+        key = (rows.tobytes(), lens.tobytes())
+        if self._step_index is None or self._step_index[0] != key:
+            after = self._lens[layer].copy()
+            after[rows] += 1
+            self._step_index = (key, *(self._to_device(a) for a in (rows, r, after.astype(np.int32))))
+        _, rows_t, r_t, after_t = self._step_index
+        k_store, v_store = self._store[layer]
+        k_store.tail[rows_t, :, r_t] = k[:, :, 0]
+        v_store.tail[rows_t, :, r_t] = v[:, :, 0]
+        self._seq_lens[layer].copy_(after_t, non_blocking=True)
+        self._lens[layer, rows] += 1
+        return True
+
+    def _to_device(self, a: np.ndarray) -> torch.Tensor:
+        """A host array on the cache's device without waiting for the device (pinned, asynchronous copy)."""
+        t = torch.from_numpy(np.ascontiguousarray(a))
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def _apply(self, updates: list) -> None:
+        """Reserve, encode (GPU) and commit prepared updates: all of them, or nothing and an error."""
+        self._reserve(updates)
+        if isinstance(self.codec, CudaCodec):
+            self._encode_on_device(updates)
+        for u in updates:
+            self._commit(u)
 
     def _bits(self, x, name: str, ndim: int) -> torch.Tensor:
         """``x`` (torch BF16/int16/uint16 on any device, or NumPy bits) as int16 on the cache's device."""
@@ -493,7 +641,9 @@ class PagedKVCache:
         return t
 
     def _prepare(self, layer: int, seqs: list, k: torch.Tensor, v: torch.Tensor) -> _Update:
-        """Cut the blocks the new tokens complete and encode them; nothing in the cache changes."""
+        """Cut the blocks the new tokens complete and decide their epochs; with the reference codec also
+        encode them (the CUDA encoder writes into the pools, after :meth:`_reserve`).  Nothing in the
+        cache changes."""
         if k.shape != v.shape or k.shape[0] != len(seqs):
             raise InputError(f"k {list(k.shape)} and v {list(v.shape)} must both be [{len(seqs)} sequences, "
                              f"kv_heads, tokens, head_dim]")
@@ -512,6 +662,7 @@ class PagedKVCache:
                 cut[kind].append(head.reshape(self.kv_heads, q, L.BLOCK_TOKENS, self.head_dim).transpose(0, 1))
         tiles, slots, fits, epochs = [], [], [], []
         per = self.tiles_per_block
+        on_device = isinstance(self.codec, CudaCodec)
         for kind in KINDS:
             store = self._store[layer][kind]
             if not cut[kind]:
@@ -523,42 +674,92 @@ class PagedKVCache:
             finished = torch.cat(cut[kind])                      # [n, heads, 16, D] in finalized order
             plan = self._plan_epochs(store, layer, kind, finished)
             tiles.append(blocks_to_tiles(finished.contiguous()))
+            epochs.append(plan)
+            if on_device:
+                slots.append(None)
+                fits.append(None)
+                continue
             parts = []
             for epoch, start, stop in _runs(plan.epochs):
-                if epoch < store.tb3.shape[0]:
-                    tb3, tb4 = store.tb3[epoch], store.tb4[epoch]
-                else:                                            # an epoch this update appends
-                    tb3, tb4 = (torch.from_numpy(np.ascontiguousarray(t)).to(self.device)
-                                for t in tile_bases(*plan.tables[epoch - store.tb3.shape[0]]))
+                tb3, tb4 = self._tile_bases(store, plan, epoch)
                 parts.append(self.codec.encode(tiles[-1][start * per:stop * per], tb3, tb4, store.capacity))
             slots.append(torch.cat([p[0] for p in parts]))
             fits.append(np.concatenate([p[1] for p in parts]))
-            epochs.append(plan)
         return _Update(layer=layer, seqs=seqs, new=(k, v), blocks=blocks, tiles=tuple(tiles), slots=tuple(slots),
                        fits=tuple(fits), epochs=tuple(epochs))
+
+    def _tile_bases(self, store: _Kind, plan: _Epochs, epoch: int):
+        """One block's per-tile bases ``(tb3, tb4)`` of ``epoch``: the store's, or one the update appends."""
+        if epoch < store.tb3.shape[0]:
+            return store.tb3[epoch], store.tb4[epoch]
+        return tuple(torch.from_numpy(np.ascontiguousarray(t)).to(self.device)
+                     for t in tile_bases(*plan.tables[epoch - store.tb3.shape[0]]))
 
     def _plan_epochs(self, store: _Kind, layer: int, kind: int, finished: torch.Tensor) -> _Epochs:
         """The epoch each of ``finished`` ``[n, heads, 16, D]`` is coded with; the cache's adapter stays as it is.
 
-        Where no check is due within these blocks the newest epoch codes them all
-        and the adapter only has to observe them, at commit.  Otherwise the rule runs
-        on a copy of the adapter and of the calibration, in runs of at most
-        ``until_check`` blocks (:meth:`gaac.epochs.Adapter.assign`).
+        Where the blocks reach no check before their last one, the newest epoch codes them all and
+        the adapter only has to observe them, after commit; on a GPU their copy to the host is
+        started here and waited for only when the adapter next needs them (:meth:`_flush`), which in
+        a decode loop is a block later.  Otherwise the rule runs now, on a copy of the adapter and of
+        the calibration, in runs of at most ``until_check`` blocks (:meth:`gaac.epochs.Adapter.assign`).
         """
         n = len(finished)
         adapter = store.adapter
         if adapter is None:
             return _Epochs(epochs=np.zeros(n, np.int64), tables=[], after=None, pending=None)
+        self._flush(store, layer, kind)
+        if n <= adapter.until_check:
+            return _Epochs(epochs=np.full(n, adapter.epoch, np.int64), tables=[], after=None,
+                           pending=self._host_copy(finished))
         host = finished.cpu().numpy().view(np.uint16)
-        if n < adapter.until_check:
-            return _Epochs(epochs=np.full(n, adapter.epoch, np.int64), tables=[], after=None, pending=host)
-        after = copy.deepcopy(adapter, {id(adapter.calibration): self.calibration.copy()})
+        after = copy.deepcopy(adapter, {id(adapter.calibration): self._calibration.copy()})
         epochs = after.assign(host)
         tables = [after.calibration.bases(layer, kind, e) for e in range(adapter.epoch + 1, after.epoch + 1)]
         return _Epochs(epochs=epochs, tables=tables, after=after, pending=None)
 
+    def _host_copy(self, x: torch.Tensor):
+        """``x`` on the host: NumPy on the CPU; on a GPU a pinned copy in flight and its event."""
+        if x.device.type != "cuda":
+            return x.numpy()
+        host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+        host.copy_(x, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
+
+    def _flush(self, store: _Kind, layer: int, kind: int) -> None:
+        """Let the adapter observe the blocks deferred to it; an epoch it appends joins the device tables."""
+        while store.deferred:
+            blocks = store.deferred.pop(0)
+            if isinstance(blocks, tuple):
+                host, event = blocks
+                event.synchronize()
+                blocks = host.numpy()
+            appended = store.adapter.observe(blocks.view(np.uint16))
+            if appended is not None:
+                store.add_epoch(*self._calibration.bases(layer, kind, appended))
+                self._drop_layer_state(layer)
+
+    def _drop_layer_state(self, layer: int) -> None:
+        """Forget what attention launches ``layer`` with: its arrays changed."""
+        for key in [key for key in self._layer_state if key[0] == layer]:
+            del self._layer_state[key]
+
+    def _flush_all(self) -> None:
+        for layer, layer_store in enumerate(self._store):
+            for kind, store in zip(KINDS, layer_store):
+                if store.deferred:
+                    self._flush(store, layer, kind)
+
     def _reserve(self, updates: list) -> None:
-        """Make room for ``updates`` (growing, where allowed) or raise before anything is written."""
+        """Make room for ``updates`` (growing, where allowed) or raise before anything is written.
+
+        The reference codec has encoded already, so its counts are exact.  The CUDA encoder decides
+        slot or raw tile as it writes: where each pool's free records (a lower bound, read from the
+        device only when the bound is short) cover every tile, the update is certain to fit;
+        otherwise :meth:`_encode_on_device` checks after encoding and undoes the encode if a list ran dry.
+        """
         need_blocks = max(int(self._lens[u.layer, s]) // L.BLOCK_TOKENS + q
                           for u in updates for s, q in zip(u.seqs, u.blocks))
         short = []
@@ -566,9 +767,22 @@ class PagedKVCache:
             short.append((None, need_blocks))
         for u in updates:
             for kind in KINDS:
-                store, fits = self._store[u.layer][kind], u.fits[kind]
+                store, tiles = self._store[u.layer][kind], u.tiles[kind]
+                if tiles is None:
+                    continue
+                if u.fits[kind] is None:
+                    n = tiles.shape[0]
+                    for pool in (store.slots, store.raw):
+                        if pool.free_lower() < n:
+                            pool.sync()
+                    if store.slots.free_lower() + store.raw.free_lower() < n:
+                        pool = store.raw if store.raw.free_lower() < n else store.slots
+                        short.append((pool, pool.used + n - (store.slots.free_lower() + store.raw.free_lower()
+                                                             - pool.free_lower())))
+                    continue
+                fits = u.fits[kind]
                 for pool, n in ((store.slots, int(fits.sum())), (store.raw, int((~fits).sum()))):
-                    if n > len(pool.free):
+                    if n > pool.n_free():
                         short.append((pool, pool.used + n))
         if short and not self.grow:
             pool, n = short[0]
@@ -576,13 +790,80 @@ class PagedKVCache:
                 raise PoolExhaustedError(f"a sequence would hold {n} blocks; the block table holds {self.max_blocks} "
                                          f"({self.max_blocks * L.BLOCK_TOKENS} tokens) per sequence")
             raise PoolExhaustedError(f"{pool.name} is exhausted: this update needs {n - pool.used} records, "
-                                     f"{len(pool.free)} of {pool.size} are free; remove sequences or make the "
+                                     f"{pool.n_free()} of {pool.size} are free; remove sequences or make the "
                                      "pool larger")
         for pool, n in short:
             if pool is None:
                 self._grow_blocks(max(n, 2 * self.max_blocks))
             else:
                 pool.grow_to(max(n, 2 * pool.size))
+                self._layer_state.clear()
+
+    def _encode_on_device(self, updates: list) -> None:
+        """Encode every finished tile of ``updates`` into its pools with the CUDA encoder (one launch per
+        epoch run and kind), leaving each tile's table entry in ``u.entries``.
+
+        Where :meth:`_reserve` could not prove that the records suffice, the device's counts are read
+        after the launches: if a free list ran dry, the counts are put back (the records taken return
+        to their lists; nothing else was written) and the pool grows (``grow``) and the encode is
+        redone, or :class:`PoolExhaustedError` is raised with the cache unchanged."""
+        jobs = [(u, kind) for u in updates for kind in KINDS if u.tiles[kind] is not None]
+        while True:
+            unsure = [(u, kind) for u, kind in jobs
+                      if min(p.free_lower() for p in self._pools(u.layer, kind)) < u.tiles[kind].shape[0]]
+            saved = {id(self._store[u.layer][kind]): self._store[u.layer][kind].heads.clone() for u, kind in unsure}
+            for u, kind in jobs:
+                store = self._store[u.layer][kind]
+                tiles, plan, per = u.tiles[kind], u.epochs[kind], self.tiles_per_block
+                entries = torch.empty(tiles.shape[0], dtype=torch.int32, device=self.device)
+                used = torch.empty_like(entries)
+                for epoch, start, stop in _runs(plan.epochs):
+                    a, z = start * per, stop * per
+                    self._encoder(store, plan, epoch)(tiles[a:z], entries[a:z], used[a:z])
+                u.entries[kind] = entries
+                for pool in (store.slots, store.raw):
+                    pool.pending += tiles.shape[0]
+            over = []
+            for u, kind in unsure:
+                for pool in self._pools(u.layer, kind):
+                    pool.sync()
+                    if pool.taken > pool.order.shape[0]:
+                        over.append((pool, pool.taken - pool.order.shape[0]))
+            if not over:
+                return
+            for u, kind in unsure:
+                store = self._store[u.layer][kind]
+                store.heads.copy_(saved[id(store)])
+                for pool in (store.slots, store.raw):
+                    pool.sync()
+            if not self.grow:
+                pool, n = over[0]
+                raise PoolExhaustedError(f"{pool.name} is exhausted: this update needs {n} more records than the "
+                                         f"{pool.n_free()} of {pool.size} free; remove sequences or make the "
+                                         "pool larger")
+            for pool, n in over:
+                pool.grow_to(max(pool.size + n, 2 * pool.size))
+            self._layer_state.clear()
+
+    def _pools(self, layer: int, kind: int) -> tuple:
+        store = self._store[layer][kind]
+        return store.slots, store.raw
+
+    def _encoder(self, store: _Kind, plan: _Epochs, epoch: int):
+        """The CUDA codec's EncodePlan of ``store``'s pools and ``epoch``'s bases, made once."""
+        key = (epoch, store.pools_key())
+        enc = store.encoders.get(key)
+        if enc is None:
+            from .cuda.codec import EncodePlan, pack_bases
+
+            tb3, tb4 = (t.cpu().numpy() for t in self._tile_bases(store, plan, epoch))
+            bases = torch.from_numpy(pack_bases(tb3, tb4)).to(self.device)
+            enc = EncodePlan(self.geometry.channels, store.capacity, bases, store.slots.data, store.slots.order,
+                             store.raw.data, store.raw.order, store.heads)
+            if epoch < store.tb3.shape[0]:          # an epoch this update appends is cached once committed
+                store.encoders = {k: e for k, e in store.encoders.items() if k[1] == key[1]}
+                store.encoders[key] = enc
+        return enc
 
     def _grow_blocks(self, n: int) -> None:
         for layer_store in self._store:
@@ -593,6 +874,7 @@ class PagedKVCache:
                 if store.epoch is not None:
                     e = store.epoch
                     store.epoch = torch.cat([e, e.new_zeros((e.shape[0], n - e.shape[1]))], dim=1)
+        self._layer_state.clear()
 
     def _commit(self, u: _Update) -> None:
         """Write an update prepared and reserved for: slots, raw tiles, table entries, tails, lengths."""
@@ -601,15 +883,18 @@ class PagedKVCache:
             store, tiles, fits = self._store[u.layer][kind], u.tiles[kind], u.fits[kind]
             if tiles is not None:
                 self._commit_epochs(store, u, kind)
-                slot_at = store.slots.take(int(fits.sum()))
-                raw_at = store.raw.take(int((~fits).sum()))
-                store.slots.data[torch.from_numpy(slot_at).to(self.device)] = u.slots[kind].to(self.device)
-                fits_t = torch.from_numpy(fits).to(self.device)
-                store.raw.data[torch.from_numpy(raw_at).to(self.device)] = tiles[~fits_t]
-                entries = np.empty(len(fits), dtype=np.int64)
-                entries[fits] = slot_at
-                entries[~fits] = raw_at | L.TABLE_RAW_FLAG
-                entries = torch.from_numpy(entries.astype(np.uint32).view(np.int32)).to(self.device)
+                if u.entries[kind] is not None:
+                    entries = u.entries[kind]
+                else:
+                    slot_at = store.slots.take(int(fits.sum()))
+                    raw_at = store.raw.take(int((~fits).sum()))
+                    store.slots.data[torch.from_numpy(slot_at).to(self.device)] = u.slots[kind].to(self.device)
+                    fits_t = torch.from_numpy(fits).to(self.device)
+                    store.raw.data[torch.from_numpy(raw_at).to(self.device)] = tiles[~fits_t]
+                    entries = np.empty(len(fits), dtype=np.int64)
+                    entries[fits] = slot_at
+                    entries[~fits] = raw_at | L.TABLE_RAW_FLAG
+                    entries = torch.from_numpy(entries.astype(np.uint32).view(np.int32)).to(self.device)
                 start = 0
                 for seq, q in zip(u.seqs, u.blocks):
                     first = int(self._lens[u.layer, seq]) // L.BLOCK_TOKENS
@@ -627,26 +912,66 @@ class PagedKVCache:
         for seq, q in zip(u.seqs, u.blocks):
             self._lens[u.layer, seq] += u.new[0].shape[2]
             self.blocks_encoded += q
-        self._seq_lens[u.layer] = torch.from_numpy(self._lens[u.layer].astype(np.int32)).to(self.device)
+        self._seq_lens[u.layer].copy_(self._to_device(self._lens[u.layer].astype(np.int32)), non_blocking=True)
+        self._step_index = None
 
     def _commit_epochs(self, store: _Kind, u: _Update, kind: int) -> None:
         """Apply an update's epoch decisions: new epochs, the adapter's state, each finished block's epoch."""
         plan = u.epochs[kind]
         for b3, b4 in plan.tables:
-            self.calibration.add_epoch(u.layer, kind, b3, b4)
+            self._calibration.add_epoch(u.layer, kind, b3, b4)
             store.add_epoch(b3, b4)
+            self._drop_layer_state(u.layer)
         if plan.after is not None:
-            plan.after.calibration = self.calibration
+            plan.after.calibration = self._calibration
             store.adapter = plan.after
         elif plan.pending is not None:
-            store.adapter.observe(plan.pending)
+            store.deferred.append(plan.pending)
+            if self.device.type != "cuda":
+                self._flush(store, u.layer, kind)
         start = 0
         for seq, q in zip(u.seqs, u.blocks):
             first = int(self._lens[u.layer, seq]) // L.BLOCK_TOKENS
-            store.epochs[seq, first:first + q] = plan.epochs[start:start + q]
-            if store.epoch is not None:
-                store.epoch[seq, first:first + q] = torch.from_numpy(store.epochs[seq, first:first + q]).to(self.device)
+            new = plan.epochs[start:start + q]
+            before = store.epochs[seq, first - 1] if first else new[0]
+            cuts = np.flatnonzero(np.diff(np.concatenate([[before], new]))) + first
+            self._cuts[seq].update(cuts.tolist())
+            store.epochs[seq, first:first + q] = new
+            if store.epoch is not None and q:
+                if len(cuts):
+                    store.epoch[seq, first:first + q] = torch.from_numpy(store.epochs[seq, first:first + q]).to(self.device)
+                else:     # one epoch, as before: a device fill, no copy from the host
+                    store.epoch[seq, first:first + q] = int(new[0])
             start += q
+
+    # -- a decode step -----------------------------------------------------------
+    def decode_plan(self, q_heads: int, *, append: int = 1, seqs=None, scale: float | None = None):
+        """Plan one decode step for every layer: a :class:`gaac.step.StepPlan` whose ``run(q, layer)``
+        launches that layer's attention.
+
+        ``append`` tokens (the step's new token) are added to each of ``seqs`` (default: every live
+        sequence) in every layer before that layer's attention runs; the plan is made for the lengths
+        after them, from the host's copy of the lengths (no device synchronisation), and reserves the
+        records the step's finished blocks need in every layer: an exhausted pool raises
+        :class:`PoolExhaustedError` here, before anything is written.  ``append=0`` plans attention
+        over what the cache holds (after a prefill)."""
+        from .step import StepPlan
+
+        return StepPlan(self, q_heads, append=append, seqs=seqs, scale=scale)
+
+    def _reserve_step(self, before: np.ndarray, after: np.ndarray) -> None:
+        from .step import reserve_step
+
+        reserve_step(self, before, after)
+
+    @property
+    def _fused_attention(self) -> bool:
+        """Whether a step plan runs the fused kernel (the CUDA codec: a GPU, or numba's simulator)."""
+        return isinstance(self.codec, CudaCodec)
+
+    def _checked_seq(self, seq) -> int:
+        self._check_seq(seq)
+        return int(seq)
 
     # -- reading ------------------------------------------------------------------
     def read_layer(self, layer: int, seqs) -> tuple[torch.Tensor, torch.Tensor]:

@@ -180,35 +180,39 @@ class FastLaunch:
         self._dispatcher, self._grid, self._block = dispatcher, grid, block
         self._pdl = pdl                     # programmatic stream serialization (see ``__call__``)
         self._cufunc = None
-        self._config = None
+        self._configs = {}
         self._streams = {}
 
-    def __call__(self, args, params_of):
-        """Launch with ``args`` (first call), later with ``params_of(params)``: the packed parameters."""
+    def __call__(self, args, params_of, grid=None):
+        """Launch with ``args`` (first call), later with ``params_of(params)``: the packed parameters.
+        ``grid`` replaces the launcher's own for this call (a step plan's grid changes with the lengths)."""
         import torch
 
+        grid = self._grid if grid is None else grid
         handle = torch.cuda.current_stream().cuda_stream
         if self._cufunc is None:
             stream = cuda.external_stream(handle)
-            self._dispatcher[self._grid, self._block, stream](
+            self._dispatcher[grid, self._block, stream](
                 *(cuda.as_cuda_array(a) if is_torch(a) else a for a in args))
             self._cufunc = cufunction(self._dispatcher)
             return
         from cuda.core import LaunchConfig, Stream, launch
 
-        if self._config is None:
+        config = self._configs.get(grid)
+        if config is None:
             # ``pdl``: the kernel may start before the previous kernel on the stream has finished (once
             # that kernel's blocks have run ``griddepcontrol.launch_dependents``); it must itself wait
             # (``griddepcontrol.wait``) before it reads what that kernel wrote.
             # A cuda.core without the option launches in plain stream order: as correct
             # (the wait is then a no-op), without the overlap.
             try:
-                self._config = LaunchConfig(grid=self._grid, block=self._block, shmem_size=0,
-                                            programmatic_stream_serialization=self._pdl)
+                config = LaunchConfig(grid=grid, block=self._block, shmem_size=0,
+                                      programmatic_stream_serialization=self._pdl)
             except TypeError:
                 self._pdl = False
-                self._config = LaunchConfig(grid=self._grid, block=self._block, shmem_size=0)
+                config = LaunchConfig(grid=grid, block=self._block, shmem_size=0)
+            self._configs[grid] = config
         s = self._streams.get(handle)
         if s is None:
             s = self._streams[handle] = Stream.from_handle(handle)
-        launch(s, self._config, self._cufunc, *params_of(params))
+        launch(s, config, self._cufunc, *params_of(params))

@@ -1,0 +1,299 @@
+"""One decode step of a paged cache: plan once, run attention per layer.
+
+A serving loop's step appends one token per sequence to every layer and runs
+attention per layer.  Everything that does not depend on the layer is worked
+out once, by :meth:`gaac.PagedKVCache.decode_plan` (FlashInfer's plan/run):
+
+    plan = cache.decode_plan(q_heads)                # lengths after this step's token, work list, reservation
+    for layer in range(layers):
+        k, v, q = ...                                # the model's layer
+        cache.update_layer(layer, seqs, k, v)        # one token per sequence
+        out = plan.run(q, layer)                     # attention + merge: two launches, no synchronisation
+
+The plan reads only what the cache keeps on the host -- its copy of every
+sequence's length and where some layer's calibration epoch changes -- so it
+never waits for the device.  Its split-KV work list (:func:`gaac.attention.split_work`)
+cuts every sequence where any layer's K or V epoch changes, so the one list
+serves every layer (the attention kernel loads one epoch's bases per split).
+What the kernel needs of each layer (its arrays, the pair words of its epochs'
+bases, the packed launch parameters) is built the first time a layer runs and
+kept by the cache until that layer's storage changes (a new epoch, growth).
+
+The plan also reserves the step: before anything is written it checks that
+every layer's pools can take the blocks this step's appends finish
+(:class:`gaac.errors.PoolExhaustedError` otherwise, or growth with
+``grow=True``).  On the CPU (the reference codec) ``run`` is the reference
+path of :func:`gaac.decode_attention`, so tests and CPU users write the same loop.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import layout as L
+from .attention import MAX_GROUP, _check_q, _pair_base_words, decode_attention, kernel_options, split_work, \
+    wave_target
+from .errors import FormatError, InputError, PoolExhaustedError
+
+LOG2_E = 1.4426950408889634
+
+
+@dataclass
+class _LayerLaunch:
+    """What the attention kernel reads of one layer, packed once (kept by the cache per layer)."""
+
+    kernel: object
+    arrays: tuple                 # the kernel's per-layer array arguments, flat
+    scalars: tuple                # max_blocks, kv_heads, g, slot bytes (K, V), capacities (K, V), epochs (K, V)
+    main: object = None           # FastLaunch of the kernel (GPU)
+    fixed: list = None            # packed parameters of ``arrays`` (GPU)
+    fixed_scalars: list = None    # packed parameters of ``scalars`` (GPU)
+
+
+def layer_launch(cache, layer: int, g: int) -> _LayerLaunch:
+    """The attention kernel's per-layer state for ``g`` query heads per KV head, made once per layer
+    and storage version (the cache drops it when the layer's arrays change)."""
+    key = (layer, g)
+    state = cache._layer_state.get(key)
+    if state is not None:
+        return state
+    from .cuda import attention as K
+
+    store_k, store_v = cache._store[layer]
+    d, hk = cache.head_dim, cache.kv_heads
+    geo = L.TileGeometry(L.tile_channels(d))
+    sizes = (geo.slot_bytes(store_k.capacity), geo.slot_bytes(store_v.capacity))
+    overlap, max_registers = kernel_options(d, False, "full", None, -1)
+    kernel = K.attention_kernel(d, False, "full", 2, -(-max(sizes) // 16) * 16, overlap, max_registers)
+    cal = cache._calibration
+    words = []
+    for kind, store in enumerate((store_k, store_v)):
+        n = store.b3.shape[0]
+        words.append(np.stack([_pair_base_words(*cal.bases(layer, kind, e)) for e in range(n)]))
+    bases = np.zeros((2, max(len(w) for w in words), *words[0].shape[1:]), np.int32)
+    for kind, w in enumerate(words):
+        bases[kind, :len(w)] = w
+    import torch
+
+    bases = torch.from_numpy(bases).to(cache.device)
+    eps = [s.epoch if s.epoch is not None else None for s in (store_k, store_v)]
+    if eps[0] is None:
+        zeros = torch.zeros((cache.max_seqs, cache.max_blocks), dtype=torch.int16, device=cache.device)
+        eps = [zeros, zeros]
+    flat = [store_k.slots.data, store_v.slots.data, store_k.raw.data.view(torch.uint8),
+            store_v.raw.data.view(torch.uint8), store_k.table, store_v.table, store_k.tail.view(torch.uint8),
+            store_v.tail.view(torch.uint8), bases, eps[0], eps[1], cache._seq_lens[layer]]
+    flat = tuple(x.reshape(-1) for x in flat)
+    scalars = (cache.max_blocks, hk, g, *sizes, store_k.capacity, store_v.capacity, store_k.b3.shape[0],
+               store_v.b3.shape[0])
+    state = _LayerLaunch(kernel=kernel, arrays=flat, scalars=tuple(int(s) for s in scalars))
+    if not K.SIMULATOR:
+        from .cuda.launch import FastLaunch, params
+
+        state.main = FastLaunch(kernel, None, K.WARP)
+        state.fixed = [p for a in flat for p in params(a)]
+        state.fixed_scalars = [p for s in state.scalars for p in params(s)]
+    state.bases = bases            # kept alive with the state
+    cache._layer_state[key] = state
+    return state
+
+
+class StepPlan:
+    """Decode attention of one step for every layer of a :class:`gaac.PagedKVCache` (see the module docstring).
+
+    Made by :meth:`gaac.PagedKVCache.decode_plan`.  ``q`` given to :meth:`run` is BF16
+    ``[cache.max_seqs, q_heads, head_dim]``: row ``i`` is sequence ``i`` of the cache (rows without a
+    live sequence give output 0 and LSE -inf).
+    """
+
+    def __init__(self, cache, q_heads: int, *, append: int = 1, seqs=None, scale: float | None = None):
+        hk, d = cache.kv_heads, cache.head_dim
+        if isinstance(q_heads, bool) or not isinstance(q_heads, (int, np.integer)) or q_heads % hk \
+                or not 1 <= q_heads // hk <= MAX_GROUP:
+            raise InputError(f"q_heads {q_heads!r}: need 1..{MAX_GROUP} query heads per KV head ({hk} KV heads)")
+        if isinstance(append, bool) or not isinstance(append, (int, np.integer)) or append < 0:
+            raise InputError(f"append must be a non-negative number of tokens, got {append!r}")
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating))
+                                  or not math.isfinite(scale)):
+            raise InputError(f"scale must be a finite real number, got {scale!r}")
+        self.cache, self.q_heads, self.g = cache, int(q_heads), int(q_heads) // hk
+        self.scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+        lens = cache._lens
+        if (lens != lens[0]).any():
+            layer = int(np.flatnonzero((lens != lens[0]).any(axis=1))[0])
+            raise InputError(f"layer {layer} holds other lengths than layer 0 ({lens[layer].tolist()} against "
+                             f"{lens[0].tolist()}): finish the step that is under way before planning the next")
+        rows = np.asarray(cache.sequences if seqs is None else [cache._checked_seq(s) for s in seqs], np.int64)
+        self.seqs = rows.tolist()
+        before = lens[0].copy()
+        self.lens = before.copy()
+        self.lens[rows] += append
+        self.batch = len(self.lens)
+        cache._reserve_step(before, self.lens)
+        self.kernel_path = cache._fused_attention
+        if self.kernel_path:
+            self._plan_kernel()
+
+    # -- the CUDA kernel's plan -------------------------------------------------------------------
+    def _plan_kernel(self) -> None:
+        import torch
+
+        from .cuda import attention as K
+
+        cache, hk, d = self.cache, self.cache.kv_heads, self.cache.head_dim
+        nfull = self.lens // L.BLOCK_TOKENS
+        nblk = -(-self.lens // L.BLOCK_TOKENS)
+        runs = []
+        for b in np.flatnonzero(nblk):
+            cuts = sorted(c for c in cache._cuts[b] if 0 < c < nfull[b])
+            edges = [0, *cuts, int(nblk[b])]
+            runs += [(int(b), a, z) for a, z in zip(edges[:-1], edges[1:]) if z > a]
+        state = layer_launch(cache, 0, self.g)
+        target = cache._wave.get(id(state.kernel))
+        if target is None:
+            target = cache._wave[id(state.kernel)] = wave_target(state.kernel, cache._seq_lens)[0]
+        split = split_work(runs, self.batch, hk, target)
+        self.blocks_per_split, self.n_work = split.blocks_per_split, split.n_work
+        grid, threads, lanes = K.merge_launch(self.batch, self.q_heads, d, int(split.splits.max(initial=0)))
+        self._merge, self._merge_grid = K.merge_kernel(d, lanes), (tuple(int(x) for x in grid), threads)
+        self._grid = (max(self.n_work, 1), hk)
+        self._work = cache._to_device(split.work if self.n_work else np.zeros(3, np.int32))
+        self._split0 = cache._to_device(split.split0)
+        dev = cache.device
+        self.o_part = torch.empty(max(self.n_work, 1) * hk * self.g * d, dtype=torch.float32, device=dev)
+        self.lse_part = torch.empty(max(self.n_work, 1) * hk * self.g, dtype=torch.float32, device=dev)
+        self.status = torch.zeros(cache.layers, dtype=torch.int32, device=dev)
+        self._scale_log2 = np.float32(self.scale * LOG2_E)
+        if not K.SIMULATOR:
+            from .cuda.launch import FastLaunch, params
+
+            self._step_params = [p for a in (self._work, self.o_part, self.lse_part) for p in params(a)]
+            self._merge_launch = FastLaunch(self._merge, *self._merge_grid, pdl=True)
+            self._merge_fixed = [p for a in (self.o_part, self.lse_part, self._split0) for p in params(a)]
+
+    # -- running --------------------------------------------------------------------------------------
+    def run(self, q, layer: int, *, out=None, lse=None, return_lse: bool = False):
+        """Attention of layer ``layer`` for this step: BF16 ``[max_seqs, q_heads, head_dim]`` (torch
+        bfloat16 on a GPU; in ``q``'s kind on the CPU), and with ``return_lse`` the float32 natural-log
+        LSE ``[max_seqs, q_heads]``.  The layer must already hold this step's tokens.  ``out`` (int16 or
+        bfloat16) and ``lse`` reuse buffers (and let a CUDA graph capture the call)."""
+        cache = self.cache
+        cache._check_layer(layer)
+        if not np.array_equal(cache._lens[layer], self.lens):
+            raise InputError(f"layer {layer} holds {cache._lens[layer].tolist()} tokens per sequence; this plan is "
+                             f"for {self.lens.tolist()}: append the step's tokens to the layer before its attention")
+        if not self.kernel_path:
+            res = decode_attention(q, cache.layer_view(layer), scale=self.scale, return_lse=True, backend="cpu")
+            for buf, val in ((out, res[0]), (lse, res[1])):
+                if buf is not None:
+                    buf.copy_(val.view(buf.dtype)) if hasattr(buf, "copy_") else np.copyto(buf, val)
+            return res if return_lse else res[0]
+        import torch
+
+        from .cuda import attention as K
+
+        view_like = _Shape(self.batch, cache.head_dim, cache.kv_heads)
+        qb, hq = _check_q(q, view_like, None if K.SIMULATOR else "cuda")
+        if hq != self.q_heads:
+            raise InputError(f"q has {hq} query heads; this plan was made for {self.q_heads}")
+        state = layer_launch(cache, layer, self.g)
+        shape = (self.batch, hq, cache.head_dim)
+        out = torch.empty(shape, dtype=torch.int16, device=cache.device) if out is None else out.view(torch.int16)
+        lse = torch.empty(shape[:2], dtype=torch.float32, device=cache.device) if lse is None else lse
+        if tuple(out.shape) != shape or tuple(lse.shape) != shape[:2]:
+            raise InputError(f"out {list(out.shape)} / lse {list(lse.shape)}: expected {list(shape)} / "
+                             f"{list(shape[:2])}")
+        status = self.status[layer:layer + 1]
+        q32 = qb.view(torch.int16).view(torch.int32).reshape(-1)
+        o, l_ = out.reshape(-1), lse.reshape(-1)
+        hk = cache.kv_heads
+        if K.SIMULATOR:
+            if self.n_work:
+                arrays = tuple(a.numpy() for a in state.arrays)
+                state.kernel[self._grid, K.WARP](q32.numpy(), *arrays, self._work.numpy(), self.o_part.numpy(), self.lse_part.numpy(),
+                                                 status.numpy(), *state.scalars, self._scale_log2)
+            self._merge[self._merge_grid](self.o_part.numpy(), self.lse_part.numpy(), self._split0.numpy(),
+                                          o.numpy(), l_.numpy(), hk, self.g)
+        else:
+            from .cuda.launch import params
+
+            if self.n_work:
+                state.main((q32, *state.arrays, self._work, self.o_part, self.lse_part, status, *state.scalars,
+                            self._scale_log2),
+                           lambda p: p(q32) + state.fixed + self._step_params + p(status) + state.fixed_scalars
+                           + [_c_float(self._scale_log2)], grid=self._grid)
+            self._merge_launch((self.o_part, self.lse_part, self._split0, o, l_, hk, self.g),
+                               lambda p: self._merge_fixed + p(o) + p(l_) + p(hk) + p(self.g))
+            out = out.view(torch.bfloat16)
+        return (out, lse) if return_lse else out
+
+    def check_status(self) -> None:
+        """Raise :class:`FormatError` naming the layers whose attention found a malformed slot this step
+        (synchronises with the device: call it where the loop waits for the device anyway)."""
+        if not self.kernel_path:
+            return
+        from .cuda import attention as K
+
+        status = self.status.cpu().numpy()
+        bad = np.flatnonzero(status)
+        if bad.size:
+            why = {K.STATUS_BAD_TAG: "a group has the reserved mode tag 3",
+                   K.STATUS_BAD_ESCAPES: "a slot's tags need more escape bytes than its capacity",
+                   K.STATUS_BAD_EPOCH: "a block's epoch has no bases"}
+            parts = [f"layer {int(i)}: " + "; ".join(t for bit, t in why.items() if status[i] & bit) for i in bad]
+            raise FormatError("decode attention: " + " | ".join(parts))
+
+
+@dataclass
+class _Shape:
+    """What :func:`gaac.attention._check_q` reads of a view: the batch, head size and KV heads."""
+
+    batch: int
+    head_dim: int
+    kv_heads: int
+
+    @property
+    def seq_lens(self):
+        return np.zeros(self.batch)
+
+
+def _c_float(x):
+    import ctypes
+
+    return ctypes.c_float(x)
+
+
+def reserve_step(cache, before: np.ndarray, after: np.ndarray) -> None:
+    """Check (or, with ``grow``, make) room in every layer for the blocks a step from lengths ``before``
+    to ``after`` finishes, before anything is written; :class:`PoolExhaustedError` names the first pool
+    short.  A finished tile takes a slot or a raw tile, decided as it is encoded, so the check asks
+    that each pool could take every tile, and reads the device's exact counts only when that fails."""
+    blocks = after // L.BLOCK_TOKENS - before // L.BLOCK_TOKENS
+    need_rows = int((after // L.BLOCK_TOKENS).max(initial=0))
+    if need_rows > cache.max_blocks:
+        if not cache.grow:
+            raise PoolExhaustedError(f"a sequence would hold {need_rows} blocks; the block table holds "
+                                     f"{cache.max_blocks} ({cache.max_blocks * L.BLOCK_TOKENS} tokens) per sequence "
+                                     "(PagedKVCache(max_blocks=...) or grow=True)")
+        cache._grow_blocks(max(need_rows, 2 * cache.max_blocks))
+    n = int(blocks.sum()) * cache.tiles_per_block
+    if not n:
+        return
+    for layer_store in cache._store:
+        for store in layer_store:
+            pools = (store.slots, store.raw)
+            lower = [p.free_lower() if hasattr(p, "free_lower") else p.n_free() for p in pools]
+            if min(lower) >= n:
+                continue
+            free = [p.n_free() for p in pools]
+            if sum(free) >= n:
+                continue         # enough records in all; which pool each tile takes is known after encoding
+            if not cache.grow:
+                pool = pools[0] if free[0] < free[1] else pools[1]
+                raise PoolExhaustedError(f"{pool.name} is exhausted: this step finishes {n} tiles and {sum(free)} "
+                                         "records are free in its slot and raw-tile pools; remove sequences or make "
+                                         "the pools larger")
+            store.slots.grow_to(max(store.slots.size + n - sum(free), 2 * store.slots.size))
+            cache._layer_state.clear()

@@ -1,0 +1,113 @@
+"""The decode-step API: one plan per step for every layer, one-token appends, attention per layer.
+
+The loop is the one a serving engine runs (``plan = cache.decode_plan(...)``; per layer
+``update_layer`` then ``plan.run``).  Its contents are checked bit for bit against a cache
+filled by the reference codec, its attention against the float64 reference, on the CPU
+(reference path) and with the CUDA codec and fused kernel (numba's simulator here).
+"""
+import numpy as np
+import pytest
+import torch
+from test_cache import B, drifting, synthetic, with_capacity
+
+import gaac.epochs as epochs_mod
+from gaac import layout as L
+from gaac.attention import bf16_to_float, reference_attention
+from gaac.cache import PagedKVCache
+from gaac.calibration import calibrate
+from gaac.errors import InputError, PoolExhaustedError
+
+
+def _q(rng, batch, heads, dim):
+    return torch.from_numpy((rng.standard_normal((batch, heads, dim)).astype(np.float32).view(np.uint32) >> 16)
+                            .astype(np.uint16).view(np.int16)).view(torch.bfloat16)
+
+
+def _check_attention(out, q, contents, layer, rows):
+    """``out`` against float64 attention over each row's tokens: within BF16 rounding of the output."""
+    qf = bf16_to_float(q.view(torch.int16).numpy())
+    ks = [bf16_to_float(contents[r][0][layer]) for r in rows]
+    vs = [bf16_to_float(contents[r][1][layer]) for r in rows]
+    ref, _ = reference_attention(qf[rows], ks, vs)
+    got = bf16_to_float(out.view(torch.int16).numpy()[rows])
+    err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+    assert err < 8e-3, err
+
+
+@pytest.mark.parametrize("codec", ["reference", "cuda"])
+def test_decode_loop_reads_back_and_attends(codec, monkeypatch):
+    """Prefill two sequences, then one-token steps through a block boundary and an epoch: every layer
+    reads back bit-exact, and each step's attention matches float64 over what the layer holds."""
+    for name in ("WARMUP_BLOCKS", "ADAPT_EVERY"):                # epochs within a few blocks: the simulator is slow
+        monkeypatch.setattr(epochs_mod, name, 2)
+    rng = np.random.default_rng(11)
+    layers, heads, dim, steps = 2, 1, 64, 18
+    total = [2 * B + 9, B + 14]
+    k = [drifting(rng, layers, heads, n + steps, dim, 8.0) for n in total]
+    v = [synthetic(rng, layers, heads, n + steps, dim) for n in total]
+    cal = calibrate(k[0][:, :, :32], v[0][:, :, :32])
+    cache = PagedKVCache(cal, max_seqs=3, max_blocks=8, codec=codec)
+    rows = [cache.add_sequence(k[i][:, :, :total[i]], v[i][:, :, :total[i]]) for i in range(2)]
+    for step in range(steps):
+        plan = cache.decode_plan(2 * heads)
+        q = _q(rng, cache.max_seqs, 2 * heads, dim)
+        for layer in range(layers):
+            pos = [total[i] + step for i in range(2)]
+            kn = torch.from_numpy(np.stack([k[i][layer, :, pos[i]:pos[i] + 1] for i in range(2)]).view(np.int16))
+            vn = torch.from_numpy(np.stack([v[i][layer, :, pos[i]:pos[i] + 1] for i in range(2)]).view(np.int16))
+            cache.update_layer(layer, rows, kn, vn)
+            out = plan.run(q, layer)
+            if step % 7 == 6 or step == steps - 1:
+                held = {r: (k[i][:, :, :pos[i] + 1], v[i][:, :, :pos[i] + 1]) for i, r in enumerate(rows)}
+                _check_attention(out, q, held, layer, rows)
+        plan.check_status()
+    assert max(cache.calibration.n_epochs(layer, 0) for layer in range(layers)) > 1
+    for i, r in enumerate(rows):
+        got_k, got_v = cache.read(r)
+        np.testing.assert_array_equal(got_k, k[i])
+        np.testing.assert_array_equal(got_v, v[i])
+
+
+def test_plan_refuses_a_layer_without_its_token():
+    rng = np.random.default_rng(2)
+    k, v = synthetic(rng, 2, 1, 20, 64), synthetic(rng, 2, 1, 20, 64)
+    cache = PagedKVCache(calibrate(k, v), max_blocks=4)
+    seq = cache.add_sequence(k, v)
+    plan = cache.decode_plan(2)
+    with pytest.raises(InputError, match="append the step's tokens"):
+        plan.run(_q(rng, 1, 2, 64), 0)
+    cache.update_layer(0, [seq], torch.from_numpy(k[None, 0, :, :1].view(np.int16)),
+                       torch.from_numpy(v[None, 0, :, :1].view(np.int16)))
+    with pytest.raises(InputError, match="finish the step"):
+        cache.decode_plan(2)
+    plan.run(_q(rng, 1, 2, 64), 0)
+    with pytest.raises(InputError, match="query heads"):
+        cache.decode_plan(9)
+
+
+@pytest.mark.parametrize("codec", ["reference", "cuda"])
+def test_plan_reserves_the_step_before_anything_is_written(codec):
+    """A step whose finished blocks cannot fit raises at planning, before any layer is touched."""
+    rng = np.random.default_rng(4)
+    k, v = synthetic(rng, 2, 1, 2 * B, 64), synthetic(rng, 2, 1, 2 * B, 64)
+    roomy = with_capacity(calibrate(k, v), np.full((2, 2), L.geometry(64).max_useful_capacity))
+    cache = PagedKVCache(roomy, max_blocks=4, slots=1, raw_tiles=0, codec=codec)
+    seq = cache.add_sequence(k[:, :, :2 * B - 1], v[:, :, :2 * B - 1])      # one block (the one slot) + 15
+    with pytest.raises(PoolExhaustedError, match="exhausted"):
+        cache.decode_plan(2)                    # this step would finish a second block in every layer
+    assert [cache.seq_len(seq, layer) for layer in range(2)] == [2 * B - 1] * 2
+    got_k, got_v = cache.read(seq)
+    np.testing.assert_array_equal(got_k, k[:, :, :2 * B - 1])
+    np.testing.assert_array_equal(got_v, v[:, :, :2 * B - 1])
+    out = cache.decode_plan(2, append=0).run(_q(rng, 1, 2, 64), 1)      # attention over what is held still runs
+    assert out.shape == (1, 2, 64)
+
+
+def test_block_table_limit_names_max_blocks():
+    rng = np.random.default_rng(6)
+    k, v = synthetic(rng, 1, 1, B, 64), synthetic(rng, 1, 1, B, 64)
+    cache = PagedKVCache(calibrate(k, v), max_blocks=1)
+    cache.add_sequence(k, v)
+    with pytest.raises(PoolExhaustedError, match="max_blocks"):
+        cache.decode_plan(1, append=B)
+    assert L.BLOCK_TOKENS == B
