@@ -36,7 +36,7 @@ kernel merges the splits of a sequence (:func:`merge_kernel`).  The BF16
 baseline (``plain=True``) is the same kernel with every tile raw: step 1 stages
 BF16 tiles and step 2 is compiled out.
 
-Performance (H200, benchmarks/results/attention-v17-h200.md): the compressed
+Performance (H200, benchmarks/results/attention-h200.md): the compressed
 loads run 1.4x faster than the BF16 twin's, and the decode hides most of its work
 under them; the rest leaves the kernel bound by its shared-memory traffic (the L1
 data pipe, ~70% busy) and its integer instructions (the ALU pipe, ~56%) at 12
@@ -1125,7 +1125,7 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
         """Bring block ``i``'s raw tiles, or its tail, into L2 (a line a lane) when its slots would be staged:
         they are read when used (:func:`copy_bf16_tile` with ``wait``), and a read from L2 stalls the split
         less than one from DRAM.  (Even so, a split holding a raw tile took 3.5-4 us longer than one without
-        at 64K: benchmarks/results/attention-v21-h200.md.)"""
+        at 64K: benchmarks/results/attention-timeline-h200.md.)"""
         if lane < TILE_LINES:
             for kind in range(2):
                 for j in range(T):
