@@ -45,7 +45,7 @@ tokens it is 1.15x the speed of its BF16 twin and 1.18x torch's flash kernel.
 A split's prologue and epilogue run in every warp at once with nothing to overlap
 them, so their instruction counts and round trips to memory are kept short (v16);
 the staging areas start on 128-byte lines (v17, :data:`LINE`).
-benchmarks/NOTES-attention.md has the analysis.
+benchmarks/DESIGN-attention.md has the analysis.
 
 Pair words
 ==========
