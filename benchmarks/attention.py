@@ -18,7 +18,7 @@
              rotate over >= 3x the L2.  Also: the Table-5-style breakdown (variants that skip or
              repeat a stage), host launch overhead, and CUDA-graph replay of a 32-layer decode step.
 ``--timeline``  when each split of one launch starts and ends, on which SM, and which hold raw tiles (the
-             kernel's ``timeline`` variant): how the wave's splits finish (results/attention-v21-h200.md).
+             kernel's ``timeline`` variant): how the wave's splits finish (results/attention-timeline-h200.md).
 
 Benchmark caches are built from the real K/V: a d=128 "head" is the channels of two real 64-wide
 heads side by side (d=256: four), so every exponent statistic is the real model's; the 84

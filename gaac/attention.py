@@ -409,7 +409,7 @@ def _check_q(q, view: LayerView, device):
 # ----------------------------------------------------------------------------------------------
 # The CUDA path: plan once, run per step.
 
-# The fastest configuration measured on the H200 (benchmarks/NOTES-attention.md, v10): two stages and at
+# The fastest configuration measured on the H200 (benchmarks/DESIGN-attention.md): two stages and at
 # most 168 registers a thread, so that 12 one-warp blocks fit an SM (3 warps per scheduler: each
 # scheduler has a quarter of the register file, 16384 registers), and the overlapped V decode.
 DEFAULT_MAX_REGISTERS = 168
@@ -507,7 +507,7 @@ class AttentionPlan:
     defaults); ``variant`` selects the timing variants of :mod:`gaac.cuda.attention`.  Defaults:
     ``nstage=2`` (``nstage`` K+V staging areas in a ring; ``1``: one area per kind, refilled as soon as
     it is read, for 16 warps per SM with ``max_registers=128``: measured slower, see
-    benchmarks/NOTES-attention.md), ``overlap`` and ``max_registers`` as :func:`kernel_options` resolves them.  The
+    benchmarks/DESIGN-attention.md), ``overlap`` and ``max_registers`` as :func:`kernel_options` resolves them.  The
     wave is sized by the driver's occupancy of the compiled kernel (``resources``); ``blocks_per_sm``
     overrides it, for experiments only (a wrong value costs a second wave, not correctness).
     Where one wave of splits of ``MAX_BLOCKS_PER_SPLIT`` blocks cannot hold the work (batch 8 at 32K),
@@ -515,7 +515,7 @@ class AttentionPlan:
     a partial last wave.  The default (``None``) plans whole waves where that last wave would be less
     than half full: on the H200 whole waves saved 7-9% where it was 29% full (batch 8 at 32K, batch 4 at
     64K, batch 2 at 128K) and cost 4% where it was 59% full (batch 8 at 64K), whose partial wave still
-    draws most of the bandwidth (benchmarks/results/attention-v12-waves-h200.md).  ``pdl`` launches the
+    draws most of the bandwidth (benchmarks/DESIGN-attention.md).  ``pdl`` launches the
     merge kernel as a programmatic dependent of the split kernel, so that its launch and first loads
     overlap the split kernel's last blocks (the merge waits for that grid before reading the partials).
     """

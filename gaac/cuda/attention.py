@@ -36,7 +36,7 @@ kernel merges the splits of a sequence (:func:`merge_kernel`).  The BF16
 baseline (``plain=True``) is the same kernel with every tile raw: step 1 stages
 BF16 tiles and step 2 is compiled out.
 
-Performance (H200, benchmarks/results/attention-v17-h200.md): the compressed
+Performance (H200, benchmarks/results/attention-h200.md): the compressed
 loads run 1.4x faster than the BF16 twin's, and the decode hides most of its work
 under them; the rest leaves the kernel bound by its shared-memory traffic (the L1
 data pipe, ~70% busy) and its integer instructions (the ALU pipe, ~56%) at 12
@@ -45,7 +45,7 @@ tokens it is 1.15x the speed of its BF16 twin and 1.18x torch's flash kernel.
 A split's prologue and epilogue run in every warp at once with nothing to overlap
 them, so their instruction counts and round trips to memory are kept short (v16);
 the staging areas start on 128-byte lines (v17, :data:`LINE`).
-benchmarks/NOTES-attention.md has the analysis.
+benchmarks/DESIGN-attention.md has the analysis.
 
 Pair words
 ==========
@@ -1125,7 +1125,7 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
         """Bring block ``i``'s raw tiles, or its tail, into L2 (a line a lane) when its slots would be staged:
         they are read when used (:func:`copy_bf16_tile` with ``wait``), and a read from L2 stalls the split
         less than one from DRAM.  (Even so, a split holding a raw tile took 3.5-4 us longer than one without
-        at 64K: benchmarks/results/attention-v21-h200.md.)"""
+        at 64K: benchmarks/results/attention-timeline-h200.md.)"""
         if lane < TILE_LINES:
             for kind in range(2):
                 for j in range(T):

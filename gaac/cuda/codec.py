@@ -36,7 +36,7 @@ more escape bytes than ``capacity``); a bad tile's output is unspecified.
 The escape area's zero padding is not checked here (the block container's
 decoder checks it, and its CRC covers it).
 
-Kernel shape (v2; benchmarks/NOTES-codec.md has v1 and the measurements): **one
+Kernel shape (v2; benchmarks/DESIGN-codec.md has v1 and the measurements): **one
 warp per tile**, ``TILES_PER_BLOCK`` tiles per thread block.  Lane ``l`` owns the
 groups ``32j + l`` (``j < G/32``), so every chunk ``j`` of a warp reads or writes
 one contiguous run of the tile with 16-byte (BF16) or 8-byte (sign+mantissa)
