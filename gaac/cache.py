@@ -425,6 +425,7 @@ class PagedKVCache:
         self._layer_state = {}       # layer -> what a step plan launches attention with (gaac.step)
         self._step_index = None      # the device indices of the current one-token step (_append_token)
         self._wave = {}              # attention kernel -> warps in one wave (gaac.step)
+        self._append_launch = None   # the one-token append kernel's launcher (GPU)
         self.blocks_encoded = 0      # (layer, sequence, block) finalizations, each encoding K and V once
 
     def _make_kind(self, layer, kind, max_seqs, max_blocks, n_slots, n_raw) -> _Kind:
@@ -587,11 +588,12 @@ class PagedKVCache:
         self._apply([self._prepare(layer, seqs, k, v)])
 
     def _append_token(self, layer: int, seqs: list, k: torch.Tensor, v: torch.Tensor) -> bool:
-        """One new token per sequence that finishes no block: written with device indexing, no host sync.
+        """One new token per sequence that finishes no block: written on the device, no host sync.
 
-        Returns False (nothing written) where a block finishes.  The index tensors are made once per
+        Returns False (nothing written) where a block finishes.  The index arrays are made once per
         step -- every layer of a step appends at the same positions -- and the lengths the kernel reads
-        are copied from the host's, which the host advances itself."""
+        are the host's, which the host advances itself.  With the CUDA codec one launch writes both
+        tails and the lengths (:mod:`gaac.cuda.append`); on the CPU, tensor indexing does."""
         rows = np.asarray(seqs, dtype=np.int64)
         lens = self._lens[layer, rows]
         r = lens % L.BLOCK_TOKENS
@@ -599,16 +601,38 @@ class PagedKVCache:
             return False
         key = (rows.tobytes(), lens.tobytes())
         if self._step_index is None or self._step_index[0] != key:
-            after = self._lens[layer].copy()
-            after[rows] += 1
-            self._step_index = (key, *(self._to_device(a) for a in (rows, r, after.astype(np.int32))))
-        _, rows_t, r_t, after_t = self._step_index
+            index = np.stack([rows, r, lens + 1]).astype(np.int32)
+            dev = self._to_device(index)
+            self._step_index = (key, dev, dev.long() if not self._fused_attention else None)
+        _, index, long_index = self._step_index
         k_store, v_store = self._store[layer]
-        k_store.tail[rows_t, :, r_t] = k[:, :, 0]
-        v_store.tail[rows_t, :, r_t] = v[:, :, 0]
-        self._seq_lens[layer].copy_(after_t, non_blocking=True)
+        if self._fused_attention:
+            self._launch_append(layer, k, v, index, k_store, v_store)
+        else:
+            rows_t, r_t, after_t = long_index
+            k_store.tail[rows_t, :, r_t] = k[:, :, 0]
+            v_store.tail[rows_t, :, r_t] = v[:, :, 0]
+            self._seq_lens[layer, rows_t] = after_t.to(torch.int32)
         self._lens[layer, rows] += 1
         return True
+
+    def _launch_append(self, layer, k, v, index, k_store, v_store) -> None:
+        from .cuda.append import append_kernel
+        from .cuda.bitops import SIMULATOR
+
+        kernel = append_kernel()
+        grid = (k.shape[0], self.kv_heads)
+        args = (k.reshape(-1), v.reshape(-1), k_store.tail.reshape(-1), v_store.tail.reshape(-1), index[0], index[1],
+                index[2], self._seq_lens[layer])
+        if SIMULATOR:
+            kernel[grid, self.head_dim](*(a.numpy() for a in args), self.kv_heads, self.head_dim)
+            return
+        from .cuda.launch import FastLaunch
+
+        if self._append_launch is None:
+            self._append_launch = FastLaunch(kernel, grid, self.head_dim)
+        self._append_launch((*args, self.kv_heads, self.head_dim),
+                            lambda p: [x for a in args for x in p(a)] + p(self.kv_heads) + p(self.head_dim), grid=grid)
 
     def _to_device(self, a: np.ndarray) -> torch.Tensor:
         """A host array on the cache's device without waiting for the device (pinned, asynchronous copy)."""

@@ -74,6 +74,7 @@ class PagedLayer:
     store: PagedKVCache
     layer: int
     rows: list
+    plan: object = None          # the forward pass's gaac.step.StepPlan, shared by its layers
 
     @property
     def view(self):
@@ -95,9 +96,14 @@ def gaac_attention(module, query, key, value, attention_mask, dropout: float = 0
     """
     if isinstance(key, PagedLayer):
         if attention_mask is None:
-            from .attention import decode_attention
+            q = query[:, :, 0].contiguous()
+            plan = key.plan
+            if plan is not None and plan.q_heads == q.shape[1] and (scaling is None or scaling == plan.scale):
+                out = plan.run(q, key.layer)
+            else:
+                from .attention import decode_attention
 
-            out = decode_attention(query[:, :, 0].contiguous(), key.view, scale=scaling)
+                out = decode_attention(q, key.view, scale=scaling)
             return out[:, None].to(query.dtype), None             # [batch, 1, q_heads, head_dim], as SDPA's
         key, value = key.dense()
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -190,6 +196,7 @@ class GAACCache(Cache):
         self._fused, self.codec, self.adapt = fused, codec, adapt
         self.store: PagedKVCache | None = None
         self.rows: list = []
+        self._plan = None
         super().__init__(layers=[GAACLayer(self, i) for i in range(self.shape[0])])
 
     @property
@@ -214,9 +221,13 @@ class GAACCache(Cache):
         else:
             if self.store is None:
                 self._open(k)
+            if index == 0:        # one plan per forward pass, made before its first append, shared by its layers
+                self._plan = (self.store.decode_plan(self.config.num_attention_heads, seqs=self.rows,
+                                                     append=k.shape[-2])
+                              if self.fused and k.shape[-2] == 1 else None)
             self.store.update_layer(index, self.rows, k, v)
             layer.tokens += k.shape[-2]
-        handle = PagedLayer(self.store, index, self.rows)
+        handle = PagedLayer(self.store, index, self.rows, getattr(self, "_plan", None))
         if self.fused and k.shape[-2] == 1:
             return handle, handle
         return handle.dense()
@@ -250,7 +261,7 @@ class GAACCache(Cache):
 
     def reset(self) -> None:
         super().reset()
-        self.store, self.rows = None, []
+        self.store, self.rows, self._plan = None, [], None
         self.calibration = self._given
 
 

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import layout as L
-from .attention import MAX_GROUP, _check_q, _pair_base_words, decode_attention, kernel_options, split_work, \
-    wave_target
+from . import attention
+from .attention import MAX_GROUP, _check_q, _pair_base_words, kernel_options, split_work, wave_target
 from .errors import FormatError, InputError, PoolExhaustedError
 
 LOG2_E = 1.4426950408889634
@@ -165,6 +165,7 @@ class StepPlan:
         self.o_part = torch.empty(max(self.n_work, 1) * hk * self.g * d, dtype=torch.float32, device=dev)
         self.lse_part = torch.empty(max(self.n_work, 1) * hk * self.g, dtype=torch.float32, device=dev)
         self.status = torch.zeros(cache.layers, dtype=torch.int32, device=dev)
+        self._lse = torch.empty((self.batch, self.q_heads), dtype=torch.float32, device=dev)
         self._scale_log2 = np.float32(self.scale * LOG2_E)
         if not K.SIMULATOR:
             from .cuda.launch import FastLaunch, params
@@ -176,7 +177,7 @@ class StepPlan:
     # -- running --------------------------------------------------------------------------------------
     def run(self, q, layer: int, *, out=None, lse=None, return_lse: bool = False):
         """Attention of layer ``layer`` for this step: BF16 ``[max_seqs, q_heads, head_dim]`` (torch
-        bfloat16 on a GPU; in ``q``'s kind on the CPU), and with ``return_lse`` the float32 natural-log
+        bfloat16 from the fused kernel; in ``q``'s kind on the reference path), and with ``return_lse`` the float32 natural-log
         LSE ``[max_seqs, q_heads]``.  The layer must already hold this step's tokens.  ``out`` (int16 or
         bfloat16) and ``lse`` reuse buffers (and let a CUDA graph capture the call)."""
         cache = self.cache
@@ -185,7 +186,8 @@ class StepPlan:
             raise InputError(f"layer {layer} holds {cache._lens[layer].tolist()} tokens per sequence; this plan is "
                              f"for {self.lens.tolist()}: append the step's tokens to the layer before its attention")
         if not self.kernel_path:
-            res = decode_attention(q, cache.layer_view(layer), scale=self.scale, return_lse=True, backend="cpu")
+            res = attention.decode_attention(q, cache.layer_view(layer), scale=self.scale, return_lse=True,
+                                             backend="cpu")
             for buf, val in ((out, res[0]), (lse, res[1])):
                 if buf is not None:
                     buf.copy_(val.view(buf.dtype)) if hasattr(buf, "copy_") else np.copyto(buf, val)
@@ -194,19 +196,23 @@ class StepPlan:
 
         from .cuda import attention as K
 
-        view_like = _Shape(self.batch, cache.head_dim, cache.kv_heads)
-        qb, hq = _check_q(q, view_like, None if K.SIMULATOR else "cuda")
-        if hq != self.q_heads:
-            raise InputError(f"q has {hq} query heads; this plan was made for {self.q_heads}")
+        shape = (self.batch, self.q_heads, cache.head_dim)
+        if not (isinstance(q, torch.Tensor) and q.dtype in (torch.bfloat16, torch.int16) and q.shape == shape
+                and q.device.type == cache.device.type and q.is_contiguous()):
+            _check_q(q, _Shape(self.batch, cache.head_dim, cache.kv_heads), cache.device.type)
+            raise InputError(f"q: expected a contiguous BF16 tensor {list(shape)} on {cache.device}, got "
+                             f"{getattr(q, 'dtype', type(q).__name__)} {list(getattr(q, 'shape', []))}")
         state = layer_launch(cache, layer, self.g)
-        shape = (self.batch, hq, cache.head_dim)
-        out = torch.empty(shape, dtype=torch.int16, device=cache.device) if out is None else out.view(torch.int16)
-        lse = torch.empty(shape[:2], dtype=torch.float32, device=cache.device) if lse is None else lse
-        if tuple(out.shape) != shape or tuple(lse.shape) != shape[:2]:
-            raise InputError(f"out {list(out.shape)} / lse {list(lse.shape)}: expected {list(shape)} / "
-                             f"{list(shape[:2])}")
+        if out is None:
+            out = torch.empty(shape, dtype=torch.int16, device=cache.device)
+        if lse is None:
+            lse = self._lse if not return_lse else torch.empty(shape[:2], dtype=torch.float32, device=cache.device)
+        out = out.view(torch.int16)
+        if out.shape != shape or lse.shape != shape[:2] or lse.dtype != torch.float32:
+            raise InputError(f"out {list(out.shape)} / lse {list(lse.shape)} {lse.dtype}: expected {list(shape)} / "
+                             f"float32 {list(shape[:2])}")
         status = self.status[layer:layer + 1]
-        q32 = qb.view(torch.int16).view(torch.int32).reshape(-1)
+        q32 = q.view(torch.int16).view(torch.int32).reshape(-1)
         o, l_ = out.reshape(-1), lse.reshape(-1)
         hk = cache.kv_heads
         if K.SIMULATOR:
@@ -226,7 +232,7 @@ class StepPlan:
                            + [_c_float(self._scale_log2)], grid=self._grid)
             self._merge_launch((self.o_part, self.lse_part, self._split0, o, l_, hk, self.g),
                                lambda p: self._merge_fixed + p(o) + p(l_) + p(hk) + p(self.g))
-            out = out.view(torch.bfloat16)
+        out = out.view(torch.bfloat16)
         return (out, lse) if return_lse else out
 
     def check_status(self) -> None:

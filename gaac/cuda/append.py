@@ -1,0 +1,31 @@
+"""One launch for a decode step's append: each sequence's new token into its BF16 tail, K and V, and its length.
+
+``append_token`` has a thread block per (sequence of the step, KV head) and a thread per channel.  Sequence
+``i`` of the step is cache row ``rows[i]``; its token goes to tail position ``rpos[i]`` (its length mod 16) and
+its length becomes ``lens_after[i]``.  A token that finishes a block is not written here: the cache encodes
+that block through its ordinary update.
+"""
+from __future__ import annotations
+
+import functools
+
+from numba import cuda
+
+from .. import layout as L
+
+
+@functools.lru_cache(maxsize=None)
+def append_kernel():
+    @cuda.jit
+    def kernel(k, v, tail_k, tail_v, rows, rpos, lens_after, seq_lens, kv_heads, head_dim):
+        i = cuda.blockIdx.x
+        h = cuda.blockIdx.y
+        d = cuda.threadIdx.x
+        row = rows[i]
+        src = (i * kv_heads + h) * head_dim + d
+        dst = ((row * kv_heads + h) * L.BLOCK_TOKENS + rpos[i]) * head_dim + d
+        tail_k[dst] = k[src]
+        tail_v[dst] = v[src]
+        if h == 0 and d == 0:
+            seq_lens[row] = lens_after[i]
+    return kernel

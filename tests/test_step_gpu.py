@@ -1,0 +1,95 @@
+"""The decode loop on a real GPU: device appends, asynchronous epoch observation, the fused kernel per layer.
+
+Runs only with a CUDA device and ``NUMBA_ENABLE_CUDASIM=0`` (the simulator path is tests/test_step.py):
+
+    NUMBA_ENABLE_CUDASIM=0 python -m pytest -q tests/test_step_gpu.py
+
+A GPU cache and a CPU cache with the reference codec run the same loop (prefills, one-token steps across
+block ends and epochs, a removal and a new sequence); they must hold the same bits, the same epochs and the
+same slot/raw decisions, and every checked attention must match float64 within BF16 rounding.
+"""
+import os
+
+import numpy as np
+import pytest
+import torch
+
+if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" or not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device and NUMBA_ENABLE_CUDASIM=0", allow_module_level=True)
+
+from test_cache import B, assert_same_epochs, drifting, synthetic, with_capacity  # noqa: E402
+
+import gaac.epochs as epochs_mod  # noqa: E402
+from gaac import layout as L  # noqa: E402
+from gaac.attention import bf16_to_float, reference_attention  # noqa: E402
+from gaac.cache import PagedKVCache  # noqa: E402
+from gaac.calibration import calibrate  # noqa: E402
+from gaac.errors import PoolExhaustedError  # noqa: E402
+
+
+def test_gpu_loop_matches_the_reference_cache(monkeypatch):
+    for name in ("WARMUP_BLOCKS", "ADAPT_EVERY"):
+        monkeypatch.setattr(epochs_mod, name, 4)
+    rng = np.random.default_rng(7)
+    layers, heads, dim, steps = 3, 4, 128, 150
+    start = [40 * B + 3, 9 * B + 15, 0]
+    n_tok = [s + steps for s in start]
+    k = [drifting(rng, layers, heads, n, dim, 12.0) for n in n_tok]
+    v = [synthetic(rng, layers, heads, n, dim) for n in n_tok]
+    cal = calibrate(k[0][:, :, :256], v[0][:, :, :256])
+    caches = [PagedKVCache(cal, max_seqs=3, max_blocks=64, device=d) for d in ("cuda", "cpu")]
+    rows = [[c.add_sequence(k[i][:, :, :start[i]], v[i][:, :, :start[i]]) if start[i] else c.add_sequence()
+             for i in range(3)] for c in caches]
+    assert rows[0] == rows[1]
+    seqs = rows[0]
+    worst = 0.0
+    for step in range(steps):
+        q = torch.randn((3, 2 * heads, dim)).to(torch.bfloat16)
+        plans = [c.decode_plan(2 * heads) for c in caches]
+        for layer in range(layers):
+            pos = [start[i] + step for i in range(3)]
+            kn = np.stack([k[i][layer, :, pos[i]:pos[i] + 1] for i in range(3)]).view(np.int16)
+            vn = np.stack([v[i][layer, :, pos[i]:pos[i] + 1] for i in range(3)]).view(np.int16)
+            caches[0].update_layer(layer, seqs, torch.from_numpy(kn).cuda(), torch.from_numpy(vn).cuda())
+            caches[1].update_layer(layer, seqs, torch.from_numpy(kn), torch.from_numpy(vn))
+            out = plans[0].run(q.cuda(), layer)
+            if step % 37 == 0 or step == steps - 1:
+                qf = bf16_to_float(q.view(torch.int16).numpy())
+                ks = [bf16_to_float(k[i][layer, :, :pos[i] + 1]) for i in range(3)]
+                vs = [bf16_to_float(v[i][layer, :, :pos[i] + 1]) for i in range(3)]
+                ref, _ = reference_attention(qf, ks, vs)
+                got = out.float().cpu().numpy()
+                err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+                worst = max(worst, err)
+                assert err < 8e-3, (step, layer, err)
+        plans[0].check_status()
+    print(f"worst attention error against float64: {worst:.2e}")
+    assert_same_epochs(caches[0].calibration, caches[1].calibration)
+    assert caches[0].calibration.n_epochs(0, 0) > 1
+    for i, s in enumerate(seqs):
+        for c in caches:
+            got_k, got_v = c.read(s)
+            np.testing.assert_array_equal(got_k, k[i])
+            np.testing.assert_array_equal(got_v, v[i])
+    for layer in range(layers):
+        g, r = (c.layer_view(layer) for c in caches)
+        for kind in range(2):
+            assert torch.equal(g.table[kind].cpu() < 0, r.table[kind] < 0)
+            assert torch.equal(g.epoch[kind].cpu(), r.epoch[kind])
+    for c in caches:                       # a removal gives its records back; a new sequence reuses them
+        before = c.memory().slot_bytes
+        c.remove_sequence(seqs[0])
+        assert c.memory().slot_bytes < before
+        again = c.add_sequence(k[0][:, :, :20 * B], v[0][:, :, :20 * B])
+        np.testing.assert_array_equal(c.read(again)[0], k[0][:, :, :20 * B])
+
+
+def test_gpu_step_reservation_refuses_before_writing():
+    rng = np.random.default_rng(3)
+    k, v = synthetic(rng, 2, 2, 3 * B, 128), synthetic(rng, 2, 2, 3 * B, 128)
+    roomy = with_capacity(calibrate(k, v), np.full((2, 2), L.geometry(128).max_useful_capacity))
+    cache = PagedKVCache(roomy, max_blocks=4, slots=2, raw_tiles=0, device="cuda")
+    seq = cache.add_sequence(k[:, :, :2 * B - 1], v[:, :, :2 * B - 1])
+    with pytest.raises(PoolExhaustedError):
+        cache.decode_plan(4)
+    np.testing.assert_array_equal(cache.read(seq)[0], k[:, :, :2 * B - 1])
