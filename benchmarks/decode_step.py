@@ -528,15 +528,21 @@ def run_equal_memory(model, src, cal, s: Shape, per_seq_gaac: float, raw_frac: f
         if not n:
             continue
         ids = torch.randint(0, s.vocab, (n,), generator=torch.Generator().manual_seed(5)).to(DEV)
-        kc, vc, nk, nv = bf16_caches(src, s, n, tokens, room)
-        loop = Loop(nk, nv, tokens)
         if key == "default":
+            kc, vc, nk, nv = bf16_caches(src, s, n, tokens, room)
+            loop = Loop(nk, nv, tokens)
             attend = SdpaAttend(s, kc, vc, loop)
-        else:
-            cache, seqs = build_gaac(cal, s, lambda i: (kc[i], vc[i]), n, tokens, raw_frac, room)
-            del kc, vc
-            free()
+        else:           # layer by layer: the BF16 copy of every layer at once would not fit beside the GAAC cache
+            nk, nv = [], []
+
+            def layer_kv(i):
+                k, v = src.dense(i, n, tokens + room)
+                nk.append(k[:, :, tokens:].permute(2, 0, 1, 3).contiguous())
+                nv.append(v[:, :, tokens:].permute(2, 0, 1, 3).contiguous())
+                return k, v
+            cache, seqs = build_gaac(cal, s, layer_kv, n, tokens, raw_frac, room)
             res["gaac_memory"] = mem_dict(cache.memory())
+            loop = Loop(nk, nv, tokens)
             attend = GaacAttend(s, cache, seqs, loop)
         run_steps(model, ids, attend, loop, args.warmup)
         res[key] = run_steps(model, ids, attend, loop, args.steps)
@@ -650,6 +656,7 @@ def main():
     ap.add_argument("--equal-memory", action="store_true")
     ap.add_argument("--budget-gib", type=float, default=None, help="KV budget for --equal-memory (default 60)")
     ap.add_argument("--eq-context", type=int, default=None, help="sequence length for --equal-memory (default 65536)")
+    ap.add_argument("--max-kv-gib", type=float, default=64.0, help="skip a context and batch whose BF16 K/V is larger")
     ap.add_argument("--prefill", action="store_true", help="time one --prefill-tokens sequence into every layer")
     ap.add_argument("--prefill-tokens", type=int, default=None, help="default 131072")
     ap.add_argument("--prefill-adapt", action="store_true", help="also time the prefill with calibration epochs on")
@@ -694,6 +701,10 @@ def main():
         write(rep, args.out, render)
     for batch in batches:
         for tokens in contexts:
+            if batch * s.kv_bytes(tokens) > args.max_kv_gib * GIB:
+                log(f"== context {tokens}, batch {batch}: skipped, {batch * s.kv_bytes(tokens) / GIB:.0f} GiB of BF16 "
+                    f"K/V is over --max-kv-gib {args.max_kv_gib:g} (both caches must fit beside the weights)")
+                continue
             row = run_context(model, src, cal, s, tokens, batch, raw_frac, args)
             rep["contexts"].append(row)
             raw_frac = min(0.25, 1.25 * row["raw_tile_frac"] + 0.002)      # size later raw pools from what was seen
