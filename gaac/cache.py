@@ -955,13 +955,15 @@ class PagedKVCache:
                 self._flush(store, u.layer, kind)
         start = 0
         for seq, q in zip(u.seqs, u.blocks):
+            if not q:
+                continue
             first = int(self._lens[u.layer, seq]) // L.BLOCK_TOKENS
             new = plan.epochs[start:start + q]
             before = store.epochs[seq, first - 1] if first else new[0]
             cuts = np.flatnonzero(np.diff(np.concatenate([[before], new]))) + first
             self._cuts[seq].update(cuts.tolist())
             store.epochs[seq, first:first + q] = new
-            if store.epoch is not None and q:
+            if store.epoch is not None:
                 if len(cuts):
                     store.epoch[seq, first:first + q] = torch.from_numpy(store.epochs[seq, first:first + q]).to(self.device)
                 else:     # one epoch, as before: a device fill, no copy from the host
