@@ -39,8 +39,17 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see `{self.prog} --help`)")
 
 
+def version_line() -> str:
+    """What ``gaac --version`` prints: the package version and the newest format version it reads and writes."""
+    from . import __version__
+    from .layout import FORMAT_VERSION
+
+    return f"gaac {__version__} (format version {FORMAT_VERSION})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="gaac", description="Lossless GAAC compression of BF16 KV caches.")
+    parser.add_argument("--version", action="version", version=version_line())
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     cal = sub.add_parser("calibrate", help="choose exponent windows and slot capacities from sample caches",

@@ -259,3 +259,31 @@ def test_stats_fp8_refuses_bf16_only_options_and_calibrations(capsys, tmp_path):
     calibrate(k, v).save(path)
     rc, _, err = run(capsys, "stats", "--format", "fp8_e4m3", "--calibration", str(path))
     assert rc == 2 and "not a GAAC-FP8 calibration" in err
+
+
+def test_version(capsys):
+    import configparser
+
+    import gaac
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == f"gaac {gaac.__version__} (format version {L.FORMAT_VERSION})\n"
+    assert re.fullmatch(r"\d+\.\d+\.\d+", gaac.__version__)
+    # the package's metadata takes its version from gaac.__version__, so the two cannot differ
+    setup = configparser.ConfigParser()
+    setup.read(Path(__file__).resolve().parents[1] / "setup.cfg")
+    assert setup["metadata"]["version"] == "attr: gaac.__version__"
+
+
+def test_sample_is_the_shipped_cache():
+    import gaac
+
+    k, v = gaac.sample("prose")
+    ref_k, ref_v, meta = load_sample("prose")
+    np.testing.assert_array_equal(k, ref_k)
+    np.testing.assert_array_equal(v, ref_v)
+    assert k.dtype == np.uint16 and k.shape == (4, 3, 768, 64) and gaac.sample()[0].shape == (4, 3, 256, 64)
+    with pytest.raises(InputError, match="ships"):
+        gaac.sample("poetry")
