@@ -50,6 +50,7 @@ reference on the CPU; on a CUDA device it is :mod:`gaac.cuda.codec`.
 from __future__ import annotations
 
 import copy
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,10 +62,12 @@ from .cachelayout import LayerView
 from .calibration import Calibration
 from .epochs import EPOCH_INDEX_BYTES, Adapter, epoch_table_bytes
 from .errors import FormatError, InputError, PoolExhaustedError
+from .progress import progress
 from .reference.codec import decode_tiles, encode_tiles
 from .tiles import tile_bases
 
 KINDS = (L.KIND_K, L.KIND_V)
+PROGRESS_TOKENS = 512        # appends of this many tokens show a progress bar on a terminal (PagedKVCache.append)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -296,8 +299,8 @@ class MemoryReport:
 class PagedKVCache:
     """A paged, compressed KV cache for the layers, heads and head size of ``calibration``.
 
-    ``max_seqs`` sequences of up to ``max_blocks`` complete blocks each; per layer and
-    kind, ``slots`` compressed-tile slots and ``raw_tiles`` BF16 tiles.  ``slots``
+    ``max_seqs`` sequences (default 1) of up to ``max_blocks`` complete blocks each (default 64:
+    1024 tokens, plus a tail of up to 15); per layer and kind, ``slots`` compressed-tile slots and ``raw_tiles`` BF16 tiles.  ``slots``
     defaults to one per tile the table can address and ``raw_tiles`` to a quarter of
     that: how many tiles overflow depends on how well the calibration fits the text,
     and a calibration from other text can send many to the raw pool.  An update that needs more raises :class:`PoolExhaustedError` (or, with
@@ -393,8 +396,11 @@ class PagedKVCache:
             raise InputError(f"layer {layer!r} out of range: the cache has {self.layers} layers")
 
     # -- sequences --------------------------------------------------------------
-    def add_sequence(self, k=None, v=None) -> int:
-        """Start a sequence and return its id; ``k``/``v`` ``[layers, kv_heads, tokens, head_dim]`` prefill it."""
+    def add_sequence(self, k=None, v=None, *, show_progress: bool | None = None) -> int:
+        """Start a sequence and return its id; ``k``/``v`` ``[layers, kv_heads, tokens, head_dim]`` prefill it.
+
+        ``show_progress``: as in :meth:`append`.
+        """
         free = np.flatnonzero(~self._live)
         if free.size == 0:
             if not self.grow:
@@ -405,7 +411,7 @@ class PagedKVCache:
         self._live[seq] = True
         if k is not None or v is not None:
             try:
-                self.append(seq, k, v)
+                self.append(seq, k, v, show_progress=show_progress)
             except Exception:
                 self._live[seq] = False
                 raise
@@ -443,10 +449,14 @@ class PagedKVCache:
         self._live = np.concatenate([self._live, np.zeros(extra, bool)])
 
     # -- appending --------------------------------------------------------------
-    def append(self, seq: int, k, v) -> None:
+    def append(self, seq: int, k, v, *, show_progress: bool | None = None) -> None:
         """Append tokens ``[layers, kv_heads, t, head_dim]`` of K and V to sequence ``seq`` in every layer.
 
-        All layers or none: if any pool cannot take the finished blocks, nothing changes.
+        All layers or none: if any pool cannot take the finished blocks, nothing changes.  A sequence
+        longer than the block table (``max_blocks`` blocks of 16 tokens) is refused before any block is
+        encoded, unless the cache was made with ``grow=True``.  ``show_progress``: a progress bar over
+        the layers being encoded (None: on a terminal, for appends of at least ``PROGRESS_TOKENS`` tokens;
+        the reference codec on a CPU encodes a few hundred blocks a second).
         """
         self._check_seq(seq)
         k = self._bits(k, "k", 4)
@@ -454,10 +464,25 @@ class PagedKVCache:
         if k.shape[0] != self.layers or v.shape[0] != self.layers:
             raise InputError(f"k {list(k.shape)} / v {list(v.shape)}: expected {self.layers} layers first "
                              "([layers, kv_heads, tokens, head_dim])")
-        updates = [self._prepare(layer, [seq], k[layer][None], v[layer][None]) for layer in range(self.layers)]
+        self._check_table_room(seq, k.shape[2])
+        if show_progress is None:
+            show_progress = k.shape[2] >= PROGRESS_TOKENS and sys.stderr.isatty()
+        layers = progress(range(self.layers), desc=f"encode {k.shape[2]} tokens", unit="layer",
+                          enable=show_progress)
+        updates = [self._prepare(layer, [seq], k[layer][None], v[layer][None]) for layer in layers]
         self._reserve(updates)
         for u in updates:
             self._commit(u)
+
+    def _check_table_room(self, seq: int, tokens: int) -> None:
+        """Refuse, before encoding anything, an append that would outgrow the block table (unless ``grow``)."""
+        held = int(self._lens[:, seq].max())
+        need = (held + tokens) // L.BLOCK_TOKENS
+        if need > self.max_blocks and not self.grow:
+            raise PoolExhaustedError(
+                f"sequence {seq} would hold {held + tokens} tokens = {need} blocks of {L.BLOCK_TOKENS}; the block "
+                f"table holds {self.max_blocks} ({self.max_blocks * L.BLOCK_TOKENS} tokens) per sequence: make the "
+                f"cache with max_blocks={need} or more, or with grow=True to enlarge it as needed")
 
     def update_layer(self, layer: int, seqs, k, v) -> None:
         """Append ``t`` tokens to each sequence of ``seqs`` in one layer: ``k``/``v`` ``[len(seqs), kv_heads, t, D]``.
