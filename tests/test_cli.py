@@ -235,6 +235,44 @@ def test_plot_samples_many_layers_evenly():
     assert len(many) == MAX_LAYERS and many[0] == 0 and many[-1] == 29 and many == sorted(set(many))
 
 
+def test_plot_layers_choose_layers_or_page_through_all(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    from gaac.plot import MAX_LAYERS, parse_layers
+
+    d = tmp_path / "cache"
+    d.mkdir()
+    k, v, _ = load_sample("code")
+    layers = MAX_LAYERS + 2                                     # more layers than a page holds
+    np.save(d / "k.npy", np.concatenate([k] * 3)[:layers, :, :64])
+    np.save(d / "v.npy", np.concatenate([v] * 3)[:layers, :, :64])
+    files = ["--k", str(d / "k.npy"), "--v", str(d / "v.npy")]
+    rc, out, _ = run(capsys, "stats", *files, "--plot", str(tmp_path / "h.png"))
+    assert rc == 0 and f"{MAX_LAYERS} of {layers} layers; --plot-layers all draws every layer" in out
+    rc, out, _ = run(capsys, "stats", *files, "--plot", str(tmp_path / "all.png"), "--plot-layers", "all")
+    pages = [tmp_path / "all-1.png", tmp_path / "all-2.png"]
+    assert rc == 0 and all(p.read_bytes()[:4] == b"\x89PNG" for p in pages) and not (tmp_path / "all.png").exists()
+    assert f"{pages[1]} (layers 8, 9)" in out and "of 10 layers" not in out
+    rc, out, _ = run(capsys, "stats", *files, "--plot", str(tmp_path / "two.png"), "--plot-layers", "3,5-6")
+    assert rc == 0 and f"{tmp_path / 'two.png'} (layers 3, 5, 6): 3 of {layers} layers" in out
+    # the sample names its layers as the model does: 0, 10, 20, 29
+    assert parse_layers("10,29", [0, 10, 20, 29]) == [1, 3] and parse_layers("all", [0, 10]) == [0, 1]
+    for text, message in (("5", "no layer 5"), ("x", "expected 'all'"), ("4-2", "backwards")):
+        with pytest.raises(InputError, match=message):
+            parse_layers(text, [0, 10, 20, 29])
+    rc, _, err = run(capsys, "stats", *files, "--plot-layers", "all")
+    assert rc == 2 and "give --plot PNG too" in err
+
+
+def test_synopsis_names_every_option():
+    import gaac.cli
+
+    synopsis = gaac.cli.__doc__.split("\n\n")[1]
+    for command, options in (("calibrate", ["--format", "--slot-line", "--tokens"]),
+                             ("stats", ["--format", "--plot-layers", "--segments", "--no-adapt"])):
+        text = synopsis.split(f"gaac {command}", 1)[1].split("\n    gaac ", 1)[0]
+        assert all(o in text for o in options), (command, text)
+
+
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
 def test_stats_fp8_formats(capsys, fmt):
     """``--format fp8_*`` reports the BF16 fields plus the ratio over FP8 and the total over BF16."""
@@ -253,12 +291,44 @@ def test_stats_fp8_formats(capsys, fmt):
 
 def test_stats_fp8_refuses_bf16_only_options_and_calibrations(capsys, tmp_path):
     rc, _, err = run(capsys, "stats", "--format", "fp8_e5m2", "--segments", "1024")
-    assert rc == 2 and "BF16 caches only" in err
+    assert rc == 2 and "BF16 caches only" in err and "per-segment" in err
+    rc, _, err = run(capsys, "stats", "--format", "fp8_e5m2", "--no-adapt")
+    assert rc == 2 and "no calibration epochs" in err
     k, v, _ = load_sample("prose")
     path = tmp_path / "bf16.json"
     calibrate(k, v).save(path)
     rc, _, err = run(capsys, "stats", "--format", "fp8_e4m3", "--calibration", str(path))
-    assert rc == 2 and "not a GAAC-FP8 calibration" in err
+    assert rc == 2 and "not a GAAC-FP8 calibration" in err and err.count("\n") == 1
+    assert "`gaac calibrate --k K.npy --v V.npy -o cal.json --format fp8_e4m3`" in err
+
+
+def test_fp8_calibration_from_the_command_line(capsys, sample_files, tmp_path):
+    from gaac.fp8.calibration import FP8Calibration, calibrate_fp8
+
+    files = ["--k", str(sample_files / "k.npy"), "--v", str(sample_files / "v.npy")]
+    path = tmp_path / "fp8.json"
+    rc, out, _ = run(capsys, "calibrate", *files, "-o", str(path), "--format", "fp8_e5m2", "--tokens", "0:128")
+    assert rc == 0 and "fp8_e5m2 calibration" in out
+    cal = FP8Calibration.load(path)
+    k, v = np.load(sample_files / "k.npy"), np.load(sample_files / "v.npy")
+    assert cal.id == calibrate_fp8(k[:, :, :128], v[:, :, :128], "fp8_e5m2").id and cal.format == "fp8_e5m2"
+    rc, out, err = run(capsys, "stats", *files, "--format", "fp8_e5m2", "--calibration", str(path), "--json")
+    assert rc == 0 and f"loaded from {path}" in err and json.loads(out)["k"]["roundtrip"] is True
+    # the wrong FP8 format, or a BF16 stats run, names the calibration's format and how to make the right one
+    rc, _, err = run(capsys, "stats", *files, "--format", "fp8_e4m3", "--calibration", str(path))
+    assert rc == 2 and "is a fp8_e5m2 calibration, not fp8_e4m3: pass --format fp8_e5m2" in err
+    rc, _, err = run(capsys, "stats", *files, "--calibration", str(path))
+    assert rc == 2 and "not a GAAC calibration" in err and "needs a BF16 calibration" in err
+    rc, _, err = run(capsys, "calibrate", *files, "-o", str(path), "--format", "fp8_e4m3", "--slot-line", "128")
+    assert rc == 2 and "--slot-line applies to BF16" in err
+
+
+def test_plot_fp8(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "fp8.png"
+    rc, out, _ = run(capsys, "stats", "--format", "fp8_e4m3", "--plot", str(png))
+    assert rc == 0 and f"wrote {png} (layers 0, 10, 20, 29)" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
 
 
 def test_version(capsys):
