@@ -766,3 +766,20 @@ class PagedKVCache:
                             tail_bytes=int(live.sum()) * self.layers * len(KINDS) * L.BLOCK_TOKENS * element_bytes,
                             bf16_bytes=int(self._lens[:, live].sum()) * len(KINDS) * element_bytes,
                             allocated_bytes=allocated + tables, epoch_bytes=epoch_bytes)
+
+    # -- transfer (gaac.transfer) --------------------------------------------------
+    def export_sequence(self, seq: int, *, calibration: bool = False, out=None) -> memoryview:
+        """Sequence ``seq``, every layer, as a sequence container (FORMAT.md 11): its blocks as stored (no
+        re-encoding), the bases of the epochs they use, the tails and the calibration id; ``calibration=True``
+        embeds the calibration too.  A read-only memoryview (pinned host memory on CUDA); ``out``: a host buffer
+        to write it into.  See :func:`gaac.transfer.export_sequence`."""
+        from .transfer import export_sequence
+
+        return export_sequence(self, seq, calibration=calibration, out=out)
+
+    def import_sequence(self, data) -> int:
+        """A sequence container (from :meth:`export_sequence` of a cache with the same calibration id) as a new
+        sequence of this cache, bit for bit; returns its id.  See :func:`gaac.transfer.import_sequence`."""
+        from .transfer import import_sequence
+
+        return import_sequence(self, data)
