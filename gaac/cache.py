@@ -180,12 +180,23 @@ def _runs(epochs: np.ndarray):
 # Storage.
 
 class _Pool:
-    """Fixed-size records with a free list: a slot pool or a raw-tile pool of one layer and kind."""
+    """Fixed-size records with a free list: a slot pool or a raw-tile pool of one layer and kind.
+
+    The free list is a stack of record indices in a NumPy array (the lowest free index on top, taken
+    first): a sequence of a long context takes and gives back tens of thousands of records per pool at
+    once (a prefill, an import, a removal), which a list of Python ints would convert one by one.
+    """
 
     def __init__(self, name: str, n: int, record: tuple, dtype: torch.dtype, device: torch.device):
         self.name = name
         self.data = torch.zeros((n, *record), dtype=dtype, device=device)
-        self.free = list(range(n - 1, -1, -1))        # a stack: the lowest free index is taken first
+        self._stack = np.arange(n - 1, -1, -1, dtype=np.int64)     # [:_top] are free; the top is the end
+        self._top = n
+
+    @property
+    def free(self) -> np.ndarray:
+        """The free record indices, int64, the next one taken last (a view: copy it to keep it)."""
+        return self._stack[:self._top]
 
     @property
     def size(self) -> int:
@@ -193,21 +204,27 @@ class _Pool:
 
     @property
     def used(self) -> int:
-        return self.size - len(self.free)
+        return self.size - self._top
 
     def grow_to(self, n: int) -> None:
         old = self.size
         extra = torch.zeros((n - old, *self.data.shape[1:]), dtype=self.data.dtype, device=self.data.device)
         self.data = torch.cat([self.data, extra])
-        self.free = list(range(n - 1, old - 1, -1)) + self.free
+        self._stack = np.concatenate([np.arange(n - 1, old - 1, -1, dtype=np.int64), self.free,
+                                      np.zeros(old - self._top, dtype=np.int64)])
+        self._top += n - old
 
     def take(self, k: int) -> np.ndarray:
-        taken = self.free[len(self.free) - k:][::-1]
-        del self.free[len(self.free) - k:]
-        return np.array(taken, dtype=np.int64)
+        """The ``k`` lowest-placed free records (the top of the stack), removed from the free list."""
+        taken = self._stack[self._top - k:self._top][::-1].copy()
+        self._top -= k
+        return taken
 
     def give(self, indices) -> None:
-        self.free.extend(int(i) for i in sorted(indices, reverse=True))
+        """Return records to the free list (the lowest of them is taken first)."""
+        back = np.sort(np.asarray(indices, dtype=np.int64).reshape(-1))[::-1]
+        self._stack[self._top:self._top + len(back)] = back
+        self._top += len(back)
 
 
 @dataclass

@@ -295,7 +295,7 @@ def test_decode_attention_reads_the_view(real):
 
 def snapshot(cache):
     return ({s: cache.read(s) for s in cache.sequences}, cache.memory(), cache.blocks_encoded,
-            [[(st.slots.free.copy(), st.raw.free.copy()) for st in layer] for layer in cache._store])
+            [[(st.slots.free.tolist(), st.raw.free.tolist()) for st in layer] for layer in cache._store])
 
 
 def assert_same(a, b):
