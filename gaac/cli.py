@@ -4,6 +4,8 @@
                    [--format bf16|fp8_e4m3|fp8_e5m2]
     gaac stats [--k K.npy --v V.npy] [--calibration cal.json] [--format bf16|fp8_e4m3|fp8_e5m2] [--json]
                [--per-layer] [--segments N] [--no-adapt] [--plot out.png [--plot-layers all|0,5,10-12]]
+    gaac pack --k K.npy --v V.npy [--calibration cal.json] -o x.gaac
+    gaac unpack x.gaac --k K.npy --v V.npy [--calibration cal.json]
     gaac capture ...            (gaac.capture, where installed)
     gaac --version
 
@@ -101,6 +103,26 @@ def build_parser() -> argparse.ArgumentParser:
                          "(round-to-nearest-even with saturation, power-of-two scale; FORMAT-FP8.md) and "
                          "coded with GAAC-FP8; --calibration then names an FP8 calibration")
     st.set_defaults(func=cmd_stats)
+
+    pk = sub.add_parser("pack", help="write a cache as one compressed file (a sequence container, FORMAT.md 11)",
+                        description="Compress K/V caches [layers, kv_heads, tokens, head_dim] into one file: the "
+                                    "sequence container of FORMAT.md section 11 with the calibration embedded, "
+                                    "what a paged cache holds for them (needs torch). `gaac unpack` restores the "
+                                    "exact bits.")
+    pk.add_argument("--k", required=True, help="K cache: .npy (uint16 BF16 bits), .safetensors or .pt (BF16)")
+    pk.add_argument("--v", required=True, help="V cache, same formats")
+    pk.add_argument("--calibration", help="calibration JSON (default: calibrate on these caches)")
+    pk.add_argument("-o", "--output", required=True, help="file to write (e.g. x.gaac)")
+    pk.set_defaults(func=cmd_pack)
+
+    up = sub.add_parser("unpack", help="restore the K/V caches of a `gaac pack` file, bit for bit",
+                        description="Read a sequence container (FORMAT.md 11), check every CRC, and write its K "
+                                    "and V as .npy files of uint16 BF16 bits [layers, kv_heads, tokens, head_dim].")
+    up.add_argument("input", help="the container (from `gaac pack`, or PagedKVCache.export_sequence)")
+    up.add_argument("--k", required=True, help="K cache to write (.npy)")
+    up.add_argument("--v", required=True, help="V cache to write (.npy)")
+    up.add_argument("--calibration", help="calibration JSON, for a container without an embedded one")
+    up.set_defaults(func=cmd_unpack)
 
     sub.add_parser("capture", help="capture a real K/V cache from a model (gaac.capture; see `gaac capture "
                                    "--help`)", add_help=False)
@@ -286,6 +308,55 @@ def _plot(args, k, v, cal, layer_ids, title: str) -> str:
     if drawn < len(ids):
         note += f": {drawn} of {len(ids)} layers; --plot-layers all draws every layer"
     return note
+
+
+# -- pack / unpack ---------------------------------------------------------------
+
+def _transfer():
+    """gaac.transfer, which needs torch (the paged cache's tensors)."""
+    try:
+        return importlib.import_module("gaac.transfer")
+    except ModuleNotFoundError as exc:
+        if exc.name != "torch":
+            raise
+        raise InputError("gaac pack and gaac unpack need torch: pip install 'gaac[torch]'") from exc
+
+
+def cmd_pack(args) -> int:
+    transfer = _transfer()
+    k, v = load_cache(args.k, "k"), load_cache(args.v, "v")
+    cal = load_calibration(args.calibration, "bf16") if args.calibration else None
+    data = transfer.pack(k, v, cal)
+    with open(args.output, "wb") as f:
+        f.write(data)
+    info = transfer.read_head(data).describe()
+    how = f"loaded from {args.calibration}" if args.calibration else "calibrated on these caches"
+    print(f"wrote {args.output}: {info['layers']} layers x {info['kv_heads']} KV heads x {info['tokens']} tokens x "
+          f"head_dim {info['head_dim']}, {info['bytes']:,} bytes for {info['bf16_bytes']:,} bytes of BF16: ratio "
+          f"{info['ratio']:.4f}x (calibration {info['calibration_id']}, {how}, embedded; {info['raw_tiles']} of "
+          f"{info['tiles']} tiles raw)")
+    return 0
+
+
+def cmd_unpack(args) -> int:
+    from pathlib import Path
+
+    transfer = _transfer()
+    for name in (args.k, args.v):
+        if Path(name).suffix.lower() != ".npy":
+            raise InputError(f"{name}: gaac unpack writes .npy files (uint16 BF16 bits)")
+    path = Path(args.input)
+    if not path.is_file():
+        raise InputError(f"{args.input!r}: no such file")
+    data = path.read_bytes()
+    cal = load_calibration(args.calibration, "bf16") if args.calibration else None
+    k, v = transfer.unpack(data, cal)
+    np.save(args.k, k)
+    np.save(args.v, v)
+    info = transfer.read_head(data).describe()
+    print(f"wrote {args.k}, {args.v}: {list(k.shape)} ([layers, kv_heads, tokens, head_dim]) from {info['bytes']:,} "
+          f"bytes; ratio {info['ratio']:.4f}x over BF16; every CRC checked")
+    return 0
 
 
 def _pct(x: float) -> str:

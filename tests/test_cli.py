@@ -268,7 +268,9 @@ def test_synopsis_names_every_option():
 
     synopsis = gaac.cli.__doc__.split("\n\n")[1]
     for command, options in (("calibrate", ["--format", "--slot-line", "--tokens"]),
-                             ("stats", ["--format", "--plot-layers", "--segments", "--no-adapt"])):
+                             ("stats", ["--format", "--plot-layers", "--segments", "--no-adapt"]),
+                             ("pack", ["--k", "--v", "--calibration", "-o"]),
+                             ("unpack", ["--k", "--v", "--calibration"])):
         text = synopsis.split(f"gaac {command}", 1)[1].split("\n    gaac ", 1)[0]
         assert all(o in text for o in options), (command, text)
 
@@ -357,3 +359,54 @@ def test_sample_is_the_shipped_cache():
     assert k.dtype == np.uint16 and k.shape == (4, 3, 768, 64) and gaac.sample()[0].shape == (4, 3, 256, 64)
     with pytest.raises(InputError, match="ships"):
         gaac.sample("poetry")
+
+
+def test_pack_unpack_is_bit_exact_and_prints_the_ratio(capsys, sample_files, tmp_path):
+    pytest.importorskip("torch")
+    files = ["--k", str(sample_files / "k.npy"), "--v", str(sample_files / "v.npy")]
+    packed = tmp_path / "x.gaac"
+    rc, out, _ = run(capsys, "pack", *files, "-o", str(packed))
+    assert rc == 0 and re.search(r"ratio 1\.\d{4}x \(calibration [0-9a-f]{8}, calibrated on these caches, embedded",
+                                 out)
+    ratio = float(re.search(r"ratio (\d\.\d+)x", out).group(1))
+    k, v = np.load(sample_files / "k.npy"), np.load(sample_files / "v.npy")
+    assert ratio == pytest.approx(2 * k.nbytes / packed.stat().st_size, abs=1e-4) and ratio > 1.3
+    rc, out, _ = run(capsys, "unpack", str(packed), "--k", str(tmp_path / "k.npy"), "--v", str(tmp_path / "v.npy"))
+    assert rc == 0 and f"ratio {ratio:.4f}x" in out
+    np.testing.assert_array_equal(np.load(tmp_path / "k.npy"), k)
+    np.testing.assert_array_equal(np.load(tmp_path / "v.npy"), v)
+    # with a calibration file: the same container as the API makes
+    cal_path = tmp_path / "cal.json"
+    calibrate(k, v).save(cal_path)
+    rc, out, _ = run(capsys, "pack", *files, "--calibration", str(cal_path), "-o", str(tmp_path / "c.gaac"))
+    assert rc == 0 and f"loaded from {cal_path}" in out
+    from gaac import transfer
+
+    assert (tmp_path / "c.gaac").read_bytes() == bytes(transfer.pack(k, v, Calibration.load(cal_path)))
+
+
+def test_unpack_errors_exit_2(capsys, sample_files, tmp_path):
+    pytest.importorskip("torch")
+    from gaac import transfer
+    from gaac.cache import PagedKVCache
+
+    k, v = np.load(sample_files / "k.npy"), np.load(sample_files / "v.npy")
+    good = bytes(transfer.pack(k, v))
+    outs = ["--k", str(tmp_path / "k.npy"), "--v", str(tmp_path / "v.npy")]
+    (tmp_path / "bad.gaac").write_bytes(good[:-5000] + bytes([good[-5000] ^ 1]) + good[-4999:])
+    cal = calibrate(k, v)
+    cache = PagedKVCache(cal, max_blocks=16)
+    (tmp_path / "bare.gaac").write_bytes(cache.export_sequence(cache.add_sequence(k, v)))
+    cal.save(tmp_path / "cal.json")
+    for args, message in (([str(tmp_path / "bad.gaac")], "CRC-32 mismatch"),
+                          ([str(tmp_path / "missing.gaac")], "no such file"),
+                          ([str(sample_files / "k.npy")], "bad magic"),
+                          ([str(tmp_path / "bare.gaac")], "carries no calibration"),
+                          ([str(tmp_path / "bad.gaac"), "--v", "v.npy", "--k", "k.txt"], "writes .npy files")):
+        rc, out, err = run(capsys, "unpack", *outs, *args)
+        assert rc == 2 and out == "" and err.startswith("gaac: error: ") and err.count("\n") == 1, err
+        assert message in err, err
+    assert not (tmp_path / "k.npy").exists()
+    rc, _, _ = run(capsys, "unpack", str(tmp_path / "bare.gaac"), *outs, "--calibration", str(tmp_path / "cal.json"))
+    assert rc == 0
+    np.testing.assert_array_equal(np.load(tmp_path / "v.npy"), v)
