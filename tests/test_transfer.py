@@ -2,6 +2,7 @@
 with the same calibration bit for bit; a wrong calibration or a corrupt container is a typed error and leaves the
 cache as it was."""
 import contextlib
+import json
 import struct
 import zlib
 from pathlib import Path
@@ -515,3 +516,56 @@ def test_a_sections_blocks_are_block_containers(drift):
             decoded = [gaac.decode_block(b, source.calibration) for b in blocks[(layer, kind)]]
             np.testing.assert_array_equal(np.concatenate(decoded + [tails[(layer, kind)]], axis=1), x[layer])
     assert len(blocks[(0, 0)]) == tokens // B
+
+
+# ----------------------------------------------------------------------------------------------
+# The sequence-container test vectors (format_spec/vectors/sequence/).
+
+SEQ_VECTORS = Path(__file__).resolve().parents[1] / "format_spec" / "vectors" / "sequence"
+
+
+def load_seq_vector_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_sequence_vectors", SEQ_VECTORS / "make_sequence_vectors.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def expected_cache(meta: dict, kind: str) -> np.ndarray:
+    return np.array([[[[int(row[i:i + 4], 16) for i in range(0, len(row), 4)] for row in head] for head in layer]
+                     for layer in meta["expected"][kind]], dtype=np.uint16)
+
+
+@pytest.mark.parametrize("name", ["seq_epochs", "seq_embedded"])
+def test_sequence_vectors_import_and_unpack_to_their_caches(name):
+    meta = json.loads((SEQ_VECTORS / f"{name}.json").read_text())
+    data = (SEQ_VECTORS / f"{name}.bin").read_bytes()
+    cal = Calibration.load(SEQ_VECTORS / meta["calibration"])
+    k, v = expected_cache(meta, "k"), expected_cache(meta, "v")
+    assert len(data) == meta["bytes"] and k.shape == (meta["layers"], meta["kv_heads"], meta["tokens"],
+                                                       meta["head_dim"])
+    assert f"{cal.id:08x}" == meta["calibration_id"]
+    c = transfer.read_head(data)
+    assert [s.raw_tiles for s in c.layout.sections] == [s["raw_tiles"] for s in meta["sections"]]
+    assert [[f"{r.bases_id:08x}" for r in s.epochs] for s in c.layout.sections] == \
+        [[e["bases_id"] for e in s["epochs"]] for s in meta["sections"]]
+    cache = PagedKVCache(Calibration(b3=cal.b3, b4=cal.b4, capacity=cal.capacity), max_blocks=8, grow=True)
+    got = cache.read(cache.import_sequence(data))           # a cache without the vector's epochs: appended
+    np.testing.assert_array_equal(got[0], k)
+    np.testing.assert_array_equal(got[1], v)
+    if meta["calibration_embedded"]:
+        np.testing.assert_array_equal(transfer.unpack(data)[1], v)
+    blocks, tails = spec_blocks(data)                         # FORMAT.md alone, block by block
+    for layer in range(meta["layers"]):
+        for kind, x in enumerate((k, v)):
+            decoded = [gaac.decode_block(b, cal) for b in blocks[(layer, kind)]]
+            np.testing.assert_array_equal(np.concatenate(decoded + [tails[(layer, kind)]], axis=1), x[layer])
+    assert {s["raw_tiles"] > 0 for s in meta["sections"]} == {True, False}    # raw tiles and slots both occur
+
+
+def test_regenerating_the_sequence_vectors_gives_identical_bytes(tmp_path):
+    written = load_seq_vector_module().generate(tmp_path)
+    assert sorted(written) == sorted(p.name for p in SEQ_VECTORS.iterdir() if p.suffix in (".bin", ".json"))
+    assert {n: (tmp_path / n).read_bytes() for n in written} == {n: (SEQ_VECTORS / n).read_bytes() for n in written}
