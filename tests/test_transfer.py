@@ -496,7 +496,8 @@ def spec_blocks(data: bytes):
             renumbered = np.where(is_raw, (1 << 31) | (np.cumsum(is_raw) - 1), np.cumsum(~is_raw) - 1)
             slots = b"".join(data[slots_at + int(e) * slot_size:slots_at + (int(e) + 1) * slot_size]
                              for e in entries[~is_raw])
-            raws = b"".join(data[raws_at + int(e & 0x7FFFFFFF) * 2 * 16 * c:raws_at + (int(e & 0x7FFFFFFF) + 1) * 2 * 16 * c]
+            raw_size = 2 * 16 * c
+            raws = b"".join(data[raws_at + int(e & 0x7FFFFFFF) * raw_size:raws_at + (int(e & 0x7FFFFFFF) + 1) * raw_size]
                             for e in entries[is_raw])
             stream = header + renumbered.astype("<u4").tobytes() + slots + raws
             out.append(stream + struct.pack("<I", zlib.crc32(stream)))
