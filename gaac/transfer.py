@@ -587,7 +587,12 @@ def export_sequence(cache, seq: int, *, calibration: bool = False, out=None) -> 
     if out is None:
         host = torch.empty(lay.nbytes, dtype=torch.uint8, pin_memory=cuda)
     else:
-        host = out if isinstance(out, torch.Tensor) else torch.from_numpy(_as_array(out))
+        if not isinstance(out, torch.Tensor):
+            array = _as_array(out)
+            if not array.flags.writeable:
+                raise InputError("out: the buffer is read-only; pass a writable one (bytearray, NumPy array, tensor)")
+            out = torch.from_numpy(array)
+        host = out
         if host.dtype != torch.uint8 or host.device.type != "cpu" or host.dim() != 1 or host.shape[0] < lay.nbytes:
             raise InputError(f"out: expected a writable 1-D uint8 host buffer of at least {lay.nbytes} bytes, got "
                              f"{host.dtype} {list(host.shape)} on {host.device}")

@@ -113,6 +113,10 @@ def test_export_into_a_buffer_and_import_from_any_buffer(real):
         np.testing.assert_array_equal(cache.read(cache.import_sequence(form))[0], k[:, :, :100])
     with pytest.raises(InputError, match=f"at least {size} bytes"):
         cache.export_sequence(seq, out=bytearray(size - 1))
+    with pytest.raises(InputError, match="read-only"):
+        cache.export_sequence(seq, out=bytes(size))
+    into = bytearray(size)
+    assert bytes(cache.export_sequence(seq, out=into)) == bytes(into) == bytes(data)
     with pytest.raises(InputError, match="container's bytes"):
         cache.import_sequence("not bytes")
 
