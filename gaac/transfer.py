@@ -196,7 +196,7 @@ def _as_array(data) -> np.ndarray:
 
 
 def read_head(data) -> Container:
-    """Check a container's head (FORMAT.md 11.7, S1-S11) and return what it says; the body is checked
+    """Check a container's head (FORMAT.md 11.7, S1-S12) and return what it says; the body is checked
     where it is used (:func:`import_sequence`)."""
     a = _as_array(data)
     n = len(a)
@@ -288,7 +288,7 @@ def read_head(data) -> Container:
 
 
 def _check_calibration(c: Container, cal: Calibration, adapt: bool) -> None:
-    """FORMAT.md 11.7, C1-C4: the container against the calibration (and epochs) of the cache it goes into."""
+    """FORMAT.md 11.7, C1-C3: the container against the calibration (and epochs) of the cache it goes into."""
     lay = c.layout
     if c.calibration_id != cal.id:
         raise CalibrationError(f"the sequence was exported from a cache with calibration {c.calibration_id:08x}; "
@@ -360,7 +360,7 @@ def _fill_body(stored: list, lay: Layout, body: torch.Tensor) -> None:
 
 
 def _check_chunks(c: Container, body: torch.Tensor) -> None:
-    """FORMAT.md 11.7, S12: every chunk's CRC-32, computed where the body is."""
+    """FORMAT.md 11.7, S13: every chunk's CRC-32, computed where the body is."""
     crcs = _chunk_crcs(body)
     if body.device.type == "cuda":
         crcs = crcs.cpu().numpy().view(np.uint32)
@@ -374,7 +374,7 @@ def _check_chunks(c: Container, body: torch.Tensor) -> None:
 
 
 def _check_body(c: Container, body: torch.Tensor) -> None:
-    """FORMAT.md 11.7 on the body (S12-S15), on the body's device: the chunk CRCs; then the zero padding and
+    """FORMAT.md 11.7 on the body (S13-S15), on the body's device: the chunk CRCs; then the zero padding and
     the block tables' numbering (one synchronisation for all sections); the block epochs on the host."""
     lay = c.layout
     per, nb = lay.tiles_per_block, lay.blocks
