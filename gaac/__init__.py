@@ -4,9 +4,12 @@ The codec (``encode_block``/``decode_block``, ``calibrate``) needs only NumPy.
 The paged cache and attention need torch; they are imported on first use, so
 ``import gaac`` works without torch.
 """
+__version__ = "0.1.0"     # setup.cfg reads it from here: one place says which gaac this is
+
 from .block import EncodedBlock, decode_block, encode_block
 from .calibration import Calibration, calibrate
 from .errors import CalibrationError, FormatError, GAACError, InputError, PoolExhaustedError
+from .io import sample
 from .layout import FORMAT_VERSION
 
 _LAZY = {
@@ -30,5 +33,5 @@ def __getattr__(name):
 __all__ = [
     "AttentionPlan", "Calibration", "CalibrationError", "EncodedBlock", "FORMAT_VERSION", "FormatError", "GAACError",
     "InputError", "PagedKVCache", "PoolExhaustedError", "calibrate", "decode_attention", "decode_block",
-    "encode_block", "measure",
+    "encode_block", "measure", "sample",
 ]

@@ -52,6 +52,7 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
+import sys
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -63,10 +64,12 @@ from .cachelayout import LayerView
 from .calibration import Calibration
 from .epochs import EPOCH_INDEX_BYTES, Adapter, epoch_table_bytes
 from .errors import FormatError, InputError, PoolExhaustedError
+from .progress import progress
 from .reference.codec import decode_tiles, encode_tiles
 from .tiles import tile_bases
 
 KINDS = (L.KIND_K, L.KIND_V)
+PROGRESS_TOKENS = 512        # appends of this many tokens show a progress bar on a terminal (PagedKVCache.append)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -179,12 +182,23 @@ def _runs(epochs: np.ndarray):
 # Storage.
 
 class _Pool:
-    """Fixed-size records with a free list: a slot pool or a raw-tile pool of one layer and kind."""
+    """Fixed-size records with a free list: a slot pool or a raw-tile pool of one layer and kind.
+
+    The free list is a stack of record indices in a NumPy array (the lowest free index on top, taken
+    first): a sequence of a long context takes and gives back tens of thousands of records per pool at
+    once (a prefill, an import, a removal), which a list of Python ints would convert one by one.
+    """
 
     def __init__(self, name: str, n: int, record: tuple, dtype: torch.dtype, device: torch.device):
         self.name = name
         self.data = torch.zeros((n, *record), dtype=dtype, device=device)
-        self.free = list(range(n - 1, -1, -1))        # a stack: the lowest free index is taken first
+        self._stack = np.arange(n - 1, -1, -1, dtype=np.int64)     # [:_top] are free; the top is the end
+        self._top = n
+
+    @property
+    def free(self) -> np.ndarray:
+        """The free record indices, int64, the next one taken last (a view: copy it to keep it)."""
+        return self._stack[:self._top]
 
     @property
     def size(self) -> int:
@@ -195,21 +209,27 @@ class _Pool:
         return self.size - self.n_free()
 
     def n_free(self) -> int:
-        return len(self.free)
+        return self._top
 
     def grow_to(self, n: int) -> None:
         old = self.size
         extra = torch.zeros((n - old, *self.data.shape[1:]), dtype=self.data.dtype, device=self.data.device)
         self.data = torch.cat([self.data, extra])
-        self.free = list(range(n - 1, old - 1, -1)) + self.free
+        self._stack = np.concatenate([np.arange(n - 1, old - 1, -1, dtype=np.int64), self.free,
+                                      np.zeros(old - self._top, dtype=np.int64)])
+        self._top += n - old
 
     def take(self, k: int) -> np.ndarray:
-        taken = self.free[len(self.free) - k:][::-1]
-        del self.free[len(self.free) - k:]
-        return np.array(taken, dtype=np.int64)
+        """The ``k`` lowest-placed free records (the top of the stack), removed from the free list."""
+        taken = self._stack[self._top - k:self._top][::-1].copy()
+        self._top -= k
+        return taken
 
     def give(self, indices) -> None:
-        self.free.extend(int(i) for i in sorted(indices, reverse=True))
+        """Return records to the free list (the lowest of them is taken first)."""
+        back = np.sort(np.asarray(indices, dtype=np.int64).reshape(-1))[::-1]
+        self._stack[self._top:self._top + len(back)] = back
+        self._top += len(back)
 
 
 _VERSIONS = itertools.count()
@@ -377,8 +397,8 @@ class MemoryReport:
 class PagedKVCache:
     """A paged, compressed KV cache for the layers, heads and head size of ``calibration``.
 
-    ``max_seqs`` sequences of up to ``max_blocks`` complete blocks each; per layer and
-    kind, ``slots`` compressed-tile slots and ``raw_tiles`` BF16 tiles.  ``slots``
+    ``max_seqs`` sequences (default 1) of up to ``max_blocks`` complete blocks each (default 64:
+    1024 tokens, plus a tail of up to 15); per layer and kind, ``slots`` compressed-tile slots and ``raw_tiles`` BF16 tiles.  ``slots``
     defaults to one per tile the table can address and ``raw_tiles`` to a quarter of
     that: how many tiles overflow depends on how well the calibration fits the text,
     and a calibration from other text can send many to the raw pool.  An update that needs more raises :class:`PoolExhaustedError` (or, with
@@ -492,8 +512,11 @@ class PagedKVCache:
             raise InputError(f"layer {layer!r} out of range: the cache has {self.layers} layers")
 
     # -- sequences --------------------------------------------------------------
-    def add_sequence(self, k=None, v=None) -> int:
-        """Start a sequence and return its id; ``k``/``v`` ``[layers, kv_heads, tokens, head_dim]`` prefill it."""
+    def add_sequence(self, k=None, v=None, *, show_progress: bool | None = None) -> int:
+        """Start a sequence and return its id; ``k``/``v`` ``[layers, kv_heads, tokens, head_dim]`` prefill it.
+
+        ``show_progress``: as in :meth:`append`.
+        """
         free = np.flatnonzero(~self._live)
         if free.size == 0:
             if not self.grow:
@@ -504,7 +527,7 @@ class PagedKVCache:
         self._live[seq] = True
         if k is not None or v is not None:
             try:
-                self.append(seq, k, v)
+                self.append(seq, k, v, show_progress=show_progress)
             except Exception:
                 self._live[seq] = False
                 raise
@@ -547,10 +570,14 @@ class PagedKVCache:
         self._step_index = None
 
     # -- appending --------------------------------------------------------------
-    def append(self, seq: int, k, v) -> None:
+    def append(self, seq: int, k, v, *, show_progress: bool | None = None) -> None:
         """Append tokens ``[layers, kv_heads, t, head_dim]`` of K and V to sequence ``seq`` in every layer.
 
-        All layers or none: if any pool cannot take the finished blocks, nothing changes.
+        All layers or none: if any pool cannot take the finished blocks, nothing changes.  A sequence
+        longer than the block table (``max_blocks`` blocks of 16 tokens) is refused before any block is
+        encoded, unless the cache was made with ``grow=True``.  ``show_progress``: a progress bar over
+        the layers being encoded (None: on a terminal, for appends of at least ``PROGRESS_TOKENS`` tokens;
+        the reference codec on a CPU encodes a few hundred blocks a second).
         """
         self._check_seq(seq)
         k = self._bits(k, "k", 4)
@@ -558,7 +585,22 @@ class PagedKVCache:
         if k.shape[0] != self.layers or v.shape[0] != self.layers:
             raise InputError(f"k {list(k.shape)} / v {list(v.shape)}: expected {self.layers} layers first "
                              "([layers, kv_heads, tokens, head_dim])")
-        self._apply([self._prepare(layer, [seq], k[layer][None], v[layer][None]) for layer in range(self.layers)])
+        self._check_table_room(seq, k.shape[2])
+        if show_progress is None:
+            show_progress = k.shape[2] >= PROGRESS_TOKENS and sys.stderr.isatty()
+        layers = progress(range(self.layers), desc=f"encode {k.shape[2]} tokens", unit="layer",
+                          enable=show_progress)
+        self._apply([self._prepare(layer, [seq], k[layer][None], v[layer][None]) for layer in layers])
+
+    def _check_table_room(self, seq: int, tokens: int) -> None:
+        """Refuse, before encoding anything, an append that would outgrow the block table (unless ``grow``)."""
+        held = int(self._lens[:, seq].max())
+        need = (held + tokens) // L.BLOCK_TOKENS
+        if need > self.max_blocks and not self.grow:
+            raise PoolExhaustedError(
+                f"sequence {seq} would hold {held + tokens} tokens = {need} blocks of {L.BLOCK_TOKENS}; the block "
+                f"table holds {self.max_blocks} ({self.max_blocks * L.BLOCK_TOKENS} tokens) per sequence: make the "
+                f"cache with max_blocks={need} or more, or with grow=True to enlarge it as needed")
 
     def update_layer(self, layer: int, seqs, k, v) -> None:
         """Append ``t`` tokens to each sequence of ``seqs`` in one layer: ``k``/``v`` ``[len(seqs), kv_heads, t, D]``.
@@ -1092,3 +1134,20 @@ class PagedKVCache:
                             tail_bytes=int(live.sum()) * self.layers * len(KINDS) * L.BLOCK_TOKENS * element_bytes,
                             bf16_bytes=int(self._lens[:, live].sum()) * len(KINDS) * element_bytes,
                             allocated_bytes=allocated + tables, epoch_bytes=epoch_bytes)
+
+    # -- transfer (gaac.transfer) --------------------------------------------------
+    def export_sequence(self, seq: int, *, calibration: bool = False, out=None) -> memoryview:
+        """Sequence ``seq``, every layer, as a sequence container (FORMAT.md 11): its blocks as stored (no
+        re-encoding), the bases of the epochs they use, the tails and the calibration id; ``calibration=True``
+        embeds the calibration too.  A read-only memoryview (pinned host memory on CUDA); ``out``: a host buffer
+        to write it into.  See :func:`gaac.transfer.export_sequence`."""
+        from .transfer import export_sequence
+
+        return export_sequence(self, seq, calibration=calibration, out=out)
+
+    def import_sequence(self, data) -> int:
+        """A sequence container (from :meth:`export_sequence` of a cache with the same calibration id) as a new
+        sequence of this cache, bit for bit; returns its id.  See :func:`gaac.transfer.import_sequence`."""
+        from .transfer import import_sequence
+
+        return import_sequence(self, data)

@@ -176,6 +176,22 @@ class Calibration(CacheShape):
     def id(self) -> int:
         return zlib.crc32(self.canonical_bytes())
 
+    @classmethod
+    def from_canonical_bytes(cls, data: bytes, model: str | None = None) -> "Calibration":
+        """The calibration whose canonical bytes (FORMAT.md 3.3) are ``data`` (epoch 0: no epochs, no notes)."""
+        head = b"GAACCAL" + bytes([CALIBRATION_VERSION])
+        if len(data) < CANONICAL_HEAD_BYTES or bytes(data[:8]) != head:
+            raise CalibrationError(f"not the canonical bytes of a calibration (they start with {head!r})")
+        layers, heads, dim = (int(x) for x in np.frombuffer(data, dtype="<u4", count=3, offset=8))
+        n = 2 * layers * heads * dim
+        if len(data) != canonical_bytes_size(layers, heads, dim):
+            raise CalibrationError(f"canonical calibration bytes of {layers} layers x {heads} KV heads x head_dim "
+                                   f"{dim} are {canonical_bytes_size(layers, heads, dim)} bytes, not {len(data)}")
+        b3 = np.frombuffer(data, np.uint8, n, CANONICAL_HEAD_BYTES).reshape(2, layers, heads, dim)
+        b4 = np.frombuffer(data, np.uint8, n, CANONICAL_HEAD_BYTES + n).reshape(2, layers, heads, dim)
+        capacity = np.frombuffer(data, "<u2", 2 * layers, CANONICAL_HEAD_BYTES + 2 * n).reshape(2, layers)
+        return cls(b3=b3, b4=b4, capacity=capacity, model=model)
+
     def bases(self, layer: int, kind: int, epoch: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """``(b3, b4)`` of one layer, kind and epoch, each ``[kv_heads, head_dim]``."""
         self.check_epoch(layer, kind, epoch)
@@ -209,9 +225,7 @@ class Calibration(CacheShape):
         if epoch < 1:
             raise CalibrationError(f"epoch {epoch}: only epochs 1 and later have epoch bytes; epoch 0 is "
                                    "identified by the calibration id")
-        b3, b4 = self.bases(layer, kind, epoch)
-        return EPOCH_MAGIC + np.array([self.id], dtype="<u4").tobytes() \
-            + np.array([layer, epoch], dtype="<u2").tobytes() + bytes([kind]) + b3.tobytes() + b4.tobytes()
+        return epoch_canonical_bytes(self.id, layer, kind, epoch, *self.bases(layer, kind, epoch))
 
     def epoch_id(self, layer: int, kind: int, epoch: int) -> int:
         """The id a block of ``epoch`` carries in its header: the calibration id for epoch 0."""
@@ -307,6 +321,22 @@ class Calibration(CacheShape):
                         raise CalibrationError(f"{where}: id {entry['id']} does not match its tables "
                                                f"({self.epoch_id(layer, kind, epoch):08x}): the file was edited "
                                                "or damaged")
+
+
+CANONICAL_HEAD_BYTES = 20        # FORMAT.md 3.3: "GAACCAL", the version byte and three u32 dimensions
+
+
+def canonical_bytes_size(layers: int, kv_heads: int, head_dim: int) -> int:
+    """Bytes of a calibration's canonical bytes (FORMAT.md 3.3)."""
+    return CANONICAL_HEAD_BYTES + 4 * layers * kv_heads * head_dim + 4 * layers
+
+
+def epoch_canonical_bytes(calibration_id: int, layer: int, kind: int, epoch: int, b3, b4) -> bytes:
+    """FORMAT.md 3.5: the bytes whose CRC-32 is the id of epoch ``epoch >= 1`` with bases ``b3``, ``b4``
+    ``[kv_heads, head_dim]`` of layer ``layer`` and kind ``kind`` of the calibration ``calibration_id``."""
+    return EPOCH_MAGIC + np.array([calibration_id], dtype="<u4").tobytes() \
+        + np.array([layer, epoch], dtype="<u2").tobytes() + bytes([kind]) \
+        + np.ascontiguousarray(b3, dtype=np.uint8).tobytes() + np.ascontiguousarray(b4, dtype=np.uint8).tobytes()
 
 
 def _int_array(table, what: str) -> np.ndarray:

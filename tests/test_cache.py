@@ -295,7 +295,7 @@ def test_decode_attention_reads_the_view(real):
 
 def snapshot(cache):
     return ({s: cache.read(s) for s in cache.sequences}, cache.memory(), cache.blocks_encoded,
-            [[(st.slots.free.copy(), st.raw.free.copy()) for st in layer] for layer in cache._store])
+            [[(st.slots.free.tolist(), st.raw.free.tolist()) for st in layer] for layer in cache._store])
 
 
 def assert_same(a, b):
@@ -657,3 +657,28 @@ def test_real_kv_with_epochs_reads_back():
         for kind in (0, 1):
             np.testing.assert_array_equal(cache_epochs(cache, seq, layer, kind), ref[kind][layer])
     check_accounting(cache, {seq: (k, v)})
+
+
+def test_a_sequence_longer_than_the_table_is_refused_before_encoding_naming_max_blocks(real, monkeypatch):
+    k, v, cal = real
+    cache = PagedKVCache(cal, max_blocks=4)
+    prepared = []
+    prepare = cache._prepare
+    monkeypatch.setattr(cache, "_prepare", lambda *a: prepared.append(a[0]) or prepare(*a))
+    with pytest.raises(PoolExhaustedError, match=r"max_blocks=5 or more, or with grow=True") as info:
+        cache.add_sequence(k[:, :, :80], v[:, :, :80])
+    assert "block table holds 4 (64 tokens)" in str(info.value) and not prepared and cache.sequences == []
+    seq = cache.add_sequence(k[:, :, :60], v[:, :, :60])
+    with pytest.raises(PoolExhaustedError, match="would hold 80 tokens = 5 blocks"):
+        cache.append(seq, k[:, :, 60:80], v[:, :, 60:80])
+    assert prepared == list(range(cal.layers))                # only the prefill that fits was encoded
+
+
+def test_a_long_prefill_shows_progress(real, capsys):
+    k, v, cal = real
+    cache = PagedKVCache(cal, max_seqs=2, max_blocks=4)
+    cache.add_sequence(k[:, :, :40], v[:, :, :40], show_progress=True)
+    err = capsys.readouterr().err
+    assert "encode 40 tokens" in err and "layer" in err
+    cache.add_sequence(k[:, :, :40], v[:, :, :40])          # not a terminal: no bar
+    assert capsys.readouterr().err == ""

@@ -109,3 +109,58 @@ def test_capture_cache_shapes(smollm):
     model, _ = smollm
     k, v, nll = capture_cache(model, [1, 2, 3, 4, 5])
     assert k.shape == v.shape == (30, 3, 5, 64) and k.dtype == np.uint16 and nll > 0
+
+
+def test_prefill_shows_progress_by_layer(smollm, capsys):
+    model, _ = smollm
+    k, _, _ = capture_cache(model, [1, 2, 3], show_progress=True)
+    err = capsys.readouterr().err
+    assert "prefill 3 tokens" in err and "/30" in err and k.shape[2] == 3
+    hooks = [layer._forward_hooks for layer in model.get_decoder().layers]
+    assert not any(hooks)                                   # the bar's hooks are gone afterwards
+    capture_cache(model, [1, 2, 3])                         # not a terminal: no bar
+    assert capsys.readouterr().err == ""
+
+
+def test_loading_the_model_shows_no_transformers_bars_or_advice(smollm, capfd):
+    from gaac.capture import load_model
+
+    load_model()                                            # the dense copy exists: the fixture made or read it
+    err = capfd.readouterr().err
+    assert "Loading weights" not in err and "dtype=torch.float32" not in err and "first use" not in err
+
+
+def test_the_dense_copy_is_announced_once(tmp_path, monkeypatch, capsys):
+    """A first use says what it writes where and how large it is; transformers is quiet meanwhile."""
+    import transformers
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from gaac import capture
+
+    calls = []
+
+    def tiny_model(*args, **kwargs):
+        calls.append((hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()))
+        config = LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                             num_attention_heads=1, num_key_value_heads=1, head_dim=64)
+        return LlamaForCausalLM(config)
+
+    class Tokenizer:
+        def save_pretrained(self, folder):
+            (folder / "tokenizer.json").write_text("{}")
+
+    monkeypatch.setenv("GAAC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", tiny_model)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: Tokenizer())
+    folder = capture._dense_copy(tmp_path / "model.gguf", "ab" * 32)
+    err = capsys.readouterr().err
+    assert folder.parent == tmp_path / "models" and (folder / "model.safetensors").is_file()
+    assert "first use of model.gguf" in err and f"about {capture.DENSE_COPY_MB} MB in {folder}" in err
+    assert "wrote the dense copy" in err and "GAAC_CACHE_DIR" in err
+    assert calls == [(hf_logging.ERROR, False)]
+    assert hf_logging.is_progress_bar_enabled()               # restored afterwards
+    assert capture._dense_copy(tmp_path / "model.gguf", "ab" * 32) == folder
+    assert capsys.readouterr().err == "" and len(calls) == 1  # later uses read the copy silently
+    help_text = capture.build_parser().format_help()
+    assert "dense BF16 copy" in help_text and f"{capture.DENSE_COPY_MB} MB" in help_text

@@ -235,6 +235,46 @@ def test_plot_samples_many_layers_evenly():
     assert len(many) == MAX_LAYERS and many[0] == 0 and many[-1] == 29 and many == sorted(set(many))
 
 
+def test_plot_layers_choose_layers_or_page_through_all(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    from gaac.plot import MAX_LAYERS, parse_layers
+
+    d = tmp_path / "cache"
+    d.mkdir()
+    k, v, _ = load_sample("code")
+    layers = MAX_LAYERS + 2                                     # more layers than a page holds
+    np.save(d / "k.npy", np.concatenate([k] * 3)[:layers, :, :64])
+    np.save(d / "v.npy", np.concatenate([v] * 3)[:layers, :, :64])
+    files = ["--k", str(d / "k.npy"), "--v", str(d / "v.npy")]
+    rc, out, _ = run(capsys, "stats", *files, "--plot", str(tmp_path / "h.png"))
+    assert rc == 0 and f"{MAX_LAYERS} of {layers} layers; --plot-layers all draws every layer" in out
+    rc, out, _ = run(capsys, "stats", *files, "--plot", str(tmp_path / "all.png"), "--plot-layers", "all")
+    pages = [tmp_path / "all-1.png", tmp_path / "all-2.png"]
+    assert rc == 0 and all(p.read_bytes()[:4] == b"\x89PNG" for p in pages) and not (tmp_path / "all.png").exists()
+    assert f"{pages[1]} (layers 8, 9)" in out and "of 10 layers" not in out
+    rc, out, _ = run(capsys, "stats", *files, "--plot", str(tmp_path / "two.png"), "--plot-layers", "3,5-6")
+    assert rc == 0 and f"{tmp_path / 'two.png'} (layers 3, 5, 6): 3 of {layers} layers" in out
+    # the sample names its layers as the model does: 0, 10, 20, 29
+    assert parse_layers("10,29", [0, 10, 20, 29]) == [1, 3] and parse_layers("all", [0, 10]) == [0, 1]
+    for text, message in (("5", "no layer 5"), ("x", "expected 'all'"), ("4-2", "backwards")):
+        with pytest.raises(InputError, match=message):
+            parse_layers(text, [0, 10, 20, 29])
+    rc, _, err = run(capsys, "stats", *files, "--plot-layers", "all")
+    assert rc == 2 and "give --plot PNG too" in err
+
+
+def test_synopsis_names_every_option():
+    import gaac.cli
+
+    synopsis = gaac.cli.__doc__.split("\n\n")[1]
+    for command, options in (("calibrate", ["--format", "--slot-line", "--tokens"]),
+                             ("stats", ["--format", "--plot-layers", "--segments", "--no-adapt"]),
+                             ("pack", ["--k", "--v", "--calibration", "-o"]),
+                             ("unpack", ["--k", "--v", "--calibration"])):
+        text = synopsis.split(f"gaac {command}", 1)[1].split("\n    gaac ", 1)[0]
+        assert all(o in text for o in options), (command, text)
+
+
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
 def test_stats_fp8_formats(capsys, fmt):
     """``--format fp8_*`` reports the BF16 fields plus the ratio over FP8 and the total over BF16."""
@@ -253,9 +293,120 @@ def test_stats_fp8_formats(capsys, fmt):
 
 def test_stats_fp8_refuses_bf16_only_options_and_calibrations(capsys, tmp_path):
     rc, _, err = run(capsys, "stats", "--format", "fp8_e5m2", "--segments", "1024")
-    assert rc == 2 and "BF16 caches only" in err
+    assert rc == 2 and "BF16 caches only" in err and "per-segment" in err
+    rc, _, err = run(capsys, "stats", "--format", "fp8_e5m2", "--no-adapt")
+    assert rc == 2 and "no calibration epochs" in err
     k, v, _ = load_sample("prose")
     path = tmp_path / "bf16.json"
     calibrate(k, v).save(path)
     rc, _, err = run(capsys, "stats", "--format", "fp8_e4m3", "--calibration", str(path))
-    assert rc == 2 and "not a GAAC-FP8 calibration" in err
+    assert rc == 2 and "not a GAAC-FP8 calibration" in err and err.count("\n") == 1
+    assert "`gaac calibrate --k K.npy --v V.npy -o cal.json --format fp8_e4m3`" in err
+
+
+def test_fp8_calibration_from_the_command_line(capsys, sample_files, tmp_path):
+    from gaac.fp8.calibration import FP8Calibration, calibrate_fp8
+
+    files = ["--k", str(sample_files / "k.npy"), "--v", str(sample_files / "v.npy")]
+    path = tmp_path / "fp8.json"
+    rc, out, _ = run(capsys, "calibrate", *files, "-o", str(path), "--format", "fp8_e5m2", "--tokens", "0:128")
+    assert rc == 0 and "fp8_e5m2 calibration" in out
+    cal = FP8Calibration.load(path)
+    k, v = np.load(sample_files / "k.npy"), np.load(sample_files / "v.npy")
+    assert cal.id == calibrate_fp8(k[:, :, :128], v[:, :, :128], "fp8_e5m2").id and cal.format == "fp8_e5m2"
+    rc, out, err = run(capsys, "stats", *files, "--format", "fp8_e5m2", "--calibration", str(path), "--json")
+    assert rc == 0 and f"loaded from {path}" in err and json.loads(out)["k"]["roundtrip"] is True
+    # the wrong FP8 format, or a BF16 stats run, names the calibration's format and how to make the right one
+    rc, _, err = run(capsys, "stats", *files, "--format", "fp8_e4m3", "--calibration", str(path))
+    assert rc == 2 and "is a fp8_e5m2 calibration, not fp8_e4m3: pass --format fp8_e5m2" in err
+    rc, _, err = run(capsys, "stats", *files, "--calibration", str(path))
+    assert rc == 2 and "not a GAAC calibration" in err and "needs a BF16 calibration" in err
+    rc, _, err = run(capsys, "calibrate", *files, "-o", str(path), "--format", "fp8_e4m3", "--slot-line", "128")
+    assert rc == 2 and "--slot-line applies to BF16" in err
+
+
+def test_plot_fp8(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "fp8.png"
+    rc, out, _ = run(capsys, "stats", "--format", "fp8_e4m3", "--plot", str(png))
+    assert rc == 0 and f"wrote {png} (layers 0, 10, 20, 29)" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+
+
+def test_version(capsys):
+    import configparser
+
+    import gaac
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == f"gaac {gaac.__version__} (format version {L.FORMAT_VERSION})\n"
+    assert re.fullmatch(r"\d+\.\d+\.\d+", gaac.__version__)
+    # the package's metadata takes its version from gaac.__version__, so the two cannot differ
+    setup = configparser.ConfigParser()
+    setup.read(Path(__file__).resolve().parents[1] / "setup.cfg")
+    assert setup["metadata"]["version"] == "attr: gaac.__version__"
+
+
+def test_sample_is_the_shipped_cache():
+    import gaac
+
+    k, v = gaac.sample("prose")
+    ref_k, ref_v, meta = load_sample("prose")
+    np.testing.assert_array_equal(k, ref_k)
+    np.testing.assert_array_equal(v, ref_v)
+    assert k.dtype == np.uint16 and k.shape == (4, 3, 768, 64) and gaac.sample()[0].shape == (4, 3, 256, 64)
+    with pytest.raises(InputError, match="ships"):
+        gaac.sample("poetry")
+
+
+def test_pack_unpack_is_bit_exact_and_prints_the_ratio(capsys, sample_files, tmp_path):
+    pytest.importorskip("torch")
+    files = ["--k", str(sample_files / "k.npy"), "--v", str(sample_files / "v.npy")]
+    packed = tmp_path / "x.gaac"
+    rc, out, _ = run(capsys, "pack", *files, "-o", str(packed))
+    assert rc == 0 and re.search(r"ratio 1\.\d{4}x \(calibration [0-9a-f]{8}, calibrated on these caches, embedded",
+                                 out)
+    ratio = float(re.search(r"ratio (\d\.\d+)x", out).group(1))
+    k, v = np.load(sample_files / "k.npy"), np.load(sample_files / "v.npy")
+    assert ratio == pytest.approx(2 * k.nbytes / packed.stat().st_size, abs=1e-4) and ratio > 1.3
+    rc, out, _ = run(capsys, "unpack", str(packed), "--k", str(tmp_path / "k.npy"), "--v", str(tmp_path / "v.npy"))
+    assert rc == 0 and f"ratio {ratio:.4f}x" in out
+    np.testing.assert_array_equal(np.load(tmp_path / "k.npy"), k)
+    np.testing.assert_array_equal(np.load(tmp_path / "v.npy"), v)
+    # with a calibration file: the same container as the API makes
+    cal_path = tmp_path / "cal.json"
+    calibrate(k, v).save(cal_path)
+    rc, out, _ = run(capsys, "pack", *files, "--calibration", str(cal_path), "-o", str(tmp_path / "c.gaac"))
+    assert rc == 0 and f"loaded from {cal_path}" in out
+    from gaac import transfer
+
+    assert (tmp_path / "c.gaac").read_bytes() == bytes(transfer.pack(k, v, Calibration.load(cal_path)))
+
+
+def test_unpack_errors_exit_2(capsys, sample_files, tmp_path):
+    pytest.importorskip("torch")
+    from gaac import transfer
+    from gaac.cache import PagedKVCache
+
+    k, v = np.load(sample_files / "k.npy"), np.load(sample_files / "v.npy")
+    good = bytes(transfer.pack(k, v))
+    outs = ["--k", str(tmp_path / "k.npy"), "--v", str(tmp_path / "v.npy")]
+    (tmp_path / "bad.gaac").write_bytes(good[:-5000] + bytes([good[-5000] ^ 1]) + good[-4999:])
+    cal = calibrate(k, v)
+    cache = PagedKVCache(cal, max_blocks=16)
+    (tmp_path / "bare.gaac").write_bytes(cache.export_sequence(cache.add_sequence(k, v)))
+    cal.save(tmp_path / "cal.json")
+    for args, message in (([str(tmp_path / "bad.gaac")], "CRC-32 mismatch"),
+                          ([str(tmp_path / "missing.gaac")], "no such file"),
+                          ([str(sample_files / "k.npy")], "bad magic"),
+                          ([str(tmp_path / "bare.gaac")], "carries no calibration"),
+                          ([str(tmp_path / "bad.gaac"), "--v", "v.npy", "--k", "k.txt"], "writes .npy files")):
+        rc, out, err = run(capsys, "unpack", *outs, *args)
+        assert rc == 2 and out == "" and err.startswith("gaac: error: ") and err.count("\n") == 1, err
+        assert message in err, err
+    assert not (tmp_path / "k.npy").exists()
+    rc, _, _ = run(capsys, "unpack", str(tmp_path / "bare.gaac"), *outs, "--calibration", str(tmp_path / "cal.json"))
+    assert rc == 0
+    np.testing.assert_array_equal(np.load(tmp_path / "v.npy"), v)

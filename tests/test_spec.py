@@ -92,9 +92,9 @@ def test_sizes_table_matches_tile_geometry():
 
 def _struct_fields(fmt: str) -> list[tuple[int, int, str]]:
     """(offset, size, type) of every field of a little-endian struct format such as ``<4sBH``."""
-    names = {"s": "bytes", "B": "u8", "H": "u16", "I": "u32"}
+    names = {"s": "bytes", "B": "u8", "H": "u16", "I": "u32", "Q": "u64"}
     out, offset = [], 0
-    for count, code in re.findall(r"(\d*)([sBHI])", fmt):
+    for count, code in re.findall(r"(\d*)([sBHIQ])", fmt):
         if code == "s":
             out.append((offset, int(count), "bytes"))
             offset += int(count)

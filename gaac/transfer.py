@@ -1,0 +1,678 @@
+"""Compressed sequences as a unit of transfer: a paged cache's sequence out as bytes, and back in.
+
+Serving engines move KV caches between GPU memory, host memory, disk and
+other workers (offload, prefix reuse, disaggregated prefill and decode).  A
+GAAC cache's blocks are already compressed where they live, so moving one
+needs no codec work: :func:`export_sequence` gathers one sequence's slots,
+raw tiles, block tables, block epochs and tails -- every layer, K and V --
+into the **sequence container** of FORMAT.md section 11, and
+:func:`import_sequence` puts them into the pools of any cache with the same
+calibration, bit for bit.  The bytes moved are the sequence's resident
+bytes (about 1.39x fewer than BF16 on real caches) plus a small head.
+
+The container's body is what the cache stores, part after part; its head
+(dimensions, per (layer, kind) counts, the bases of the epochs the blocks
+use, the chunk CRC table) is built on the host.  On a CUDA cache, export is
+one gather per part into a device buffer, the chunk CRCs computed there
+(:mod:`gaac.cuda.crc`), and one device-to-host copy into pinned memory;
+import is one host-to-device copy, the CRCs and tables checked on the
+device, and one scatter per part into the pools.  On the CPU the same torch
+code runs on host tensors and zlib computes the CRCs.
+
+What "the same calibration" means (FORMAT.md 11.8): the container names the
+calibration id of 3.3, which covers the epoch-0 bases and the escape
+capacities -- everything a slot's bytes depend on besides its epoch.  Any
+cache whose calibration has that id takes the container, whatever its model
+name, notes or epochs.  The bases of every later epoch the blocks use travel
+in the container; the importing cache maps each to an epoch of its own with
+the same bases or appends it (:func:`_epoch_map`), so an epoch appended this
+way becomes the newest of its layer and kind and codes the blocks that cache
+finalizes next, as an epoch of its own rule would.  A cache without epochs
+(``adapt=False``) takes only containers whose blocks are all of epoch 0.
+
+Coupling: the cache's storage is read in :func:`_read_storage` and written in
+:func:`_write_storage`, and nowhere else.
+
+The file form (:func:`pack`, :func:`unpack`, ``gaac pack`` / ``gaac unpack``)
+is the same container with the calibration's canonical bytes embedded, so a
+file decodes on its own.
+"""
+from __future__ import annotations
+
+import warnings
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from . import layout as L
+from .calibration import Calibration, canonical_bytes_size, epoch_canonical_bytes
+from .errors import CalibrationError, FormatError, InputError, PoolExhaustedError
+
+KINDS = (L.KIND_K, L.KIND_V)
+_RAW_ENTRY_BIAS = L.TABLE_RAW_FLAG - (1 << 32)   # raw index + this = its table entry as a (negative) int32
+
+
+def _align(n: int) -> int:
+    return -(-n // L.SEQUENCE_ALIGN) * L.SEQUENCE_ALIGN
+
+
+# ----------------------------------------------------------------------------------------------
+# The layout of a container: what FORMAT.md section 11 computes from the header and section records.
+
+@dataclass(frozen=True)
+class EpochRecord:
+    """An epoch the blocks of one section use (FORMAT.md 11.3): its index, bases id and bases."""
+
+    epoch: int
+    bases_id: int
+    b3: np.ndarray               # uint8 [kv_heads, head_dim]
+    b4: np.ndarray
+
+
+@dataclass(frozen=True)
+class Section:
+    """One (layer, kind) of the sequence: its record (11.2) and where its parts lie in the body (11.6)."""
+
+    layer: int
+    kind: int
+    capacity: int
+    raw_tiles: int
+    slot_tiles: int
+    epochs: tuple                # EpochRecord, increasing epochs
+    table: int                   # body offsets of the parts
+    block_epochs: int
+    slots: int
+    raw: int
+    tail: int
+    end: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where everything of a container lies, from its header and section records."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    tokens: int
+    sections: tuple              # Section, in body order: layer 0 K, layer 0 V, layer 1 K, ...
+    head_bytes: int              # header .. head CRC
+    body_offset: int             # head_bytes rounded up to SEQUENCE_ALIGN
+    body_bytes: int
+
+    @property
+    def blocks(self) -> int:
+        return self.tokens // L.BLOCK_TOKENS
+
+    @property
+    def tail_tokens(self) -> int:
+        return self.tokens % L.BLOCK_TOKENS
+
+    @property
+    def tiles_per_block(self) -> int:
+        return self.kv_heads * L.tiles_per_head(self.head_dim)
+
+    @property
+    def chunks(self) -> int:
+        return -(-self.body_bytes // L.SEQUENCE_CHUNK_BYTES)
+
+    @property
+    def nbytes(self) -> int:
+        return self.body_offset + self.body_bytes
+
+
+def _layout(layers, kv_heads, head_dim, tokens, capacities, raw_tiles, epochs, with_calibration: bool) -> Layout:
+    """The layout of a container with these dimensions and, per section, capacity, raw tiles and epoch records."""
+    geo = L.geometry(head_dim)
+    nb, t = divmod(tokens, L.BLOCK_TOKENS)
+    per = kv_heads * L.tiles_per_head(head_dim)
+    sections, at = [], 0
+    for i, (capacity, n_raw, records) in enumerate(zip(capacities, raw_tiles, epochs)):
+        n_slot = nb * per - n_raw
+        table = at
+        block_epochs = table + _align(nb * per * L.TABLE_ENTRY_BYTES)
+        slots = block_epochs + _align(nb * L.SEQUENCE_EPOCH_BYTES)
+        raw = slots + n_slot * geo.slot_bytes(capacity)
+        tail = raw + n_raw * geo.raw_bytes
+        at = tail + 2 * kv_heads * t * head_dim
+        sections.append(Section(layer=i // 2, kind=KINDS[i % 2], capacity=capacity, raw_tiles=n_raw,
+                                slot_tiles=n_slot, epochs=tuple(records), table=table, block_epochs=block_epochs,
+                                slots=slots, raw=raw, tail=tail, end=at))
+    n_records = sum(len(r) for r in epochs)
+    head = (L.SEQUENCE_HEADER.size + 2 * layers * L.SEQUENCE_SECTION.size
+            + n_records * (L.SEQUENCE_EPOCH.size + 2 * kv_heads * head_dim)
+            + (canonical_bytes_size(layers, kv_heads, head_dim) if with_calibration else 0)
+            + 4 * -(-at // L.SEQUENCE_CHUNK_BYTES) + 4)
+    return Layout(layers=layers, kv_heads=kv_heads, head_dim=head_dim, tokens=tokens, sections=tuple(sections),
+                  head_bytes=head, body_offset=_align(head), body_bytes=at)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading a container's head (FORMAT.md 11.7, the rules on the head).
+
+@dataclass(frozen=True)
+class Container:
+    """A sequence container whose head passed FORMAT.md 11.7: its layout and what its head says."""
+
+    layout: Layout
+    calibration_id: int
+    calibration: Calibration | None   # the embedded calibration (flags bit 0), else None
+    chunk_crcs: np.ndarray            # uint32 [chunks]
+    data: np.ndarray                  # the whole container, uint8 (a view of the caller's buffer)
+
+    @property
+    def body(self) -> np.ndarray:
+        return self.data[self.layout.body_offset:]
+
+    def describe(self) -> dict:
+        """Dimensions, sizes and ratio: what ``gaac pack`` and ``gaac unpack`` print."""
+        lay = self.layout
+        bf16 = 2 * 2 * lay.layers * lay.kv_heads * lay.tokens * lay.head_dim
+        return {"layers": lay.layers, "kv_heads": lay.kv_heads, "head_dim": lay.head_dim, "tokens": lay.tokens,
+                "calibration_id": f"{self.calibration_id:08x}", "calibration_embedded": self.calibration is not None,
+                "bytes": lay.nbytes, "bf16_bytes": bf16, "ratio": bf16 / lay.nbytes,
+                "raw_tiles": sum(s.raw_tiles for s in lay.sections),
+                "tiles": sum(s.raw_tiles + s.slot_tiles for s in lay.sections),
+                "epoch_records": sum(len(s.epochs) for s in lay.sections)}
+
+
+def _as_array(data) -> np.ndarray:
+    """A bytes-like object, NumPy uint8 array or torch CPU uint8 tensor as a 1-D uint8 array (no copy)."""
+    if isinstance(data, torch.Tensor):
+        if data.device.type != "cpu" or data.dtype != torch.uint8:
+            raise InputError(f"a container as a tensor must be uint8 on the CPU, got {data.dtype} on {data.device}")
+        data = data.contiguous().reshape(-1).numpy()
+    if isinstance(data, np.ndarray):
+        if data.dtype != np.uint8:
+            raise InputError(f"a container as an array must be uint8, got {data.dtype}")
+        return data.reshape(-1)
+    try:
+        return np.frombuffer(data, dtype=np.uint8)
+    except TypeError:
+        raise InputError(f"expected the container's bytes (bytes, memoryview, a uint8 array or tensor), got "
+                         f"{type(data).__name__}") from None
+
+
+def read_head(data) -> Container:
+    """Check a container's head (FORMAT.md 11.7, S1-S12) and return what it says; the body is checked
+    where it is used (:func:`import_sequence`)."""
+    a = _as_array(data)
+    n = len(a)
+    if n < L.SEQUENCE_HEADER.size:
+        raise FormatError(f"truncated sequence container: {n} bytes, its header alone is {L.SEQUENCE_HEADER.size}")
+    (magic, version, element, flags, layers, heads, dim, tokens, cal_id, n_records, reserved,
+     body_bytes) = L.SEQUENCE_HEADER.unpack_from(a)
+    if magic != L.SEQUENCE_MAGIC:
+        raise FormatError(f"bad magic {magic!r}: not a GAAC sequence container (expected {L.SEQUENCE_MAGIC!r})")
+    if version != L.SEQUENCE_VERSION:
+        raise FormatError(f"sequence container version {version} is not supported (this gaac reads version "
+                          f"{L.SEQUENCE_VERSION})")
+    if element != L.ELEMENT_BF16:
+        raise FormatError(f"element format {element} is not supported (BF16 is {L.ELEMENT_BF16})")
+    if flags & ~L.SEQUENCE_FLAG_CALIBRATION or reserved:
+        raise FormatError(f"bad header: reserved flags or field not zero (flags {flags:#04x}, reserved {reserved})")
+    if layers == 0 or heads == 0 or dim not in L.SUPPORTED_HEAD_DIMS:
+        raise FormatError(f"bad header: layers={layers}, kv_heads={heads}, head_dim={dim}")
+    at = L.SEQUENCE_HEADER.size
+    need = at + 2 * layers * L.SEQUENCE_SECTION.size
+    if n < need:
+        raise FormatError(f"truncated sequence container: {n} bytes, its section records end at {need}")
+    per = heads * L.tiles_per_head(dim)
+    nb = tokens // L.BLOCK_TOKENS
+    records = []
+    for i in range(2 * layers):
+        capacity, count, n_raw = L.SEQUENCE_SECTION.unpack_from(a, at)
+        at += L.SEQUENCE_SECTION.size
+        if capacity % L.SLOT_ALIGN or n_raw > nb * per:
+            raise FormatError(f"bad section record {i} (layer {i // 2} {L.KIND_NAMES[KINDS[i % 2]]}): escape capacity "
+                              f"{capacity}, {n_raw} raw tiles of {nb * per}")
+        records.append((capacity, count, n_raw))
+    if sum(r[1] for r in records) != n_records:
+        raise FormatError(f"bad header: {n_records} epoch records, the section records list "
+                          f"{sum(r[1] for r in records)}")
+    table = heads * dim
+    need = at + n_records * (L.SEQUENCE_EPOCH.size + 2 * table)
+    if n < need:
+        raise FormatError(f"truncated sequence container: {n} bytes, its epoch records end at {need}")
+    epochs = []
+    for i, (_, count, _) in enumerate(records):
+        section = []
+        for _ in range(count):
+            epoch, zero, bases_id = L.SEQUENCE_EPOCH.unpack_from(a, at)
+            at += L.SEQUENCE_EPOCH.size
+            b3 = a[at:at + table].reshape(heads, dim)
+            b4 = a[at + table:at + 2 * table].reshape(heads, dim)
+            at += 2 * table
+            if zero or epoch == 0 or (section and epoch <= section[-1].epoch):
+                raise FormatError(f"bad epoch record of section {i}: epoch {epoch} (reserved {zero}); epochs 1 and "
+                                  "later are listed once each, in increasing order")
+            section.append(EpochRecord(epoch, bases_id, b3, b4))
+        epochs.append(section)
+    with_cal = bool(flags & L.SEQUENCE_FLAG_CALIBRATION)
+    layout = _layout(layers, heads, dim, tokens, [r[0] for r in records], [r[2] for r in records], epochs, with_cal)
+    if body_bytes != layout.body_bytes:
+        raise FormatError(f"bad header: body of {body_bytes} bytes, the section records make it {layout.body_bytes}")
+    if n < layout.head_bytes:
+        raise FormatError(f"truncated sequence container: {n} bytes, its head alone is {layout.head_bytes}")
+    crc_at = layout.head_bytes - 4
+    stored = int(np.frombuffer(a, "<u4", 1, crc_at)[0])
+    computed = zlib.crc32(a[:crc_at])
+    if stored != computed:
+        raise FormatError(f"head CRC-32 mismatch (stored {stored:08x}, computed {computed:08x}): the container's "
+                          "head is corrupt")
+    if n != layout.nbytes:
+        what = "truncated" if n < layout.nbytes else "trailing bytes after"
+        raise FormatError(f"{what} sequence container: {n} bytes, its head makes it {layout.nbytes}")
+    if a[layout.head_bytes:layout.body_offset].any():
+        raise FormatError("the padding after the head CRC is not zero")
+    for i, section in enumerate(epochs):
+        s = layout.sections[i]
+        for r in section:
+            want = zlib.crc32(epoch_canonical_bytes(cal_id, s.layer, s.kind, r.epoch, r.b3, r.b4))
+            if r.bases_id != want:
+                raise FormatError(f"epoch record {r.epoch} of layer {s.layer} {L.KIND_NAMES[s.kind]}: bases id "
+                                  f"{r.bases_id:08x}, its bases give {want:08x}")
+    calibration = None
+    if with_cal:
+        size = canonical_bytes_size(layers, heads, dim)
+        start = crc_at - 4 * layout.chunks - size
+        raw = a[start:start + size].tobytes()
+        if zlib.crc32(raw) != cal_id:
+            raise FormatError(f"the embedded calibration's CRC-32 is {zlib.crc32(raw):08x}, the header names "
+                              f"{cal_id:08x}")
+        calibration = Calibration.from_canonical_bytes(raw)
+    crcs = np.frombuffer(a, "<u4", layout.chunks, crc_at - 4 * layout.chunks).astype(np.uint32)
+    return Container(layout=layout, calibration_id=cal_id, calibration=calibration, chunk_crcs=crcs, data=a)
+
+
+def _check_calibration(c: Container, cal: Calibration, adapt: bool) -> None:
+    """FORMAT.md 11.7, C1-C3: the container against the calibration (and epochs) of the cache it goes into."""
+    lay = c.layout
+    if c.calibration_id != cal.id:
+        raise CalibrationError(f"the sequence was exported from a cache with calibration {c.calibration_id:08x}; "
+                               f"this cache's calibration is {cal.id:08x} (model {cal.model!r}): import it into a "
+                               "cache made with the same calibration (the same bases and escape capacities)")
+    cal.check_shape(lay.layers, lay.kv_heads, lay.head_dim)
+    for s in lay.sections:
+        if s.capacity != cal.capacity[s.kind, s.layer]:
+            raise CalibrationError(f"section layer {s.layer} {L.KIND_NAMES[s.kind]}: escape capacity {s.capacity} "
+                                   f"differs from the calibration's {cal.capacity[s.kind, s.layer]}")
+        for r in s.epochs:
+            if r.b3.max(initial=0) > L.B3_MAX or r.b4.max(initial=0) > L.B4_MAX:
+                raise CalibrationError(f"epoch {r.epoch} of layer {s.layer} {L.KIND_NAMES[s.kind]}: bases above "
+                                       f"{L.B3_MAX} / {L.B4_MAX} (FORMAT.md 3.2)")
+        if s.epochs and not adapt:
+            raise CalibrationError(f"the sequence's blocks of layer {s.layer} {L.KIND_NAMES[s.kind]} use calibration "
+                                   f"epoch {s.epochs[-1].epoch}; a cache made with adapt=False keeps no epochs "
+                                   "(make it with adapt=True)")
+
+
+# ----------------------------------------------------------------------------------------------
+# The body, on the cache's device.
+
+def _view(body: torch.Tensor, start: int, count: int, dtype: torch.dtype, shape=None) -> torch.Tensor:
+    """``count`` elements of ``dtype`` at byte ``start`` of the uint8 ``body``, shaped ``shape``."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    x = body[start:start + count * size].view(dtype)
+    return x.view(shape) if shape is not None else x
+
+
+def _rows(x: torch.Tensor, record_bytes: int) -> torch.Tensor:
+    """The records of ``x`` (a pool, or a part of the body; contiguous) as int64 rows: records are multiples of
+    16 bytes, and torch gathers and scatters 8-byte elements many times faster than single bytes."""
+    return x.reshape(-1).view(torch.uint8).view(torch.int64).view(-1, record_bytes // 8)
+
+
+def _chunk_crcs(body: torch.Tensor):
+    """CRC-32 of the chunks of ``body`` (FORMAT.md 11.5): on the CPU all of them, by zlib (uint32); on a CUDA
+    device the whole chunks, by :mod:`gaac.cuda.crc` (int32 bits, on the device, asynchronously) -- the
+    partial last chunk is the caller's, on the host, where its bytes are (or will be)."""
+    if body.device.type == "cuda":
+        from .cuda.crc import chunk_crcs
+
+        return chunk_crcs(body, L.SEQUENCE_CHUNK_BYTES)
+    data, chunk = body.numpy(), L.SEQUENCE_CHUNK_BYTES
+    return np.array([zlib.crc32(data[i:i + chunk]) for i in range(0, len(data), chunk)], dtype=np.uint32)
+
+
+def _fill_body(stored: list, lay: Layout, body: torch.Tensor) -> None:
+    """Gather each section's parts from the pools into ``body`` (uint8, ``lay.body_bytes``): FORMAT.md 11.6."""
+    per, nb = lay.tiles_per_block, lay.blocks
+    geo = L.geometry(lay.head_dim)
+    for st, s in zip(stored, lay.sections):
+        entries = st.entries
+        is_raw = entries < 0
+        number = torch.where(is_raw, is_raw.cumsum(0) - 1, (~is_raw).cumsum(0) - 1)
+        _view(body, s.table, nb * per, torch.int32).copy_(torch.where(is_raw, number + _RAW_ENTRY_BIAS, number))
+        body[s.table + nb * per * L.TABLE_ENTRY_BYTES:s.block_epochs] = 0
+        _view(body, s.block_epochs, nb, torch.int16).copy_(torch.from_numpy(st.epochs.astype(np.int16)))
+        body[s.block_epochs + nb * L.SEQUENCE_EPOCH_BYTES:s.slots] = 0
+        order = torch.sort(is_raw.to(torch.uint8), stable=True).indices     # slot tiles, then raw tiles, in order
+        slot_at = entries[order[:s.slot_tiles]].long()
+        raw_at = entries[order[s.slot_tiles:]].long() & L.TABLE_INDEX_MASK
+        slot_bytes = geo.slot_bytes(s.capacity)
+        torch.index_select(_rows(st.slots, slot_bytes), 0, slot_at, out=_rows(body[s.slots:s.raw], slot_bytes))
+        torch.index_select(_rows(st.raw, geo.raw_bytes), 0, raw_at, out=_rows(body[s.raw:s.tail], geo.raw_bytes))
+        _view(body, s.tail, lay.kv_heads * lay.tail_tokens * lay.head_dim, torch.int16,
+              (lay.kv_heads, lay.tail_tokens, lay.head_dim)).copy_(st.tail)
+
+
+def _check_chunks(c: Container, body: torch.Tensor) -> None:
+    """FORMAT.md 11.7, S13: every chunk's CRC-32, computed where the body is."""
+    crcs = _chunk_crcs(body)
+    if body.device.type == "cuda":
+        crcs = crcs.cpu().numpy().view(np.uint32)
+        if len(crcs) < c.layout.chunks:          # the partial last chunk, on the host
+            crcs = np.append(crcs, np.uint32(zlib.crc32(c.body[len(crcs) * L.SEQUENCE_CHUNK_BYTES:])))
+    bad = np.flatnonzero(crcs != c.chunk_crcs)
+    if bad.size:
+        i = int(bad[0])
+        raise FormatError(f"chunk {i} of the body: CRC-32 mismatch (stored {int(c.chunk_crcs[i]):08x}, computed "
+                          f"{int(crcs[i]):08x}): the container is corrupt")
+
+
+def _check_body(c: Container, body: torch.Tensor) -> None:
+    """FORMAT.md 11.7 on the body (S13-S15), on the body's device: the chunk CRCs; then the zero padding and
+    the block tables' numbering (one synchronisation for all sections); the block epochs on the host."""
+    lay = c.layout
+    per, nb = lay.tiles_per_block, lay.blocks
+    _check_chunks(c, body)
+    flags, messages = [], []
+    for s in lay.sections:
+        where = f"layer {s.layer} {L.KIND_NAMES[s.kind]}"
+        pads = torch.cat([body[s.table + nb * per * L.TABLE_ENTRY_BYTES:s.block_epochs],
+                          body[s.block_epochs + nb * L.SEQUENCE_EPOCH_BYTES:s.slots]])
+        flags.append(torch.logical_not(pads.any()))
+        messages.append(f"{where}: the padding after its block table or block epochs is not zero")
+        entries = _view(body, s.table, nb * per, torch.int32)
+        is_raw = entries < 0
+        number = torch.where(is_raw, is_raw.cumsum(0) - 1, (~is_raw).cumsum(0) - 1)
+        flags.append(((entries & L.TABLE_INDEX_MASK) == number).all() & (is_raw.sum() == s.raw_tiles))
+        messages.append(f"{where}: a block table entry is not its tile's number within its storage class, or the "
+                        f"table holds other than the {s.raw_tiles} raw tiles of its section record (FORMAT.md 11.6)")
+    for s in lay.sections:
+        epochs = _block_epochs(c, s)
+        allowed = np.array([0, *(r.epoch for r in s.epochs)])
+        if (np.diff(epochs) < 0).any() or not np.isin(epochs, allowed).all():
+            raise FormatError(f"layer {s.layer} {L.KIND_NAMES[s.kind]}: block epochs {sorted(set(epochs.tolist()))} "
+                              f"must be non-decreasing and among the section's epochs {allowed.tolist()}")
+    ok = torch.stack(flags).cpu().numpy()
+    if not ok.all():
+        raise FormatError(messages[int(np.flatnonzero(~ok)[0])])
+
+
+def _block_epochs(c: Container, s: Section) -> np.ndarray:
+    """Section ``s``'s block epochs, read from the host copy of the container (int64 ``[blocks]``)."""
+    nb = c.layout.blocks
+    return np.frombuffer(c.body, "<u2", nb, s.block_epochs).astype(np.int64)
+
+
+# ----------------------------------------------------------------------------------------------
+# The cache's storage: read for export, written by import.  The only functions that know its structures.
+
+@dataclass
+class _Stored:
+    """One (layer, kind) of a sequence as the cache holds it."""
+
+    layer: int
+    kind: int
+    capacity: int
+    entries: torch.Tensor        # int32 [blocks * tiles_per_block]: pool entries (FORMAT.md 7.2), tile order
+    epochs: np.ndarray           # int16 [blocks]: each block's epoch
+    slots: torch.Tensor          # the slot pool, uint8 [n_slots, slot_bytes]
+    raw: torch.Tensor            # the raw-tile pool, int16 [n_raw, 16, C]
+    tail: torch.Tensor           # int16 [kv_heads, tail_tokens, head_dim]
+
+
+def _read_storage(cache, seq: int) -> tuple[int, list]:
+    """``(tokens, [_Stored per (layer, kind), in body order])`` of sequence ``seq`` of ``cache``."""
+    cache._check_seq(seq)
+    lens = cache._lens[:, seq]
+    if len(set(lens.tolist())) != 1:
+        raise InputError(f"sequence {seq} holds {lens.tolist()} tokens per layer: it is mid-update; export it "
+                         "once every layer holds the same tokens")
+    tokens = int(lens[0])
+    nb, t = divmod(tokens, L.BLOCK_TOKENS)
+    out = []
+    for layer in range(cache.layers):
+        for kind in KINDS:
+            store = cache._store[layer][kind]
+            out.append(_Stored(layer=layer, kind=kind, capacity=store.capacity,
+                               entries=store.table[seq, :nb].reshape(-1), epochs=store.epochs[seq, :nb].copy(),
+                               slots=store.slots.data, raw=store.raw.data, tail=store.tail[seq, :, :t]))
+    return tokens, out
+
+
+def _write_storage(cache, c: Container, body: torch.Tensor, appended: list, maps: list) -> int:
+    """Put a checked container's sequence into ``cache``: a row, pool records, table entries, block epochs,
+    tails, lengths, and the epochs ``appended`` (per section: (b3, b4) to append, in order) with ``maps``
+    (per section: container epoch -> cache epoch).  Room is made (``cache.grow``) or
+    :class:`PoolExhaustedError` raised before anything is written.  Returns the sequence id."""
+    lay = c.layout
+    per, nb, t = lay.tiles_per_block, lay.blocks, lay.tail_tokens
+    geo = L.geometry(lay.head_dim)
+    short = []
+    rows = np.flatnonzero(~cache._live)
+    if rows.size == 0:
+        short.append((f"all {cache.max_seqs} sequence rows are in use", None))
+    if nb > cache.max_blocks:
+        short.append((f"the sequence holds {nb} blocks; the block table holds {cache.max_blocks} "
+                      f"({cache.max_blocks * L.BLOCK_TOKENS} tokens) per sequence (max_blocks={nb} or more, or "
+                      "grow=True, makes room)", None))
+    for s in lay.sections:
+        store = cache._store[s.layer][s.kind]
+        for pool, n in ((store.slots, s.slot_tiles), (store.raw, s.raw_tiles)):
+            if n > pool.n_free():
+                short.append((f"{pool.name} is exhausted: the sequence needs {n} records, {pool.n_free()} of "
+                              f"{pool.size} are free", (pool, pool.used + n)))
+    if short and not cache.grow:
+        raise PoolExhaustedError(f"{short[0][0]}; remove sequences, make the cache larger or with grow=True")
+    if rows.size == 0:
+        cache._grow_rows(2 * cache.max_seqs)
+        rows = np.flatnonzero(~cache._live)
+    if nb > cache.max_blocks:
+        cache._grow_blocks(max(nb, 2 * cache.max_blocks))
+    for _, grow in short:
+        if grow is not None:
+            pool, n = grow
+            pool.grow_to(max(n, 2 * pool.size))
+            cache._layer_state.clear()
+    seq = int(rows[0])
+    dev = cache.device
+    for s, tables, to_cache in zip(lay.sections, appended, maps):
+        store = cache._store[s.layer][s.kind]
+        for b3, b4 in tables:
+            cache.calibration.add_epoch(s.layer, s.kind, b3, b4)
+            store.add_epoch(b3, b4)
+            cache._drop_layer_state(s.layer)
+        slot_at = store.slots.take(s.slot_tiles)
+        raw_at = store.raw.take(s.raw_tiles)
+        lut = torch.from_numpy(np.concatenate([slot_at, raw_at + _RAW_ENTRY_BIAS])).to(dev)
+        slot_bytes = geo.slot_bytes(s.capacity)
+        _rows(store.slots.data, slot_bytes).index_copy_(0, lut[:s.slot_tiles], _rows(body[s.slots:s.raw], slot_bytes))
+        _rows(store.raw.data, geo.raw_bytes).index_copy_(0, lut[s.slot_tiles:] - _RAW_ENTRY_BIAS,
+                                                         _rows(body[s.raw:s.tail], geo.raw_bytes))
+        entries = _view(body, s.table, nb * per, torch.int32)
+        index = (entries & L.TABLE_INDEX_MASK).long()
+        position = torch.where(entries < 0, index + s.slot_tiles, index)
+        store.table[seq, :nb] = lut[position].to(torch.int32).view(nb, per)
+        epochs = to_cache[_block_epochs(c, s)].astype(np.int16)
+        store.epochs[seq, :nb] = epochs
+        cache._cuts[seq].update((np.flatnonzero(np.diff(epochs)) + 1).tolist())
+        if store.epoch is not None:
+            store.epoch[seq, :nb] = torch.from_numpy(epochs).to(dev)
+        store.tail[seq, :, :t] = _view(body, s.tail, lay.kv_heads * t * lay.head_dim, torch.int16,
+                                       (lay.kv_heads, t, lay.head_dim))
+    cache._live[seq] = True
+    cache._lens[:, seq] = lay.tokens
+    cache._seq_lens[:, seq] = lay.tokens
+    cache._step_index = None
+    return seq
+
+
+def _epoch_map(c: Container, cal: Calibration) -> tuple[list, list]:
+    """Per section, the epochs to append to ``cal`` and the map container epoch -> cache epoch (FORMAT.md 11.8).
+
+    Each epoch record, in increasing order, goes to the first epoch of ``cal`` (same layer and kind) after the
+    one the previous record went to whose bases are the record's, or else to a new epoch appended to ``cal``:
+    the blocks keep their bases and their epochs stay non-decreasing along the sequence.
+    """
+    appended, maps = [], []
+    for s in c.layout.sections:
+        have = cal.n_epochs(s.layer, s.kind)
+        to_cache = np.zeros(1 + (s.epochs[-1].epoch if s.epochs else 0), dtype=np.int64)
+        new, last = [], 0
+        for r in s.epochs:
+            match = next((e for e in range(last + 1, have)
+                          if all(np.array_equal(x, y) for x, y in zip(cal.bases(s.layer, s.kind, e), (r.b3, r.b4)))),
+                         None)
+            if match is None:
+                new.append((r.b3.copy(), r.b4.copy()))
+                match = have + len(new) - 1
+            to_cache[r.epoch] = last = match
+        if have + len(new) - 1 > 0xFFFF:
+            raise CalibrationError(f"layer {s.layer} {L.KIND_NAMES[s.kind]} would hold {have + len(new)} epochs, "
+                                   "more than a block header can name")
+        appended.append(new)
+        maps.append(to_cache)
+    return appended, maps
+
+
+# ----------------------------------------------------------------------------------------------
+# Export and import.
+
+def _head(lay: Layout, cal_id: int, calibration: bytes | None, chunk_crcs) -> bytes:
+    """The container's head: header, section records, epoch records, calibration, chunk CRCs, head CRC."""
+    n_records = sum(len(s.epochs) for s in lay.sections)
+    flags = L.SEQUENCE_FLAG_CALIBRATION if calibration is not None else 0
+    parts = [L.SEQUENCE_HEADER.pack(L.SEQUENCE_MAGIC, L.SEQUENCE_VERSION, L.ELEMENT_BF16, flags, lay.layers,
+                                    lay.kv_heads, lay.head_dim, lay.tokens, cal_id, n_records, 0, lay.body_bytes)]
+    parts += [L.SEQUENCE_SECTION.pack(s.capacity, len(s.epochs), s.raw_tiles) for s in lay.sections]
+    for s in lay.sections:
+        for r in s.epochs:
+            parts += [L.SEQUENCE_EPOCH.pack(r.epoch, 0, r.bases_id), np.ascontiguousarray(r.b3, np.uint8).tobytes(),
+                      np.ascontiguousarray(r.b4, np.uint8).tobytes()]
+    if calibration is not None:
+        parts.append(calibration)
+    parts.append(np.asarray(chunk_crcs, dtype="<u4").tobytes())
+    head = b"".join(parts)
+    return head + np.uint32(zlib.crc32(head)).astype("<u4").tobytes()
+
+
+def exported_layout(cache, seq: int, *, calibration: bool = False) -> Layout:
+    """The layout of :func:`export_sequence`'s container for ``seq`` (its size: ``.nbytes``)."""
+    return _export_plan(cache, seq, calibration)[0]
+
+
+def _export_plan(cache, seq: int, calibration: bool):
+    tokens, stored = _read_storage(cache, seq)
+    cal = cache.calibration
+    n_raw = torch.stack([(s.entries < 0).sum() for s in stored]).tolist() if stored else []
+    epochs = [[EpochRecord(int(e), cal.epoch_id(s.layer, s.kind, int(e)), *cal.bases(s.layer, s.kind, int(e)))
+               for e in np.unique(s.epochs) if e > 0] for s in stored]
+    lay = _layout(cache.layers, cache.kv_heads, cache.head_dim, tokens, [s.capacity for s in stored], n_raw,
+                  epochs, calibration)
+    return lay, stored
+
+
+def export_sequence(cache, seq: int, *, calibration: bool = False, out=None) -> memoryview:
+    """Sequence ``seq`` of ``cache`` (a :class:`gaac.PagedKVCache`) as a sequence container (FORMAT.md 11).
+
+    Its blocks as stored -- no decoding, no encoding -- with the bases of every epoch they use, the
+    tails and the calibration id; ``calibration=True`` embeds the calibration's canonical bytes (the file
+    form).  Returns a read-only memoryview of the container: of ``out`` when given (a writable uint8
+    buffer, array or CPU tensor of at least :func:`exported_layout`'s ``nbytes``), else of a new buffer,
+    in pinned host memory when the cache is on a CUDA device.  The cache is left as it was.
+    """
+    lay, stored = _export_plan(cache, seq, calibration)
+    cuda = cache.device.type == "cuda"
+    if out is None:
+        host = torch.empty(lay.nbytes, dtype=torch.uint8, pin_memory=cuda)
+    else:
+        if not isinstance(out, torch.Tensor):
+            array = _as_array(out)
+            if not array.flags.writeable:
+                raise InputError("out: the buffer is read-only; pass a writable one (bytearray, NumPy array, tensor)")
+            out = torch.from_numpy(array)
+        host = out
+        if host.dtype != torch.uint8 or host.device.type != "cpu" or host.dim() != 1 or host.shape[0] < lay.nbytes:
+            raise InputError(f"out: expected a writable 1-D uint8 host buffer of at least {lay.nbytes} bytes, got "
+                             f"{host.dtype} {list(host.shape)} on {host.device}")
+        host = host[:lay.nbytes]
+    body = torch.empty(lay.body_bytes, dtype=torch.uint8, device=cache.device) if cuda else host[lay.body_offset:]
+    _fill_body(stored, lay, body)
+    crcs = _chunk_crcs(body)
+    if cuda:
+        host[lay.body_offset:].copy_(body, non_blocking=True)
+        crcs = crcs.to("cpu", non_blocking=True)
+        torch.cuda.current_stream(cache.device).synchronize()
+        crcs = crcs.numpy().view(np.uint32)
+        if len(crcs) < lay.chunks:               # the partial last chunk, now on the host
+            crcs = np.append(crcs, zlib.crc32(host[lay.body_offset + len(crcs) * L.SEQUENCE_CHUNK_BYTES:].numpy()))
+    head = _head(lay, cache.calibration.id, cache.calibration.canonical_bytes() if calibration else None, crcs)
+    array = host.numpy()
+    array[:len(head)] = np.frombuffer(head, np.uint8)
+    array[len(head):lay.body_offset] = 0
+    return memoryview(array).toreadonly()
+
+
+def import_sequence(cache, data) -> int:
+    """Put the sequence of container ``data`` (FORMAT.md 11; bytes-like, a uint8 array or CPU tensor) into
+    ``cache`` as a new sequence and return its id.
+
+    The cache's calibration must have the container's calibration id; epochs are matched or appended (module
+    docstring).  Every CRC, table and epoch is checked first: a corrupt container raises
+    :class:`FormatError`, one for another calibration :class:`CalibrationError`, a cache without room
+    :class:`PoolExhaustedError` (unless it grows) -- and the cache is then unchanged.  The slots are copied,
+    not decoded: decoding them (reading the sequence, attention) checks them as it checks a block's.
+    """
+    c = read_head(data)
+    _check_calibration(c, cache.calibration, cache.adapt)
+    with warnings.catch_warnings():                  # read-only bytes: torch warns, and nothing writes to them
+        warnings.simplefilter("ignore", UserWarning)
+        host = torch.from_numpy(c.body)
+    body = host.to(cache.device, non_blocking=True) if cache.device.type == "cuda" else host
+    _check_body(c, body)
+    appended, maps = _epoch_map(c, cache.calibration)
+    return _write_storage(cache, c, body, appended, maps)
+
+
+# ----------------------------------------------------------------------------------------------
+# The file form: a whole cache [layers, kv_heads, tokens, head_dim] to a self-contained container and back.
+
+def pack(k, v, calibration: Calibration | None = None, *, show_progress: bool | None = None) -> memoryview:
+    """K and V ``[layers, kv_heads, tokens, head_dim]`` (BF16 bits or tensors) as a sequence container with
+    the calibration embedded: what ``gaac pack`` writes.  Without ``calibration`` it calibrates on ``k``, ``v``."""
+    from .cache import PagedKVCache
+    from .calibration import calibrate
+    from .io import check_cache
+
+    k, v = check_cache(k, "k"), check_cache(v, "v")
+    if k.shape != v.shape:
+        raise InputError(f"k {list(k.shape)} and v {list(v.shape)} must have one shape")
+    cal = calibrate(k, v) if calibration is None else calibration
+    cal.check_shape(*k.shape[:2], k.shape[3])
+    cache = PagedKVCache(cal, max_blocks=max(1, k.shape[2] // L.BLOCK_TOKENS), grow=True)
+    seq = cache.add_sequence(k, v, show_progress=show_progress)
+    return export_sequence(cache, seq, calibration=True)
+
+
+def unpack(data, calibration: Calibration | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """A sequence container back to K and V, uint16 ``[layers, kv_heads, tokens, head_dim]``, bit for bit.
+
+    ``calibration``: the container's own (embedded) when not given; one of them is needed.
+    """
+    from .cache import PagedKVCache
+
+    c = read_head(data)
+    cal = calibration if calibration is not None else c.calibration
+    if cal is None:
+        raise CalibrationError("the container carries no calibration (exported without calibration=True): pass "
+                               f"the calibration {c.calibration_id:08x} it was made with")
+    lay = c.layout
+    cache = PagedKVCache(cal, max_blocks=max(1, lay.blocks), slots=max(s.slot_tiles for s in lay.sections),
+                         raw_tiles=max(s.raw_tiles for s in lay.sections))
+    seq = import_sequence(cache, c.data)
+    return cache.read(seq)
