@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .. import layout as L
-from ..arrays import as_bits
-from ..calibration import CacheShape, best_capacity, best_windows, check_capacities
+from ..calibration import (CacheShape, best_capacity, best_windows, check_capacities, check_notes, file_notes,
+                           sample_caches)
 from ..errors import CalibrationError
 from ..tiles import block_tiles, cache_blocks, tile_bases
 from .codec import choose_modes, escape_bytes, tile_exponents
@@ -47,6 +47,7 @@ class FP8Calibration(CacheShape):
     notes: dict = field(default_factory=dict)
 
     def __post_init__(self):
+        check_notes(self.notes)
         try:
             self.format = fp8_format(self.format).name
         except ValueError as exc:
@@ -136,7 +137,7 @@ class FP8Calibration(CacheShape):
                       scale_log2=[d["k"]["scale_log2"], d["v"]["scale_log2"]],
                       b_narrow=[d["k"]["b_narrow"], d["v"]["b_narrow"]], b_wide=[d["k"]["b_wide"], d["v"]["b_wide"]],
                       capacity=[d["k"]["capacity"], d["v"]["capacity"]], model=d.get("model"),
-                      notes=d.get("notes") or {})
+                      notes=file_notes(d))
         except CalibrationError:
             raise
         except (KeyError, TypeError, ValueError) as exc:
@@ -195,10 +196,7 @@ def calibrate_fp8(k, v, fmt: str, *, scale: str = "tensor", model: str | None = 
     (``'tensor'``: one power of two per layer and kind; ``'head'``: per KV head;
     ``'one'``: no scaling).  ``capacity`` forces one escape capacity everywhere.
     """
-    ks, vs = as_bits(k, "k", ndim=4), as_bits(v, "v", ndim=4)
-    if ks.shape[0] != vs.shape[0] or ks.shape[1] != vs.shape[1] or ks.shape[3] != vs.shape[3]:
-        raise CalibrationError(f"k {list(ks.shape)} and v {list(vs.shape)} disagree on layers, heads or head_dim")
-    L.tile_channels(ks.shape[3])
+    ks, vs = sample_caches(k, v)
     if min(ks.shape[2], vs.shape[2]) < L.BLOCK_TOKENS and capacity is None:
         raise CalibrationError(f"calibration needs at least one full block of {L.BLOCK_TOKENS} tokens "
                                f"to choose a slot capacity; got {ks.shape[2]} (k) / {vs.shape[2]} (v)")

@@ -1,0 +1,171 @@
+"""Bad input is refused with a typed error that names the problem, never a stray exception or a wrong answer.
+
+Each test feeds one kind of malformed input -- a file, a calibration, an argument, a view,
+concurrent calls -- and checks the exact error class and what its message names, or, where the
+input is valid after all, that the result is bit-exact.
+"""
+import json
+import struct
+
+import numpy as np
+import pytest
+
+import gaac
+from gaac.calibration import Calibration, calibrate
+from gaac.errors import CalibrationError, FormatError, GAACError, InputError
+from gaac.io import load_cache, load_sample
+
+
+@pytest.fixture(scope="module")
+def sample():
+    """Two layers, two KV heads and 64 tokens of the shipped prose sample, and a calibration on it."""
+    k, v, _ = load_sample("prose")
+    k, v = np.ascontiguousarray(k[:2, :2, :64]), np.ascontiguousarray(v[:2, :2, :64])
+    return k, v, calibrate(k, v)
+
+
+# -- calibration files -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("content, message", [
+    (b"\xff\xfe\x00{}", "not a UTF-8 text file"),
+    (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+])
+def test_calibration_load_refuses_undecodable_files(tmp_path, content, message):
+    path = tmp_path / "cal.json"
+    path.write_bytes(content)
+    with pytest.raises(CalibrationError, match=message):
+        Calibration.load(path)
+
+
+@pytest.mark.parametrize("notes", [[1, 2], "free text", 3])
+def test_calibration_notes_must_be_an_object(sample, tmp_path, notes):
+    d = sample[2].to_dict()
+    d["notes"] = notes
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(CalibrationError, match="notes must be an object"):
+        Calibration.load(path)
+    with pytest.raises(CalibrationError, match="notes must be an object"):
+        Calibration(b3=sample[2].b3, b4=sample[2].b4, capacity=sample[2].capacity, notes=notes)
+
+
+def test_calibration_notes_absent_or_null_load_as_none(sample, tmp_path):
+    d = sample[2].to_dict()
+    for notes in (None, "absent"):
+        if notes == "absent":
+            del d["notes"]
+        else:
+            d["notes"] = notes
+        cal = Calibration.from_dict(d)
+        assert cal.notes == {} and cal.copy().id == sample[2].id
+
+
+def test_fp8_calibration_notes_must_be_an_object(sample):
+    from gaac.fp8 import FP8Calibration, calibrate_fp8
+
+    d = calibrate_fp8(sample[0], sample[1], "e4m3").to_dict()
+    d["notes"] = ["x"]
+    with pytest.raises(CalibrationError, match="notes must be an object"):
+        FP8Calibration.from_dict(d)
+
+
+@pytest.mark.parametrize("which", ["bf16", "fp8"])
+def test_calibrate_refuses_caches_without_kv_heads(which):
+    from gaac.fp8 import calibrate_fp8
+
+    x = np.zeros((1, 0, 16, 64), np.uint16)
+    run = (lambda: calibrate(x, x)) if which == "bf16" else (lambda: calibrate_fp8(x, x, "e4m3"))
+    with pytest.raises(CalibrationError, match="at least one layer and one KV head"):
+        run()
+
+
+def test_calibrate_fp8_refuses_an_unsupported_head_dim():
+    from gaac.fp8 import calibrate_fp8
+
+    x = np.zeros((1, 1, 16, 48), np.uint16)
+    with pytest.raises(InputError, match="48"):
+        calibrate_fp8(x, x, "e4m3")
+
+
+@pytest.mark.parametrize("kind", [np.array([0, 1]), np.array([0]), np.array(1), [0], 0.0, True])
+def test_encode_block_refuses_a_kind_that_is_not_k_or_v(sample, kind):
+    with pytest.raises(InputError, match="kind must be 'k' or 'v'"):
+        gaac.encode_block(sample[0][0, :, :16], sample[2], 0, kind)
+
+
+def test_encode_block_takes_numpy_integer_kinds(sample):
+    block = gaac.encode_block(sample[1][1, :, 16:32], sample[2], 1, np.int64(1))
+    assert (gaac.decode_block(block.data, sample[2]) == sample[1][1, :, 16:32]).all()
+
+
+# -- cache files ---------------------------------------------------------------------------------------
+
+def _safetensors(path, header: dict, body: bytes = b""):
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + body)
+    return path
+
+
+def test_empty_npy_is_an_input_error(tmp_path):
+    (tmp_path / "k.npy").write_bytes(b"")
+    with pytest.raises(InputError, match="not a plain NumPy array file"):
+        load_cache(tmp_path / "k.npy", "k")
+
+
+def test_npz_archive_named_npy_is_an_input_error(tmp_path):
+    np.savez(tmp_path / "k.npz", k=np.zeros((1, 1, 16, 64), np.uint16))
+    (tmp_path / "k.npz").rename(tmp_path / "k.npy")
+    with pytest.raises(InputError, match="archive"):
+        load_cache(tmp_path / "k.npy", "k")
+
+
+BODY = np.arange(16 * 64, dtype=np.uint16).tobytes()
+
+
+@pytest.mark.parametrize("entry, message", [
+    ({"dtype": ["BF16"], "shape": [1, 1, 16, 64], "data_offsets": [0, 2048]}, "dtype .* is not a string"),
+    ({"dtype": "BF16", "shape": [1, 1, 16, 64], "data_offsets": ["0", "2048"]}, "data_offsets"),
+    ({"dtype": "BF16", "shape": [1, 1, 16, 64], "data_offsets": [0.0, 2048.0]}, "data_offsets"),
+    ({"dtype": "BF16", "shape": [1, 1, 16, 64], "data_offsets": [0]}, "data_offsets"),
+    ({"dtype": "BF16", "shape": [1, 1, 16, 64], "data_offsets": [-2048, 0]}, "data_offsets"),
+    ({"dtype": "BF16", "shape": [-1, -1, 16, 64], "data_offsets": [0, 2048]}, "shape"),
+    ({"dtype": "BF16", "shape": [1.0, 1, 16, 64], "data_offsets": [0, 2048]}, "shape"),
+    ({"dtype": "BF16", "shape": [True, 1, 16, 64], "data_offsets": [0, 2048]}, "shape"),
+    ({"dtype": "BF16", "shape": "1,1,16,64", "data_offsets": [0, 2048]}, "shape"),
+    ({"dtype": "BF16", "shape": [2 ** 40, 2 ** 40, 16, 64], "data_offsets": [0, 2048]}, "do not hold"),
+    ({"dtype": "BF16", "shape": [1, 1, 16, 64]}, "malformed safetensors entry"),
+    (7, "malformed safetensors entry"),
+])
+def test_malformed_safetensors_headers_are_input_errors(tmp_path, entry, message):
+    path = _safetensors(tmp_path / "k.safetensors", {"k": entry}, BODY)
+    with pytest.raises(InputError, match=message):
+        load_cache(path, "k")
+
+
+def test_deeply_nested_safetensors_header_is_an_input_error(tmp_path):
+    raw = b"[" * 100_000 + b"]" * 100_000
+    path = tmp_path / "k.safetensors"
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw)
+    with pytest.raises(InputError, match="nested too deeply"):
+        load_cache(path, "k")
+
+
+def test_well_formed_safetensors_still_loads_bit_exact(tmp_path):
+    path = _safetensors(tmp_path / "k.safetensors",
+                        {"__metadata__": {"a": "b"}, "k": {"dtype": "BF16", "shape": [1, 1, 16, 64],
+                                                          "data_offsets": [0, 2048]}}, BODY)
+    assert (load_cache(path, "k").reshape(-1) == np.frombuffer(BODY, np.uint16)).all()
+
+
+def test_torch_file_refusals_are_one_line(tmp_path):
+    import fractions
+
+    torch = pytest.importorskip("torch")
+    (tmp_path / "junk.pt").write_bytes(b"not a torch file at all")
+    torch.save({"k": fractions.Fraction(1, 3)}, tmp_path / "object.pt")     # weights_only refuses it at length
+    torch.save({"a": torch.zeros(1), 3: torch.zeros(1)}, tmp_path / "keys.pt")  # keys that do not sort together
+    for name, message in (("junk.pt", "not a torch tensor file"), ("object.pt", "not a torch tensor file"),
+                          ("keys.pt", "holds tensors")):
+        with pytest.raises(InputError, match=message) as info:
+            load_cache(tmp_path / name, "k")
+        assert "\n" not in str(info.value) and "weights_only" not in str(info.value)
