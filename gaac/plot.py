@@ -10,6 +10,8 @@ bands are the raw-mode groups' cause.  Needs matplotlib (``pip install 'gaac[plo
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 from . import layout as L
@@ -34,14 +36,30 @@ def window_coverage(hist: np.ndarray, base: np.ndarray, width: int) -> float:
     return float((hist * inside).sum() / hist.sum())
 
 
-def plot_windows(k: np.ndarray, v: np.ndarray, calibration: Calibration, path, *, layer_ids=None,
-                 title: str = "") -> list[int]:
-    """Write the figure to ``path`` (PNG); return the indices of the layers drawn."""
+def check_plot_path(path) -> None:
+    """Raise :class:`InputError` unless matplotlib is installed and can write ``path``'s image type.
+
+    The ``gaac`` command checks its ``--plot`` path with this before any work, so that a
+    misspelt extension costs a second, not a whole measurement and a traceback."""
     try:
         import matplotlib
     except ImportError as exc:
         raise InputError("--plot needs matplotlib: pip install 'gaac[plot]'") from exc
     matplotlib.use("Agg")
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    types = FigureCanvasBase.get_supported_filetypes()
+    suffix = Path(path).suffix.lower().lstrip(".")
+    if suffix not in types:
+        raise InputError(f"--plot {path}: {'no' if not suffix else 'unknown'} image type "
+                         f"{'(no extension)' if not suffix else repr('.' + suffix)}; name the file .png or one of "
+                         f"{', '.join('.' + t for t in sorted(types))}")
+
+
+def plot_windows(k: np.ndarray, v: np.ndarray, calibration: Calibration, path, *, layer_ids=None,
+                 title: str = "") -> list[int]:
+    """Write the figure to ``path`` (its extension says the image type); return the indices of the layers drawn."""
+    check_plot_path(path)
     import matplotlib.pyplot as plt
     from matplotlib.colors import LogNorm
 

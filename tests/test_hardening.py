@@ -169,3 +169,75 @@ def test_torch_file_refusals_are_one_line(tmp_path):
         with pytest.raises(InputError, match=message) as info:
             load_cache(tmp_path / name, "k")
         assert "\n" not in str(info.value) and "weights_only" not in str(info.value)
+
+
+# -- the gaac command: one line on stderr, exit status 2 -----------------------------------------------
+
+def _cli(capsys, *argv):
+    from gaac.cli import main
+
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _one_line_error(rc, err, *needles):
+    assert rc == 2
+    assert err.startswith("gaac: error: ") and err.count("\n") == 1, err
+    for needle in needles:
+        assert needle in err, err
+
+
+@pytest.fixture(scope="module")
+def cache_files(tmp_path_factory, sample):
+    d = tmp_path_factory.mktemp("files")
+    np.save(d / "k.npy", sample[0])
+    np.save(d / "v.npy", sample[1])
+    return d
+
+
+@pytest.mark.parametrize("blocked, argv, extra", [
+    ("torch", ["capture", "--text", "hello"], "gaac[torch]"),
+    ("transformers", ["capture", "--text", "hello"], "gaac[hf]"),
+    ("torch", ["stats", "--k", "{d}/k.pt", "--v", "{d}/v.npy"], "gaac[torch]"),
+    ("matplotlib", ["stats", "--k", "{d}/k.npy", "--v", "{d}/v.npy", "--plot", "{d}/x.png"], "gaac[plot]"),
+])
+def test_commands_without_their_optional_package_name_the_extra(capsys, monkeypatch, cache_files, blocked, argv,
+                                                                  extra):
+    (cache_files / "k.pt").write_bytes(b"")            # never read: torch is missing
+    monkeypatch.setitem(__import__("sys").modules, blocked, None)       # `import blocked` now fails
+    rc, _, err = _cli(capsys, *(a.format(d=cache_files) for a in argv))
+    _one_line_error(rc, err, f"pip install '{extra}'")
+
+
+@pytest.mark.parametrize("name", ["x.unknownext", "x"])
+def test_stats_plot_path_of_no_known_image_type(capsys, cache_files, name):
+    pytest.importorskip("matplotlib")
+    rc, out, err = _cli(capsys, "stats", "--k", str(cache_files / "k.npy"), "--v", str(cache_files / "v.npy"),
+                        "--plot", str(cache_files / name))
+    _one_line_error(rc, err, "--plot", "image type", ".png")
+    assert out == "" and not (cache_files / name).exists()
+
+
+def test_torch_refusal_in_the_command_is_one_line(capsys, cache_files):
+    import fractions
+
+    torch = pytest.importorskip("torch")
+    torch.save({"k": fractions.Fraction(1, 3)}, cache_files / "object.pt")
+    rc, _, err = _cli(capsys, "stats", "--k", str(cache_files / "object.pt"), "--v", str(cache_files / "v.npy"))
+    _one_line_error(rc, err, "object.pt", "not a torch tensor file")
+
+
+@pytest.mark.parametrize("write, argv, needle", [
+    (lambda d: (d / "bad.json").write_bytes(b"\xff\xfe"), ["--calibration", "{d}/bad.json"], "not a UTF-8"),
+    (lambda d: (d / "deep.json").write_bytes(b"[" * 100_000 + b"]" * 100_000), ["--calibration", "{d}/deep.json"],
+     "nested too deeply"),
+    (lambda d: (d / "e.npy").write_bytes(b""), ["--k", "{d}/e.npy", "--v", "{d}/v.npy"], "e.npy"),
+    (lambda d: _safetensors(d / "s.safetensors", {"k": {"dtype": "BF16", "shape": [-1], "data_offsets": [0, 2]}}),
+     ["--k", "{d}/s.safetensors", "--v", "{d}/v.npy"], "shape"),
+])
+def test_untyped_failures_of_files_are_one_line_in_the_command(capsys, cache_files, write, argv, needle):
+    write(cache_files)
+    files = [] if "--k" in argv else ["--k", str(cache_files / "k.npy"), "--v", str(cache_files / "v.npy")]
+    rc, _, err = _cli(capsys, "stats", *files, *(a.format(d=cache_files) for a in argv))
+    _one_line_error(rc, err, needle)
