@@ -241,3 +241,173 @@ def test_untyped_failures_of_files_are_one_line_in_the_command(capsys, cache_fil
     files = [] if "--k" in argv else ["--k", str(cache_files / "k.npy"), "--v", str(cache_files / "v.npy")]
     rc, _, err = _cli(capsys, "stats", *files, *(a.format(d=cache_files) for a in argv))
     _one_line_error(rc, err, needle)
+
+
+# -- the paged cache -----------------------------------------------------------------------------------
+
+@pytest.fixture
+def cache(sample):
+    pytest.importorskip("torch")
+    k, v, cal = sample
+    c = gaac.PagedKVCache(cal, max_seqs=3)
+    c.add_sequence(k[:, :, :20], v[:, :, :20])
+    return c
+
+
+@pytest.mark.parametrize("seq", [True, False, np.True_, 0.0, 0.7, "0", None, [0]])
+def test_sequence_ids_must_be_integers(cache, sample, seq):
+    k, v, _ = sample
+    before = cache.read(0)
+    for call in (lambda: cache.append(seq, k[:, :, :1], v[:, :, :1]), lambda: cache.remove_sequence(seq),
+                 lambda: cache.seq_len(seq), lambda: cache.read(seq),
+                 lambda: cache.update_layer(0, [seq], k[:1, :, :1], v[:1, :, :1]),
+                 lambda: cache.read_layer(0, [seq])):
+        with pytest.raises(InputError, match="sequence"):
+            call()
+    after = cache.read(0)
+    assert all((a == b).all() for a, b in zip(before, after)) and cache.sequences == [0]
+
+
+def test_update_layer_takes_integer_ids_of_any_kind(cache, sample):
+    import torch
+
+    k, v, _ = sample
+    for n, seqs in enumerate(([np.int64(0)], np.array([0]), torch.tensor([0])), start=21):
+        cache.update_layer(0, seqs, k[:1, :, n - 1:n], v[:1, :, n - 1:n])
+        cache.update_layer(1, seqs, k[1:2, :, n - 1:n], v[1:2, :, n - 1:n])
+        got_k, got_v = cache.read(0)
+        assert got_k.shape[2] == n and (got_k == k[:, :, :n]).all() and (got_v == v[:, :, :n]).all()
+    with pytest.raises(InputError, match="seqs"):
+        cache.update_layer(0, 0, k[:1, :, 23:24], v[:1, :, 23:24])
+
+
+def test_negative_stride_arrays_are_appended_bit_exact(cache, sample):
+    k, v, _ = sample
+    rk, rv = k[:, :, ::-1], v[:, :, ::-1]                   # reversed views: negative strides
+    seq = cache.add_sequence(rk[:, :, :40], rv[:, :, :40])
+    cache.append(seq, rk[:, :, 40:45], rv[:, :, 40:45])
+    got_k, got_v = cache.read(seq)
+    assert (got_k == rk[:, :, :45]).all() and (got_v == rv[:, :, :45]).all()
+
+
+def test_meta_and_sparse_tensors_are_refused(cache, sample):
+    import torch
+
+    k, v, _ = sample
+    meta = torch.empty((2, 2, 1, 64), dtype=torch.bfloat16, device="meta")
+    with pytest.raises(InputError, match="meta"):
+        cache.append(0, meta, v[:, :, 20:21])
+    sparse = torch.from_numpy(k[:, :, 20:21].view(np.int16)).to_sparse()
+    with pytest.raises(InputError, match="sparse"):
+        cache.append(0, sparse, v[:, :, 20:21])
+    assert cache.seq_len(0, 0) == cache.seq_len(0, 1) == 20
+
+
+def test_tensors_that_require_grad_are_appended(cache, sample):
+    import torch
+
+    k, v, _ = sample
+    kt = torch.from_numpy(k[:, :, 20:22].view(np.int16)).view(torch.bfloat16).float().bfloat16().requires_grad_()
+    cache.append(0, kt, v[:, :, 20:22])
+    assert (cache.read(0)[0] == k[:, :, :22]).all()
+
+
+def _calibration_with_epochs(cal, layer: int, kind: int, n: int):
+    """``cal`` with ``n`` epochs of one layer and kind: epoch ``e``'s bases are the calibration's, shifted
+    by ``e % 3`` (so that an epoch confused for another decodes to other values)."""
+    b3, b4 = cal.bases(layer, kind)
+    tables = [(np.minimum(b3 + e % 3, 248), np.minimum(b4 + e % 3, 240)) for e in range(1, n)]
+    return Calibration(b3=cal.b3, b4=cal.b4, capacity=cal.capacity, model=cal.model,
+                       epochs={(kind, layer): tables})
+
+
+def test_cache_refuses_more_epochs_than_its_int16_index_names(sample):
+    from gaac.cache import MAX_INDEXED_EPOCHS
+
+    pytest.importorskip("torch")
+    k, v, cal = sample
+    over = _calibration_with_epochs(cal, 1, 0, MAX_INDEXED_EPOCHS + 1)
+    with pytest.raises(CalibrationError, match=f"{MAX_INDEXED_EPOCHS + 1} epochs.*int16"):
+        gaac.PagedKVCache(over)
+    # Without adaptation only epoch 0 codes blocks: the calibration is fine there.
+    plain = gaac.PagedKVCache(over, adapt=False)
+    seq = plain.add_sequence(k, v)
+    assert (plain.read(seq)[0] == k).all()
+
+
+def test_cache_codes_with_the_highest_epoch_its_index_names(sample):
+    from gaac.cache import MAX_INDEXED_EPOCHS
+
+    pytest.importorskip("torch")
+    k, v, cal = sample
+    full = _calibration_with_epochs(cal, 1, 0, MAX_INDEXED_EPOCHS)
+    cache = gaac.PagedKVCache(full)
+    seq = cache.add_sequence(k, v)
+    assert int(cache.layer_view(1).epoch[0][seq, 0]) == MAX_INDEXED_EPOCHS - 1
+    got_k, got_v = cache.read(seq)
+    assert (got_k == k).all() and (got_v == v).all()
+
+
+def test_four_threads_on_one_cache(sample):
+    """Four threads add, append to, read and remove sequences of one cache with adaptation on: no
+    exception, every sequence reads back bit-exact, and removing them all returns every pool record."""
+    import sys
+    import threading
+
+    pytest.importorskip("torch")
+    k_all, v_all, _ = load_sample("prose")
+    k_all, v_all = k_all[:2], v_all[:2]                  # 2 layers, 3 KV heads, 768 tokens
+    cal = calibrate(k_all[:, :, :256], v_all[:, :, :256])
+    cache = gaac.PagedKVCache(cal, max_seqs=4, max_blocks=48)
+    assert cache.adapt
+    errors, seqs = [], {}
+    start = threading.Barrier(4)
+
+    def worker(w):
+        try:
+            lo = 192 * w                                     # each thread its own stretch of the sample
+            k, v = k_all[:, :, lo:lo + 192], v_all[:, :, lo:lo + 192]
+            start.wait()
+            seq = cache.add_sequence(k[:, :, :5], v[:, :, :5])
+            t = 5
+            for step in (1, 7, 16, 3, 30, 1, 17, 40, 2, 9, 50, 11):
+                cache.append(seq, k[:, :, t:t + step], v[:, :, t:t + step])
+                t += step
+                got = cache.read(seq)
+                assert (got[0] == k[:, :, :t]).all() and (got[1] == v[:, :, :t]).all()
+            seqs[w] = (seq, k, v)
+        except BaseException as exc:            # reported by the main thread
+            errors.append(exc)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)                  # switch threads often: races show up within a few calls
+    try:
+        threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, errors
+    assert sorted(s for s, _, _ in seqs.values()) == [0, 1, 2, 3]
+    for seq, k, v in seqs.values():
+        got = cache.read(seq)
+        assert (got[0] == k).all() and (got[1] == v).all()
+    assert cache.calibration.n_epochs(0, 0) >= 1
+    for seq, _, _ in seqs.values():
+        cache.remove_sequence(seq)
+    report = cache.memory()
+    assert report.slot_bytes == 0 and report.raw_bytes == 0 and report.tokens == 0
+    free = [len(p.free) == p.size for layer in cache._store for store in layer for p in (store.slots, store.raw)]
+    assert all(free)
+
+
+def test_cache_copies_get_a_lock_of_their_own(cache, sample):
+    import copy
+
+    twin = copy.deepcopy(cache)
+    assert twin.lock is not cache.lock
+    k, v, _ = sample
+    twin.append(0, k[:, :, 20:21], v[:, :, 20:21])
+    assert twin.seq_len(0) == 21 and cache.seq_len(0) == 20
