@@ -411,3 +411,176 @@ def test_cache_copies_get_a_lock_of_their_own(cache, sample):
     k, v, _ = sample
     twin.append(0, k[:, :, 20:21], v[:, :, 20:21])
     assert twin.seq_len(0) == 21 and cache.seq_len(0) == 20
+
+
+# -- decode attention: the CPU path and the fused kernel (simulated here) -------------------------------
+
+def _view_and_q(sample, lens=(40, 20), max_blocks=None, seed=0):
+    """A compressed view of layer 0, KV head 0 of the sample, sequences of ``lens`` tokens, and a query of
+    2 heads (one KV head keeps the simulated kernel quick)."""
+    from gaac.attention import float_to_bf16, view_from_dense
+
+    k, v, cal = sample
+    ks = [np.ascontiguousarray(k[0, :1, :n]) for n in lens]
+    vs = [np.ascontiguousarray(v[0, :1, :n]) for n in lens]
+    view = view_from_dense(ks, vs, (cal.b3[0, 0, :1], cal.b3[1, 0, :1]), (cal.b4[0, 0, :1], cal.b4[1, 0, :1]),
+                           (int(cal.capacity[0, 0]), int(cal.capacity[1, 0])), max_blocks=max_blocks)
+    rng = np.random.default_rng(seed)
+    q = float_to_bf16(rng.standard_normal((len(lens), 2, 64)).astype(np.float32))
+    return view, q
+
+
+def _replace(view, **arrays):
+    import dataclasses
+
+    return dataclasses.replace(view, **arrays)
+
+
+BACKENDS = ("cpu", "cuda")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("lens, message", [([-5, 20], "non-negative"), ([40, -1], "non-negative"),
+                                           ([400, 20], "block table holds")])
+def test_seq_lens_outside_the_table_are_refused(sample, backend, lens, message):
+    view, q = _view_and_q(sample)
+    with pytest.raises(InputError, match=message):
+        gaac.decode_attention(q, _replace(view, seq_lens=np.array(lens, np.int32)), backend=backend)
+
+
+@pytest.mark.parametrize("backend, kind, raw", [("cpu", 0, False), ("cpu", 1, False), ("cpu", 0, True),
+                                                ("cpu", 1, True), ("cuda", 0, False), ("cuda", 1, True)])
+def test_a_table_entry_past_its_pool_is_a_format_error(sample, backend, kind, raw):
+    view, q = _view_and_q(sample)
+    table = [t.copy() for t in view.table]
+    pool = view.raw[kind] if raw else view.slots[kind]
+    entry = np.uint32(len(pool) + 7) | (np.uint32(L_RAW) if raw else np.uint32(0))
+    table[kind][1, 0, 0] = entry.view(np.int32)
+    with pytest.raises(FormatError, match="past"):
+        gaac.decode_attention(q, _replace(view, table=tuple(table)), backend=backend)
+
+
+L_RAW = 0x80000000
+
+
+def test_kernel_flags_entries_past_its_pools_in_the_status_word(sample):
+    from gaac.attention import AttentionPlan
+    from gaac.cuda import attention as K
+
+    view, q = _view_and_q(sample)
+    table = [t.copy() for t in view.table]
+    table[1][0, 1, 0] = np.int32(2 ** 31 - 1)                # a slot index far past the V slot pool
+    plan = AttentionPlan(_replace(view, table=tuple(table)), 2)
+    plan.run(q)
+    assert int(plan.status[0]) == K.STATUS_BAD_ENTRY
+    with pytest.raises(FormatError, match=r"\(layer 3, sequence 0\).*past its slot or raw-tile pool"):
+        plan.check_status(layer=3, seqs=[0])
+
+
+def test_kernel_reads_no_empty_pool(sample):
+    """An empty raw pool (a cache whose tiles all fit) with an entry pointing into it: flagged, not read."""
+    from gaac.attention import AttentionPlan
+
+    view, q = _view_and_q(sample)
+    assert all((t >= 0).all() for t in view.table)           # every tile of this view fits its slot
+    raw = tuple(r[:0] for r in view.raw)
+    plan = AttentionPlan(_replace(view, raw=raw), 2)
+    plan.run(q)
+    assert int(plan.status[0]) == 0
+    table = [t.copy() for t in view.table]
+    table[0][0, 0, 0] = np.int32(-2 ** 31)                   # raw tile 0 of an empty pool
+    with pytest.raises(FormatError, match="past its slot or raw-tile pool"):
+        gaac.decode_attention(q, _replace(view, raw=raw, table=tuple(table)), backend="cuda")
+
+
+def test_plain_kernel_flags_entries_past_its_raw_pool(sample):
+    from gaac.attention import AttentionPlan, plain_view
+
+    k, _, _ = sample
+    ks = [np.ascontiguousarray(k[0, :1, :n]) for n in (40, 20)]
+    view = plain_view(ks, ks)
+    _, q = _view_and_q(sample)
+    table = [t.copy() for t in view.table]
+    table[0][0, 1, 0] = np.int32(len(view.raw[0]))           # a slot-flagged entry: the plain kernel reads raw
+    plan = AttentionPlan(_replace(view, table=tuple(table)), 2, plain=True)
+    plan.run(q)
+    with pytest.raises(FormatError, match="past its slot or raw-tile pool"):
+        plan.check_status()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_entries_of_the_tail_block_are_never_read(sample, backend):
+    """The table row of a sequence's unfinished block may hold anything (a freed sequence's old entries)."""
+    view, q = _view_and_q(sample, lens=(40, 20), max_blocks=4)
+    table = [t.copy() for t in view.table]
+    for t in table:
+        t[0, 2:] = np.int32(2 ** 31 - 1)                     # blocks 2, 3 of sequence 0: its tail and beyond
+        t[1, 1:] = np.int32(-1)
+    clean = gaac.decode_attention(q, view, backend=backend)
+    assert (gaac.decode_attention(q, _replace(view, table=tuple(table)), backend=backend) == clean).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("corrupt, message", [("tag", "reserved mode tag 3"), ("escapes", "more escape bytes")])
+def test_one_shot_attention_raises_on_a_corrupt_slot(sample, backend, corrupt, message):
+    from gaac import layout as L
+
+    view, q = _view_and_q(sample)
+    slots = view.slots[0].copy()
+    geo = L.geometry(64)
+    if corrupt == "tag":
+        slots[:, geo.tag_offset] |= 0x03                     # group 0 of every K slot: the reserved tag
+    else:
+        slots[:, geo.tag_offset:geo.escape_offset] = 0xAA    # every group raw: 5 escape bytes each
+    cpu_message = {"tag": "reserved", "escapes": "escape bytes but the slot holds"}[corrupt]
+    with pytest.raises(FormatError, match=message if backend == "cuda" else cpu_message):
+        gaac.decode_attention(q, _replace(view, slots=(slots, view.slots[1])), backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_stacked_bases_without_block_epochs_are_refused(sample, backend):
+    view, q = _view_and_q(sample)
+    b3 = tuple(np.stack([b, b]) for b in view.b3)
+    b4 = tuple(np.stack([b, b]) for b in view.b4)
+    with pytest.raises(InputError, match="no block epochs"):
+        gaac.decode_attention(q, _replace(view, b3=b3, b4=b4), backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("view", [None, "view", {"seq_lens": [1]}])
+def test_attention_needs_a_layer_view(sample, backend, view):
+    _, q = _view_and_q(sample)
+    with pytest.raises(InputError, match="LayerView"):
+        gaac.decode_attention(q, view, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("scale", [1j, "0.1", float("nan"), float("inf"), True, [0.1]])
+def test_attention_scale_must_be_a_finite_real(sample, backend, scale):
+    view, q = _view_and_q(sample)
+    with pytest.raises(InputError, match="scale"):
+        gaac.decode_attention(q, view, scale=scale, backend=backend)
+
+
+def test_attention_takes_numpy_and_integer_scales(sample):
+    view, q = _view_and_q(sample)
+    a = gaac.decode_attention(q, view, scale=np.float32(0.125), backend="cpu")
+    assert (a == gaac.decode_attention(q, view, scale=0.125, backend="cpu")).all()
+    assert (gaac.decode_attention(q, view, scale=1, backend="cpu")
+            == gaac.decode_attention(q, view, scale=1.0, backend="cpu")).all()
+    assert not (a == gaac.decode_attention(q, view, scale=1.0, backend="cpu")).all()
+
+
+def test_status_error_names_every_bit_and_where():
+    from gaac.attention import status_error
+    from gaac.cuda import attention as K
+
+    assert status_error(0) is None
+    bits = K.STATUS_BAD_TAG | K.STATUS_BAD_ESCAPES | K.STATUS_BAD_EPOCH | K.STATUS_BAD_ENTRY
+    assert len({K.STATUS_BAD_TAG, K.STATUS_BAD_ESCAPES, K.STATUS_BAD_EPOCH, K.STATUS_BAD_ENTRY}) == 4
+    text = str(status_error(bits | 64, layer=7, seqs=[2, 5]))
+    for needle in ("layer 7", "sequences [2, 5]", "reserved mode tag 3", "more escape bytes", "epoch",
+                   "past its slot or raw-tile pool", "unknown status bits 0x40"):
+        assert needle in text, text
+    assert "sequence 4" in str(status_error(K.STATUS_BAD_ENTRY, seqs=4))
+    assert isinstance(status_error(K.STATUS_BAD_TAG), FormatError)
