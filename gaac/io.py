@@ -66,16 +66,35 @@ def load_cache(path, kind: str) -> np.ndarray:
 
 
 def _read_npy(path: Path, name: str) -> np.ndarray:
-    """The array of a ``.npy`` file; an empty, truncated or pickled file is an :class:`InputError`."""
+    """The array of a ``.npy`` file.  Its header is read and checked against the file's size first, so
+    that an empty, truncated, padded or pickled file, or one whose header claims terabytes, is an
+    :class:`InputError` before any data is read."""
+    fmt = np.lib.format
+    with open(path, "rb") as f:
+        if f.read(4) == b"PK\x03\x04":
+            raise InputError(f"{name}: a NumPy archive (.npz), not a single array (.npy)")
+        f.seek(0)
+        try:
+            version = fmt.read_magic(f)
+            read_header = {(1, 0): fmt.read_array_header_1_0, (2, 0): fmt.read_array_header_2_0}.get(version)
+            if read_header is None:
+                raise ValueError(f"format version {version[0]}.{version[1]} is not one gaac reads (1.0, 2.0)")
+            shape, _, dtype = read_header(f)
+        except Exception as exc:        # NumPy's header parser raises ValueError, SyntaxError, TokenError, ...
+            raise InputError(f"{name}: not a plain NumPy array file ({type(exc).__name__}: {_first_line(exc)})") \
+                from exc
+        start = f.tell()
+    if dtype.hasobject:
+        raise InputError(f"{name}: holds Python objects (dtype {dtype}), not BF16 bit patterns")
+    have, need = path.stat().st_size - start, math.prod(shape) * dtype.itemsize
+    if have != need:
+        raise InputError(f"{name}: its header declares {dtype} {list(shape)} ({need} bytes) but the file holds "
+                         f"{have} data bytes")
     try:
-        x = np.load(path, allow_pickle=False)
-    except (ValueError, EOFError, OSError) as exc:     # a bad header, no data, a zip/pickle or short read
+        return np.load(path, allow_pickle=False)
+    except Exception as exc:            # the header passed: a file changed while being read, or a NumPy limit
         raise InputError(f"{name}: not a plain NumPy array file ({type(exc).__name__}: {_first_line(exc)})") \
             from exc
-    if not isinstance(x, np.ndarray):                   # np.load opens a zip file as an archive of arrays
-        x.close()
-        raise InputError(f"{name}: a NumPy archive (.npz), not a single array (.npy)")
-    return x
 
 
 def _first_line(exc: BaseException) -> str:

@@ -69,6 +69,16 @@ def test_fp8_calibration_notes_must_be_an_object(sample):
         FP8Calibration.from_dict(d)
 
 
+@pytest.mark.parametrize("value", [121.5, 2 ** 70, True, "121", None])
+def test_fp8_calibration_tables_hold_integers_only(sample, value):
+    from gaac.fp8 import FP8Calibration, calibrate_fp8
+
+    d = calibrate_fp8(sample[0], sample[1], "e4m3").to_dict()
+    d["k"]["b_narrow"][0][0][0] = value                 # 121.5 was read as 121, 2**70 raised OverflowError
+    with pytest.raises(CalibrationError, match="b_narrow|malformed"):
+        FP8Calibration.from_dict(d)
+
+
 @pytest.mark.parametrize("which", ["bf16", "fp8"])
 def test_calibrate_refuses_caches_without_kv_heads(which):
     from gaac.fp8 import calibrate_fp8
@@ -117,6 +127,33 @@ def test_npz_archive_named_npy_is_an_input_error(tmp_path):
     (tmp_path / "k.npz").rename(tmp_path / "k.npy")
     with pytest.raises(InputError, match="archive"):
         load_cache(tmp_path / "k.npy", "k")
+
+
+def _npy_with_header(path, header: str, body: bytes = b""):
+    raw = header.encode("latin1")
+    raw += b" " * (-(10 + len(raw) + 1) % 64) + b"\n"
+    path.write_bytes(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(raw)) + raw + body)
+    return path
+
+
+@pytest.mark.parametrize("header, body, message", [
+    ("{'descr': '<u2', 'fortran_order': False, 'shape': (1, 1, 16, 64(, }", b"", "not a plain NumPy array"),
+    ("{'descr': '<u2', 'fortran_order': False, 'shape': (1099511627776, 1099511627776, 16, 64), }", b"",
+     "declares"),
+    ("{'descr': '<u2', 'fortran_order': False, 'shape': (1, 1, 16, 64), }", b"\0" * 100, "declares"),
+    ("{'descr': '<u2', 'fortran_order': False, 'shape': (1, 1, 16, 64), }", b"\0" * 4096, "declares"),
+    ("{'descr': '|O', 'fortran_order': False, 'shape': (1,), }", b"\0" * 8, "Python objects"),
+], ids=["unparsable", "terabytes", "truncated", "padded", "objects"])
+def test_npy_with_a_broken_or_false_header_is_an_input_error(tmp_path, header, body, message):
+    with pytest.raises(InputError, match=message):
+        load_cache(_npy_with_header(tmp_path / "k.npy", header, body), "k")
+
+
+def test_npy_padded_header_still_loads(tmp_path):
+    x = np.arange(16 * 64, dtype=np.uint16).reshape(1, 1, 16, 64)
+    path = _npy_with_header(tmp_path / "k.npy", "{'descr': '<u2', 'fortran_order': False, 'shape': (1, 1, 16, 64), }",
+                            x.tobytes())
+    assert (load_cache(path, "k") == x).all()
 
 
 BODY = np.arange(16 * 64, dtype=np.uint16).tobytes()

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .. import layout as L
-from ..calibration import (CacheShape, best_capacity, best_windows, check_capacities, check_notes, file_notes,
-                           sample_caches)
+from ..calibration import (CacheShape, _all_ints, _int_array, best_capacity, best_windows, check_capacities,
+                           check_notes, file_notes, sample_caches)
 from ..errors import CalibrationError
 from ..tiles import block_tiles, cache_blocks, tile_bases
 from .codec import choose_modes, escape_bytes, tile_exponents
@@ -52,10 +52,9 @@ class FP8Calibration(CacheShape):
             self.format = fp8_format(self.format).name
         except ValueError as exc:
             raise CalibrationError(str(exc)) from None
-        self.scale_log2 = np.asarray(self.scale_log2, dtype=np.int64)
-        self.b_narrow = np.asarray(self.b_narrow, dtype=np.int64)
-        self.b_wide = np.asarray(self.b_wide, dtype=np.int64)
-        self.capacity = np.asarray(self.capacity, dtype=np.int64)
+        self.scale_log2, self.b_narrow, self.b_wide, self.capacity = (
+            _int_array(t, "FP8 calibration tables") for t in (self.scale_log2, self.b_narrow, self.b_wide,
+                                                               self.capacity))
         self.validate()
         self.scale_log2 = self.scale_log2.astype(np.int8)
         self.b_narrow = self.b_narrow.astype(np.uint8)
@@ -129,9 +128,15 @@ class FP8Calibration(CacheShape):
     def from_dict(cls, d: dict) -> "FP8Calibration":
         if not isinstance(d, dict) or d.get("format") != FP8_CALIBRATION_FORMAT:
             raise CalibrationError(f"not a GAAC-FP8 calibration (expected \"format\": \"{FP8_CALIBRATION_FORMAT}\")")
-        if d.get("version") != FP8_FORMAT_VERSION:
+        if d.get("version") != FP8_FORMAT_VERSION or type(d.get("version")) is not int:
             raise CalibrationError(f"FP8 calibration version {d.get('version')} is not supported "
                                    f"(this gaac reads version {FP8_FORMAT_VERSION})")
+        for kind in ("k", "v"):
+            for name in ("scale_log2", "b_narrow", "b_wide", "capacity"):
+                table = d[kind].get(name) if isinstance(d.get(kind), dict) else None
+                if table is None or not _all_ints(table):
+                    raise CalibrationError(f"malformed FP8 calibration: {kind}.{name} is missing or holds a value "
+                                           "that is not an integer")
         try:
             cal = cls(format=d["element_format"],
                       scale_log2=[d["k"]["scale_log2"], d["v"]["scale_log2"]],
