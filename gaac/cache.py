@@ -342,7 +342,7 @@ class PagedKVCache:
         if not isinstance(calibration, Calibration):
             raise InputError(f"calibration: expected a gaac.Calibration, got {type(calibration).__name__}")
         for name, value in (("max_seqs", max_seqs), ("max_blocks", max_blocks)):
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InputError(f"{name} must be a positive integer, got {value!r}")
         if not isinstance(adapt, bool):
             raise InputError(f"adapt must be True or False, got {adapt!r}")
@@ -366,7 +366,7 @@ class PagedKVCache:
         n_slots = max_seqs * max_blocks * self.tiles_per_block if slots is None else slots
         n_raw = -(-n_slots // 4) if raw_tiles is None else raw_tiles
         for name, value in (("slots", n_slots), ("raw_tiles", n_raw)):
-            if not isinstance(value, int) or value < 0:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise InputError(f"{name} must be a non-negative integer, got {value!r}")
         self._store = [[self._make_kind(layer, kind, max_seqs, max_blocks, n_slots, n_raw) for kind in KINDS]
                        for layer in range(self.layers)]
@@ -456,7 +456,8 @@ class PagedKVCache:
         return out
 
     def _check_layer(self, layer) -> None:
-        if not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.layers:
+        if (isinstance(layer, (bool, np.bool_)) or not isinstance(layer, (int, np.integer))
+                or not 0 <= layer < self.layers):
             raise InputError(f"layer {layer!r} out of range: the cache has {self.layers} layers")
 
     # -- sequences --------------------------------------------------------------

@@ -621,3 +621,21 @@ def test_status_error_names_every_bit_and_where():
         assert needle in text, text
     assert "sequence 4" in str(status_error(K.STATUS_BAD_ENTRY, seqs=4))
     assert isinstance(status_error(K.STATUS_BAD_TAG), FormatError)
+
+
+@pytest.mark.parametrize("layer", [True, np.True_, 1.0, "1"])
+def test_layer_numbers_must_be_integers(cache, sample, layer):
+    k, v, _ = sample
+    for call in (lambda: cache.update_layer(layer, [0], k[1:2, :, 20:21], v[1:2, :, 20:21]),
+                 lambda: cache.read_layer(layer, [0]), lambda: cache.seq_len(0, layer),
+                 lambda: cache.layer_view(layer)):
+        with pytest.raises(InputError, match="layer"):
+            call()
+    assert cache.seq_len(0, 1) == 20
+
+
+@pytest.mark.parametrize("option", ["max_seqs", "max_blocks", "slots", "raw_tiles"])
+def test_cache_sizes_must_be_integers(sample, option):
+    pytest.importorskip("torch")
+    with pytest.raises(InputError, match=option):
+        gaac.PagedKVCache(sample[2], **{option: True})
