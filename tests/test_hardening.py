@@ -74,7 +74,7 @@ def test_fp8_calibration_tables_hold_integers_only(sample, value):
     from gaac.fp8 import FP8Calibration, calibrate_fp8
 
     d = calibrate_fp8(sample[0], sample[1], "e4m3").to_dict()
-    d["k"]["b_narrow"][0][0][0] = value                 # 121.5 was read as 121, 2**70 raised OverflowError
+    d["k"]["b_narrow"][0][0][0] = value                 # neither rounded (121.5, True) nor overflowing (2**70)
     with pytest.raises(CalibrationError, match="b_narrow|malformed"):
         FP8Calibration.from_dict(d)
 
