@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
@@ -284,6 +285,7 @@ def gather_dense(view: LayerView) -> DenseLayer:
             tiles = np.empty((len(ent), L.BLOCK_TOKENS, c), np.uint16)
             is_raw = ent >= L.TABLE_RAW_FLAG
             idx = (ent & L.TABLE_INDEX_MASK).astype(np.int64)
+            _check_entries(idx, is_raw, len(slots), len(raw), kind, b, kv_heads * tph)
             if is_raw.any():
                 tiles[is_raw] = raw[idx[is_raw]]
             comp = np.flatnonzero(~is_raw)
@@ -296,6 +298,17 @@ def gather_dense(view: LayerView) -> DenseLayer:
             rest = int(lens[b]) - nfull * L.BLOCK_TOKENS
             out[kind].append(np.concatenate([full, tail[b, :, :rest]], axis=1))
     return DenseLayer(k=out[0], v=out[1])
+
+
+def _check_entries(idx, is_raw, n_slots: int, n_raw: int, kind: int, seq: int, per_block: int) -> None:
+    """:class:`FormatError` naming the first of a sequence's table entries (pool indices ``idx``, raw where
+    ``is_raw``, in table order) that points past its pool of ``n_slots`` slots or ``n_raw`` raw tiles."""
+    bad = np.flatnonzero(idx >= np.where(is_raw, n_raw, n_slots))
+    if bad.size:
+        t = int(bad[0])
+        pool, size = ("raw tile", n_raw) if is_raw[t] else ("slot", n_slots)
+        raise FormatError(f"table[{'kv'[kind]}][{seq}, {t // per_block}, {t % per_block}] points at {pool} "
+                          f"{idx[t]}, past the {size} record(s) of its pool")
 
 
 def _host_view(view: LayerView) -> LayerView:
@@ -351,7 +364,14 @@ def _check(x, name: str, dtype: str, shape: tuple, device) -> None:
         raise InputError(f"{name}: must be C-contiguous")
 
 
+def _check_is_view(view) -> None:
+    if not isinstance(view, LayerView):
+        raise InputError(f"view: expected a gaac.cachelayout.LayerView (e.g. PagedKVCache.layer_view), got "
+                         f"{type(view).__name__}")
+
+
 def _check_view(view: LayerView, device) -> None:
+    _check_is_view(view)
     if view.head_dim not in L.SUPPORTED_HEAD_DIMS:
         raise InputError(f"head_dim {view.head_dim} is not supported; one of {L.SUPPORTED_HEAD_DIMS}")
     d, hk = view.head_dim, view.kv_heads
@@ -373,14 +393,68 @@ def _check_view(view: LayerView, device) -> None:
         if bshape[0] == 0:
             raise InputError(f"b3[{kn}]: no epoch's bases")
         eps = block_epochs(view, kind)
+        if eps is None and len(bshape) == 3:
+            raise InputError(f"b3[{kn}] holds the bases of {view.b3[kind].shape[0]} epochs [n_epochs, kv_heads, "
+                             f"head_dim] but the view records no block epochs (epoch[{kn}] is None): give each "
+                             "block's epoch, or 2-D bases [kv_heads, head_dim] for a view of epoch 0 only")
         if eps is not None:
             _check(eps, f"epoch[{kn}]", "int16", (batch, view.table[kind].shape[1]), device)
     _check(view.tail_k, "tail_k", "int16", (batch, hk, L.BLOCK_TOKENS, d), device)
     _check(view.tail_v, "tail_v", "int16", (batch, hk, L.BLOCK_TOKENS, d), device)
 
 
+def check_seq_lens(view: LayerView) -> np.ndarray:
+    """The view's ``seq_lens`` on the host (int64), or :class:`InputError` where one is negative or holds
+    more complete blocks than the block table has room for (``seq_lens`` itself already checked)."""
+    lens = _host(view.seq_lens).astype(np.int64)
+    if lens.size == 0 or lens.min() < 0:
+        raise InputError(f"seq_lens: need one non-negative length per sequence, got {lens.tolist()}")
+    mb = view.table[0].shape[1]
+    if (lens // L.BLOCK_TOKENS).max() > mb:
+        raise InputError(f"seq_lens: a sequence has {(lens // L.BLOCK_TOKENS).max()} complete blocks but the "
+                         f"block table holds {mb}")
+    return lens
+
+
+def check_scale(scale, head_dim: int) -> float:
+    """The softmax scale: ``1/sqrt(head_dim)`` for None, else a finite real number (not a bool)."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
+        raise InputError(f"scale: expected a finite real number (or None for 1/sqrt(head_dim)), got {scale!r}")
+    return float(scale)
+
+
+def status_error(status: int, *, layer: int | None = None, seqs=None) -> FormatError | None:
+    """The :class:`FormatError` a decode-attention status word reports (None for 0), naming ``layer`` and
+    the sequences ``seqs`` (an id or a list of them) of the launch where given.
+
+    The kernel ORs one bit into the word per kind of fault it finds (the bits of
+    :mod:`gaac.cuda.attention`) and carries on with a safe stand-in, so that output is unspecified."""
+    from .cuda import attention as K
+
+    status = int(status)
+    if not status:
+        return None
+    why = [text for bit, text in ((K.STATUS_BAD_TAG, "a slot's group has the reserved mode tag 3"),
+                                  (K.STATUS_BAD_ESCAPES, "a slot's tags need more escape bytes than its capacity"),
+                                  (K.STATUS_BAD_EPOCH, "a block's epoch has no bases in the view"),
+                                  (K.STATUS_BAD_ENTRY, "a block-table entry points past its slot or raw-tile pool "
+                                                       "(that record was not read)")) if status & bit]
+    known = K.STATUS_BAD_TAG | K.STATUS_BAD_ESCAPES | K.STATUS_BAD_EPOCH | K.STATUS_BAD_ENTRY
+    if status & ~known:
+        why.append(f"unknown status bits {status & ~known:#x}")
+    where = [] if layer is None else [f"layer {layer}"]
+    if seqs is not None:
+        ids = [int(s) for s in np.atleast_1d(seqs)]
+        where.append(f"sequence {ids[0]}" if len(ids) == 1 else f"sequences {ids}")
+    return FormatError(f"decode attention{' (' + ', '.join(where) + ')' if where else ''}: " + "; ".join(why)
+                       + "; the output of that launch is unspecified")
+
+
 def _check_q(q, view: LayerView, device):
     """``q`` BF16 ``[B, Hq, D]`` (torch bfloat16, or uint16/int16 bits) -> (bits as int16, q_heads)."""
+    _check_is_view(view)
     if _is_torch(q):
         import torch
 
@@ -534,16 +608,11 @@ class AttentionPlan:
         if q_heads % hk or not 1 <= q_heads // hk <= MAX_GROUP:
             raise InputError(f"{q_heads} query heads for {hk} KV heads; need 1..{MAX_GROUP} per KV head")
         self.q_heads, self.g = q_heads, q_heads // hk
-        self.scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+        self.scale = check_scale(scale, d)
         overlap, max_registers = kernel_options(d, plain, variant, overlap, max_registers)
         self.plain = plain
-        lens = np.asarray(view.seq_lens.cpu() if _is_torch(view.seq_lens) else view.seq_lens).astype(np.int64)
-        if lens.size == 0 or lens.min() < 0:
-            raise InputError(f"seq_lens: need one non-negative length per sequence, got {lens.tolist()}")
+        lens = check_seq_lens(view)
         mb = view.table[0].shape[1]
-        if (lens // L.BLOCK_TOKENS).max() > mb:
-            raise InputError(f"seq_lens: a sequence has {(lens // L.BLOCK_TOKENS).max()} complete blocks but the "
-                             f"block table holds {mb}")
         self.batch = len(lens)
         nblk = -(-lens // L.BLOCK_TOKENS)
         c = L.tile_channels(d)
@@ -593,12 +662,15 @@ class AttentionPlan:
         self.lse_part = alloc((self.n_work * hk * self.g,), "float32")
         self.status = alloc((1,), "int32")
         self.status[0] = 0
-        self._arrays = (flat(view.slots[0]), flat(view.slots[1]), flat(view.raw[0], "uint8"),
-                        flat(view.raw[1], "uint8"), flat(view.table[0]), flat(view.table[1]),
+        # The kernel reads entry 0 in place of an entry past its pool: an empty pool gets one zero record.
+        pools = [p if p.shape[0] else _zero_record(p, alloc) for p in (*view.slots, *view.raw)]
+        self._arrays = (flat(pools[0]), flat(pools[1]), flat(pools[2], "uint8"),
+                        flat(pools[3], "uint8"), flat(view.table[0]), flat(view.table[1]),
                         flat(view.tail_k, "uint8"), flat(view.tail_v, "uint8"), flat(self._bases),
                         flat(eps[0]), flat(eps[1]), flat(view.seq_lens), flat(self._work))
         self._alloc = alloc
-        self._scalars = (mb, hk, self.g, *self._sizes, *view.capacity, *self.n_epochs)
+        self._scalars = (mb, hk, self.g, *self._sizes, *view.capacity, *self.n_epochs,
+                         *(p.shape[0] for p in (*view.slots, *view.raw)))
         self._scale_log2 = np.float32(self.scale * 1.4426950408889634)
         if not K.SIMULATOR:
             from .cuda.launch import FastLaunch, params
@@ -660,19 +732,17 @@ class AttentionPlan:
         self._merge_launch((self.o_part, self.lse_part, self._split0, o, l_, hk, self.g),
                            lambda params: self._merge_fixed + params(o) + params(l_) + params(hk) + params(self.g))
 
-    def check_status(self) -> None:
-        """Raise :class:`FormatError` if a kernel found a malformed slot (synchronises with the device).
+    def check_status(self, *, layer: int | None = None, seqs=None) -> None:
+        """Raise :class:`FormatError` if a kernel found a malformed slot, a block epoch without bases or a
+        table entry past its pool, in any run since the plan was made (synchronises with the device).
 
-        The kernels only flag such slots (their output is then unspecified); checking costs a
-        device-to-host copy, so it is the caller's choice when to pay it."""
-        s = int(self.status[0])
-        why = [text for bit, text in ((self._K.STATUS_BAD_TAG, "a group has the reserved mode tag 3"),
-                                      (self._K.STATUS_BAD_ESCAPES,
-                                       "a slot's tags need more escape bytes than its capacity"),
-                                      (self._K.STATUS_BAD_EPOCH,
-                                       "a block's epoch has no bases in the view")) if s & bit]
-        if why:
-            raise FormatError("decode attention: " + "; ".join(why))
+        The kernels only flag these (their output is then unspecified; nothing outside the view's
+        arrays is read); checking costs a device-to-host copy, so it is the caller's choice when to
+        pay it.  ``layer`` and ``seqs`` name where the plan's view came from in the message
+        (:func:`status_error`)."""
+        error = status_error(int(self.status[0]), layer=layer, seqs=seqs)
+        if error is not None:
+            raise error
 
 
 def _epoch_runs(view: LayerView, nfull: np.ndarray, nblk: np.ndarray) -> list:
@@ -700,6 +770,13 @@ def _host(x) -> np.ndarray:
     return x.detach().cpu().numpy() if _is_torch(x) else np.asarray(x)
 
 
+def _zero_record(pool, alloc):
+    """One zero record shaped like ``pool``'s, in its dtype and place (a stand-in for an empty pool)."""
+    record = alloc((1, *pool.shape[1:]), _dtype_name(pool))
+    record[:] = 0
+    return record
+
+
 # ----------------------------------------------------------------------------------------------
 # The public entry point and the CPU path.
 
@@ -716,6 +793,12 @@ def decode_attention(q, view: LayerView, *, scale: float | None = None, return_l
     ``"cuda"`` (under ``NUMBA_ENABLE_CUDASIM=1`` the kernel runs in the simulator on host
     arrays).  ``plain=True`` runs the BF16 baseline kernel on a view of raw tiles only.
     For repeated calls build an :class:`AttentionPlan` once and call its ``run``.
+
+    Both paths check the view's arrays and ``seq_lens`` first (:class:`InputError`).  A corrupt
+    slot, or a table entry past its pool, is a :class:`FormatError`: the CPU path finds it while
+    decoding; on CUDA the kernel flags it in its status word and reads nothing outside the view,
+    and this one-shot form synchronises and checks that word before it returns
+    (:meth:`AttentionPlan.check_status`; a serving loop that reuses a plan chooses when to).
     """
     if backend not in ("auto", "cpu", "cuda"):
         raise InputError(f"backend {backend!r}: one of 'auto', 'cpu', 'cuda'")
@@ -724,11 +807,15 @@ def decode_attention(q, view: LayerView, *, scale: float | None = None, return_l
     if backend == "cuda":
         _check_q(q, view, None)
         plan = AttentionPlan(view, q.shape[1], scale=scale, plain=plain)
-        return plan.run(q, return_lse=return_lse)
+        result = plan.run(q, return_lse=return_lse)
+        plan.check_status()
+        return result
     _check_view(view, None)
     if _on_cuda(q):
         raise InputError("q is on a CUDA device; backend='cpu' takes host arrays")
     qb, hq = _check_q(q, view, "cpu")
+    scale = check_scale(scale, view.head_dim)
+    check_seq_lens(view)
     dense = gather_dense(view)
     qf = bf16_to_float(_host(qb))
     ks = [bf16_to_float(x) for x in dense.k]

@@ -31,7 +31,7 @@ def parse_kind(kind) -> int:
     """``'k'``/``'v'`` (any case) or ``0``/``1`` -> the kind byte."""
     if isinstance(kind, str) and kind.lower() in ("k", "v"):
         return L.KIND_K if kind.lower() == "k" else L.KIND_V
-    if kind in (L.KIND_K, L.KIND_V) and not isinstance(kind, bool):
+    if isinstance(kind, (int, np.integer)) and not isinstance(kind, bool) and kind in (L.KIND_K, L.KIND_V):
         return int(kind)
     raise InputError(f"kind must be 'k' or 'v', got {kind!r}")
 

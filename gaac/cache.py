@@ -52,7 +52,9 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
+import operator
 import sys
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -63,13 +65,24 @@ from .arrays import as_bits
 from .cachelayout import LayerView
 from .calibration import Calibration
 from .epochs import EPOCH_INDEX_BYTES, Adapter, epoch_table_bytes
-from .errors import FormatError, InputError, PoolExhaustedError
+from .errors import CalibrationError, FormatError, InputError, PoolExhaustedError
 from .progress import progress
 from .reference.codec import decode_tiles, encode_tiles
 from .tiles import tile_bases
 
 KINDS = (L.KIND_K, L.KIND_V)
 PROGRESS_TOKENS = 512        # appends of this many tokens show a progress bar on a terminal (PagedKVCache.append)
+# Epochs a block's epoch index can name: it is stored as int16 (LayerView.epoch), so epochs 0..32767.
+MAX_INDEXED_EPOCHS = int(np.iinfo(np.int16).max) + 1
+
+
+def _locked(method):
+    """Run a :class:`PagedKVCache` method holding the cache's lock (a re-entrant lock: methods call each other)."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return locked
 
 
 # ----------------------------------------------------------------------------------------------
@@ -410,20 +423,39 @@ class PagedKVCache:
     own copy of ``calibration``, :attr:`calibration`, so the caller's object never
     changes; with ``adapt`` that copy gains the epochs the cache appends, and it is
     the calibration to save with any block taken out of the cache.  A calibration
-    that already carries epochs starts each layer and kind at its newest one.
+    that already carries epochs starts each layer and kind at its newest one; with
+    ``adapt`` it may hold at most ``MAX_INDEXED_EPOCHS`` (32768) epochs per layer and kind,
+    the most a block's int16 epoch index can name (:class:`CalibrationError` otherwise).
+
+    Threads.  One cache may be used from several threads: every public method holds the
+    cache's re-entrant lock (:attr:`lock`) for its whole run, so calls from different
+    threads run one after the other, each all-or-nothing as above.  What
+    :meth:`layer_view` returns is the live storage, read after the method returns: a
+    thread that runs attention on a view while others append holds :attr:`lock` around
+    taking the view and using it.
     """
 
     def __init__(self, calibration: Calibration, *, max_seqs: int = 1, max_blocks: int = 64,
                  slots: int | None = None, raw_tiles: int | None = None, device="cpu", grow: bool = False,
                  codec: str | None = None, adapt: bool = True):
+        self._lock = threading.RLock()
         if not isinstance(calibration, Calibration):
             raise InputError(f"calibration: expected a gaac.Calibration, got {type(calibration).__name__}")
         for name, value in (("max_seqs", max_seqs), ("max_blocks", max_blocks)):
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InputError(f"{name} must be a positive integer, got {value!r}")
         if not isinstance(adapt, bool):
             raise InputError(f"adapt must be True or False, got {adapt!r}")
         self.adapt = adapt
+        if adapt:
+            # The adapters append at most gaac.epochs.MAX_EPOCHS epochs and nothing past that cap, so
+            # only a calibration that starts with more epochs than the index can name can exceed it.
+            most = max(calibration.n_epochs(layer, kind) for layer in range(calibration.layers) for kind in KINDS)
+            if most > MAX_INDEXED_EPOCHS:
+                raise CalibrationError(f"the calibration holds {most} epochs of one layer and kind; a cache with "
+                                       f"adapt=True names a block's epoch in an int16 index, at most "
+                                       f"{MAX_INDEXED_EPOCHS} epochs (0..{MAX_INDEXED_EPOCHS - 1}); use adapt=False "
+                                       "(epoch 0 only) or a calibration with fewer epochs")
         self._calibration = calibration.copy()
         self.layers, self.kv_heads, self.head_dim = calibration.layers, calibration.kv_heads, calibration.head_dim
         self.geometry = L.geometry(self.head_dim)
@@ -434,7 +466,7 @@ class PagedKVCache:
         n_slots = max_seqs * max_blocks * self.tiles_per_block if slots is None else slots
         n_raw = -(-n_slots // 4) if raw_tiles is None else raw_tiles
         for name, value in (("slots", n_slots), ("raw_tiles", n_raw)):
-            if not isinstance(value, int) or value < 0:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise InputError(f"{name} must be a non-negative integer, got {value!r}")
         self._store = [[self._make_kind(layer, kind, max_seqs, max_blocks, n_slots, n_raw) for kind in KINDS]
                        for layer in range(self.layers)]
@@ -477,11 +509,26 @@ class PagedKVCache:
                      adapter=Adapter(self._calibration, layer, kind) if self.adapt else None)
 
     @property
+    @_locked
     def calibration(self) -> Calibration:
         """The cache's own calibration, with every epoch the cache has appended (the one to save with
         blocks taken out of the cache)."""
         self._flush_all()
         return self._calibration
+
+    @property
+    def lock(self) -> threading.RLock:
+        """The re-entrant lock every public method holds (see the class docstring on threads)."""
+        return self._lock
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        del state["_lock"]                 # a lock is not copied or pickled: a copy gets a lock of its own
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.RLock()
 
     # -- shape ------------------------------------------------------------------
     @property
@@ -493,10 +540,12 @@ class PagedKVCache:
         return self._store[0][0].table.shape[1]
 
     @property
+    @_locked
     def sequences(self) -> list[int]:
         """Ids of the live sequences (their rows in every layer's block table)."""
         return [int(i) for i in np.flatnonzero(self._live)]
 
+    @_locked
     def seq_len(self, seq: int, layer: int = 0) -> int:
         """Tokens sequence ``seq`` holds in ``layer``."""
         self._check_seq(seq)
@@ -504,14 +553,34 @@ class PagedKVCache:
         return int(self._lens[layer, seq])
 
     def _check_seq(self, seq) -> None:
-        if not isinstance(seq, (int, np.integer)) or not 0 <= seq < self.max_seqs or not self._live[seq]:
+        """A live sequence id: an integer (Python or NumPy; never a bool, float or string) of a live row."""
+        if isinstance(seq, (bool, np.bool_)) or not isinstance(seq, (int, np.integer)):
+            raise InputError(f"sequence id {seq!r} is a {type(seq).__name__}: sequence ids are integers "
+                             f"(live sequences: {self.sequences})")
+        if not 0 <= seq < self.max_seqs or not self._live[seq]:
             raise InputError(f"sequence {seq!r} is not in the cache (live sequences: {self.sequences})")
 
+    def _check_seqs(self, seqs) -> list[int]:
+        """Live sequence ids from an iterable of them (a list, a NumPy or torch integer array): each checked
+        as :meth:`_check_seq` does, never coerced -- ``[0.7]``, ``['0']`` and ``[True]`` are refused."""
+        if isinstance(seqs, (str, bytes)) or not hasattr(seqs, "__iter__"):
+            raise InputError(f"seqs: expected a sequence of sequence ids, got {type(seqs).__name__}")
+        out = []
+        for s in seqs:
+            if isinstance(s, torch.Tensor) and s.dim() == 0 and not s.dtype.is_floating_point \
+                    and not s.dtype.is_complex and s.dtype != torch.bool:
+                s = int(s)
+            self._check_seq(s)
+            out.append(operator.index(s))
+        return out
+
     def _check_layer(self, layer) -> None:
-        if not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.layers:
+        if (isinstance(layer, (bool, np.bool_)) or not isinstance(layer, (int, np.integer))
+                or not 0 <= layer < self.layers):
             raise InputError(f"layer {layer!r} out of range: the cache has {self.layers} layers")
 
     # -- sequences --------------------------------------------------------------
+    @_locked
     def add_sequence(self, k=None, v=None, *, show_progress: bool | None = None) -> int:
         """Start a sequence and return its id; ``k``/``v`` ``[layers, kv_heads, tokens, head_dim]`` prefill it.
 
@@ -533,6 +602,7 @@ class PagedKVCache:
                 raise
         return seq
 
+    @_locked
     def remove_sequence(self, seq: int) -> None:
         """Drop a sequence: its slots and raw tiles go back to the free lists, its row is reusable."""
         self._check_seq(seq)
@@ -570,6 +640,7 @@ class PagedKVCache:
         self._step_index = None
 
     # -- appending --------------------------------------------------------------
+    @_locked
     def append(self, seq: int, k, v, *, show_progress: bool | None = None) -> None:
         """Append tokens ``[layers, kv_heads, t, head_dim]`` of K and V to sequence ``seq`` in every layer.
 
@@ -602,6 +673,7 @@ class PagedKVCache:
                 f"table holds {self.max_blocks} ({self.max_blocks * L.BLOCK_TOKENS} tokens) per sequence: make the "
                 f"cache with max_blocks={need} or more, or with grow=True to enlarge it as needed")
 
+    @_locked
     def update_layer(self, layer: int, seqs, k, v) -> None:
         """Append ``t`` tokens to each sequence of ``seqs`` in one layer: ``k``/``v`` ``[len(seqs), kv_heads, t, D]``.
 
@@ -616,9 +688,7 @@ class PagedKVCache:
         lists on the device.
         """
         self._check_layer(layer)
-        seqs = [int(s) for s in seqs]
-        for s in seqs:
-            self._check_seq(s)
+        seqs = self._check_seqs(seqs)
         if len(set(seqs)) != len(seqs):
             raise InputError(f"sequences {seqs}: each may appear once")
         k, v = self._bits(k, "k", 4), self._bits(v, "v", 4)
@@ -692,15 +762,20 @@ class PagedKVCache:
             self._commit(u)
 
     def _bits(self, x, name: str, ndim: int) -> torch.Tensor:
-        """``x`` (torch BF16/int16/uint16 on any device, or NumPy bits) as int16 on the cache's device."""
+        """``x`` (torch BF16/int16/uint16 on any device, or NumPy bits, any strides) as int16 on the cache's device."""
         if isinstance(x, torch.Tensor):
+            if x.device.type == "meta" or x.layout != torch.strided:
+                raise InputError(f"{name}: a {'meta' if x.device.type == 'meta' else str(x.layout)} tensor holds no "
+                                 "dense data to append; pass a dense tensor on a real device")
+            x = x.detach()
             if x.dtype == torch.bfloat16 or x.dtype == torch.uint16:
                 x = x.contiguous().view(torch.int16)
             elif x.dtype != torch.int16:
                 raise InputError(f"{name}: dtype {x.dtype} is not BF16; pass torch.bfloat16 or its int16 bits")
             t = x.to(self.device)
         else:
-            t = torch.from_numpy(as_bits(x, name).view(np.int16)).to(self.device)
+            # A copy where the strides are negative (a reversed view): torch takes none.
+            t = torch.from_numpy(np.ascontiguousarray(as_bits(x, name)).view(np.int16)).to(self.device)
         if t.dim() != ndim or t.shape[-3] != self.kv_heads or t.shape[-1] != self.head_dim:
             raise InputError(f"{name}: shape {list(t.shape)}, expected [..., kv_heads={self.kv_heads}, tokens, "
                              f"head_dim={self.head_dim}] with {ndim} dimensions")
@@ -1013,6 +1088,7 @@ class PagedKVCache:
             start += q
 
     # -- a decode step -----------------------------------------------------------
+    @_locked
     def decode_plan(self, q_heads: int, *, append: int = 1, seqs=None, scale: float | None = None):
         """Plan one decode step for every layer: a :class:`gaac.step.StepPlan` whose ``run(q, layer)``
         launches that layer's attention.
@@ -1042,6 +1118,7 @@ class PagedKVCache:
         return int(seq)
 
     # -- reading ------------------------------------------------------------------
+    @_locked
     def read_layer(self, layer: int, seqs) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode ``seqs`` (all of one length ``T``) in ``layer``: K and V int16 ``[len(seqs), kv_heads, T, D]``.
 
@@ -1050,9 +1127,7 @@ class PagedKVCache:
         appended: the exact BF16 bits that went in.
         """
         self._check_layer(layer)
-        seqs = [int(s) for s in seqs]
-        for s in seqs:
-            self._check_seq(s)
+        seqs = self._check_seqs(seqs)
         lens = {int(self._lens[layer, s]) for s in seqs}
         if len(lens) != 1:
             raise InputError(f"sequences {seqs} hold {sorted(lens)} tokens in layer {layer}; read_layer reads "
@@ -1084,6 +1159,7 @@ class PagedKVCache:
             out.append(torch.cat([full, store.tail[rows, :, :rest]], dim=2))
         return out[0], out[1]
 
+    @_locked
     def read(self, seq: int) -> tuple[np.ndarray, np.ndarray]:
         """Sequence ``seq``'s whole cache: K and V as uint16 ``[layers, kv_heads, tokens, head_dim]``."""
         self._check_seq(seq)
@@ -1092,6 +1168,7 @@ class PagedKVCache:
         per_layer = [self.read_layer(layer, [seq]) for layer in range(self.layers)]
         return tuple(np.stack([p[kind][0].cpu().numpy() for p in per_layer]).view(np.uint16) for kind in KINDS)
 
+    @_locked
     def layer_view(self, layer: int) -> LayerView:
         """Layer ``layer``'s live storage as a :class:`LayerView` (no copy): what decode attention reads.
 
@@ -1113,6 +1190,7 @@ class PagedKVCache:
                          seq_lens=self._seq_lens[layer], kv_heads=self.kv_heads, head_dim=self.head_dim, epoch=epoch)
 
     # -- accounting ---------------------------------------------------------------
+    @_locked
     def memory(self) -> MemoryReport:
         """What the live sequences occupy, against BF16 (see :class:`MemoryReport`)."""
         geo, live = self.geometry, self._live
@@ -1136,6 +1214,7 @@ class PagedKVCache:
                             allocated_bytes=allocated + tables, epoch_bytes=epoch_bytes)
 
     # -- transfer (gaac.transfer) --------------------------------------------------
+    @_locked
     def export_sequence(self, seq: int, *, calibration: bool = False, out=None) -> memoryview:
         """Sequence ``seq``, every layer, as a sequence container (FORMAT.md 11): its blocks as stored (no
         re-encoding), the bases of the epochs they use, the tails and the calibration id; ``calibration=True``
@@ -1145,6 +1224,7 @@ class PagedKVCache:
 
         return export_sequence(self, seq, calibration=calibration, out=out)
 
+    @_locked
     def import_sequence(self, data) -> int:
         """A sequence container (from :meth:`export_sequence` of a cache with the same calibration id) as a new
         sequence of this cache, bit for bit; returns its id.  See :func:`gaac.transfer.import_sequence`."""

@@ -67,10 +67,16 @@ class CacheShape:
 
     @classmethod
     def load(cls, path):
+        """The calibration in the JSON file ``path``: anything else is a :class:`CalibrationError`."""
+        data = Path(path).read_bytes()
         try:
-            d = json.loads(Path(path).read_text())
+            d = json.loads(data.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise CalibrationError(f"{path}: not a UTF-8 text file ({exc.reason} at byte {exc.start})") from None
         except json.JSONDecodeError as exc:
             raise CalibrationError(f"{path}: not JSON ({exc})") from exc
+        except RecursionError:
+            raise CalibrationError(f"{path}: JSON nested too deeply to be a calibration") from None
         return cls.from_dict(d)
 
     @property
@@ -106,6 +112,21 @@ class CacheShape:
                                    f"{self.capacity[kind, layer]} for layer {layer} {L.KIND_NAMES[kind]}")
 
 
+def check_notes(notes) -> None:
+    """FORMAT.md 3.4: ``notes`` is a JSON object (a dict), free-form inside."""
+    if not isinstance(notes, dict):
+        raise CalibrationError(f"calibration notes must be an object (a dict), got {type(notes).__name__}")
+
+
+def file_notes(d: dict) -> dict:
+    """The ``notes`` of a calibration file: optional (absent or null is none), else an object."""
+    notes = d.get("notes")
+    if notes is None:
+        return {}
+    check_notes(notes)
+    return notes
+
+
 def check_capacities(capacity: np.ndarray) -> None:
     """FORMAT.md 3.2: escape capacities are multiples of 16 that fit the header's u16."""
     bad = (capacity < 0) | (capacity > L.MAX_ESCAPE_CAPACITY) | (capacity % L.SLOT_ALIGN != 0)
@@ -126,6 +147,7 @@ class Calibration(CacheShape):
     epochs: dict = field(default_factory=dict)   # {(kind, layer): [(b3, b4) of epoch 1, of epoch 2, ...]}
 
     def __post_init__(self):
+        check_notes(self.notes)
         tables = (self.b3, self.b4, self.capacity)
         self.b3, self.b4, self.capacity = (_int_array(t, "calibration tables") for t in tables)
         self.validate()
@@ -291,7 +313,7 @@ class Calibration(CacheShape):
         try:
             cal = cls(b3=[d["k"]["b3"], d["v"]["b3"]], b4=[d["k"]["b4"], d["v"]["b4"]],
                       capacity=[d["k"]["capacity"], d["v"]["capacity"]], model=d.get("model"),
-                      notes=d.get("notes") or {})
+                      notes=file_notes(d))
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, CalibrationError):
                 raise
@@ -412,6 +434,23 @@ def best_capacity(escapes: np.ndarray, tile, slot_line: int | None = None) -> in
     return int(candidates[np.argmin(cost)])
 
 
+def sample_caches(k, v) -> tuple[np.ndarray, np.ndarray]:
+    """The bits of sample caches ``k``, ``v`` ``[layers, kv_heads, tokens, head_dim]``, checked for a calibration:
+    the same layers, heads and head_dim, at least one layer and one KV head, a supported head_dim."""
+    ks, vs = as_bits(k, "k", ndim=4), as_bits(v, "v", ndim=4)
+    if ks.shape[0] != vs.shape[0] or ks.shape[1] != vs.shape[1] or ks.shape[3] != vs.shape[3]:
+        raise CalibrationError(f"k {list(ks.shape)} and v {list(vs.shape)} disagree on layers, heads or head_dim")
+    if min(ks.shape[:2]) < 1:
+        raise CalibrationError(f"calibration needs at least one layer and one KV head; the caches have "
+                               f"{ks.shape[0]} layers x {ks.shape[1]} KV heads (k {list(ks.shape)}, "
+                               f"v {list(vs.shape)})")
+    try:
+        L.tile_channels(ks.shape[3])
+    except ValueError as exc:
+        raise InputError(str(exc)) from exc
+    return ks, vs
+
+
 def calibrate(k, v, *, model: str | None = None, capacity: int | None = None, slot_line: int | None = None,
               show_progress: bool | None = None) -> Calibration:
     """Calibrate on sample caches ``k``, ``v`` shaped ``[layers, kv_heads, tokens, head_dim]``.
@@ -425,14 +464,8 @@ def calibrate(k, v, *, model: str | None = None, capacity: int | None = None, sl
     slot: on the real SmolLM2 caches at head_dim 128, K's capacity 48 becomes 64 (+0.55% of K's
     bytes); at head_dim 64 the smallest lined capacity is 96.
     """
-    ks, vs = as_bits(k, "k", ndim=4), as_bits(v, "v", ndim=4)
-    if ks.shape[0] != vs.shape[0] or ks.shape[1] != vs.shape[1] or ks.shape[3] != vs.shape[3]:
-        raise CalibrationError(f"k {list(ks.shape)} and v {list(vs.shape)} disagree on layers, heads or head_dim")
+    ks, vs = sample_caches(k, v)
     layers, heads, tokens, dim = ks.shape
-    try:
-        L.tile_channels(dim)
-    except ValueError as exc:
-        raise InputError(str(exc)) from exc
     if min(tokens, vs.shape[2]) < L.BLOCK_TOKENS and capacity is None:
         raise CalibrationError(f"calibration needs at least one full block of {L.BLOCK_TOKENS} tokens "
                                f"to choose a slot capacity; got {tokens} (k) / {vs.shape[2]} (v)")

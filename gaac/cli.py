@@ -10,8 +10,10 @@
     gaac --version
 
 Every error a user can cause -- a missing file, a wrong dtype or shape, a
-calibration for another model -- ends the command with one line on stderr
-and exit status 2; anything else is a bug and keeps its traceback.  ``gaac
+calibration for another model, an optional package the command needs and
+does not find -- ends the command with one line on stderr and exit status 2
+(the missing package's line names the extra that installs it); anything else
+is a bug and keeps its traceback.  ``gaac
 stats`` exits 1 if a block does not decode to its exact bits (never expected).
 """
 from __future__ import annotations
@@ -129,6 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The optional packages a command may need, and the extra that installs each (setup.cfg).
+EXTRAS = {"torch": "torch", "transformers": "hf", "gguf": "hf", "safetensors": "hf", "accelerate": "hf",
+          "matplotlib": "plot", "numba": "cuda", "llvmlite": "cuda"}
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
@@ -137,8 +144,20 @@ def main(argv=None) -> int:
         args = build_parser().parse_args(argv)
         return args.func(args)
     except (GAACError, OSError) as exc:
-        print(f"gaac: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return _fail(exc)
+    except ImportError as exc:
+        extra = EXTRAS.get((exc.name or "").partition(".")[0])
+        if extra is None:              # not an optional package: a broken installation or a bug
+            raise
+        return _fail(f"this command needs {exc.name.partition('.')[0]}, which is not installed: "
+                     f"pip install 'gaac[{extra}]'")
+
+
+def _fail(error) -> int:
+    """Report a user error on one line of stderr; the exit status of every user error."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    print(f"gaac: error: {' '.join(lines)}", file=sys.stderr)
+    return EXIT_USAGE
 
 
 def run_capture(argv: list[str]) -> int:
@@ -265,6 +284,10 @@ def cmd_stats(args) -> int:
         raise InputError("--plot-layers chooses the layers --plot draws: give --plot PNG too")
     if args.format != "bf16":
         return cmd_stats_fp8(args)
+    if args.plot:
+        from .plot import check_plot_path
+
+        check_plot_path(args.plot)
     k, v, layer_ids, where, meta = _stats_inputs(args)
     if meta is not None:
         if args.calibration:

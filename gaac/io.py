@@ -16,6 +16,7 @@ raw little-endian bytes.  Every dtype rule is :func:`gaac.arrays.as_bits`'s.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from importlib import resources
 from pathlib import Path
@@ -54,10 +55,7 @@ def load_cache(path, kind: str) -> np.ndarray:
     suffix = path.suffix.lower()
     name = f"{kind} cache {path.name}"
     if suffix == ".npy":
-        try:
-            x = np.load(path, allow_pickle=False)
-        except ValueError as exc:
-            raise InputError(f"{name}: not a plain NumPy array file ({exc})") from exc
+        x = _read_npy(path, name)
     elif suffix == ".safetensors":
         x = _read_safetensors(path, kind, name)
     elif suffix == ".pt":
@@ -67,13 +65,51 @@ def load_cache(path, kind: str) -> np.ndarray:
     return check_cache(x, name)
 
 
+def _read_npy(path: Path, name: str) -> np.ndarray:
+    """The array of a ``.npy`` file.  Its header is read and checked against the file's size first, so
+    that an empty, truncated, padded or pickled file, or one whose header claims terabytes, is an
+    :class:`InputError` before any data is read."""
+    fmt = np.lib.format
+    with open(path, "rb") as f:
+        if f.read(4) == b"PK\x03\x04":
+            raise InputError(f"{name}: a NumPy archive (.npz), not a single array (.npy)")
+        f.seek(0)
+        try:
+            version = fmt.read_magic(f)
+            read_header = {(1, 0): fmt.read_array_header_1_0, (2, 0): fmt.read_array_header_2_0}.get(version)
+            if read_header is None:
+                raise ValueError(f"format version {version[0]}.{version[1]} is not one gaac reads (1.0, 2.0)")
+            shape, _, dtype = read_header(f)
+        except Exception as exc:        # NumPy's header parser raises ValueError, SyntaxError, TokenError, ...
+            raise InputError(f"{name}: not a plain NumPy array file ({type(exc).__name__}: {_first_line(exc)})") \
+                from exc
+        start = f.tell()
+    if dtype.hasobject:
+        raise InputError(f"{name}: holds Python objects (dtype {dtype}), not BF16 bit patterns")
+    have, need = path.stat().st_size - start, math.prod(shape) * dtype.itemsize
+    if have != need:
+        raise InputError(f"{name}: its header declares {dtype} {list(shape)} ({need} bytes) but the file holds "
+                         f"{have} data bytes")
+    try:
+        return np.load(path, allow_pickle=False)
+    except Exception as exc:            # the header passed: a file changed while being read, or a NumPy limit
+        raise InputError(f"{name}: not a plain NumPy array file ({type(exc).__name__}: {_first_line(exc)})") \
+            from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    """The first non-empty line of an exception's message (third-party messages can run for paragraphs)."""
+    return next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+
+
 def _pick(tensors: dict, kind: str, name: str):
     """The tensor for ``kind`` from a file of several: key ``kind``, or the only tensor there is."""
     if kind in tensors:
         return tensors[kind]
     if len(tensors) == 1:
         return next(iter(tensors.values()))
-    raise InputError(f"{name}: holds tensors {sorted(tensors)}; expected a key {kind!r} or a single tensor")
+    raise InputError(f"{name}: holds tensors {_short(sorted(str(t) for t in tensors))}; expected a key {kind!r} "
+                     "or a single tensor")
 
 
 def _read_safetensors(path: Path, kind: str, name: str) -> np.ndarray:
@@ -88,23 +124,49 @@ def _read_safetensors(path: Path, kind: str, name: str) -> np.ndarray:
         header = json.loads(data[8:8 + n])
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise InputError(f"{name}: safetensors header is not JSON ({exc})") from exc
+    except RecursionError:
+        raise InputError(f"{name}: safetensors header is JSON nested too deeply to read") from None
     if not isinstance(header, dict):
         raise InputError(f"{name}: safetensors header is not a JSON object")
     header.pop("__metadata__", None)
     entry = _pick(header, kind, name)
-    try:
-        dtype, shape, (begin, end) = entry["dtype"], [int(s) for s in entry["shape"]], entry["data_offsets"]
-    except (KeyError, TypeError, ValueError) as exc:
-        raise InputError(f"{name}: malformed safetensors entry {entry!r}") from exc
-    if dtype not in _SAFETENSORS_BITS:
-        raise InputError(f"{name}: dtype {dtype} is not BF16; gaac codes BF16 caches "
-                         f"(safetensors dtypes {sorted(_SAFETENSORS_BITS)})")
-    count = int(np.prod(shape))
+    dtype, shape, offsets = _safetensors_entry(entry, name)
+    begin, end = offsets
+    count = math.prod(shape)
     body = data[8 + n:]
     if not 0 <= begin <= end <= len(body) or end - begin != 2 * count:
         raise InputError(f"{name}: data offsets {begin}..{end} do not hold a {dtype} tensor of shape {shape} "
                          f"in {len(body)} data bytes")
     return np.frombuffer(body, dtype=_SAFETENSORS_BITS[dtype], count=count, offset=begin).reshape(shape)
+
+
+def _whole(x) -> bool:
+    """A JSON integer: ``int`` but not ``bool`` (``true`` and ``1.0`` are not sizes)."""
+    return type(x) is int
+
+
+def _safetensors_entry(entry, name: str) -> tuple[str, list, list]:
+    """``(dtype, shape, data_offsets)`` of a header entry, each checked for its JSON type and range."""
+    if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= set(entry):
+        raise InputError(f"{name}: malformed safetensors entry {_short(entry)}: expected an object with "
+                         "dtype, shape and data_offsets")
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not isinstance(dtype, str):
+        raise InputError(f"{name}: safetensors dtype {_short(dtype)} is not a string")
+    if dtype not in _SAFETENSORS_BITS:
+        raise InputError(f"{name}: dtype {dtype} is not BF16; gaac codes BF16 caches "
+                         f"(safetensors dtypes {sorted(_SAFETENSORS_BITS)})")
+    if not isinstance(shape, list) or not all(_whole(s) and s >= 0 for s in shape):
+        raise InputError(f"{name}: safetensors shape {_short(shape)} is not a list of non-negative integers")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_whole(o) and o >= 0 for o in offsets)):
+        raise InputError(f"{name}: safetensors data_offsets {_short(offsets)} are not two non-negative integers")
+    return dtype, shape, offsets
+
+
+def _short(x, limit: int = 80) -> str:
+    """``repr(x)``, cut to ``limit`` characters (a hostile header can hold megabytes)."""
+    text = repr(x)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _read_torch(path: Path, kind: str, name: str):
@@ -115,7 +177,9 @@ def _read_torch(path: Path, kind: str, name: str):
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises many types for a file it cannot read
-        raise InputError(f"{name}: not a torch tensor file ({type(exc).__name__}: {exc})") from exc
+        # Only the first sentence: torch's advice on weights_only=False is not for a file gaac reads.
+        why = _first_line(exc).split(". ")[0].rstrip(".")
+        raise InputError(f"{name}: not a torch tensor file ({type(exc).__name__}: {why})") from exc
     if isinstance(obj, dict):
         obj = _pick(obj, kind, name)
     if not isinstance(obj, torch.Tensor):

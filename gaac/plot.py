@@ -108,17 +108,33 @@ def _windows(caches, calibration, layers) -> tuple[list[_Windows], str]:
     return out, calibration.format.upper().replace("_", " ")
 
 
+def check_plot_path(path) -> None:
+    """Raise :class:`InputError` unless matplotlib is installed and can write ``path``'s image type.
+
+    The ``gaac`` command checks its ``--plot`` path with this before any work, so that a
+    misspelt extension costs a second, not a whole measurement and a traceback."""
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise InputError("--plot needs matplotlib: pip install 'gaac[plot]'") from exc
+    matplotlib.use("Agg")
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    types = FigureCanvasBase.get_supported_filetypes()
+    suffix = Path(path).suffix.lower().lstrip(".")
+    if suffix not in types:
+        raise InputError(f"--plot {path}: {'no' if not suffix else 'unknown'} image type "
+                         f"{'(no extension)' if not suffix else repr('.' + suffix)}; name the file .png or one of "
+                         f"{', '.join('.' + t for t in sorted(types))}")
+
+
 def plot_windows(k: np.ndarray, v: np.ndarray, calibration, path, *, layer_ids=None, title: str = "",
                  layers=None) -> list[tuple[Path, list[int]]]:
     """Write the figure(s) to ``path`` (PNG): ``layers`` (indices into the cache; default: at most
     ``MAX_LAYERS`` evenly spaced), ``MAX_LAYERS`` per page.  ``calibration`` is a
     :class:`gaac.Calibration` or a :class:`gaac.fp8.calibration.FP8Calibration`.  Returns each file written
     with the indices of the layers it draws."""
-    try:
-        import matplotlib
-    except ImportError as exc:
-        raise InputError("--plot needs matplotlib: pip install 'gaac[plot]'") from exc
-    matplotlib.use("Agg")
+    check_plot_path(path)
     import matplotlib.pyplot as plt
     from matplotlib.colors import LogNorm
 

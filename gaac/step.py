@@ -46,7 +46,7 @@ class _LayerLaunch:
 
     kernel: object
     arrays: tuple                 # the kernel's per-layer array arguments, flat
-    scalars: tuple                # max_blocks, kv_heads, g, slot bytes (K, V), capacities (K, V), epochs (K, V)
+    scalars: tuple                # max_blocks, kv_heads, g, slot bytes, capacities, epochs, slot and raw records
     main: object = None           # FastLaunch of the kernel (GPU)
     fixed: list = None            # packed parameters of ``arrays`` (GPU)
     fixed_scalars: list = None    # packed parameters of ``scalars`` (GPU)
@@ -87,7 +87,8 @@ def layer_launch(cache, layer: int, g: int) -> _LayerLaunch:
             store_v.tail.view(torch.uint8), bases, eps[0], eps[1], cache._seq_lens[layer]]
     flat = tuple(x.reshape(-1) for x in flat)
     scalars = (cache.max_blocks, hk, g, *sizes, store_k.capacity, store_v.capacity, store_k.b3.shape[0],
-               store_v.b3.shape[0])
+               store_v.b3.shape[0], store_k.slots.data.shape[0], store_v.slots.data.shape[0],
+               store_k.raw.data.shape[0], store_v.raw.data.shape[0])
     state = _LayerLaunch(kernel=kernel, arrays=flat, scalars=tuple(int(s) for s in scalars))
     if not K.SIMULATOR:
         from .cuda.launch import FastLaunch, params
@@ -176,6 +177,10 @@ class StepPlan:
 
     # -- running --------------------------------------------------------------------------------------
     def run(self, q, layer: int, *, out=None, lse=None, return_lse: bool = False):
+        with self.cache.lock:
+            return self._run(q, layer, out, lse, return_lse)
+
+    def _run(self, q, layer, out, lse, return_lse):
         """Attention of layer ``layer`` for this step: BF16 ``[max_seqs, q_heads, head_dim]`` (torch
         bfloat16 from the fused kernel; in ``q``'s kind on the reference path), and with ``return_lse`` the float32 natural-log
         LSE ``[max_seqs, q_heads]``.  The layer must already hold this step's tokens.  ``out`` (int16 or
@@ -236,20 +241,14 @@ class StepPlan:
         return (out, lse) if return_lse else out
 
     def check_status(self) -> None:
-        """Raise :class:`FormatError` naming the layers whose attention found a malformed slot this step
-        (synchronises with the device: call it where the loop waits for the device anyway)."""
+        """Raise :class:`FormatError` naming the layers whose attention found a malformed slot or table entry
+        this step (synchronises with the device: call it where the loop waits for the device anyway)."""
         if not self.kernel_path:
             return
-        from .cuda import attention as K
-
         status = self.status.cpu().numpy()
-        bad = np.flatnonzero(status)
-        if bad.size:
-            why = {K.STATUS_BAD_TAG: "a group has the reserved mode tag 3",
-                   K.STATUS_BAD_ESCAPES: "a slot's tags need more escape bytes than its capacity",
-                   K.STATUS_BAD_EPOCH: "a block's epoch has no bases"}
-            parts = [f"layer {int(i)}: " + "; ".join(t for bit, t in why.items() if status[i] & bit) for i in bad]
-            raise FormatError("decode attention: " + " | ".join(parts))
+        errors = [attention.status_error(int(status[i]), layer=int(i), seqs=self.seqs) for i in np.flatnonzero(status)]
+        if errors:
+            raise FormatError(" | ".join(str(e) for e in errors))
 
 
 @dataclass

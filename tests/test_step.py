@@ -111,3 +111,22 @@ def test_block_table_limit_names_max_blocks():
     with pytest.raises(PoolExhaustedError, match="max_blocks"):
         cache.decode_plan(1, append=B)
     assert L.BLOCK_TOKENS == B
+
+
+def test_step_status_names_the_faulty_layer():
+    """A table entry past its pool (simulator kernel): the serving path reports it at check_status, naming the layer."""
+    from gaac.errors import FormatError
+
+    rng = np.random.default_rng(8)
+    k, v = synthetic(rng, 2, 1, 2 * B + 3, 64), synthetic(rng, 2, 1, 2 * B + 3, 64)
+    cache = PagedKVCache(calibrate(k, v), max_blocks=4, codec="cuda")
+    seq = cache.add_sequence(k, v)
+    store = cache._store[1][0]
+    store.table[seq, 1, 0] = store.slots.data.shape[0] + 3          # past the slot pool
+    plan = cache.decode_plan(2, append=0)
+    q = _q(rng, 1, 2, 64)
+    plan.run(q, 0)
+    plan.check_status()                                            # layer 0 is sound
+    plan.run(q, 1)
+    with pytest.raises(FormatError, match="layer 1.*past its slot or raw-tile pool"):
+        plan.check_status()

@@ -129,6 +129,7 @@ _NEG_INF = float("-inf")
 STATUS_BAD_TAG = 1
 STATUS_BAD_ESCAPES = 2
 STATUS_BAD_EPOCH = 4         # a block's epoch is not below the view's epoch count (its bases: epoch 0's)
+STATUS_BAD_ENTRY = 8         # a finalized block's table entry points past its slot or raw-tile pool (read: entry 0)
 
 
 
@@ -1018,7 +1019,7 @@ def kernel_signature() -> tuple:
         return types.Array(dtype, 1, "C")
     arrays = [types.int32] + [types.uint8] * 4 + [types.int32] * 2 + [types.uint8] * 2 + [types.int32] + \
         [types.int16] * 2 + [types.int32] * 2 + [types.float32] * 2 + [types.int32]
-    return tuple([array(a) for a in arrays] + [types.int64] * 9 + [types.float32])
+    return tuple([array(a) for a in arrays] + [types.int64] * 13 + [types.float32])
 
 @functools.lru_cache(maxsize=None)
 def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: int = 3, stage_bytes: int = 0,
@@ -1041,7 +1042,9 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
     ``work`` int32 ``[W*3]`` (sequence, first block, end block); out ``o_part`` float32
     ``[W*Hkv*g*D]``, ``lse_part`` float32 ``[W*Hkv*g]`` (log2 domain); ``status`` int32 ``[1]``; then
     ``max_blocks, kv_heads, g, slot_bytes_k, slot_bytes_v, cap_k, cap_v, epochs_k, epochs_v`` (epoch
-    counts; ``E = max``) and ``scale_log2``.  Grid ``(W, Hkv)``, one warp per block.
+    counts; ``E = max``), ``n_slots_k, n_slots_v, n_raw_k, n_raw_v`` (records in the pools: a
+    finalized block's entry at or past its pool's is flagged, :data:`STATUS_BAD_ENTRY`, and entry 0
+    is read instead, so each pool needs a record) and ``scale_log2``.  Grid ``(W, Hkv)``, one warp per block.
 
     Epochs: the plan cuts splits where a sequence's K or V epoch changes (``AttentionPlan``), so every
     split reads one epoch's bases per kind: loaded into shared memory once, from its first block's
@@ -1297,12 +1300,22 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
             return i32(0)
         return i32(e)
 
+    @device
+    def checked_entry(e, finalized, n_slots, n_raw, status):
+        """A block-table entry, or entry 0 with :data:`STATUS_BAD_ENTRY` flagged if it belongs to a finalized
+        block and points past its pool (the plain kernel reads every entry as a raw-tile index).  Entries of
+        the tail block are not read, whatever they hold."""
+        if finalized and (e & 0x7FFFFFFF) >= (n_raw if plain or e < 0 else n_slots):
+            cuda.atomic.or_(status, 0, STATUS_BAD_ENTRY)
+            return i32(0)
+        return i32(e)
+
     jit = cuda.jit if max_registers is None or SIMULATOR else cuda.jit(max_registers=max_registers)
 
     @jit
     def kernel(q32, slots_k, slots_v, raw_k, raw_v, table_k, table_v, tail_k, tail_v, bases, epoch_k, epoch_v,
                seq_lens, work, o_part, lse_part, status, max_blocks, kv_heads, g, slot_bytes_k, slot_bytes_v, cap_k,
-               cap_v, epochs_k, epochs_v, scale_log2):
+               cap_v, epochs_k, epochs_v, n_slots_k, n_slots_v, n_raw_k, n_raw_v, scale_log2):
         smem = cuda.shared.array(SMEM_WORDS, uint32, alignment=SMEM_ALIGN)
         ents = cuda.shared.array(NENT, int32)
         scr = cuda.shared.array(SCRATCH_WORDS, uint32)
@@ -1339,13 +1352,18 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
         # only (not on the sequence length, which would put a second round trip to memory before them)
         # and are unconditional (a lane past the split's entries reloads its last one): all of them in
         # flight at once, where a load and store per lane under a condition made a round trip each.
+        # Each is checked against its pool as it is stored (checked_entry).
         ntab = i32((min(blk1, max_blocks) - blk0) * 2 * T)
         if ntab > 0:
             last = i32(min(blk1, max_blocks) - 1)
             for k in range(NENT // WARP):
                 i = i32(lane + WARP * k)
-                row = u32((b * max_blocks + min(blk0 + i // (2 * T), last)) * (kv_heads * T) + h * T + i % T)
-                ents[i] = table_k[row] if (i // T) % 2 == 0 else table_v[row]
+                blk_i = i32(min(blk0 + i // (2 * T), last))
+                row = u32((b * max_blocks + blk_i) * (kv_heads * T) + h * T + i % T)
+                if (i // T) % 2 == 0:
+                    ents[i] = checked_entry(table_k[row], blk_i < nfull, n_slots_k, n_raw_k, status)
+                else:
+                    ents[i] = checked_entry(table_v[row], blk_i < nfull, n_slots_v, n_raw_v, status)
         # The split's epochs (one per kind: see the plan); a split of only the tail reads epoch 0.
         # (Loaded before the sequence length is known, like the table entries, and checked after.)
         ek = i32(epoch_k[u32(b * max_blocks + blk0)]) if not plain and blk0 < max_blocks else i32(0)

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .. import layout as L
-from ..arrays import as_bits
-from ..calibration import CacheShape, best_capacity, best_windows, check_capacities
+from ..calibration import (CacheShape, _all_ints, _int_array, best_capacity, best_windows, check_capacities,
+                           check_notes, file_notes, sample_caches)
 from ..errors import CalibrationError
 from ..tiles import block_tiles, cache_blocks, tile_bases
 from .codec import choose_modes, escape_bytes, tile_exponents
@@ -47,14 +47,14 @@ class FP8Calibration(CacheShape):
     notes: dict = field(default_factory=dict)
 
     def __post_init__(self):
+        check_notes(self.notes)
         try:
             self.format = fp8_format(self.format).name
         except ValueError as exc:
             raise CalibrationError(str(exc)) from None
-        self.scale_log2 = np.asarray(self.scale_log2, dtype=np.int64)
-        self.b_narrow = np.asarray(self.b_narrow, dtype=np.int64)
-        self.b_wide = np.asarray(self.b_wide, dtype=np.int64)
-        self.capacity = np.asarray(self.capacity, dtype=np.int64)
+        self.scale_log2, self.b_narrow, self.b_wide, self.capacity = (
+            _int_array(t, "FP8 calibration tables") for t in (self.scale_log2, self.b_narrow, self.b_wide,
+                                                               self.capacity))
         self.validate()
         self.scale_log2 = self.scale_log2.astype(np.int8)
         self.b_narrow = self.b_narrow.astype(np.uint8)
@@ -128,15 +128,21 @@ class FP8Calibration(CacheShape):
     def from_dict(cls, d: dict) -> "FP8Calibration":
         if not isinstance(d, dict) or d.get("format") != FP8_CALIBRATION_FORMAT:
             raise CalibrationError(f"not a GAAC-FP8 calibration (expected \"format\": \"{FP8_CALIBRATION_FORMAT}\")")
-        if d.get("version") != FP8_FORMAT_VERSION:
+        if d.get("version") != FP8_FORMAT_VERSION or type(d.get("version")) is not int:
             raise CalibrationError(f"FP8 calibration version {d.get('version')} is not supported "
                                    f"(this gaac reads version {FP8_FORMAT_VERSION})")
+        for kind in ("k", "v"):
+            for name in ("scale_log2", "b_narrow", "b_wide", "capacity"):
+                table = d[kind].get(name) if isinstance(d.get(kind), dict) else None
+                if table is None or not _all_ints(table):
+                    raise CalibrationError(f"malformed FP8 calibration: {kind}.{name} is missing or holds a value "
+                                           "that is not an integer")
         try:
             cal = cls(format=d["element_format"],
                       scale_log2=[d["k"]["scale_log2"], d["v"]["scale_log2"]],
                       b_narrow=[d["k"]["b_narrow"], d["v"]["b_narrow"]], b_wide=[d["k"]["b_wide"], d["v"]["b_wide"]],
                       capacity=[d["k"]["capacity"], d["v"]["capacity"]], model=d.get("model"),
-                      notes=d.get("notes") or {})
+                      notes=file_notes(d))
         except CalibrationError:
             raise
         except (KeyError, TypeError, ValueError) as exc:
@@ -195,10 +201,7 @@ def calibrate_fp8(k, v, fmt: str, *, scale: str = "tensor", model: str | None = 
     (``'tensor'``: one power of two per layer and kind; ``'head'``: per KV head;
     ``'one'``: no scaling).  ``capacity`` forces one escape capacity everywhere.
     """
-    ks, vs = as_bits(k, "k", ndim=4), as_bits(v, "v", ndim=4)
-    if ks.shape[0] != vs.shape[0] or ks.shape[1] != vs.shape[1] or ks.shape[3] != vs.shape[3]:
-        raise CalibrationError(f"k {list(ks.shape)} and v {list(vs.shape)} disagree on layers, heads or head_dim")
-    L.tile_channels(ks.shape[3])
+    ks, vs = sample_caches(k, v)
     if min(ks.shape[2], vs.shape[2]) < L.BLOCK_TOKENS and capacity is None:
         raise CalibrationError(f"calibration needs at least one full block of {L.BLOCK_TOKENS} tokens "
                                f"to choose a slot capacity; got {ks.shape[2]} (k) / {vs.shape[2]} (v)")
