@@ -478,6 +478,9 @@ class PagedKVCache:
         self._step_index = None      # the device indices of the current one-token step (_append_token)
         self._wave = {}              # attention kernel -> warps in one wave (gaac.step)
         self._append_launch = None   # the one-token append kernel's launcher (GPU)
+        self._append_params = {}     # layer -> its tails and the packed parameters of its arrays (GPU)
+        self._step_params = None     # the current step's index rows, packed (GPU)
+        self._launchers = {}         # kernel -> its launcher, kept across steps (gaac.step)
         self.blocks_encoded = 0      # (layer, sequence, block) finalizations, each encoding K and V once
 
     def _make_kind(self, layer, kind, max_seqs, max_blocks, n_slots, n_raw) -> _Kind:
@@ -734,17 +737,34 @@ class PagedKVCache:
 
         kernel = append_kernel()
         grid = (k.shape[0], self.kv_heads)
-        args = (k.reshape(-1), v.reshape(-1), k_store.tail.reshape(-1), v_store.tail.reshape(-1), index[0], index[1],
-                index[2], self._seq_lens[layer])
-        if SIMULATOR:
-            kernel[grid, self.head_dim](*(a.numpy() for a in args), self.kv_heads, self.head_dim)
-            return
-        from .cuda.launch import FastLaunch
+        if SIMULATOR or self._append_launch is None:
+            args = (k.reshape(-1), v.reshape(-1), k_store.tail.reshape(-1), v_store.tail.reshape(-1), index[0],
+                    index[1], index[2], self._seq_lens[layer])
+            if SIMULATOR:
+                kernel[grid, self.head_dim](*(a.numpy() for a in args), self.kv_heads, self.head_dim)
+                return
+            from .cuda.launch import FastLaunch
 
-        if self._append_launch is None:
             self._append_launch = FastLaunch(kernel, grid, self.head_dim)
-        self._append_launch((*args, self.kv_heads, self.head_dim),
-                            lambda p: [x for a in args for x in p(a)] + p(self.kv_heads) + p(self.head_dim), grid=grid)
+            self._append_launch((*args, self.kv_heads, self.head_dim), None, grid=grid)
+            return
+        # What does not change within a step is packed once: the layer's tails and lengths (until its storage
+        # changes) and the step's index rows; a call packs the two token arrays (contiguous, int16).
+        from .cuda.launch import params
+
+        fixed = self._append_params.get(layer)
+        if fixed is None or fixed[0] is not k_store.tail:
+            fixed = self._append_params[layer] = (k_store.tail, [x for a in (k_store.tail.reshape(-1),
+                                                                             v_store.tail.reshape(-1)) for x in params(a)],
+                                                  params(self._seq_lens[layer]) + params(self.kv_heads)
+                                                  + params(self.head_dim))
+        step = self._step_params
+        if step is None or step[0] is not index:
+            step = self._step_params = (index, [x for i in range(3) for x in params(index[i])])
+        k, v = k.contiguous(), v.contiguous()
+        n = k.numel()
+        self._append_launch(None, lambda p: [0, 0, n, 2, k.data_ptr(), n, 2, 0, 0, n, 2, v.data_ptr(), n, 2]
+                            + fixed[1] + step[1] + fixed[2], grid=grid)
 
     def _to_device(self, a: np.ndarray) -> torch.Tensor:
         """A host array on the cache's device without waiting for the device (pinned, asynchronous copy)."""

@@ -172,8 +172,17 @@ class StepPlan:
             from .cuda.launch import FastLaunch, params
 
             self._step_params = [p for a in (self._work, self.o_part, self.lse_part) for p in params(a)]
-            self._merge_launch = FastLaunch(self._merge, *self._merge_grid, pdl=True)
+            # Each layer's status word, and the scale, packed once: a call packs only q, out and lse.
+            base = self.status.data_ptr()
+            self._status_params = [[0, 0, 1, 4, base + 4 * i, 1, 4] for i in range(cache.layers)]
+            self._scale_param = [_c_float(self._scale_log2)]
+            # One launcher per merge kernel for the cache's life: its first call compiles through numba.
+            self._merge_launch = cache._launchers.get(id(self._merge))
+            if self._merge_launch is None:
+                self._merge_launch = cache._launchers[id(self._merge)] = FastLaunch(self._merge, None,
+                                                                                    self._merge_grid[1], pdl=True)
             self._merge_fixed = [p for a in (self.o_part, self.lse_part, self._split0) for p in params(a)]
+            self._merge_tail = params(cache.kv_heads) + params(self.g)
 
     # -- running --------------------------------------------------------------------------------------
     def run(self, q, layer: int, *, out=None, lse=None, return_lse: bool = False):
@@ -216,10 +225,22 @@ class StepPlan:
         if out.shape != shape or lse.shape != shape[:2] or lse.dtype != torch.float32:
             raise InputError(f"out {list(out.shape)} / lse {list(lse.shape)} {lse.dtype}: expected {list(shape)} / "
                              f"float32 {list(shape[:2])}")
+        hk = cache.kv_heads
+        if not K.SIMULATOR and state.main.compiled and self._merge_launch.compiled and out.is_contiguous()                 and lse.is_contiguous():
+            # The packed parameters of the per-call arrays, written directly (flat, contiguous: numba's layout).
+            n = q.numel() // 2
+            q_p = [0, 0, n, 4, q.data_ptr(), n, 4]
+            if self.n_work:
+                state.main(None, lambda p: q_p + state.fixed + self._step_params + self._status_params[layer]
+                           + state.fixed_scalars + self._scale_param, grid=self._grid)
+            n, m = out.numel(), lse.numel()
+            self._merge_launch(None, lambda p: self._merge_fixed + [0, 0, n, 2, out.data_ptr(), n, 2]
+                               + [0, 0, m, 4, lse.data_ptr(), m, 4] + self._merge_tail, grid=self._merge_grid[0])
+            out = out.view(torch.bfloat16)
+            return (out, lse) if return_lse else out
         status = self.status[layer:layer + 1]
         q32 = q.view(torch.int16).view(torch.int32).reshape(-1)
         o, l_ = out.reshape(-1), lse.reshape(-1)
-        hk = cache.kv_heads
         if K.SIMULATOR:
             if self.n_work:
                 arrays = tuple(a.numpy() for a in state.arrays)
@@ -236,7 +257,8 @@ class StepPlan:
                            lambda p: p(q32) + state.fixed + self._step_params + p(status) + state.fixed_scalars
                            + [_c_float(self._scale_log2)], grid=self._grid)
             self._merge_launch((self.o_part, self.lse_part, self._split0, o, l_, hk, self.g),
-                               lambda p: self._merge_fixed + p(o) + p(l_) + p(hk) + p(self.g))
+                               lambda p: self._merge_fixed + p(o) + p(l_) + p(hk) + p(self.g),
+                               grid=self._merge_grid[0])
         out = out.view(torch.bfloat16)
         return (out, lse) if return_lse else out
 

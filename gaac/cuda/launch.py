@@ -183,6 +183,11 @@ class FastLaunch:
         self._configs = {}
         self._streams = {}
 
+    @property
+    def compiled(self) -> bool:
+        """Whether the first call (through numba, which compiles) has been made: later calls need no ``args``."""
+        return self._cufunc is not None
+
     def __call__(self, args, params_of, grid=None):
         """Launch with ``args`` (first call), later with ``params_of(params)``: the packed parameters.
         ``grid`` replaces the launcher's own for this call (a step plan's grid changes with the lengths)."""
