@@ -460,6 +460,20 @@ def run_context(model, src, cal, s: Shape, tokens: int, batch: int, raw_frac: fl
         row["gaac_calls"] = host_us_per_layer(att["gaac"], loops["gaac"], q, s.layers, 16)
         with sdpa_kernel(BACKEND):
             row["default_calls"] = host_us_per_layer(sdpa_only, sdpa_only.loop, q, s.layers, 16)
+    if args.profile and not args.profiled:           # where the host time of GAAC's calls goes, once
+        import cProfile
+        import io
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        host_us_per_layer(att["gaac"], loops["gaac"], q, s.layers, 16)
+        prof.disable()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+        args.out.with_suffix(".profile.txt").write_text(f"context {tokens}, batch {batch}: 16 steps x {s.layers} "
+                                                        f"layers of append + plan + attention\n" + text.getvalue())
+        args.profiled = True
     log(f"  calls per layer: gaac host {row['gaac_calls']['host_us']:.1f} us (wall {row['gaac_calls']['wall_us']:.1f}),"
         f" default host {row['default_calls']['host_us']:.1f} us (wall {row['default_calls']['wall_us']:.1f})")
     sdpa_only.loop.i = loops["gaac"].i
@@ -660,7 +674,9 @@ def main():
     ap.add_argument("--prefill", action="store_true", help="time one --prefill-tokens sequence into every layer")
     ap.add_argument("--prefill-tokens", type=int, default=None, help="default 131072")
     ap.add_argument("--prefill-adapt", action="store_true", help="also time the prefill with calibration epochs on")
+    ap.add_argument("--profile", action="store_true", help="cProfile of GAAC's calls at the first context (.profile.txt)")
     args = ap.parse_args()
+    args.profiled = False
     s = SMOKE_SHAPE if SMOKE else LLAMA_8B
     contexts = [int(x) for x in args.contexts.split(",")] if args.contexts else (
         [40, 72] if SMOKE else [16384, 32768, 65536, 131072])
