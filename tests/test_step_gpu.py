@@ -37,7 +37,7 @@ def test_gpu_loop_matches_the_reference_cache(monkeypatch):
     k = [drifting(rng, layers, heads, n, dim, 12.0) for n in n_tok]
     v = [synthetic(rng, layers, heads, n, dim) for n in n_tok]
     cal = calibrate(k[0][:, :, :256], v[0][:, :, :256])
-    caches = [PagedKVCache(cal, max_seqs=3, max_blocks=64, device=d) for d in ("cuda", "cpu")]
+    caches = [PagedKVCache(cal, max_seqs=3, max_blocks=64, raw_tiles=3 * 64 * 4, device=d) for d in ("cuda", "cpu")]
     rows = [[c.add_sequence(k[i][:, :, :start[i]], v[i][:, :, :start[i]]) if start[i] else c.add_sequence()
              for i in range(3)] for c in caches]
     assert rows[0] == rows[1]
