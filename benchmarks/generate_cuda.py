@@ -203,7 +203,7 @@ def long_prompt(model, tok, tokens: int, steps: int, device: str) -> dict:
     included, synchronised); the decode rate subtracts a 1-token generate of the same prompt."""
     import gaac.hf as hf
 
-    text = " ".join(gaac.hf.CHECK_PROMPTS)
+    text = " ".join(hf.CHECK_PROMPTS)
     ids = tok(text, add_special_tokens=False)["input_ids"]
     ids = torch.tensor([(ids * (tokens // len(ids) + 1))[:tokens]], device=device)
     res = {"prompt_tokens": tokens, "new_tokens": steps}

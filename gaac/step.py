@@ -249,8 +249,6 @@ class StepPlan:
             self._merge[self._merge_grid](self.o_part.numpy(), self.lse_part.numpy(), self._split0.numpy(),
                                           o.numpy(), l_.numpy(), hk, self.g)
         else:
-            from .cuda.launch import params
-
             if self.n_work:
                 state.main((q32, *state.arrays, self._work, self.o_part, self.lse_part, status, *state.scalars,
                             self._scale_log2),

@@ -158,8 +158,6 @@ class TileLauncher:
         if SIMULATOR:
             self._dispatcher[grid, self._threads](*args)
             return
-        import torch
-
         handle = stream.cuda_stream if stream is not None else current_stream()
         if not fast:
             s = self._streams.get(("numba", handle))
@@ -203,8 +201,6 @@ class FastLaunch:
     def __call__(self, args, params_of, grid=None):
         """Launch with ``args`` (first call), later with ``params_of(params)``: the packed parameters.
         ``grid`` replaces the launcher's own for this call (a step plan's grid changes with the lengths)."""
-        import torch
-
         grid = self._grid if grid is None else grid
         handle = current_stream()
         if self._cufunc is None:
