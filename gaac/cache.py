@@ -90,11 +90,12 @@ def _locked(method):
 # device, so the cache never moves a block to the host to cut it into tiles.
 
 def blocks_to_tiles(blocks: torch.Tensor) -> torch.Tensor:
-    """``[n, heads, 16, head_dim]`` -> ``[n * tiles_per_block, 16, C]`` in tile order (gaac.tiles.block_tiles)."""
+    """``[n, heads, 16, head_dim]`` (any strides with a contiguous last dimension) -> ``[n * tiles_per_block, 16, C]``
+    in tile order (gaac.tiles.block_tiles), contiguous: one copy."""
     n, heads, tokens, dim = blocks.shape
     c = L.tile_channels(dim)
-    x = blocks.reshape(n, heads, tokens, dim // c, c).movedim(-2, -3)
-    return x.reshape(-1, tokens, c)
+    x = blocks.unflatten(-1, (dim // c, c)).movedim(-2, -3)
+    return x.reshape(-1, tokens, c).contiguous()
 
 
 def tiles_to_tokens(tiles: torch.Tensor, seqs: int, blocks: int, heads: int, head_dim: int) -> torch.Tensor:
@@ -832,9 +833,11 @@ class PagedKVCache:
                 fits.append(np.zeros(0, bool))
                 epochs.append(None)
                 continue
-            finished = torch.cat(cut[kind])                      # [n, heads, 16, D] in finalized order
+            # [n, heads, 16, D] in finalized order; a single sequence's blocks stay a view of its input, so that
+            # cutting them into tiles is the one copy a prefill makes before encoding.
+            finished = cut[kind][0] if len(cut[kind]) == 1 else torch.cat(cut[kind])
             plan = self._plan_epochs(store, layer, kind, finished)
-            tiles.append(blocks_to_tiles(finished.contiguous()))
+            tiles.append(blocks_to_tiles(finished))
             epochs.append(plan)
             if on_device:
                 slots.append(None)
