@@ -1,4 +1,4 @@
-"""Decode attention over one layer of a GAAC paged cache (issue 4).
+"""Decode attention over one layer of a GAAC paged cache.
 
 ``decode_attention(q, view)`` computes, for one new query token per sequence,
 softmax attention over everything the cache holds for that sequence: the
@@ -483,7 +483,7 @@ def _check_q(q, view: LayerView, device):
 # ----------------------------------------------------------------------------------------------
 # The CUDA path: plan once, run per step.
 
-# The fastest configuration measured on the H200 (benchmarks/DESIGN-attention.md): two stages and at
+# The default configuration, the fastest of those compared in benchmarks/DESIGN-attention.md: two stages and at
 # most 168 registers a thread, so that 12 one-warp blocks fit an SM (3 warps per scheduler: each
 # scheduler has a quarter of the register file, 16384 registers), and the overlapped V decode.
 DEFAULT_MAX_REGISTERS = 168
@@ -587,9 +587,9 @@ class AttentionPlan:
     Where one wave of splits of ``MAX_BLOCKS_PER_SPLIT`` blocks cannot hold the work (batch 8 at 32K),
     ``whole_waves=True`` plans whole waves of shorter splits, and ``False`` keeps the longest splits and
     a partial last wave.  The default (``None``) plans whole waves where that last wave would be less
-    than half full: on the H200 whole waves saved 7-9% where it was 29% full (batch 8 at 32K, batch 4 at
-    64K, batch 2 at 128K) and cost 4% where it was 59% full (batch 8 at 64K), whose partial wave still
-    draws most of the bandwidth (benchmarks/DESIGN-attention.md).  ``pdl`` launches the
+    than half full: a last wave filled less than that leaves much of the memory bandwidth unused, while a
+    fuller one already draws most of it, and the extra splits of whole waves each pay their prologue
+    (benchmarks/DESIGN-attention.md has the comparison).  ``pdl`` launches the
     merge kernel as a programmatic dependent of the split kernel, so that its launch and first loads
     overlap the split kernel's last blocks (the merge waits for that grid before reading the partials).
     """

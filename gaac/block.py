@@ -98,7 +98,7 @@ def encode_block(x, calibration: Calibration, layer: int, kind, epoch: int = 0) 
         raise InputError(f"a block has {L.BLOCK_TOKENS} tokens; got shape {list(bits.shape)} "
                          "([kv_heads, tokens, head_dim])")
     if dim not in L.SUPPORTED_HEAD_DIMS:
-        raise InputError(f"head_dim {dim} is not supported; GAAC v1 supports {L.SUPPORTED_HEAD_DIMS}")
+        raise InputError(f"head_dim {dim} is not supported; the GAAC format supports {L.SUPPORTED_HEAD_DIMS}")
     calibration.check_shape(None, heads, dim)
     calibration.check_epoch(layer, kind, epoch)
     capacity = int(calibration.capacity[kind, layer])

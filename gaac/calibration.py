@@ -459,8 +459,8 @@ def calibrate(k, v, *, model: str | None = None, capacity: int | None = None, sl
     ``capacity`` forces one escape capacity everywhere instead of choosing it.  ``slot_line=128``
     chooses the capacity among those whose slots fill whole 128-byte lines (the one with the fewest
     resident bytes among them): a paged pool of such slots keeps every slot on a line, and the fused
-    attention kernel's copies of a slot that straddles lines cost it 2.6x the shared-memory
-    wavefronts (ncu on the H200; benchmarks/results/attention-h200.md).  It costs up to 112 bytes a
+    attention kernel's copies of a slot that straddles lines cost it more shared-memory wavefronts
+    (benchmarks/DESIGN-attention.md).  It costs up to 112 bytes a
     slot: on the real SmolLM2 caches at head_dim 128, K's capacity 48 becomes 64 (+0.55% of K's
     bytes); at head_dim 64 the smallest lined capacity is 96.
     """

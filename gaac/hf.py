@@ -170,7 +170,7 @@ class GAACCache(Cache):
     """A transformers cache that keeps K/V compressed in a :class:`gaac.PagedKVCache` (see the module docstring).
 
     ``config``: the model's config (full-attention decoder layers with BF16 K/V
-    and a head size GAAC v1 supports).  ``calibration``: a :class:`gaac.Calibration`
+    and a head size the GAAC format supports).  ``calibration``: a :class:`gaac.Calibration`
     for this model, or None to calibrate on the first complete blocks.
     ``fused``: use the fused decode attention (None: on CUDA when the model's
     ``attn_implementation`` is ``"gaac"``).  ``codec`` and ``adapt`` (calibration
@@ -188,7 +188,8 @@ class GAACCache(Cache):
         self.shape = (text.num_hidden_layers, getattr(text, "num_key_value_heads", None) or heads,
                       getattr(text, "head_dim", None) or text.hidden_size // heads)
         if self.shape[2] not in L.SUPPORTED_HEAD_DIMS:
-            raise InputError(f"head_dim {self.shape[2]} is not supported; GAAC v1 supports {L.SUPPORTED_HEAD_DIMS}")
+            raise InputError(f"head_dim {self.shape[2]} is not supported; the GAAC format supports "
+                             f"{L.SUPPORTED_HEAD_DIMS}")
         if calibration is not None:
             if not isinstance(calibration, Calibration):
                 raise InputError(f"calibration: expected a gaac.Calibration or None, got {type(calibration).__name__}")

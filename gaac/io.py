@@ -41,7 +41,7 @@ def check_cache(bits: np.ndarray, name: str) -> np.ndarray:
                          f"got shape {list(bits.shape)}")
     if bits.shape[3] not in L.SUPPORTED_HEAD_DIMS:
         raise InputError(f"{name}: head_dim {bits.shape[3]} (last axis of shape {list(bits.shape)}) is not "
-                         f"supported; GAAC v1 supports {L.SUPPORTED_HEAD_DIMS}")
+                         f"supported; the GAAC format supports {L.SUPPORTED_HEAD_DIMS}")
     if 0 in bits.shape:
         raise InputError(f"{name}: empty cache, shape {list(bits.shape)}")
     return bits

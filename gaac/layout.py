@@ -169,7 +169,7 @@ class TileGeometry:
 def tile_channels(head_dim: int) -> int:
     """Channels per tile for a head of ``head_dim`` channels (64 -> 64, 128 -> 128, 256 -> 2 x 128)."""
     if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head_dim {head_dim} is not supported; GAAC v1 supports {SUPPORTED_HEAD_DIMS}")
+        raise ValueError(f"head_dim {head_dim} is not supported; the GAAC format supports {SUPPORTED_HEAD_DIMS}")
     return min(head_dim, TILE_MAX_CHANNELS)
 
 

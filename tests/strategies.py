@@ -1,4 +1,4 @@
-"""Hypothesis strategies for GAAC v1 data: BF16 bit patterns, bases, calibrations and blocks.
+"""Hypothesis strategies for GAAC data: BF16 bit patterns, bases, calibrations and blocks.
 
 Shared by the reference-codec tests and the kernel tests, so that every
 implementation is exercised by the same inputs.

@@ -1,4 +1,4 @@
-"""The block API under attack: corrupt streams and bad inputs raise the typed error (issue 2, item 6).
+"""The block API under attack: corrupt streams and bad inputs raise the typed error.
 
 A decoder meets streams from disk and the wire, so every truncation, every
 byte burst, and every rule of FORMAT.md section 8 broken on purpose (with the

@@ -1,6 +1,6 @@
 """Calibration: its choices against brute force, its file, its validation, and that it never costs losslessness.
 
-Issue 2, item 6: a calibration from other data stays lossless (random caches
+A calibration from other data stays lossless (random caches
 and the real SmolLM2 dumps), ``best_windows`` and ``best_capacity`` equal a
 brute-force search, a saved calibration loads with the same id, and a
 hand-edited or out-of-range one raises :class:`gaac.CalibrationError`.

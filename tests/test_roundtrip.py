@@ -1,4 +1,4 @@
-"""Round trips of the reference codec and block API, and modes forced on purpose (issue 2, item 6).
+"""Round trips of the reference codec and block API, and modes forced on purpose.
 
 Properties:
 
@@ -29,7 +29,7 @@ def encode(case):
     return gaac.encode_block(case.bits, case.calibration, case.layer, case.kind)
 
 
-# -- independent oracles: FORMAT v1 re-derived here, not taken from the codec --------------------
+# -- independent oracles: FORMAT.md re-derived here, not taken from the codec --------------------
 
 def fixed_bytes(channels: int) -> int:
     """Sign+mantissa bytes, 3-bit codes and 2-bit tags of a ``channels``-wide tile."""
@@ -226,7 +226,7 @@ def test_slot_overflow_keeps_tile_raw(case):
 @given(st.one_of(forced_blocks(head_dim=64, heads=1), forced_blocks(head_dim=128, heads=1),
                  overflow_blocks(head_dim=64, heads=2)))
 def test_slots_match_spec_rendering(case):
-    """Every slot equals the plain-Python rendering of FORMAT v1 (byte order, bit order, escape order)."""
+    """Every slot equals the plain-Python rendering of FORMAT.md (byte order, bit order, escape order)."""
     kd = case.kind_index
     b3, b4 = tile_bases(case.calibration.b3[kd, case.layer], case.calibration.b4[kd, case.layer])
     tiles = block_tiles(case.bits)

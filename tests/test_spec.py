@@ -235,7 +235,7 @@ def test_worked_example_matches_the_reference_and_the_spec_decoder():
 
 
 def test_table9_numbers_follow_from_the_layout():
-    rows = {r["field"]: r["GAAC v1, bytes per tile"] for r in table("table9")}
+    rows = {r["field"]: r["this format, bytes per tile"] for r in table("table9")}
     geo = L.TileGeometry(L.TILE_MAX_CHANNELS)
     assert numbers(rows["sign and mantissa"])[0] == geo.sm_bytes
     assert numbers(rows["3-bit exponent codes"])[1 - 1] == geo.code_bytes

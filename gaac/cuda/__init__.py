@@ -1,4 +1,4 @@
-"""GAAC on NVIDIA GPUs: numba.cuda kernels that read and write format v1 on the device.
+"""GAAC on NVIDIA GPUs: numba.cuda kernels that read and write GAAC slots and raw tiles (FORMAT.md) on the device.
 
 ``gaac.cuda.codec`` encodes and decodes tiles (the paged cache's finalize step
 and the decompress-first path); ``gaac.cuda.bitops`` holds the device functions

@@ -36,16 +36,15 @@ kernel merges the splits of a sequence (:func:`merge_kernel`).  The BF16
 baseline (``plain=True``) is the same kernel with every tile raw: step 1 stages
 BF16 tiles and step 2 is compiled out.
 
-Performance (H200, benchmarks/results/attention-h200.md): the compressed
-loads run 1.4x faster than the BF16 twin's, and the decode hides most of its work
-under them; the rest leaves the kernel bound by its shared-memory traffic (the L1
-data pipe, ~70% busy) and its integer instructions (the ALU pipe, ~56%) at 12
-one-warp blocks per SM (168 registers and 18 KB of shared memory each): at 64K
-tokens it is 1.15x the speed of its BF16 twin and 1.18x torch's flash kernel.
-A split's prologue and epilogue run in every warp at once with nothing to overlap
-them, so their instruction counts and round trips to memory are kept short (v16);
-the staging areas start on 128-byte lines (v17, :data:`LINE`).
-benchmarks/DESIGN-attention.md has the analysis.
+Performance: the compressed slots are fewer bytes to load than the BF16 twin's
+tiles, and the decode hides most of its work under those loads; what remains
+bounds the kernel by its shared-memory traffic (the L1 data pipe) and its integer
+instructions (the ALU pipe), at 12 one-warp blocks per SM (168 registers and
+18 KB of shared memory each).  A split's prologue and epilogue run in every warp
+at once with nothing to overlap them, so their instruction counts and round trips
+to memory are kept short; the staging areas start on 128-byte lines
+(:data:`LINE`).  benchmarks/DESIGN-attention.md has the analysis, and
+benchmarks/results/attention-h200.md the measurements.
 
 Pair words
 ==========
@@ -109,11 +108,11 @@ VARIANTS = (FULL, LOAD_ONLY, NO_DECODE, DECODE_TWICE, TIMELINE)
 
 # The staging areas start on 128-byte lines of shared memory: a cp.async copy's 16-byte chunks are written a
 # line at a time, and a group of 8 lanes whose destinations straddle two lines costs two wavefronts of the L1
-# data pipe instead of one.  ncu, v16 at 64K: a warp-wide copy of a V slot took 8 wavefronts for 4 ideal (the
-# areas sat at 96 mod 128), of a K slot 15.75 (its source, 2928-byte slots, is off the lines too: 10.5 with
-# the areas on lines, 4 with slots of whole lines, gaac.calibrate's slot_line); the copies were 29% of the
-# kernel's shared-memory wavefronts.  Every area is on a line when the stage size is a multiple of 128 bytes
-# (the real caches' 2944); the plan does not round it up, which would cost shared memory, so occupancy.
+# data pipe instead of one, and the copies are a large share of the kernel's shared-memory wavefronts
+# (benchmarks/DESIGN-attention.md).  A slot's source is best on a line too: gaac.calibrate's slot_line
+# chooses a capacity whose slots are whole lines.  Every area is on a line when the stage size is a multiple
+# of 128 bytes (the real caches' 2944); the plan does not round it up, which would cost shared memory, so
+# occupancy.
 LINE = 128
 SMEM_ALIGN = None if SIMULATOR else LINE   # (the simulator takes no alignment)
 MAX_BLOCKS_PER_SPLIT = 64    # the split's block-table entries are staged in shared memory
@@ -1127,8 +1126,8 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
     def prefetch_bf16_tiles(ents, i, is_tail, raw_k, raw_v, tail_k, tail_v, tail_base, lane):
         """Bring block ``i``'s raw tiles, or its tail, into L2 (a line a lane) when its slots would be staged:
         they are read when used (:func:`copy_bf16_tile` with ``wait``), and a read from L2 stalls the split
-        less than one from DRAM.  (Even so, a split holding a raw tile took 3.5-4 us longer than one without
-        at 64K: benchmarks/results/attention-timeline-h200.md.)"""
+        less than one from DRAM.  (Even so, a split holding a raw tile ends later than one without:
+        benchmarks/results/attention-timeline-h200.md.)"""
         if lane < TILE_LINES:
             for kind in range(2):
                 for j in range(T):
@@ -1280,7 +1279,7 @@ def attention_kernel(head_dim: int, plain: bool, variant: str = FULL, nstage: in
     def load_bases(bases, kind, e, ne, h, kv_heads, lane, words):
         """This lane's words of epoch ``e``'s base rows of ``kind`` and head ``h`` into ``words`` (``ne`` = the
         larger epoch count of K and V); :func:`store_bases` puts them in shared memory after the first stages'
-        copies are issued: loaded after the copies, they came back after them (v13's prologue)."""
+        copies are issued: loaded after the copies, they would arrive only after them."""
         src = u32(((kind * ne + e) * kv_heads + h) * KIND_BASE)
         for k in range(KIND_PER_LANE):
             words[kind * KIND_PER_LANE + k] = bases[u32(src + lane + WARP * k)]
@@ -1598,7 +1597,8 @@ def merge_kernel(head_dim: int, lanes: int):
     """Merge split partials (grid, threads and ``lanes`` from :func:`merge_launch`).  Each thread folds
     its splits into a running (max, sum, 4 channels) :data:`MERGE_UNROLL` splits at a time (their loads
     in flight together); then the lanes of a channel quad are combined by shuffles within each warp and
-    across the warps through shared memory with one barrier (a pairwise tree in shared memory took 12).
+    across the warps through shared memory with one barrier (a pairwise tree in shared memory needs one a
+    level).
     Indices are 32-bit and unsigned: numba's signed indexing adds a negative-index fix-up to every load.
     Launched as a programmatic dependent of the split kernel (``AttentionPlan``'s ``pdl``), it reads its
     split range, then waits for that grid (``griddepcontrol.wait``) before it reads the partials.

@@ -22,7 +22,7 @@ that is correct only when **every thread of the block** calls it (block-uniform
 control flow); the GPU version has the weaker ``ballot_sync`` requirement.
 
 The second half of the module is the **32-bit toolkit** the codec kernels use
-since v2 (``uint32`` registers, byte lanes, ``PRMT``): on the GPU, 64-bit
+(``uint32`` registers, byte lanes, ``PRMT``): on the GPU, 64-bit
 integer operations cost two instructions each, and a byte permute does in one
 instruction what takes five shifts and masks on 16-bit lanes.  Each helper has
 a plain-Python twin for the simulator, which has no libdevice, no inline PTX

@@ -36,7 +36,7 @@ more escape bytes than ``capacity``); a bad tile's output is unspecified.
 The escape area's zero padding is not checked here (the block container's
 decoder checks it, and its CRC covers it).
 
-Kernel shape (v2; benchmarks/DESIGN-codec.md has v1 and the measurements): **one
+Kernel shape (benchmarks/DESIGN-codec.md has the shapes tried and the measurements): **one
 warp per tile**, ``TILES_PER_BLOCK`` tiles per thread block.  Lane ``l`` owns the
 groups ``32j + l`` (``j < G/32``), so every chunk ``j`` of a warp reads or writes
 one contiguous run of the tile with 16-byte (BF16) or 8-byte (sign+mantissa)
@@ -78,9 +78,9 @@ BAD_TAG = 1                                      # decode status: a group has th
 BAD_ESCAPES = 2                                  # decode status: the tags need more escape bytes than the slot has
 _RAW_ENTRY_BIAS = L.TABLE_RAW_FLAG - (1 << 32)   # raw index + this = the entry as a (negative) int32
 
-# Warps (one tile each) per thread block, both kernels.  1 measured fastest on the H200 (8x128 bulk encode
-# 160 us at 1, 166 at 2, 169 at 4, 180 at 8; decode within 5%: benchmarks/results/codec-h200.md): the
-# encoder's block barriers cost more than the atomic pops that larger blocks share.
+# Warps (one tile each) per thread block, both kernels.  One is fastest (benchmarks/DESIGN-codec.md): the
+# encoder's block barriers, which make a block's warps wait for the slowest, cost more than the atomic pops
+# that larger blocks share.
 TILES_PER_BLOCK = 1
 _ESC4 = L.ESCAPE_BYTES[L.MODE_4BIT]
 _ESCR = L.ESCAPE_BYTES[L.MODE_RAW]
@@ -129,7 +129,7 @@ DECODE_SIG = "void(int32[:, ::1], int32[:, ::1], int32[::1], int32[:, ::1], int6
 
 def _check_channels(channels: int) -> L.TileGeometry:
     if channels not in {L.tile_channels(d) for d in L.SUPPORTED_HEAD_DIMS}:
-        raise InputError(f"tiles of {channels} channels do not exist in GAAC v1 (64 or 128)")
+        raise InputError(f"tiles of {channels} channels do not exist in the GAAC format (64 or 128)")
     return L.TileGeometry(channels)
 
 

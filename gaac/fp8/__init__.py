@@ -2,7 +2,7 @@
 
 A BF16 cache is converted once to FP8 (round to nearest even, saturating, with a
 power-of-two scale per layer and kind that the calibration records); from then
-on every FP8 byte is kept exactly: GAAC v1's groups, tiles, mode tags, escape
+on every FP8 byte is kept exactly: the BF16 format's groups, tiles, mode tags, escape
 planes and slots, with the narrower sign+mantissa fields and exponent codes of
 an FP8 element.
 """

@@ -1,6 +1,6 @@
 """One 16-token block of an FP8 cache: encode/decode and the version 2 block container (FORMAT-FP8.md 6-7).
 
-The container is v1's (FORMAT.md section 7, gaac/block.py) byte for byte --
+The container is the BF16 one (FORMAT.md section 7, gaac/block.py) byte for byte --
 header struct, block table, slots, raw tiles, CRC-32 -- with version byte 2,
 element-format byte 2 (E4M3) or 3 (E5M2), FP8 slots and raw tiles of one byte
 per element.  Its input and output are FP8 bit patterns (``uint8``): the

@@ -4,7 +4,7 @@ FP8 needs its own calibration because all three of its parts depend on the
 element format: the scale that maps the cache into the format's range
 (:mod:`gaac.fp8.convert`), the windows -- chosen on FP8 exponent fields, with
 the widths of the format's mode set -- and the capacities, whose cost model is
-the FP8 tile geometry.  The procedure is v1's (gaac/calibration.py): per
+the FP8 tile geometry.  The procedure is the BF16 one (gaac/calibration.py): per
 (kind, layer, head, channel) the window covering the most values
 (:func:`gaac.calibration.best_windows`), per (kind, layer) the capacity that
 minimises resident bytes, ties to the smallest; it runs on the sample

@@ -1,11 +1,11 @@
 """The reference GAAC-FP8 tile codec: FORMAT-FP8.md sections 3-6 in NumPy.
 
-The steps are v1's (gaac/reference/codec.py) with the widths of a
+The steps are the BF16 codec's (gaac/reference/codec.py) with the widths of a
 :class:`~gaac.fp8.layout.ModeSet`: split each FP8 byte into its sign+mantissa
 field and exponent, give each group of 8 the narrowest mode whose window holds
 its 8 exponents, keep the low ``low_bits`` of every code in one stream and the
 higher bits of wide and raw groups as bit-plane escape bytes, in group order.
-Bit streams, bit planes and the result container are v1's own
+Bit streams, bit planes and the result container are the BF16 codec's own
 (:mod:`gaac.reference.bits`, :class:`gaac.reference.codec.EncodedTiles`).
 """
 from __future__ import annotations

@@ -121,7 +121,7 @@ def _spread_plane(byte, b):
 
 
 def _mode_set(fmt) -> ModeSet:
-    """A mode set from a ModeSet, an FP8Format or a format name (the format's v1 mode set)."""
+    """A mode set from a ModeSet, an FP8Format or a format name (the format's mode set in ``MODE_SETS``)."""
     if isinstance(fmt, ModeSet):
         return fmt
     try:

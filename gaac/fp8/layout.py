@@ -1,8 +1,8 @@
-"""The GAAC-FP8 layout: the two FP8 element formats and the tile geometry built on the BF16 v1 layout.
+"""The GAAC-FP8 layout: the two FP8 element formats and the tile geometry built on the BF16 layout.
 
-FORMAT-FP8.md extends FORMAT.md (BF16 v1): groups of 8, tiles of 16 tokens x
+FORMAT-FP8.md extends FORMAT.md (BF16): groups of 8, tiles of 16 tokens x
 ``C = min(head_dim, 128)`` channels, 2-bit mode tags, escape bytes that are
-bit planes, fixed-capacity slots and raw-tile fallback are all v1's and are
+bit planes, fixed-capacity slots and raw-tile fallback are all the BF16 format's and are
 imported from :mod:`gaac.layout`.  What changes with an FP8 element is only
 its split and its exponent width, and so the code widths of the modes:
 
@@ -33,7 +33,7 @@ FP8_FORMAT_VERSION = 2
 ELEMENT_FP8_E4M3 = 2
 ELEMENT_FP8_E5M2 = 3
 
-# The mode tags keep their v1 numbers and meaning: narrow window, wide window, raw, reserved.
+# The mode tags keep their BF16 numbers and meaning: narrow window, wide window, raw, reserved.
 MODE_NARROW = L.MODE_3BIT
 MODE_WIDE = L.MODE_4BIT
 MODE_RAW = L.MODE_RAW
@@ -159,7 +159,7 @@ class ModeSet:
         return FP8TileGeometry(L.tile_channels(head_dim), self)
 
 
-# The mode sets of GAAC-FP8 v1 (FORMAT-FP8.md section 3; measured in benchmarks/results/fp8-ratios.md).
+# The mode sets of GAAC-FP8 (FORMAT-FP8.md section 3; their ratios: benchmarks/results/fp8-ratios.md).
 MODE_SETS = {
     E4M3.name: ModeSet(E4M3, low_bits=2, wide_bits=3),
     E5M2.name: ModeSet(E5M2, low_bits=2, wide_bits=3),
@@ -176,7 +176,7 @@ def fp8_format(name: str) -> FP8Format:
 
 
 def mode_set(name: str) -> ModeSet:
-    """The v1 mode set of FP8 format ``name``."""
+    """The mode set of FP8 format ``name`` (:data:`MODE_SETS`)."""
     return MODE_SETS[fp8_format(name).name]
 
 
@@ -184,8 +184,8 @@ def mode_set(name: str) -> ModeSet:
 class FP8TileGeometry(L.TileGeometry):
     """Byte offsets of the sections of one compressed FP8 tile (FORMAT-FP8.md section 4).
 
-    Same four sections as v1 (so the offsets, slot and capacity arithmetic are
-    v1's), narrower: the sign+mantissa fields and the low codes are little-endian
+    Same four sections as a BF16 tile (so the offsets, slot and capacity arithmetic
+    are the same), narrower: the sign+mantissa fields and the low codes are little-endian
     bit streams of ``sm_bits`` and ``low_bits`` bits, and a raw tile is one byte
     per element.  Every section is a multiple of 16 bytes for 64- and 128-channel tiles.
     """
