@@ -301,3 +301,15 @@ def forced_blocks(draw, head_dim: int | None = None, heads: int | None = None, w
 def overflow_blocks(head_dim: int | None = None, heads: int | None = None) -> st.SearchStrategy[BlockCase]:
     """Forced blocks where at least one tile overflows its slot (see :func:`forced_blocks`)."""
     return forced_blocks(head_dim, heads, overflow=True)
+
+
+def drifting(rng, layers, heads, tokens, dim, drift):
+    """Random BF16 bits whose exponent centres move by ``drift`` over ``tokens`` in the even channels.
+
+    The way RoPE drift moves K's slowly rotating channel pairs as a context grows.
+    """
+    centres = rng.integers(112, 128, size=(layers, heads, 1, dim)).astype(float)
+    shift = drift * (np.arange(tokens)[:, None] / tokens) * (np.arange(dim) % 2 == 0)
+    e = np.rint(centres + shift + rng.normal(0, 1.5, size=(layers, heads, tokens, dim)))
+    sm = rng.integers(0, 256, size=e.shape, dtype=np.uint16)
+    return ((sm & 0x80) << 8) | (np.clip(e, 0, 255).astype(np.uint16) << 7) | (sm & 0x7F)

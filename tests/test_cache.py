@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
-from strategies import bf16_bits
+from strategies import bf16_bits, drifting
 
 import gaac.cache as cache_mod
 from gaac import layout as L
@@ -442,18 +442,6 @@ def test_cuda_codec_path_in_the_simulator():
 
 # ----------------------------------------------------------------------------------------------
 # Calibration epochs: a context that drifts away from its calibration.
-
-def drifting(rng, layers, heads, tokens, dim, drift):
-    """Random BF16 bits whose exponent centres move by ``drift`` over ``tokens`` in the even channels.
-
-    The way RoPE drift moves K's slowly rotating channel pairs as a context grows.
-    """
-    centres = rng.integers(112, 128, size=(layers, heads, 1, dim)).astype(float)
-    shift = drift * (np.arange(tokens)[:, None] / tokens) * (np.arange(dim) % 2 == 0)
-    e = np.rint(centres + shift + rng.normal(0, 1.5, size=(layers, heads, tokens, dim)))
-    sm = rng.integers(0, 256, size=e.shape, dtype=np.uint16)
-    return ((sm & 0x80) << 8) | (np.clip(e, 0, 255).astype(np.uint16) << 7) | (sm & 0x7F)
-
 
 @pytest.fixture(scope="module")
 def drift():

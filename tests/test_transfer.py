@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import gaac
+from strategies import drifting
 from test_spec import _struct_fields, table as spec_table
 from gaac import layout as L
 from gaac import transfer
@@ -123,15 +124,6 @@ def test_export_into_a_buffer_and_import_from_any_buffer(real):
 
 # ----------------------------------------------------------------------------------------------
 # Calibration epochs travel with the blocks.
-
-def drifting(rng, layers, heads, tokens, dim, drift):
-    """Random BF16 bits whose exponent centres move by ``drift`` over ``tokens`` in the even channels (RoPE-like)."""
-    centres = rng.integers(112, 128, size=(layers, heads, 1, dim)).astype(float)
-    shift = drift * (np.arange(tokens)[:, None] / tokens) * (np.arange(dim) % 2 == 0)
-    e = np.rint(centres + shift + rng.normal(0, 1.5, size=(layers, heads, tokens, dim)))
-    sm = rng.integers(0, 256, size=e.shape, dtype=np.uint16)
-    return ((sm & 0x80) << 8) | (np.clip(e, 0, 255).astype(np.uint16) << 7) | (sm & 0x7F)
-
 
 @pytest.fixture(scope="module")
 def drift():
