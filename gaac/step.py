@@ -186,14 +186,14 @@ class StepPlan:
 
     # -- running --------------------------------------------------------------------------------------
     def run(self, q, layer: int, *, out=None, lse=None, return_lse: bool = False):
+        """Attention of layer ``layer`` for this step: BF16 ``[max_seqs, q_heads, head_dim]`` (torch bfloat16
+        from the fused kernel; in ``q``'s kind on the reference path), and with ``return_lse`` the float32
+        natural-log LSE ``[max_seqs, q_heads]``.  The layer must already hold this step's tokens.  ``out``
+        (int16 or bfloat16) and ``lse`` reuse buffers."""
         with self.cache.lock:
             return self._run(q, layer, out, lse, return_lse)
 
     def _run(self, q, layer, out, lse, return_lse):
-        """Attention of layer ``layer`` for this step: BF16 ``[max_seqs, q_heads, head_dim]`` (torch
-        bfloat16 from the fused kernel; in ``q``'s kind on the reference path), and with ``return_lse`` the float32 natural-log
-        LSE ``[max_seqs, q_heads]``.  The layer must already hold this step's tokens.  ``out`` (int16 or
-        bfloat16) and ``lse`` reuse buffers (and let a CUDA graph capture the call)."""
         cache = self.cache
         cache._check_layer(layer)
         if not np.array_equal(cache._lens[layer], self.lens):
@@ -226,7 +226,9 @@ class StepPlan:
             raise InputError(f"out {list(out.shape)} / lse {list(lse.shape)} {lse.dtype}: expected {list(shape)} / "
                              f"float32 {list(shape[:2])}")
         hk = cache.kv_heads
-        if not K.SIMULATOR and state.main.compiled and self._merge_launch.compiled and out.is_contiguous()                 and lse.is_contiguous():
+        fast = (not K.SIMULATOR and state.main.compiled and self._merge_launch.compiled and out.is_contiguous()
+                and lse.is_contiguous())
+        if fast:
             # The packed parameters of the per-call arrays, written directly (flat, contiguous: numba's layout).
             n = q.numel() // 2
             q_p = [0, 0, n, 4, q.data_ptr(), n, 4]
@@ -244,8 +246,9 @@ class StepPlan:
         if K.SIMULATOR:
             if self.n_work:
                 arrays = tuple(a.numpy() for a in state.arrays)
-                state.kernel[self._grid, K.WARP](q32.numpy(), *arrays, self._work.numpy(), self.o_part.numpy(), self.lse_part.numpy(),
-                                                 status.numpy(), *state.scalars, self._scale_log2)
+                state.kernel[self._grid, K.WARP](q32.numpy(), *arrays, self._work.numpy(), self.o_part.numpy(),
+                                                 self.lse_part.numpy(), status.numpy(), *state.scalars,
+                                                 self._scale_log2)
             self._merge[self._merge_grid](self.o_part.numpy(), self.lse_part.numpy(), self._split0.numpy(),
                                           o.numpy(), l_.numpy(), hk, self.g)
         else:
