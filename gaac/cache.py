@@ -329,7 +329,7 @@ class _DevicePool(_Pool):
 
     def take_upcoming(self, k: int) -> None:
         """Take the ``k`` records :meth:`upcoming` named, on the device's count and the host's, without waiting."""
-        self.heads[self.cls] += k
+        self.heads.narrow(0, self.cls, 1).add_(k)
         self.taken += k
 
 
@@ -337,9 +337,11 @@ def sync_pools(pools) -> list[int]:
     """The free records of each pool, exact: the device pools' counts read with one synchronisation for all of
     them (:meth:`_DevicePool.n_free` waits once per pool)."""
     device = [p for p in pools if isinstance(p, _DevicePool)]
-    if device:
-        for p, taken in zip(device, torch.stack([p.heads[p.cls] for p in device]).tolist()):
-            p.taken, p.pending = taken, 0
+    heads = list({id(p.heads): p.heads for p in device}.values())      # one per layer and kind, for both pools
+    if heads:
+        counts = dict(zip(map(id, heads), torch.stack(heads).tolist()))
+        for p in device:
+            p.taken, p.pending = counts[id(p.heads)][p.cls], 0
     return [max(p.order.shape[0] - p.taken, 0) if isinstance(p, _DevicePool) else p.n_free() for p in pools]
 
 

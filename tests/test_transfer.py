@@ -421,6 +421,10 @@ def test_the_body_moves_in_pieces(monkeypatch):
         assert target.sequences == [first] and used() == records
         second = target.import_sequence(whole)
         assert used() == [(2 * a, 2 * b) for a, b in records]
+        for layer in target._store:                                  # each record holds one sequence's tile
+            for st in layer:
+                a, b = (set(st.table[s, :lay.blocks].reshape(-1).tolist()) for s in (first, second))
+                assert not a & b
         assert bytes(target.export_sequence(first)) == whole == bytes(target.export_sequence(second))
 
 
