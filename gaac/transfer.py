@@ -586,7 +586,8 @@ class _Writer:
     before its checks are in: free records are read by nothing.  :meth:`commit`, after the checks, takes
     them and writes what the cache reads (tables, epochs, tails, lengths).  Where the cache lacks room,
     :meth:`commit` makes it (``cache.grow``) or raises :class:`PoolExhaustedError` before anything is written,
-    then scatters: a failed import leaves the cache as it was, grown or not."""
+    then scatters.  Either way a container the checks refuse leaves the cache as it was: no record taken, no
+    pool or table grown."""
 
     def __init__(self, cache, c: Container):
         self.cache, self.c = cache, c
