@@ -410,7 +410,8 @@ def test_the_body_moves_in_pieces(monkeypatch):
     assert all(e % L.SEQUENCE_CHUNK_BYTES == 0 for e in ends[:-1])
     assert bytes(cache.export_sequence(seq)) == whole
     records = [(s.slot_tiles, s.raw_tiles) for s in lay.sections]
-    bad = mutate(whole, lay.body_offset + ends[1] + 17, b"\1", fix_crcs=False)
+    at = lay.body_offset + ends[1] + 17                             # a byte of the third piece, flipped
+    bad = mutate(whole, at, bytes([whole[at] ^ 1]), fix_crcs=False)
     for codec in ("reference", "cuda"):
         target = PagedKVCache(cal, max_seqs=3, max_blocks=70, codec=codec)
         used = lambda: [(st.slots.used, st.raw.used) for layer in target._store for st in layer]  # noqa: E731
