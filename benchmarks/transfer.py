@@ -13,11 +13,12 @@ bytes of bases to a container).
 Timed, in one process, each after warm-up, medians of ``--repeats`` (CUDA events around each call, which
 synchronises before it returns; wall clock on the CPU):
 
-* ``export``: ``cache.export_sequence(seq, out=pinned)``: the gathers into a device buffer, the chunk CRCs, one
-  device-to-host copy into a preallocated pinned buffer, the head;
+* ``export``: ``cache.export_sequence(seq, out=pinned)``: the gathers into a device buffer and the chunk CRCs,
+  piece by piece, each piece copied into a preallocated pinned buffer while the next is gathered, the head;
 * ``import``: ``target.import_sequence(data)`` from that pinned buffer into a second cache with room: the head
-  checks, one host-to-device copy, the chunk CRCs and block tables checked on the device, the scatter into the
-  pools (the sequence is removed again between repeats, outside the timing);
+  checks, the pieces copied to the device while the one before has its chunk CRCs and block tables checked and
+  is scattered into the pools, one wait for the verdict, the tables, epochs and tails (the sequence is removed
+  again between repeats, outside the timing);
 * ``d2h`` / ``h2d``: ``Tensor.copy_`` of as many bytes as the container between a device buffer and a pinned
   host buffer: what moving those bytes costs at the least.
 

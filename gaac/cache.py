@@ -245,6 +245,15 @@ class _Pool:
         self._stack[self._top:self._top + len(back)] = back
         self._top += len(back)
 
+    def upcoming(self, k: int) -> torch.Tensor:
+        """The ``k`` records :meth:`take` would hand out next, in its order, as an int64 tensor; none is taken.
+        An import writes into them before it knows whether it keeps them (:meth:`take_upcoming` keeps them)."""
+        return torch.from_numpy(self._stack[self._top - k:self._top][::-1].copy()).to(self.data.device)
+
+    def take_upcoming(self, k: int) -> None:
+        """Take the ``k`` records :meth:`upcoming` named (nothing taken or given since)."""
+        self._top -= k
+
 
 _VERSIONS = itertools.count()
 
@@ -311,6 +320,30 @@ class _DevicePool(_Pool):
     def give(self, indices) -> None:
         back = torch.from_numpy(np.sort(np.asarray(indices, dtype=np.int64)).astype(np.int32)).to(self.data.device)
         self._set_order(torch.cat([self._rest(), back]))
+
+    def upcoming(self, k: int) -> torch.Tensor:
+        """The ``k`` records :meth:`take` would hand out next, as an int64 tensor on the device, none taken and
+        nothing read back: valid right after :func:`sync_pools` (or :meth:`sync`), before anything else takes
+        records (the step plan's append pops records without counting them in ``pending``)."""
+        start = min(self.taken, self.order.shape[0])
+        return self.order[start:start + k].long()
+
+    def take_upcoming(self, k: int) -> None:
+        """Take the ``k`` records :meth:`upcoming` named, on the device's count and the host's, without waiting."""
+        self.heads.narrow(0, self.cls, 1).add_(k)
+        self.taken += k
+
+
+def sync_pools(pools) -> list[int]:
+    """The free records of each pool, exact: the device pools' counts read with one synchronisation for all of
+    them (:meth:`_DevicePool.n_free` waits once per pool)."""
+    device = [p for p in pools if isinstance(p, _DevicePool)]
+    heads = list({id(p.heads): p.heads for p in device}.values())      # one per layer and kind, for both pools
+    if heads:
+        counts = dict(zip(map(id, heads), torch.stack(heads).tolist()))
+        for p in device:
+            p.taken, p.pending = counts[id(p.heads)][p.cls], 0
+    return [max(p.order.shape[0] - p.taken, 0) if isinstance(p, _DevicePool) else p.n_free() for p in pools]
 
 
 @dataclass

@@ -12,12 +12,16 @@ bytes (about 1.39x fewer than BF16 on real caches) plus a small head.
 
 The container's body is what the cache stores, part after part; its head
 (dimensions, per (layer, kind) counts, the bases of the epochs the blocks
-use, the chunk CRC table) is built on the host.  On a CUDA cache, export is
-one gather per part into a device buffer, the chunk CRCs computed there
-(:mod:`gaac.cuda.crc`), and one device-to-host copy into pinned memory;
-import is one host-to-device copy, the CRCs and tables checked on the
-device, and one scatter per part into the pools.  On the CPU the same torch
-code runs on host tensors and zlib computes the CRCs.
+use, the chunk CRC table) is built on the host.  On a CUDA cache the body
+moves in pieces of whole chunks (:func:`_pipeline`), each copied on a stream
+of its own while the device works on its neighbour: export gathers a piece's
+sections into a device buffer and computes its chunk CRCs there
+(:mod:`gaac.cuda.crc`) while the piece before it copies into pinned memory;
+import checks a piece's chunk CRCs and its sections' tables and scatters
+their slots and raw tiles into free pool records while the piece after it
+arrives, and waits once, for the verdict, before the sequence's tables,
+epochs and tails go into the cache.  On the CPU the same torch code runs on
+host tensors and zlib computes the CRCs.
 
 What "the same calibration" means (FORMAT.md 11.8): the container names the
 calibration id of 3.3, which covers the epoch-0 bases and the escape
@@ -30,8 +34,8 @@ way becomes the newest of its layer and kind and codes the blocks that cache
 finalizes next, as an epoch of its own rule would.  A cache without epochs
 (``adapt=False``) takes only containers whose blocks are all of epoch 0.
 
-Coupling: the cache's storage is read in :func:`_read_storage` and written in
-:func:`_write_storage`, and nowhere else.
+Coupling: the cache's storage is read in :func:`_read_storage` and written by
+:class:`_Writer`, and nowhere else.
 
 The file form (:func:`pack`, :func:`unpack`, ``gaac pack`` / ``gaac unpack``)
 is the same container with the calibration's canonical bytes embedded, so a
@@ -39,6 +43,7 @@ file decodes on its own.
 """
 from __future__ import annotations
 
+import functools
 import warnings
 import zlib
 from dataclasses import dataclass
@@ -47,6 +52,7 @@ import numpy as np
 import torch
 
 from . import layout as L
+from .cache import sync_pools
 from .calibration import Calibration, canonical_bytes_size, epoch_canonical_bytes
 from .errors import CalibrationError, FormatError, InputError, PoolExhaustedError
 
@@ -310,7 +316,13 @@ def _check_calibration(c: Container, cal: Calibration, adapt: bool) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# The body, on the cache's device.
+# The body, on the cache's device, moved piece by piece.
+
+PIECE_BYTES = 64 << 20
+"""The least size of a piece of the body that moves between a CUDA device and the host in one copy: large
+enough that each copy runs at the link's bandwidth, small enough that the work on the first piece (export) or
+the last (import), which no copy hides, is short."""
+
 
 def _view(body: torch.Tensor, start: int, count: int, dtype: torch.dtype, shape=None) -> torch.Tensor:
     """``count`` elements of ``dtype`` at byte ``start`` of the uint8 ``body``, shaped ``shape``."""
@@ -325,10 +337,20 @@ def _rows(x: torch.Tensor, record_bytes: int) -> torch.Tensor:
     return x.reshape(-1).view(torch.uint8).view(torch.int64).view(-1, record_bytes // 8)
 
 
+def _upload(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Host array ``a`` as a tensor on ``device``, without the host waiting: through pinned memory on CUDA (a
+    copy from pageable memory waits for the stream)."""
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    if device.type != "cuda" or t.numel() == 0:
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def _chunk_crcs(body: torch.Tensor):
-    """CRC-32 of the chunks of ``body`` (FORMAT.md 11.5): on the CPU all of them, by zlib (uint32); on a CUDA
-    device the whole chunks, by :mod:`gaac.cuda.crc` (int32 bits, on the device, asynchronously) -- the
-    partial last chunk is the caller's, on the host, where its bytes are (or will be)."""
+    """CRC-32 of the chunks of ``body`` (FORMAT.md 11.5; ``body`` starts on a chunk): on the CPU all of them, by
+    zlib (uint32); on a CUDA device the whole chunks, by :mod:`gaac.cuda.crc` (int32 bits, on the device,
+    asynchronously on the current stream) -- the partial last chunk is the caller's, on the host, where its bytes
+    are (or will be)."""
     if body.device.type == "cuda":
         from .cuda.crc import chunk_crcs
 
@@ -337,70 +359,180 @@ def _chunk_crcs(body: torch.Tensor):
     return np.array([zlib.crc32(data[i:i + chunk]) for i in range(0, len(data), chunk)], dtype=np.uint32)
 
 
-def _fill_body(stored: list, lay: Layout, body: torch.Tensor) -> None:
-    """Gather each section's parts from the pools into ``body`` (uint8, ``lay.body_bytes``): FORMAT.md 11.6."""
+def _piece_ends(lay: Layout) -> list[int]:
+    """Where the pieces of the body end: each at the end of a section's last whole chunk, at least
+    :data:`PIECE_BYTES` after the previous end; the last at the body's end.  A piece is whole chunks (the last
+    piece may end in the body's partial chunk), so each piece's chunk CRCs are its own."""
+    ends = [0]
+    for s in lay.sections:
+        end = s.end // L.SEQUENCE_CHUNK_BYTES * L.SEQUENCE_CHUNK_BYTES
+        if end - ends[-1] >= PIECE_BYTES:
+            ends.append(end)
+    if ends[-1] < lay.body_bytes or len(ends) == 1:
+        ends.append(lay.body_bytes)
+    return ends[1:]
+
+
+@functools.lru_cache(maxsize=None)
+def _copy_stream(device: torch.device):
+    """The CUDA stream the body's copies run on, one per device, kept for the process."""
+    return torch.cuda.Stream(device)
+
+
+def _pipeline(lay: Layout, body: torch.Tensor, host: torch.Tensor, work, *, to_host: bool) -> None:
+    """Move ``body`` (uint8 on the cache's device) to ``host`` (export, ``to_host``) or from it (import) piece
+    by piece (:func:`_piece_ends`), calling ``work(start, end, sections)`` for each piece, in order, where the
+    device work on it belongs: export gathers the sections that write into the piece (the indices of
+    ``lay.sections`` not given before) and checksums it, then copies it out; import copies it in, then
+    checksums it and checks and scatters the sections it completes.
+
+    On a CUDA device the copies run on a stream of their own (:func:`_copy_stream`) and ``work`` on the
+    current stream, ordered by events: export copies piece i while piece i + 1 is gathered; import queues
+    every copy at once and works on piece i while piece i + 1 arrives.  Neither stream waits for more than the
+    piece it needs and the host never waits; on return the current stream is ordered after every copy.  On the
+    CPU ``body`` is ``host`` and only ``work`` runs."""
+    ends = _piece_ends(lay)
+    bounds = list(zip([0, *ends[:-1]], ends))
+    given = 0
+
+    def due(end: int) -> range:
+        nonlocal given
+        first = given
+        while given < len(lay.sections) and (end == lay.body_bytes or (lay.sections[given].table < end if to_host
+                                                                        else lay.sections[given].end <= end)):
+            given += 1
+        return range(first, given)
+
+    if body.device.type != "cuda":
+        for a, b in bounds:
+            work(a, b, due(b))
+        return
+    main = torch.cuda.current_stream(body.device)
+    copy = _copy_stream(body.device)
+    copy.wait_stream(main)                  # the buffers as the work queued before this call leaves them
+    body.record_stream(copy)                # body's memory is reused only after its copies
+    arrived = []
+    try:
+        if not to_host:
+            with torch.cuda.stream(copy):
+                for a, b in bounds:
+                    body[a:b].copy_(host[a:b], non_blocking=True)
+                    arrived.append(copy.record_event())
+        for i, (a, b) in enumerate(bounds):
+            if to_host:
+                work(a, b, due(b))
+                copy.wait_event(main.record_event())
+                with torch.cuda.stream(copy):
+                    host[a:b].copy_(body[a:b], non_blocking=True)
+            else:
+                main.wait_event(arrived[i])
+                work(a, b, due(b))
+    except BaseException:
+        copy.synchronize()                  # no copy still reads or writes the caller's buffer once this raises
+        raise
+    main.wait_stream(copy)
+
+
+def _fill_section(st, s: Section, lay: Layout, body: torch.Tensor, epochs: torch.Tensor) -> None:
+    """Gather section ``s``'s parts from the pools of ``st`` (a :class:`_Stored`) into ``body``: FORMAT.md 11.6.
+    ``epochs``: its block epochs, int16 on the body's device.  Nothing waits for the device."""
     per, nb = lay.tiles_per_block, lay.blocks
     geo = L.geometry(lay.head_dim)
-    for st, s in zip(stored, lay.sections):
-        entries = st.entries
-        is_raw = entries < 0
-        number = torch.where(is_raw, is_raw.cumsum(0) - 1, (~is_raw).cumsum(0) - 1)
-        _view(body, s.table, nb * per, torch.int32).copy_(torch.where(is_raw, number + _RAW_ENTRY_BIAS, number))
-        body[s.table + nb * per * L.TABLE_ENTRY_BYTES:s.block_epochs] = 0
-        _view(body, s.block_epochs, nb, torch.int16).copy_(torch.from_numpy(st.epochs.astype(np.int16)))
-        body[s.block_epochs + nb * L.SEQUENCE_EPOCH_BYTES:s.slots] = 0
-        order = torch.sort(is_raw.to(torch.uint8), stable=True).indices     # slot tiles, then raw tiles, in order
-        slot_at = entries[order[:s.slot_tiles]].long()
-        raw_at = entries[order[s.slot_tiles:]].long() & L.TABLE_INDEX_MASK
-        slot_bytes = geo.slot_bytes(s.capacity)
-        torch.index_select(_rows(st.slots, slot_bytes), 0, slot_at, out=_rows(body[s.slots:s.raw], slot_bytes))
-        torch.index_select(_rows(st.raw, geo.raw_bytes), 0, raw_at, out=_rows(body[s.raw:s.tail], geo.raw_bytes))
-        _view(body, s.tail, lay.kv_heads * lay.tail_tokens * lay.head_dim, torch.int16,
-              (lay.kv_heads, lay.tail_tokens, lay.head_dim)).copy_(st.tail)
+    entries = st.entries
+    is_raw = entries < 0
+    number = torch.where(is_raw, is_raw.cumsum(0) - 1, (~is_raw).cumsum(0) - 1)
+    _view(body, s.table, nb * per, torch.int32).copy_(torch.where(is_raw, number + _RAW_ENTRY_BIAS, number))
+    body[s.table + nb * per * L.TABLE_ENTRY_BYTES:s.block_epochs] = 0
+    _view(body, s.block_epochs, nb, torch.int16).copy_(epochs)
+    body[s.block_epochs + nb * L.SEQUENCE_EPOCH_BYTES:s.slots] = 0
+    # each tile's pool record at its place in the body: its number among the slot tiles, or after them among
+    # the raw tiles (a scatter by a permutation; a boolean mask would make the host wait for its count)
+    records = torch.empty(entries.shape[0], dtype=torch.int64, device=entries.device)
+    records.index_copy_(0, torch.where(is_raw, number + s.slot_tiles, number), entries.long() & L.TABLE_INDEX_MASK)
+    slot_bytes = geo.slot_bytes(s.capacity)
+    torch.index_select(_rows(st.slots, slot_bytes), 0, records[:s.slot_tiles],
+                       out=_rows(body[s.slots:s.raw], slot_bytes))
+    torch.index_select(_rows(st.raw, geo.raw_bytes), 0, records[s.slot_tiles:],
+                       out=_rows(body[s.raw:s.tail], geo.raw_bytes))
+    _view(body, s.tail, lay.kv_heads * lay.tail_tokens * lay.head_dim, torch.int16,
+          (lay.kv_heads, lay.tail_tokens, lay.head_dim)).copy_(st.tail)
 
 
-def _check_chunks(c: Container, body: torch.Tensor) -> None:
-    """FORMAT.md 11.7, S13: every chunk's CRC-32, computed where the body is."""
-    crcs = _chunk_crcs(body)
-    if body.device.type == "cuda":
-        crcs = crcs.cpu().numpy().view(np.uint32)
-        if len(crcs) < c.layout.chunks:          # the partial last chunk, on the host
-            crcs = np.append(crcs, np.uint32(zlib.crc32(c.body[len(crcs) * L.SEQUENCE_CHUNK_BYTES:])))
-    bad = np.flatnonzero(crcs != c.chunk_crcs)
-    if bad.size:
-        i = int(bad[0])
-        raise FormatError(f"chunk {i} of the body: CRC-32 mismatch (stored {int(c.chunk_crcs[i]):08x}, computed "
-                          f"{int(crcs[i]):08x}): the container is corrupt")
+class _BodyCheck:
+    """FORMAT.md 11.7 on the body (S13-S15) as it arrives, piece by piece, where it is, with one wait for the
+    verdict (:meth:`verdict`): the chunk CRCs (:meth:`chunks`) and each section's zero padding and block table
+    numbering (:meth:`section`) on the body's device; the block epochs, and on CUDA the partial last chunk's
+    CRC, on the host, where the container is."""
 
+    def __init__(self, c: Container, body: torch.Tensor):
+        self.c, self.body = c, body
+        self.cuda = body.device.type == "cuda"
+        self.crcs, self.flags, self.messages = [], [], []
+        lay = c.layout
+        self.whole = lay.body_bytes // L.SEQUENCE_CHUNK_BYTES if self.cuda else lay.chunks   # CRCs on the device
+        if self.cuda:
+            self.expected = _upload(c.chunk_crcs[:self.whole].view(np.int32), body.device)
 
-def _check_body(c: Container, body: torch.Tensor) -> None:
-    """FORMAT.md 11.7 on the body (S13-S15), on the body's device: the chunk CRCs; then the zero padding and
-    the block tables' numbering (one synchronisation for all sections); the block epochs on the host."""
-    lay = c.layout
-    per, nb = lay.tiles_per_block, lay.blocks
-    _check_chunks(c, body)
-    flags, messages = [], []
-    for s in lay.sections:
+    def chunks(self, start: int, end: int) -> None:
+        """The CRCs of the chunks of ``body[start:end]`` (``start`` on a chunk)."""
+        self.crcs.append(_chunk_crcs(self.body[start:end]))
+
+    def section(self, s: Section) -> None:
+        """Section ``s``'s zero padding and block table (S14), once its bytes are in ``body``."""
+        lay, body = self.c.layout, self.body
+        per, nb = lay.tiles_per_block, lay.blocks
         where = f"layer {s.layer} {L.KIND_NAMES[s.kind]}"
         pads = torch.cat([body[s.table + nb * per * L.TABLE_ENTRY_BYTES:s.block_epochs],
                           body[s.block_epochs + nb * L.SEQUENCE_EPOCH_BYTES:s.slots]])
-        flags.append(torch.logical_not(pads.any()))
-        messages.append(f"{where}: the padding after its block table or block epochs is not zero")
+        self.flags.append(torch.logical_not(pads.any()))
+        self.messages.append(f"{where}: the padding after its block table or block epochs is not zero")
         entries = _view(body, s.table, nb * per, torch.int32)
         is_raw = entries < 0
         number = torch.where(is_raw, is_raw.cumsum(0) - 1, (~is_raw).cumsum(0) - 1)
-        flags.append(((entries & L.TABLE_INDEX_MASK) == number).all() & (is_raw.sum() == s.raw_tiles))
-        messages.append(f"{where}: a block table entry is not its tile's number within its storage class, or the "
-                        f"table holds other than the {s.raw_tiles} raw tiles of its section record (FORMAT.md 11.6)")
-    for s in lay.sections:
-        epochs = _block_epochs(c, s)
-        allowed = np.array([0, *(r.epoch for r in s.epochs)])
-        if (np.diff(epochs) < 0).any() or not np.isin(epochs, allowed).all():
-            raise FormatError(f"layer {s.layer} {L.KIND_NAMES[s.kind]}: block epochs {sorted(set(epochs.tolist()))} "
-                              f"must be non-decreasing and among the section's epochs {allowed.tolist()}")
-    ok = torch.stack(flags).cpu().numpy()
-    if not ok.all():
-        raise FormatError(messages[int(np.flatnonzero(~ok)[0])])
+        self.flags.append(((entries & L.TABLE_INDEX_MASK) == number).all() & (is_raw.sum() == s.raw_tiles))
+        self.messages.append(f"{where}: a block table entry is not its tile's number within its storage class, or "
+                             f"the table holds other than the {s.raw_tiles} raw tiles of its section record "
+                             "(FORMAT.md 11.6)")
+
+    def _computed(self, partial: list) -> np.ndarray:
+        """Every chunk's CRC as computed, uint32 on the host."""
+        if not self.cuda:
+            return np.concatenate(self.crcs)
+        return np.concatenate([torch.cat(self.crcs).cpu().numpy().view(np.uint32), partial]).astype(np.uint32)
+
+    def _epochs(self) -> str | None:
+        """The message for the first section whose block epochs break S15, or None."""
+        for s in self.c.layout.sections:
+            epochs = _block_epochs(self.c, s)
+            allowed = np.array([0, *(r.epoch for r in s.epochs)])
+            if (np.diff(epochs) < 0).any() or not np.isin(epochs, allowed).all():
+                return (f"layer {s.layer} {L.KIND_NAMES[s.kind]}: block epochs {sorted(set(epochs.tolist()))} must "
+                        f"be non-decreasing and among the section's epochs {allowed.tolist()}")
+        return None
+
+    def verdict(self) -> None:
+        """Raise :class:`FormatError` for the first rule the body breaks: a chunk CRC (S13), then the block epochs
+        (S15), then padding and tables (S14).  The host's share (the block epochs; on CUDA the partial last
+        chunk's CRC) runs while the device still works; then one wait, for one small array of flags."""
+        c = self.c
+        lay = c.layout
+        partial = [np.uint32(zlib.crc32(c.body[self.whole * L.SEQUENCE_CHUNK_BYTES:]))] \
+            if self.whole < lay.chunks else []
+        epochs = self._epochs()
+        if self.cuda:
+            crc_ok = (torch.cat(self.crcs) == self.expected).all()
+        else:
+            crc_ok = torch.tensor(bool(np.array_equal(self._computed(partial), c.chunk_crcs)))
+        ok = torch.stack([crc_ok, *self.flags]).cpu().numpy()
+        if not ok[0] or any(p != want for p, want in zip(partial, c.chunk_crcs[self.whole:])):
+            crcs = self._computed(partial)
+            i = int(np.flatnonzero(crcs != c.chunk_crcs)[0])
+            raise FormatError(f"chunk {i} of the body: CRC-32 mismatch (stored {int(c.chunk_crcs[i]):08x}, "
+                              f"computed {int(crcs[i]):08x}): the container is corrupt")
+        if epochs is not None:
+            raise FormatError(epochs)
+        if not ok.all():
+            raise FormatError(self.messages[int(np.flatnonzero(~ok[1:])[0])])
 
 
 def _block_epochs(c: Container, s: Section) -> np.ndarray:
@@ -445,71 +577,119 @@ def _read_storage(cache, seq: int) -> tuple[int, list]:
     return tokens, out
 
 
-def _write_storage(cache, c: Container, body: torch.Tensor, appended: list, maps: list) -> int:
-    """Put a checked container's sequence into ``cache``: a row, pool records, table entries, block epochs,
-    tails, lengths, and the epochs ``appended`` (per section: (b3, b4) to append, in order) with ``maps``
-    (per section: container epoch -> cache epoch).  Room is made (``cache.grow``) or
-    :class:`PoolExhaustedError` raised before anything is written.  Returns the sequence id."""
-    lay = c.layout
-    per, nb, t = lay.tiles_per_block, lay.blocks, lay.tail_tokens
-    geo = L.geometry(lay.head_dim)
-    short = []
-    rows = np.flatnonzero(~cache._live)
-    if rows.size == 0:
-        short.append((f"all {cache.max_seqs} sequence rows are in use", None))
-    if nb > cache.max_blocks:
-        short.append((f"the sequence holds {nb} blocks; the block table holds {cache.max_blocks} "
-                      f"({cache.max_blocks * L.BLOCK_TOKENS} tokens) per sequence (max_blocks={nb} or more, or "
-                      "grow=True, makes room)", None))
-    for s in lay.sections:
-        store = cache._store[s.layer][s.kind]
-        for pool, n in ((store.slots, s.slot_tiles), (store.raw, s.raw_tiles)):
-            if n > pool.n_free():
-                short.append((f"{pool.name} is exhausted: the sequence needs {n} records, {pool.n_free()} of "
-                              f"{pool.size} are free", (pool, pool.used + n)))
-    if short and not cache.grow:
-        raise PoolExhaustedError(f"{short[0][0]}; remove sequences, make the cache larger or with grow=True")
-    if rows.size == 0:
-        cache._grow_rows(2 * cache.max_seqs)
-        rows = np.flatnonzero(~cache._live)
-    if nb > cache.max_blocks:
-        cache._grow_blocks(max(nb, 2 * cache.max_blocks))
-    for _, grow in short:
-        if grow is not None:
-            pool, n = grow
-            pool.grow_to(max(n, 2 * pool.size))
-            cache._layer_state.clear()
-    seq = int(rows[0])
-    dev = cache.device
-    for s, tables, to_cache in zip(lay.sections, appended, maps):
-        store = cache._store[s.layer][s.kind]
-        for b3, b4 in tables:
-            cache.calibration.add_epoch(s.layer, s.kind, b3, b4)
-            store.add_epoch(b3, b4)
-            cache._drop_layer_state(s.layer)
-        slot_at = store.slots.take(s.slot_tiles)
-        raw_at = store.raw.take(s.raw_tiles)
-        lut = torch.from_numpy(np.concatenate([slot_at, raw_at + _RAW_ENTRY_BIAS])).to(dev)
+class _Writer:
+    """Puts a checked container's sequence into ``cache``: a row, pool records, table entries, block epochs,
+    tails, lengths and appended epochs.
+
+    Where the cache has room as it is, the records are chosen at once -- those each pool hands out next, none
+    taken -- and :meth:`scatter` writes the slots and raw tiles into them while the body still arrives,
+    before its checks are in: free records are read by nothing.  :meth:`commit`, after the checks, takes
+    them and writes what the cache reads (tables, epochs, tails, lengths).  Where the cache lacks room,
+    :meth:`commit` makes it (``cache.grow``) or raises :class:`PoolExhaustedError` before anything is written,
+    then scatters.  Either way a container the checks refuse leaves the cache as it was: no record taken, no
+    pool or table grown."""
+
+    def __init__(self, cache, c: Container):
+        self.cache, self.c = cache, c
+        self.short = self._shortfalls()
+        self.records = None if self.short else self._records()
+        self.tables = [None] * len(c.layout.sections)
+
+    def _shortfalls(self) -> list:
+        """What the cache lacks for the sequence: ``(message, (pool, records) to grow it to, or None)``; the
+        device pools' counts read with one wait."""
+        cache, lay = self.cache, self.c.layout
+        nb, short = lay.blocks, []
+        if not (~cache._live).any():
+            short.append((f"all {cache.max_seqs} sequence rows are in use", None))
+        if nb > cache.max_blocks:
+            short.append((f"the sequence holds {nb} blocks; the block table holds {cache.max_blocks} "
+                          f"({cache.max_blocks * L.BLOCK_TOKENS} tokens) per sequence (max_blocks={nb} or more, or "
+                          "grow=True, makes room)", None))
+        pools, need = [], []
+        for s in lay.sections:
+            store = cache._store[s.layer][s.kind]
+            pools += [store.slots, store.raw]
+            need += [s.slot_tiles, s.raw_tiles]
+        for pool, n, free in zip(pools, need, sync_pools(pools)):
+            if n > free:
+                short.append((f"{pool.name} is exhausted: the sequence needs {n} records, {free} of "
+                              f"{pool.size} are free", (pool, pool.size - free + n)))
+        return short
+
+    def _records(self) -> list:
+        """Per section, the slot and raw-tile records its tiles go to (int64 on the cache's device), not taken."""
+        out = []
+        for s in self.c.layout.sections:
+            store = self.cache._store[s.layer][s.kind]
+            out.append((store.slots.upcoming(s.slot_tiles), store.raw.upcoming(s.raw_tiles)))
+        return out
+
+    def scatter(self, i: int, body: torch.Tensor) -> None:
+        """Section ``i``'s slots and raw tiles into its records, and its block table translated to them (kept
+        for :meth:`commit`).  Nothing waits for the device; a corrupt table entry (the checks refuse the
+        container) is clamped into the section's records."""
+        lay = self.c.layout
+        s = lay.sections[i]
+        store = self.cache._store[s.layer][s.kind]
+        geo = L.geometry(lay.head_dim)
+        slot_at, raw_at = self.records[i]
         slot_bytes = geo.slot_bytes(s.capacity)
-        _rows(store.slots.data, slot_bytes).index_copy_(0, lut[:s.slot_tiles], _rows(body[s.slots:s.raw], slot_bytes))
-        _rows(store.raw.data, geo.raw_bytes).index_copy_(0, lut[s.slot_tiles:] - _RAW_ENTRY_BIAS,
-                                                         _rows(body[s.raw:s.tail], geo.raw_bytes))
-        entries = _view(body, s.table, nb * per, torch.int32)
+        _rows(store.slots.data, slot_bytes).index_copy_(0, slot_at, _rows(body[s.slots:s.raw], slot_bytes))
+        _rows(store.raw.data, geo.raw_bytes).index_copy_(0, raw_at, _rows(body[s.raw:s.tail], geo.raw_bytes))
+        entries = _view(body, s.table, lay.blocks * lay.tiles_per_block, torch.int32)
         index = (entries & L.TABLE_INDEX_MASK).long()
         position = torch.where(entries < 0, index + s.slot_tiles, index)
-        store.table[seq, :nb] = lut[position].to(torch.int32).view(nb, per)
-        epochs = to_cache[_block_epochs(c, s)].astype(np.int16)
-        store.epochs[seq, :nb] = epochs
-        cache._cuts[seq].update((np.flatnonzero(np.diff(epochs)) + 1).tolist())
-        if store.epoch is not None:
-            store.epoch[seq, :nb] = torch.from_numpy(epochs).to(dev)
-        store.tail[seq, :, :t] = _view(body, s.tail, lay.kv_heads * t * lay.head_dim, torch.int16,
-                                       (lay.kv_heads, t, lay.head_dim))
-    cache._live[seq] = True
-    cache._lens[:, seq] = lay.tokens
-    cache._seq_lens[:, seq] = lay.tokens
-    cache._step_index = None
-    return seq
+        lut = torch.cat([slot_at, raw_at + _RAW_ENTRY_BIAS])
+        if lut.numel():
+            position.clamp_(0, lut.numel() - 1)
+        self.tables[i] = lut.index_select(0, position).to(torch.int32).view(lay.blocks, lay.tiles_per_block)
+
+    def commit(self, body: torch.Tensor, appended: list, maps: list) -> int:
+        """The sequence into the cache, with the epochs ``appended`` (per section: (b3, b4) to append, in
+        order) and ``maps`` (per section: container epoch -> cache epoch); returns its id."""
+        cache, c = self.cache, self.c
+        lay = c.layout
+        nb, t = lay.blocks, lay.tail_tokens
+        if self.records is None:
+            if not cache.grow:
+                raise PoolExhaustedError(f"{self.short[0][0]}; remove sequences, make the cache larger or with "
+                                         "grow=True")
+            if not (~cache._live).any():
+                cache._grow_rows(2 * cache.max_seqs)
+            if nb > cache.max_blocks:
+                cache._grow_blocks(max(nb, 2 * cache.max_blocks))
+            for _, grow in self.short:
+                if grow is not None:
+                    pool, n = grow
+                    pool.grow_to(max(n, 2 * pool.size))
+                    cache._layer_state.clear()
+            self.records = self._records()       # the counts _shortfalls read, or a grown pool's new list
+            for i in range(len(lay.sections)):
+                self.scatter(i, body)
+        seq = int(np.flatnonzero(~cache._live)[0])
+        epochs = [to_cache[_block_epochs(c, s)].astype(np.int16) for s, to_cache in zip(lay.sections, maps)]
+        on_device = _upload(np.stack(epochs), cache.device) if cache.adapt else None
+        for i, (s, tables) in enumerate(zip(lay.sections, appended)):
+            store = cache._store[s.layer][s.kind]
+            for b3, b4 in tables:
+                cache.calibration.add_epoch(s.layer, s.kind, b3, b4)
+                store.add_epoch(b3, b4)
+                cache._drop_layer_state(s.layer)
+            store.slots.take_upcoming(s.slot_tiles)
+            store.raw.take_upcoming(s.raw_tiles)
+            store.table[seq, :nb] = self.tables[i]
+            store.epochs[seq, :nb] = epochs[i]
+            cache._cuts[seq].update((np.flatnonzero(np.diff(epochs[i])) + 1).tolist())
+            if store.epoch is not None:
+                store.epoch[seq, :nb] = on_device[i]
+            store.tail[seq, :, :t] = _view(body, s.tail, lay.kv_heads * t * lay.head_dim, torch.int16,
+                                           (lay.kv_heads, t, lay.head_dim))
+        cache._live[seq] = True
+        cache._lens[:, seq] = lay.tokens
+        cache._seq_lens[:, seq] = lay.tokens
+        cache._step_index = None
+        return seq
 
 
 def _epoch_map(c: Container, cal: Calibration) -> tuple[list, list]:
@@ -602,15 +782,23 @@ def export_sequence(cache, seq: int, *, calibration: bool = False, out=None) -> 
                              f"{host.dtype} {list(host.shape)} on {host.device}")
         host = host[:lay.nbytes]
     body = torch.empty(lay.body_bytes, dtype=torch.uint8, device=cache.device) if cuda else host[lay.body_offset:]
-    _fill_body(stored, lay, body)
-    crcs = _chunk_crcs(body)
+    epochs = _upload(np.stack([st.epochs for st in stored]).astype(np.int16), body.device)
+    crcs = []
+
+    def work(start: int, end: int, sections: range) -> None:
+        for i in sections:
+            _fill_section(stored[i], lay.sections[i], lay, body, epochs[i])
+        crcs.append(_chunk_crcs(body[start:end]))
+
+    _pipeline(lay, body, host[lay.body_offset:], work, to_host=True)
     if cuda:
-        host[lay.body_offset:].copy_(body, non_blocking=True)
-        crcs = crcs.to("cpu", non_blocking=True)
-        torch.cuda.current_stream(cache.device).synchronize()
+        crcs = torch.cat(crcs).to("cpu", non_blocking=True)
+        torch.cuda.current_stream(body.device).synchronize()      # the one wait: every gather, CRC and copy
         crcs = crcs.numpy().view(np.uint32)
         if len(crcs) < lay.chunks:               # the partial last chunk, now on the host
             crcs = np.append(crcs, zlib.crc32(host[lay.body_offset + len(crcs) * L.SEQUENCE_CHUNK_BYTES:].numpy()))
+    else:
+        crcs = np.concatenate(crcs)
     head = _head(lay, cache.calibration.id, cache.calibration.canonical_bytes() if calibration else None, crcs)
     array = host.numpy()
     array[:len(head)] = np.frombuffer(head, np.uint8)
@@ -623,20 +811,35 @@ def import_sequence(cache, data) -> int:
     ``cache`` as a new sequence and return its id.
 
     The cache's calibration must have the container's calibration id; epochs are matched or appended (module
-    docstring).  Every CRC, table and epoch is checked first: a corrupt container raises
-    :class:`FormatError`, one for another calibration :class:`CalibrationError`, a cache without room
-    :class:`PoolExhaustedError` (unless it grows) -- and the cache is then unchanged.  The slots are copied,
-    not decoded: decoding them (reading the sequence, attention) checks them as it checks a block's.
+    docstring).  Every CRC, table and epoch is checked before the sequence enters the cache: a corrupt
+    container raises :class:`FormatError`, one for another calibration :class:`CalibrationError`, a cache
+    without room :class:`PoolExhaustedError` (unless it grows) -- and the cache is then unchanged (free pool
+    records may hold the container's bytes, which nothing reads).  The slots are copied, not decoded:
+    decoding them (reading the sequence, attention) checks them as it checks a block's.  On a CUDA cache the
+    host waits once, for the checks' verdict; the writes after it run on the current stream.
     """
     c = read_head(data)
     _check_calibration(c, cache.calibration, cache.adapt)
     with warnings.catch_warnings():                  # read-only bytes: torch warns, and nothing writes to them
         warnings.simplefilter("ignore", UserWarning)
         host = torch.from_numpy(c.body)
-    body = host.to(cache.device, non_blocking=True) if cache.device.type == "cuda" else host
-    _check_body(c, body)
+    lay = c.layout
+    body = torch.empty(lay.body_bytes, dtype=torch.uint8, device=cache.device) if cache.device.type == "cuda" \
+        else host
+    check = _BodyCheck(c, body)
+    writer = _Writer(cache, c)
+
+    def work(start: int, end: int, sections: range) -> None:
+        check.chunks(start, end)
+        for i in sections:
+            check.section(lay.sections[i])
+            if writer.records is not None:
+                writer.scatter(i, body)
+
+    _pipeline(lay, body, host, work, to_host=False)
+    check.verdict()
     appended, maps = _epoch_map(c, cache.calibration)
-    return _write_storage(cache, c, body, appended, maps)
+    return writer.commit(body, appended, maps)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -384,6 +384,54 @@ def test_a_body_of_several_chunks():
                                                                 fix_crcs=False))
 
 
+def test_the_body_moves_in_pieces(monkeypatch):
+    """Pieces of one chunk: the same container as in one piece; imports piece by piece into host and device free
+    lists (the CUDA codec's, in the simulator) take their records once each; a corrupt chunk of a later piece is
+    refused after the earlier pieces were scattered, and takes no record."""
+    rng = np.random.default_rng(5)
+    k, v = drifting(rng, 2, 8, 1100, 128, 0.0), drifting(rng, 2, 8, 1100, 128, 0.0)
+    cal = calibrate(k, v)
+    cache = PagedKVCache(cal, max_blocks=70)
+    seq = cache.add_sequence(k, v)
+    whole = bytes(cache.export_sequence(seq))
+    lay = transfer.read_head(whole).layout
+    assert transfer._piece_ends(lay) == [lay.body_bytes]
+    monkeypatch.setattr(transfer, "PIECE_BYTES", L.SEQUENCE_CHUNK_BYTES)
+    ends = transfer._piece_ends(lay)
+    assert len(ends) >= 3 and ends[-1] == lay.body_bytes and ends == sorted(set(ends))
+    assert all(e % L.SEQUENCE_CHUNK_BYTES == 0 for e in ends[:-1])
+    assert bytes(cache.export_sequence(seq)) == whole
+    records = [(s.slot_tiles, s.raw_tiles) for s in lay.sections]
+    at = lay.body_offset + ends[1] + 17                             # a byte of the third piece, flipped
+    bad = mutate(whole, at, bytes([whole[at] ^ 1]), fix_crcs=False)
+    for codec in ("reference", "cuda"):
+        target = PagedKVCache(cal, max_seqs=3, max_blocks=70, codec=codec)
+        used = lambda: [(st.slots.used, st.raw.used) for layer in target._store for st in layer]  # noqa: E731
+        first = target.import_sequence(whole)
+        assert used() == records
+        with pytest.raises(FormatError, match=f"chunk {ends[1] // L.SEQUENCE_CHUNK_BYTES} of the body"):
+            target.import_sequence(bad)
+        assert target.sequences == [first] and used() == records
+        second = target.import_sequence(whole)
+        assert used() == [(2 * a, 2 * b) for a, b in records]
+        for layer in target._store:                                  # each record holds one sequence's tile
+            for st in layer:
+                a, b = (set(st.table[s, :lay.blocks].reshape(-1).tolist()) for s in (first, second))
+                assert not a & b
+        assert bytes(target.export_sequence(first)) == whole == bytes(target.export_sequence(second))
+
+
+def test_a_corrupt_container_does_not_grow_the_cache(exported):
+    """A cache that must grow for the sequence grows only once the body passed its checks."""
+    cal, data = exported
+    target = PagedKVCache(cal, max_blocks=2, slots=1, raw_tiles=0, grow=True)
+    before = snapshot(target)
+    with breaks("S13"):
+        target.import_sequence(CORRUPTIONS["S13"][0](data))
+    assert_unchanged(target, before)
+    assert target.import_sequence(data) == 0 and target.max_blocks >= 13
+
+
 def test_chunk_crc_kernel_matches_zlib():
     pytest.importorskip("numba")
     from gaac.cuda import crc
