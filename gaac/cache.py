@@ -266,6 +266,9 @@ class _DevicePool(_Pool):
     runs dry).  The host never waits for that count on the serving path: it keeps ``taken``, the count
     when it last read it, and ``pending``, how many records encodes launched since may have taken --
     so ``order``'s length minus both is a lower bound of the free records, exact after :meth:`sync`.
+    On a GPU each encode is followed by an asynchronous copy of the counts to the host
+    (:meth:`snapshot`), which the lower bound takes up once it has arrived: the bound stays within an
+    update of the truth without waiting for the device.
     """
 
     def __init__(self, name: str, n: int, record: tuple, dtype: torch.dtype, device: torch.device,
@@ -286,13 +289,22 @@ class _DevicePool(_Pool):
         self.order = order.contiguous()
         self.heads[self.cls] = 0
         self.taken = self.pending = 0
+        self._snap = None
 
     def sync(self) -> None:
         """Read the device's count of taken records (waits for the encodes in flight)."""
-        self.taken, self.pending = int(self.heads[self.cls]), 0
+        self.taken, self.pending, self._snap = int(self.heads[self.cls]), 0, None
+
+    def snapshot(self, counts: tuple) -> None:
+        """Take up, once it has arrived, ``counts``: (pinned copy of ``heads``, its event), started after the
+        encodes that ``pending`` counts now."""
+        self._snap = (*counts, self.pending)
 
     def free_lower(self) -> int:
         """Free records, at least (no synchronisation)."""
+        if self._snap is not None and self._snap[1].query():
+            host, _, counted = self._snap
+            self.taken, self.pending, self._snap = int(host[self.cls]), self.pending - counted, None
         return self.order.shape[0] - self.taken - self.pending
 
     def n_free(self) -> int:
@@ -324,7 +336,7 @@ class _DevicePool(_Pool):
     def upcoming(self, k: int) -> torch.Tensor:
         """The ``k`` records :meth:`take` would hand out next, as an int64 tensor on the device, none taken and
         nothing read back: valid right after :func:`sync_pools` (or :meth:`sync`), before anything else takes
-        records (the step plan's append pops records without counting them in ``pending``)."""
+        records."""
         start = min(self.taken, self.order.shape[0])
         return self.order[start:start + k].long()
 
@@ -342,7 +354,7 @@ def sync_pools(pools) -> list[int]:
     if heads:
         counts = dict(zip(map(id, heads), torch.stack(heads).tolist()))
         for p in device:
-            p.taken, p.pending = counts[id(p.heads)][p.cls], 0
+            p.taken, p.pending, p._snap = counts[id(p.heads)][p.cls], 0, None
     return [max(p.order.shape[0] - p.taken, 0) if isinstance(p, _DevicePool) else p.n_free() for p in pools]
 
 
@@ -1009,6 +1021,7 @@ class PagedKVCache:
             unsure = [(u, kind) for u, kind in jobs
                       if min(p.free_lower() for p in self._pools(u.layer, kind)) < u.tiles[kind].shape[0]]
             saved = {id(self._store[u.layer][kind]): self._store[u.layer][kind].heads.clone() for u, kind in unsure}
+            unsure_ids = {(id(u), kind) for u, kind in unsure}
             for u, kind in jobs:
                 store = self._store[u.layer][kind]
                 tiles, plan, per = u.tiles[kind], u.epochs[kind], self.tiles_per_block
@@ -1020,6 +1033,10 @@ class PagedKVCache:
                 u.entries[kind] = entries
                 for pool in (store.slots, store.raw):
                     pool.pending += tiles.shape[0]
+                if self.device.type == "cuda" and (id(u), kind) not in unsure_ids:
+                    counts = self._host_copy(store.heads)
+                    for pool in (store.slots, store.raw):
+                        pool.snapshot(counts)
             over = []
             for u, kind in unsure:
                 for pool in self._pools(u.layer, kind):
