@@ -296,8 +296,9 @@ def _c_float(x):
 def reserve_step(cache, before: np.ndarray, after: np.ndarray) -> None:
     """Check (or, with ``grow``, make) room in every layer for the blocks a step from lengths ``before``
     to ``after`` finishes, before anything is written; :class:`PoolExhaustedError` names the first pool
-    short.  A finished tile takes a slot or a raw tile, decided as it is encoded, so the check asks
-    that each pool could take every tile, and reads the device's exact counts only when that fails."""
+    short.  A finished tile takes a slot or a raw tile, decided only as it is encoded, so each pool must be
+    able to take every tile the step finishes: then no layer of the step can run out part way.  The
+    device's exact counts are read only when the lower bound of free records falls short."""
     blocks = after // L.BLOCK_TOKENS - before // L.BLOCK_TOKENS
     need_rows = int((after // L.BLOCK_TOKENS).max(initial=0))
     if need_rows > cache.max_blocks:
@@ -311,17 +312,15 @@ def reserve_step(cache, before: np.ndarray, after: np.ndarray) -> None:
         return
     for layer_store in cache._store:
         for store in layer_store:
-            pools = (store.slots, store.raw)
-            lower = [p.free_lower() if hasattr(p, "free_lower") else p.n_free() for p in pools]
-            if min(lower) >= n:
-                continue
-            free = [p.n_free() for p in pools]
-            if sum(free) >= n:
-                continue         # enough records in all; which pool each tile takes is known after encoding
-            if not cache.grow:
-                pool = pools[0] if free[0] < free[1] else pools[1]
-                raise PoolExhaustedError(f"{pool.name} is exhausted: this step finishes {n} tiles and {sum(free)} "
-                                         "records are free in its slot and raw-tile pools; remove sequences or make "
-                                         "the pools larger")
-            store.slots.grow_to(max(store.slots.size + n - sum(free), 2 * store.slots.size))
-            cache._layer_state.clear()
+            for pool in (store.slots, store.raw):
+                if (pool.free_lower() if hasattr(pool, "free_lower") else pool.n_free()) >= n:
+                    continue
+                free = pool.n_free()
+                if free >= n:
+                    continue
+                if not cache.grow:
+                    raise PoolExhaustedError(f"{pool.name} is exhausted: this step finishes {n} tiles per layer and "
+                                             f"kind, each of which may need a record of it, and {free} of {pool.size} "
+                                             "are free; remove sequences or make the pool larger")
+                pool.grow_to(max(pool.size + n - free, 2 * pool.size))
+                cache._layer_state.clear()

@@ -80,6 +80,8 @@ def check_accounting(cache, contents):
 class CacheMachine(RuleBasedStateMachine):
     """A cache against a dict of what each sequence holds; small pools, so exhaustion happens too."""
 
+    CODEC = "reference"
+
     @initialize(dim=st.sampled_from((64, 256)), heads=st.integers(1, 2), seed=st.integers(0, 2**32 - 1),
                 caps=st.lists(st.sampled_from((0, 16, 32, None)), min_size=4, max_size=4), grow=st.booleans(),
                 pool=st.integers(2, 40))
@@ -89,7 +91,8 @@ class CacheMachine(RuleBasedStateMachine):
         cal = calibrate(sample, synthetic(self.rng, 2, heads, 4 * B, dim))
         cap = np.array([c if c is not None else cal.capacity.flat[i] for i, c in enumerate(caps)]).reshape(2, 2)
         self.cal = with_capacity(cal, cap)
-        self.cache = PagedKVCache(self.cal, max_seqs=3, max_blocks=4, slots=pool, raw_tiles=pool // 2, grow=grow)
+        self.cache = PagedKVCache(self.cal, max_seqs=3, max_blocks=4, slots=pool, raw_tiles=pool // 2, grow=grow,
+                                  codec=self.CODEC)
         self.contents = {}
         self.finished = 0            # blocks of any sequence that ever completed (per layer)
 
@@ -133,6 +136,29 @@ class CacheMachine(RuleBasedStateMachine):
             old_k, old_v = self.contents[seq]
             self.finished += (old_k.shape[2] + t) // B - old_k.shape[2] // B
             self.contents[seq] = (np.concatenate([old_k, k], axis=2), np.concatenate([old_v, v], axis=2))
+
+    @rule()
+    def step(self):
+        """A decode step of every live sequence: one plan, then one token each, layer by layer.  The plan
+        reserves the step, so it fails before anything is written or not at all."""
+        if not self.contents:
+            return
+        seqs = sorted(self.contents)
+        k, v = self.tokens(len(seqs))                      # token i of each is sequence i's
+        new = [torch.from_numpy(np.ascontiguousarray(x.transpose(0, 2, 1, 3)[:, :, :, None]).view(np.int16))
+               for x in (k, v)]                            # [layers, seqs, heads, 1, dim]
+
+        def go():
+            self.cache.decode_plan(self.cal.kv_heads)
+            for layer in range(self.cal.layers):
+                self.cache.update_layer(layer, seqs, new[0][layer], new[1][layer])
+        _, ok = self.attempt(go)
+        if ok:
+            for i, seq in enumerate(seqs):
+                old_k, old_v = self.contents[seq]
+                self.finished += (old_k.shape[2] + 1) // B - old_k.shape[2] // B
+                self.contents[seq] = (np.concatenate([old_k, k[:, :, i:i + 1]], axis=2),
+                                      np.concatenate([old_v, v[:, :, i:i + 1]], axis=2))
 
     @rule(data=st.data())
     def remove(self, data):
@@ -180,6 +206,18 @@ class CacheMachine(RuleBasedStateMachine):
 CacheMachine.TestCase.settings = settings(max_examples=15, stateful_step_count=12, deadline=None,
                                           suppress_health_check=[HealthCheck.too_slow])
 TestCacheMachine = CacheMachine.TestCase
+
+
+class CudaCacheMachine(CacheMachine):
+    """The same interleavings with the CUDA codec (numba's simulator): free lists on the device, the one-token
+    append kernel, encodes straight into the pools and their undo when a pool runs dry."""
+
+    CODEC = "cuda"
+
+
+CudaCacheMachine.TestCase.settings = settings(max_examples=6, stateful_step_count=10, deadline=None,
+                                              suppress_health_check=[HealthCheck.too_slow])
+TestCudaCacheMachine = CudaCacheMachine.TestCase
 
 
 # ----------------------------------------------------------------------------------------------
