@@ -367,13 +367,19 @@ def test_a_sequence_mid_update_is_not_exported(real):
 # ----------------------------------------------------------------------------------------------
 # Bodies of several chunks, and the CUDA chunk CRC kernel (numba's simulator here).
 
-def test_a_body_of_several_chunks():
+@pytest.fixture(scope="module")
+def chunked():
+    """A sequence whose container's body spans several 1 MiB chunks: (calibration, cache, sequence, bytes)."""
     rng = np.random.default_rng(5)
     k, v = drifting(rng, 2, 8, 1100, 128, 0.0), drifting(rng, 2, 8, 1100, 128, 0.0)
     cal = calibrate(k, v)
     cache = PagedKVCache(cal, max_blocks=70)
     seq = cache.add_sequence(k, v)
-    data = bytes(cache.export_sequence(seq))
+    return cal, cache, seq, bytes(cache.export_sequence(seq))
+
+
+def test_a_body_of_several_chunks(chunked):
+    cal, cache, seq, data = chunked
     c = transfer.read_head(data)
     assert c.layout.chunks >= 4 and c.layout.body_bytes % L.SEQUENCE_CHUNK_BYTES
     got = PagedKVCache(cal, max_blocks=70).import_sequence(data) == 0
@@ -384,16 +390,11 @@ def test_a_body_of_several_chunks():
                                                                 fix_crcs=False))
 
 
-def test_the_body_moves_in_pieces(monkeypatch):
+def test_the_body_moves_in_pieces(chunked, monkeypatch):
     """Pieces of one chunk: the same container as in one piece; imports piece by piece into host and device free
     lists (the CUDA codec's, in the simulator) take their records once each; a corrupt chunk of a later piece is
     refused after the earlier pieces were scattered, and takes no record."""
-    rng = np.random.default_rng(5)
-    k, v = drifting(rng, 2, 8, 1100, 128, 0.0), drifting(rng, 2, 8, 1100, 128, 0.0)
-    cal = calibrate(k, v)
-    cache = PagedKVCache(cal, max_blocks=70)
-    seq = cache.add_sequence(k, v)
-    whole = bytes(cache.export_sequence(seq))
+    cal, cache, seq, whole = chunked
     lay = transfer.read_head(whole).layout
     assert transfer._piece_ends(lay) == [lay.body_bytes]
     monkeypatch.setattr(transfer, "PIECE_BYTES", L.SEQUENCE_CHUNK_BYTES)
