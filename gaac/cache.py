@@ -32,15 +32,21 @@ one :meth:`PagedKVCache.update_layer` call, the order of ``seqs``.  Because the
 adapter never looks at how a block was coded, an update first runs it over
 all its blocks and then encodes each run of one epoch in one codec call.  The
 histogram the adapter keeps is on the host, so on a GPU a finalized block is
-also copied to the host once.  ``adapt=False`` codes every block with the
-calibration's own bases (epoch 0) and keeps no index.
+also copied to the host once: asynchronously where the blocks reach no check
+(a decode loop), the adapter observing them when it next needs its state.
+``adapt=False`` codes every block with the calibration's own bases (epoch 0)
+and keeps no index.
 
-Every update is all-or-nothing: the encode runs first (the adapters on copies of
-their state), the pools and tables are checked next, and only then is anything
-written, so an exhausted pool raises :class:`PoolExhaustedError` and leaves the
-cache as it was -- adapters and epochs included.  ``grow=True`` instead
-enlarges a pool or table that runs out (what a dynamic cache such as
-``gaac.hf.GAACCache`` wants).
+Every update is all-or-nothing: an exhausted pool raises :class:`PoolExhaustedError`
+and leaves the cache as it was -- adapters and epochs included.  With the reference
+codec the encode runs first (the adapters on copies of their state), the pools and
+tables are checked next, and only then is anything written.  The CUDA encoder takes
+its records from free lists on the device as it writes; where the host cannot prove
+they suffice it reads the device's counts afterwards and, if a list ran dry, puts
+them back (the records return to their lists) before raising.  A decode step
+planned with :meth:`PagedKVCache.decode_plan` is reserved for every layer at once.
+``grow=True`` instead enlarges a pool or table that runs out (what a dynamic cache
+such as ``gaac.hf.GAACCache`` wants).
 
 Arrays are torch tensors on the cache's device, in the dtypes of
 :class:`gaac.cachelayout.LayerView`, so :meth:`PagedKVCache.layer_view` hands
@@ -142,24 +148,15 @@ class ReferenceCodec:
 class CudaCodec:
     """The numba.cuda kernels of :mod:`gaac.cuda.codec` (device tensors; NumPy/CPU tensors in the simulator).
 
-    Encoding goes through the one-shot helper into scratch pools and the
-    cache then copies the slots into its own pools: one small device-to-host
-    copy of the storage decisions per update, which keeps the cache's free
-    lists on the host.  Feeding the cache's free lists to an
-    :class:`gaac.cuda.codec.EncodePlan` directly would remove that copy.
+    The cache encodes through :class:`gaac.cuda.codec.EncodePlan` straight into its pools, whose free
+    lists live on the device (:class:`_DevicePool`, :meth:`PagedKVCache._encode_on_device`); this class
+    decodes, for reading a cache back.
     """
 
     def __init__(self):
         from .cuda import codec
 
         self._codec = codec
-
-    def encode(self, tiles, tb3, tb4, capacity):
-        out = self._codec.encode_tiles(tiles.contiguous(), tb3, tb4, capacity)
-        entries = out["entries"]
-        fits = (entries >= 0).cpu().numpy()
-        index = entries[torch.from_numpy(fits).to(entries.device)].long()
-        return out["slots"][index], fits
 
     def decode(self, slots, raw, entries, tb3, tb4, capacity):
         # The kernels cannot take an empty pool; no entry points into one, so one zero record stands in.
