@@ -1,4 +1,4 @@
-"""gaac: lossless group-adaptive additive coding of BF16 KV caches.
+"""gaac: lossless compression of BF16 KV caches (GAAC, the Group-Adaptive Additive Codec).
 
 The codec (``encode_block``/``decode_block``, ``calibrate``) needs only NumPy.
 The paged cache and attention need torch; they are imported on first use, so
@@ -16,6 +16,7 @@ _LAZY = {
     "PagedKVCache": ("gaac.cache", "PagedKVCache"),
     "decode_attention": ("gaac.attention", "decode_attention"),
     "AttentionPlan": ("gaac.attention", "AttentionPlan"),
+    "StepPlan": ("gaac.step", "StepPlan"),
     "measure": ("gaac.stats", "measure"),
 }
 
@@ -32,6 +33,6 @@ def __getattr__(name):
 
 __all__ = [
     "AttentionPlan", "Calibration", "CalibrationError", "EncodedBlock", "FORMAT_VERSION", "FormatError", "GAACError",
-    "InputError", "PagedKVCache", "PoolExhaustedError", "calibrate", "decode_attention", "decode_block",
+    "InputError", "PagedKVCache", "PoolExhaustedError", "StepPlan", "calibrate", "decode_attention", "decode_block",
     "encode_block", "measure", "sample",
 ]
