@@ -222,6 +222,10 @@ class _Pool:
     def n_free(self) -> int:
         return self._top
 
+    def free_lower(self) -> int:
+        """Free records, at least: exact for a host free list (see :meth:`_DevicePool.free_lower`)."""
+        return self._top
+
     def grow_to(self, n: int) -> None:
         old = self.size
         extra = torch.zeros((n - old, *self.data.shape[1:]), dtype=self.data.dtype, device=self.data.device)
@@ -517,7 +521,7 @@ class PagedKVCache:
         self._seq_lens = torch.zeros((self.layers, max_seqs), dtype=torch.int32, device=self.device)
         self._live = np.zeros(max_seqs, dtype=bool)
         self._cuts = [set() for _ in range(max_seqs)]      # per sequence: blocks where some layer's epoch changes
-        self._layer_state = {}       # layer -> what a step plan launches attention with (gaac.step)
+        self._layer_state = {}       # (layer, g) -> what a step plan launches attention with (gaac.step)
         self._step_index = None      # the device indices of the current one-token step (_append_token)
         self._wave = {}              # attention kernel -> warps in one wave (gaac.step)
         self._append_launch = None   # the one-token append kernel's launcher (GPU)
@@ -535,7 +539,7 @@ class PagedKVCache:
         tb3, tb4 = (np.stack(t) for t in zip(*(tile_bases(x3, x4) for x3, x4 in zip(b3, b4))))
         name = f"layer {layer} {L.KIND_NAMES[kind].upper()}"
         heads = None
-        if isinstance(self.codec, CudaCodec):     # the encoder pops records from free lists on the device
+        if self._cuda_codec:                      # the encoder pops records from free lists on the device
             heads = torch.zeros(2, dtype=torch.int32, device=dev)
             pools = [functools.partial(_DevicePool, heads=heads, cls=cls) for cls in range(2)]
         else:
@@ -761,10 +765,10 @@ class PagedKVCache:
         if self._step_index is None or self._step_index[0] != key:
             index = np.stack([rows, r, lens + 1]).astype(np.int32)
             dev = self._to_device(index)
-            self._step_index = (key, dev, dev.long() if not self._fused_attention else None)
+            self._step_index = (key, dev, dev.long() if not self._cuda_codec else None)
         _, index, long_index = self._step_index
         k_store, v_store = self._store[layer]
-        if self._fused_attention:
+        if self._cuda_codec:
             self._launch_append(layer, k, v, index, k_store, v_store)
         else:
             rows_t, r_t, after_t = long_index
@@ -819,7 +823,7 @@ class PagedKVCache:
     def _apply(self, updates: list) -> None:
         """Reserve, encode (GPU) and commit prepared updates: all of them, or nothing and an error."""
         self._reserve(updates)
-        if isinstance(self.codec, CudaCodec):
+        if self._cuda_codec:
             self._encode_on_device(updates)
         for u in updates:
             self._commit(u)
@@ -866,7 +870,7 @@ class PagedKVCache:
                 cut[kind].append(head.reshape(self.kv_heads, q, L.BLOCK_TOKENS, self.head_dim).transpose(0, 1))
         tiles, slots, fits, epochs = [], [], [], []
         per = self.tiles_per_block
-        on_device = isinstance(self.codec, CudaCodec)
+        on_device = self._cuda_codec
         for kind in KINDS:
             store = self._store[layer][kind]
             if not cut[kind]:
@@ -1173,19 +1177,11 @@ class PagedKVCache:
 
         return StepPlan(self, q_heads, append=append, seqs=seqs, scale=scale)
 
-    def _reserve_step(self, before: np.ndarray, after: np.ndarray) -> None:
-        from .step import reserve_step
-
-        reserve_step(self, before, after)
-
     @property
-    def _fused_attention(self) -> bool:
-        """Whether a step plan runs the fused kernel (the CUDA codec: a GPU, or numba's simulator)."""
+    def _cuda_codec(self) -> bool:
+        """Whether the cache runs the CUDA codec (a GPU, or numba's simulator): free lists on the device, the
+        append kernel, and the fused kernel in step plans."""
         return isinstance(self.codec, CudaCodec)
-
-    def _checked_seq(self, seq) -> int:
-        self._check_seq(seq)
-        return int(seq)
 
     # -- reading ------------------------------------------------------------------
     @_locked

@@ -16,9 +16,9 @@ BF16 tensors to the model's own attention, so outputs are bit-identical to
 ``DynamicCache``'s (the codec is lossless).  The fused path (``fused=True``,
 the default on CUDA with ``attn_implementation="gaac"``) returns, for a
 one-token decode step, a :class:`PagedLayer` handle instead of tensors; the
-``"gaac"`` attention registered here passes it to
-:func:`gaac.attention.decode_attention`, which reads the compressed slots
-directly.  Prefill (more than one new token) always takes the decoded path and
+``"gaac"`` attention registered here runs the forward pass's step plan on it
+(:meth:`gaac.PagedKVCache.decode_plan`, made once per forward pass before its
+first append), which reads the compressed slots directly.  Prefill (more than one new token) always takes the decoded path and
 the model's standard attention, as in the paper.  The decoded path is what a
 CPU always runs: decoding every layer's whole cache at every step makes a
 generation several times slower than with ``DynamicCache`` there (3-16x on

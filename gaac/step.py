@@ -126,14 +126,14 @@ class StepPlan:
             layer = int(np.flatnonzero((lens != lens[0]).any(axis=1))[0])
             raise InputError(f"layer {layer} holds other lengths than layer 0 ({lens[layer].tolist()} against "
                              f"{lens[0].tolist()}): finish the step that is under way before planning the next")
-        rows = np.asarray(cache.sequences if seqs is None else [cache._checked_seq(s) for s in seqs], np.int64)
+        rows = np.asarray(cache.sequences if seqs is None else cache._check_seqs(seqs), np.int64)
         self.seqs = rows.tolist()
         before = lens[0].copy()
         self.lens = before.copy()
         self.lens[rows] += append
         self.batch = len(self.lens)
-        cache._reserve_step(before, self.lens)
-        self.kernel_path = cache._fused_attention
+        reserve_step(cache, before, self.lens)
+        self.kernel_path = cache._cuda_codec
         if self.kernel_path:
             self._plan_kernel()
 
@@ -313,7 +313,7 @@ def reserve_step(cache, before: np.ndarray, after: np.ndarray) -> None:
     for layer_store in cache._store:
         for store in layer_store:
             for pool in (store.slots, store.raw):
-                if (pool.free_lower() if hasattr(pool, "free_lower") else pool.n_free()) >= n:
+                if pool.free_lower() >= n:
                     continue
                 free = pool.n_free()
                 if free >= n:
