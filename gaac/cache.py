@@ -400,6 +400,8 @@ class _Epochs:
     after: Adapter | None        # a check ran: the adapter after the blocks (on a copy of the calibration)
     pending: object              # no check was due: the blocks the live adapter observes after commit
                                  # (NumPy, or a pinned host copy and its event on a GPU)
+    blocks: object = None        # the rule runs on the GPU: the blocks, until the update's batch is decided
+    first_new: int = 0           # the index of the first epoch this update may append
 
 
 @dataclass
@@ -822,6 +824,7 @@ class PagedKVCache:
 
     def _apply(self, updates: list) -> None:
         """Reserve, encode (GPU) and commit prepared updates: all of them, or nothing and an error."""
+        self._decide_epochs(updates)
         self._reserve(updates)
         if self._cuda_codec:
             self._encode_on_device(updates)
@@ -922,11 +925,33 @@ class PagedKVCache:
         if n <= adapter.until_check:
             return _Epochs(epochs=np.full(n, adapter.epoch, np.int64), tables=[], after=None,
                            pending=self._host_copy(finished))
-        host = finished.cpu().numpy().view(np.uint16)
         after = copy.deepcopy(adapter, {id(adapter.calibration): self._calibration.copy()})
+        if self._device_rule:
+            return _Epochs(epochs=None, tables=[], after=after, pending=None, blocks=finished,
+                           first_new=adapter.epoch + 1)
+        host = finished.cpu().numpy().view(np.uint16)
         epochs = after.assign(host)
         tables = [after.calibration.bases(layer, kind, e) for e in range(adapter.epoch + 1, after.epoch + 1)]
         return _Epochs(epochs=epochs, tables=tables, after=after, pending=None)
+
+    def _decide_epochs(self, updates: list) -> None:
+        """Run the adaptation rule on the GPU for every (layer, kind) of ``updates`` that reaches a check:
+        one batch per shape of finished blocks (:func:`gaac.cuda.epochs.assign`), one wait for the device."""
+        waiting = [(u.layer, kind, u.epochs[kind]) for u in updates for kind in KINDS
+                   if u.epochs[kind] is not None and u.epochs[kind].blocks is not None]
+        if not waiting:
+            return
+        from .cuda.epochs import assign
+
+        by_shape = {}
+        for item in waiting:
+            by_shape.setdefault(tuple(item[2].blocks.shape), []).append(item)
+        for batch in by_shape.values():
+            for (layer, kind, plan), epochs in zip(batch, assign([(p.after, p.blocks) for _, _, p in batch])):
+                plan.epochs = epochs
+                plan.tables = [plan.after.calibration.bases(layer, kind, e)
+                               for e in range(plan.first_new, plan.after.epoch + 1)]
+                plan.blocks = None
 
     def _host_copy(self, x: torch.Tensor):
         """``x`` on the host: NumPy on the CPU; on a GPU a pinned copy in flight and its event."""
@@ -1176,6 +1201,13 @@ class PagedKVCache:
         from .step import StepPlan
 
         return StepPlan(self, q_heads, append=append, seqs=seqs, scale=scale)
+
+    @property
+    def _device_rule(self) -> bool:
+        """Whether the adaptation rule runs on the GPU where an update reaches a check: with the CUDA codec
+        on a GPU (``_rule_on_device`` set on a cache, the simulator's tests run it there too)."""
+        on = getattr(self, "_rule_on_device", None)
+        return self._cuda_codec and (self.device.type == "cuda" if on is None else on)
 
     @property
     def _cuda_codec(self) -> bool:

@@ -1,0 +1,225 @@
+"""A long prompt entering the GAAC cache: ``add_sequence`` of one sequence into every layer, epochs off and on.
+
+    python benchmarks/prefill.py --out $OUT/prefill-h200.md [--tokens 131072] [--check-tokens 8192]
+    python benchmarks/prefill.py --smoke --out /tmp/prefill-smoke.md        # CPU, numba's simulator
+
+The cache has the Llama-3.1-8B KV shape (32 layers, 8 KV heads of 128) and the real SmolLM2 K/V of
+``decode_step.py`` tiled to ``--tokens``.  Timed, wall clock from the call to the device's last write
+(synchronised), best and median of ``--runs``:
+
+* ``add_sequence`` with calibration epochs off: the blocks are cut into tiles and encoded, one launch per
+  kind and layer;
+* the same with epochs on (the cache's default): the adaptation rule runs first, on the GPU, for every
+  (layer, kind) at once, then the encode, one launch per epoch run;
+* the rule alone (``gaac.cuda.epochs.assign`` on fresh adapters of every layer and kind);
+* the BF16 copy of the same bytes (one device-to-device copy per layer and kind), and the encode kernel alone
+  over the same tiles: the floors a prefill is measured against.
+
+Correctness, before the timing: at ``--check-tokens`` in a four-layer cache calibrated on the first 256 tokens
+(so that epochs follow the content), a cache whose rule runs on the GPU and one whose rule runs on the host append the same epochs, code every block with the same epoch, and both read back
+bit-exact.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import decode_step as DS  # noqa: E402  (sets up the simulator for --smoke)
+import torch  # noqa: E402
+
+import gaac  # noqa: E402
+from benchmarks.report import commit, table, write  # noqa: E402
+from gaac import layout as L  # noqa: E402
+from gaac.capture import package_version  # noqa: E402
+from gaac.epochs import Adapter  # noqa: E402
+
+log, sync, free = DS.log, DS.sync, DS.free
+
+
+def new_cache(cal, s, tokens: int, adapt: bool, *, rule_on_device: bool | None = None):
+    nblk = tokens // L.BLOCK_TOKENS
+    per = s.kv_heads * L.tiles_per_head(s.head_dim)
+    cache = gaac.PagedKVCache(cal, max_blocks=nblk + 1, slots=nblk * per, raw_tiles=nblk * per // 4,
+                              device=DS.DEV, adapt=adapt, codec="cuda")
+    if rule_on_device is not None:
+        cache._rule_on_device = rule_on_device
+    return cache
+
+
+def timed(fn, runs: int) -> list:
+    times = []
+    for _ in range(runs):
+        sync()
+        t = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - t) * 1e3)
+    return times
+
+
+def check(k, v, k_u, v_u, tokens: int, layers: int) -> dict:
+    """Device rule vs host rule in a ``layers``-layer cache calibrated on the first 256 real tokens (so that
+    epochs follow the content): epochs, per-block epochs, read-back bits."""
+    cal = gaac.calibrate(k_u[:layers, :, :256], v_u[:layers, :, :256], show_progress=False)
+    kk, vv = k[:layers, :, :tokens], v[:layers, :, :tokens]
+    caches = {}
+    for where, on_device in (("device", True), ("host", False)):
+        c = gaac.PagedKVCache(cal, max_blocks=tokens // L.BLOCK_TOKENS + 1, device=DS.DEV, codec="cuda")
+        c._rule_on_device = on_device
+        sync()
+        t = time.perf_counter()
+        seq = c.add_sequence(kk, vv)
+        sync()
+        caches[where] = (c, seq, time.perf_counter() - t)
+    (cd, sd, td), (ch, sh, th) = caches["device"], caches["host"]
+    kinds = [(l, kind) for l in range(layers) for kind in (0, 1)]
+    same_epochs = all(cd.calibration.n_epochs(l, kind) == ch.calibration.n_epochs(l, kind)
+                      and all(np.array_equal(a, b) for e in range(1, cd.calibration.n_epochs(l, kind))
+                              for a, b in zip(cd.calibration.bases(l, kind, e), ch.calibration.bases(l, kind, e)))
+                      for l, kind in kinds)
+    same_blocks = all(np.array_equal(cd._store[l][kind].epochs[sd], ch._store[l][kind].epochs[sh]) for l, kind in kinds)
+    exact = True
+    for l in range(layers):
+        for c, seq in ((cd, sd), (ch, sh)):
+            rk, rv = c.read_layer(l, [seq])
+            exact &= bool(torch.equal(rk[0], kk[l]) and torch.equal(rv[0], vv[l]))
+    appended = sum(cd.calibration.n_epochs(l, kind) - 1 for l, kind in kinds)
+    res = {"tokens": tokens, "layers": layers, "same_epochs": bool(same_epochs), "same_block_epochs": bool(same_blocks),
+           "read_back_exact": bool(exact), "epochs_appended": int(appended), "device_s": td, "host_s": th}
+    log(f"  check at {tokens} tokens x {layers} layers: same epochs {same_epochs}, same block epochs {same_blocks}, "
+        f"bit-exact {exact}; {appended} epochs appended; wall: device rule {td:.2f} s, host rule {th:.2f} s")
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="CPU dry run: tiny shapes, kernels in numba's simulator")
+    ap.add_argument("--out", type=Path, required=True, help="markdown results (a .json beside it)")
+    ap.add_argument("--data", default=None, help="SmolLM2 K/V dumps (default .devdata/kv, then ../shared/data/kv)")
+    ap.add_argument("--tokens", type=int, default=None, help="prompt length (default 131072)")
+    ap.add_argument("--check-tokens", type=int, default=None, help="prompt length of the correctness check (8192)")
+    ap.add_argument("--runs", type=int, default=None, help="timed runs per variant (default 3)")
+    args = ap.parse_args()
+    smoke = DS.SMOKE
+    s = DS.SMOKE_SHAPE if smoke else DS.LLAMA_8B
+    tokens = args.tokens or (64 if smoke else 131072)
+    check_tokens = args.check_tokens or (64 if smoke else 8192)
+    runs = args.runs or (1 if smoke else 3)
+    if not smoke and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device (use --smoke for a CPU dry run)")
+    t_start = time.time()
+    k_u, v_u = DS.real_source(DS.find_data(args.data), s)
+    cal = gaac.calibrate(k_u, v_u, model="llama-3.1-8b-shape/smollm2-kv", show_progress=False)
+    src = DS.Source(k_u, v_u)
+    ks, vs = zip(*(src.dense(i, 1, tokens) for i in range(s.layers)))
+    k = torch.stack(ks)[:, 0].view(torch.int16)           # [layers, 8, T, D]
+    v = torch.stack(vs)[:, 0].view(torch.int16)
+    del ks, vs
+    rep = {"device": "CPU (numba simulator, smoke)" if smoke else torch.cuda.get_device_name(),
+           "date": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": commit(), "torch": torch.__version__,
+           "numba_cuda": package_version("numba-cuda"), "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+           "layers": s.layers, "kv_heads": s.kv_heads, "head_dim": s.head_dim, "tokens": tokens,
+           "bytes": 2 * k.numel() * 2, "smoke": smoke}
+    log(f"== check: device rule vs host rule ==")
+    rep["check"] = check(k, v, k_u, v_u, min(check_tokens, tokens), min(4, s.layers))
+
+    log(f"== prefill {tokens} tokens x {s.layers} layers ==")
+    for adapt in (False, True):
+        def run():
+            cache = new_cache(cal, s, tokens, adapt)
+            cache.add_sequence(k, v)
+            run.cache = cache
+        times = timed(run, runs + 1)[1:]                 # the first run compiles
+        c = run.cache
+        n_ep = sum(c.calibration.n_epochs(l, kind) - 1 for l in range(s.layers) for kind in (0, 1)) if adapt else 0
+        ratio = c.memory().ratio
+        del run.cache, c
+        free()
+        rep[f"adapt_{adapt}"] = {"best_ms": min(times), "median_ms": statistics.median(times), "runs": times,
+                                 "epochs": n_ep, "ratio": ratio}
+        log(f"  add_sequence, epochs {'on' if adapt else 'off'}: best {min(times):.1f} ms, median "
+            f"{statistics.median(times):.1f} ms ({n_ep} epochs, ratio {ratio:.4f})")
+
+    from gaac.cuda.epochs import assign
+
+    blocks = {kind: x[:, :, : tokens // L.BLOCK_TOKENS * L.BLOCK_TOKENS].reshape(
+        s.layers, s.kv_heads, tokens // L.BLOCK_TOKENS, L.BLOCK_TOKENS, s.head_dim).transpose(1, 2)
+        for kind, x in ((0, k), (1, v))}
+
+    def rule():
+        jobs = [(Adapter(cal.copy(), l, kind), blocks[kind][l]) for kind in (0, 1) for l in range(s.layers)]
+        assign(jobs)
+    times = timed(rule, runs + 1)[1:]
+    rep["rule"] = {"best_ms": min(times), "median_ms": statistics.median(times)}
+    log(f"  the rule alone, every layer and kind: best {min(times):.1f} ms")
+
+    dst = torch.empty_like(k[0])
+
+    def copy():
+        for layer in range(s.layers):
+            dst.copy_(k[layer])
+            dst.copy_(v[layer])
+    times = timed(copy, 5)
+    rep["bf16_copy_ms"] = min(times)
+    log(f"  BF16 copy of the same bytes: {min(times):.2f} ms")
+
+    from gaac.cache import blocks_to_tiles
+    from gaac.cuda.codec import EncodePlan, pack_bases
+    from gaac.tiles import tile_bases
+
+    per = s.kv_heads * L.tiles_per_head(s.head_dim)
+    n = tokens // L.BLOCK_TOKENS * per
+    tiles = blocks_to_tiles(blocks[0][0])
+    cap = int(cal.capacity[0, 0])
+    geo = L.geometry(s.head_dim)
+    slots = torch.empty((n, geo.slot_bytes(cap)), dtype=torch.uint8, device=DS.DEV)
+    raw = torch.empty((n, L.BLOCK_TOKENS, geo.channels), dtype=torch.int16, device=DS.DEV)
+    order = torch.arange(n, dtype=torch.int32, device=DS.DEV)
+    heads = torch.zeros(2, dtype=torch.int32, device=DS.DEV)
+    bases = torch.from_numpy(pack_bases(*tile_bases(*cal.bases(0, 0)))).to(DS.DEV)
+    enc = EncodePlan(geo.channels, cap, bases, slots, order, raw, order, heads)
+    entries, used = (torch.empty(n, dtype=torch.int32, device=DS.DEV) for _ in range(2))
+
+    def encode():
+        heads.zero_()
+        enc(tiles, entries, used)
+    times = timed(encode, 6)[1:]
+    rep["encode_one_ms"] = min(times)
+    rep["encode_floor_ms"] = min(times) * 2 * s.layers
+    log(f"  encode kernel, one layer and kind: {min(times):.2f} ms; x {2 * s.layers} = {rep['encode_floor_ms']:.1f} ms")
+    rep["wall_s"] = time.time() - t_start
+    write(rep, args.out, render)
+    log(f"done in {rep['wall_s']:.0f} s -> {args.out}")
+
+
+def render(rep: dict) -> str:
+    c = rep["check"]
+    lines = [f"# Prefill: one {rep['tokens']}-token sequence into {rep['layers']} layers x {rep['kv_heads']} KV heads "
+             f"x {rep['head_dim']}", "",
+             f"{rep['device']}, {rep['date']}, commit {rep['commit']}, torch {rep['torch']}, numba-cuda "
+             f"{rep['numba_cuda']}.", f"Command: `{rep['command']}`.", "",
+             f"Check at {c['tokens']} tokens x {c['layers']} layers (rule on the GPU vs on the host): same epochs {c['same_epochs']}, same "
+             f"per-block epochs {c['same_block_epochs']}, read back bit-exact {c['read_back_exact']}; "
+             f"{c['epochs_appended']} epochs appended; wall {c['device_s']:.2f} s vs {c['host_s']:.2f} s.", ""]
+    rows = [("add_sequence, epochs off", f"{rep['adapt_False']['best_ms']:.1f}", f"{rep['adapt_False']['median_ms']:.1f}",
+             f"ratio {rep['adapt_False']['ratio']:.4f}"),
+            ("add_sequence, epochs on", f"{rep['adapt_True']['best_ms']:.1f}", f"{rep['adapt_True']['median_ms']:.1f}",
+             f"{rep['adapt_True']['epochs']} epochs, ratio {rep['adapt_True']['ratio']:.4f}"),
+            ("the rule alone (every layer and kind)", f"{rep['rule']['best_ms']:.1f}", f"{rep['rule']['median_ms']:.1f}", ""),
+            ("encode kernel alone (one layer and kind x layers x 2)", f"{rep['encode_floor_ms']:.1f}", "", "floor"),
+            ("BF16 copy of the same bytes", f"{rep['bf16_copy_ms']:.2f}", "", "floor")]
+    lines += table(("", "best ms", "median ms", ""), rows)
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

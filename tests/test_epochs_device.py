@@ -1,0 +1,56 @@
+"""The adaptation rule on the device (:mod:`gaac.cuda.epochs`) decides what the host rule decides.
+
+In the simulator (slow), with the warm-up shortened so that a few checks see candidates: the same
+epochs per block, the same appended bases, the same histogram and pending blocks afterwards -- from an
+adapter that has pending blocks and epochs already -- and a cache whose prefill runs the rule on the
+device holds what a cache running it on the host holds.
+"""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+import gaac.epochs as epochs
+from gaac import layout as L
+from gaac.cache import PagedKVCache
+from gaac.calibration import calibrate
+from gaac.cuda import epochs as device_epochs
+from gaac.tiles import cache_blocks
+from test_epochs import drifting_cache
+
+pytestmark = pytest.mark.filterwarnings("ignore::numba.core.errors.NumbaPerformanceWarning")
+
+
+def _same_adapter(got: epochs.Adapter, want: epochs.Adapter) -> None:
+    assert got.finalized == want.finalized and got.epoch == want.epoch
+    assert np.array_equal(got.hist, want.hist)
+    assert len(got._recent) == len(want._recent)
+    assert all(np.array_equal(a, b) for a, b in zip(got._recent, want._recent))
+    for e in range(1, want.epoch + 1):
+        for a, b in zip(got.calibration.bases(got.layer, got.kind, e), want.calibration.bases(want.layer, want.kind, e)):
+            assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("payback", [epochs.PAYBACK_CHECKS, 10 ** 9])
+def test_the_device_rule_decides_what_the_host_rule_decides(monkeypatch, payback):
+    monkeypatch.setattr(epochs, "WARMUP_BLOCKS", 8)
+    monkeypatch.setattr(epochs, "PAYBACK_CHECKS", payback)      # 10**9: every differing candidate is appended
+    x = drifting_cache(40 * L.BLOCK_TOKENS, layers=2)[:, :1]     # one head: the simulator is slow
+    x[1] = x[1] ^ 0x8000                                     # V: other signs, the same exponents
+    cal = calibrate(x[:, :, :128], x[:, :, :128])
+    jobs, want = [], []
+    for kind in (L.KIND_K, L.KIND_V):
+        blocks = cache_blocks(x[kind])
+        adapter = epochs.Adapter(cal.copy(), 0, kind)
+        adapter.assign(blocks[:11])                           # three blocks pending, maybe an epoch already
+        reference = copy.deepcopy(adapter)
+        want.append((reference, reference.assign(blocks[11:])))
+        jobs.append((adapter, torch.from_numpy(blocks[11:].view(np.int16))))
+    got = device_epochs.assign(jobs)
+    for (adapter, _), e, (reference, e_want) in zip(jobs, got, want):
+        assert np.array_equal(e, e_want)
+        _same_adapter(adapter, reference)
+    assert max(int(e.max()) for e in got) >= 1                # the data drifts: epochs were appended
