@@ -49,9 +49,9 @@ from gaac import layout as L  # noqa: E402
 from gaac.calibration import best_capacity  # noqa: E402
 from gaac.fp8 import cuda as fc  # noqa: E402
 from gaac.fp8.calibration import calibrate_fp8  # noqa: E402
-from gaac.fp8.codec import encode_tiles as ref_encode_tiles  # noqa: E402
+from gaac.reference.codec import encode_tiles as ref_encode_tiles  # noqa: E402
 from gaac.fp8.convert import cache_to_fp8  # noqa: E402
-from gaac.fp8.layout import MODE_NARROW, MODE_RAW, MODE_SETS, MODE_WIDE  # noqa: E402
+from gaac.layout import FP8_MODE_SETS as MODE_SETS, MODE_NARROW, MODE_RAW, MODE_WIDE  # noqa: E402
 from gaac.tiles import block_tiles, cache_blocks, tile_bases  # noqa: E402
 
 L2_BYTES = 60 * 2**20               # H200 L2 (50 MiB) with a margin

@@ -31,33 +31,18 @@ import numpy as np
 
 from .. import layout as L
 from ..errors import InputError
-from ..stats import TileTally, measured_cache
-from ..tiles import block_tiles, cache_blocks, tile_bases
+from ..layout import MODE_SETS, ModeSet, fp8_format
+from ..stats import TileTally, measure_layer, measured_cache
 from .calibration import FP8Calibration, calibrate_fp8
-from .codec import decode_tiles, encode_tiles, tile_exponents
 from .convert import bf16_to_float, cache_to_fp8, fp8_to_float
-from .layout import MODE_NARROW, MODE_RAW, MODE_WIDE, ModeSet, mode_set
 
 BF16_BYTES_PER_FP8_BYTE = 2
 
 
 @dataclass
 class FP8Tally(TileTally):
-    """A :class:`gaac.stats.TileTally` of an FP8 cache: its geometry and mode names come from the mode set,
-    and the summary adds the ratio over FP8 and the total over BF16."""
-
-    mode_set: ModeSet | None = None
-
-    SHARED = ("head_dim", "mode_set")
-
-    @property
-    def geometry(self):
-        return self.mode_set.geometry(self.head_dim)
-
-    @property
-    def mode_names(self) -> tuple[str, str, str]:
-        names = self.mode_set.mode_names
-        return tuple(names[m] for m in (MODE_NARROW, MODE_WIDE, MODE_RAW))
+    """A :class:`gaac.stats.TileTally` of an FP8 cache whose summary adds the ratio over FP8 and the total
+    over BF16."""
 
     def summary(self) -> dict:
         base = super().summary()
@@ -72,22 +57,7 @@ class FP8Tally(TileTally):
 def measure_fp8_layer(fp8: np.ndarray, b_narrow: np.ndarray, b_wide: np.ndarray, capacity: int,
                       modes: ModeSet) -> FP8Tally:
     """Encode, decode and count one layer of FP8 bytes ``[kv_heads, tokens, head_dim]``."""
-    blocks = cache_blocks(fp8)
-    tiles = block_tiles(blocks)
-    tn, tw = (np.tile(t, (blocks.shape[0], 1)) for t in tile_bases(b_narrow, b_wide))
-    enc = encode_tiles(tiles, tn, tw, capacity, modes)
-    fits = enc.fits
-    decoded = decode_tiles(enc.slots[fits], tn[fits], tw[fits], capacity, tiles.shape[2], modes)
-    stored_raw = enc.raw[~fits].reshape(-1, *tiles.shape[1:])
-    mismatched = int((decoded != tiles[fits]).sum()) + int((stored_raw != tiles[~fits]).sum())
-    return FP8Tally(
-        mode_set=modes, head_dim=fp8.shape[-1], tiles=len(fits), slot_tiles=int(fits.sum()),
-        slot_capacity_bytes=int(fits.sum()) * capacity,
-        escapes_needed=int(enc.escape_used.sum()), escapes_in_slots=int(enc.escape_used[fits].sum()),
-        modes=np.bincount(enc.modes.ravel(), minlength=3)[:3].astype(np.int64),
-        exponents=np.bincount(tile_exponents(tiles, modes.fmt).ravel(),
-                              minlength=modes.fmt.exponent_values).astype(np.int64),
-        mismatched=mismatched)
+    return measure_layer(fp8, b_narrow, b_wide, capacity, modes, tally=FP8Tally)
 
 
 def conversion_counts(bits: np.ndarray, fp8: np.ndarray, modes: ModeSet, scale_log2: np.ndarray) -> dict:
@@ -172,7 +142,7 @@ def fp8_stats(k, v, fmt: str, *, calibration: FP8Calibration | None = None, scal
     A given calibration must be for ``fmt``.
     """
     try:
-        want = mode_set(fmt)
+        want = MODE_SETS[fp8_format(fmt).name]
     except ValueError as exc:
         raise InputError(str(exc)) from None
     if calibration is None:
