@@ -46,11 +46,44 @@ MAX_EPOCH = 0xFFFF                 # the block header's epoch is a u16
 
 
 class CacheShape:
-    """Checks every calibration (BF16 or FP8) makes of the caches it is used with, and its JSON file.
+    """What every calibration (BF16 or FP8) is to the codec: its element format and mode set, its
+    bases per (layer, kind, epoch), its capacities, the checks it makes of the caches and blocks it
+    is used with, and its JSON file.
 
-    Subclasses provide ``model`` and ``base_table``, any ``[2, layers, kv_heads, head_dim]``
-    table of bases, from which the cache shape is read, and ``to_dict`` / ``from_dict``.
+    Subclasses provide ``modes`` (the :class:`~gaac.layout.ModeSet` of their element format),
+    ``model``, ``capacity`` ``[2, layers]``, ``id``, ``base_table`` (any ``[2, layers, kv_heads,
+    head_dim]`` table of bases, from which the cache shape is read), :meth:`bases`, and ``to_dict`` /
+    ``from_dict``.  A calibration has epoch 0 only (its own bases) unless it says otherwise
+    (:class:`Calibration`'s epochs, FORMAT.md 3.5).
     """
+
+    modes: L.ModeSet
+
+    @property
+    def element(self) -> int:
+        """The element-format byte of this calibration's block containers."""
+        return self.modes.fmt.element
+
+    @property
+    def geometry(self) -> L.TileGeometry:
+        """The geometry of this calibration's tiles."""
+        return self.modes.geometry(self.head_dim)
+
+    def n_epochs(self, layer: int, kind: int) -> int:
+        """Epochs of one layer and kind, epoch 0 (the calibration's own bases) included."""
+        return 1
+
+    def check_epoch(self, layer: int, kind: int, epoch: int) -> None:
+        self.check_layer(layer)
+        if not 0 <= epoch < self.n_epochs(layer, kind):
+            raise CalibrationError(f"unknown epoch {epoch}: the calibration has {self.n_epochs(layer, kind)} "
+                                   f"epoch(s) for layer {layer} {L.KIND_NAMES[kind]} (a cache that appended "
+                                   "epochs must save its calibration with them)")
+
+    def epoch_id(self, layer: int, kind: int, epoch: int) -> int:
+        """The id a block of ``epoch`` carries in its header: the calibration id for epoch 0."""
+        self.check_epoch(layer, kind, epoch)
+        return self.id
 
     def check_header(self, d: dict) -> None:
         """FORMAT.md 3.4: the file's ``layers``, ``kv_heads``, ``head_dim`` and ``id`` agree with its tables."""
@@ -98,16 +131,6 @@ class CacheShape:
             want = f"{'?' if layers is None else layers} layers x {kv_heads} KV heads x head_dim {head_dim}"
             raise CalibrationError(f"{type(self).__name__}: calibration is for {have} (model {self.model!r}); "
                                    f"the cache has {want}")
-
-    @property
-    def element(self) -> int:
-        """The element-format byte of this calibration's block containers."""
-        return self.modes.fmt.element
-
-    @property
-    def geometry(self) -> L.TileGeometry:
-        """The geometry of this calibration's tiles."""
-        return self.modes.geometry(self.head_dim)
 
     def check_layer(self, layer: int) -> None:
         if not 0 <= layer < self.layers:
@@ -242,13 +265,6 @@ class Calibration(CacheShape):
     def n_epochs(self, layer: int, kind: int) -> int:
         """Epochs of one layer and kind, epoch 0 (the calibration's own bases) included."""
         return 1 + len(self.epochs.get((kind, layer), ()))
-
-    def check_epoch(self, layer: int, kind: int, epoch: int) -> None:
-        self.check_layer(layer)
-        if not 0 <= epoch < self.n_epochs(layer, kind):
-            raise CalibrationError(f"unknown epoch {epoch}: the calibration has {self.n_epochs(layer, kind)} "
-                                   f"epoch(s) for layer {layer} {L.KIND_NAMES[kind]} (a cache that appended "
-                                   "epochs must save its calibration with them)")
 
     def epoch_canonical_bytes(self, layer: int, kind: int, epoch: int) -> bytes:
         """FORMAT.md 3.5: the bytes whose CRC-32 is the id of epoch ``epoch >= 1``.

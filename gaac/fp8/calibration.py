@@ -89,23 +89,9 @@ class FP8Calibration(CacheShape):
         check_capacities(cap)
 
     def bases(self, layer: int, kind: int, epoch: int = 0) -> tuple[np.ndarray, np.ndarray]:
-        """``(b_narrow, b_wide)`` of one layer and kind, each ``[kv_heads, head_dim]`` (epoch 0: the only one)."""
+        """``(b_narrow, b_wide)`` of one layer and kind, each ``[kv_heads, head_dim]`` (GAAC-FP8 has epoch 0 only)."""
         self.check_epoch(layer, kind, epoch)
         return self.b_narrow[kind, layer], self.b_wide[kind, layer]
-
-    # -- epochs: GAAC-FP8 has only epoch 0, the calibration's own bases --------
-    def n_epochs(self, layer: int, kind: int) -> int:
-        return 1
-
-    def check_epoch(self, layer: int, kind: int, epoch: int) -> None:
-        self.check_layer(layer)
-        if epoch != 0:
-            raise CalibrationError(f"unknown epoch {epoch}: a GAAC-FP8 calibration has epoch 0 only")
-
-    def epoch_id(self, layer: int, kind: int, epoch: int) -> int:
-        """The id a block carries in its header: the calibration id."""
-        self.check_epoch(layer, kind, epoch)
-        return self.id
 
     # -- identity ------------------------------------------------------------
     def canonical_bytes(self) -> bytes:
