@@ -65,7 +65,7 @@ def others(data: dict, prompt: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def kv_summary(stats) -> dict:
-    """K, V and K+V (bytes pooled) summaries of an FP8CacheStats or a BF16 CacheStats."""
+    """K, V and K+V (bytes pooled) summaries of a CacheStats (FP8 or BF16)."""
     return {"k": stats.k.total.summary(), "v": stats.v.total.summary(),
             "kv": (stats.k.total + stats.v.total).summary()}
 

@@ -223,7 +223,7 @@ def _sum(tallies: list[Tally]) -> Tally:
 class CacheStats:
     k: KindStats
     v: KindStats
-    calibration: Calibration | None = None      # the calibration with the epochs the cache appended
+    calibration: Calibration | None = None      # the calibration (BF16: with the epochs the cache appended)
 
     def as_dict(self, per_layer: bool = False) -> dict:
         """``{"k": {...}, "v": {...}}``, plus ``"per_layer"`` when asked and ``"segments"`` when measured."""

@@ -2,7 +2,7 @@
 
 Shapes stay tiny (one to seven 64-channel tiles a launch, one 128-channel case):
 the simulator runs a Python thread per CUDA thread.  Every check compares bytes
-with gaac/fp8/codec.py: a fitting tile's slot is the reference's slot, an
+with gaac/reference/codec.py: a fitting tile's slot is the reference's slot, an
 overflowing tile's FP8 bytes land in the raw pool, the entries and escape counts
 agree, decode gives the tiles back, and nothing outside the popped slots and raw
 tiles is written.  Both formats, all 256 FP8 patterns, forced modes, slot

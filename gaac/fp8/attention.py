@@ -1,7 +1,7 @@
 """Decode attention over one layer of a GAAC-FP8 cache: the CPU reference (FORMAT-FP8.md section 8).
 
 A sequence's layer holds its complete 16-token blocks of K and V as FP8 block
-containers (:mod:`gaac.fp8.block`) and its unfinished block as plain FP8 bytes
+containers (:mod:`gaac.block`) and its unfinished block as plain FP8 bytes
 (the tail).  Attention decodes every block back to its FP8 bytes, reads them
 as FP8 values, and applies the calibration's power-of-two scales once per KV
 head -- to the scores (``q . k * 2**s_K``) and to the output

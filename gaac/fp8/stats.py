@@ -25,14 +25,14 @@ The last ``tokens % 16`` tokens form no block and are left out, as for BF16.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from .. import layout as L
 from ..errors import InputError
 from ..layout import MODE_SETS, ModeSet, fp8_format
-from ..stats import TileTally, measure_layer, measured_cache
+from ..stats import CacheStats, KindStats, TileTally, measure_layer, measured_cache
 from .calibration import FP8Calibration, calibrate_fp8
 from .convert import bf16_to_float, cache_to_fp8, fp8_to_float
 
@@ -77,48 +77,20 @@ def conversion_counts(bits: np.ndarray, fp8: np.ndarray, modes: ModeSet, scale_l
 
 
 @dataclass
-class FP8KindStats:
-    name: str
-    tokens: int
-    layers: list[FP8Tally]
-    capacity: list[int]
-    layer_ids: list[int]
-    scale_log2: list[list[int]]
-    conversion: dict
+class FP8KindStats(KindStats):
+    """The :class:`gaac.stats.KindStats` of one kind of an FP8 cache, with what its conversion changed
+    (GAAC-FP8 has no epochs to adapt, so its summary has no ``adapt``)."""
 
-    @property
-    def total(self) -> FP8Tally:
-        total = self.layers[0]
-        for t in self.layers[1:]:
-            total = total + t
-        return total
+    scale_log2: list = field(default_factory=list)      # [kv_heads] per layer
+    conversion: dict = field(default_factory=dict)
 
     def summary(self) -> dict:
-        return {**self.total.summary(), "capacity": self.capacity, "layers": len(self.layers),
-                "tokens": self.tokens, "blocks": self.tokens // L.BLOCK_TOKENS,
-                "tail_tokens": self.tokens % L.BLOCK_TOKENS, "ratios_include_tail": False,
-                "conversion": {"scale_log2": self.scale_log2, **self.conversion}}
-
-    def per_layer(self) -> list[dict]:
-        return [{"layer": i, "capacity": c, **t.summary()}
-                for i, c, t in zip(self.layer_ids, self.capacity, self.layers)]
+        out = super().summary()
+        del out["adapt"]
+        return {**out, "conversion": {"scale_log2": self.scale_log2, **self.conversion}}
 
 
-@dataclass
-class FP8CacheStats:
-    format: str
-    k: FP8KindStats
-    v: FP8KindStats
-
-    def as_dict(self, per_layer: bool = False) -> dict:
-        """``{"k": {...}, "v": {...}}`` (and ``"per_layer"`` when asked), as ``gaac.stats.CacheStats``."""
-        out = {"k": self.k.summary(), "v": self.v.summary()}
-        if per_layer:
-            out["per_layer"] = {"k": self.k.per_layer(), "v": self.v.per_layer()}
-        return out
-
-
-def measure_fp8(k, v, calibration: FP8Calibration, *, layer_ids=None) -> FP8CacheStats:
+def measure_fp8(k, v, calibration: FP8Calibration, *, layer_ids=None) -> CacheStats:
     """Convert BF16 caches ``k``, ``v`` ``[layers, kv_heads, tokens, head_dim]`` to FP8 and measure them."""
     modes = calibration.modes
     out = {}
@@ -130,8 +102,8 @@ def measure_fp8(k, v, calibration: FP8Calibration, *, layer_ids=None) -> FP8Cach
         tallies = [measure_fp8_layer(fp8[layer], *calibration.bases(layer, kind),
                                      int(calibration.capacity[kind, layer]), modes) for layer in range(layers)]
         out[name] = FP8KindStats(name, tokens, tallies, [int(c) for c in calibration.capacity[kind]], ids,
-                                 scales.tolist(), conversion_counts(bits, fp8, modes, scales))
-    return FP8CacheStats(calibration.format, **out)
+                                 scale_log2=scales.tolist(), conversion=conversion_counts(bits, fp8, modes, scales))
+    return CacheStats(**out, calibration=calibration)
 
 
 def fp8_stats(k, v, fmt: str, *, calibration: FP8Calibration | None = None, scale: str = "tensor",
