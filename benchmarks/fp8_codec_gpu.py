@@ -8,7 +8,7 @@
              nearest even, saturating, one power-of-two scale per layer and kind) with a calibration made
              on the dump itself (gaac/fp8/calibration.py), plus four large synthetic mixes (KV-like, stress,
              all byte patterns, window edges): for EVERY tile the kernel's escape count, storage class and
-             slot bytes (or raw copy) equal gaac/fp8/codec.py's, run on the host CPU in parallel processes,
+             slot bytes (or raw copy) equal gaac/reference/codec.py's, run on the host CPU in parallel processes,
              and decode(encode(x)) == x on the device with status 0.
 ``--bench``  for each format, 64K tokens x 8 KV heads x head_dim 128, K and V (2 launches): bulk encode
              and decode, plain launches and replayed from CUDA graphs (medians of torch event times),
@@ -49,9 +49,9 @@ from gaac import layout as L  # noqa: E402
 from gaac.calibration import best_capacity  # noqa: E402
 from gaac.fp8 import cuda as fc  # noqa: E402
 from gaac.fp8.calibration import calibrate_fp8  # noqa: E402
-from gaac.fp8.codec import encode_tiles as ref_encode_tiles  # noqa: E402
+from gaac.reference.codec import encode_tiles as ref_encode_tiles  # noqa: E402
 from gaac.fp8.convert import cache_to_fp8  # noqa: E402
-from gaac.fp8.layout import MODE_NARROW, MODE_RAW, MODE_SETS, MODE_WIDE  # noqa: E402
+from gaac.layout import FP8_MODE_SETS as MODE_SETS, MODE_NARROW, MODE_RAW, MODE_WIDE  # noqa: E402
 from gaac.tiles import block_tiles, cache_blocks, tile_bases  # noqa: E402
 
 L2_BYTES = 60 * 2**20               # H200 L2 (50 MiB) with a margin
@@ -369,7 +369,7 @@ def markdown(info: dict, checks: list[dict], bench: list[dict]) -> str:
              f"- versions: {info['versions']}", f"- kernel compile: {info['compile_s']} s", ""]
     if checks:
         ok = all(r["ok"] for r in checks)
-        lines += ["## Bit-exactness against gaac/fp8/codec.py", "",
+        lines += ["## Bit-exactness against gaac/reference/codec.py", "",
                   f"**{'all checks passed' if ok else 'CHECK FAILED'}**: for every tile, escape count, storage class "
                   "and slot bytes (or raw tile) equal the reference's, and the device decode gives the FP8 bits back.",
                   "", "| format | data | tiles | elements | slot / raw tiles "

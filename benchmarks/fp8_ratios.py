@@ -32,9 +32,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from gaac.calibration import calibrate  # noqa: E402
-from gaac.fp8.calibration import calibrate_fp8, fit_windows  # noqa: E402
+from gaac.calibration import fit_windows  # noqa: E402
+from gaac.fp8.calibration import calibrate_fp8  # noqa: E402
 from gaac.fp8.convert import cache_scales, cache_to_fp8  # noqa: E402
-from gaac.fp8.layout import E4M3, E5M2, MODE_SETS, ModeSet  # noqa: E402
+from gaac.layout import E4M3, E5M2, MODE_SETS, ModeSet  # noqa: E402
 from gaac.fp8.stats import measure_fp8, measure_fp8_layer  # noqa: E402
 from gaac.stats import measure  # noqa: E402
 
@@ -64,7 +65,7 @@ def others(data: dict, prompt: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def kv_summary(stats) -> dict:
-    """K, V and K+V (bytes pooled) summaries of an FP8CacheStats or a BF16 CacheStats."""
+    """K, V and K+V (bytes pooled) summaries of a CacheStats (FP8 or BF16)."""
     return {"k": stats.k.total.summary(), "v": stats.v.total.summary(),
             "kv": (stats.k.total + stats.v.total).summary()}
 

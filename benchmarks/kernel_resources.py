@@ -46,7 +46,7 @@ from gaac import layout as L  # noqa: E402
 from gaac.cuda import attention as K  # noqa: E402
 from gaac.cuda import codec as C  # noqa: E402
 from gaac.fp8 import cuda as F8  # noqa: E402
-from gaac.fp8.layout import FORMATS, mode_set  # noqa: E402
+from gaac.layout import FP8_FORMATS as FORMATS, mode_set  # noqa: E402
 
 DEFAULT_VARIANTS = ("{'overlap': True, 'nstage': 2, 'max_registers': 168}", "{'nstage': 2, 'max_registers': 168}",
                     "{'overlap': True}", "{'overlap': True, 'nstage': 1, 'max_registers': 128}",

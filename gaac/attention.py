@@ -33,7 +33,7 @@ import numpy as np
 from . import layout as L
 from .cachelayout import LayerView
 from .errors import FormatError, InputError
-from .reference.codec import decode_tiles, encode_tiles
+from .reference.codec import decode_entries, encode_tiles
 from .tiles import block_tiles, tile_bases, untile
 
 MAX_GROUP = 8            # query heads per KV head: the MMA's N dimension
@@ -282,17 +282,14 @@ def gather_dense(view: LayerView) -> DenseLayer:
         for b in range(len(lens)):
             nfull = int(lens[b]) // L.BLOCK_TOKENS
             ent = table[b, :nfull].reshape(-1)
-            tiles = np.empty((len(ent), L.BLOCK_TOKENS, c), np.uint16)
             is_raw = ent >= L.TABLE_RAW_FLAG
             idx = (ent & L.TABLE_INDEX_MASK).astype(np.int64)
             _check_entries(idx, is_raw, len(slots), len(raw), kind, b, kv_heads * tph)
-            if is_raw.any():
-                tiles[is_raw] = raw[idx[is_raw]]
-            comp = np.flatnonzero(~is_raw)
-            if comp.size:
+            tb3 = tb4 = np.zeros((1, c), np.uint8)
+            if not is_raw.all():
                 tb3, tb4 = _block_tile_bases(b3s, b4s, None if eps is None else np.asarray(eps)[b:b + 1],
                                              np.array([nfull]))
-                tiles[comp] = decode_tiles(slots[idx[comp]], tb3[comp], tb4[comp], v_.capacity[kind], c)
+            tiles = decode_entries(ent, slots, raw, tb3, tb4, v_.capacity[kind])
             blocks = [untile(tiles[i * kv_heads * tph:(i + 1) * kv_heads * tph], kv_heads, d) for i in range(nfull)]
             full = np.concatenate(blocks, axis=1) if blocks else np.zeros((kv_heads, 0, d), np.uint16)
             rest = int(lens[b]) - nfull * L.BLOCK_TOKENS

@@ -6,10 +6,15 @@ entries of its tiles, the compressed slots, the raw tiles, and a CRC-32.
 Inside the paged cache the same slots and raw tiles live in two pools and
 the same table entries point into them.
 
-A block is coded with the bases of one calibration **epoch** (FORMAT.md 3.5):
+One container serves every element format: the calibration says which
+(``calibration.modes``), and so the element-format byte, the versions, the
+slot sizes and the raw tiles (BF16 ``uint16``, FP8 ``uint8``, FORMAT-FP8.md 6).
+
+A BF16 block is coded with the bases of one calibration **epoch** (FORMAT.md 3.5):
 epoch 0 is the calibration's own bases and is written as a version 1
 container, exactly as before epochs existed; a later epoch is written as a
 version 2 container whose header names the epoch and carries that epoch's id.
+An FP8 container has version 2 and no epochs (its last header word is reserved).
 """
 from __future__ import annotations
 
@@ -21,9 +26,10 @@ import numpy as np
 
 from . import layout as L
 from .arrays import as_bits
-from .calibration import Calibration
+from .calibration import CacheShape, Calibration
 from .errors import CalibrationError, FormatError, InputError
-from .reference.codec import decode_tiles, encode_tiles
+from .reference.bits import element_dtype
+from .reference.codec import decode_entries, encode_tiles
 from .tiles import block_tiles, tile_bases, untile
 
 
@@ -36,11 +42,37 @@ def parse_kind(kind) -> int:
     raise InputError(f"kind must be 'k' or 'v', got {kind!r}")
 
 
+def parse_layer(layer) -> int:
+    """An integer layer number (``bool`` is refused) -> ``int``."""
+    if isinstance(layer, (bool, np.bool_)) or not isinstance(layer, numbers.Integral):
+        raise InputError(f"layer must be an integer, got {layer!r}")
+    return int(layer)
+
+
 def check_calibration(calibration) -> None:
     """A path or dict where a :class:`Calibration` belongs is refused by name, not by an AttributeError."""
-    if not isinstance(calibration, Calibration):
+    if not isinstance(calibration, CacheShape):
         raise CalibrationError(f"expected a gaac.Calibration, got {type(calibration).__name__} "
                                "(read a file with gaac.Calibration.load)")
+
+
+def block_elements(x, fmt: L.ElementFormat) -> np.ndarray:
+    """A block's bit patterns of format ``fmt``, ``[kv_heads, 16, head_dim]``: BF16 as :func:`gaac.arrays.as_bits`
+    takes them, FP8 as a uint8 array of FP8 bit patterns."""
+    if fmt is L.BF16:
+        bits = as_bits(x, "block", ndim=3)
+    elif not isinstance(x, np.ndarray) or x.dtype != np.uint8 or x.ndim != 3:
+        raise InputError("an FP8 block is a uint8 array [kv_heads, 16, head_dim] of FP8 bit patterns; got "
+                         + (f"{x.dtype} {list(x.shape)}" if isinstance(x, np.ndarray) else type(x).__name__))
+    else:
+        bits = x
+    heads, tokens, dim = bits.shape
+    if tokens != L.BLOCK_TOKENS:
+        raise InputError(f"a block has {L.BLOCK_TOKENS} tokens; got shape {list(bits.shape)} "
+                         "([kv_heads, tokens, head_dim])")
+    if dim not in L.SUPPORTED_HEAD_DIMS:
+        raise InputError(f"head_dim {dim} is not supported; the GAAC format supports {L.SUPPORTED_HEAD_DIMS}")
+    return bits
 
 
 @dataclass(frozen=True)
@@ -53,8 +85,8 @@ class EncodedBlock:
     kv_heads: int
     head_dim: int
     modes: np.ndarray            # [n_tiles, groups] mode tag of every group
-    raw_tiles: tuple             # indices of tiles kept as raw BF16 (slot overflow)
-    payload_bytes: int           # codes, tags, sign/mantissa and used escapes; raw tiles at 2 bytes/element
+    raw_tiles: tuple             # indices of tiles kept as raw elements (slot overflow)
+    payload_bytes: int           # codes, tags, sign/mantissa and used escapes; raw tiles at their elements' size
     resident_bytes: int          # what the paged cache holds: slots, raw tiles, table entries
     epoch: int = 0               # the calibration epoch whose bases coded the block (FORMAT.md 3.5)
 
@@ -64,7 +96,7 @@ class EncodedBlock:
 
     @property
     def fell_back(self) -> bool:
-        """True when at least one tile overflowed its slot and stays raw BF16."""
+        """True when at least one tile overflowed its slot and stays raw."""
         return bool(self.raw_tiles)
 
     @property
@@ -82,46 +114,35 @@ class EncodedBlock:
 def encode_block(x, calibration: Calibration, layer: int, kind, epoch: int = 0) -> EncodedBlock:
     """Encode one block ``[kv_heads, 16, head_dim]`` of layer ``layer``'s K (``kind='k'``) or V.
 
-    ``epoch`` picks the calibration epoch whose bases code it (default 0, the
-    calibration's own bases; FORMAT.md 3.5).
+    The calibration's element format says what ``x`` holds: BF16 bit patterns (uint16 or a torch
+    BF16 tensor) or FP8 bit patterns (uint8).  ``epoch`` picks the calibration epoch whose bases
+    code it (default 0, the calibration's own bases; FORMAT.md 3.5).
     """
     check_calibration(calibration)
     kind = parse_kind(kind)
-    if isinstance(layer, bool) or not isinstance(layer, numbers.Integral):
-        raise InputError(f"layer must be an integer, got {layer!r}")
+    layer = parse_layer(layer)
     if isinstance(epoch, bool) or not isinstance(epoch, numbers.Integral):
         raise InputError(f"epoch must be an integer, got {epoch!r}")
-    layer, epoch = int(layer), int(epoch)
-    bits = as_bits(x, "block", ndim=3)
+    epoch = int(epoch)
+    modes = calibration.modes
+    fmt = modes.fmt
+    bits = block_elements(x, fmt)
     heads, tokens, dim = bits.shape
-    if tokens != L.BLOCK_TOKENS:
-        raise InputError(f"a block has {L.BLOCK_TOKENS} tokens; got shape {list(bits.shape)} "
-                         "([kv_heads, tokens, head_dim])")
-    if dim not in L.SUPPORTED_HEAD_DIMS:
-        raise InputError(f"head_dim {dim} is not supported; the GAAC format supports {L.SUPPORTED_HEAD_DIMS}")
     calibration.check_shape(None, heads, dim)
     calibration.check_epoch(layer, kind, epoch)
     capacity = int(calibration.capacity[kind, layer])
-    b3, b4 = tile_bases(*calibration.bases(layer, kind, epoch))
-    enc = encode_tiles(block_tiles(bits), b3, b4, capacity)
-
-    entries, slots, raws = [], [], []
-    for t in range(len(enc.fits)):
-        if enc.fits[t]:
-            entries.append(len(slots))
-            slots.append(enc.slots[t])
-        else:
-            entries.append(L.TABLE_RAW_FLAG | len(raws))
-            raws.append(enc.raw[t])
-    version = 1 if epoch == 0 else L.FORMAT_VERSION       # the oldest version that can say it (FORMAT.md 7.1)
-    header = L.STREAM_HEADER_V2.pack(L.STREAM_MAGIC, version, L.ELEMENT_BF16, kind, L.BLOCK_TOKENS, layer, heads,
-                                     dim, capacity, calibration.epoch_id(layer, kind, epoch), epoch, 0)
-    body = header + np.array(entries, dtype="<u4").tobytes() + b"".join(s.tobytes() for s in slots) \
-        + b"".join(r.tobytes() for r in raws)
-    data = body + np.uint32(zlib.crc32(body)).astype("<u4").tobytes()
+    bn, bw = tile_bases(*calibration.bases(layer, kind, epoch))
+    enc = encode_tiles(block_tiles(bits), bn, bw, capacity, modes)
 
     fits = enc.fits
-    geo = L.geometry(dim)
+    entries = np.where(fits, np.cumsum(fits) - 1, L.TABLE_RAW_FLAG | (np.cumsum(~fits) - 1)).astype("<u4")
+    header = L.STREAM_HEADER_V2.pack(L.STREAM_MAGIC, fmt.container_version(epoch), fmt.element, kind,
+                                     L.BLOCK_TOKENS, layer, heads, dim, capacity,
+                                     calibration.epoch_id(layer, kind, epoch), epoch, 0)
+    body = header + entries.tobytes() + enc.slots[fits].tobytes() + enc.raw[~fits].tobytes()
+    data = body + np.uint32(zlib.crc32(body)).astype("<u4").tobytes()
+
+    geo = L.geometry(dim, modes)
     payload = int(enc.payload_bytes[fits].sum()) + int((~fits).sum()) * geo.raw_bytes
     resident = int(fits.sum()) * geo.slot_bytes(capacity) + int((~fits).sum()) * geo.raw_bytes \
         + len(entries) * L.TABLE_ENTRY_BYTES
@@ -131,23 +152,29 @@ def encode_block(x, calibration: Calibration, layer: int, kind, epoch: int = 0) 
 
 
 def decode_block(block, calibration: Calibration) -> np.ndarray:
-    """Decode a block container (bytes or :class:`EncodedBlock`) to ``uint16[kv_heads, 16, head_dim]``.
+    """Decode a block container (bytes or :class:`EncodedBlock`) to ``[kv_heads, 16, head_dim]`` bit patterns
+    of the calibration's element format (uint16 for BF16, uint8 for FP8).
 
-    Every rule of FORMAT.md section 8 is checked; a stream that breaks one
-    raises :class:`FormatError` (or :class:`CalibrationError` when the stream
-    is valid but was made with another calibration, or with an epoch this
-    calibration does not hold).  Versions 1 and 2 are read.
+    Every rule of FORMAT.md section 8 (FORMAT-FP8.md section 7) is checked; a stream
+    that breaks one raises :class:`FormatError` (or :class:`CalibrationError` when the
+    stream is valid but was made with another calibration, or with an epoch this
+    calibration does not hold).  BF16 containers of versions 1 and 2 are read, FP8
+    containers of version 2.
     """
     if not isinstance(block, (bytes, bytearray, memoryview, EncodedBlock)):
         raise InputError(f"expected bytes or EncodedBlock, got {type(block).__name__}")
     check_calibration(calibration)
-    c = read_container(bytes(block), versions=L.READABLE_VERSIONS, epochs=True,
-                       geometries={L.ELEMENT_BF16: L.geometry}, element_names=f"BF16 is {L.ELEMENT_BF16}")
+    modes = calibration.modes
+    fmt = modes.fmt
+    c = read_container(bytes(block), fmt)
     kind, layer, heads, dim, capacity, cal_id, epoch = c.kind, c.layer, c.heads, c.dim, c.capacity, c.cal_id, c.epoch
 
     if epoch == 0 and cal_id != calibration.id:
         raise CalibrationError(f"stream was encoded with calibration {cal_id:08x}, this calibration is "
                                f"{calibration.id:08x} (model {calibration.model!r})")
+    if c.element != fmt.element:
+        raise CalibrationError(f"stream element format {c.element} differs from the calibration's "
+                               f"{fmt.element} ({fmt.name})")
     calibration.check_block(kind, layer, heads, dim, capacity)                # R15-R17
     if epoch:
         calibration.check_epoch(layer, kind, epoch)                         # R21: "unknown epoch"
@@ -157,12 +184,9 @@ def decode_block(block, calibration: Calibration) -> np.ndarray:
                                    f"{calibration.epoch_id(layer, kind, epoch):08x}: the stream belongs to "
                                    "another cache's epochs")
 
-    b3, b4 = tile_bases(*calibration.bases(layer, kind, epoch))
-    out = np.empty((c.n_tiles, L.BLOCK_TOKENS, c.geo.channels), dtype=np.uint16)
-    if len(c.slot_tiles):
-        out[c.slot_tiles] = decode_tiles(c.slots, b3[c.slot_tiles], b4[c.slot_tiles], capacity, c.geo.channels,
-                                        tile_ids=c.slot_tiles)
-    out[c.is_raw] = c.raw.view("<u2").reshape(-1, L.BLOCK_TOKENS, c.geo.channels)
+    bn, bw = tile_bases(*calibration.bases(layer, kind, epoch))
+    raw = c.raw.view(element_dtype(fmt).newbyteorder("<")).reshape(-1, L.BLOCK_TOKENS, c.geo.channels)
+    out = decode_entries(c.entries, c.slots, raw, bn, bw, capacity, modes, tile_ids=c.slot_tiles)
     return untile(out, heads, dim)
 
 
@@ -180,6 +204,7 @@ class Container:
     cal_id: int
     epoch: int
     geo: L.TileGeometry
+    entries: np.ndarray      # [n_tiles] int64: the block-table entries
     is_raw: np.ndarray       # [n_tiles] bool: the table entry points into the raw pool
     slots: np.ndarray        # [n_slots, slot_bytes] uint8, in slot order
     raw: np.ndarray          # the raw tiles' bytes, in raw-pool order (uint8, flat)
@@ -193,13 +218,22 @@ class Container:
         return np.flatnonzero(~self.is_raw)
 
 
-def read_container(data: bytes, *, versions, epochs: bool, geometries: dict, element_names: str) -> Container:
-    """Check and cut a block container into its parts; shared by every element format.
+def read_container(data: bytes, fmt: L.ElementFormat) -> Container:
+    """Check and cut a block container of element format ``fmt``'s family into its parts.
 
-    ``versions``: the stream versions the caller reads; ``epochs``: whether version 2's
-    epoch field may be non-zero (otherwise the whole last header word is reserved);
-    ``geometries``: element-format byte -> function of head_dim giving the tile geometry.
+    The family is the formats written with ``fmt``'s container versions (BF16; or FP8 E4M3 and
+    E5M2): a container of another format of the family passes here and is refused by the caller
+    against its calibration.  Version 2's epoch field may be non-zero only where the format has
+    epochs (otherwise the whole last header word is reserved).
     """
+    versions, epochs = fmt.versions, fmt.epochs
+    family = [f for f in L.FORMATS.values() if f.versions == fmt.versions]
+    if fmt is L.BF16:
+        element_names = f"BF16 is {L.ELEMENT_BF16}"
+    else:
+        element_names = f"version {L.FP8_FORMAT_VERSION}: " + ", ".join(
+            f"{f.name[4:].upper()} is {f.element}" for f in family)
+    family_modes = {f.element: L.MODE_SETS[f.name] for f in family}
     need = L.STREAM_HEADER_BYTES + L.STREAM_CRC_BYTES
     if len(data) < need:
         raise FormatError(f"truncated stream: {len(data)} bytes, a block container has at least {need}")
@@ -212,7 +246,7 @@ def read_container(data: bytes, *, versions, epochs: bool, geometries: dict, ele
                           f"{' and '.join(map(str, versions))})")
     if version == 1 or not epochs:      # no epoch field: the whole last u32 is reserved (R7)
         epoch, reserved = 0, epoch | reserved << 16
-    if element not in geometries:
+    if element not in family_modes:
         raise FormatError(f"element format {element} is not supported ({element_names})")
     if kind not in L.KIND_NAMES or tokens != L.BLOCK_TOKENS or reserved != 0:
         raise FormatError(f"bad header: kind={kind}, tokens={tokens}, reserved={reserved}")
@@ -221,7 +255,7 @@ def read_container(data: bytes, *, versions, epochs: bool, geometries: dict, ele
     if capacity % L.SLOT_ALIGN:
         raise FormatError(f"bad header: escape capacity {capacity} is not a multiple of {L.SLOT_ALIGN}")
 
-    geo = geometries[element](dim)
+    geo = L.geometry(dim, family_modes[element])
     n_tiles = heads * L.tiles_per_head(dim)
     table_end = L.STREAM_HEADER_BYTES + n_tiles * L.TABLE_ENTRY_BYTES
     if len(data) < table_end + L.STREAM_CRC_BYTES:
@@ -247,5 +281,5 @@ def read_container(data: bytes, *, versions, epochs: bool, geometries: dict, ele
                           "(tiles of each class are numbered in tile order)")
     body = np.frombuffer(data, dtype=np.uint8, offset=table_end, count=len(data) - table_end - 4)
     return Container(version=version, element=element, kind=kind, layer=layer, heads=heads, dim=dim,
-                     capacity=capacity, cal_id=cal_id, epoch=epoch, geo=geo, is_raw=is_raw,
+                     capacity=capacity, cal_id=cal_id, epoch=epoch, geo=geo, entries=entries, is_raw=is_raw,
                      slots=body[: n_slot * slot_size].reshape(n_slot, slot_size), raw=body[n_slot * slot_size:])

@@ -73,7 +73,7 @@ from .calibration import Calibration
 from .epochs import EPOCH_INDEX_BYTES, Adapter, epoch_table_bytes
 from .errors import CalibrationError, FormatError, InputError, PoolExhaustedError
 from .progress import progress
-from .reference.codec import decode_tiles, encode_tiles
+from .reference.codec import decode_entries, encode_tiles
 from .tiles import tile_bases
 
 KINDS = (L.KIND_K, L.KIND_V)
@@ -131,18 +131,9 @@ class ReferenceCodec:
     def decode(self, slots: torch.Tensor, raw: torch.Tensor, entries: torch.Tensor, tb3: torch.Tensor,
                tb4: torch.Tensor, capacity: int) -> torch.Tensor:
         """The tiles that table ``entries`` int32 ``[n]`` point at, int16 ``[n, 16, C]`` (row ``i % P`` bases)."""
-        tb3, tb4 = tb3.numpy(), tb4.numpy()
-        e = entries.numpy().view(np.uint32).astype(np.int64)
-        is_raw = (e & L.TABLE_RAW_FLAG) != 0
-        index = e & L.TABLE_INDEX_MASK
-        out = np.empty((len(e), L.BLOCK_TOKENS, raw.shape[2]), dtype=np.int16)
-        out[is_raw] = raw.numpy()[index[is_raw]]
-        comp = np.flatnonzero(~is_raw)
-        if comp.size:
-            p = tb3.shape[0]
-            out[comp] = decode_tiles(slots.numpy()[index[comp]], tb3[comp % p], tb4[comp % p], capacity,
-                                     raw.shape[2]).view(np.int16)
-        return torch.from_numpy(out)
+        out = decode_entries(entries.numpy(), slots.numpy(), raw.numpy().view(np.uint16), tb3.numpy(), tb4.numpy(),
+                             capacity)
+        return torch.from_numpy(out.view(np.int16))
 
 
 class CudaCodec:

@@ -46,11 +46,44 @@ MAX_EPOCH = 0xFFFF                 # the block header's epoch is a u16
 
 
 class CacheShape:
-    """Checks every calibration (BF16 or FP8) makes of the caches it is used with, and its JSON file.
+    """What every calibration (BF16 or FP8) is to the codec: its element format and mode set, its
+    bases per (layer, kind, epoch), its capacities, the checks it makes of the caches and blocks it
+    is used with, and its JSON file.
 
-    Subclasses provide ``model`` and ``base_table``, any ``[2, layers, kv_heads, head_dim]``
-    table of bases, from which the cache shape is read, and ``to_dict`` / ``from_dict``.
+    Subclasses provide ``modes`` (the :class:`~gaac.layout.ModeSet` of their element format),
+    ``model``, ``capacity`` ``[2, layers]``, ``id``, ``base_table`` (any ``[2, layers, kv_heads,
+    head_dim]`` table of bases, from which the cache shape is read), :meth:`bases`, and ``to_dict`` /
+    ``from_dict``.  A calibration has epoch 0 only (its own bases) unless it says otherwise
+    (:class:`Calibration`'s epochs, FORMAT.md 3.5).
     """
+
+    modes: L.ModeSet
+
+    @property
+    def element(self) -> int:
+        """The element-format byte of this calibration's block containers."""
+        return self.modes.fmt.element
+
+    @property
+    def geometry(self) -> L.TileGeometry:
+        """The geometry of this calibration's tiles."""
+        return self.modes.geometry(self.head_dim)
+
+    def n_epochs(self, layer: int, kind: int) -> int:
+        """Epochs of one layer and kind, epoch 0 (the calibration's own bases) included."""
+        return 1
+
+    def check_epoch(self, layer: int, kind: int, epoch: int) -> None:
+        self.check_layer(layer)
+        if not 0 <= epoch < self.n_epochs(layer, kind):
+            raise CalibrationError(f"unknown epoch {epoch}: the calibration has {self.n_epochs(layer, kind)} "
+                                   f"epoch(s) for layer {layer} {L.KIND_NAMES[kind]} (a cache that appended "
+                                   "epochs must save its calibration with them)")
+
+    def epoch_id(self, layer: int, kind: int, epoch: int) -> int:
+        """The id a block of ``epoch`` carries in its header: the calibration id for epoch 0."""
+        self.check_epoch(layer, kind, epoch)
+        return self.id
 
     def check_header(self, d: dict) -> None:
         """FORMAT.md 3.4: the file's ``layers``, ``kv_heads``, ``head_dim`` and ``id`` agree with its tables."""
@@ -167,6 +200,8 @@ class Calibration(CacheShape):
                 self.add_epoch(int(key[1]), int(key[0]), *pair)
 
     # -- shape ---------------------------------------------------------------
+    modes = L.BF16_MODES           # the element format and its code widths: BF16, 3/4/raw8
+
     @property
     def base_table(self) -> np.ndarray:
         return self.b3
@@ -230,13 +265,6 @@ class Calibration(CacheShape):
     def n_epochs(self, layer: int, kind: int) -> int:
         """Epochs of one layer and kind, epoch 0 (the calibration's own bases) included."""
         return 1 + len(self.epochs.get((kind, layer), ()))
-
-    def check_epoch(self, layer: int, kind: int, epoch: int) -> None:
-        self.check_layer(layer)
-        if not 0 <= epoch < self.n_epochs(layer, kind):
-            raise CalibrationError(f"unknown epoch {epoch}: the calibration has {self.n_epochs(layer, kind)} "
-                                   f"epoch(s) for layer {layer} {L.KIND_NAMES[kind]} (a cache that appended "
-                                   "epochs must save its calibration with them)")
 
     def epoch_canonical_bytes(self, layer: int, kind: int, epoch: int) -> bytes:
         """FORMAT.md 3.5: the bytes whose CRC-32 is the id of epoch ``epoch >= 1``.
@@ -384,14 +412,16 @@ def _all_ints(table) -> bool:
     return type(table) is int
 
 
-def exponent_histograms(x: np.ndarray) -> np.ndarray:
-    """Counts of each exponent per (layer, head, channel): ``[layers, heads, head_dim, 256]``."""
+def exponent_histograms(x: np.ndarray, fmt: L.ElementFormat = L.BF16) -> np.ndarray:
+    """Counts of each exponent field per (layer, head, channel) of a cache of format ``fmt``:
+    ``[layers, heads, head_dim, 2**exponent_bits]``."""
     layers, heads, tokens, dim = x.shape
-    hist = np.zeros((layers, heads, dim, 256), dtype=np.int64)
-    cell = (np.arange(heads)[:, None, None] * dim + np.arange(dim)[None, None, :]) * 256
+    bins = fmt.exponent_values
+    hist = np.zeros((layers, heads, dim, bins), dtype=np.int64)
+    cell = (np.arange(heads)[:, None, None] * dim + np.arange(dim)[None, None, :]) * bins
     for layer in range(layers):
-        e = ((x[layer] >> 7) & 0xFF).astype(np.int64)
-        hist[layer] = np.bincount((cell + e).ravel(), minlength=heads * dim * 256).reshape(heads, dim, 256)
+        e = ((x[layer] >> fmt.mantissa_bits) & fmt.max_exponent_field).astype(np.int64)
+        hist[layer] = np.bincount((cell + e).ravel(), minlength=heads * dim * bins).reshape(heads, dim, bins)
     return hist
 
 
@@ -402,16 +432,16 @@ def best_windows(hist: np.ndarray, width: int) -> np.ndarray:
     return np.argmax(cover, axis=-1)                      # argmax returns the first maximum
 
 
-def tile_escape_bytes(x: np.ndarray, b3: np.ndarray, b4: np.ndarray) -> np.ndarray:
+def tile_escape_bytes(x: np.ndarray, b_narrow: np.ndarray, b_wide: np.ndarray,
+                      modes: L.ModeSet = L.BF16_MODES) -> np.ndarray:
     """Escape bytes of every tile of one layer's cache ``[heads, tokens, head_dim]`` (whole blocks only)."""
-    from .reference.codec import choose_modes, escape_bytes
+    from .reference.codec import choose_modes, escape_bytes, tile_exponents
     from .tiles import block_tiles, cache_blocks, tile_bases
 
     blocks = cache_blocks(x)
     tiles = block_tiles(blocks)
-    t3, t4 = (np.tile(t, (blocks.shape[0], 1)) for t in tile_bases(b3, b4))
-    exponent = ((tiles.reshape(tiles.shape[0], -1) >> 7) & 0xFF).astype(np.uint8)
-    return escape_bytes(choose_modes(exponent, t3, t4))
+    tn, tw = (np.tile(t, (blocks.shape[0], 1)) for t in tile_bases(b_narrow, b_wide))
+    return escape_bytes(choose_modes(tile_exponents(tiles, modes.fmt), tn, tw, modes), modes)
 
 
 def best_capacity(escapes: np.ndarray, tile, slot_line: int | None = None) -> int:
@@ -432,6 +462,33 @@ def best_capacity(escapes: np.ndarray, tile, slot_line: int | None = None) -> in
     fits = escapes[None, :] <= candidates[:, None]
     cost = np.where(fits, geo.fixed_bytes + candidates[:, None], geo.raw_bytes).sum(axis=1)
     return int(candidates[np.argmin(cost)])
+
+
+@dataclass
+class Windows:
+    """Windows and capacities of one kind of a cache, for one mode set (a calibration's core)."""
+
+    b_narrow: np.ndarray     # [layers, heads, head_dim]
+    b_wide: np.ndarray
+    capacity: np.ndarray     # [layers]
+
+
+def fit_windows(x: np.ndarray, modes: L.ModeSet = L.BF16_MODES, capacity: int | None = None,
+                slot_line: int | None = None) -> Windows:
+    """Windows and capacities for one kind of a cache ``[layers, heads, tokens, head_dim]`` of ``modes``' format.
+
+    Per (layer, head, channel) the narrow and the wide window covering the most values
+    (:func:`best_windows`); per layer the capacity that minimises resident bytes (:func:`best_capacity`),
+    or ``capacity`` everywhere when given.
+    """
+    hist = exponent_histograms(x, modes.fmt)
+    bn = best_windows(hist, modes.narrow_window)
+    bw = best_windows(hist, modes.wide_window)
+    geo = modes.geometry(x.shape[-1])
+    cap = np.array([capacity if capacity is not None else
+                    best_capacity(tile_escape_bytes(x[layer], bn[layer], bw[layer], modes), geo, slot_line)
+                    for layer in range(x.shape[0])], dtype=np.int64)
+    return Windows(bn, bw, cap)
 
 
 def sample_caches(k, v) -> tuple[np.ndarray, np.ndarray]:
@@ -469,18 +526,8 @@ def calibrate(k, v, *, model: str | None = None, capacity: int | None = None, sl
     if min(tokens, vs.shape[2]) < L.BLOCK_TOKENS and capacity is None:
         raise CalibrationError(f"calibration needs at least one full block of {L.BLOCK_TOKENS} tokens "
                                f"to choose a slot capacity; got {tokens} (k) / {vs.shape[2]} (v)")
-    b3 = np.zeros((2, layers, heads, dim), dtype=np.int64)
-    b4 = np.zeros_like(b3)
-    cap = np.zeros((2, layers), dtype=np.int64)
-    for kind, x in progress(list(enumerate((ks, vs))), desc="calibrate", unit="kind", enable=show_progress):
-        hist = exponent_histograms(x)
-        b3[kind] = best_windows(hist, L.WINDOW_3BIT)
-        b4[kind] = best_windows(hist, L.WINDOW_4BIT)
-        for layer in range(layers):
-            if capacity is not None:
-                cap[kind, layer] = capacity
-            else:
-                esc = tile_escape_bytes(x[layer], b3[kind, layer], b4[kind, layer])
-                cap[kind, layer] = best_capacity(esc, dim, slot_line)
-    return Calibration(b3=b3, b4=b4, capacity=cap, model=model,
+    parts = [fit_windows(x, L.BF16_MODES, capacity, slot_line)
+             for x in progress((ks, vs), desc="calibrate", unit="kind", enable=show_progress)]
+    return Calibration(b3=[p.b_narrow for p in parts], b4=[p.b_wide for p in parts],
+                       capacity=[p.capacity for p in parts], model=model,
                        notes={"tokens": {"k": int(tokens), "v": int(vs.shape[2])}})

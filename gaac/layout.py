@@ -1,5 +1,10 @@
 """The GAAC layout (format version 2): every constant of the bitstream, in one place.
 
+BF16, FP8 E4M3 and FP8 E5M2 are three instances of one :class:`ElementFormat`;
+a :class:`ModeSet` gives each its code widths and :class:`TileGeometry` the
+byte offsets of its tiles.  Everything else (groups, tiles, mode tags, escape
+planes, slots, containers) is the same for every element format.
+
 The reference codec, the CUDA kernels, the paged cache and the tables of
 ``format_spec/FORMAT.md`` all derive their numbers from this module, so a
 change to the format is a change here first.  Nothing in this module touches
@@ -7,7 +12,8 @@ data; it only says where bytes go.
 
 Vocabulary (FORMAT.md, section 2):
 
-* element  -- one BF16 value, split into a sign+mantissa byte and an 8-bit exponent;
+* element  -- one value of an element format (:class:`ElementFormat`: BF16, or FP8 E4M3 / E5M2 of
+  FORMAT-FP8.md), split into a sign+mantissa field and an exponent field;
 * group    -- 8 consecutive channels of one token; it shares one 2-bit mode tag;
 * tile     -- 16 tokens x ``C`` channels of one KV head, ``C = min(head_dim, 128)``;
 * block    -- 16 tokens of one layer's K (or V), all KV heads: ``kv_heads * head_dim / C`` tiles;
@@ -52,6 +58,14 @@ MAX_ESCAPE_CAPACITY = 65520  # fits the u16 header field and is a multiple of 16
 
 # Element formats (stream header byte 5).
 ELEMENT_BF16 = 1
+ELEMENT_FP8_E4M3 = 2
+ELEMENT_FP8_E5M2 = 3
+
+# An FP8 block container (FORMAT-FP8.md 6) has version byte 2 and element-format byte 2 or 3.  Version 2 is
+# also BF16's calibration-epoch version (FORMAT.md 7.1, element byte 1); the element byte tells them apart.
+# FP8 has no epochs: header bytes 20..23 are version 1's reserved u32, written and checked 0, which version
+# 2's layout reads as epoch 0, reserved 0.
+FP8_FORMAT_VERSION = 2
 
 # K / V (stream header byte 6).
 KIND_K = 0
@@ -93,14 +107,207 @@ SEQUENCE_EPOCH_BYTES = 2                   # a block's epoch in the body: u16
 
 
 @dataclass(frozen=True)
-class TileGeometry:
-    """Byte offsets of the sections of one compressed tile of ``channels`` channels.
+class ElementFormat:
+    """One element format: field widths, bias, special values, and the block containers it is written in.
 
-    All sections start on a 16-byte boundary for 64- and 128-channel tiles, so a
-    kernel can move a slot with 16-byte loads.
+    An element of ``1 + exponent_bits + mantissa_bits`` bits is ``S E..E M..M``; the codec keeps its
+    sign+mantissa field ``sign << mantissa_bits | mantissa`` and codes its exponent field.
+    """
+
+    name: str
+    element: int            # element-format byte of the stream header
+    exponent_bits: int
+    mantissa_bits: int
+    bias: int
+    has_inf: bool           # E5M2 and BF16 have +-Inf; E4M3 ("fn") has none and uses S.1111.111 for NaN only
+    versions: tuple         # container versions of this format, oldest first (FORMAT.md 7.1, FORMAT-FP8.md 6)
+    epochs: bool            # whether its blocks name a calibration epoch (FORMAT.md 3.5)
+
+    @property
+    def bits(self) -> int:
+        return 1 + self.exponent_bits + self.mantissa_bits
+
+    @property
+    def element_bytes(self) -> int:
+        """Bytes of one element kept as it is (a raw tile), little-endian."""
+        return self.bits // 8
+
+    @property
+    def sm_bits(self) -> int:
+        """Width of the kept sign+mantissa field: ``sign << mantissa_bits | mantissa``."""
+        return 1 + self.mantissa_bits
+
+    @property
+    def exponent_values(self) -> int:
+        return 1 << self.exponent_bits
+
+    @property
+    def max_exponent_field(self) -> int:
+        return self.exponent_values - 1
+
+    @property
+    def min_normal_exp(self) -> int:
+        """Unbiased exponent of the smallest normal (exponent field 1)."""
+        return 1 - self.bias
+
+    @property
+    def max_finite_bits(self) -> int:
+        """Bit pattern of the largest finite value: 0x7E (448) for E4M3, 0x7B (57344) for E5M2."""
+        if self.has_inf:   # exponent field all ones is Inf/NaN
+            return ((self.max_exponent_field - 1) << self.mantissa_bits) | ((1 << self.mantissa_bits) - 1)
+        return (self.max_exponent_field << self.mantissa_bits) | ((1 << self.mantissa_bits) - 2)
+
+    @property
+    def max_finite(self) -> float:
+        e = self.max_finite_bits >> self.mantissa_bits
+        m = self.max_finite_bits & ((1 << self.mantissa_bits) - 1)
+        return float((1 << self.mantissa_bits | m) * 2.0 ** (e - self.bias - self.mantissa_bits))
+
+    @property
+    def nan_bits(self) -> int:
+        """The NaN a conversion writes (sign bit clear): all ones without Inf (0x7F for E4M3), else the
+        quiet NaN (0x7E for E5M2)."""
+        if not self.has_inf:
+            return (1 << (self.bits - 1)) - 1
+        return (self.max_exponent_field << self.mantissa_bits) | (1 << (self.mantissa_bits - 1))
+
+    @property
+    def inf_bits(self) -> int | None:
+        return (self.max_exponent_field << self.mantissa_bits) if self.has_inf else None
+
+    def container_version(self, epoch: int) -> int:
+        """The version byte of a block of ``epoch``: the oldest of the format's versions that can say it."""
+        return self.versions[0] if epoch == 0 else FORMAT_VERSION
+
+
+BF16 = ElementFormat("bf16", ELEMENT_BF16, exponent_bits=8, mantissa_bits=7, bias=127, has_inf=True,
+                     versions=READABLE_VERSIONS, epochs=True)
+E4M3 = ElementFormat("fp8_e4m3", ELEMENT_FP8_E4M3, exponent_bits=4, mantissa_bits=3, bias=7, has_inf=False,
+                     versions=(FP8_FORMAT_VERSION,), epochs=False)
+E5M2 = ElementFormat("fp8_e5m2", ELEMENT_FP8_E5M2, exponent_bits=5, mantissa_bits=2, bias=15, has_inf=True,
+                     versions=(FP8_FORMAT_VERSION,), epochs=False)
+FORMATS = {f.name: f for f in (BF16, E4M3, E5M2)}
+FP8_FORMATS = {f.name: f for f in (E4M3, E5M2)}
+FORMATS_BY_ELEMENT = {f.element: f for f in FORMATS.values()}
+
+# The mode tags by what they mean in every element format: narrow window, wide window, raw.
+MODE_NARROW = MODE_3BIT
+MODE_WIDE = MODE_4BIT
+
+
+@dataclass(frozen=True)
+class ModeSet:
+    """Code widths of the three modes for one element format.
+
+    * narrow (tag 0): ``e = b_narrow + code``, ``code < 2**low_bits``; no escape byte;
+    * wide   (tag 1): ``e = b_wide + code``, ``code < 2**wide_bits``; planes ``low_bits .. wide_bits-1``
+      of the code in ``wide_bits - low_bits`` escape bytes;
+    * raw    (tag 2): ``e = code``; planes ``low_bits .. exponent_bits-1`` in escape bytes.
+
+    The low ``low_bits`` bits of every code sit in the common code stream.
+    ``wide_bits == exponent_bits`` leaves only base 0 for the wide window, which
+    makes it the raw mode: that is how "narrow + raw only" is expressed.
+    BF16's is 3/4/raw8 (:data:`CODE_BITS`); the format fixes one per element
+    format (:data:`MODE_SETS`), and the codec takes any valid one so that the
+    benchmarks measure the alternatives with the very code that implements it.
+    """
+
+    fmt: ElementFormat
+    low_bits: int
+    wide_bits: int
+
+    def __post_init__(self):
+        if not 1 <= self.low_bits < self.wide_bits <= self.fmt.exponent_bits:
+            raise ValueError(f"{self.fmt.name}: need 1 <= low_bits < wide_bits <= {self.fmt.exponent_bits}, "
+                             f"got low_bits={self.low_bits}, wide_bits={self.wide_bits}")
+
+    @property
+    def narrow_window(self) -> int:
+        return 1 << self.low_bits
+
+    @property
+    def wide_window(self) -> int:
+        return 1 << self.wide_bits
+
+    @property
+    def narrow_base_max(self) -> int:
+        """Largest narrow base: ``base + narrow_window - 1`` is the largest exponent field."""
+        return self.fmt.exponent_values - self.narrow_window
+
+    @property
+    def wide_base_max(self) -> int:
+        return self.fmt.exponent_values - self.wide_window
+
+    @property
+    def escape_bytes(self) -> dict[int, int]:
+        """Escape bytes (bit planes) a group of each mode appends to the escape area."""
+        return {MODE_NARROW: 0, MODE_WIDE: self.wide_bits - self.low_bits,
+                MODE_RAW: self.fmt.exponent_bits - self.low_bits}
+
+    @property
+    def mode_names(self) -> dict[int, str]:
+        return {MODE_NARROW: f"{self.low_bits}bit", MODE_WIDE: f"{self.wide_bits}bit", MODE_RAW: "raw"}
+
+    @property
+    def label(self) -> str:
+        return f"{self.low_bits}/{self.wide_bits}/raw{self.fmt.exponent_bits}"
+
+    def geometry(self, head_dim: int) -> "TileGeometry":
+        """Geometry of the tiles of a ``head_dim``-wide head (64 -> 64 channels, 128 and 256 -> 128)."""
+        return TileGeometry(tile_channels(head_dim), self)
+
+
+# The mode set of each element format (FORMAT.md 5, FORMAT-FP8.md 3; the FP8 ratios of the alternatives:
+# benchmarks/results/fp8-ratios.md).
+MODE_SETS = {
+    BF16.name: ModeSet(BF16, low_bits=CODE_BITS, wide_bits=CODE_BITS + 1),
+    E4M3.name: ModeSet(E4M3, low_bits=2, wide_bits=3),
+    E5M2.name: ModeSet(E5M2, low_bits=2, wide_bits=3),
+}
+BF16_MODES = MODE_SETS[BF16.name]
+FP8_MODE_SETS = {name: MODE_SETS[name] for name in FP8_FORMATS}
+
+
+def element_format(name) -> ElementFormat:
+    """``'bf16'``, ``'fp8_e4m3'`` / ``'fp8_e5m2'`` (also ``'e4m3'``, ``'e5m2'``, any case), or an
+    :class:`ElementFormat` -> its :class:`ElementFormat`."""
+    if isinstance(name, ElementFormat):
+        return name
+    key = str(name).lower()
+    key = key if key in FORMATS or key.startswith("fp8_") else f"fp8_{key}"
+    if key not in FORMATS:
+        raise ValueError(f"unknown element format {name!r}; expected one of {sorted(FORMATS)}")
+    return FORMATS[key]
+
+
+def fp8_format(name: str) -> ElementFormat:
+    """``'fp8_e4m3'`` / ``'fp8_e5m2'`` (also ``'e4m3'``, ``'e5m2'``, any case) -> its :class:`ElementFormat`."""
+    key = str(name).lower()
+    key = key if key.startswith("fp8_") else f"fp8_{key}"
+    if key not in FP8_FORMATS:
+        raise ValueError(f"unknown FP8 format {name!r}; expected one of {sorted(FP8_FORMATS)}")
+    return FP8_FORMATS[key]
+
+
+def mode_set(name) -> ModeSet:
+    """The mode set of element format ``name`` (:data:`MODE_SETS`); FP8 names as :func:`fp8_format` takes them."""
+    fmt = element_format(name)
+    return MODE_SETS[fmt.name]
+
+
+@dataclass(frozen=True)
+class TileGeometry:
+    """Byte offsets of the sections of one compressed tile of ``channels`` channels of ``modes``' format.
+
+    The four sections are the same for every element format; their sizes follow the
+    widths: the sign+mantissa fields and the low codes are little-endian bit streams of
+    ``sm_bits`` and ``low_bits`` bits (for BF16 the sign+mantissa fields are whole bytes),
+    and a raw tile is the elements as they are.  All sections start on a 16-byte boundary
+    for 64- and 128-channel tiles, so a kernel can move a slot with 16-byte loads.
     """
 
     channels: int
+    modes: ModeSet = BF16_MODES
 
     @property
     def elements(self) -> int:
@@ -121,16 +328,16 @@ class TileGeometry:
 
     @property
     def sm_bytes(self) -> int:
-        return self.elements
+        return self.elements * self.modes.fmt.sm_bits // 8
 
-    # Section 2: the 3-bit low codes, a little-endian bit stream, element order.
+    # Section 2: the low codes (3 bits for BF16), a little-endian bit stream, element order.
     @property
     def code_offset(self) -> int:
         return self.sm_offset + self.sm_bytes
 
     @property
     def code_bytes(self) -> int:
-        return self.elements * CODE_BITS // 8
+        return self.elements * self.modes.low_bits // 8
 
     # Section 3: the 2-bit mode tags, a little-endian bit stream, group order.
     @property
@@ -157,8 +364,13 @@ class TileGeometry:
 
     @property
     def raw_bytes(self) -> int:
-        """Bytes of the tile kept as plain little-endian BF16."""
-        return 2 * self.elements
+        """Bytes of the tile kept as its plain little-endian elements."""
+        return self.modes.fmt.element_bytes * self.elements
+
+    @property
+    def max_escapes(self) -> int:
+        """Escape bytes of a tile whose every group is raw."""
+        return self.groups * self.modes.escape_bytes[MODE_RAW]
 
     @property
     def max_useful_capacity(self) -> int:
@@ -173,9 +385,12 @@ def tile_channels(head_dim: int) -> int:
     return min(head_dim, TILE_MAX_CHANNELS)
 
 
+TILE_WIDTHS = tuple(sorted({tile_channels(d) for d in SUPPORTED_HEAD_DIMS}))   # (64, 128)
+
+
 def tiles_per_head(head_dim: int) -> int:
     return head_dim // tile_channels(head_dim)
 
 
-def geometry(head_dim: int) -> TileGeometry:
-    return TileGeometry(tile_channels(head_dim))
+def geometry(head_dim: int, modes: ModeSet = BF16_MODES) -> TileGeometry:
+    return TileGeometry(tile_channels(head_dim), modes)

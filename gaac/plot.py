@@ -95,14 +95,13 @@ def _windows(caches, calibration, layers) -> tuple[list[_Windows], str]:
         out = [_Windows(exponent_histograms(x[layers]), *zip(*(calibration.bases(layer, kind) for layer in layers)),
                         L.WINDOW_3BIT, L.WINDOW_4BIT) for kind, x in enumerate(caches)]
         return out, "BF16"
-    from .fp8.calibration import fp8_exponent_histograms
     from .fp8.convert import cache_to_fp8
 
     modes = calibration.modes
     out = []
     for kind, x in enumerate(caches):
         fp8 = cache_to_fp8(x[layers], modes.fmt, calibration.scale_log2[kind][layers])
-        out.append(_Windows(fp8_exponent_histograms(fp8, modes),
+        out.append(_Windows(exponent_histograms(fp8, modes.fmt),
                             *zip(*(calibration.bases(layer, kind) for layer in layers)),
                             modes.narrow_window, modes.wide_window))
     return out, calibration.format.upper().replace("_", " ")

@@ -44,7 +44,8 @@ from .calibration import Calibration
 from .epochs import EPOCH_INDEX_BYTES, assign_epochs, epoch_table_bytes
 from .errors import InputError
 from .progress import progress
-from .reference.codec import decode_tiles, encode_tiles
+from .reference.bits import element_dtype
+from .reference.codec import decode_tiles, encode_tiles, tile_exponents
 from .tiles import block_tiles, cache_blocks, tile_bases
 
 BITS_PER_BYTE = 8
@@ -54,12 +55,13 @@ BITS_PER_BYTE = 8
 class TileTally:
     """Additive counts over the complete blocks of one or more layers of one kind, for any element format.
 
-    What is format-specific is the tile geometry, the names of the three coded modes and the reported
-    extras; :class:`Tally` (BF16) and :class:`gaac.fp8.stats.FP8Tally` supply them.  Every count adds, so
-    the tally of a model is the sum of its layers' tallies.
+    The mode set gives the tile geometry and the names of the three coded modes; :class:`Tally` (BF16)
+    and :class:`gaac.fp8.stats.FP8Tally` add what they report besides.  Every count adds, so the tally
+    of a model is the sum of its layers' tallies.
     """
 
     head_dim: int
+    mode_set: L.ModeSet = L.BF16_MODES
     tiles: int = 0
     slot_tiles: int = 0                  # tiles whose escapes fit the capacity
     slot_capacity_bytes: int = 0         # sum of the capacity over slot tiles
@@ -69,7 +71,7 @@ class TileTally:
     exponents: np.ndarray = field(default_factory=lambda: np.zeros(256, dtype=np.int64))
     mismatched: int = 0                  # elements whose decoded bits differ
 
-    SHARED = ("head_dim",)               # fields that are the same in every summand, not added
+    SHARED = ("head_dim", "mode_set")    # fields that are the same in every summand, not added
 
     def __add__(self, other):
         return type(self)(**{f.name: getattr(self, f.name) if f.name in self.SHARED
@@ -77,12 +79,13 @@ class TileTally:
 
     @property
     def geometry(self) -> L.TileGeometry:
-        raise NotImplementedError
+        return self.mode_set.geometry(self.head_dim)
 
     @property
     def mode_names(self) -> tuple[str, str, str]:
         """Names of the mode tags 0, 1, 2 in the reported ``frac_*`` keys."""
-        raise NotImplementedError
+        names = self.mode_set.mode_names
+        return tuple(names[m] for m in (L.MODE_NARROW, L.MODE_WIDE, L.MODE_RAW))
 
     @property
     def elements(self) -> int:
@@ -135,14 +138,6 @@ class Tally(TileTally):
     epoch_bytes: int = 0                 # appended epochs' bases and the per-block epoch index
     new_epochs: int = 0                  # epochs the adaptation appended
 
-    @property
-    def geometry(self) -> L.TileGeometry:
-        return L.geometry(self.head_dim)
-
-    @property
-    def mode_names(self) -> tuple[str, str, str]:
-        return ("3bit", "4bit", "raw")
-
     def resident_parts(self) -> dict[str, int]:
         return {**super().resident_parts(), "epochs": self.epoch_bytes}
 
@@ -150,33 +145,36 @@ class Tally(TileTally):
         return {**super().summary(), "epochs_appended": self.new_epochs}
 
 
-def measure_layer(x: np.ndarray, b3: np.ndarray, b4: np.ndarray, capacity: int) -> Tally:
-    """Encode, decode and count one layer ``[kv_heads, tokens, head_dim]``.
+def measure_layer(x: np.ndarray, b_narrow: np.ndarray, b_wide: np.ndarray, capacity: int,
+                  modes: L.ModeSet = L.BF16_MODES, tally: type = Tally) -> TileTally:
+    """Encode, decode and count one layer ``[kv_heads, tokens, head_dim]`` of ``modes``' format.
 
     The bases are ``[kv_heads, head_dim]`` for every block, or ``[blocks,
-    kv_heads, head_dim]``: each block's own (its epoch's).
+    kv_heads, head_dim]``: each block's own (its epoch's).  ``tally`` is the
+    :class:`TileTally` class to fill.
     """
     blocks = cache_blocks(x)
     tiles = block_tiles(blocks)                                         # [blocks * tiles_per_block, 16, C]
-    if np.ndim(b3) == 2:
-        t3, t4 = (np.tile(t, (blocks.shape[0], 1)) for t in tile_bases(b3, b4))
+    if np.ndim(b_narrow) == 2:
+        tn, tw = (np.tile(t, (blocks.shape[0], 1)) for t in tile_bases(b_narrow, b_wide))
     else:                # [blocks * kv_heads, head_dim] cuts into tiles in block_tiles' order
-        t3, t4 = tile_bases(*(np.reshape(b, (-1, x.shape[-1])) for b in (b3, b4)))
-    enc = encode_tiles(tiles, t3, t4, capacity)
+        tn, tw = tile_bases(*(np.reshape(b, (-1, x.shape[-1])) for b in (b_narrow, b_wide)))
+    enc = encode_tiles(tiles, tn, tw, capacity, modes)
     fits = enc.fits
 
-    stored_raw = enc.raw[~fits].view("<u2").reshape(-1, *tiles.shape[1:])
+    stored_raw = enc.raw[~fits].view(element_dtype(modes.fmt).newbyteorder("<")).reshape(-1, *tiles.shape[1:])
     mismatched = int((stored_raw != tiles[~fits]).sum())
-    if fits.any():       # decode_tiles wants at least one slot
-        decoded = decode_tiles(enc.slots[fits], t3[fits], t4[fits], capacity, tiles.shape[2])
+    if fits.any():
+        decoded = decode_tiles(enc.slots[fits], tn[fits], tw[fits], capacity, tiles.shape[2], modes)
         mismatched += int((decoded != tiles[fits]).sum())
 
-    return Tally(
-        head_dim=x.shape[-1], tiles=len(fits), slot_tiles=int(fits.sum()),
+    return tally(
+        head_dim=x.shape[-1], mode_set=modes, tiles=len(fits), slot_tiles=int(fits.sum()),
         slot_capacity_bytes=int(fits.sum()) * capacity,
         escapes_needed=int(enc.escape_used.sum()), escapes_in_slots=int(enc.escape_used[fits].sum()),
         modes=np.bincount(enc.modes.ravel(), minlength=3)[:3].astype(np.int64),
-        exponents=np.bincount(((tiles >> 7) & 0xFF).ravel(), minlength=256).astype(np.int64),
+        exponents=np.bincount(tile_exponents(tiles, modes.fmt).ravel(),
+                              minlength=modes.fmt.exponent_values).astype(np.int64),
         mismatched=mismatched)
 
 
@@ -225,7 +223,7 @@ def _sum(tallies: list[Tally]) -> Tally:
 class CacheStats:
     k: KindStats
     v: KindStats
-    calibration: Calibration | None = None      # the calibration with the epochs the cache appended
+    calibration: Calibration | None = None      # the calibration (BF16: with the epochs the cache appended)
 
     def as_dict(self, per_layer: bool = False) -> dict:
         """``{"k": {...}, "v": {...}}``, plus ``"per_layer"`` when asked and ``"segments"`` when measured."""

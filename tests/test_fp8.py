@@ -20,10 +20,12 @@ from conftest import kv_dump
 from gaac import layout as L
 from gaac.calibration import Calibration
 from gaac.errors import CalibrationError, FormatError, InputError
-from gaac.fp8 import layout as F
-from gaac.fp8.block import decode_fp8_block, encode_bf16_block, encode_fp8_block
-from gaac.fp8.calibration import FP8Calibration, calibrate_fp8, fp8_exponent_histograms
-from gaac.fp8.codec import decode_tiles, encode_tiles, join_fp8, split_fp8
+from gaac import layout as F
+from gaac.fp8 import decode_fp8_block, encode_bf16_block, encode_fp8_block
+from gaac.calibration import exponent_histograms
+from gaac.fp8.calibration import FP8Calibration, calibrate_fp8
+from gaac.reference.bits import join_elements, split_elements
+from gaac.reference.codec import decode_tiles, encode_tiles
 from gaac.fp8.convert import (bf16_to_float, cache_scales, cache_to_fp8, choose_scale_log2, fp8_to_float,
                               fp8_values, round_to_fp8, to_fp8)
 from gaac.fp8.stats import format_fp8_table, fp8_stats
@@ -32,7 +34,7 @@ from test_spec import table
 ROOT = Path(__file__).resolve().parents[1]
 VECTORS = ROOT / "format_spec" / "vectors" / "fp8"
 SPEC = (ROOT / "format_spec" / "FORMAT-FP8.md").read_text()
-FORMAT_NAMES = tuple(F.FORMATS)
+FORMAT_NAMES = tuple(F.FP8_FORMATS)
 ALL_BF16 = np.arange(1 << 16, dtype=np.uint16)
 FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -79,7 +81,7 @@ def test_fp8_value_tables_match_torch():
     torch = pytest.importorskip("torch")
     for name, dtype in (("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)):
         want = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).double().numpy()
-        got = fp8_values(F.FORMATS[name])
+        got = fp8_values(F.FP8_FORMATS[name])
         assert np.array_equal(np.isnan(got), np.isnan(want))
         assert np.array_equal(got[~np.isnan(got)], want[~np.isnan(want)])
 
@@ -89,7 +91,7 @@ def test_fp8_value_tables_match_torch():
 def test_conversion_equals_torch_on_every_bf16_pattern(name, scale):
     """RNE with saturation == torch's clamp-then-cast, for every finite BF16 value."""
     torch = pytest.importorskip("torch")
-    fmt = F.FORMATS[name]
+    fmt = F.FP8_FORMATS[name]
     dtype = torch.float8_e4m3fn if name == "fp8_e4m3" else torch.float8_e5m2
     x = bf16_to_float(ALL_BF16)
     finite = np.isfinite(x)
@@ -101,7 +103,7 @@ def test_conversion_equals_torch_on_every_bf16_pattern(name, scale):
 
 @pytest.mark.parametrize("name", FORMAT_NAMES)
 def test_conversion_special_values_and_ties(name):
-    fmt = F.FORMATS[name]
+    fmt = F.FP8_FORMATS[name]
     x = np.array([np.nan, -np.nan, np.inf, -np.inf, 1e30, -0.0, 0.0, 1e-30, -1e-30])
     got = round_to_fp8(x, fmt)
     mx = fmt.max_finite_bits
@@ -119,7 +121,7 @@ def test_conversion_special_values_and_ties(name):
 
 def test_conversion_roundtrips_every_fp8_value_exactly():
     """Every finite FP8 value times any power of two converts back to the same bits."""
-    for fmt in F.FORMATS.values():
+    for fmt in F.FP8_FORMATS.values():
         v = fp8_values(fmt)
         finite = np.flatnonzero(np.isfinite(v))
         for s in (-4, 0, 3):
@@ -145,11 +147,11 @@ def test_scale_choice():
 
 @pytest.mark.parametrize("name", FORMAT_NAMES)
 def test_split_join_every_pattern(name):
-    fmt = F.FORMATS[name]
+    fmt = F.FP8_FORMATS[name]
     b = np.arange(256, dtype=np.uint8)
-    sm, e = split_fp8(b, fmt)
+    sm, e = split_elements(b, fmt)
     assert sm.max() < (1 << fmt.sm_bits) and e.max() < (1 << fmt.exponent_bits)
-    assert np.array_equal(join_fp8(sm, e, fmt), b)
+    assert np.array_equal(join_elements(sm, e, fmt), b)
 
 
 @pytest.mark.parametrize("name", FORMAT_NAMES)
@@ -163,7 +165,7 @@ def test_every_pattern_under_every_pair_of_bases(name):
     pairs = [(a, b) for a in range(ms.narrow_base_max + 1) for b in range(ms.wide_base_max + 1)] * 2
     rng = np.random.default_rng(0)
     patterns = np.repeat(np.arange(256, dtype=np.uint8), 4)
-    by_exponent = patterns[np.argsort(split_fp8(patterns, ms.fmt)[1], kind="stable")]
+    by_exponent = patterns[np.argsort(split_elements(patterns, ms.fmt)[1], kind="stable")]
     half = len(pairs) // 2
     tiles = np.stack([rng.permutation(patterns) for _ in range(half)] + [by_exponent] * half)
     tiles = tiles.reshape(len(pairs), 16, 64)
@@ -188,7 +190,7 @@ def fp8_tiles(draw):
     spread = draw(st.sampled_from((0.0, 0.5, 1.0, 2.0, 8.0)))
     e = np.clip(np.rint(np.tile(centre, 16) + rng.normal(0, spread, (n, 16 * c))), 0, fmt.max_exponent_field)
     sm = rng.integers(0, 1 << fmt.sm_bits, size=e.shape)
-    tiles = join_fp8(sm, e.astype(np.uint8), fmt).reshape(n, 16, c)
+    tiles = join_elements(sm, e.astype(np.uint8), fmt).reshape(n, 16, c)
     flat = tiles.reshape(-1)
     for _ in range(draw(st.integers(0, 8))):               # any pattern anywhere, edges included
         flat[draw(st.integers(0, flat.size - 1))] = draw(st.one_of(
@@ -208,7 +210,7 @@ def test_roundtrip_and_narrowest_modes(case):
     n, _, c = tiles.shape
     enc = encode_tiles(tiles, bn, bw, cap, ms)
     # Narrowest mode, from the definition (FORMAT-FP8.md 3.1), one group at a time.
-    e = split_fp8(tiles.reshape(n, -1), ms.fmt)[1].astype(int).reshape(n, -1, 8)
+    e = split_elements(tiles.reshape(n, -1), ms.fmt)[1].astype(int).reshape(n, -1, 8)
     ch = (np.arange(16 * c) % c).reshape(-1, 8)
     for t in range(n):
         for g in range(e.shape[1]):
@@ -248,7 +250,7 @@ def test_forced_modes(name, seed, c):
             if i == 0 and want[0, g] == 2:
                 pool = ~in_w & ~in_n
             e[0, 8 * g + i] = rng.choice(values[pool])
-    tiles = join_fp8(rng.integers(0, 1 << ms.fmt.sm_bits, e.shape), e.astype(np.uint8), ms.fmt).reshape(1, 16, c)
+    tiles = join_elements(rng.integers(0, 1 << ms.fmt.sm_bits, e.shape), e.astype(np.uint8), ms.fmt).reshape(1, 16, c)
     cap = ms.geometry(c).max_escapes
     enc = encode_tiles(tiles, bn, bw, cap, ms)
     assert np.array_equal(enc.modes, want)
@@ -304,7 +306,7 @@ def test_calibration_windows_are_best_and_file_roundtrips(name, tmp_path):
     k, v = _small_real()
     cal = calibrate_fp8(k, v, name, model="smollm2 list, 2 layers")
     ms = cal.modes
-    hist = fp8_exponent_histograms(cache_to_fp8(k, ms.fmt, cal.scale_log2[0].astype(int)), ms)
+    hist = exponent_histograms(cache_to_fp8(k, ms.fmt, cal.scale_log2[0].astype(int)), ms.fmt)
     for width, bases in ((ms.narrow_window, cal.b_narrow[0]), (ms.wide_window, cal.b_wide[0])):
         cover = np.stack([hist[..., b:b + width].sum(-1) for b in range(ms.fmt.exponent_values - width + 1)], -1)
         chosen = np.take_along_axis(cover, bases.astype(int)[..., None], -1)[..., 0]
@@ -416,7 +418,7 @@ def test_vectors_decode_and_reencode():
 
 def test_spec_tables_match_layout_and_codec():
     const = {r["name"]: int(r["value"]) for r in spec_table("fp8-constants")}
-    for ms in F.MODE_SETS.values():
+    for ms in F.FP8_MODE_SETS.values():
         assert (const["LOW_BITS"], const["WIDE_BITS"]) == (ms.low_bits, ms.wide_bits)
         assert (const["NARROW_WINDOW"], const["WIDE_WINDOW"]) == (ms.narrow_window, ms.wide_window)
     assert (const["FP8_FORMAT_VERSION"], const["ELEMENT_FP8_E4M3"], const["ELEMENT_FP8_E5M2"]) == \
@@ -440,7 +442,7 @@ def test_spec_tables_match_layout_and_codec():
     for g, row in enumerate(groups):
         e[8 * g:8 * g + 8] = [int(v) for v in row["exponent fields e_0 .. e_7"].split()]
     sm = np.where(np.arange(1024) < 24, np.arange(1024) % 16, 0)
-    x = join_fp8(sm, e.astype(np.uint8), ms.fmt)
+    x = join_elements(sm, e.astype(np.uint8), ms.fmt)
     for g, row in enumerate(groups):
         assert x[8 * g:8 * g + 8].tolist() == [int(v, 16) for v in row["FP8 bytes"].split()]
     enc = encode_tiles(x.reshape(1, 16, 64), np.full((1, 64), 9), np.full((1, 64), 8), 16, ms)

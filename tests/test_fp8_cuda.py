@@ -2,7 +2,7 @@
 
 Shapes stay tiny (one to seven 64-channel tiles a launch, one 128-channel case):
 the simulator runs a Python thread per CUDA thread.  Every check compares bytes
-with gaac/fp8/codec.py: a fitting tile's slot is the reference's slot, an
+with gaac/reference/codec.py: a fitting tile's slot is the reference's slot, an
 overflowing tile's FP8 bytes land in the raw pool, the entries and escape counts
 agree, decode gives the tiles back, and nothing outside the popped slots and raw
 tiles is written.  Both formats, all 256 FP8 patterns, forced modes, slot
@@ -16,15 +16,15 @@ from hypothesis import strategies as st
 from gaac import layout as L
 from gaac.errors import FormatError, InputError
 from gaac.fp8 import cuda as fc
-from gaac.fp8 import layout as F
-from gaac.fp8.codec import decode_tiles as ref_decode_tiles
-from gaac.fp8.codec import encode_tiles as ref_encode_tiles
-from gaac.fp8.codec import join_fp8
+from gaac import layout as F
+from gaac.reference.bits import join_elements
+from gaac.reference.codec import decode_tiles as ref_decode_tiles
+from gaac.reference.codec import encode_tiles as ref_encode_tiles
 from gaac.reference.bits import bit_planes, pack_bits
 from test_cuda_codec import POISON, check_storage
 
 SIM = settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-FORMAT_NAMES = tuple(F.FORMATS)
+FORMAT_NAMES = tuple(F.FP8_FORMATS)
 SPECIALS = [0x00, 0x80, 0x01, 0x81, 0x7F, 0xFF, 0x7E, 0xFE, 0x7C, 0xFC, 0x7B, 0x7D]   # zeros, NaN, Inf, max, min
 
 
@@ -74,7 +74,7 @@ def forced_tile(ms, rng, want, c):
                 pool = pool & ~in_n & (~in_w if mode == F.MODE_RAW else True)
             e[8 * g + i] = rng.choice(values[pool])
     sm = rng.integers(0, 1 << ms.fmt.sm_bits, e.shape)
-    return join_fp8(sm, e.astype(np.uint8), ms.fmt).reshape(1, 16, c), bn, bw
+    return join_elements(sm, e.astype(np.uint8), ms.fmt).reshape(1, 16, c), bn, bw
 
 
 @pytest.mark.parametrize("name", FORMAT_NAMES)
@@ -90,7 +90,7 @@ def test_every_fp8_pattern_any_bases(name, seed):
     bw = np.clip(bn - rng.integers(0, 4, bn.shape), 0, ms.wide_base_max)
     e = np.clip(np.tile(bn[1], 16) + rng.choice([0, 1, 2, 3, 4, 6], 16 * 64, p=[.3, .3, .2, .1, .05, .05]),
                 0, ms.fmt.max_exponent_field)
-    near = join_fp8(rng.integers(0, 1 << ms.fmt.sm_bits, e.shape), e.astype(np.uint8), ms.fmt).reshape(1, 16, 64)
+    near = join_elements(rng.integers(0, 1 << ms.fmt.sm_bits, e.shape), e.astype(np.uint8), ms.fmt).reshape(1, 16, 64)
     tiles = np.concatenate([every, near])
     used = ref_encode_tiles(tiles, bn, bw, 0, ms).escape_used
     for capacity in {-(-int(used.max()) // 16) * 16, int(used.max()) // 16 * 16}:
@@ -107,7 +107,7 @@ def drawn_tiles(draw):
     centre = rng.integers(0, ms.fmt.exponent_values, size=(n, 64))
     spread = draw(st.sampled_from((0.0, 0.7, 1.5, 4.0)))
     e = np.clip(np.rint(np.tile(centre, 16) + rng.normal(0, spread, (n, 16 * 64))), 0, ms.fmt.max_exponent_field)
-    tiles = join_fp8(rng.integers(0, 1 << ms.fmt.sm_bits, e.shape), e.astype(np.uint8), ms.fmt).reshape(n, 16, 64)
+    tiles = join_elements(rng.integers(0, 1 << ms.fmt.sm_bits, e.shape), e.astype(np.uint8), ms.fmt).reshape(n, 16, 64)
     flat = tiles.reshape(-1)
     k = draw(st.integers(0, 8))                              # specials and any byte, anywhere
     flat[rng.integers(0, flat.size, k)] = rng.choice(np.r_[SPECIALS, rng.integers(0, 256, 4)], k)
@@ -215,7 +215,7 @@ def test_exhausted_free_list_stores_nothing():
     rng = np.random.default_rng(2)
     bn, bw = np.full((1, 64), 5), np.full((1, 64), 4)
     e = 5 + rng.integers(0, 4, (3, 16 * 64))
-    tiles = join_fp8(rng.integers(0, 16, e.shape), e.astype(np.uint8), ms.fmt).reshape(3, 16, 64)
+    tiles = join_elements(rng.integers(0, 16, e.shape), e.astype(np.uint8), ms.fmt).reshape(3, 16, 64)
     slots = np.zeros((1, ms.geometry(64).slot_bytes(0)), np.uint8)
     raw = np.zeros((1, 16, 64), np.uint8)
     heads = np.zeros(2, np.int32)

@@ -1,7 +1,7 @@
 """Decode attention over one layer of a GAAC-FP8 cache: the CPU reference (FORMAT-FP8.md section 8).
 
 A sequence's layer holds its complete 16-token blocks of K and V as FP8 block
-containers (:mod:`gaac.fp8.block`) and its unfinished block as plain FP8 bytes
+containers (:mod:`gaac.block`) and its unfinished block as plain FP8 bytes
 (the tail).  Attention decodes every block back to its FP8 bytes, reads them
 as FP8 values, and applies the calibration's power-of-two scales once per KV
 head -- to the scores (``q . k * 2**s_K``) and to the output
@@ -20,7 +20,7 @@ import numpy as np
 from .. import layout as L
 from ..arrays import as_bits
 from ..errors import InputError
-from .block import decode_fp8_block, encode_fp8_block
+from ..block import decode_block, encode_block
 from .calibration import FP8Calibration
 from .convert import fp8_values, to_fp8
 
@@ -43,7 +43,7 @@ class FP8LayerCache:
     def fp8(self, kind: int) -> np.ndarray:
         """The whole K (``kind`` 0) or V (1) as FP8 bytes ``[kv_heads, tokens, head_dim]``, blocks decoded."""
         blocks, tail = (self.k_blocks, self.k_tail) if kind == L.KIND_K else (self.v_blocks, self.v_tail)
-        parts = [decode_fp8_block(b, self.calibration) for b in blocks]
+        parts = [decode_block(b, self.calibration) for b in blocks]
         return np.concatenate(parts + [tail], axis=1)
 
 
@@ -60,7 +60,7 @@ def build_layer_cache(k, v, calibration: FP8Calibration, layer: int) -> FP8Layer
     for kind, bits in ((L.KIND_K, kb), (L.KIND_V, vb)):
         scales = calibration.scale_log2[kind, layer].astype(np.int64)[:, None, None]
         fp8 = to_fp8(bits, calibration.modes.fmt, scales)
-        blocks = [encode_fp8_block(np.ascontiguousarray(fp8[:, t:t + L.BLOCK_TOKENS]), calibration, layer,
+        blocks = [encode_block(np.ascontiguousarray(fp8[:, t:t + L.BLOCK_TOKENS]), calibration, layer,
                                    kind).data for t in range(0, full, L.BLOCK_TOKENS)]
         parts.append((blocks, fp8[:, full:]))
     (k_blocks, k_tail), (v_blocks, v_tail) = parts

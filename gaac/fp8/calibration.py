@@ -18,13 +18,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .. import layout as L
-from ..calibration import (CacheShape, _all_ints, _int_array, best_capacity, best_windows, check_capacities,
-                           check_notes, file_notes, sample_caches)
+from ..calibration import (CacheShape, _all_ints, _int_array, check_capacities, check_notes, file_notes, fit_windows,
+                           sample_caches)
 from ..errors import CalibrationError
-from ..tiles import block_tiles, cache_blocks, tile_bases
-from .codec import choose_modes, escape_bytes, tile_exponents
+from ..layout import FP8_FORMAT_VERSION, MODE_SETS, ModeSet, fp8_format
 from .convert import cache_scales, cache_to_fp8
-from .layout import FP8_FORMAT_VERSION, FP8TileGeometry, ModeSet, fp8_format, mode_set
 
 FP8_CALIBRATION_FORMAT = "gaac-fp8-calibration"
 SCALE_LOG2_RANGE = (-127, 127)    # a scale exponent is stored as a signed byte
@@ -62,19 +60,11 @@ class FP8Calibration(CacheShape):
 
     @property
     def modes(self) -> ModeSet:
-        return mode_set(self.format)
-
-    @property
-    def element(self) -> int:
-        return self.modes.fmt.element
+        return MODE_SETS[self.format]
 
     @property
     def base_table(self) -> np.ndarray:
         return self.b_narrow
-
-    @property
-    def geometry(self) -> FP8TileGeometry:
-        return self.modes.geometry(self.head_dim)
 
     def validate(self) -> None:
         """FORMAT-FP8.md section 5: the rules a calibration satisfies before any stream is read with it."""
@@ -98,9 +88,9 @@ class FP8Calibration(CacheShape):
             raise CalibrationError(f"scale exponents must lie in {SCALE_LOG2_RANGE[0]}..{SCALE_LOG2_RANGE[1]}")
         check_capacities(cap)
 
-    def bases(self, layer: int, kind: int) -> tuple[np.ndarray, np.ndarray]:
-        """``(b_narrow, b_wide)`` of one layer and kind, each ``[kv_heads, head_dim]``."""
-        self.check_layer(layer)
+    def bases(self, layer: int, kind: int, epoch: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """``(b_narrow, b_wide)`` of one layer and kind, each ``[kv_heads, head_dim]`` (GAAC-FP8 has epoch 0 only)."""
+        self.check_epoch(layer, kind, epoch)
         return self.b_narrow[kind, layer], self.b_wide[kind, layer]
 
     # -- identity ------------------------------------------------------------
@@ -151,48 +141,6 @@ class FP8Calibration(CacheShape):
         return cal
 
 
-def fp8_exponent_histograms(fp8: np.ndarray, modes: ModeSet) -> np.ndarray:
-    """Counts of each exponent field per (layer, head, channel): ``[layers, heads, head_dim, 2**E]``."""
-    fmt = modes.fmt
-    layers, heads, _, dim = fp8.shape
-    bins = fmt.exponent_values
-    cell = (np.arange(heads)[:, None, None] * dim + np.arange(dim)[None, None, :]) * bins
-    hist = np.zeros((layers, heads, dim, bins), dtype=np.int64)
-    for layer in range(layers):
-        e = ((fp8[layer] >> fmt.mantissa_bits) & fmt.max_exponent_field).astype(np.int64)
-        hist[layer] = np.bincount((cell + e).ravel(), minlength=heads * dim * bins).reshape(heads, dim, bins)
-    return hist
-
-
-def layer_escape_bytes(fp8_layer: np.ndarray, b_narrow: np.ndarray, b_wide: np.ndarray, modes: ModeSet) -> np.ndarray:
-    """Escape bytes of every tile of one layer's FP8 cache ``[heads, tokens, head_dim]`` (whole blocks only)."""
-    blocks = cache_blocks(fp8_layer)
-    tiles = block_tiles(blocks)
-    tn, tw = (np.tile(t, (blocks.shape[0], 1)) for t in tile_bases(b_narrow, b_wide))
-    return escape_bytes(choose_modes(tile_exponents(tiles, modes.fmt), tn, tw, modes), modes)
-
-
-@dataclass
-class FP8Windows:
-    """Windows and capacities of one mode set for one kind of an FP8 cache (the calibration's core)."""
-
-    b_narrow: np.ndarray     # [layers, heads, head_dim]
-    b_wide: np.ndarray
-    capacity: np.ndarray     # [layers]
-
-
-def fit_windows(fp8: np.ndarray, modes: ModeSet, capacity: int | None = None) -> FP8Windows:
-    """Windows and capacities for one kind of an FP8 cache ``uint8[layers, heads, tokens, head_dim]``."""
-    hist = fp8_exponent_histograms(fp8, modes)
-    bn = best_windows(hist, modes.narrow_window)
-    bw = best_windows(hist, modes.wide_window)
-    geo = modes.geometry(fp8.shape[-1])
-    cap = np.array([capacity if capacity is not None else
-                    best_capacity(layer_escape_bytes(fp8[layer], bn[layer], bw[layer], modes), geo)
-                    for layer in range(fp8.shape[0])], dtype=np.int64)
-    return FP8Windows(bn, bw, cap)
-
-
 def calibrate_fp8(k, v, fmt: str, *, scale: str = "tensor", model: str | None = None,
                   capacity: int | None = None) -> FP8Calibration:
     """Calibrate a GAAC-FP8 cache of format ``fmt`` on BF16 sample caches ``k``, ``v``.
@@ -206,7 +154,7 @@ def calibrate_fp8(k, v, fmt: str, *, scale: str = "tensor", model: str | None = 
         raise CalibrationError(f"calibration needs at least one full block of {L.BLOCK_TOKENS} tokens "
                                f"to choose a slot capacity; got {ks.shape[2]} (k) / {vs.shape[2]} (v)")
     try:
-        modes = mode_set(fmt)
+        modes = MODE_SETS[fp8_format(fmt).name]
     except ValueError as exc:
         raise CalibrationError(str(exc)) from None
     scales, parts = [], []

@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import InputError
-from .layout import FP8Format
+from ..layout import ElementFormat
 
 SCALE_POLICIES = ("tensor", "head", "one")
 
@@ -39,7 +39,7 @@ def bf16_to_float(bits: np.ndarray) -> np.ndarray:
         return (b.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
 
 
-def round_to_fp8(x: np.ndarray, fmt: FP8Format) -> np.ndarray:
+def round_to_fp8(x: np.ndarray, fmt: ElementFormat) -> np.ndarray:
     """float64 values -> FP8 bit patterns (uint8), round to nearest even, saturating."""
     x = np.asarray(x, dtype=np.float64)
     sign = np.signbit(x).astype(np.uint8) << 7
@@ -62,7 +62,7 @@ def round_to_fp8(x: np.ndarray, fmt: FP8Format) -> np.ndarray:
     return np.where(nan, sign | np.uint8(fmt.nan_bits), out).astype(np.uint8)
 
 
-def fp8_values(fmt: FP8Format) -> np.ndarray:
+def fp8_values(fmt: ElementFormat) -> np.ndarray:
     """float64 value of each of the 256 FP8 bit patterns (a decode table)."""
     b = np.arange(256, dtype=np.int64)
     sign = np.where(b & 0x80, -1.0, 1.0)
@@ -79,12 +79,12 @@ def fp8_values(fmt: FP8Format) -> np.ndarray:
     return v
 
 
-def fp8_to_float(fp8: np.ndarray, fmt: FP8Format, scale_log2=0) -> np.ndarray:
+def fp8_to_float(fp8: np.ndarray, fmt: ElementFormat, scale_log2=0) -> np.ndarray:
     """FP8 bit patterns -> float64 values times ``2**scale_log2`` (broadcast), exactly."""
     return np.ldexp(fp8_values(fmt)[np.asarray(fp8, dtype=np.uint8)], np.asarray(scale_log2, dtype=np.int64))
 
 
-def choose_scale_log2(amax: np.ndarray, fmt: FP8Format) -> np.ndarray:
+def choose_scale_log2(amax: np.ndarray, fmt: ElementFormat) -> np.ndarray:
     """The least ``s`` with ``amax <= max_finite * 2**s``: the largest values land in the top binade.
 
     An all-zero (or non-finite) ``amax`` gets ``s = 0``.  Results are int64.
@@ -98,7 +98,7 @@ def choose_scale_log2(amax: np.ndarray, fmt: FP8Format) -> np.ndarray:
     return np.where(ok, s, 0)
 
 
-def cache_scales(x_bits: np.ndarray, fmt: FP8Format, per: str = "tensor") -> np.ndarray:
+def cache_scales(x_bits: np.ndarray, fmt: ElementFormat, per: str = "tensor") -> np.ndarray:
     """Scale exponents ``int64[layers, kv_heads]`` for one kind of a cache ``[layers, kv_heads, tokens, dim]``."""
     if per not in SCALE_POLICIES:
         raise InputError(f"scale policy {per!r}: expected one of {SCALE_POLICIES}")
@@ -113,7 +113,7 @@ def cache_scales(x_bits: np.ndarray, fmt: FP8Format, per: str = "tensor") -> np.
     return choose_scale_log2(amax, fmt)
 
 
-def bf16_to_fp8_table(fmt: FP8Format, scale_log2: int) -> np.ndarray:
+def bf16_to_fp8_table(fmt: ElementFormat, scale_log2: int) -> np.ndarray:
     """FP8 bits of every BF16 pattern times ``2**-scale_log2``: ``uint8[65536]``.
 
     A BF16 cache has only 65536 distinct values, so converting through this
@@ -122,7 +122,7 @@ def bf16_to_fp8_table(fmt: FP8Format, scale_log2: int) -> np.ndarray:
     return round_to_fp8(np.ldexp(bf16_to_float(np.arange(1 << 16, dtype=np.uint16)), -int(scale_log2)), fmt)
 
 
-def to_fp8(bits: np.ndarray, fmt: FP8Format, scale_log2=0) -> np.ndarray:
+def to_fp8(bits: np.ndarray, fmt: ElementFormat, scale_log2=0) -> np.ndarray:
     """BF16 bit patterns -> FP8 bit patterns of ``bits * 2**-scale_log2`` (``scale_log2`` broadcast)."""
     b = np.asarray(bits, dtype=np.uint16)
     s = np.asarray(scale_log2, dtype=np.int64)
@@ -134,6 +134,6 @@ def to_fp8(bits: np.ndarray, fmt: FP8Format, scale_log2=0) -> np.ndarray:
     return out
 
 
-def cache_to_fp8(x_bits: np.ndarray, fmt: FP8Format, scale_log2: np.ndarray) -> np.ndarray:
+def cache_to_fp8(x_bits: np.ndarray, fmt: ElementFormat, scale_log2: np.ndarray) -> np.ndarray:
     """One kind of a cache ``[layers, kv_heads, tokens, dim]`` -> FP8 bytes, scales ``[layers, kv_heads]``."""
     return to_fp8(x_bits, fmt, np.asarray(scale_log2)[:, :, None, None])

@@ -1,4 +1,4 @@
-"""numba.cuda kernels that encode FP8 tiles into GAAC-FP8 slots and decode them, bit-exact with gaac/fp8/codec.py.
+"""numba.cuda kernels that encode FP8 tiles into GAAC-FP8 slots and decode them, bit-exact with gaac/reference/codec.py.
 
 Contract
 ========
@@ -6,9 +6,9 @@ The contract of :mod:`gaac.cuda.codec` (read its docstring), with FP8 elements.
 Arrays are torch CUDA tensors (NumPy arrays or torch CPU tensors under the CUDA
 simulator), C-contiguous, starting on a 16-byte boundary.  A plan is built for
 one **mode set** (an FP8 format name such as ``"fp8_e4m3"``, an
-:class:`~gaac.fp8.layout.FP8Format`, or a :class:`~gaac.fp8.layout.ModeSet`),
+:class:`~gaac.layout.ElementFormat`, or a :class:`~gaac.layout.ModeSet`),
 ``C = min(head_dim, 128)``, ``N = 16*C``, ``G = N/8``;
-``slot_bytes = FP8TileGeometry(C, modes).slot_bytes(capacity)`` (FORMAT-FP8.md 5.1).
+``slot_bytes = TileGeometry(C, modes).slot_bytes(capacity)`` (FORMAT-FP8.md 5.1).
 
 Encode (:class:`FP8EncodePlan`), one launch for any number of tiles ``n``:
 
@@ -42,7 +42,7 @@ escape bytes are staged in shared memory and written as whole words.  What does 
 the element format (tag words, storage decision, escape offsets, stream words, raw tiles, status)
 is :mod:`gaac.cuda.codec`'s device functions, called with this mode set's constants.
 
-Every number comes from :mod:`gaac.fp8.layout` and :mod:`gaac.layout`; the kernels are built
+Every number comes from :mod:`gaac.layout`; the kernels are built
 per (mode set, tile width) and compiled once.
 """
 from __future__ import annotations
@@ -59,8 +59,7 @@ from ..cuda.codec import (BAD_ESCAPES, BAD_TAG, DECODE_SIG, ENCODE_SIG, NO_STORA
                           _tag_words, _take_storage, _write_status, _write_stream, _write_tags_escapes)
 from ..cuda.launch import WORD, allocators, check_array, is_torch, words
 from ..errors import InputError
-from .layout import (MODE_NARROW, MODE_RAW, MODE_WIDE, TILE_WIDTHS, FP8Format, FP8TileGeometry, ModeSet,
-                     mode_set)
+from ..layout import MODE_NARROW, MODE_RAW, MODE_WIDE, TILE_WIDTHS, ElementFormat, ModeSet, TileGeometry, fp8_format
 
 __all__ = ["BAD_ESCAPES", "BAD_TAG", "NO_STORAGE", "FP8DecodePlan", "FP8EncodePlan", "decode_tiles", "encode_tiles",
            "pack_bases"]
@@ -121,20 +120,20 @@ def _spread_plane(byte, b):
 
 
 def _mode_set(fmt) -> ModeSet:
-    """A mode set from a ModeSet, an FP8Format or a format name (the format's mode set in ``MODE_SETS``)."""
+    """A mode set from a ModeSet, an FP8 ElementFormat or a format name (the format's mode set in ``MODE_SETS``)."""
     if isinstance(fmt, ModeSet):
         return fmt
     try:
-        return mode_set(fmt.name if isinstance(fmt, FP8Format) else fmt)
+        return L.MODE_SETS[fp8_format(fmt.name if isinstance(fmt, ElementFormat) else fmt).name]
     except (ValueError, AttributeError, TypeError):
-        raise InputError(f"unknown FP8 format {fmt!r}: expected a ModeSet, an FP8Format or 'fp8_e4m3'/'fp8_e5m2'") \
+        raise InputError(f"unknown FP8 format {fmt!r}: expected a ModeSet, an FP8 ElementFormat or 'fp8_e4m3'/'fp8_e5m2'") \
             from None
 
 
-def _geometry(modes: ModeSet, channels: int) -> FP8TileGeometry:
+def _geometry(modes: ModeSet, channels: int) -> TileGeometry:
     if channels not in TILE_WIDTHS:
         raise InputError(f"tiles of {channels} channels do not exist in GAAC-FP8 (tile widths {TILE_WIDTHS})")
-    return FP8TileGeometry(channels, modes)
+    return TileGeometry(channels, modes)
 
 
 def _shape(modes: ModeSet, channels: int) -> dict:

@@ -25,39 +25,24 @@ The last ``tokens % 16`` tokens form no block and are left out, as for BF16.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from .. import layout as L
 from ..errors import InputError
-from ..stats import TileTally, measured_cache
-from ..tiles import block_tiles, cache_blocks, tile_bases
+from ..layout import MODE_SETS, ModeSet, fp8_format
+from ..stats import CacheStats, KindStats, TileTally, measure_layer, measured_cache
 from .calibration import FP8Calibration, calibrate_fp8
-from .codec import decode_tiles, encode_tiles, tile_exponents
 from .convert import bf16_to_float, cache_to_fp8, fp8_to_float
-from .layout import MODE_NARROW, MODE_RAW, MODE_WIDE, ModeSet, mode_set
 
 BF16_BYTES_PER_FP8_BYTE = 2
 
 
 @dataclass
 class FP8Tally(TileTally):
-    """A :class:`gaac.stats.TileTally` of an FP8 cache: its geometry and mode names come from the mode set,
-    and the summary adds the ratio over FP8 and the total over BF16."""
-
-    mode_set: ModeSet | None = None
-
-    SHARED = ("head_dim", "mode_set")
-
-    @property
-    def geometry(self):
-        return self.mode_set.geometry(self.head_dim)
-
-    @property
-    def mode_names(self) -> tuple[str, str, str]:
-        names = self.mode_set.mode_names
-        return tuple(names[m] for m in (MODE_NARROW, MODE_WIDE, MODE_RAW))
+    """A :class:`gaac.stats.TileTally` of an FP8 cache whose summary adds the ratio over FP8 and the total
+    over BF16."""
 
     def summary(self) -> dict:
         base = super().summary()
@@ -72,22 +57,7 @@ class FP8Tally(TileTally):
 def measure_fp8_layer(fp8: np.ndarray, b_narrow: np.ndarray, b_wide: np.ndarray, capacity: int,
                       modes: ModeSet) -> FP8Tally:
     """Encode, decode and count one layer of FP8 bytes ``[kv_heads, tokens, head_dim]``."""
-    blocks = cache_blocks(fp8)
-    tiles = block_tiles(blocks)
-    tn, tw = (np.tile(t, (blocks.shape[0], 1)) for t in tile_bases(b_narrow, b_wide))
-    enc = encode_tiles(tiles, tn, tw, capacity, modes)
-    fits = enc.fits
-    decoded = decode_tiles(enc.slots[fits], tn[fits], tw[fits], capacity, tiles.shape[2], modes)
-    stored_raw = enc.raw[~fits].reshape(-1, *tiles.shape[1:])
-    mismatched = int((decoded != tiles[fits]).sum()) + int((stored_raw != tiles[~fits]).sum())
-    return FP8Tally(
-        mode_set=modes, head_dim=fp8.shape[-1], tiles=len(fits), slot_tiles=int(fits.sum()),
-        slot_capacity_bytes=int(fits.sum()) * capacity,
-        escapes_needed=int(enc.escape_used.sum()), escapes_in_slots=int(enc.escape_used[fits].sum()),
-        modes=np.bincount(enc.modes.ravel(), minlength=3)[:3].astype(np.int64),
-        exponents=np.bincount(tile_exponents(tiles, modes.fmt).ravel(),
-                              minlength=modes.fmt.exponent_values).astype(np.int64),
-        mismatched=mismatched)
+    return measure_layer(fp8, b_narrow, b_wide, capacity, modes, tally=FP8Tally)
 
 
 def conversion_counts(bits: np.ndarray, fp8: np.ndarray, modes: ModeSet, scale_log2: np.ndarray) -> dict:
@@ -107,48 +77,20 @@ def conversion_counts(bits: np.ndarray, fp8: np.ndarray, modes: ModeSet, scale_l
 
 
 @dataclass
-class FP8KindStats:
-    name: str
-    tokens: int
-    layers: list[FP8Tally]
-    capacity: list[int]
-    layer_ids: list[int]
-    scale_log2: list[list[int]]
-    conversion: dict
+class FP8KindStats(KindStats):
+    """The :class:`gaac.stats.KindStats` of one kind of an FP8 cache, with what its conversion changed
+    (GAAC-FP8 has no epochs to adapt, so its summary has no ``adapt``)."""
 
-    @property
-    def total(self) -> FP8Tally:
-        total = self.layers[0]
-        for t in self.layers[1:]:
-            total = total + t
-        return total
+    scale_log2: list = field(default_factory=list)      # [kv_heads] per layer
+    conversion: dict = field(default_factory=dict)
 
     def summary(self) -> dict:
-        return {**self.total.summary(), "capacity": self.capacity, "layers": len(self.layers),
-                "tokens": self.tokens, "blocks": self.tokens // L.BLOCK_TOKENS,
-                "tail_tokens": self.tokens % L.BLOCK_TOKENS, "ratios_include_tail": False,
-                "conversion": {"scale_log2": self.scale_log2, **self.conversion}}
-
-    def per_layer(self) -> list[dict]:
-        return [{"layer": i, "capacity": c, **t.summary()}
-                for i, c, t in zip(self.layer_ids, self.capacity, self.layers)]
+        out = super().summary()
+        del out["adapt"]
+        return {**out, "conversion": {"scale_log2": self.scale_log2, **self.conversion}}
 
 
-@dataclass
-class FP8CacheStats:
-    format: str
-    k: FP8KindStats
-    v: FP8KindStats
-
-    def as_dict(self, per_layer: bool = False) -> dict:
-        """``{"k": {...}, "v": {...}}`` (and ``"per_layer"`` when asked), as ``gaac.stats.CacheStats``."""
-        out = {"k": self.k.summary(), "v": self.v.summary()}
-        if per_layer:
-            out["per_layer"] = {"k": self.k.per_layer(), "v": self.v.per_layer()}
-        return out
-
-
-def measure_fp8(k, v, calibration: FP8Calibration, *, layer_ids=None) -> FP8CacheStats:
+def measure_fp8(k, v, calibration: FP8Calibration, *, layer_ids=None) -> CacheStats:
     """Convert BF16 caches ``k``, ``v`` ``[layers, kv_heads, tokens, head_dim]`` to FP8 and measure them."""
     modes = calibration.modes
     out = {}
@@ -160,8 +102,8 @@ def measure_fp8(k, v, calibration: FP8Calibration, *, layer_ids=None) -> FP8Cach
         tallies = [measure_fp8_layer(fp8[layer], *calibration.bases(layer, kind),
                                      int(calibration.capacity[kind, layer]), modes) for layer in range(layers)]
         out[name] = FP8KindStats(name, tokens, tallies, [int(c) for c in calibration.capacity[kind]], ids,
-                                 scales.tolist(), conversion_counts(bits, fp8, modes, scales))
-    return FP8CacheStats(calibration.format, **out)
+                                 scale_log2=scales.tolist(), conversion=conversion_counts(bits, fp8, modes, scales))
+    return CacheStats(**out, calibration=calibration)
 
 
 def fp8_stats(k, v, fmt: str, *, calibration: FP8Calibration | None = None, scale: str = "tensor",
@@ -172,7 +114,7 @@ def fp8_stats(k, v, fmt: str, *, calibration: FP8Calibration | None = None, scal
     A given calibration must be for ``fmt``.
     """
     try:
-        want = mode_set(fmt)
+        want = MODE_SETS[fp8_format(fmt).name]
     except ValueError as exc:
         raise InputError(str(exc)) from None
     if calibration is None:

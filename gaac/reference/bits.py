@@ -1,4 +1,4 @@
-"""Little-endian bit streams and the BF16 element split, in plain NumPy.
+"""Little-endian bit streams and the element split of every element format, in plain NumPy.
 
 Bit ``k`` of a stream is bit ``k % 8`` of byte ``k // 8`` (FORMAT.md section 1).
 Every function works on the last axis and keeps any leading batch axes.
@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..layout import BF16
+
 
 def pack_bits(values: np.ndarray, width: int) -> np.ndarray:
     """Pack unsigned ``values`` (each < 2**width) into a little-endian bit stream of uint8."""
+    if width == 8:              # a stream of whole bytes is the values themselves
+        return np.asarray(values).astype(np.uint8)
     v = np.asarray(values).astype(np.uint32)
     planes = (v[..., None] >> np.arange(width, dtype=np.uint32)) & 1
     flat = planes.reshape(*v.shape[:-1], v.shape[-1] * width).astype(np.uint8)
@@ -18,29 +22,48 @@ def pack_bits(values: np.ndarray, width: int) -> np.ndarray:
 
 def unpack_bits(stream: np.ndarray, width: int, count: int) -> np.ndarray:
     """Inverse of :func:`pack_bits`: the first ``count`` fields of ``width`` bits, as uint8."""
+    if width == 8:
+        return np.asarray(stream, dtype=np.uint8)[..., :count].copy()
     bits = np.unpackbits(np.asarray(stream, dtype=np.uint8), axis=-1, bitorder="little")
     bits = bits[..., : count * width].reshape(*bits.shape[:-1], count, width)
     weights = (1 << np.arange(width)).astype(np.uint8)
     return (bits * weights).sum(axis=-1, dtype=np.uint32).astype(np.uint8)
 
 
-def split_bf16(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Split BF16 bit patterns into (sign+mantissa byte, exponent byte).
+def element_dtype(fmt) -> np.dtype:
+    """The NumPy dtype of the bit patterns of element format ``fmt`` (uint16 for BF16, uint8 for FP8)."""
+    return np.dtype(f"u{fmt.element_bytes}")
 
-    The sign+mantissa byte is ``sign << 7 | mantissa``: the BF16 high byte with
-    the exponent taken out, so the byte keeps its natural bit order.
+
+def split_elements(bits: np.ndarray, fmt) -> tuple[np.ndarray, np.ndarray]:
+    """Split bit patterns of element format ``fmt`` into (sign+mantissa field, exponent field), uint8 each.
+
+    The sign+mantissa field is ``sign << mantissa_bits | mantissa``: the element with the exponent
+    taken out, so the field keeps its natural bit order (FORMAT.md 5.1, FORMAT-FP8.md 2.2).
     """
-    b = np.asarray(bits, dtype=np.uint16)
-    sm = (((b >> 8) & 0x80) | (b & 0x7F)).astype(np.uint8)
-    exponent = ((b >> 7) & 0xFF).astype(np.uint8)
-    return sm, exponent
+    b = np.asarray(bits, dtype=element_dtype(fmt))
+    m = fmt.mantissa_bits
+    sm = ((b >> (fmt.bits - 1)) << m) | (b & ((1 << m) - 1))
+    return sm.astype(np.uint8), ((b >> m) & fmt.max_exponent_field).astype(np.uint8)
+
+
+def join_elements(sm: np.ndarray, exponent: np.ndarray, fmt) -> np.ndarray:
+    """Inverse of :func:`split_elements`."""
+    dt = element_dtype(fmt)
+    m = fmt.mantissa_bits
+    sm = np.asarray(sm).astype(dt)
+    e = np.asarray(exponent).astype(dt)
+    return ((((sm >> m) & 1) << (fmt.bits - 1)) | (e << m) | (sm & ((1 << m) - 1))).astype(dt)
+
+
+def split_bf16(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`split_elements` of BF16 bit patterns: the sign+mantissa byte and the exponent byte."""
+    return split_elements(bits, BF16)
 
 
 def join_bf16(sm: np.ndarray, exponent: np.ndarray) -> np.ndarray:
     """Inverse of :func:`split_bf16`."""
-    sm16 = np.asarray(sm).astype(np.uint16)
-    e16 = np.asarray(exponent).astype(np.uint16)
-    return ((sm16 & 0x80) << 8) | (e16 << 7) | (sm16 & 0x7F)
+    return join_elements(sm, exponent, BF16)
 
 
 def bit_planes(values: np.ndarray, first: int, count: int) -> np.ndarray:

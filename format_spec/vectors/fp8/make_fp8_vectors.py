@@ -5,7 +5,7 @@ Run from the repository root::
     python format_spec/vectors/fp8/make_fp8_vectors.py            # rewrites format_spec/vectors/fp8/
     python format_spec/vectors/fp8/make_fp8_vectors.py --out DIR  # writes elsewhere
 
-Valid streams are made by :func:`gaac.fp8.block.encode_fp8_block`; their JSON
+Valid streams are made by :func:`gaac.fp8.encode_fp8_block`; their JSON
 records what they must decode to.  Data are built group by group so that each
 group needs the mode the vector says (a witness exponent outside the narrower
 windows), from the same splitmix64 generator as the BF16 vectors
@@ -29,11 +29,13 @@ sys.path.insert(0, str(ROOT))
 
 from format_spec.make_vectors import Rand, RejectBase  # noqa: E402
 from gaac import layout as L  # noqa: E402
-from gaac.fp8.block import decode_fp8_block, encode_bf16_block, encode_fp8_block  # noqa: E402
-from gaac.fp8.calibration import FP8Calibration, calibrate_fp8, fit_windows  # noqa: E402
-from gaac.fp8.codec import choose_modes, escape_bytes, join_fp8, tile_exponents  # noqa: E402
+from gaac.calibration import fit_windows  # noqa: E402
+from gaac.fp8 import decode_fp8_block, encode_bf16_block, encode_fp8_block  # noqa: E402
+from gaac.fp8.calibration import FP8Calibration, calibrate_fp8  # noqa: E402
+from gaac.reference.bits import join_elements  # noqa: E402
+from gaac.reference.codec import choose_modes, escape_bytes, tile_exponents  # noqa: E402
 from gaac.fp8.convert import fp8_values  # noqa: E402
-from gaac.fp8.layout import (FORMATS, MODE_NARROW, MODE_RAW, MODE_RESERVED, MODE_SETS, MODE_WIDE,  # noqa: E402
+from gaac.layout import (FP8_FORMATS, MODE_NARROW, MODE_RAW, MODE_RESERVED, MODE_SETS, MODE_WIDE,  # noqa: E402
                              ModeSet)
 from gaac.tiles import tile_bases, untile  # noqa: E402
 
@@ -102,7 +104,7 @@ class TileBuilder:
 
     def tiles(self) -> np.ndarray:
         n, c = self.bn.shape
-        return join_fp8(self.sm, self.e, self.ms.fmt).reshape(n, L.BLOCK_TOKENS, c)
+        return join_elements(self.sm, self.e, self.ms.fmt).reshape(n, L.BLOCK_TOKENS, c)
 
 
 # -- calibrations -------------------------------------------------------------
@@ -306,7 +308,7 @@ def reject_vectors(fmt: str, valid: dict, cals: dict):
     used = base.meta["tiles"][0]["escape_bytes"]
     narrow = [g for g, t in enumerate(base.meta["tiles"][0]["modes"]) if t == str(MODE_NARROW)]
     grow = -(-(head.capacity - used + 1) // ms.escape_bytes[MODE_RAW])     # narrow -> raw groups to overflow
-    other = FORMATS["fp8_e5m2" if fmt == "fp8_e4m3" else "fp8_e4m3"].element
+    other = FP8_FORMATS["fp8_e5m2" if fmt == "fp8_e4m3" else "fp8_e4m3"].element
     cases = [
         ("reject_version_1", "R3", "FormatError", "stream version", "version byte 1 (a BF16 stream's)",
          base.stream(version=1)),
@@ -345,7 +347,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     count = 0
-    for fmt in FORMATS:
+    for fmt in FP8_FORMATS:
         cals, valid = format_vectors(fmt, args.kv_dir)
         rejects = reject_vectors(fmt, {n: (d, m) for n, d, m in valid}, cals)
         for name, cal in cals.items():
