@@ -108,6 +108,7 @@ def main():
     ap.add_argument("--tokens", type=int, default=None, help="prompt length (default 131072)")
     ap.add_argument("--check-tokens", type=int, default=None, help="prompt length of the correctness check (8192)")
     ap.add_argument("--runs", type=int, default=None, help="timed runs per variant (default 3)")
+    ap.add_argument("--profile", action="store_true", help="cProfile of one epochs-on add_sequence (.profile.txt)")
     args = ap.parse_args()
     smoke = DS.SMOKE
     s = DS.SMOKE_SHAPE if smoke else DS.LLAMA_8B
@@ -149,18 +150,68 @@ def main():
         log(f"  add_sequence, epochs {'on' if adapt else 'off'}: best {min(times):.1f} ms, median "
             f"{statistics.median(times):.1f} ms ({n_ep} epochs, ratio {ratio:.4f})")
 
-    from gaac.cuda.epochs import assign
+    if args.profile:
+        import cProfile
+        import io
+        import pstats
+
+        prof = cProfile.Profile()
+        cache = new_cache(cal, s, tokens, True)
+        sync()
+        prof.enable()
+        cache.add_sequence(k, v)
+        sync()
+        prof.disable()
+        del cache
+        free()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+        args.out.with_suffix(".profile.txt").write_text(text.getvalue())
+        log(text.getvalue()[:4000])
+
+    from gaac.cuda import epochs as GE
 
     blocks = {kind: x[:, :, : tokens // L.BLOCK_TOKENS * L.BLOCK_TOKENS].reshape(
         s.layers, s.kv_heads, tokens // L.BLOCK_TOKENS, L.BLOCK_TOKENS, s.head_dim).transpose(1, 2)
         for kind, x in ((0, k), (1, v))}
-
-    def rule():
-        jobs = [(Adapter(cal.copy(), l, kind), blocks[kind][l]) for kind in (0, 1) for l in range(s.layers)]
-        assign(jobs)
-    times = timed(rule, runs + 1)[1:]
-    rep["rule"] = {"best_ms": min(times), "median_ms": statistics.median(times)}
-    log(f"  the rule alone, every layer and kind: best {min(times):.1f} ms")
+    default_cpb = GE.CHANNELS_PER_BLOCK
+    variants = [default_cpb] + [c for c in (8, 16) if c != default_cpb and not smoke]
+    rep["rule"] = {}
+    for cpb in variants:                         # channels per thread block of the candidates kernel
+        GE.CHANNELS_PER_BLOCK = cpb
+        stages = {"prepare": [], "candidates": [], "chain": [], "finish": [], "total": []}
+        for run in range(runs + 1):
+            jobs = [(Adapter(cal.copy(), l, kind), blocks[kind][l]) for kind in (0, 1) for l in range(s.layers)]
+            sync()
+            t0 = time.perf_counter()
+            batch = GE.Batch(jobs)
+            sync()
+            t1 = time.perf_counter()
+            if smoke:
+                batch.candidates()
+                t2 = time.perf_counter()
+                batch.chain()
+                t3 = time.perf_counter()
+                ms = [(t2 - t1) * 1e3, (t3 - t2) * 1e3]
+            else:
+                ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+                ev[0].record()
+                batch.candidates()
+                ev[1].record()
+                batch.chain()
+                ev[2].record()
+                torch.cuda.synchronize()
+                t3 = time.perf_counter()
+                ms = [ev[0].elapsed_time(ev[1]), ev[1].elapsed_time(ev[2])]
+            batch.finish()
+            t4 = time.perf_counter()
+            if run:                              # the first run compiles
+                for key, x in zip(stages, [(t1 - t0) * 1e3, *ms, (t4 - t3) * 1e3, (t4 - t0) * 1e3]):
+                    stages[key].append(x)
+        rep["rule"][cpb] = {key: statistics.median(x) for key, x in stages.items()}
+        log(f"  the rule alone, every layer and kind ({cpb} channels a block): "
+            + ", ".join(f"{key} {statistics.median(x):.1f} ms" for key, x in stages.items()))
+    GE.CHANNELS_PER_BLOCK = default_cpb
 
     dst = torch.empty_like(k[0])
 
@@ -214,7 +265,9 @@ def render(rep: dict) -> str:
              f"ratio {rep['adapt_False']['ratio']:.4f}"),
             ("add_sequence, epochs on", f"{rep['adapt_True']['best_ms']:.1f}", f"{rep['adapt_True']['median_ms']:.1f}",
              f"{rep['adapt_True']['epochs']} epochs, ratio {rep['adapt_True']['ratio']:.4f}"),
-            ("the rule alone (every layer and kind)", f"{rep['rule']['best_ms']:.1f}", f"{rep['rule']['median_ms']:.1f}", ""),
+            *((f"the rule alone, {cpb} channels a block: total (prepare / candidates kernel / chain kernel / finish)",
+               "", f"{r['total']:.1f}", f"{r['prepare']:.1f} / {r['candidates']:.1f} / {r['chain']:.1f} / {r['finish']:.1f}")
+              for cpb, r in rep["rule"].items()),
             ("encode kernel alone (one layer and kind x layers x 2)", f"{rep['encode_floor_ms']:.1f}", "", "floor"),
             ("BF16 copy of the same bytes", f"{rep['bf16_copy_ms']:.2f}", "", "floor")]
     lines += table(("", "best ms", "median ms", ""), rows)

@@ -61,7 +61,7 @@ def test_a_gpu_prefill_matches_the_reference_cache():
     k = [drifting(rng, layers, heads, t, dim, 12.0) for t in n]
     v = [synthetic(rng, layers, heads, t, dim) for t in n]
     cal = calibrate(k[0][:, :, :256], v[0][:, :, :256])
-    caches = [PagedKVCache(cal, max_seqs=2, max_blocks=520, raw_tiles=4096, device=d) for d in ("cuda", "cpu")]
+    caches = [PagedKVCache(cal, max_seqs=2, max_blocks=520, grow=True, device=d) for d in ("cuda", "cpu")]
     rows = [[c.add_sequence(k[0], v[0]) for c in caches]]
     rows.append([c.add_sequence() for c in caches])
     for c, row in zip(caches, rows[1]):            # a second sequence through update_layer, in two chunks

@@ -52,6 +52,18 @@ def exponent(xa, xb, ja, rec, r0, job, b, h, t, d):
     return (np.int32(v) >> 7) & 0xFF
 
 
+@cuda.jit(device=True, inline=True)
+def pair(xa, xb, ja, rec, r0, job, b, h, t, w):
+    """Word ``w`` of (head h, token t) of job ``job``'s logical block ``b``: elements 2w (low half) and 2w + 1,
+    from the int32 views of the blocks (as :func:`exponent`)."""
+    r = r0[job]
+    if b < r:
+        return rec[job, b, h, t, w]
+    if job < ja:
+        return xa[job, b - r, h, t, w]
+    return xb[job - ja, b - r, h, t, w]
+
+
 @functools.lru_cache(maxsize=None)
 def candidates_kernel(cpb: int, every: int, shift: int):
     """Per job and channel: the decayed histogram after each check of ``every`` blocks (decay shift
@@ -136,9 +148,11 @@ def candidates_kernel(cpb: int, every: int, shift: int):
                     k3 = max(k3, a3 * BINS + (BINS - 1 - s))
                 if s <= BINS - w4:
                     k4 = max(k4, a4 * BINS + (BINS - 1 - s))
-            if k3 >= 0:
+            # a window covering nothing loses to any that covers something, and with none covering anything
+            # the answer is start 0, which the reset value -1 gives: so only covering windows compete
+            if k3 >= BINS:
                 cuda.atomic.max(best, 2 * c, k3)
-            if k4 >= 0:
+            if k4 >= BINS:
                 cuda.atomic.max(best, 2 * c + 1, k4)
             cuda.syncthreads()
             if q == 0:
@@ -217,11 +231,15 @@ def chain_kernel(every: int):
                 cur4 = True
                 new3 = True
                 new4 = True
-                for u in range(group):
-                    e = exponent(xa, xb, ja, rec, r0, job, b, h, t, d + u)
-                    c = h * head_dim + d + u
+                for u in range(group // 2):
+                    word = pair(xa, xb, ja, rec, r0, job, b, h, t, d // 2 + u)
+                    c = h * head_dim + d + 2 * u
+                    e = (word >> 7) & 0xFF
                     cur3, cur4 = group_cost(e, c3[c], c4[c], cur3, cur4)
                     new3, new4 = group_cost(e, n3[c], n4[c], new3, new4)
+                    e = (word >> 23) & 0xFF
+                    cur3, cur4 = group_cost(e, c3[c + 1], c4[c + 1], cur3, cur4)
+                    new3, new4 = group_cost(e, n3[c + 1], n4[c + 1], new3, new4)
                 saved += (COST_3BIT if cur3 else (COST_4BIT if cur4 else COST_RAW))
                 saved -= (COST_3BIT if new3 else (COST_4BIT if new4 else COST_RAW))
                 g += nthreads
@@ -286,93 +304,120 @@ def assign(jobs: list) -> list:
     blocks are CPU tensors.  One launch of each kernel serves all jobs; one copy to the host brings back
     the decisions.
     """
-    import torch
-
     if not jobs:
         return []
-    # K jobs first, then V: each kind's blocks are one strided view where a prefill's layers allow
-    order = sorted(range(len(jobs)), key=lambda i: jobs[i][0].kind)
-    jobs = [jobs[i] for i in order]
-    first_adapter, first = jobs[0]
-    n, kv_heads, _, head_dim = first.shape
-    channels = kv_heads * head_dim
-    cpb = 1 if SIMULATOR else CHANNELS_PER_BLOCK
-    if channels > MAX_CHANNELS or head_dim % cpb:
-        raise ValueError(f"kv_heads * head_dim = {channels} (at most {MAX_CHANNELS}), head_dim {head_dim} "
-                         f"(a multiple of {cpb})")
-    if any(b.shape != first.shape for _, b in jobs):
-        raise ValueError("every job's blocks must have the same shape")
-    device = first.device
-    n_jobs = len(jobs)
-    ja = sum(1 for a, _ in jobs if a.kind == jobs[0][0].kind)
-    r0 = np.array([len(a._recent) for a, _ in jobs], dtype=np.int32)
-    every = E.ADAPT_EVERY
-    checks = (r0 + n) // every
-    rec_np = np.zeros((n_jobs, max(1, int(r0.max())), kv_heads, L.BLOCK_TOKENS, head_dim), dtype=np.int16)
-    for i, (a, _) in enumerate(jobs):
-        for b, block in enumerate(a._recent):
-            rec_np[i, b] = np.asarray(block).view(np.int16)
-    fresh = all(a.finalized == 0 for a, _ in jobs)           # a new cache's prefill: empty histograms
-    hist_np = None if fresh else np.stack([a.hist.reshape(channels, BINS) for a, _ in jobs]).astype(np.int32)
-    cur_np = np.empty((n_jobs, 2, channels), dtype=np.int32)
-    for i, (a, _) in enumerate(jobs):
-        b3, b4 = a.calibration.bases(a.layer, a.kind, a.epoch)
-        cur_np[i, 0], cur_np[i, 1] = np.asarray(b3).reshape(-1), np.asarray(b4).reshape(-1)
-    finalized = np.array([a.finalized - len(a._recent) for a, _ in jobs], dtype=np.int32)
-    n_epochs = np.array([a.epoch + 1 for a, _ in jobs], dtype=np.int32)
-    table_bytes = E.epoch_table_bytes(first_adapter.calibration)
-    xa = _stacked([b for _, b in jobs[:ja]])
-    xb = _stacked([b for _, b in jobs[ja:]]) if ja < n_jobs else xa
+    batch = Batch(jobs)
+    batch.candidates()
+    batch.chain()
+    return batch.finish()
 
-    def dev(a):
-        t = torch.from_numpy(np.ascontiguousarray(a))
-        return t if device.type != "cuda" else t.to(device)
 
-    rec, cur, r0_d, checks_d = dev(rec_np), dev(cur_np), dev(r0), dev(checks.astype(np.int32))
-    hist = (torch.zeros((n_jobs, channels, BINS), dtype=torch.int32, device=device) if fresh else dev(hist_np))
-    fin_d, nep_d = dev(finalized), dev(n_epochs)
-    m = max(1, int(checks.max()))
-    cand = torch.zeros((n_jobs, m, 2, channels), dtype=torch.uint8, device=device)
-    accept = torch.zeros((n_jobs, m), dtype=torch.int32, device=device)
-    if int(checks.max()) > 0:
-        k1, k2 = candidates_kernel(cpb, every, E.DECAY_SHIFT), chain_kernel(every)
-        grid1 = (n_jobs, channels // cpb)
-        block1 = cpb * BINS // BINS_PER_THREAD
-        threads2 = 64 if SIMULATOR else CHAIN_THREADS
-        args1 = (xa, xb, ja, rec, r0_d, checks_d, hist, cand, head_dim)
-        args2 = (xa, xb, ja, rec, r0_d, checks_d, cand, cur, fin_d, nep_d, E.WARMUP_BLOCKS, E.MAX_EPOCHS,
-                 E.PAYBACK_CHECKS, table_bytes, kv_heads, head_dim, accept)
+class Batch:
+    """One :func:`assign`, in its three stages (so that a benchmark can time each): the candidates kernel,
+    the chain kernel, and :meth:`finish`, which waits for the decisions and applies them to the adapters."""
+
+    def __init__(self, jobs: list):
+        import torch
+
+        # K jobs first, then V: each kind's blocks are one strided view where a prefill's layers allow
+        self.order = sorted(range(len(jobs)), key=lambda i: jobs[i][0].kind)
+        self.jobs = jobs = [jobs[i] for i in self.order]
+        first_adapter, first = jobs[0]
+        n, kv_heads, _, head_dim = first.shape
+        channels = kv_heads * head_dim
+        self.cpb = cpb = 1 if SIMULATOR else CHANNELS_PER_BLOCK
+        if channels > MAX_CHANNELS or head_dim % cpb:
+            raise ValueError(f"kv_heads * head_dim = {channels} (at most {MAX_CHANNELS}), head_dim {head_dim} "
+                             f"(a multiple of {cpb})")
+        if any(b.shape != first.shape for _, b in jobs):
+            raise ValueError("every job's blocks must have the same shape")
+        self.n, self.kv_heads, self.head_dim, self.channels = n, kv_heads, head_dim, channels
+        self.device = device = first.device
+        n_jobs = len(jobs)
+        ja = sum(1 for a, _ in jobs if a.kind == jobs[0][0].kind)
+        self.r0 = r0 = np.array([len(a._recent) for a, _ in jobs], dtype=np.int32)
+        self.every = every = E.ADAPT_EVERY
+        self.checks = checks = (r0 + n) // every
+        rec_np = np.zeros((n_jobs, max(1, int(r0.max())), kv_heads, L.BLOCK_TOKENS, head_dim), dtype=np.int16)
+        for i, (a, _) in enumerate(jobs):
+            for b, block in enumerate(a._recent):
+                rec_np[i, b] = np.asarray(block).view(np.int16)
+        fresh = all(a.finalized == 0 for a, _ in jobs)           # a new cache's prefill: empty histograms
+        cur_np = np.empty((n_jobs, 2, channels), dtype=np.int32)
+        for i, (a, _) in enumerate(jobs):
+            b3, b4 = a.calibration.bases(a.layer, a.kind, a.epoch)
+            cur_np[i, 0], cur_np[i, 1] = np.asarray(b3).reshape(-1), np.asarray(b4).reshape(-1)
+        finalized = np.array([a.finalized - len(a._recent) for a, _ in jobs], dtype=np.int32)
+        n_epochs = np.array([a.epoch + 1 for a, _ in jobs], dtype=np.int32)
+        xa = _stacked([b for _, b in jobs[:ja]])
+        xb = _stacked([b for _, b in jobs[ja:]]) if ja < n_jobs else xa
+
+        def dev(a):
+            t = torch.from_numpy(np.ascontiguousarray(a))
+            return t if device.type != "cuda" else t.to(device)
+
+        rec, cur, r0_d, checks_d = dev(rec_np), dev(cur_np), dev(r0), dev(checks.astype(np.int32))
+        self.hist = (torch.zeros((n_jobs, channels, BINS), dtype=torch.int32, device=device) if fresh else
+                     dev(np.stack([a.hist.reshape(channels, BINS) for a, _ in jobs]).astype(np.int32)))
+        m = max(1, int(checks.max()))
+        self.cand = torch.zeros((n_jobs, m, 2, channels), dtype=torch.uint8, device=device)
+        self.accept = torch.zeros((n_jobs, m), dtype=torch.int32, device=device)
+        self.args1 = (xa, xb, ja, rec, r0_d, checks_d, self.hist, self.cand, head_dim)
+        words = [x.view(torch.int32) for x in (xa, xb, rec)]      # the chain reads two elements a load
+        self.args2 = (words[0], words[1], ja, words[2], r0_d, checks_d, self.cand, cur, dev(finalized), dev(n_epochs), E.WARMUP_BLOCKS,
+                      E.MAX_EPOCHS, E.PAYBACK_CHECKS, E.epoch_table_bytes(first_adapter.calibration), kv_heads,
+                      head_dim, self.accept)
+
+    def _launch(self, kernel, grid, block, args) -> None:
+        import torch
+
+        if int(self.checks.max()) == 0:
+            return
         if SIMULATOR:
-            k1[grid1, block1](*(a.numpy() if isinstance(a, torch.Tensor) else a for a in args1))
-            k2[n_jobs, threads2](*(a.numpy() if isinstance(a, torch.Tensor) else a for a in args2))
+            kernel[grid, block](*(a.numpy() if isinstance(a, torch.Tensor) else a for a in args))
         else:
-            stream = cuda.external_stream(torch.cuda.current_stream(device).cuda_stream)
-            k1[grid1, block1, stream](*args1)
-            k2[n_jobs, threads2, stream](*args2)
-    accept_h = accept.cpu().numpy()
-    picked_all = [np.flatnonzero(accept_h[i, :checks[i]]) for i in range(n_jobs)]
-    hist_h = hist.cpu().numpy()
-    wanted = [(i, j) for i in range(n_jobs) for j in picked_all[i]]
-    tables = {}
-    if wanted:
-        idx = torch.tensor(wanted, dtype=torch.int64, device=device)
-        got = cand[idx[:, 0], idx[:, 1]].cpu().numpy().astype(np.uint8)
-        tables = {w: got[t] for t, w in enumerate(wanted)}
-    out = [None] * n_jobs
-    for i, (a, blocks) in enumerate(jobs):
-        picked = picked_all[i]
-        # logical block r0 + b belongs to check (r0 + b) // every and is coded with the epoch current before it
-        check_of = (r0[i] + np.arange(n)) // every
-        epochs = a.epoch + np.searchsorted(picked, check_of, side="left").astype(np.int64)
-        for j in picked:
-            b3, b4 = tables[(i, j)]
-            a.calibration.add_epoch(a.layer, a.kind, b3.reshape(kv_heads, head_dim), b4.reshape(kv_heads, head_dim))
-        a.hist = hist_h[i].reshape(kv_heads, head_dim, BINS).astype(np.int64)
-        a.finalized += n
-        left = int((r0[i] + n) % every)
-        if checks[i] == 0:
-            a._recent = list(a._recent) + list(blocks.cpu().numpy().view(np.uint16))
-        else:
-            a._recent = list(blocks[n - left:].cpu().numpy().view(np.uint16)) if left else []
-        out[order[i]] = epochs
-    return out
+            kernel[grid, block, cuda.external_stream(torch.cuda.current_stream(self.device).cuda_stream)](*args)
+
+    def candidates(self) -> None:
+        """Launch the candidates kernel: every check's windows, and the histograms after the last check."""
+        self._launch(candidates_kernel(self.cpb, self.every, E.DECAY_SHIFT), (len(self.jobs), self.channels // self.cpb),
+                     self.cpb * BINS // BINS_PER_THREAD, self.args1)
+
+    def chain(self) -> None:
+        """Launch the chain kernel: which checks append their candidate."""
+        self._launch(chain_kernel(self.every), len(self.jobs), 64 if SIMULATOR else CHAIN_THREADS, self.args2)
+
+    def finish(self) -> list:
+        """Wait for the decisions; append the epochs, update the adapters, return each job's block epochs."""
+        import torch
+
+        jobs, n, checks, r0, every = self.jobs, self.n, self.checks, self.r0, self.every
+        kv_heads, head_dim = self.kv_heads, self.head_dim
+        accept_h = self.accept.cpu().numpy()
+        picked_all = [np.flatnonzero(accept_h[i, :checks[i]]) for i in range(len(jobs))]
+        hist_h = self.hist.cpu().numpy()
+        wanted = [(i, j) for i in range(len(jobs)) for j in picked_all[i]]
+        tables = {}
+        if wanted:
+            idx = torch.tensor(wanted, dtype=torch.int64, device=self.device)
+            got = self.cand[idx[:, 0], idx[:, 1]].cpu().numpy().astype(np.uint8)
+            tables = {w: got[t] for t, w in enumerate(wanted)}
+        out = [None] * len(jobs)
+        for i, (a, blocks) in enumerate(jobs):
+            picked = picked_all[i]
+            # logical block r0 + b belongs to check (r0 + b) // every and is coded with the epoch current before it
+            check_of = (r0[i] + np.arange(n)) // every
+            epochs = a.epoch + np.searchsorted(picked, check_of, side="left").astype(np.int64)
+            for j in picked:
+                b3, b4 = tables[(i, j)]
+                a.calibration.add_epoch(a.layer, a.kind, b3.reshape(kv_heads, head_dim),
+                                        b4.reshape(kv_heads, head_dim))
+            a.hist = hist_h[i].reshape(kv_heads, head_dim, BINS).astype(np.int64)
+            a.finalized += n
+            left = int((r0[i] + n) % every)
+            if checks[i] == 0:
+                a._recent = list(a._recent) + list(blocks.cpu().numpy().view(np.uint16))
+            else:
+                a._recent = list(blocks[n - left:].cpu().numpy().view(np.uint16)) if left else []
+            out[self.order[i]] = epochs
+        return out
