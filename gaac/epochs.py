@@ -76,9 +76,36 @@ class Adapter:
             raise InputError(f"kind must be 0 (K) or 1 (V), got {kind!r}")
         calibration.check_epoch(layer, kind, 0)
         self.calibration, self.layer, self.kind = calibration, layer, kind
-        self.hist = np.zeros((calibration.kv_heads, calibration.head_dim, 256), dtype=np.int64)
+        self._hist = np.zeros((calibration.kv_heads, calibration.head_dim, 256), dtype=np.int64)
+        self._hist_device = None  # where the rule last ran on the GPU: its histogram there, fetched when needed
         self.finalized = 0        # blocks observed
         self._recent = []         # the blocks since the last check, each [kv_heads, 16, head_dim]
+
+    @property
+    def hist(self) -> np.ndarray:
+        """The running exponent histogram ``int64 [kv_heads, head_dim, 256]``."""
+        if self._hist_device is not None:
+            self._hist = self._hist_device.cpu().numpy().astype(np.int64)
+            self._hist_device = None
+        return self._hist
+
+    @hist.setter
+    def hist(self, value) -> None:
+        self._hist, self._hist_device = value, None
+
+    def hist_on_device(self, device):
+        """The histogram as an int32 tensor on ``device`` (the GPU rule's input), without a copy where it is
+        there already."""
+        import torch
+
+        if self._hist_device is not None and self._hist_device.device == device:
+            return self._hist_device
+        return torch.from_numpy(self._hist.astype(np.int32)).to(device)
+
+    def keep_hist_on_device(self, hist) -> None:
+        """Take the GPU rule's histogram (an int32 tensor ``[kv_heads, head_dim, 256]``) as this adapter's;
+        it comes to the host only if the host rule needs it."""
+        self._hist_device = hist
 
     @property
     def epoch(self) -> int:

@@ -5,17 +5,17 @@ time, and on the host each check costs milliseconds.  The rule splits into a par
 its own decisions and a short chain that does:
 
 * the exponent histogram and the candidate windows of every check depend only on the blocks, so
-  :func:`candidates_kernel` runs them per channel, a thread block per 16 channels and a thread per four
-  histogram bins, looping over the checks;
+  :func:`candidates_kernel` runs them per channel, a warp per channel and a lane per 8 histogram bins,
+  looping over the checks;
 * whether a check appends its candidate depends on the epoch current at that check, the last one
   appended; :func:`chain_kernel` walks the checks in order, a thread block per (kind, layer), and for
   each check whose candidate differs from the current epoch counts, over the check's 8 blocks, the escape
-  bytes under both.
+  bytes under both, in the groups of channels where they differ.
 
 Both read the blocks where they lie (a strided view of the input; the adapter's pending blocks from a
-small array), the adapter's histogram goes to the device and back, and one copy to the host brings the
-decisions.  The results are the host rule's, bit for bit (``tests/test_epochs_gpu.py`` and the simulator's
-``tests/test_epochs.py`` compare them).
+small array); the adapters' histograms stay on the device until the host rule needs one, and one copy to
+the host brings the decisions.  The results are the host rule's, bit for bit (``tests/test_epochs_gpu.py``
+and, in the simulator, ``tests/test_epochs_device.py`` compare them).
 """
 from __future__ import annotations
 
@@ -26,12 +26,12 @@ from numba import cuda
 
 from .. import epochs as E
 from .. import layout as L
-from .bitops import SIMULATOR
+from .bitops import SIMULATOR, WARP
 
 BINS = 256                   # exponent values of a BF16 element
-CHANNELS_PER_BLOCK = 16      # channels of one head per thread block of the candidates kernel
-BINS_PER_THREAD = 4          # histogram bins a thread of the candidates kernel owns
+CHANNELS_PER_BLOCK = 16      # channels of one head (a warp each) per thread block of the candidates kernel
 MAX_CHANNELS = 8192          # kv_heads * head_dim the chain kernel's shared bases hold
+MAX_GROUPS = MAX_CHANNELS // L.GROUP_SIZE
 CHAIN_THREADS = 1024
 COST_3BIT = L.ESCAPE_BYTES[L.MODE_3BIT]
 COST_4BIT = L.ESCAPE_BYTES[L.MODE_4BIT]
@@ -53,6 +53,26 @@ def exponent(xa, xb, ja, rec, r0, job, b, h, t, d):
 
 
 @cuda.jit(device=True, inline=True)
+def source_exponent(src, at, rec, job, r, b, h, t, d):
+    """:func:`exponent` with the job's source array ``src`` (index ``at`` in it) and pending count ``r``
+    already chosen."""
+    v = rec[job, b, h, t, d] if b < r else src[at, b - r, h, t, d]
+    return (np.int32(v) >> 7) & 0xFF
+
+
+if SIMULATOR:
+    @cuda.jit(device=True)
+    def warp_sync():
+        """The simulator has no warp barrier; its candidates blocks are one warp, so a block barrier is one."""
+        cuda.syncthreads()
+else:
+    @cuda.jit(device=True, inline=True)
+    def warp_sync():
+        """The warp's lanes see each other's shared-memory writes."""
+        cuda.syncwarp()
+
+
+@cuda.jit(device=True, inline=True)
 def pair(xa, xb, ja, rec, r0, job, b, h, t, w):
     """Word ``w`` of (head h, token t) of job ``job``'s logical block ``b``: elements 2w (low half) and 2w + 1,
     from the int32 views of the blocks (as :func:`exponent`)."""
@@ -65,120 +85,130 @@ def pair(xa, xb, ja, rec, r0, job, b, h, t, w):
 
 
 @functools.lru_cache(maxsize=None)
-def candidates_kernel(cpb: int, every: int, shift: int):
+def candidates_kernel(wpb: int, every: int, shift: int):
     """Per job and channel: the decayed histogram after each check of ``every`` blocks (decay shift
-    ``shift``) and the check's best windows (``cpb`` channels of one head per thread block)."""
-    bpt = BINS_PER_THREAD
-    cells, pairs = cpb * BINS, 2 * cpb                  # shared array sizes: compile-time constants
-    tpc = BINS // bpt                                   # threads per channel
+    ``shift``) and the check's best windows.
+
+    A warp per channel (``wpb`` channels of one head per thread block), a lane per 8 histogram bins; the
+    warps of a block never wait for each other.  The shared counts and histogram
+    are skewed (bin ``b`` at ``b + b // 8``) so that the lanes' 8-bin runs fall in distinct banks.  The next
+    check's exponents are loaded before this check's histogram work, to hide the loads' latency."""
     w3, w4 = L.WINDOW_3BIT, L.WINDOW_4BIT
     tokens = every * L.BLOCK_TOKENS
+    per_lane = tokens // WARP                         # exponents a lane counts per check
+    run = BINS // WARP                                # bins a lane owns: 8
+    stride = BINS + BINS // run                       # one channel's skewed shared row
+    cells, pairs = wpb * stride, 2 * wpb              # shared array sizes: compile-time constants
 
-    # 1024 threads a block: at most 64 registers a thread
-    jit = cuda.jit if SIMULATOR else cuda.jit(max_registers=64)
-
-    @jit
+    @cuda.jit
     def kernel(xa, xb, ja, rec, r0, checks, hist, cand, head_dim):
         job = cuda.blockIdx.x
-        tid = cuda.threadIdx.x
-        nthreads = cuda.blockDim.x
-        c = tid // tpc
-        q = tid % tpc
-        ch0 = cuda.blockIdx.y * cpb
-        ch = ch0 + c
-        h = ch0 // head_dim
-        d0 = ch0 % head_dim
+        warp = cuda.threadIdx.x // WARP
+        lane = cuda.threadIdx.x % WARP
+        ch = cuda.blockIdx.y * wpb + warp
+        h = ch // head_dim
+        d = ch % head_dim
         cnt = cuda.shared.array(cells, np.int32)
         hs = cuda.shared.array(cells, np.int32)
         best = cuda.shared.array(pairs, np.int32)
-        base = c * BINS + q * bpt
-        h0 = hist[job, ch, q * bpt]
-        h1 = hist[job, ch, q * bpt + 1]
-        h2 = hist[job, ch, q * bpt + 2]
-        h3 = hist[job, ch, q * bpt + 3]
-        cnt[base] = 0
-        cnt[base + 1] = 0
-        cnt[base + 2] = 0
-        cnt[base + 3] = 0
-        if q == 0:
-            best[2 * c] = -1
-            best[2 * c + 1] = -1
-        cuda.syncthreads()
-        for j in range(checks[job]):
-            # the check's exponents into the shared counts
-            i = tid
-            while i < tokens * cpb:
-                tok = i // cpb
-                b = j * every + tok // L.BLOCK_TOKENS
-                e = exponent(xa, xb, ja, rec, r0, job, b, h, tok % L.BLOCK_TOKENS, d0 + i % cpb)
-                cuda.atomic.add(cnt, (i % cpb) * BINS + e, 1)
-                i += nthreads
-            cuda.syncthreads()
-            # decay, then add: each thread its own bins
-            h0 = h0 - (h0 >> shift) + cnt[base]
-            h1 = h1 - (h1 >> shift) + cnt[base + 1]
-            h2 = h2 - (h2 >> shift) + cnt[base + 2]
-            h3 = h3 - (h3 >> shift) + cnt[base + 3]
-            cnt[base] = 0
-            cnt[base + 1] = 0
-            cnt[base + 2] = 0
-            cnt[base + 3] = 0
-            hs[base] = h0
-            hs[base + 1] = h1
-            hs[base + 2] = h2
-            hs[base + 3] = h3
-            cuda.syncthreads()
-            # the windows starting at this thread's bins; the largest count wins, the smallest start on ties
+        row = warp * stride
+        base = row + lane * (run + 1)
+        ex = cuda.local.array(per_lane, np.int32)
+        for k in range(run):
+            hs[base + k] = hist[job, ch, lane * run + k]
+            cnt[base + k] = 0
+        if lane == 0:
+            best[2 * warp] = -1
+            best[2 * warp + 1] = -1
+        n_checks = checks[job]
+        # this block's job reads one source: its own blocks (xa or xb) after its pending ones (rec)
+        src = xa if job < ja else xb
+        at = job if job < ja else job - ja
+        r = r0[job]
+        if n_checks > 0:
+            for k in range(per_lane):
+                i = lane + k * WARP
+                ex[k] = source_exponent(src, at, rec, job, r, i // L.BLOCK_TOKENS, h, i % L.BLOCK_TOKENS, d)
+        warp_sync()
+        for j in range(n_checks):
+            for k in range(per_lane):
+                e = ex[k]
+                cuda.atomic.add(cnt, row + e + e // run, 1)
+            if j + 1 < n_checks:                      # the next check's exponents, in flight meanwhile
+                for k in range(per_lane):
+                    i = lane + k * WARP
+                    ex[k] = source_exponent(src, at, rec, job, r, (j + 1) * every + i // L.BLOCK_TOKENS, h,
+                                            i % L.BLOCK_TOKENS, d)
+            warp_sync()
+            # decay, then add: each lane its own bins
+            for k in range(run):
+                v = hs[base + k]
+                hs[base + k] = v - (v >> shift) + cnt[base + k]
+                cnt[base + k] = 0
+            warp_sync()
+            # the windows starting at this lane's bins, which end in the next two lanes' bins
+            a3 = 0
+            for k in range(run):
+                a3 += hs[base + k]
+            a4 = a3
+            if lane + 1 < WARP:
+                for k in range(run):
+                    a4 += hs[base + run + 1 + k]
             k3 = -1
             k4 = -1
-            s = q * bpt
-            a3 = 0
-            a4 = 0
-            for u in range(w4):
-                if s + u < BINS:
-                    v = hs[c * BINS + s + u]
-                    a4 += v
-                    if u < w3:
-                        a3 += v
-            for s in range(q * bpt, q * bpt + bpt):
-                if s > q * bpt:          # slide both windows one bin right
-                    a3 += (hs[c * BINS + s + w3 - 1] if s + w3 - 1 < BINS else 0) - hs[c * BINS + s - 1]
-                    a4 += (hs[c * BINS + s + w4 - 1] if s + w4 - 1 < BINS else 0) - hs[c * BINS + s - 1]
+            for k in range(run):
+                s = lane * run + k
                 if s <= BINS - w3:
                     k3 = max(k3, a3 * BINS + (BINS - 1 - s))
                 if s <= BINS - w4:
                     k4 = max(k4, a4 * BINS + (BINS - 1 - s))
+                first = hs[base + k]
+                a3 += (hs[base + run + 1 + k] if lane + 1 < WARP else 0) - first
+                a4 += (hs[base + 2 * (run + 1) + k] if lane + 2 < WARP else 0) - first
             # a window covering nothing loses to any that covers something, and with none covering anything
             # the answer is start 0, which the reset value -1 gives: so only covering windows compete
             if k3 >= BINS:
-                cuda.atomic.max(best, 2 * c, k3)
+                cuda.atomic.max(best, 2 * warp, k3)
             if k4 >= BINS:
-                cuda.atomic.max(best, 2 * c + 1, k4)
-            cuda.syncthreads()
-            if q == 0:
-                cand[job, j, 0, ch] = BINS - 1 - (best[2 * c] & (BINS - 1))
-                cand[job, j, 1, ch] = BINS - 1 - (best[2 * c + 1] & (BINS - 1))
-                best[2 * c] = -1
-                best[2 * c + 1] = -1
-        hist[job, ch, q * bpt] = h0
-        hist[job, ch, q * bpt + 1] = h1
-        hist[job, ch, q * bpt + 2] = h2
-        hist[job, ch, q * bpt + 3] = h3
+                cuda.atomic.max(best, 2 * warp + 1, k4)
+            warp_sync()
+            if lane == 0:
+                cand[job, j, 0, ch] = BINS - 1 - (best[2 * warp] & (BINS - 1))
+                cand[job, j, 1, ch] = BINS - 1 - (best[2 * warp + 1] & (BINS - 1))
+                best[2 * warp] = -1
+                best[2 * warp + 1] = -1
+        warp_sync()
+        for k in range(run):
+            hist[job, ch, lane * run + k] = hs[base + k]
 
     return kernel
 
 
 @cuda.jit(device=True, inline=True)
-def group_cost(e, b3, b4, fits3, fits4):
-    """Fold one element's exponent into its group's mode: returns the updated (fits 3-bit, fits 4-bit)."""
-    d3 = e - b3
-    d4 = e - b4
-    return fits3 and 0 <= d3 < L.WINDOW_3BIT, fits4 and 0 <= d4 < L.WINDOW_4BIT
+def outside(e, b3, b4):
+    """Bit 0: exponent ``e`` is outside the 3-bit window from ``b3``; bit 1: outside the 4-bit one from ``b4``
+    (a difference is in ``0 .. w - 1`` exactly when its bits above the window's are all zero)."""
+    return (1 if (e - b3) & -L.WINDOW_3BIT else 0) | (2 if (e - b4) & -L.WINDOW_4BIT else 0)
+
+
+@cuda.jit(device=True, inline=True)
+def group_bytes(out):
+    """Escape bytes of a group whose elements' :func:`outside` bits OR to ``out``: none where all fit the
+    3-bit window, one where all fit the 4-bit window, five for a raw group."""
+    if out & 1 == 0:
+        return COST_3BIT
+    if out & 2 == 0:
+        return COST_4BIT
+    return COST_RAW
 
 
 @functools.lru_cache(maxsize=None)
 def chain_kernel(every: int):
-    """Per job, in check order (a check every ``every`` blocks): whether it appends its candidate."""
+    """Per job, in check order (a check every ``every`` blocks): whether it appends its candidate.
+
+    A check whose candidate equals the current epoch is decided at once.  Otherwise only the groups of 8
+    channels in which the two differ can save or cost escape bytes, so only those groups of the check's
+    blocks are read (two elements a load)."""
     tokens = every * L.BLOCK_TOKENS
     group = L.GROUP_SIZE
 
@@ -189,10 +219,12 @@ def chain_kernel(every: int):
         tid = cuda.threadIdx.x
         nthreads = cuda.blockDim.x
         channels = kv_heads * head_dim
+        n_groups = channels // group                          # groups of channels of one token
         c3 = cuda.shared.array(MAX_CHANNELS, np.uint8)       # the current epoch's bases
         c4 = cuda.shared.array(MAX_CHANNELS, np.uint8)
         n3 = cuda.shared.array(MAX_CHANNELS, np.uint8)       # the check's candidate
         n4 = cuda.shared.array(MAX_CHANNELS, np.uint8)
+        differ = cuda.shared.array(MAX_GROUPS, np.uint8)
         part = cuda.shared.array(CHAIN_THREADS, np.int32)
         flag = cuda.shared.array(1, np.int32)
         ch = tid
@@ -201,62 +233,66 @@ def chain_kernel(every: int):
             c4[ch] = cur[job, 1, ch]
             ch += nthreads
         n_ep = n_epochs[job]
-        groups = tokens * channels // group
-        per_head = L.BLOCK_TOKENS * head_dim // group
         cuda.syncthreads()
         for j in range(checks[job]):
             accept[job, j] = 0
             if finalized[job] + (j + 1) * every < warmup or n_ep >= max_epochs:
                 continue
-            differs = 0
-            ch = tid
-            while ch < channels:
-                n3[ch] = cand[job, j, 0, ch]
-                n4[ch] = cand[job, j, 1, ch]
-                if n3[ch] != c3[ch] or n4[ch] != c4[ch]:
-                    differs = 1
-                ch += nthreads
-            if cuda.syncthreads_or(differs) == 0:
-                continue
-            # escape bytes saved on the check's blocks: current epoch's minus the candidate's
-            saved = 0
+            any_differs = 0
             g = tid
-            while g < groups:
-                b = j * every + g // (kv_heads * per_head)
-                rest = g % (kv_heads * per_head)
-                h = rest // per_head
-                t = (rest % per_head) // (head_dim // group)
-                d = (rest % (head_dim // group)) * group
-                cur3 = True
-                cur4 = True
-                new3 = True
-                new4 = True
-                for u in range(group // 2):
-                    word = pair(xa, xb, ja, rec, r0, job, b, h, t, d // 2 + u)
-                    c = h * head_dim + d + 2 * u
-                    e = (word >> 7) & 0xFF
-                    cur3, cur4 = group_cost(e, c3[c], c4[c], cur3, cur4)
-                    new3, new4 = group_cost(e, n3[c], n4[c], new3, new4)
-                    e = (word >> 23) & 0xFF
-                    cur3, cur4 = group_cost(e, c3[c + 1], c4[c + 1], cur3, cur4)
-                    new3, new4 = group_cost(e, n3[c + 1], n4[c + 1], new3, new4)
-                saved += (COST_3BIT if cur3 else (COST_4BIT if cur4 else COST_RAW))
-                saved -= (COST_3BIT if new3 else (COST_4BIT if new4 else COST_RAW))
+            while g < n_groups:
+                dif = 0
+                for u in range(group):
+                    c = g * group + u
+                    x3 = cand[job, j, 0, c]
+                    x4 = cand[job, j, 1, c]
+                    n3[c] = x3
+                    n4[c] = x4
+                    if x3 != c3[c] or x4 != c4[c]:
+                        dif = 1
+                differ[g] = dif
+                any_differs |= dif
                 g += nthreads
+            if cuda.syncthreads_or(any_differs) == 0:
+                continue
+            # escape bytes saved on the check's blocks: the current epoch's minus the candidate's
+            saved = 0
+            i = tid
+            while i < tokens * n_groups:
+                g = i % n_groups
+                if differ[g]:
+                    tok = i // n_groups
+                    b = j * every + tok // L.BLOCK_TOKENS
+                    t = tok % L.BLOCK_TOKENS
+                    h = (g * group) // head_dim
+                    w = ((g * group) % head_dim) // 2
+                    out_cur = 0
+                    out_new = 0
+                    for u in range(group // 2):
+                        word = pair(xa, xb, ja, rec, r0, job, b, h, t, w + u)
+                        c = g * group + 2 * u
+                        e = (word >> 7) & 0xFF
+                        out_cur |= outside(e, c3[c], c4[c])
+                        out_new |= outside(e, n3[c], n4[c])
+                        e = (word >> 23) & 0xFF
+                        out_cur |= outside(e, c3[c + 1], c4[c + 1])
+                        out_new |= outside(e, n3[c + 1], n4[c + 1])
+                    saved += group_bytes(out_cur) - group_bytes(out_new)
+                i += nthreads
             part[tid] = saved
             cuda.syncthreads()
-            if tid < 32:
+            if tid < WARP:
                 s = 0
-                i = tid
-                while i < nthreads:
-                    s += part[i]
-                    i += 32
+                k = tid
+                while k < nthreads:
+                    s += part[k]
+                    k += WARP
                 part[tid] = s
             cuda.syncthreads()
             if tid == 0:
                 s = 0
-                for i in range(min(32, nthreads)):
-                    s += part[i]
+                for k in range(min(WARP, nthreads)):
+                    s += part[k]
                 flag[0] = 1 if np.int64(s) * payback >= table_bytes else 0
             cuda.syncthreads()
             if flag[0]:
@@ -358,7 +394,7 @@ class Batch:
 
         rec, cur, r0_d, checks_d = dev(rec_np), dev(cur_np), dev(r0), dev(checks.astype(np.int32))
         self.hist = (torch.zeros((n_jobs, channels, BINS), dtype=torch.int32, device=device) if fresh else
-                     dev(np.stack([a.hist.reshape(channels, BINS) for a, _ in jobs]).astype(np.int32)))
+                     torch.stack([a.hist_on_device(device).reshape(channels, BINS) for a, _ in jobs]))
         m = max(1, int(checks.max()))
         self.cand = torch.zeros((n_jobs, m, 2, channels), dtype=torch.uint8, device=device)
         self.accept = torch.zeros((n_jobs, m), dtype=torch.int32, device=device)
@@ -381,7 +417,7 @@ class Batch:
     def candidates(self) -> None:
         """Launch the candidates kernel: every check's windows, and the histograms after the last check."""
         self._launch(candidates_kernel(self.cpb, self.every, E.DECAY_SHIFT), (len(self.jobs), self.channels // self.cpb),
-                     self.cpb * BINS // BINS_PER_THREAD, self.args1)
+                     self.cpb * WARP, self.args1)
 
     def chain(self) -> None:
         """Launch the chain kernel: which checks append their candidate."""
@@ -395,7 +431,6 @@ class Batch:
         kv_heads, head_dim = self.kv_heads, self.head_dim
         accept_h = self.accept.cpu().numpy()
         picked_all = [np.flatnonzero(accept_h[i, :checks[i]]) for i in range(len(jobs))]
-        hist_h = self.hist.cpu().numpy()
         wanted = [(i, j) for i in range(len(jobs)) for j in picked_all[i]]
         tables = {}
         if wanted:
@@ -412,7 +447,8 @@ class Batch:
                 b3, b4 = tables[(i, j)]
                 a.calibration.add_epoch(a.layer, a.kind, b3.reshape(kv_heads, head_dim),
                                         b4.reshape(kv_heads, head_dim))
-            a.hist = hist_h[i].reshape(kv_heads, head_dim, BINS).astype(np.int64)
+            # a copy of its own, so that copying the adapter (the cache plans on a copy) copies 1 MB, not all jobs'
+            a.keep_hist_on_device(self.hist[i].view(kv_heads, head_dim, BINS).clone())
             a.finalized += n
             left = int((r0[i] + n) % every)
             if checks[i] == 0:
