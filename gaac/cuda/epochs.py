@@ -203,18 +203,99 @@ def group_bytes(out):
 
 
 @functools.lru_cache(maxsize=None)
+def costs_kernel(every: int):
+    """Per job and check, all at once: the escape bytes the check's candidate saves on the check's blocks
+    against the epoch current when the batch starts, and whether the two differ at all.  While no check
+    of the batch has appended an epoch, these decide the chain's checks without reading the blocks again."""
+    tokens = every * L.BLOCK_TOKENS
+    group = L.GROUP_SIZE
+
+    @cuda.jit
+    def kernel(xa, xb, ja, rec, r0, checks, cand, cur, kv_heads, head_dim, saved0, differs0):
+        job = cuda.blockIdx.x
+        j = cuda.blockIdx.y
+        if j >= checks[job]:
+            return
+        tid = cuda.threadIdx.x
+        nthreads = cuda.blockDim.x
+        channels = kv_heads * head_dim
+        n_groups = channels // group
+        c3 = cuda.shared.array(MAX_CHANNELS, np.uint8)
+        c4 = cuda.shared.array(MAX_CHANNELS, np.uint8)
+        n3 = cuda.shared.array(MAX_CHANNELS, np.uint8)
+        n4 = cuda.shared.array(MAX_CHANNELS, np.uint8)
+        part = cuda.shared.array(CHAIN_THREADS, np.int32)
+        dif = 0
+        c = tid
+        while c < channels:
+            c3[c] = cur[job, 0, c]
+            c4[c] = cur[job, 1, c]
+            n3[c] = cand[job, j, 0, c]
+            n4[c] = cand[job, j, 1, c]
+            if n3[c] != c3[c] or n4[c] != c4[c]:
+                dif = 1
+            c += nthreads
+        any_differs = cuda.syncthreads_or(dif)
+        src = xa if job < ja else xb
+        at = job if job < ja else job - ja
+        r = r0[job]
+        saved = 0
+        if any_differs:
+            i = tid
+            while i < tokens * n_groups:
+                g = i % n_groups
+                tok = i // n_groups
+                b = j * every + tok // L.BLOCK_TOKENS
+                t = tok % L.BLOCK_TOKENS
+                h = (g * group) // head_dim
+                w = ((g * group) % head_dim) // 2
+                out_cur = 0
+                out_new = 0
+                for u in range(group // 2):
+                    word = rec[job, b, h, t, w + u] if b < r else src[at, b - r, h, t, w + u]
+                    c = g * group + 2 * u
+                    e = (word >> 7) & 0xFF
+                    out_cur |= outside(e, c3[c], c4[c])
+                    out_new |= outside(e, n3[c], n4[c])
+                    e = (word >> 23) & 0xFF
+                    out_cur |= outside(e, c3[c + 1], c4[c + 1])
+                    out_new |= outside(e, n3[c + 1], n4[c + 1])
+                saved += group_bytes(out_cur) - group_bytes(out_new)
+                i += nthreads
+        part[tid] = saved
+        cuda.syncthreads()
+        if tid < WARP:
+            s = 0
+            k = tid
+            while k < nthreads:
+                s += part[k]
+                k += WARP
+            part[tid] = s
+        cuda.syncthreads()
+        if tid == 0:
+            s = 0
+            for k in range(min(WARP, nthreads)):
+                s += part[k]
+            saved0[job, j] = s
+            differs0[job, j] = 1 if any_differs else 0
+
+    return kernel
+
+
+@functools.lru_cache(maxsize=None)
 def chain_kernel(every: int):
     """Per job, in check order (a check every ``every`` blocks): whether it appends its candidate.
 
-    A check whose candidate equals the current epoch is decided at once.  Otherwise only the groups of 8
-    channels in which the two differ can save or cost escape bytes, so only those groups of the check's
-    blocks are read (two elements a load)."""
+    Until the batch appends an epoch, :func:`costs_kernel`'s answers decide.  After that, a check whose
+    candidate equals the current epoch is decided at once; otherwise only the groups of 8 channels in which
+    the two differ can save or cost escape bytes, so only those groups of the check's blocks are read (two
+    elements a load)."""
     tokens = every * L.BLOCK_TOKENS
     group = L.GROUP_SIZE
 
     @cuda.jit
     def kernel(xa, xb, ja, rec, r0, checks, cand, cur, finalized, n_epochs, warmup, max_epochs, payback,
-               table_bytes, kv_heads, head_dim, accept):
+               table_bytes, kv_heads, head_dim, saved0, differs0, accept):
         job = cuda.blockIdx.x
         tid = cuda.threadIdx.x
         nthreads = cuda.blockDim.x
@@ -234,9 +315,21 @@ def chain_kernel(every: int):
             ch += nthreads
         n_ep = n_epochs[job]
         cuda.syncthreads()
-        for j in range(checks[job]):
-            accept[job, j] = 0
+        first = n_ep
+        for j in range(checks[job]):                 # accept is zeros: only appending checks are written
             if finalized[job] + (j + 1) * every < warmup or n_ep >= max_epochs:
+                continue
+            if n_ep == first:          # still the batch's first epoch: the costs kernel has decided
+                if differs0[job, j] and np.int64(saved0[job, j]) * payback >= table_bytes:
+                    if tid == 0:
+                        accept[job, j] = 1
+                    n_ep += 1
+                    ch = tid
+                    while ch < channels:
+                        c3[ch] = cand[job, j, 0, ch]
+                        c4[ch] = cand[job, j, 1, ch]
+                        ch += nthreads
+                    cuda.syncthreads()
                 continue
             any_differs = 0
             g = tid
@@ -398,11 +491,15 @@ class Batch:
         m = max(1, int(checks.max()))
         self.cand = torch.zeros((n_jobs, m, 2, channels), dtype=torch.uint8, device=device)
         self.accept = torch.zeros((n_jobs, m), dtype=torch.int32, device=device)
+        self.saved0 = torch.zeros((n_jobs, m), dtype=torch.int32, device=device)
+        self.differs0 = torch.zeros((n_jobs, m), dtype=torch.int32, device=device)
         self.args1 = (xa, xb, ja, rec, r0_d, checks_d, self.hist, self.cand, head_dim)
         words = [x.view(torch.int32) for x in (xa, xb, rec)]      # the chain reads two elements a load
         self.args2 = (words[0], words[1], ja, words[2], r0_d, checks_d, self.cand, cur, dev(finalized), dev(n_epochs), E.WARMUP_BLOCKS,
                       E.MAX_EPOCHS, E.PAYBACK_CHECKS, E.epoch_table_bytes(first_adapter.calibration), kv_heads,
-                      head_dim, self.accept)
+                      head_dim, self.saved0, self.differs0, self.accept)
+        self.args0 = (words[0], words[1], ja, words[2], r0_d, checks_d, self.cand, cur, kv_heads, head_dim, self.saved0,
+                      self.differs0)
 
     def _launch(self, kernel, grid, block, args) -> None:
         import torch
@@ -420,7 +517,9 @@ class Batch:
                      self.cpb * WARP, self.args1)
 
     def chain(self) -> None:
-        """Launch the chain kernel: which checks append their candidate."""
+        """Launch the costs kernel and the chain kernel: which checks append their candidate."""
+        threads = 64 if SIMULATOR else CHAIN_THREADS
+        self._launch(costs_kernel(self.every), (len(self.jobs), max(1, int(self.checks.max()))), threads, self.args0)
         self._launch(chain_kernel(self.every), len(self.jobs), 64 if SIMULATOR else CHAIN_THREADS, self.args2)
 
     def finish(self) -> list:
