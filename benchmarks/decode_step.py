@@ -1,6 +1,6 @@
 """A serving loop's decode steps on a Llama-3.1-8B-shaped model: BF16 cache + torch flash vs the GAAC cache.
 
-    python benchmarks/decode_step.py --out $OUT/decode-step-h200.md [--batches 1,8] [--equal-memory] [--prefill]
+    python benchmarks/decode_step.py --out $OUT/decode-step-h200.md [--batches 1,8] [--equal-memory]
     python benchmarks/decode_step.py --smoke --out /tmp/decode-step-smoke.md      # CPU, numba's simulator
 
 The model has **random BF16 weights** (seeded) in the shape of Llama-3.1-8B: 32 layers, hidden 4096, 32 query /
@@ -32,8 +32,8 @@ Correctness: once per context, both caches' attention of layer 0 against float32
 (so over appended tokens and finished blocks), and the GAAC cache's layer 0 read back bit-exact against the BF16
 cache.  ``--equal-memory``: in a KV budget (``--budget-gib``, default 60), how many ``--eq-context`` (64K)
 sequences fit as BF16 and as GAAC (resident bytes per sequence measured by ``PagedKVCache.memory()``), and the
-aggregate tokens/s of each variant's loop at that batch.  ``--prefill``: one ``--prefill-tokens`` sequence into an
-empty cache of every layer (``add_sequence``), against the BF16 copy of the same bytes.
+aggregate tokens/s of each variant's loop at that batch.
+(A long prompt entering the cache is ``prefill.py``'s benchmark.)
 """
 from __future__ import annotations
 
@@ -486,52 +486,6 @@ def run_context(model, src, cal, s: Shape, tokens: int, batch: int, raw_frac: fl
     return row
 
 
-def run_prefill(src, cal, s: Shape, tokens: int, args) -> dict:
-    """One ``tokens`` sequence into an empty cache (every layer, K and V): ``add_sequence`` wall time, against the
-    BF16 copy of the same bytes (one device-to-device copy per layer)."""
-    log(f"== prefill {tokens} tokens ==")
-    ks, vs = zip(*(src.dense(i, 1, tokens) for i in range(s.layers)))
-    k = torch.stack(ks)[:, 0].view(torch.int16)           # [layers, 8, T, D]
-    v = torch.stack(vs)[:, 0].view(torch.int16)
-    del ks, vs
-    nblk = tokens // L.BLOCK_TOKENS
-    per = s.kv_heads * L.tiles_per_head(s.head_dim)
-    res = {"tokens": tokens}
-    # Epochs on: the adaptation rule runs on the host, check by check, so it is timed once on a shorter prefix.
-    adapt_tokens = min(tokens, args.prefill_adapt_tokens)
-    for adapt, n_tok, runs in ((False, tokens, 2 if SMOKE else 3), (True, adapt_tokens, 1)):
-        if adapt and not args.prefill_adapt:
-            continue
-        times = []
-        for _ in range(runs):
-            cache = gaac.PagedKVCache(cal, max_blocks=nblk + 1, slots=nblk * per, raw_tiles=nblk * per // 4,
-                                      device=DEV, adapt=adapt, codec="cuda")
-            sync()
-            t = time.perf_counter()
-            cache.add_sequence(k[:, :, :n_tok], v[:, :, :n_tok])
-            sync()
-            times.append((time.perf_counter() - t) * 1e3)
-            del cache
-            free()
-        res[f"gaac_adapt_{adapt}_ms"] = min(times)
-        res[f"gaac_adapt_{adapt}_tokens"] = n_tok
-        log(f"  add_sequence of {n_tok} tokens (adapt={adapt}): {min(times):.1f} ms (runs {[round(x, 1) for x in times]})")
-    dst = torch.empty_like(k)
-    times = []
-    for _ in range(5):
-        sync()
-        t = time.perf_counter()
-        for layer in range(s.layers):
-            dst[layer].copy_(k[layer])
-            dst[layer].copy_(v[layer])
-        sync()
-        times.append((time.perf_counter() - t) * 1e3)
-    res["bf16_copy_ms"] = min(times)
-    res["bytes"] = 2 * k.numel() * 2
-    log(f"  BF16 copy of the same bytes: {res['bf16_copy_ms']:.2f} ms")
-    return res
-
-
 def run_equal_memory(model, src, cal, s: Shape, per_seq_gaac: float, raw_frac: float, args) -> dict:
     tokens = args.eq_context
     budget = args.budget_gib * GIB if args.budget_gib is not None else 2.9 * s.kv_bytes(tokens)
@@ -635,16 +589,6 @@ def render(rep: dict) -> str:
     lines += ["", "## Correctness (after the timed steps)", "",
               *table(("context", "batch", "layer 0 reads back bit-exact", "layer-0 attention rel. err vs fp32: flash",
                       "GAAC", "GAAC vs flash max abs"), map(check_cells, rows)), ""]
-    pf = rep.get("prefill")
-    if pf:
-        gib = pf["bytes"] / GIB
-        cells = [("GAAC `add_sequence`, epochs off", f"{pf['gaac_adapt_False_ms']:.1f}")]
-        if "gaac_adapt_True_ms" in pf:
-            cells.append((f"GAAC `add_sequence`, epochs on, the first {pf['gaac_adapt_True_tokens']} tokens only",
-                          f"{pf['gaac_adapt_True_ms']:.1f}"))
-        cells.append(("BF16 copy of the same bytes", f"{pf['bf16_copy_ms']:.2f}"))
-        lines += [f"## Prefill: one {pf['tokens']}-token sequence into every layer ({gib:.1f} GiB of BF16 K/V)", "",
-                  *table(("what", "ms"), cells), ""]
     eq = rep.get("equal_memory")
     if eq:
         tp, cells = {}, []
@@ -677,10 +621,6 @@ def main():
     ap.add_argument("--budget-gib", type=float, default=None, help="KV budget for --equal-memory (default 60)")
     ap.add_argument("--eq-context", type=int, default=None, help="sequence length for --equal-memory (default 65536)")
     ap.add_argument("--max-kv-gib", type=float, default=64.0, help="skip a context and batch whose BF16 K/V is larger")
-    ap.add_argument("--prefill", action="store_true", help="time one --prefill-tokens sequence into every layer")
-    ap.add_argument("--prefill-tokens", type=int, default=None, help="default 131072")
-    ap.add_argument("--prefill-adapt", action="store_true", help="also time the prefill with calibration epochs on")
-    ap.add_argument("--prefill-adapt-tokens", type=int, default=8192, help="tokens of the epochs-on prefill")
     ap.add_argument("--profile", action="store_true", help="cProfile of GAAC's calls at the first context (.profile.txt)")
     args = ap.parse_args()
     args.profiled = False
@@ -691,7 +631,6 @@ def main():
     args.steps = args.steps or (16 if SMOKE else 48)
     args.warmup = args.warmup if args.warmup is not None else (1 if SMOKE else 4)
     args.eq_context = args.eq_context or (40 if SMOKE else 65536)
-    args.prefill_tokens = args.prefill_tokens or (64 if SMOKE else 131072)
     if args.budget_gib is None and not SMOKE:
         args.budget_gib = 60.0
     t_start = time.time()
@@ -719,9 +658,6 @@ def main():
            "shape": asdict(s), "params": s.params(), "data": str(data), "unique_tokens": unique,
            "cal_tokens": cal_tokens, "steps": args.steps, "warmup": args.warmup, "smoke": SMOKE, "contexts": []}
     raw_frac = 0.25
-    if args.prefill:
-        rep["prefill"] = run_prefill(src, cal, s, args.prefill_tokens, args)
-        write(rep, args.out, render)
     for batch in batches:
         for tokens in contexts:
             if batch * s.kv_bytes(tokens) > args.max_kv_gib * GIB:

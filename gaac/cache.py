@@ -392,6 +392,7 @@ class _Epochs:
     pending: object              # no check was due: the blocks the live adapter observes after commit
                                  # (NumPy, or a pinned host copy and its event on a GPU)
     blocks: object = None        # the rule runs on the GPU: the blocks, until the update's batch is decided
+                                 # (``after`` is the live adapter until then)
     first_new: int = 0           # the index of the first epoch this update may append
 
 
@@ -916,10 +917,10 @@ class PagedKVCache:
         if n <= adapter.until_check:
             return _Epochs(epochs=np.full(n, adapter.epoch, np.int64), tables=[], after=None,
                            pending=self._host_copy(finished))
-        after = copy.deepcopy(adapter, {id(adapter.calibration): self._calibration.copy()})
         if self._device_rule:
-            return _Epochs(epochs=None, tables=[], after=after, pending=None, blocks=finished,
+            return _Epochs(epochs=None, tables=[], after=adapter, pending=None, blocks=finished,
                            first_new=adapter.epoch + 1)
+        after = copy.deepcopy(adapter, {id(adapter.calibration): self._calibration.copy()})
         host = finished.cpu().numpy().view(np.uint16)
         epochs = after.assign(host)
         tables = [after.calibration.bases(layer, kind, e) for e in range(adapter.epoch + 1, after.epoch + 1)]
@@ -934,6 +935,14 @@ class PagedKVCache:
             return
         from .cuda.epochs import assign
 
+        # The rule runs on copies: of each adapter (a shallow one: the GPU rule replaces its histogram and
+        # pending blocks rather than changing them) and of the calibration (one for the batch: each job
+        # appends to its own layer and kind), so that the cache is unchanged until commit.
+        calibration = self._calibration.copy()
+        for _, _, plan in waiting:
+            after = copy.copy(plan.after)
+            after.calibration, after._recent = calibration, list(after._recent)
+            plan.after = after
         by_shape = {}
         for item in waiting:
             by_shape.setdefault(tuple(item[2].blocks.shape), []).append(item)

@@ -54,3 +54,31 @@ def test_the_device_rule_decides_what_the_host_rule_decides(monkeypatch, payback
         assert np.array_equal(e, e_want)
         _same_adapter(adapter, reference)
     assert max(int(e.max()) for e in got) >= 1                # the data drifts: epochs were appended
+
+
+def test_a_cache_whose_rule_runs_on_the_device_holds_what_the_host_rule_makes(monkeypatch):
+    monkeypatch.setattr(epochs, "WARMUP_BLOCKS", 8)
+    monkeypatch.setattr(epochs, "PAYBACK_CHECKS", 10 ** 9)
+    x = drifting_cache(36 * L.BLOCK_TOKENS, layers=2)[:, :1]
+    x[1] = x[1] ^ 0x8000                             # one layer: x[0] is its K, x[1] its V
+    cal = calibrate(x[:1, :, :128], x[1:, :, :128])
+    caches = []
+    for on_device in (True, False):
+        cache = PagedKVCache(cal, max_blocks=40, codec="cuda")
+        cache._rule_on_device = on_device
+        seq = cache.add_sequence(x[:1, :, :20 * L.BLOCK_TOKENS + 5], x[1:, :, :20 * L.BLOCK_TOKENS + 5])
+        k, v = (torch.from_numpy(np.ascontiguousarray(x[i:i + 1, :, 20 * L.BLOCK_TOKENS + 5:]).view(np.int16))
+                for i in (0, 1))
+        cache.update_layer(0, [seq], k, v)          # the rest, through a tail: the blocks are a copy
+        caches.append((cache, seq))
+    (gpu, sg), (host, sh) = caches
+    assert gpu.calibration.n_epochs(0, L.KIND_K) > 1
+    for kind in (L.KIND_K, L.KIND_V):
+        assert gpu.calibration.n_epochs(0, kind) == host.calibration.n_epochs(0, kind)
+        for e in range(gpu.calibration.n_epochs(0, kind)):
+            for a, b in zip(gpu.calibration.bases(0, kind, e), host.calibration.bases(0, kind, e)):
+                assert np.array_equal(a, b)
+        assert np.array_equal(gpu._store[0][kind].epochs[sg], host._store[0][kind].epochs[sh])
+        _same_adapter(gpu._store[0][kind].adapter, host._store[0][kind].adapter)
+    rk, rv = gpu.read_layer(0, [sg])
+    assert np.array_equal(rk[0].numpy().view(np.uint16), x[0, :, :]) and np.array_equal(rv[0].numpy().view(np.uint16), x[1])
