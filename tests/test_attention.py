@@ -20,10 +20,11 @@ from conftest import kv_dump
 import gaac
 from gaac import layout as L
 from gaac.attention import (AttentionPlan, _pair_base_words, bf16_to_float, decode_attention, float_to_bf16,
-                            gather_dense, plain_view, reference_attention, view_from_dense)
+                            gather_dense, reference_attention)
 from gaac.cuda import attention as K
 from gaac.errors import FormatError, InputError
 from gaac.reference.codec import encode_tiles
+from gaac.testing import plain_view, view_from_dense
 
 NAN_BITS = 0x7FC1
 

@@ -455,7 +455,8 @@ def test_cache_copies_get_a_lock_of_their_own(cache, sample):
 def _view_and_q(sample, lens=(40, 20), max_blocks=None, seed=0):
     """A compressed view of layer 0, KV head 0 of the sample, sequences of ``lens`` tokens, and a query of
     2 heads (one KV head keeps the simulated kernel quick)."""
-    from gaac.attention import float_to_bf16, view_from_dense
+    from gaac.attention import float_to_bf16
+    from gaac.testing import view_from_dense
 
     k, v, cal = sample
     ks = [np.ascontiguousarray(k[0, :1, :n]) for n in lens]
@@ -531,7 +532,8 @@ def test_kernel_reads_no_empty_pool(sample):
 
 
 def test_plain_kernel_flags_entries_past_its_raw_pool(sample):
-    from gaac.attention import AttentionPlan, plain_view
+    from gaac.attention import AttentionPlan
+    from gaac.testing import plain_view
 
     k, _, _ = sample
     ks = [np.ascontiguousarray(k[0, :1, :n]) for n in (40, 20)]
