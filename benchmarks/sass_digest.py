@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import os
 import re
 import subprocess
@@ -34,10 +35,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from numba import cuda, types  # noqa: E402
 
+from benchmarks.attention_variants import plan_options  # noqa: E402
 from benchmarks.kernel_resources import _ptxas_version, _tool, codec_kernels  # noqa: E402
 from gaac import layout as L  # noqa: E402
 from gaac.attention import kernel_options  # noqa: E402
 from gaac.cuda import attention as K  # noqa: E402
+from gaac.cuda import merge as M  # noqa: E402
+from gaac.cuda.tile_decoder import tile_bytes  # noqa: E402
 
 HEAD_DIMS = (64, 128, 256)
 MERGE_LANES = (1, 8, 64)
@@ -52,10 +56,13 @@ def _stages(head_dim: int) -> tuple[int, int]:
 
 def attention(head_dim: int, plain: bool, nstage: int = 2, stage: int = 0, variant: str = "full",
               max_registers: int | None = -1, overlap: bool | None = None):
-    """(Python function, signature, register cap) of the attention kernel as AttentionPlan builds it."""
-    overlap, max_registers = kernel_options(head_dim, plain, variant, overlap, max_registers)
-    stage = K.tile_bytes(L.tile_channels(head_dim)) if plain else stage
-    kernel = K.attention_kernel(head_dim, plain, variant, nstage, 0 if plain else stage, overlap, max_registers)
+    """(Python function, signature, register cap) of the attention kernel as AttentionPlan builds it (a timing
+    variant as benchmarks/attention.py's plans build it)."""
+    options = plan_options({"variant": variant, "overlap": overlap})
+    overlap, max_registers = kernel_options(head_dim, plain, options["overlap"], max_registers)
+    stage = tile_bytes(L.tile_channels(head_dim)) if plain else stage
+    build = options.get("build_kernel", K.attention_kernel)
+    kernel = build(head_dim, plain, nstage, 0 if plain else stage, overlap, max_registers)
     return kernel.py_func, K.kernel_signature(), max_registers
 
 
@@ -64,7 +71,7 @@ def merge(head_dim: int, lanes: int):
         return types.Array(dtype, 1, "C")
     signature = (array(types.float32), array(types.float32), array(types.int32), array(types.int16),
                  array(types.float32), types.int64, types.int64)
-    return K.merge_kernel(head_dim, lanes).py_func, signature, None
+    return M.merge_kernel(head_dim, lanes).py_func, signature, None
 
 
 def kernels(timing: bool):
@@ -91,9 +98,18 @@ def kernels(timing: bool):
         for c in (64, 128):
             geo = L.TileGeometry(c)
             yield f"check decode C={c}", lambda c=c, geo=geo: (
-                K.decode_check_kernel(c, geo.slot_bytes(48)).py_func,
+                _decode_check().decode_check_kernel(c, geo.slot_bytes(48)).py_func,
                 (types.Array(types.uint8, 1, "C"), types.Array(types.int32, 1, "C"), types.int64,
                  types.Array(types.int32, 1, "C"), types.Array(types.int32, 1, "C")), None)
+
+
+def _decode_check():
+    """tests/decode_check.py, the tile decoder's check kernel (a test helper, loaded by path)."""
+    path = Path(__file__).resolve().parents[1] / "tests" / "decode_check.py"
+    spec = importlib.util.spec_from_file_location("tests_decode_check", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def sass_lines(fn, signature, max_registers, workdir: Path, ptxas: str, cuobjdump: str, isa: str) -> list[str]:
@@ -117,7 +133,8 @@ def main():
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="\n\n".join(__doc__.split("\n\n")[1:]))
     parser.add_argument("--timing", action="store_true",
-                        help="also the benchmarks' timing variants and the decoder's check kernel (not shipped)")
+                        help="also the timing variants (benchmarks/attention_variants.py) and the decoder's check "
+                             "kernel (tests/decode_check.py), neither shipped")
     parser.add_argument("--only", default="", help="only the kernels whose name contains this")
     args = parser.parse_args()
     ptxas, cuobjdump = _tool("ptxas"), _tool("cuobjdump")

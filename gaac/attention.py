@@ -311,18 +311,20 @@ def status_error(status: int, *, layer: int | None = None, seqs=None) -> FormatE
     the sequences ``seqs`` (an id or a list of them) of the launch where given.
 
     The kernel ORs one bit into the word per kind of fault it finds (the bits of
-    :mod:`gaac.cuda.attention`) and carries on with a safe stand-in, so that output is unspecified."""
-    from .cuda import attention as K
+    :mod:`gaac.cuda.tile_decoder` and :mod:`gaac.cuda.attention`) and carries on with a safe stand-in, so that
+    output is unspecified."""
+    from .cuda.attention import STATUS_BAD_ENTRY, STATUS_BAD_EPOCH
+    from .cuda.tile_decoder import STATUS_BAD_ESCAPES, STATUS_BAD_TAG
 
     status = int(status)
     if not status:
         return None
-    why = [text for bit, text in ((K.STATUS_BAD_TAG, "a slot's group has the reserved mode tag 3"),
-                                  (K.STATUS_BAD_ESCAPES, "a slot's tags need more escape bytes than its capacity"),
-                                  (K.STATUS_BAD_EPOCH, "a block's epoch has no bases in the view"),
-                                  (K.STATUS_BAD_ENTRY, "a block-table entry points past its slot or raw-tile pool "
-                                                       "(that record was not read)")) if status & bit]
-    known = K.STATUS_BAD_TAG | K.STATUS_BAD_ESCAPES | K.STATUS_BAD_EPOCH | K.STATUS_BAD_ENTRY
+    why = [text for bit, text in ((STATUS_BAD_TAG, "a slot's group has the reserved mode tag 3"),
+                                  (STATUS_BAD_ESCAPES, "a slot's tags need more escape bytes than its capacity"),
+                                  (STATUS_BAD_EPOCH, "a block's epoch has no bases in the view"),
+                                  (STATUS_BAD_ENTRY, "a block-table entry points past its slot or raw-tile pool "
+                                                     "(that record was not read)")) if status & bit]
+    known = STATUS_BAD_TAG | STATUS_BAD_ESCAPES | STATUS_BAD_EPOCH | STATUS_BAD_ENTRY
     if status & ~known:
         why.append(f"unknown status bits {status & ~known:#x}")
     where = [] if layer is None else [f"layer {layer}"]
@@ -372,12 +374,12 @@ DEFAULT_MAX_REGISTERS = 168
 WHOLE_WAVES_BELOW = 0.5
 
 
-def kernel_options(head_dim: int, plain: bool, variant: str, overlap: bool | None, max_registers: int | None):
+def kernel_options(head_dim: int, plain: bool, overlap: bool | None, max_registers: int | None):
     """``(overlap, max_registers)`` with :class:`AttentionPlan`'s defaults resolved: ``overlap=None`` is on
-    for the compressed full kernel with head_dim <= 128, ``max_registers=-1`` is
+    for the compressed kernel with head_dim <= 128, ``max_registers=-1`` is
     :data:`DEFAULT_MAX_REGISTERS` for head_dim <= 128 and no cap above."""
     if overlap is None:
-        overlap = not plain and head_dim <= 128 and variant in ("full", "timeline")
+        overlap = not plain and head_dim <= 128
     if max_registers == -1:
         max_registers = DEFAULT_MAX_REGISTERS if head_dim <= 128 else None
     return overlap, max_registers
@@ -459,7 +461,7 @@ class AttentionPlan:
     blocks per split so that one wave of one-warp thread blocks fills the GPU, and allocates the
     split partials.  :meth:`run` launches the attention kernel and the merge kernel; nothing in it
     synchronises with the host.  ``plain=True`` is the BF16 baseline (every tile raw, the same
-    defaults); ``variant`` selects the timing variants of :mod:`gaac.cuda.attention`.  Defaults:
+    defaults).  Defaults:
     ``nstage=2`` (``nstage`` K+V staging areas in a ring; ``1``: one area per kind, refilled as soon as
     it is read, for 16 warps per SM with ``max_registers=128``: measured slower, see
     benchmarks/DESIGN-attention.md), ``overlap`` and ``max_registers`` as :func:`kernel_options` resolves them.  The
@@ -473,13 +475,16 @@ class AttentionPlan:
     (benchmarks/DESIGN-attention.md has the comparison).  ``pdl`` launches the
     merge kernel as a programmatic dependent of the split kernel, so that its launch and first loads
     overlap the split kernel's last blocks (the merge waits for that grid before reading the partials).
+    ``build_kernel`` builds the split kernel in place of :func:`gaac.cuda.attention.attention_kernel`, with
+    its arguments (benchmarks/attention_variants.py: the variants that time the kernel's stages).
     """
 
     def __init__(self, view: LayerView, q_heads: int, *, scale: float | None = None, plain: bool = False,
-                 variant: str = "full", nstage: int = 2, blocks_per_split: int | None = None,
-                 overlap: bool | None = None, max_registers: int | None = -1, blocks_per_sm: int | None = None,
-                 whole_waves: bool | None = None, pdl: bool = True):
+                 nstage: int = 2, blocks_per_split: int | None = None, overlap: bool | None = None,
+                 max_registers: int | None = -1, blocks_per_sm: int | None = None, whole_waves: bool | None = None,
+                 pdl: bool = True, build_kernel=None):
         from .cuda import attention as K
+        from .cuda import merge
 
         self._K = K
         device = None if K.SIMULATOR else "cuda"
@@ -490,7 +495,7 @@ class AttentionPlan:
             raise InputError(f"{q_heads} query heads for {hk} KV heads; need 1..{MAX_GROUP} per KV head")
         self.q_heads, self.g = q_heads, q_heads // hk
         self.scale = check_scale(scale, d)
-        overlap, max_registers = kernel_options(d, plain, variant, overlap, max_registers)
+        overlap, max_registers = kernel_options(d, plain, overlap, max_registers)
         self.plain = plain
         lens = check_seq_lens(view)
         mb = view.table[0].shape[1]
@@ -502,7 +507,8 @@ class AttentionPlan:
         stage = K.tile_bytes(c) if plain else -(-max(self._sizes) // 16) * 16
         # Runs of blocks with one K epoch and one V epoch (no split crosses a run's end), per sequence.
         runs = _epoch_runs(view, lens // L.BLOCK_TOKENS, nblk)
-        self._kernel = K.attention_kernel(d, plain, variant, nstage, 0 if plain else stage, overlap, max_registers)
+        self._kernel = (build_kernel or K.attention_kernel)(d, plain, nstage, 0 if plain else stage, overlap,
+                                                            max_registers)
         self.resources = None               # what the driver says of the kernel's occupancy (GPU, planned splits)
         if blocks_per_split is None:
             target, self.resources = wave_target(self._kernel, view.slots[0], blocks_per_sm)
@@ -511,8 +517,8 @@ class AttentionPlan:
         split = split_work(runs, self.batch, hk, target, blocks_per_split, whole_waves)
         self.blocks_per_split, self.n_work = split.blocks_per_split, split.n_work
         work, split0, splits = split.work, split.split0, split.splits
-        grid, threads, lanes = K.merge_launch(self.batch, q_heads, d, int(splits.max(initial=0)))
-        self._merge, self._merge_grid = K.merge_kernel(d, lanes), (grid, threads)
+        grid, threads, lanes = merge.merge_launch(self.batch, q_heads, d, int(splits.max(initial=0)))
+        self._merge, self._merge_grid = merge.merge_kernel(d, lanes), (grid, threads)
         bases = _epoch_bases(view)
         self.n_epochs = (n_epochs(view, 0), n_epochs(view, 1))
         if K.SIMULATOR:
