@@ -48,11 +48,13 @@ if SIM:
 import torch  # noqa: E402
 
 import gaac  # noqa: E402
+from benchmarks.attention_variants import plan_options  # noqa: E402
 from benchmarks.report import table  # noqa: E402
 from gaac import layout as L  # noqa: E402
-from gaac.attention import (AttentionPlan, bf16_to_float, float_to_bf16, kernel_options, plain_view,  # noqa: E402
-                            reference_attention, view_from_dense, view_to)
+from gaac.attention import (AttentionPlan, bf16_to_float, float_to_bf16, kernel_options,  # noqa: E402
+                            reference_attention)
 from gaac.cachelayout import LayerView  # noqa: E402
+from gaac.testing import plain_view, view_from_dense, view_to  # noqa: E402
 
 KINDS = ("prose", "code", "math", "list")
 L2_BYTES = 60 * 2**20
@@ -244,7 +246,8 @@ def check_case(name, ks, vs, b3, b4, cap, g, rng, results, blocks_per_split=None
             if d <= 128 or not cfg.get("overlap")]
     for name_, view, cfg in runs + [("plain", plain_view(ks, vs), {})]:
         dv = view_to(view, DEV)
-        plan = AttentionPlan(dv, hk * g, plain=name_ == "plain", blocks_per_split=blocks_per_split, **cfg)
+        plan = AttentionPlan(dv, hk * g, plain=name_ == "plain", blocks_per_split=blocks_per_split,
+                             **plan_options(cfg))
         out = torch.full((batch, hk * g, d), NAN_BITS, dtype=torch.int16, device=DEV)
         lse = torch.full((batch, hk * g), float("nan"), device=DEV)
         if SIM:
@@ -425,7 +428,7 @@ def label(cfg: dict, plain: bool = False) -> str:
     variant, stages, overlapped V decode, register cap, planned blocks per SM, blocks per split, whole waves
     (``_waves`` forced, ``_partial`` forced off; neither: the plan's choice), merge without PDL (``_nopdl``)."""
     variant = cfg.get("variant", "full")
-    overlap, regs = kernel_options(128, plain, variant, cfg.get("overlap"), cfg.get("max_registers", -1))
+    overlap, regs = kernel_options(128, plain, plan_options(cfg).get("overlap"), cfg.get("max_registers", -1))
     return (f"{variant}_ns{cfg.get('nstage', 2)}" + ("_overlap" if overlap else "") + (f"_r{regs}" if regs else "")
             + (f"_b{cfg['blocks_per_sm']}" if cfg.get("blocks_per_sm") else "")
             + (f"_s{cfg['blocks_per_split']}" if cfg.get("blocks_per_split") else "")
@@ -453,9 +456,9 @@ def epoch_timing(views, plans, hq, cfg, q, out, lse):
     so the output bits, must be the same)."""
     res = {}
     for n in (16, 256):
-        eplans = [AttentionPlan(with_epochs_view(v, n), hq, **cfg) for v in views]
+        eplans = [AttentionPlan(with_epochs_view(v, n), hq, **plan_options(cfg)) for v in views]
         bps = min(eplans[0].blocks_per_split, max(1, views[0].table[0].shape[1] // n))   # the epoch plan's splits
-        ref_plans = [AttentionPlan(v, hq, blocks_per_split=bps, **cfg) for v in views]
+        ref_plans = [AttentionPlan(v, hq, blocks_per_split=bps, **plan_options(cfg)) for v in views]
         ref_plans[0].run(q, out=out, lse=lse)
         ref = out.clone() if not SIM else out.copy()
         eplans[0].run(q, out=out, lse=lse)
@@ -505,7 +508,7 @@ def bench_config(cache, hq, batch, ctx, configs=({},), with_torch=True, plain_co
         out, lse = out.numpy(), lse.numpy()
     qb = q if SIM else q.view(torch.int16)
     for n, cfg in enumerate(configs):
-        plans = [AttentionPlan(v, hq, **cfg) for v in views]
+        plans = [AttentionPlan(v, hq, **plan_options(cfg)) for v in views]
         res[f"gaac_{label(cfg)}_us"] = graph_time([lambda p=p: p.run(q, out=out, lse=lse) for p in plans])
         res[f"gaac_{label(cfg)}_splits"] = plans[0].n_work
         res[f"gaac_{label(cfg)}_resources"] = plans[0].resources
@@ -529,7 +532,7 @@ def bench_config(cache, hq, batch, ctx, configs=({},), with_torch=True, plain_co
         rb = 1 if SIM else rotation(bf16_bytes)
         dense = [cache.dense(batch, ctx) for _ in range(rb)]
         for n, cfg in enumerate(plain_configs):
-            pplans = [AttentionPlan(cache.plain(k, v), hq, plain=True, **cfg) for k, v in dense]
+            pplans = [AttentionPlan(cache.plain(k, v), hq, plain=True, **plan_options(cfg)) for k, v in dense]
             res[f"plain_{label(cfg, True)}_us"] = graph_time([lambda p=p: p.run(q, out=out, lse=lse) for p in pplans])
             res[f"plain_{label(cfg, True)}_resources"] = pplans[0].resources
             if n == 0:
@@ -556,7 +559,7 @@ def bench_config(cache, hq, batch, ctx, configs=({},), with_torch=True, plain_co
 def ncu_target(cache, cfg):
     """A few launches of the attention kernel alone (64K, batch 1, 32/8 heads), for ncu."""
     view = cache.view(1, 65536)
-    plan = AttentionPlan(view, 32, **cfg)
+    plan = AttentionPlan(view, 32, **plan_options(cfg))
     q = torch.zeros((1, 32, cache.d), dtype=torch.int16, device=DEV)
     for _ in range(4):
         plan._launch_attention(q)
@@ -569,7 +572,7 @@ def timeline(cache, hq, batch, ctx, cfg, runs=5):
     hold raw tiles: how much of the kernel's time is its last splits' (the wave's tail).  Times in us from
     the launch's first start; medians over ``runs`` launches."""
     view = cache.view(batch, ctx)
-    plan = AttentionPlan(view, hq, variant="timeline", **cfg)
+    plan = AttentionPlan(view, hq, **plan_options({**cfg, "variant": "timeline"}))
     q = torch.zeros((batch, hq, cache.d), dtype=torch.int16, device=DEV)
     work = plan._work.cpu().numpy().reshape(-1, 3) if not SIM else plan._work.reshape(-1, 3)
     hk, g, d = cache.kv_heads, plan.g, cache.d

@@ -233,7 +233,9 @@ def run_checks(args, dev, log):
 
 def load_baseline(path):
     """An older ``gaac/cuda/codec.py`` (a file copied out of git history) as module
-    ``gaac.cuda._baseline``: it imports gaac's layout, errors and bitops like the current one."""
+    ``gaac.cuda._baseline``: it imports gaac's layout, errors and device primitives like the current one (a
+    codec.py older than gaac.cuda.primitives imports gaac.cuda.bitops, which is gone: point its import at
+    primitives)."""
     spec = importlib.util.spec_from_file_location("gaac.cuda._baseline", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

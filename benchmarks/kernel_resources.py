@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from numba import cuda  # noqa: E402
 
+from benchmarks.attention_variants import VARIANTS  # noqa: E402
 from gaac import layout as L  # noqa: E402
 from gaac.cuda import attention as K  # noqa: E402
 from gaac.cuda import codec as C  # noqa: E402
@@ -84,8 +85,8 @@ def attention_kernel(options: dict):
     plain = options.pop("plain", False)
     geo = L.TileGeometry(L.tile_channels(HEAD_DIM))
     stage = 0 if plain else -(-geo.slot_bytes(64) // 16) * 16
-    kernel = K.attention_kernel(HEAD_DIM, plain, options.pop("variant", K.FULL), options.pop("nstage", 3), stage,
-                                **options)
+    hooks = VARIANTS[options.pop("variant", "full")]
+    kernel = K.attention_kernel(HEAD_DIM, plain, options.pop("nstage", 3), stage, hooks=hooks, **options)
     return kernel.py_func, K.kernel_signature()
 
 

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from numba import cuda, uint32  # noqa: E402
 
 from benchmarks.report import commit, table, write  # noqa: E402
-from gaac.cuda.attention import lds2, lds4, smem_base  # noqa: E402
+from gaac.cuda.primitives import lds2, lds4, smem_base  # noqa: E402
 
 SMEM_WORDS = 2048                       # 8 KB of shared memory a block
 UNROLL = 8

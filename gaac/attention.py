@@ -17,9 +17,10 @@ Two paths, one contract:
   its launches in a CUDA graph.
 * CPU: the reference decoder rebuilds the cache and attention runs in float32.
 
-:func:`reference_attention` is the float64 oracle both are tested against;
-:func:`view_from_dense` and :func:`plain_view` build LayerViews from dense
-caches for tests and benchmarks (the serving path is ``gaac.PagedKVCache``).
+:func:`reference_attention` is the float64 oracle both are tested against, and
+:func:`gather_dense` rebuilds a view's dense caches (the CPU path's input);
+:mod:`gaac.testing` builds LayerViews from dense caches for tests and benchmarks
+(the serving path is ``gaac.PagedKVCache``).
 """
 from __future__ import annotations
 
@@ -33,8 +34,8 @@ import numpy as np
 from . import layout as L
 from .cachelayout import LayerView
 from .errors import FormatError, InputError
-from .reference.codec import decode_entries, encode_tiles
-from .tiles import block_tiles, tile_bases, untile
+from .reference.codec import decode_entries
+from .tiles import tile_bases, untile
 
 MAX_GROUP = 8            # query heads per KV head: the MMA's N dimension
 
@@ -143,89 +144,6 @@ class DenseLayer:
     v: list
 
 
-def _full_block_tiles(xs, nfull) -> np.ndarray:
-    """Tiles ``[n, 16, C]`` (uint16) of every complete block of every sequence, in table order."""
-    kv_heads, _, d = np.asarray(xs[0]).shape
-    blocks = [np.asarray(x).view(np.uint16)[:, :n * L.BLOCK_TOKENS].reshape(kv_heads, n, L.BLOCK_TOKENS, d)
-              .transpose(1, 0, 2, 3) for x, n in zip(xs, nfull)]
-    return block_tiles(np.concatenate(blocks, axis=0))
-
-
-def _table(entry: np.ndarray, nfull: np.ndarray, max_blocks: int, per_block: int) -> np.ndarray:
-    """Block table ``[B, max_blocks, per_block]`` int32 from the entries of all tiles in table order."""
-    table = np.zeros((len(nfull), max_blocks, per_block), np.uint32)
-    start = 0
-    for b, n in enumerate(nfull):
-        table[b, :n] = entry[start:start + n * per_block].reshape(n, per_block)
-        start += n * per_block
-    return table.view(np.int32)
-
-
-def _tail(xs, lens, fill: int) -> np.ndarray:
-    """The unfinished block of each sequence ``[B, Hkv, 16, D]`` int16; unused rows hold ``fill``."""
-    kv_heads, _, d = np.asarray(xs[0]).shape
-    tail = np.full((len(xs), kv_heads, L.BLOCK_TOKENS, d), fill, np.uint16)
-    for b, x in enumerate(xs):
-        start = lens[b] // L.BLOCK_TOKENS * L.BLOCK_TOKENS
-        tail[b, :, :lens[b] - start] = np.asarray(x).view(np.uint16)[:, start:]
-    return tail.view(np.int16)
-
-
-def _shape_of(k, max_blocks):
-    kv_heads, _, d = np.asarray(k[0]).shape
-    lens = np.array([np.asarray(x).shape[1] for x in k], dtype=np.int32)
-    nfull = lens // L.BLOCK_TOKENS
-    mb = max(int(nfull.max()), 1) if max_blocks is None else max_blocks
-    if mb < nfull.max():
-        raise InputError(f"max_blocks {mb} < {nfull.max()} complete blocks")
-    return kv_heads, d, lens, nfull, mb
-
-
-def view_from_dense(k, v, b3, b4, capacity, *, max_blocks: int | None = None, rng=None,
-                    tail_fill: int = 0x7FC1, epochs=None) -> LayerView:
-    """Encode dense caches into a compressed :class:`LayerView` (NumPy arrays).
-
-    ``k[b]``, ``v[b]``: BF16 bits ``[Hkv, L_b, D]`` of sequence ``b``; ``b3``/``b4``: ``(K, V)``
-    pairs of ``[Hkv, D]`` bases; ``capacity``: ``(K, V)`` escape capacities.  Complete blocks are
-    encoded with the reference codec (overflowing tiles go to the raw pool); the rest is the
-    tail, whose unused rows hold ``tail_fill`` (a NaN by default: attention must ignore them).
-    With ``rng``, physical slot and raw indices are shuffled so that the table's indirection is
-    exercised.
-
-    ``epochs``: calibration epochs (FORMAT.md 3.5), a ``(K, V)`` pair of int ``[B, max_blocks]`` arrays
-    giving each complete block's epoch; ``b3``/``b4`` are then ``[E, Hkv, D]`` per kind (row ``e`` =
-    epoch ``e``'s bases) and the view carries ``epoch`` as int16.
-    """
-    kv_heads, d, lens, nfull, mb = _shape_of(k, max_blocks)
-    geo = L.geometry(d)
-    per = kv_heads * L.tiles_per_head(d)
-    slots, raws, tables = [], [], []
-    for kind, xs in enumerate((k, v)):
-        tiles = _full_block_tiles(xs, nfull)
-        n = tiles.shape[0]
-        tb3, tb4 = _block_tile_bases(np.asarray(b3[kind]), np.asarray(b4[kind]),
-                                     None if epochs is None else np.asarray(epochs[kind]), nfull)
-        enc = encode_tiles(tiles, tb3, tb4, int(capacity[kind]))
-        fit, over = np.flatnonzero(enc.fits), np.flatnonzero(~enc.fits)
-        slot_at = rng.permutation(len(fit)) if rng is not None else np.arange(len(fit))
-        raw_at = rng.permutation(len(over)) if rng is not None else np.arange(len(over))
-        slot_pool = np.zeros((max(len(fit), 1), geo.slot_bytes(int(capacity[kind]))), np.uint8)
-        raw_pool = np.zeros((max(len(over), 1), L.BLOCK_TOKENS, geo.channels), np.int16)
-        slot_pool[slot_at] = enc.slots[fit]
-        raw_pool[raw_at] = tiles[over].view(np.int16)
-        entry = np.zeros(n, np.uint32)
-        entry[fit] = slot_at
-        entry[over] = raw_at | L.TABLE_RAW_FLAG
-        slots.append(slot_pool)
-        raws.append(raw_pool)
-        tables.append(_table(entry, nfull, mb, per))
-    return LayerView(slots=tuple(slots), raw=tuple(raws), table=tuple(tables),
-                     b3=tuple(np.asarray(x, np.uint8) for x in b3), b4=tuple(np.asarray(x, np.uint8) for x in b4),
-                     capacity=(int(capacity[0]), int(capacity[1])), tail_k=_tail(k, lens, tail_fill),
-                     tail_v=_tail(v, lens, tail_fill), seq_lens=lens, kv_heads=kv_heads, head_dim=d,
-                     epoch=None if epochs is None else tuple(np.ascontiguousarray(e, np.int16) for e in epochs))
-
-
 def _block_tile_bases(b3, b4, epochs, nfull):
     """Per-tile bases ``[n, C]`` of the complete blocks in table order: each block's epoch's bases
     (``b3``/``b4`` ``[E, Hkv, D]`` with ``epochs`` ``[B, max_blocks]``), or the one table ``[Hkv, D]``."""
@@ -241,28 +159,6 @@ def _block_tile_bases(b3, b4, epochs, nfull):
         raise InputError(f"a block's epoch is outside the {len(b3)} epochs whose bases are given")
     c = per_epoch[0][0].shape[-1]
     return tuple(np.stack([p[i] for p in per_epoch])[order].reshape(-1, c) for i in range(2))
-
-
-def plain_view(k, v, *, max_blocks: int | None = None, tail_fill: int = 0x7FC1) -> LayerView:
-    """The same caches as a plain BF16 paged cache: every complete block's tiles in the raw pool.
-
-    The ablation baseline: ``decode_attention(..., plain=True)`` runs the same kernel structure
-    with the decode step compiled out.  Slot pools are empty (one zero slot of capacity 0).
-    """
-    kv_heads, d, lens, nfull, mb = _shape_of(k, max_blocks)
-    geo = L.geometry(d)
-    per = kv_heads * L.tiles_per_head(d)
-    raws, tables = [], []
-    for xs in (k, v):
-        tiles = _full_block_tiles(xs, nfull)
-        raws.append(np.ascontiguousarray(tiles.view(np.int16)) if len(tiles) else
-                    np.zeros((1, L.BLOCK_TOKENS, geo.channels), np.int16))
-        tables.append(_table(np.arange(len(tiles), dtype=np.uint32) | np.uint32(L.TABLE_RAW_FLAG), nfull, mb, per))
-    zeros = np.zeros((kv_heads, d), np.uint8)
-    empty = np.zeros((1, geo.slot_bytes(0)), np.uint8)
-    return LayerView(slots=(empty, empty), raw=tuple(raws), table=tuple(tables), b3=(zeros, zeros),
-                     b4=(zeros, zeros), capacity=(0, 0), tail_k=_tail(k, lens, tail_fill),
-                     tail_v=_tail(v, lens, tail_fill), seq_lens=lens, kv_heads=kv_heads, head_dim=d)
 
 
 def gather_dense(view: LayerView) -> DenseLayer:
@@ -320,21 +216,6 @@ def _host_view(view: LayerView) -> LayerView:
                      tail_v=h(view.tail_v), seq_lens=h(view.seq_lens), kv_heads=view.kv_heads,
                      head_dim=view.head_dim,
                      epoch=None if view.epoch is None else tuple(None if e is None else h(e) for e in view.epoch))
-
-
-def view_to(view: LayerView, device) -> LayerView:
-    """The view with every array as a torch tensor on ``device`` (e.g. ``"cuda"``)."""
-    import torch
-
-    def t(x):
-        x = x if _is_torch(x) else torch.from_numpy(np.ascontiguousarray(x))
-        return x.to(device).contiguous()
-    return LayerView(slots=tuple(t(x) for x in view.slots), raw=tuple(t(x) for x in view.raw),
-                     table=tuple(t(x) for x in view.table), b3=tuple(t(x) for x in view.b3),
-                     b4=tuple(t(x) for x in view.b4), capacity=view.capacity, tail_k=t(view.tail_k),
-                     tail_v=t(view.tail_v), seq_lens=t(view.seq_lens), kv_heads=view.kv_heads,
-                     head_dim=view.head_dim,
-                     epoch=None if view.epoch is None else tuple(None if e is None else t(e) for e in view.epoch))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -427,18 +308,20 @@ def status_error(status: int, *, layer: int | None = None, seqs=None) -> FormatE
     the sequences ``seqs`` (an id or a list of them) of the launch where given.
 
     The kernel ORs one bit into the word per kind of fault it finds (the bits of
-    :mod:`gaac.cuda.attention`) and carries on with a safe stand-in, so that output is unspecified."""
-    from .cuda import attention as K
+    :mod:`gaac.cuda.tile_decoder` and :mod:`gaac.cuda.attention`) and carries on with a safe stand-in, so that
+    output is unspecified."""
+    from .cuda.attention import STATUS_BAD_ENTRY, STATUS_BAD_EPOCH
+    from .cuda.tile_decoder import STATUS_BAD_ESCAPES, STATUS_BAD_TAG
 
     status = int(status)
     if not status:
         return None
-    why = [text for bit, text in ((K.STATUS_BAD_TAG, "a slot's group has the reserved mode tag 3"),
-                                  (K.STATUS_BAD_ESCAPES, "a slot's tags need more escape bytes than its capacity"),
-                                  (K.STATUS_BAD_EPOCH, "a block's epoch has no bases in the view"),
-                                  (K.STATUS_BAD_ENTRY, "a block-table entry points past its slot or raw-tile pool "
-                                                       "(that record was not read)")) if status & bit]
-    known = K.STATUS_BAD_TAG | K.STATUS_BAD_ESCAPES | K.STATUS_BAD_EPOCH | K.STATUS_BAD_ENTRY
+    why = [text for bit, text in ((STATUS_BAD_TAG, "a slot's group has the reserved mode tag 3"),
+                                  (STATUS_BAD_ESCAPES, "a slot's tags need more escape bytes than its capacity"),
+                                  (STATUS_BAD_EPOCH, "a block's epoch has no bases in the view"),
+                                  (STATUS_BAD_ENTRY, "a block-table entry points past its slot or raw-tile pool "
+                                                     "(that record was not read)")) if status & bit]
+    known = STATUS_BAD_TAG | STATUS_BAD_ESCAPES | STATUS_BAD_EPOCH | STATUS_BAD_ENTRY
     if status & ~known:
         why.append(f"unknown status bits {status & ~known:#x}")
     where = [] if layer is None else [f"layer {layer}"]
@@ -488,12 +371,12 @@ DEFAULT_MAX_REGISTERS = 168
 WHOLE_WAVES_BELOW = 0.5
 
 
-def kernel_options(head_dim: int, plain: bool, variant: str, overlap: bool | None, max_registers: int | None):
+def kernel_options(head_dim: int, plain: bool, overlap: bool | None, max_registers: int | None):
     """``(overlap, max_registers)`` with :class:`AttentionPlan`'s defaults resolved: ``overlap=None`` is on
-    for the compressed full kernel with head_dim <= 128, ``max_registers=-1`` is
+    for the compressed kernel with head_dim <= 128, ``max_registers=-1`` is
     :data:`DEFAULT_MAX_REGISTERS` for head_dim <= 128 and no cap above."""
     if overlap is None:
-        overlap = not plain and head_dim <= 128 and variant in ("full", "timeline")
+        overlap = not plain and head_dim <= 128
     if max_registers == -1:
         max_registers = DEFAULT_MAX_REGISTERS if head_dim <= 128 else None
     return overlap, max_registers
@@ -575,7 +458,7 @@ class AttentionPlan:
     blocks per split so that one wave of one-warp thread blocks fills the GPU, and allocates the
     split partials.  :meth:`run` launches the attention kernel and the merge kernel; nothing in it
     synchronises with the host.  ``plain=True`` is the BF16 baseline (every tile raw, the same
-    defaults); ``variant`` selects the timing variants of :mod:`gaac.cuda.attention`.  Defaults:
+    defaults).  Defaults:
     ``nstage=2`` (``nstage`` K+V staging areas in a ring; ``1``: one area per kind, refilled as soon as
     it is read, for 16 warps per SM with ``max_registers=128``: measured slower, see
     benchmarks/DESIGN-attention.md), ``overlap`` and ``max_registers`` as :func:`kernel_options` resolves them.  The
@@ -589,13 +472,16 @@ class AttentionPlan:
     (benchmarks/DESIGN-attention.md has the comparison).  ``pdl`` launches the
     merge kernel as a programmatic dependent of the split kernel, so that its launch and first loads
     overlap the split kernel's last blocks (the merge waits for that grid before reading the partials).
+    ``build_kernel`` builds the split kernel in place of :func:`gaac.cuda.attention.attention_kernel`, with
+    its arguments (benchmarks/attention_variants.py: the variants that time the kernel's stages).
     """
 
     def __init__(self, view: LayerView, q_heads: int, *, scale: float | None = None, plain: bool = False,
-                 variant: str = "full", nstage: int = 2, blocks_per_split: int | None = None,
-                 overlap: bool | None = None, max_registers: int | None = -1, blocks_per_sm: int | None = None,
-                 whole_waves: bool | None = None, pdl: bool = True):
+                 nstage: int = 2, blocks_per_split: int | None = None, overlap: bool | None = None,
+                 max_registers: int | None = -1, blocks_per_sm: int | None = None, whole_waves: bool | None = None,
+                 pdl: bool = True, build_kernel=None):
         from .cuda import attention as K
+        from .cuda import merge
 
         self._K = K
         device = None if K.SIMULATOR else "cuda"
@@ -606,7 +492,7 @@ class AttentionPlan:
             raise InputError(f"{q_heads} query heads for {hk} KV heads; need 1..{MAX_GROUP} per KV head")
         self.q_heads, self.g = q_heads, q_heads // hk
         self.scale = check_scale(scale, d)
-        overlap, max_registers = kernel_options(d, plain, variant, overlap, max_registers)
+        overlap, max_registers = kernel_options(d, plain, overlap, max_registers)
         self.plain = plain
         lens = check_seq_lens(view)
         mb = view.table[0].shape[1]
@@ -618,7 +504,8 @@ class AttentionPlan:
         stage = K.tile_bytes(c) if plain else -(-max(self._sizes) // 16) * 16
         # Runs of blocks with one K epoch and one V epoch (no split crosses a run's end), per sequence.
         runs = _epoch_runs(view, lens // L.BLOCK_TOKENS, nblk)
-        self._kernel = K.attention_kernel(d, plain, variant, nstage, 0 if plain else stage, overlap, max_registers)
+        self._kernel = (build_kernel or K.attention_kernel)(d, plain, nstage, 0 if plain else stage, overlap,
+                                                            max_registers)
         self.resources = None               # what the driver says of the kernel's occupancy (GPU, planned splits)
         if blocks_per_split is None:
             target, self.resources = wave_target(self._kernel, view.slots[0], blocks_per_sm)
@@ -627,8 +514,8 @@ class AttentionPlan:
         split = split_work(runs, self.batch, hk, target, blocks_per_split, whole_waves)
         self.blocks_per_split, self.n_work = split.blocks_per_split, split.n_work
         work, split0, splits = split.work, split.split0, split.splits
-        grid, threads, lanes = K.merge_launch(self.batch, q_heads, d, int(splits.max(initial=0)))
-        self._merge, self._merge_grid = K.merge_kernel(d, lanes), (grid, threads)
+        grid, threads, lanes = merge.merge_launch(self.batch, q_heads, d, int(splits.max(initial=0)))
+        self._merge, self._merge_grid = merge.merge_kernel(d, lanes), (grid, threads)
         bases = _epoch_bases(view)
         self.n_epochs = (n_epochs(view, 0), n_epochs(view, 1))
         if K.SIMULATOR:

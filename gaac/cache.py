@@ -774,7 +774,7 @@ class PagedKVCache:
 
     def _launch_append(self, layer, k, v, index, k_store, v_store) -> None:
         from .cuda.append import append_kernel
-        from .cuda.bitops import SIMULATOR
+        from .cuda.primitives import SIMULATOR
 
         kernel = append_kernel()
         grid = (k.shape[0], self.kv_heads)

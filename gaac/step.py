@@ -65,8 +65,8 @@ def layer_launch(cache, layer: int, g: int) -> _LayerLaunch:
     d, hk = cache.head_dim, cache.kv_heads
     geo = L.TileGeometry(L.tile_channels(d))
     sizes = (geo.slot_bytes(store_k.capacity), geo.slot_bytes(store_v.capacity))
-    overlap, max_registers = kernel_options(d, False, "full", None, -1)
-    kernel = K.attention_kernel(d, False, "full", 2, -(-max(sizes) // 16) * 16, overlap, max_registers)
+    overlap, max_registers = kernel_options(d, False, None, -1)
+    kernel = K.attention_kernel(d, False, 2, -(-max(sizes) // 16) * 16, overlap, max_registers)
     cal = cache._calibration
     words = []
     for kind, store in enumerate((store_k, store_v)):
@@ -141,7 +141,8 @@ class StepPlan:
     def _plan_kernel(self) -> None:
         import torch
 
-        from .cuda import attention as K
+        from .cuda import merge
+        from .cuda.primitives import SIMULATOR
 
         cache, hk, d = self.cache, self.cache.kv_heads, self.cache.head_dim
         nfull = self.lens // L.BLOCK_TOKENS
@@ -157,8 +158,8 @@ class StepPlan:
             target = cache._wave[id(state.kernel)] = wave_target(state.kernel, cache._seq_lens)[0]
         split = split_work(runs, self.batch, hk, target)
         self.blocks_per_split, self.n_work = split.blocks_per_split, split.n_work
-        grid, threads, lanes = K.merge_launch(self.batch, self.q_heads, d, int(split.splits.max(initial=0)))
-        self._merge, self._merge_grid = K.merge_kernel(d, lanes), (tuple(int(x) for x in grid), threads)
+        grid, threads, lanes = merge.merge_launch(self.batch, self.q_heads, d, int(split.splits.max(initial=0)))
+        self._merge, self._merge_grid = merge.merge_kernel(d, lanes), (tuple(int(x) for x in grid), threads)
         self._grid = (max(self.n_work, 1), hk)
         self._work = cache._to_device(split.work if self.n_work else np.zeros(3, np.int32))
         self._split0 = cache._to_device(split.split0)
@@ -168,7 +169,7 @@ class StepPlan:
         self.status = torch.zeros(cache.layers, dtype=torch.int32, device=dev)
         self._lse = torch.empty((self.batch, self.q_heads), dtype=torch.float32, device=dev)
         self._scale_log2 = np.float32(self.scale * LOG2_E)
-        if not K.SIMULATOR:
+        if not SIMULATOR:
             from .cuda.launch import FastLaunch, params
 
             self._step_params = [p for a in (self._work, self.o_part, self.lse_part) for p in params(a)]

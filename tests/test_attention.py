@@ -10,20 +10,26 @@ splits and with one; the output and LSE are fully written; the BF16 baseline
 kernel computes the same function; malformed slots raise the status word; the
 CPU path agrees; bad inputs raise InputError.  Inputs are drawn fresh each run.
 """
+import importlib.util
 import os
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import kv_dump
+from decode_check import decode_check_kernel
 
 import gaac
 from gaac import layout as L
 from gaac.attention import (AttentionPlan, _pair_base_words, bf16_to_float, decode_attention, float_to_bf16,
-                            gather_dense, plain_view, reference_attention, view_from_dense)
+                            gather_dense, reference_attention)
 from gaac.cuda import attention as K
+from gaac.cuda import merge
+from gaac.cuda.tile_decoder import STATUS_BAD_ESCAPES, STATUS_BAD_TAG
 from gaac.errors import FormatError, InputError
 from gaac.reference.codec import encode_tiles
+from gaac.testing import plain_view, view_from_dense
 
 NAN_BITS = 0x7FC1
 
@@ -180,7 +186,7 @@ def test_decoder_is_bit_exact(rng, channels):
     slot_bytes = L.TileGeometry(channels).slot_bytes(capacity)
     tiles = np.zeros(n * 16 * channels // 2, np.int32)
     status = np.zeros(1, np.int32)
-    K.decode_check_kernel(channels, slot_bytes)[n, K.WARP](
+    decode_check_kernel(channels, slot_bytes)[n, K.WARP](
         enc.slots.reshape(-1), _pair_base_words(b3[None], b4[None])[0].reshape(-1), capacity, tiles, status)
     np.testing.assert_array_equal(tiles.view(np.uint16).reshape(n, 16, channels), bits)
     assert status[0] == 0
@@ -195,14 +201,14 @@ def test_decoder_flags_reserved_tag_and_overfull_escapes(rng):
     bits = ((e << 7) | rng.integers(0, 128, e.shape)).astype(np.uint16)
     enc = encode_tiles(bits, np.tile(b3, (2, 1)), np.tile(b4, (2, 1)), 16)
     geo = L.TileGeometry(channels)
-    kern = K.decode_check_kernel(channels, geo.slot_bytes(16))
+    kern = decode_check_kernel(channels, geo.slot_bytes(16))
     bases = _pair_base_words(b3[None], b4[None])[0].reshape(-1)
-    for tamper, flag in ((lambda s: s.__setitem__((0, geo.tag_offset), 0x03), K.STATUS_BAD_TAG),
-                         (lambda s: None, K.STATUS_BAD_ESCAPES)):
+    for tamper, flag in ((lambda s: s.__setitem__((0, geo.tag_offset), 0x03), STATUS_BAD_TAG),
+                         (lambda s: None, STATUS_BAD_ESCAPES)):
         slots = enc.slots.copy()
         tamper(slots)
         status = np.zeros(1, np.int32)
-        cap = 0 if flag == K.STATUS_BAD_ESCAPES else 16   # tile 1 needs one escape byte
+        cap = 0 if flag == STATUS_BAD_ESCAPES else 16   # tile 1 needs one escape byte
         kern[2, K.WARP](slots.reshape(-1), bases, cap, np.zeros(2 * 16 * channels // 2, np.int32), status)
         assert status[0] == flag
 
@@ -275,8 +281,8 @@ def test_merge_kernel_split_lanes(rng, lanes):
     lse_part = (rng.standard_normal((w, hq)) * 60).astype(np.float32)     # log2 domain
     out = np.full((len(counts), hq, d), NAN_BITS, np.int16)
     lse = np.full((len(counts), hq), np.nan, np.float32)
-    kernel = K.merge_kernel(d, lanes)
-    kernel[(len(counts), hq, d // K.MERGE_CHANNELS), K.MERGE_CHANNELS // 4 * lanes](
+    kernel = merge.merge_kernel(d, lanes)
+    kernel[(len(counts), hq, d // merge.MERGE_CHANNELS), merge.MERGE_CHANNELS // 4 * lanes](
         o_part.reshape(-1), lse_part.reshape(-1), split0, out.reshape(-1), lse.reshape(-1), kv_heads, g)
     for b, (s0, s1) in enumerate(zip(split0[:-1], split0[1:])):
         if s0 == s1:
@@ -468,16 +474,20 @@ def test_bad_block_epoch_is_refused_or_flagged(rng):
 
 
 def test_timeline_variant_is_the_full_kernel_plus_times(rng):
-    """The timeline variant (benchmarks/attention.py --timeline) computes the full kernel's partials and
-    writes each split's start and end clock (16-bit halves, end after start) and SM over the first 5
-    floats of its first head's partial output, and nothing else."""
+    """The timeline variant (benchmarks/attention_variants.py, for benchmarks/attention.py --timeline)
+    computes the full kernel's partials and writes each split's start and end clock (16-bit halves, end
+    after start) and SM over the first 5 floats of its first head's partial output, and nothing else."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "attention_variants.py"
+    spec = importlib.util.spec_from_file_location("benchmarks_attention_variants", path)
+    variants = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(variants)
     d, heads, g = 64, 2, 2
     ks = [synth_cache(rng, heads, 70, d)]
     vs = [synth_cache(rng, heads, 70, d)]
     view = calibrated_view(rng, ks, vs)
     q = float_to_bf16(rng.standard_normal((1, heads * g, d)).astype(np.float32))
     full = AttentionPlan(view, heads * g)
-    timed = AttentionPlan(view, heads * g, variant="timeline")
+    timed = AttentionPlan(view, heads * g, **variants.plan_options({"variant": "timeline"}))
     full._launch_attention(q)
     timed._launch_attention(q)
     assert timed.n_work == full.n_work > 1

@@ -18,12 +18,10 @@ from strategies import block_cases, forced_blocks, overflow_blocks
 from gaac import layout as L
 from gaac.calibration import calibrate
 from gaac.cuda import BAD_ESCAPES, BAD_TAG, NO_STORAGE, DecodePlan, EncodePlan, decode_tiles, encode_tiles, pack_bases
-from gaac.cuda import bitops
+from gaac.cuda import primitives
 from gaac.errors import InputError
-from gaac.reference.bits import bit_planes, pack_bits, split_bf16
 from gaac.reference.codec import encode_tiles as ref_encode_tiles
 from gaac.tiles import block_tiles, cache_blocks, tile_bases
-from numba import cuda
 
 POISON = 0xA5
 SIM = settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -221,47 +219,7 @@ def test_input_errors_name_the_problem():
             out["entries"], np.zeros((1, 64, 16), np.int16).transpose(0, 2, 1), np.zeros(1, np.int32))
 
 
-@cuda.jit
-def _bitops_kernel(words, out):
-    i = cuda.grid(1)
-    if i < words.shape[0]:
-        x = words[i]
-        sm, e = bitops.split_bf16x4(x)
-        out[i, 0] = bitops.join_bf16x4(sm, e)
-        out[i, 1] = bitops.narrow4(sm)
-        out[i, 2] = bitops.pack3x4(e)
-        out[i, 3] = bitops.unpack3x4(bitops.pack3x4(e))
-        out[i, 4] = bitops.gather4(e >> 3)
-        out[i, 5] = bitops.spread4(bitops.gather4(e >> 3))
-        out[i, 6] = bitops.widen4(bitops.narrow4(e))
-        out[i, 7] = bitops.spread_even(x & 0xFFFFFFFF)
-        out[i, 8] = bitops.window(x, words[(i + 1) % words.shape[0]], i % 64, 40)
-
-
-def test_bitops_against_numpy():
-    rng = np.random.default_rng(3)
-    n = 24
-    words = rng.integers(-(2**63), 2**63 - 1, size=n, dtype=np.int64)
-    out = np.zeros((n, 9), np.int64)
-    _bitops_kernel[1, n](words, out)
-    lanes = words.view(np.uint16).reshape(n, 4)
-    sm, e = split_bf16(lanes)
-    lane_words = lambda a: a.astype(np.uint16).view(np.int64).reshape(n)   # noqa: E731
-    np.testing.assert_array_equal(out[:, 0], words)
-    np.testing.assert_array_equal(out[:, 1], sm.view(np.uint32).reshape(n))
-    np.testing.assert_array_equal(out[:, 2], pack_bits(e & 7, 3).astype(np.int64) @ [1, 256])
-    np.testing.assert_array_equal(out[:, 3], lane_words(e & 7))
-    np.testing.assert_array_equal(out[:, 4], bit_planes(e, 3, 1)[:, 0])
-    np.testing.assert_array_equal(out[:, 5], lane_words((e >> 3) & 1))
-    np.testing.assert_array_equal(out[:, 6], lane_words(e))
-    low = words.view(np.uint32).reshape(n, 2)[:, 0].astype(np.int64)
-    np.testing.assert_array_equal(out[:, 7], [sum(((m >> b) & 1) << (2 * b) for b in range(32)) for m in low])
-    u = words.view(np.uint64)
-    big = [(int(u[(i + 1) % n]) << 64 | int(u[i])) >> (i % 64) & (2**40 - 1) for i in range(n)]
-    np.testing.assert_array_equal(out[:, 8], big)
-
-
-def test_32bit_bitops_against_numpy():
+def test_32bit_toolkit_against_numpy():
     """The 32-bit toolkit's simulator twins (the GPU versions are PTX/libdevice; --check covers those)."""
     rng = np.random.default_rng(4)
     x, y = rng.integers(0, 2**32, size=(2, 50), dtype=np.uint64)
@@ -269,8 +227,9 @@ def test_32bit_bitops_against_numpy():
     for a, b, s in zip(x, y, sel):
         both = np.array([a, b], "<u4").view(np.uint8)    # bytes 0..3 of a, then 4..7 of b
         want = int(both[s].view("<u4")[0])
-        assert bitops.prmt(a, b, int(s @ [1, 16, 256, 4096])) == want
-        assert bitops.mul32(a, b) == (int(a) * int(b)) % 2**32
-        assert bitops.popc32(a) == bin(int(a)).count("1")
+        assert primitives.prmt(a, b, int(s @ [1, 16, 256, 4096])) == want
+        assert primitives.prmt0(a, int(s @ [1, 16, 256, 4096])) == primitives.prmt(a, 0, int(s @ [1, 16, 256, 4096]))
+        assert primitives.mul32(a, b) == (int(a) * int(b)) % 2**32
+        assert primitives.popc32(a) == bin(int(a)).count("1")
         r = int(b) % 32
-        assert bitops.funnel_r(a, b, r) == ((int(b) << 32 | int(a)) >> r) % 2**32
+        assert primitives.funnel_r(a, b, r) == ((int(b) << 32 | int(a)) >> r) % 2**32

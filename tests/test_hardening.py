@@ -455,7 +455,8 @@ def test_cache_copies_get_a_lock_of_their_own(cache, sample):
 def _view_and_q(sample, lens=(40, 20), max_blocks=None, seed=0):
     """A compressed view of layer 0, KV head 0 of the sample, sequences of ``lens`` tokens, and a query of
     2 heads (one KV head keeps the simulated kernel quick)."""
-    from gaac.attention import float_to_bf16, view_from_dense
+    from gaac.attention import float_to_bf16
+    from gaac.testing import view_from_dense
 
     k, v, cal = sample
     ks = [np.ascontiguousarray(k[0, :1, :n]) for n in lens]
@@ -531,7 +532,8 @@ def test_kernel_reads_no_empty_pool(sample):
 
 
 def test_plain_kernel_flags_entries_past_its_raw_pool(sample):
-    from gaac.attention import AttentionPlan, plain_view
+    from gaac.attention import AttentionPlan
+    from gaac.testing import plain_view
 
     k, _, _ = sample
     ks = [np.ascontiguousarray(k[0, :1, :n]) for n in (40, 20)]
@@ -611,16 +613,17 @@ def test_attention_takes_numpy_and_integer_scales(sample):
 def test_status_error_names_every_bit_and_where():
     from gaac.attention import status_error
     from gaac.cuda import attention as K
+    from gaac.cuda import tile_decoder as D
 
     assert status_error(0) is None
-    bits = K.STATUS_BAD_TAG | K.STATUS_BAD_ESCAPES | K.STATUS_BAD_EPOCH | K.STATUS_BAD_ENTRY
-    assert len({K.STATUS_BAD_TAG, K.STATUS_BAD_ESCAPES, K.STATUS_BAD_EPOCH, K.STATUS_BAD_ENTRY}) == 4
+    bits = D.STATUS_BAD_TAG | D.STATUS_BAD_ESCAPES | K.STATUS_BAD_EPOCH | K.STATUS_BAD_ENTRY
+    assert len({D.STATUS_BAD_TAG, D.STATUS_BAD_ESCAPES, K.STATUS_BAD_EPOCH, K.STATUS_BAD_ENTRY}) == 4
     text = str(status_error(bits | 64, layer=7, seqs=[2, 5]))
     for needle in ("layer 7", "sequences [2, 5]", "reserved mode tag 3", "more escape bytes", "epoch",
                    "past its slot or raw-tile pool", "unknown status bits 0x40"):
         assert needle in text, text
     assert "sequence 4" in str(status_error(K.STATUS_BAD_ENTRY, seqs=4))
-    assert isinstance(status_error(K.STATUS_BAD_TAG), FormatError)
+    assert isinstance(status_error(D.STATUS_BAD_TAG), FormatError)
 
 
 @pytest.mark.parametrize("layer", [True, np.True_, 1.0, "1"])

@@ -1,8 +1,10 @@
 """GAAC on NVIDIA GPUs: numba.cuda kernels that read and write GAAC slots and raw tiles (FORMAT.md) on the device.
 
 ``gaac.cuda.codec`` encodes and decodes tiles (the paged cache's finalize step
-and the decompress-first path); ``gaac.cuda.bitops`` holds the device functions
-the kernels share, ``gaac.cuda.launch`` the host side of launching them cheaply.
+and the decompress-first path); ``gaac.cuda.attention`` is the fused decode
+attention kernel (its slot decoder ``gaac.cuda.tile_decoder``, its split merge
+``gaac.cuda.merge``); ``gaac.cuda.primitives`` holds the device primitives the
+kernels share, ``gaac.cuda.launch`` the host side of launching them cheaply.
 Importing this package imports numba; under ``NUMBA_ENABLE_CUDASIM=1`` the
 kernels run in numba's CUDA simulator on NumPy arrays and torch CPU tensors.
 """

@@ -41,7 +41,7 @@ warp per tile**, ``TILES_PER_BLOCK`` tiles per thread block.  Lane ``l`` owns th
 groups ``32j + l`` (``j < G/32``), so every chunk ``j`` of a warp reads or writes
 one contiguous run of the tile with 16-byte (BF16) or 8-byte (sign+mantissa)
 vector accesses, and a lane's 8 channels -- hence its bases -- are the same in
-every chunk.  The arithmetic is 32-bit (:mod:`gaac.cuda.bitops`, second half):
+every chunk.  The arithmetic is 32-bit (:mod:`gaac.cuda.primitives`, the 32-bit toolkit):
 exponents in 16-bit lanes for the window tests, byte lanes and ``PRMT`` for
 codes, sign+mantissa bytes and BF16 assembly, one multiply to gather or spread
 an escape byte's 8 bit-plane bits.  Escape offsets come from popcounts over the
@@ -70,8 +70,8 @@ from numba import cuda, int32, int64, uint8, uint32
 
 from .. import layout as L
 from ..errors import InputError
-from .bitops import SIMULATOR, WARP, device, funnel_r, ldg2, ldg4, mul32, popc32, prmt, stg2, stg4, syncwarp
 from .launch import WORD, TileLauncher, allocators, check_array, is_torch, params, plain, word_params, words
+from .primitives import SIMULATOR, WARP, device, funnel_r, ldg2, ldg4, mul32, popc32, prmt, stg2, stg4, syncwarp
 
 NO_STORAGE = -1                                  # entry of a tile whose free list ran dry
 BAD_TAG = 1                                      # decode status: a group has the reserved tag
@@ -203,7 +203,7 @@ def _escape_count(tags, wide, raw):
 
 
 # _tag_words and _free_list_position hold block barriers and atomics, and every thread of the block
-# calls them.  They are cuda.jit device functions in the simulator too (not bitops.device's plain
+# calls them.  They are cuda.jit device functions in the simulator too (not primitives.device's plain
 # functions): only a simulated cuda.jit function gets the launching kernel's cuda module when that
 # kernel lives in another module (gaac.fp8.cuda).  Once per thread, the simulator's lock costs little.
 

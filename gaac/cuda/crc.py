@@ -32,7 +32,7 @@ import zlib
 import numpy as np
 from numba import cuda
 
-from .bitops import SIMULATOR
+from .primitives import SIMULATOR
 
 POLY = 0xEDB88320                 # the CRC-32 polynomial, reflected (FORMAT.md 7.4)
 PIECE_BYTES = 16                  # bytes a thread folds per step

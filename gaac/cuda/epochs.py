@@ -26,7 +26,7 @@ from numba import cuda
 
 from .. import epochs as E
 from .. import layout as L
-from .bitops import SIMULATOR, WARP
+from .primitives import SIMULATOR, WARP
 
 BINS = 256                   # exponent values of a BF16 element
 CHANNELS_PER_BLOCK = 16      # channels of one head (a warp each) per thread block of the candidates kernel

@@ -20,7 +20,7 @@ import numpy as np
 from numba import cuda
 
 from ..errors import InputError
-from .bitops import SIMULATOR, WARP
+from .primitives import SIMULATOR, WARP
 
 WORD = 4                                         # bytes per kernel word (uint32)
 

@@ -53,11 +53,11 @@ import numpy as np
 from numba import cuda, int32, uint8, uint32
 
 from .. import layout as L
-from ..cuda.bitops import WARP, device, ldg2, mul32, stg2, syncwarp
 from ..cuda.codec import (BAD_ESCAPES, BAD_TAG, DECODE_SIG, ENCODE_SIG, NO_STORAGE, TILES_PER_BLOCK, DecodePlan,
                           EncodePlan, _copy_raw, _free_list_position, _group_escapes, _staged_offset, _stream_field,
                           _tag_words, _take_storage, _write_status, _write_stream, _write_tags_escapes)
 from ..cuda.launch import WORD, allocators, check_array, is_torch, words
+from ..cuda.primitives import WARP, device, ldg2, mul32, stg2, syncwarp
 from ..errors import InputError
 from ..layout import MODE_NARROW, MODE_RAW, MODE_WIDE, TILE_WIDTHS, ElementFormat, ModeSet, TileGeometry, fp8_format
 
