@@ -186,7 +186,7 @@ def test_real_kv_blocks():
     """Two blocks of a real layer converted to E5M2 and E4M3 with the calibration's scales; one row of
     bases per block (tile i uses row i % tiles per block), as the paged cache passes them."""
     from conftest import kv_dump
-    from gaac.fp8.calibration import calibrate_fp8
+    from gaac.fp8 import calibrate_fp8
     from gaac.fp8.convert import to_fp8
     from gaac.tiles import block_tiles, cache_blocks, tile_bases
 
