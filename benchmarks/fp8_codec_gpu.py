@@ -47,6 +47,7 @@ from benchmarks.report import commit  # noqa: E402
 from benchmarks.timing import copy_bandwidth, gpu_time_us, graph_time_us, sync  # noqa: E402
 from gaac import layout as L  # noqa: E402
 from gaac.calibration import best_capacity  # noqa: E402
+from gaac.cuda import codec  # noqa: E402
 from gaac.fp8 import cuda as fc  # noqa: E402
 from gaac.fp8 import calibrate_fp8  # noqa: E402
 from gaac.reference.codec import encode_tiles as ref_encode_tiles  # noqa: E402
@@ -136,10 +137,10 @@ class Pools:
         self.raw = z((n, L.BLOCK_TOKENS, channels), torch.uint8)
         self.heads = z((2,), torch.int32)
         free = torch.arange(n, dtype=torch.int32, device=dev)
-        bases = fc.pack_bases(bn, bw, ms)
-        self.enc = fc.FP8EncodePlan(ms, channels, capacity, bases, self.slots, free, self.raw, free.clone(),
-                                    self.heads)
-        self.dec = fc.FP8DecodePlan(ms, channels, capacity, bases, self.slots, self.raw)
+        bases = codec.pack_bases(bn, bw, ms)
+        self.enc = codec.EncodePlan(channels, capacity, bases, self.slots, free, self.raw, free.clone(), self.heads,
+                                    fmt=ms)
+        self.dec = codec.DecodePlan(channels, capacity, bases, self.slots, self.raw, fmt=ms)
         self.entries, self.used, self.status = z((n,), torch.int32), z((n,), torch.int32), z((n,), torch.int32)
         self.out = z((n, L.BLOCK_TOKENS, channels), torch.uint8)
 
