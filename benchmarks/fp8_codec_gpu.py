@@ -6,7 +6,7 @@
 ``--check``  for E4M3 and E5M2: every layer, K and V, of every real KV dump in ``--data`` (BF16 bits
              ``[layers, kv_heads, tokens, head_dim]``) converted to FP8 as gaac/fp8/convert.py does (round to
              nearest even, saturating, one power-of-two scale per layer and kind) with a calibration made
-             on the dump itself (gaac/fp8/calibration.py), plus four large synthetic mixes (KV-like, stress,
+             on the dump itself (gaac/calibration.py), plus four large synthetic mixes (KV-like, stress,
              all byte patterns, window edges): for EVERY tile the kernel's escape count, storage class and
              slot bytes (or raw copy) equal gaac/reference/codec.py's, run on the host CPU in parallel processes,
              and decode(encode(x)) == x on the device with status 0.
@@ -47,8 +47,9 @@ from benchmarks.report import commit  # noqa: E402
 from benchmarks.timing import copy_bandwidth, gpu_time_us, graph_time_us, sync  # noqa: E402
 from gaac import layout as L  # noqa: E402
 from gaac.calibration import best_capacity  # noqa: E402
+from gaac.cuda import codec  # noqa: E402
 from gaac.fp8 import cuda as fc  # noqa: E402
-from gaac.fp8.calibration import calibrate_fp8  # noqa: E402
+from gaac.fp8 import calibrate_fp8  # noqa: E402
 from gaac.reference.codec import encode_tiles as ref_encode_tiles  # noqa: E402
 from gaac.fp8.convert import cache_to_fp8  # noqa: E402
 from gaac.layout import FP8_MODE_SETS as MODE_SETS, MODE_NARROW, MODE_RAW, MODE_WIDE  # noqa: E402
@@ -136,10 +137,10 @@ class Pools:
         self.raw = z((n, L.BLOCK_TOKENS, channels), torch.uint8)
         self.heads = z((2,), torch.int32)
         free = torch.arange(n, dtype=torch.int32, device=dev)
-        bases = fc.pack_bases(bn, bw, ms)
-        self.enc = fc.FP8EncodePlan(ms, channels, capacity, bases, self.slots, free, self.raw, free.clone(),
-                                    self.heads)
-        self.dec = fc.FP8DecodePlan(ms, channels, capacity, bases, self.slots, self.raw)
+        bases = codec.pack_bases(bn, bw, ms)
+        self.enc = codec.EncodePlan(channels, capacity, bases, self.slots, free, self.raw, free.clone(), self.heads,
+                                    fmt=ms)
+        self.dec = codec.DecodePlan(channels, capacity, bases, self.slots, self.raw, fmt=ms)
         self.entries, self.used, self.status = z((n,), torch.int32), z((n,), torch.int32), z((n,), torch.int32)
         self.out = z((n, L.BLOCK_TOKENS, channels), torch.uint8)
 

@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from gaac.calibration import calibrate  # noqa: E402
 from gaac.calibration import fit_windows  # noqa: E402
-from gaac.fp8.calibration import calibrate_fp8  # noqa: E402
+from gaac.fp8 import calibrate_fp8  # noqa: E402
 from gaac.fp8.convert import cache_scales, cache_to_fp8  # noqa: E402
 from gaac.layout import E4M3, E5M2, MODE_SETS, ModeSet  # noqa: E402
 from gaac.fp8.stats import measure_fp8, measure_fp8_layer  # noqa: E402

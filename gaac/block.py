@@ -26,7 +26,7 @@ import numpy as np
 
 from . import layout as L
 from .arrays import as_bits
-from .calibration import CacheShape, Calibration
+from .calibration import Calibration
 from .errors import CalibrationError, FormatError, InputError
 from .reference.bits import element_dtype
 from .reference.codec import decode_entries, encode_tiles
@@ -51,7 +51,7 @@ def parse_layer(layer) -> int:
 
 def check_calibration(calibration) -> None:
     """A path or dict where a :class:`Calibration` belongs is refused by name, not by an AttributeError."""
-    if not isinstance(calibration, CacheShape):
+    if not isinstance(calibration, Calibration):
         raise CalibrationError(f"expected a gaac.Calibration, got {type(calibration).__name__} "
                                "(read a file with gaac.Calibration.load)")
 

@@ -482,6 +482,9 @@ class PagedKVCache:
         self._lock = threading.RLock()
         if not isinstance(calibration, Calibration):
             raise InputError(f"calibration: expected a gaac.Calibration, got {type(calibration).__name__}")
+        if calibration.format is not L.BF16:
+            raise InputError(f"calibration: the paged cache holds BF16; this calibration is for "
+                             f"{calibration.format.name}")
         for name, value in (("max_seqs", max_seqs), ("max_blocks", max_blocks)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InputError(f"{name} must be a positive integer, got {value!r}")

@@ -1,4 +1,4 @@
-"""Calibration: per-channel exponent windows and per-layer escape capacities.
+"""Calibration: per-channel exponent windows and per-layer escape capacities, for any element format.
 
 ``calibrate(k, v)`` looks at sample caches ``[layers, kv_heads, tokens, head_dim]``
 and, for each layer, K and V separately, each (head, channel):
@@ -10,11 +10,18 @@ and for each layer and kind the escape capacity of a slot that makes the
 resident cache smallest: a larger slot wastes its unused bytes on every tile,
 a smaller one sends more tiles to the raw BF16 pool (FORMAT.md section 6).
 
+The element format decides the widths: BF16's windows are 3 and 4 bits wide
+(``b3``/``b4``); an FP8 calibration (``calibrate(k, v, format="fp8_e4m3")``,
+FORMAT-FP8.md 5) fits the narrow and wide windows of its mode set
+(``b_narrow``/``b_wide``) to the cache converted with the scales it chooses
+and records them (``scale_log2``).  One :class:`Calibration` holds either; its
+format picks the file it is saved in and the canonical bytes of its id.
+
 Ties go to the smallest base and the smallest capacity, so calibration is a
 pure function of its input.  A calibration only changes sizes: any value,
 in a window or not, round-trips.
 
-A calibration may also carry **epochs** (FORMAT.md 3.5): further bases per
+A BF16 calibration may also carry **epochs** (FORMAT.md 3.5): further bases per
 (kind, layer) that a cache appended while its context grew past what the
 calibration saw (:mod:`gaac.epochs` says when).  ``b3``/``b4`` are epoch 0;
 ``epochs[(kind, layer)]`` lists epochs 1, 2, ...  A block records its epoch and
@@ -26,7 +33,7 @@ from __future__ import annotations
 
 import json
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -45,104 +52,29 @@ EPOCH_MAGIC = b"GAACEPCH"          # FORMAT.md 3.5: first bytes of an epoch's ca
 MAX_EPOCH = 0xFFFF                 # the block header's epoch is a u16
 
 
-class CacheShape:
-    """What every calibration (BF16 or FP8) is to the codec: its element format and mode set, its
-    bases per (layer, kind, epoch), its capacities, the checks it makes of the caches and blocks it
-    is used with, and its JSON file.
+@dataclass(frozen=True)
+class CalibrationFile:
+    """How the calibrations of one family of element formats are written: the file's ``"format"`` tag,
+    its version(s), the names of its per-kind base tables, and the magic of its canonical bytes.
 
-    Subclasses provide ``modes`` (the :class:`~gaac.layout.ModeSet` of their element format),
-    ``model``, ``capacity`` ``[2, layers]``, ``id``, ``base_table`` (any ``[2, layers, kv_heads,
-    head_dim]`` table of bases, from which the cache shape is read), :meth:`bases`, and ``to_dict`` /
-    ``from_dict``.  A calibration has epoch 0 only (its own bases) unless it says otherwise
-    (:class:`Calibration`'s epochs, FORMAT.md 3.5).
+    BF16 calibrations are FORMAT.md section 3's files (``b3``/``b4``, epochs from version 2); FP8 ones are
+    FORMAT-FP8.md section 5's (``scale_log2``, ``b_narrow``/``b_wide``, the element format named inside).
     """
 
-    modes: L.ModeSet
+    tag: str                  # the file's "format"
+    title: str                # how messages name a file of this family
+    versions: tuple           # the file "version"s this gaac reads, oldest first
+    bases: tuple              # file names of the narrow and the wide base tables
+    magic: bytes              # first bytes of the canonical bytes, before the version byte
+    scales: bool              # whether the calibration holds conversion scales (``scale_log2``)
 
-    @property
-    def element(self) -> int:
-        """The element-format byte of this calibration's block containers."""
-        return self.modes.fmt.element
 
-    @property
-    def geometry(self) -> L.TileGeometry:
-        """The geometry of this calibration's tiles."""
-        return self.modes.geometry(self.head_dim)
-
-    def n_epochs(self, layer: int, kind: int) -> int:
-        """Epochs of one layer and kind, epoch 0 (the calibration's own bases) included."""
-        return 1
-
-    def check_epoch(self, layer: int, kind: int, epoch: int) -> None:
-        self.check_layer(layer)
-        if not 0 <= epoch < self.n_epochs(layer, kind):
-            raise CalibrationError(f"unknown epoch {epoch}: the calibration has {self.n_epochs(layer, kind)} "
-                                   f"epoch(s) for layer {layer} {L.KIND_NAMES[kind]} (a cache that appended "
-                                   "epochs must save its calibration with them)")
-
-    def epoch_id(self, layer: int, kind: int, epoch: int) -> int:
-        """The id a block of ``epoch`` carries in its header: the calibration id for epoch 0."""
-        self.check_epoch(layer, kind, epoch)
-        return self.id
-
-    def check_header(self, d: dict) -> None:
-        """FORMAT.md 3.4: the file's ``layers``, ``kv_heads``, ``head_dim`` and ``id`` agree with its tables."""
-        dims = (d.get("layers"), d.get("kv_heads"), d.get("head_dim"))
-        if dims != (self.layers, self.kv_heads, self.head_dim):
-            raise CalibrationError(f"calibration header says {dims} but its tables are "
-                                   f"{(self.layers, self.kv_heads, self.head_dim)}")
-        if "id" in d and d["id"] != f"{self.id:08x}":
-            raise CalibrationError(f"calibration id {d['id']} does not match its tables ({self.id:08x}): "
-                                   "the file was edited or damaged")
-
-    def save(self, path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), separators=(",", ":")) + "\n")
-
-    @classmethod
-    def load(cls, path):
-        """The calibration in the JSON file ``path``: anything else is a :class:`CalibrationError`."""
-        data = Path(path).read_bytes()
-        try:
-            d = json.loads(data.decode("utf-8"))
-        except UnicodeDecodeError as exc:
-            raise CalibrationError(f"{path}: not a UTF-8 text file ({exc.reason} at byte {exc.start})") from None
-        except json.JSONDecodeError as exc:
-            raise CalibrationError(f"{path}: not JSON ({exc})") from exc
-        except RecursionError:
-            raise CalibrationError(f"{path}: JSON nested too deeply to be a calibration") from None
-        return cls.from_dict(d)
-
-    @property
-    def layers(self) -> int:
-        return self.base_table.shape[1]
-
-    @property
-    def kv_heads(self) -> int:
-        return self.base_table.shape[2]
-
-    @property
-    def head_dim(self) -> int:
-        return self.base_table.shape[3]
-
-    def check_shape(self, layers: int | None, kv_heads: int, head_dim: int) -> None:
-        """Raise :class:`CalibrationError` unless this calibration is for caches of that shape."""
-        if (kv_heads, head_dim) != (self.kv_heads, self.head_dim) or (layers is not None and layers != self.layers):
-            have = f"{self.layers} layers x {self.kv_heads} KV heads x head_dim {self.head_dim}"
-            want = f"{'?' if layers is None else layers} layers x {kv_heads} KV heads x head_dim {head_dim}"
-            raise CalibrationError(f"{type(self).__name__}: calibration is for {have} (model {self.model!r}); "
-                                   f"the cache has {want}")
-
-    def check_layer(self, layer: int) -> None:
-        if not 0 <= layer < self.layers:
-            raise CalibrationError(f"layer {layer} out of range: calibration has {self.layers} layers")
-
-    def check_block(self, kind: int, layer: int, heads: int, dim: int, capacity: int) -> None:
-        """FORMAT.md 8, R15-R17: a block container's shape, layer and escape capacity against this calibration."""
-        self.check_shape(None, heads, dim)
-        self.check_layer(layer)
-        if capacity != self.capacity[kind, layer]:
-            raise CalibrationError(f"stream escape capacity {capacity} differs from the calibration's "
-                                   f"{self.capacity[kind, layer]} for layer {layer} {L.KIND_NAMES[kind]}")
+BF16_FILE = CalibrationFile("gaac-calibration", "GAAC", (CALIBRATION_VERSION, EPOCHS_VERSION), ("b3", "b4"),
+                            b"GAACCAL", scales=False)
+FP8_FILE = CalibrationFile("gaac-fp8-calibration", "GAAC-FP8", (L.FP8_FORMAT_VERSION,), ("b_narrow", "b_wide"),
+                           b"GAACF8C", scales=True)
+CALIBRATION_FILES = {L.BF16.name: BF16_FILE, L.E4M3.name: FP8_FILE, L.E5M2.name: FP8_FILE}
+SCALE_LOG2_RANGE = (-127, 127)    # an FP8 scale exponent is stored as a signed byte
 
 
 def check_notes(notes) -> None:
@@ -168,25 +100,54 @@ def check_capacities(capacity: np.ndarray) -> None:
                                f"0..{L.MAX_ESCAPE_CAPACITY}, got {capacity.tolist()}")
 
 
-@dataclass
-class Calibration(CacheShape):
-    """Bases ``b3``/``b4`` of shape ``[2 (K, V), layers, kv_heads, head_dim]`` and capacities ``[2, layers]``."""
+class Calibration:
+    """Everything a cache of one model and element format needs besides its data.
 
-    b3: np.ndarray
-    b4: np.ndarray
-    capacity: np.ndarray
-    model: str | None = None
-    notes: dict = field(default_factory=dict)
-    epochs: dict = field(default_factory=dict)   # {(kind, layer): [(b3, b4) of epoch 1, of epoch 2, ...]}
+    ``b_narrow``/``b_wide`` ``[2 (K, V), layers, kv_heads, head_dim]``: the bases of the narrow and the
+    wide window of each channel (for BF16 the 3-bit and 4-bit windows: ``b3``/``b4``, the names the
+    constructor and the attributes also take); ``capacity`` ``[2, layers]``: the escape capacity of each
+    layer's slots.  ``format`` (an :class:`~gaac.layout.ElementFormat` or its name) says what the tables
+    mean -- its mode set gives the window widths and base ranges -- and which file and canonical bytes
+    the calibration has (:data:`CALIBRATION_FILES`).  An FP8 calibration adds ``scale_log2``
+    ``[2, layers, kv_heads]``: the cache holds ``x * 2**-scale_log2`` in FP8 (:mod:`gaac.fp8.convert`).
 
-    def __post_init__(self):
+    A BF16 calibration may also carry **epochs** (FORMAT.md 3.5): ``epochs[(kind, layer)]`` lists the
+    bases ``(b3, b4)`` of epochs 1, 2, ...; ``b3``/``b4`` are epoch 0.  An FP8 calibration has epoch 0 only.
+    """
+
+    def __init__(self, b_narrow=None, b_wide=None, capacity=None, model: str | None = None, notes=None,
+                 epochs=None, *, format=L.BF16, scale_log2=None, b3=None, b4=None):
+        try:
+            self.format = L.element_format(format)
+        except ValueError as exc:
+            raise CalibrationError(str(exc)) from None
+        names = self.file.bases
+        if b3 is not None or b4 is not None:
+            if b_narrow is not None or b_wide is not None:
+                raise CalibrationError("give the bases as b_narrow/b_wide or as b3/b4, not both")
+            b_narrow, b_wide = b3, b4
+        if b_narrow is None or b_wide is None or capacity is None:
+            raise CalibrationError(f"a calibration needs {names[0]}, {names[1]} and capacity")
+        self.model = model
+        self.notes = {} if notes is None else notes
         check_notes(self.notes)
-        tables = (self.b3, self.b4, self.capacity)
-        self.b3, self.b4, self.capacity = (_int_array(t, "calibration tables") for t in tables)
+        self.b_narrow, self.b_wide, self.capacity = (_int_array(t, "calibration tables")
+                                                     for t in (b_narrow, b_wide, capacity))
+        if self.file.scales:
+            if scale_log2 is None:
+                raise CalibrationError(f"a {self.format.name} calibration needs scale_log2 [2, layers, kv_heads]")
+            self.scale_log2 = _int_array(scale_log2, "calibration tables")
+        elif scale_log2 is not None:
+            raise CalibrationError(f"a {self.format.name} calibration has no scale_log2 (conversion scales belong "
+                                   "to FP8 formats)")
+        else:
+            self.scale_log2 = None
         self.validate()
-        self.b3 = self.b3.astype(np.uint8)
-        self.b4 = self.b4.astype(np.uint8)
-        given, self.epochs = self.epochs, {}
+        self.b_narrow = self.b_narrow.astype(np.uint8)
+        self.b_wide = self.b_wide.astype(np.uint8)
+        if self.scale_log2 is not None:
+            self.scale_log2 = self.scale_log2.astype(np.int8)
+        given, self.epochs = {} if epochs is None else epochs, {}
         if not isinstance(given, dict):
             raise CalibrationError(f"epochs must be a dict {{(kind, layer): [(b3, b4), ...]}}, got "
                                    f"{type(given).__name__}")
@@ -199,35 +160,106 @@ class Calibration(CacheShape):
                     raise CalibrationError(f"epochs of {key!r}: expected (b3, b4) pairs, got {type(pair).__name__}")
                 self.add_epoch(int(key[1]), int(key[0]), *pair)
 
+    def __repr__(self) -> str:
+        return (f"Calibration({self.format.name}, {self.layers} layers x {self.kv_heads} KV heads x head_dim "
+                f"{self.head_dim}, id {self.id:08x}, model {self.model!r})")
+
     # -- shape ---------------------------------------------------------------
-    modes = L.BF16_MODES           # the element format and its code widths: BF16, 3/4/raw8
+    @property
+    def file(self) -> CalibrationFile:
+        """The file family of this calibration's element format."""
+        return CALIBRATION_FILES[self.format.name]
 
     @property
-    def base_table(self) -> np.ndarray:
-        return self.b3
+    def modes(self) -> L.ModeSet:
+        """The element format's mode set: the code widths the bases are for."""
+        return L.MODE_SETS[self.format.name]
+
+    @property
+    def element(self) -> int:
+        """The element-format byte of this calibration's block containers."""
+        return self.format.element
+
+    @property
+    def geometry(self) -> L.TileGeometry:
+        """The geometry of this calibration's tiles."""
+        return self.modes.geometry(self.head_dim)
+
+    @property
+    def b3(self) -> np.ndarray:
+        """BF16's name of :attr:`b_narrow`: the bases of the 3-bit window."""
+        return self.b_narrow
+
+    @property
+    def b4(self) -> np.ndarray:
+        """BF16's name of :attr:`b_wide`: the bases of the 4-bit window."""
+        return self.b_wide
+
+    @property
+    def layers(self) -> int:
+        return self.b_narrow.shape[1]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.b_narrow.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.b_narrow.shape[3]
 
     def validate(self) -> None:
-        """FORMAT.md 3.2: the rules a calibration must satisfy before any stream is read with it."""
-        if self.b3.ndim != 4 or self.b3.shape[0] != 2:
-            raise CalibrationError(f"b3 must be [2, layers, kv_heads, head_dim], got {list(self.b3.shape)}")
-        if min(self.b3.shape[1:3]) < 1:
+        """FORMAT.md 3.2 (FORMAT-FP8.md 5): the rules a calibration must satisfy before any stream is read
+        with it."""
+        bn, bw, cap, names = self.b_narrow, self.b_wide, self.capacity, self.file.bases
+        if bn.ndim != 4 or bn.shape[0] != 2:
+            raise CalibrationError(f"{names[0]} must be [2, layers, kv_heads, head_dim], got {list(bn.shape)}")
+        if min(bn.shape[1:3]) < 1:
             raise CalibrationError(f"a calibration needs at least one layer and one KV head, got "
-                                   f"{self.b3.shape[1]} layers x {self.b3.shape[2]} KV heads")
-        if self.b4.shape != self.b3.shape:
-            raise CalibrationError(f"b4 shape {list(self.b4.shape)} differs from b3 shape {list(self.b3.shape)}")
-        if self.capacity.shape != (2, self.b3.shape[1]):
-            raise CalibrationError(f"capacity must be [2, {self.b3.shape[1]}], got {list(self.capacity.shape)}")
-        if self.b3.shape[3] not in L.SUPPORTED_HEAD_DIMS:
-            raise CalibrationError(f"head_dim {self.b3.shape[3]} is not one of {L.SUPPORTED_HEAD_DIMS}")
-        _check_base_ranges(self.b3, self.b4, "")
-        check_capacities(self.capacity)
+                                   f"{bn.shape[1]} layers x {bn.shape[2]} KV heads")
+        if bw.shape != bn.shape:
+            raise CalibrationError(f"{names[1]} shape {list(bw.shape)} differs from {names[0]} shape "
+                                   f"{list(bn.shape)}")
+        if cap.shape != (2, bn.shape[1]):
+            raise CalibrationError(f"capacity must be [2, {bn.shape[1]}], got {list(cap.shape)}")
+        if self.scale_log2 is not None and self.scale_log2.shape != bn.shape[:3]:
+            raise CalibrationError(f"scale_log2 must be {list(bn.shape[:3])}, got {list(self.scale_log2.shape)}")
+        if bn.shape[3] not in L.SUPPORTED_HEAD_DIMS:
+            raise CalibrationError(f"head_dim {bn.shape[3]} is not one of {L.SUPPORTED_HEAD_DIMS}")
+        _check_base_ranges(bn, bw, self.modes, "")
+        sc = self.scale_log2
+        if sc is not None and sc.size and (sc.min() < SCALE_LOG2_RANGE[0] or sc.max() > SCALE_LOG2_RANGE[1]):
+            raise CalibrationError(f"scale exponents must lie in {SCALE_LOG2_RANGE[0]}..{SCALE_LOG2_RANGE[1]}")
+        check_capacities(cap)
+
+    def check_shape(self, layers: int | None, kv_heads: int, head_dim: int) -> None:
+        """Raise :class:`CalibrationError` unless this calibration is for caches of that shape."""
+        if (kv_heads, head_dim) != (self.kv_heads, self.head_dim) or (layers is not None and layers != self.layers):
+            have = f"{self.layers} layers x {self.kv_heads} KV heads x head_dim {self.head_dim}"
+            want = f"{'?' if layers is None else layers} layers x {kv_heads} KV heads x head_dim {head_dim}"
+            raise CalibrationError(f"Calibration: {self.format.name} calibration is for {have} (model "
+                                   f"{self.model!r}); the cache has {want}")
+
+    def check_layer(self, layer: int) -> None:
+        if not 0 <= layer < self.layers:
+            raise CalibrationError(f"layer {layer} out of range: calibration has {self.layers} layers")
+
+    def check_block(self, kind: int, layer: int, heads: int, dim: int, capacity: int) -> None:
+        """FORMAT.md 8, R15-R17: a block container's shape, layer and escape capacity against this calibration."""
+        self.check_shape(None, heads, dim)
+        self.check_layer(layer)
+        if capacity != self.capacity[kind, layer]:
+            raise CalibrationError(f"stream escape capacity {capacity} differs from the calibration's "
+                                   f"{self.capacity[kind, layer]} for layer {layer} {L.KIND_NAMES[kind]}")
 
     # -- identity ------------------------------------------------------------
     def canonical_bytes(self) -> bytes:
-        """FORMAT.md 3.3: the bytes whose CRC-32 is the calibration id (epoch 0 only)."""
-        head = b"GAACCAL" + bytes([CALIBRATION_VERSION])
+        """FORMAT.md 3.3 (FORMAT-FP8.md 5.2): the bytes whose CRC-32 is the calibration id (epoch 0 only)."""
         dims = np.array([self.layers, self.kv_heads, self.head_dim], dtype="<u4").tobytes()
-        return head + dims + self.b3.tobytes() + self.b4.tobytes() + self.capacity.astype("<u2").tobytes()
+        tail = self.b_narrow.tobytes() + self.b_wide.tobytes() + self.capacity.astype("<u2").tobytes()
+        if not self.file.scales:
+            return BF16_FILE.magic + bytes([CALIBRATION_VERSION]) + dims + tail
+        head = FP8_FILE.magic + bytes([L.FP8_FORMAT_VERSION, self.element])
+        return head + dims + self.scale_log2.astype(np.int8).tobytes() + tail
 
     @property
     def id(self) -> int:
@@ -235,8 +267,8 @@ class Calibration(CacheShape):
 
     @classmethod
     def from_canonical_bytes(cls, data: bytes, model: str | None = None) -> "Calibration":
-        """The calibration whose canonical bytes (FORMAT.md 3.3) are ``data`` (epoch 0: no epochs, no notes)."""
-        head = b"GAACCAL" + bytes([CALIBRATION_VERSION])
+        """The BF16 calibration whose canonical bytes (FORMAT.md 3.3) are ``data`` (epoch 0: no epochs, no notes)."""
+        head = BF16_FILE.magic + bytes([CALIBRATION_VERSION])
         if len(data) < CANONICAL_HEAD_BYTES or bytes(data[:8]) != head:
             raise CalibrationError(f"not the canonical bytes of a calibration (they start with {head!r})")
         layers, heads, dim = (int(x) for x in np.frombuffer(data, dtype="<u4", count=3, offset=8))
@@ -250,21 +282,29 @@ class Calibration(CacheShape):
         return cls(b3=b3, b4=b4, capacity=capacity, model=model)
 
     def bases(self, layer: int, kind: int, epoch: int = 0) -> tuple[np.ndarray, np.ndarray]:
-        """``(b3, b4)`` of one layer, kind and epoch, each ``[kv_heads, head_dim]``."""
+        """``(b_narrow, b_wide)`` of one layer, kind and epoch, each ``[kv_heads, head_dim]``."""
         self.check_epoch(layer, kind, epoch)
         if epoch == 0:
-            return self.b3[kind, layer], self.b4[kind, layer]
+            return self.b_narrow[kind, layer], self.b_wide[kind, layer]
         return self.epochs[(kind, layer)][epoch - 1]
 
     def copy(self) -> "Calibration":
         """An independent calibration with the same tables and epochs (appending to it leaves this one alone)."""
-        return Calibration(b3=self.b3, b4=self.b4, capacity=self.capacity, model=self.model, notes=dict(self.notes),
-                           epochs={key: list(tables) for key, tables in self.epochs.items()})
+        return Calibration(self.b_narrow, self.b_wide, self.capacity, model=self.model, notes=dict(self.notes),
+                           epochs={key: list(tables) for key, tables in self.epochs.items()},
+                           format=self.format, scale_log2=self.scale_log2)
 
     # -- epochs (FORMAT.md 3.5) ------------------------------------------------
     def n_epochs(self, layer: int, kind: int) -> int:
         """Epochs of one layer and kind, epoch 0 (the calibration's own bases) included."""
         return 1 + len(self.epochs.get((kind, layer), ()))
+
+    def check_epoch(self, layer: int, kind: int, epoch: int) -> None:
+        self.check_layer(layer)
+        if not 0 <= epoch < self.n_epochs(layer, kind):
+            raise CalibrationError(f"unknown epoch {epoch}: the calibration has {self.n_epochs(layer, kind)} "
+                                   f"epoch(s) for layer {layer} {L.KIND_NAMES[kind]} (a cache that appended "
+                                   "epochs must save its calibration with them)")
 
     def epoch_canonical_bytes(self, layer: int, kind: int, epoch: int) -> bytes:
         """FORMAT.md 3.5: the bytes whose CRC-32 is the id of epoch ``epoch >= 1``.
@@ -284,6 +324,8 @@ class Calibration(CacheShape):
 
     def add_epoch(self, layer: int, kind: int, b3, b4) -> int:
         """Append bases ``[kv_heads, head_dim]`` as the newest epoch of one layer and kind; return its index."""
+        if not self.format.epochs:
+            raise CalibrationError(f"a {self.format.name} calibration has epoch 0 only (its blocks name no epoch)")
         self.check_layer(layer)
         if kind not in L.KIND_NAMES:
             raise CalibrationError(f"kind must be 0 (K) or 1 (V), got {kind!r}")
@@ -296,21 +338,43 @@ class Calibration(CacheShape):
         if b3.shape != (self.kv_heads, self.head_dim) or b4.shape != b3.shape:
             raise CalibrationError(f"{where}: bases must be [{self.kv_heads}, {self.head_dim}], got "
                                    f"{list(b3.shape)} and {list(b4.shape)}")
-        _check_base_ranges(b3, b4, f"{where}: ")
+        _check_base_ranges(b3, b4, self.modes, f"{where}: ")
         self.epochs.setdefault((kind, layer), []).append((b3.astype(np.uint8), b4.astype(np.uint8)))
         return epoch
 
     # -- files ---------------------------------------------------------------
+    def save(self, path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), separators=(",", ":")) + "\n")
+
+    @classmethod
+    def load(cls, path, family: CalibrationFile | None = None) -> "Calibration":
+        """The calibration in the JSON file ``path`` (of ``family`` only, when given: :meth:`from_dict`);
+        anything else is a :class:`CalibrationError`."""
+        data = Path(path).read_bytes()
+        try:
+            d = json.loads(data.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise CalibrationError(f"{path}: not a UTF-8 text file ({exc.reason} at byte {exc.start})") from None
+        except json.JSONDecodeError as exc:
+            raise CalibrationError(f"{path}: not JSON ({exc})") from exc
+        except RecursionError:
+            raise CalibrationError(f"{path}: JSON nested too deeply to be a calibration") from None
+        return cls.from_dict(d, family)
+
     def to_dict(self) -> dict:
-        d = {
-            "format": CALIBRATION_FORMAT,
-            "version": EPOCHS_VERSION if self.epochs else CALIBRATION_VERSION,
-            "model": self.model,
-            "layers": self.layers, "kv_heads": self.kv_heads, "head_dim": self.head_dim,
-            "id": f"{self.id:08x}",
-            "k": {"b3": self.b3[0].tolist(), "b4": self.b4[0].tolist(), "capacity": self.capacity[0].tolist()},
-            "v": {"b3": self.b3[1].tolist(), "b4": self.b4[1].tolist(), "capacity": self.capacity[1].tolist()},
-        }
+        f = self.file
+        if f.scales:
+            def kind(i):
+                return {"scale_log2": self.scale_log2[i].tolist(), "b_narrow": self.b_narrow[i].tolist(),
+                        "b_wide": self.b_wide[i].tolist(), "capacity": self.capacity[i].tolist()}
+            head = {"format": f.tag, "version": f.versions[0], "element_format": self.format.name}
+        else:
+            def kind(i):
+                return {"b3": self.b_narrow[i].tolist(), "b4": self.b_wide[i].tolist(),
+                        "capacity": self.capacity[i].tolist()}
+            head = {"format": f.tag, "version": EPOCHS_VERSION if self.epochs else CALIBRATION_VERSION}
+        d = {**head, "model": self.model, "layers": self.layers, "kv_heads": self.kv_heads,
+             "head_dim": self.head_dim, "id": f"{self.id:08x}", "k": kind(0), "v": kind(1)}
         if self.epochs:
             d["epochs"] = {name: [[{"b3": b3.tolist(), "b4": b4.tolist(),
                                     "id": f"{self.epoch_id(layer, kind, e):08x}"}
@@ -321,34 +385,60 @@ class Calibration(CacheShape):
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Calibration":
-        if not isinstance(d, dict) or d.get("format") != CALIBRATION_FORMAT:
-            raise CalibrationError(f"not a GAAC calibration (expected \"format\": \"{CALIBRATION_FORMAT}\")")
-        if d.get("version") not in (CALIBRATION_VERSION, EPOCHS_VERSION) or type(d.get("version")) is not int:
-            raise CalibrationError(f"calibration version {d.get('version')} is not supported "
-                                   f"(this gaac reads versions {CALIBRATION_VERSION} and {EPOCHS_VERSION})")
-        if "epochs" in d and d["version"] != EPOCHS_VERSION:
+    def from_dict(cls, d: dict, family: CalibrationFile | None = None) -> "Calibration":
+        """The calibration of a file's JSON object ``d``; its ``"format"`` says which family of files it is.
+        ``family`` (:data:`BF16_FILE` or :data:`FP8_FILE`) accepts only files of that family."""
+        families = (family,) if family is not None else (BF16_FILE, FP8_FILE)
+        f = next((f for f in families if isinstance(d, dict) and d.get("format") == f.tag), None)
+        if f is None:
+            want = " or ".join(f'"{f.tag}"' for f in families)
+            raise CalibrationError(f"not a {families[0].title if family else 'GAAC'} calibration "
+                                   f"(expected \"format\": {want})")
+        if d.get("version") not in f.versions or type(d.get("version")) is not int:
+            raise CalibrationError(f"{'FP8 ' if f.scales else ''}calibration version {d.get('version')} is not "
+                                   f"supported (this gaac reads version{'s' if len(f.versions) > 1 else ''} "
+                                   f"{' and '.join(map(str, f.versions))})")
+        if "epochs" in d and not f.scales and d["version"] != EPOCHS_VERSION:
             raise CalibrationError(f"a calibration with an \"epochs\" section is version {EPOCHS_VERSION}, "
                                    f"this file says {d['version']}")
+        names = (("scale_log2",) if f.scales else ()) + f.bases + ("capacity",)
+        what = "malformed FP8 calibration" if f.scales else "malformed calibration"
         for kind in ("k", "v"):
-            for name in ("b3", "b4", "capacity"):
-                table = d.get(kind, {}).get(name) if isinstance(d.get(kind), dict) else None
+            for name in names:
+                table = d[kind].get(name) if isinstance(d.get(kind), dict) else None
                 if table is None:
-                    raise CalibrationError(f"malformed calibration: missing {kind}.{name}")
+                    raise CalibrationError(f"{what}: missing {kind}.{name}")
                 if not _all_ints(table):
-                    raise CalibrationError(f"malformed calibration: {kind}.{name} holds a value that is not "
-                                           "an integer (bases and capacities are whole numbers)")
+                    raise CalibrationError(f"{what}: {kind}.{name} holds a value that is not an integer "
+                                           "(scales, bases and capacities are whole numbers)")
         try:
-            cal = cls(b3=[d["k"]["b3"], d["v"]["b3"]], b4=[d["k"]["b4"], d["v"]["b4"]],
-                      capacity=[d["k"]["capacity"], d["v"]["capacity"]], model=d.get("model"),
-                      notes=file_notes(d))
+            fmt = L.BF16
+            if f.scales:
+                try:
+                    fmt = L.fp8_format(d["element_format"])
+                except ValueError as exc:
+                    raise CalibrationError(str(exc)) from None
+            cal = cls(*([d["k"][name], d["v"][name]] for name in f.bases + ("capacity",)), model=d.get("model"),
+                      notes=file_notes(d), format=fmt,
+                      scale_log2=[d["k"]["scale_log2"], d["v"]["scale_log2"]] if f.scales else None)
+        except CalibrationError:
+            raise
         except (KeyError, TypeError, ValueError) as exc:
-            if isinstance(exc, CalibrationError):
-                raise
-            raise CalibrationError(f"malformed calibration: {exc!r}") from exc
+            raise CalibrationError(f"{what}: {exc!r}") from exc
         cal.check_header(d)
-        cal._read_epochs(d.get("epochs", {}))
+        if not f.scales:                 # FORMAT-FP8.md 5: an FP8 file has no epochs to read
+            cal._read_epochs(d.get("epochs", {}))
         return cal
+
+    def check_header(self, d: dict) -> None:
+        """FORMAT.md 3.4: the file's ``layers``, ``kv_heads``, ``head_dim`` and ``id`` agree with its tables."""
+        dims = (d.get("layers"), d.get("kv_heads"), d.get("head_dim"))
+        if dims != (self.layers, self.kv_heads, self.head_dim):
+            raise CalibrationError(f"calibration header says {dims} but its tables are "
+                                   f"{(self.layers, self.kv_heads, self.head_dim)}")
+        if "id" in d and d["id"] != f"{self.id:08x}":
+            raise CalibrationError(f"calibration id {d['id']} does not match its tables ({self.id:08x}): "
+                                   "the file was edited or damaged")
 
     def _read_epochs(self, section) -> None:
         """FORMAT.md 3.5: ``{"k": [per layer: [{"b3", "b4", "id"?}, ...]], "v": [...]}`` appended in order."""
@@ -377,7 +467,7 @@ CANONICAL_HEAD_BYTES = 20        # FORMAT.md 3.3: "GAACCAL", the version byte an
 
 
 def canonical_bytes_size(layers: int, kv_heads: int, head_dim: int) -> int:
-    """Bytes of a calibration's canonical bytes (FORMAT.md 3.3)."""
+    """Bytes of a BF16 calibration's canonical bytes (FORMAT.md 3.3)."""
     return CANONICAL_HEAD_BYTES + 4 * layers * kv_heads * head_dim + 4 * layers
 
 
@@ -397,12 +487,14 @@ def _int_array(table, what: str) -> np.ndarray:
         raise CalibrationError(f"malformed {what}: {exc}") from exc
 
 
-def _check_base_ranges(b3: np.ndarray, b4: np.ndarray, where: str) -> None:
-    """FORMAT.md 3.2 rule 2 (``where`` prefixes the message): every ``base + code`` stays <= 255."""
-    if b3.size and (b3.min() < 0 or b3.max() > L.B3_MAX):
-        raise CalibrationError(f"{where}3-bit bases must lie in 0..{L.B3_MAX} so that base + 7 <= 255")
-    if b4.size and (b4.min() < 0 or b4.max() > L.B4_MAX):
-        raise CalibrationError(f"{where}4-bit bases must lie in 0..{L.B4_MAX} so that base + 15 <= 255")
+def _check_base_ranges(b_narrow: np.ndarray, b_wide: np.ndarray, modes: L.ModeSet, where: str) -> None:
+    """FORMAT.md 3.2 rule 2 (``where`` prefixes the message): every ``base + code`` is an exponent field."""
+    top = modes.fmt.max_exponent_field
+    for bases, bits, most in ((b_narrow, modes.low_bits, modes.narrow_base_max),
+                              (b_wide, modes.wide_bits, modes.wide_base_max)):
+        if bases.size and (bases.min() < 0 or bases.max() > most):
+            raise CalibrationError(f"{where}{bits}-bit bases must lie in 0..{most} so that base + "
+                                   f"{(1 << bits) - 1} <= {top}")
 
 
 def _all_ints(table) -> bool:
@@ -508,11 +600,15 @@ def sample_caches(k, v) -> tuple[np.ndarray, np.ndarray]:
     return ks, vs
 
 
-def calibrate(k, v, *, model: str | None = None, capacity: int | None = None, slot_line: int | None = None,
-              show_progress: bool | None = None) -> Calibration:
-    """Calibrate on sample caches ``k``, ``v`` shaped ``[layers, kv_heads, tokens, head_dim]``.
+def calibrate(k, v, *, format="bf16", model: str | None = None, capacity: int | None = None,
+              slot_line: int | None = None, scale: str = "tensor", show_progress: bool | None = None) -> Calibration:
+    """Calibrate a cache of element format ``format`` on BF16 sample caches ``k``, ``v`` shaped
+    ``[layers, kv_heads, tokens, head_dim]``.
 
-    Inputs are torch BF16 tensors or uint16 NumPy arrays of BF16 bit patterns.
+    Inputs are torch BF16 tensors or uint16 NumPy arrays of BF16 bit patterns.  For an FP8 format the
+    samples are first converted with scales chosen by the policy ``scale`` of
+    :func:`gaac.fp8.convert.cache_scales` (``'tensor'``: one power of two per layer and kind; ``'head'``:
+    per KV head; ``'one'``: no scaling), and the windows are fitted to the converted caches.
     ``capacity`` forces one escape capacity everywhere instead of choosing it.  ``slot_line=128``
     chooses the capacity among those whose slots fill whole 128-byte lines (the one with the fewest
     resident bytes among them): a paged pool of such slots keeps every slot on a line, and the fused
@@ -526,8 +622,19 @@ def calibrate(k, v, *, model: str | None = None, capacity: int | None = None, sl
     if min(tokens, vs.shape[2]) < L.BLOCK_TOKENS and capacity is None:
         raise CalibrationError(f"calibration needs at least one full block of {L.BLOCK_TOKENS} tokens "
                                f"to choose a slot capacity; got {tokens} (k) / {vs.shape[2]} (v)")
-    parts = [fit_windows(x, L.BF16_MODES, capacity, slot_line)
+    try:
+        modes = L.mode_set(format)
+    except ValueError as exc:
+        raise CalibrationError(str(exc)) from None
+    notes = {"tokens": {"k": int(tokens), "v": int(vs.shape[2])}}
+    scales = None
+    if CALIBRATION_FILES[modes.fmt.name].scales:
+        from .fp8.convert import cache_scales, cache_to_fp8
+
+        scales = [cache_scales(x, modes.fmt, scale) for x in (ks, vs)]
+        ks, vs = (cache_to_fp8(x, modes.fmt, s) for x, s in zip((ks, vs), scales))
+        notes = {"scale": scale, **notes}
+    parts = [fit_windows(x, modes, capacity, slot_line)
              for x in progress((ks, vs), desc="calibrate", unit="kind", enable=show_progress)]
-    return Calibration(b3=[p.b_narrow for p in parts], b4=[p.b_wide for p in parts],
-                       capacity=[p.capacity for p in parts], model=model,
-                       notes={"tokens": {"k": int(tokens), "v": int(vs.shape[2])}})
+    return Calibration([p.b_narrow for p in parts], [p.b_wide for p in parts], [p.capacity for p in parts],
+                       model=model, notes=notes, format=modes.fmt, scale_log2=scales)

@@ -183,14 +183,8 @@ def cmd_calibrate(args) -> int:
         k = k[:, :, parse_token_range(args.tokens, k.shape[2])]
         v = v[:, :, parse_token_range(args.tokens, v.shape[2])]
         notes["token_range"] = args.tokens
-    if args.format == "bf16":
-        cal = calibrate(k, v, model=args.model, slot_line=args.slot_line)
-        what = "calibration"
-    else:
-        from .fp8.calibration import calibrate_fp8
-
-        cal = calibrate_fp8(k, v, args.format, model=args.model)
-        what = f"{args.format} calibration"
+    cal = calibrate(k, v, format=args.format, model=args.model, slot_line=args.slot_line)
+    what = "calibration" if args.format == "bf16" else f"{args.format} calibration"
     if args.slot_line:
         notes["slot_line"] = args.slot_line
     cal.notes.update(notes)
@@ -202,25 +196,23 @@ def cmd_calibrate(args) -> int:
 
 
 def load_calibration(path: str, fmt: str):
-    """The calibration file ``path`` for caches of element format ``fmt``; a calibration for the other
+    """The calibration file ``path`` for caches of element format ``fmt``; a calibration for another
     format is refused with the command that makes the right one."""
+    from .calibration import CALIBRATION_FILES
     from .errors import CalibrationError
 
     try:
-        if fmt == "bf16":
-            return Calibration.load(path)
-        from .fp8.calibration import FP8Calibration
-
-        cal = FP8Calibration.load(path)
+        cal = Calibration.load(path, CALIBRATION_FILES[fmt])
     except CalibrationError as exc:
         if not str(exc).startswith("not a GAAC"):
             raise
         make = f"gaac calibrate --k K.npy --v V.npy -o cal.json{'' if fmt == 'bf16' else f' --format {fmt}'}"
         raise CalibrationError(f"{path}: {exc}. --format {fmt} needs a{' BF16' if fmt == 'bf16' else 'n ' + fmt} "
                                f"calibration, made by `{make}`") from None
-    if cal.format != fmt:
-        raise CalibrationError(f"{path} is a {cal.format} calibration, not {fmt}: pass --format {cal.format}, or "
-                               f"make one with `gaac calibrate --k K.npy --v V.npy -o cal.json --format {fmt}`")
+    if cal.format.name != fmt:
+        raise CalibrationError(f"{path} is a {cal.format.name} calibration, not {fmt}: pass --format "
+                               f"{cal.format.name}, or make one with `gaac calibrate --k K.npy --v V.npy -o cal.json "
+                               f"--format {fmt}`")
     return cal
 
 
@@ -243,70 +235,45 @@ def _stats_inputs(args):
     return load_cache(args.k, "k"), load_cache(args.v, "v"), None, f"K {args.k}, V {args.v}", None
 
 
-def cmd_stats_fp8(args) -> int:
-    """``gaac stats --format fp8_*``: the same fields, plus the ratio over FP8 and the total over BF16."""
-    from .fp8 import fp8_stats, format_fp8_table
-    from .fp8.calibration import calibrate_fp8
-
-    if not args.adapt:
-        raise InputError("--no-adapt applies to BF16 caches only (GAAC-FP8 has no calibration epochs to turn off)")
-    if args.segments:
-        raise InputError("--segments applies to BF16 caches only (the per-segment view follows BF16's calibration "
-                         "epochs; GAAC-FP8 has none)")
-    k, v, layer_ids, where, meta = _stats_inputs(args)
-    if args.calibration:
-        cal, how = load_calibration(args.calibration, args.format), f"loaded from {args.calibration}"
-    elif meta is not None:
-        ck, cv, _ = load_sample(SAMPLE_CALIBRATION)
-        cal = calibrate_fp8(ck, cv, args.format, model=meta["model"])
-        how = f"calibrated on the shipped {SAMPLE_CALIBRATION} prompt (a different text: cross-task transfer)"
-    else:
-        cal, how = None, "no --calibration given: calibrated on these caches themselves (self-calibration)"
-    out = fp8_stats(k, v, args.format, calibration=cal, per_layer=args.per_layer, layer_ids=layer_ids)
-    notes = [f"cache: {where}", f"format: {args.format}", f"calibration: {how} (id {out['calibration_id']})"]
-    if args.plot:
-        if cal is None:          # fp8_stats calibrated on the caches themselves; the plot shows the same windows
-            cal = calibrate_fp8(k, v, args.format)
-        notes.append(_plot(args, k, v, cal, layer_ids, f"{where}\n{how}"))
-    if args.json:
-        for line in notes:
-            print(f"gaac: {line}", file=sys.stderr)
-        keys = ("k", "v", "per_layer") if args.per_layer else ("k", "v")
-        print(json.dumps({key: out[key] for key in keys}, indent=2))
-    else:
-        print("\n".join(notes))
-        print(format_fp8_table(out, per_layer=args.per_layer))
-    return 0 if out["k"]["roundtrip"] and out["v"]["roundtrip"] else 1
-
-
 def cmd_stats(args) -> int:
+    """``gaac stats``: calibrate (or load a calibration), code and decode every complete block, print the
+    numbers.  Every element format takes this path; one without calibration epochs (FP8) refuses the
+    options that follow them, and notes its format and calibration id instead of the adaptation."""
+    from .layout import element_format
+
+    fmt = element_format(args.format)
     if args.plot_layers and not args.plot:
         raise InputError("--plot-layers chooses the layers --plot draws: give --plot PNG too")
-    if args.format != "bf16":
-        return cmd_stats_fp8(args)
+    if not fmt.epochs and not args.adapt:
+        raise InputError("--no-adapt applies to BF16 caches only (GAAC-FP8 has no calibration epochs to turn off)")
+    if not fmt.epochs and args.segments:
+        raise InputError("--segments applies to BF16 caches only (the per-segment view follows BF16's calibration "
+                         "epochs; GAAC-FP8 has none)")
     if args.plot:
         from .plot import check_plot_path
 
         check_plot_path(args.plot)
     k, v, layer_ids, where, meta = _stats_inputs(args)
-    if meta is not None:
-        if args.calibration:
-            cal, how = load_calibration(args.calibration, "bf16"), f"loaded from {args.calibration}"
-        else:
-            ck, cv, _ = load_sample(SAMPLE_CALIBRATION)
-            cal = calibrate(ck, cv, model=meta["model"])
-            how = f"calibrated on the shipped {SAMPLE_CALIBRATION} prompt (a different text: cross-task transfer)"
+    if args.calibration:
+        cal, how = load_calibration(args.calibration, fmt.name), f"loaded from {args.calibration}"
+    elif meta is not None:
+        ck, cv, _ = load_sample(SAMPLE_CALIBRATION)
+        cal = calibrate(ck, cv, format=fmt, model=meta["model"])
+        how = f"calibrated on the shipped {SAMPLE_CALIBRATION} prompt (a different text: cross-task transfer)"
     else:
-        if args.calibration:
-            cal, how = load_calibration(args.calibration, "bf16"), f"loaded from {args.calibration}"
-        else:
-            cal = calibrate(k, v)
-            how = "no --calibration given: calibrated on these caches themselves (self-calibration, a best case)"
+        cal = calibrate(k, v, format=fmt)
+        how = ("no --calibration given: calibrated on these caches themselves (self-calibration"
+               + (", a best case)" if fmt.epochs else ")"))
 
     stats = measure(k, v, cal, layer_ids=layer_ids, adapt=args.adapt, segment_tokens=args.segments)
-    notes = [f"cache: {where}", f"calibration: {how}",
-             "adaptation: " + ("on (calibration epochs appended by the rule of gaac.epochs, as the cache does)"
-                               if args.adapt else "off (--no-adapt: every block coded with the calibration's bases)")]
+    notes = [f"cache: {where}"]
+    if fmt.epochs:
+        notes += [f"calibration: {how}",
+                  "adaptation: " + ("on (calibration epochs appended by the rule of gaac.epochs, as the cache does)"
+                                    if args.adapt else "off (--no-adapt: every block coded with the calibration's "
+                                                       "bases)")]
+    else:
+        notes += [f"format: {fmt.name}", f"calibration: {how} (id {cal.id:08x})"]
     if args.plot:
         notes.append(_plot(args, k, v, cal, layer_ids, f"{where}\n{how}"))
     if args.json:
@@ -387,8 +354,15 @@ def _pct(x: float) -> str:
 
 
 def format_table(stats: CacheStats, per_layer: bool = False) -> str:
-    """The readable view of :meth:`CacheStats.as_dict`."""
+    """The readable view of :meth:`CacheStats.as_dict`; an FP8 cache's adds its ratios over FP8 and what
+    its conversion changed (:func:`gaac.fp8.stats.format_fp8_table`)."""
     d = stats.as_dict(per_layer=per_layer)
+    cal = stats.calibration
+    if cal is not None and cal.scale_log2 is not None:
+        from .fp8.stats import format_fp8_table
+
+        return format_fp8_table({**d, "format": cal.format.name, "calibration_id": f"{cal.id:08x}"},
+                                per_layer=per_layer)
     k, v = d["k"], d["v"]
     rows = [
         ("ratio_stream (BF16 / payload)", lambda s: f"{s['ratio_stream']:.4f}"),

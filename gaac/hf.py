@@ -193,6 +193,8 @@ class GAACCache(Cache):
         if calibration is not None:
             if not isinstance(calibration, Calibration):
                 raise InputError(f"calibration: expected a gaac.Calibration or None, got {type(calibration).__name__}")
+            if calibration.format is not L.BF16:
+                raise InputError(f"calibration: the cache holds BF16; this calibration is for {calibration.format.name}")
             calibration.check_shape(*self.shape)
         self.config = text
         self.calibration = self._given = calibration

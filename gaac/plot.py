@@ -19,8 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import layout as L
-from .calibration import Calibration, exponent_histograms
+from .calibration import exponent_histograms
 from .errors import InputError
 
 MAX_LAYERS = 8      # layers per figure (page); by default this many, evenly spaced, are drawn
@@ -91,20 +90,18 @@ class _Windows:
 
 def _windows(caches, calibration, layers) -> tuple[list[_Windows], str]:
     """Per kind, the histograms and windows of ``layers``; and the element format's name."""
-    if isinstance(calibration, Calibration):
-        out = [_Windows(exponent_histograms(x[layers]), *zip(*(calibration.bases(layer, kind) for layer in layers)),
-                        L.WINDOW_3BIT, L.WINDOW_4BIT) for kind, x in enumerate(caches)]
-        return out, "BF16"
-    from .fp8.convert import cache_to_fp8
-
     modes = calibration.modes
     out = []
     for kind, x in enumerate(caches):
-        fp8 = cache_to_fp8(x[layers], modes.fmt, calibration.scale_log2[kind][layers])
-        out.append(_Windows(exponent_histograms(fp8, modes.fmt),
+        elements = x[layers]
+        if calibration.scale_log2 is not None:      # an FP8 calibration: the cache it codes is the converted one
+            from .fp8.convert import cache_to_fp8
+
+            elements = cache_to_fp8(elements, modes.fmt, calibration.scale_log2[kind][layers])
+        out.append(_Windows(exponent_histograms(elements, modes.fmt),
                             *zip(*(calibration.bases(layer, kind) for layer in layers)),
                             modes.narrow_window, modes.wide_window))
-    return out, calibration.format.upper().replace("_", " ")
+    return out, calibration.format.name.upper().replace("_", " ")
 
 
 def check_plot_path(path) -> None:
@@ -131,7 +128,7 @@ def plot_windows(k: np.ndarray, v: np.ndarray, calibration, path, *, layer_ids=N
                  layers=None) -> list[tuple[Path, list[int]]]:
     """Write the figure(s) to ``path`` (PNG): ``layers`` (indices into the cache; default: at most
     ``MAX_LAYERS`` evenly spaced), ``MAX_LAYERS`` per page.  ``calibration`` is a
-    :class:`gaac.Calibration` or a :class:`gaac.fp8.calibration.FP8Calibration`.  Returns each file written
+    :class:`gaac.Calibration` of any element format.  Returns each file written
     with the indices of the layers it draws."""
     check_plot_path(path)
     import matplotlib.pyplot as plt

@@ -264,9 +264,17 @@ def measure(k, v, calibration: Calibration, *, layer_ids=None, show_progress: bo
     ``adapt`` runs the epoch rule of :mod:`gaac.epochs` as the cache would (on a
     copy: ``calibration`` is left as it is; the result's ``calibration`` holds
     the epochs).  ``segment_tokens`` (a multiple of 16) adds per-segment numbers.
+    With an FP8 calibration ``k`` and ``v`` are the BF16 caches it converts
+    (:func:`gaac.fp8.stats.measure_fp8`); FP8 has no epochs to adapt or segment by.
     """
     if segment_tokens is not None and (segment_tokens <= 0 or segment_tokens % L.BLOCK_TOKENS):
         raise InputError(f"segment length {segment_tokens} is not a positive multiple of {L.BLOCK_TOKENS} tokens")
+    if calibration.scale_log2 is not None:      # an FP8 calibration: convert, then code with epoch 0 only
+        if segment_tokens:
+            raise InputError(f"segments follow calibration epochs; {calibration.format.name} has none")
+        from .fp8.stats import measure_fp8
+
+        return measure_fp8(k, v, calibration, layer_ids=layer_ids)
     learned = calibration.copy()
     out = {}
     for kind, name, x in ((L.KIND_K, "k", k), (L.KIND_V, "v", v)):

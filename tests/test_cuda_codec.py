@@ -212,7 +212,7 @@ def test_input_errors_name_the_problem():
         DecodePlan(64, 8, bases, out["slots"], out["raw"])
     with pytest.raises(InputError, match="96 channels"):
         DecodePlan(96, 16, bases, out["slots"], out["raw"])
-    with pytest.raises(InputError, match="4-bit bases"):
+    with pytest.raises(InputError, match="wide bases in 0..240"):
         pack_bases(b3, np.full_like(b4, L.B4_MAX + 1))
     with pytest.raises(InputError, match="C-contiguous"):
         DecodePlan(64, 16, bases, out["slots"], out["raw"])(

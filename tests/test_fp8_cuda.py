@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from gaac import layout as L
 from gaac.errors import FormatError, InputError
+from gaac import cuda as gc
 from gaac.fp8 import cuda as fc
 from gaac import layout as F
 from gaac.reference.bits import join_elements
@@ -38,9 +39,9 @@ def encode_checked(tiles, bn, bw, capacity, ms, **plan) -> dict:
     raw = np.full((n + spare, L.BLOCK_TOKENS, channels), POISON, np.uint8)
     heads = np.zeros(2, np.int32)
     entries, used = np.full(n, 7, np.int32), np.full(n, -7, np.int32)
-    plan_ = fc.FP8EncodePlan(ms, channels, capacity, fc.pack_bases(bn, bw, ms), slots,
-                             np.arange(n + spare, dtype=np.int32)[::-1].copy(), raw,
-                             np.arange(n + spare, dtype=np.int32), heads, **plan)
+    plan_ = gc.EncodePlan(channels, capacity, gc.pack_bases(bn, bw, ms), slots,
+                          np.arange(n + spare, dtype=np.int32)[::-1].copy(), raw,
+                          np.arange(n + spare, dtype=np.int32), heads, fmt=ms, **plan)
     plan_(tiles, entries, used)
     check_storage(tiles, ref, slots, raw, entries, used, heads)
     return dict(slots=slots, raw=raw, entries=entries, ref=ref)
@@ -50,7 +51,7 @@ def roundtrip(tiles, bn, bw, capacity, ms, **plan) -> dict:
     enc = encode_checked(tiles, bn, bw, capacity, ms, **plan)
     n, _, channels = tiles.shape
     out, status = np.full((n, 16, channels), 0x5A, np.uint8), np.full(n, -1, np.int32)
-    fc.FP8DecodePlan(ms, channels, capacity, fc.pack_bases(bn, bw, ms), enc["slots"], enc["raw"], **plan)(
+    gc.DecodePlan(channels, capacity, gc.pack_bases(bn, bw, ms), enc["slots"], enc["raw"], fmt=ms, **plan)(
         enc["entries"], out, status)
     assert (status == 0).all()
     np.testing.assert_array_equal(out, tiles)
@@ -186,7 +187,7 @@ def test_real_kv_blocks():
     """Two blocks of a real layer converted to E5M2 and E4M3 with the calibration's scales; one row of
     bases per block (tile i uses row i % tiles per block), as the paged cache passes them."""
     from conftest import kv_dump
-    from gaac.fp8.calibration import calibrate_fp8
+    from gaac.fp8 import calibrate_fp8
     from gaac.fp8.convert import to_fp8
     from gaac.tiles import block_tiles, cache_blocks, tile_bases
 
@@ -199,13 +200,13 @@ def test_real_kv_blocks():
         bn, bw = tile_bases(*cal.bases(0, L.KIND_V))
         capacity = int(cal.capacity[L.KIND_V, 0])
         ref = ref_encode_tiles(tiles, np.tile(bn, (2, 1)), np.tile(bw, (2, 1)), capacity, ms)
-        out = fc.encode_tiles(tiles, bn, bw, capacity, name)
+        out = gc.encode_tiles(tiles, bn, bw, capacity, name)
         for t in range(len(tiles)):
             e = int(out["entries"][t])
             assert (e >= 0) == bool(ref.fits[t])
             if e >= 0:
                 np.testing.assert_array_equal(out["slots"][e], ref.slots[t])
-        dec, status = fc.decode_tiles(out["slots"], out["raw"], out["entries"], bn, bw, capacity, name)
+        dec, status = gc.decode_tiles(out["slots"], out["raw"], out["entries"], bn, bw, capacity, name)
         assert (status == 0).all()
         np.testing.assert_array_equal(dec, tiles)
 
@@ -220,9 +221,9 @@ def test_exhausted_free_list_stores_nothing():
     raw = np.zeros((1, 16, 64), np.uint8)
     heads = np.zeros(2, np.int32)
     entries, used = np.zeros(3, np.int32), np.zeros(3, np.int32)
-    fc.FP8EncodePlan(ms, 64, 0, fc.pack_bases(bn, bw, ms), slots, np.zeros(1, np.int32), raw,
-                     np.zeros(1, np.int32), heads)(tiles, entries, used)
-    assert heads[0] == 3 and sorted(entries) == [fc.NO_STORAGE, fc.NO_STORAGE, 0]
+    gc.EncodePlan(64, 0, gc.pack_bases(bn, bw, ms), slots, np.zeros(1, np.int32), raw,
+                  np.zeros(1, np.int32), heads, fmt=ms)(tiles, entries, used)
+    assert heads[0] == 3 and sorted(entries) == [gc.NO_STORAGE, gc.NO_STORAGE, 0]
 
 
 @pytest.mark.parametrize("name", FORMAT_NAMES)
@@ -234,14 +235,14 @@ def test_decoder_flags_reserved_tags_and_escape_overflow(name):
     rng = np.random.default_rng(1)
     tiles, bn, bw = forced_tile(ms, rng, rng.choice(3, geo.groups, p=[.9, .08, .02]), 64)
     capacity = -(-int(ref_encode_tiles(tiles, bn, bw, 0, ms).escape_used[0]) // 16) * 16
-    out = fc.encode_tiles(tiles, bn, bw, capacity, name)
+    out = gc.encode_tiles(tiles, bn, bw, capacity, name)
     slots = np.repeat(out["slots"], 3, axis=0)
     slots[1, geo.tag_offset + 5] |= 0b11 << 4               # group 22: tag 3
     slots[2, geo.tag_offset: geo.tag_offset + 6] = 0xAA       # 24 raw groups: more than the capacity
     raw = np.repeat(tiles, 2, axis=0)
     entries = np.array([0, 1, 2, L.TABLE_RAW_FLAG - (1 << 32) + 1], np.int32)
-    dec, status = fc.decode_tiles(slots, raw, entries, np.repeat(bn, 4, 0), np.repeat(bw, 4, 0), capacity, name)
-    assert list(status) == [0, fc.BAD_TAG, fc.BAD_ESCAPES, 0]
+    dec, status = gc.decode_tiles(slots, raw, entries, np.repeat(bn, 4, 0), np.repeat(bw, 4, 0), capacity, name)
+    assert list(status) == [0, gc.BAD_TAG, gc.BAD_ESCAPES, 0]
     np.testing.assert_array_equal(dec[[0, 3]], np.repeat(tiles, 2, axis=0))
     for bad, message in ((1, "is reserved"), (2, "escape bytes but the slot holds")):
         with pytest.raises(FormatError, match=message):
@@ -251,26 +252,26 @@ def test_decoder_flags_reserved_tags_and_escape_overflow(name):
 def test_input_errors_name_the_problem():
     ms = F.MODE_SETS["fp8_e5m2"]
     bn, bw = np.zeros((1, 64), np.uint8), np.zeros((1, 64), np.uint8)
-    bases = fc.pack_bases(bn, bw, ms)
+    bases = gc.pack_bases(bn, bw, ms)
     slots, raw = np.zeros((1, ms.geometry(64).slot_bytes(16)), np.uint8), np.zeros((1, 16, 64), np.uint8)
     free, heads = np.arange(1, dtype=np.int32), np.zeros(2, np.int32)
     with pytest.raises(InputError, match="bits: dtype int16"):
-        fc.FP8EncodePlan(ms, 64, 16, bases, slots, free, raw, free, heads)(
+        gc.EncodePlan(64, 16, bases, slots, free, raw, free, heads, fmt=ms)(
             np.zeros((1, 16, 64), np.int16), np.zeros(1, np.int32), np.zeros(1, np.int32))
     with pytest.raises(InputError, match=r"slots: shape \[1, 688\], expected \[\*, 704\]"):
-        fc.FP8EncodePlan(ms, 64, 32, bases, slots, free, raw, free, heads)
+        gc.EncodePlan(64, 32, bases, slots, free, raw, free, heads, fmt=ms)
     with pytest.raises(InputError, match="raw: dtype int16"):
-        fc.FP8DecodePlan(ms, 64, 16, bases, slots, raw.view(np.int16).reshape(1, 16, 32).repeat(2, 2))
+        gc.DecodePlan(64, 16, bases, slots, raw.view(np.int16).reshape(1, 16, 32).repeat(2, 2), fmt=ms)
     with pytest.raises(InputError, match="capacity 8"):
-        fc.FP8DecodePlan(ms, 64, 8, bases, slots, raw)
+        gc.DecodePlan(64, 8, bases, slots, raw, fmt=ms)
     with pytest.raises(InputError, match="96 channels"):
-        fc.FP8DecodePlan(ms, 96, 16, bases, slots, raw)
-    with pytest.raises(InputError, match="unknown FP8 format 'fp8_e3m4'"):
-        fc.FP8DecodePlan("fp8_e3m4", 64, 16, bases, slots, raw)
+        gc.DecodePlan(96, 16, bases, slots, raw, fmt=ms)
+    with pytest.raises(InputError, match="unknown element format 'fp8_e3m4'"):
+        gc.DecodePlan(64, 16, bases, slots, raw, fmt="fp8_e3m4")
     with pytest.raises(InputError, match=r"wide bases in 0..24; got 0..0 and 25..25"):
-        fc.pack_bases(bn, np.full((1, 64), 25), ms)
+        gc.pack_bases(bn, np.full((1, 64), 25), ms)
     with pytest.raises(InputError, match="bases: dtype int16"):
-        fc.FP8DecodePlan(ms, 64, 16, bases.astype(np.int16), slots, raw)
+        gc.DecodePlan(64, 16, bases.astype(np.int16), slots, raw, fmt=ms)
 
 
 def test_bit_helpers_against_numpy():

@@ -254,10 +254,10 @@ def _drop_ids(obj) -> None:
         _drop_ids(child)
 
 
-def _load_json_text(cls, text):
+def _load_json_text(text, family=None):
     path = TMP / "cal.json"
     path.write_bytes(text if isinstance(text, bytes) else text.encode("utf-8", "surrogatepass"))
-    return cls.load(path)
+    return Calibration.load(path, family)
 
 
 @FUZZ
@@ -270,7 +270,7 @@ def test_calibration_loader_takes_mutated_files(data, epochs):
     d = data.draw(mutated_json(cal.to_dict()))
     if data.draw(st.booleans()):
         _drop_ids(d)            # ids are optional: without them a changed table is checked on its own merits
-    loaded = refused_or(lambda: _load_json_text(Calibration, json.dumps(d)))
+    loaded = refused_or(lambda: _load_json_text(json.dumps(d)))
     if loaded is None:
         return
     event("accepted")
@@ -288,28 +288,29 @@ def test_calibration_loader_takes_mutated_files(data, epochs):
 @FUZZ
 @given(value=json_values, raw=st.binary(max_size=64))
 def test_calibration_loaders_take_random_json_and_bytes(value, raw):
-    from gaac.fp8 import FP8Calibration
+    from gaac.calibration import BF16_FILE, FP8_FILE
 
-    for cls in (Calibration, FP8Calibration):
-        refused_or(lambda: cls.from_dict(value))
-        refused_or(lambda: _load_json_text(cls, json.dumps(value)))
-        refused_or(lambda: _load_json_text(cls, raw))
+    for family in (None, BF16_FILE, FP8_FILE):
+        refused_or(lambda: Calibration.from_dict(value, family))
+        refused_or(lambda: _load_json_text(json.dumps(value), family))
+        refused_or(lambda: _load_json_text(raw, family))
 
 
 @FEW
 @given(data=st.data(), fmt=st.sampled_from(("fp8_e4m3", "fp8_e5m2")))
 def test_fp8_calibration_loader_takes_mutated_files(data, fmt):
-    from gaac.fp8 import FP8Calibration, decode_fp8_block, encode_fp8_block
+    from gaac.calibration import FP8_FILE
+    from gaac.fp8 import decode_fp8_block, encode_fp8_block
 
     cal = _fp8_calibration(fmt)
     d = data.draw(mutated_json(cal.to_dict()))
     if data.draw(st.booleans()):
         _drop_ids(d)
-    loaded = refused_or(lambda: _load_json_text(FP8Calibration, json.dumps(d)))
+    loaded = refused_or(lambda: _load_json_text(json.dumps(d), FP8_FILE))
     if loaded is None:
         return
     event("accepted")
-    assert FP8Calibration.from_dict(loaded.to_dict()).id == loaded.id
+    assert Calibration.from_dict(loaded.to_dict()).id == loaded.id
     k, _, _ = load_sample("code")
     if loaded.kv_heads == 1 and loaded.head_dim == 64:
         x = _to_fp8(k[1, :1, 16:32], loaded, 0) if loaded.layers > 1 else None

@@ -5,6 +5,9 @@ Contract
 Arrays are torch CUDA tensors (NumPy arrays or torch CPU tensors under the
 CUDA simulator), C-contiguous.  ``C = min(head_dim, 128)``, ``N = 16*C``,
 ``G = N/8`` groups per tile; ``slot_bytes = TileGeometry(C).slot_bytes(capacity)``.
+The plans, :func:`pack_bases` and the one-shot helpers take an element format
+(``fmt``, BF16 by default) that picks the kernels (:func:`device_codec`); the
+arrays below are BF16's, and :mod:`gaac.fp8.cuda` says what differs for FP8.
 
 Encode (:class:`EncodePlan`), one launch for any number of tiles ``n``
 (all KV heads of one finished block, or every complete block of a prompt):
@@ -64,6 +67,8 @@ a launch packs the kernel parameters itself and calls ``cuda.core.launch``
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 from numba import cuda, int32, int64, uint8, uint32
@@ -587,7 +592,46 @@ def decode_source(channels: int, tiles_per_block: int = TILES_PER_BLOCK):
 
 # ----------------------------------------------------------------------------------------------
 # Host side: checking arrays once, packing kernel parameters, launching on torch's stream (the
-# machinery is gaac.cuda.launch's; gaac.fp8.cuda uses it, and this part of the host side, too).
+# machinery is gaac.cuda.launch's).  The plans, the bases and the one-shot helpers are one layer for
+# every element format; the format picks its kernels and dtypes (:func:`device_codec`).
+
+@dataclass(frozen=True)
+class DeviceCodec:
+    """The device side of one element format's codec: the mode set its kernels implement, the dtype of
+    the tiles' bits and of the raw pool, the dtype of the packed bases, and its kernel factories
+    (``(channels, tiles_per_block) -> compiled kernel``, each compiled once)."""
+
+    modes: L.ModeSet
+    element: str                # BF16: int16 (the kernels read 16-bit lanes); FP8: uint8
+    bases: str                  # packed bases: int16 lanes for BF16, byte lanes for FP8
+    encode_kernel: Callable
+    decode_kernel: Callable
+
+    def geometry(self, channels: int) -> L.TileGeometry:
+        if channels not in L.TILE_WIDTHS:
+            raise InputError(f"tiles of {channels} channels do not exist in the GAAC format (tile widths "
+                             f"{L.TILE_WIDTHS})")
+        return L.TileGeometry(channels, self.modes)
+
+
+BF16_CODEC = DeviceCodec(L.BF16_MODES, "int16", "int16", encode_kernel, decode_kernel)
+
+
+def device_codec(fmt=L.BF16) -> DeviceCodec:
+    """The device codec of ``fmt``: an element format, its name, or a mode set.  BF16's kernels implement
+    its mode set 3/4/raw8; the FP8 kernels (:mod:`gaac.fp8.cuda`) are built for any FP8 mode set."""
+    try:
+        modes = fmt if isinstance(fmt, L.ModeSet) else L.mode_set(fmt)
+    except (ValueError, TypeError) as exc:
+        raise InputError(str(exc)) from None
+    if modes.fmt is L.BF16:
+        if modes != L.BF16_MODES:
+            raise InputError(f"the BF16 kernels implement mode set {L.BF16_MODES.label}, not {modes.label}")
+        return BF16_CODEC
+    from ..fp8.cuda import fp8_codec
+
+    return fp8_codec(modes)
+
 
 def check_capacity(capacity) -> int:
     """``capacity`` (escape bytes per slot) as an int, or :class:`InputError`: the kernels size the
@@ -597,68 +641,70 @@ def check_capacity(capacity) -> int:
     return int(capacity)
 
 
-def _bases_words(bases, channels: int):
-    check_array(bases, "bases", "int16", (None, 2, channels))
+def _bases_words(bases, codec: DeviceCodec, channels: int):
+    check_array(bases, "bases", codec.bases, (None, 2, channels))
     if bases.shape[0] == 0:
         raise InputError("bases: needs at least one row")
     return words(bases)
 
 
-def pack_bases(b3, b4):
-    """Per-tile bases ``b3``, ``b4`` ``[P, C]`` (as :func:`gaac.tiles.tile_bases` gives) -> int16 ``[P, 2, C]``.
+def pack_bases(b_narrow, b_wide, fmt=L.BF16):
+    """Per-tile bases ``[P, C]`` (as :func:`gaac.tiles.tile_bases` gives) -> ``[P, 2, C]`` for ``fmt``'s kernels:
+    narrow bases, then wide bases, in the codec's base dtype (BF16: int16; FP8: uint8).
 
-    Torch in, torch out (same device); NumPy in, NumPy out.  Done once per
-    layer and kind: the kernels read the bases as 16-bit lanes.
+    Torch in, torch out (same device); NumPy in, NumPy out.  Done once per layer and
+    kind.  Bases outside the mode set's windows (FORMAT.md 3.2 rule 2) raise :class:`InputError`.
     """
-    if is_torch(b3):
+    codec = device_codec(fmt)
+    modes = codec.modes
+    if is_torch(b_narrow):
         import torch
 
-        out = torch.stack([b3.to(torch.int16), b4.to(torch.int16)], dim=1).contiguous()
-        lo, hi = int(out[:, 0].min()), int(out[:, 0].max())
-        lo4, hi4 = int(out[:, 1].min()), int(out[:, 1].max())
+        out = torch.stack([b_narrow.to(torch.int16), b_wide.to(torch.int16)], dim=1).contiguous()
     else:
-        out = np.ascontiguousarray(np.stack([np.asarray(b3), np.asarray(b4)], axis=1).astype(np.int16))
-        lo, hi, lo4, hi4 = out[:, 0].min(), out[:, 0].max(), out[:, 1].min(), out[:, 1].max()
-    if len(out.shape) != 3 or out.shape[2] not in (L.tile_channels(d) for d in L.SUPPORTED_HEAD_DIMS):
-        raise InputError(f"bases must be [tiles, C] with C in (64, 128); got b3 {list(b3.shape)}, b4 {list(b4.shape)}")
-    if lo < 0 or hi > L.B3_MAX or lo4 < 0 or hi4 > L.B4_MAX:
-        raise InputError(f"3-bit bases must lie in 0..{L.B3_MAX} and 4-bit bases in 0..{L.B4_MAX}")
-    return out
+        out = np.stack([np.asarray(b_narrow, dtype=np.int64), np.asarray(b_wide, dtype=np.int64)], axis=1)
+    if len(out.shape) != 3 or out.shape[0] == 0 or out.shape[2] not in L.TILE_WIDTHS:
+        raise InputError(f"bases must be [tiles, C] with tiles >= 1 and C in {L.TILE_WIDTHS}; "
+                         f"got {list(np.shape(b_narrow))} and {list(np.shape(b_wide))}")
+    (lo_n, lo_w), (hi_n, hi_w) = ([int(out[:, i].min()) for i in (0, 1)], [int(out[:, i].max()) for i in (0, 1)])
+    if lo_n < 0 or hi_n > modes.narrow_base_max or lo_w < 0 or hi_w > modes.wide_base_max:
+        raise InputError(f"{modes.fmt.name}: narrow ({modes.low_bits}-bit) bases must lie in "
+                         f"0..{modes.narrow_base_max} and wide bases in 0..{modes.wide_base_max}; got "
+                         f"{lo_n}..{hi_n} and {lo_w}..{hi_w}")
+    if is_torch(out):
+        import torch
+
+        return out.to(getattr(torch, codec.bases))
+    return np.ascontiguousarray(out.astype(codec.bases))
 
 
 class EncodePlan:
     """Encoding into one pair of pools (slots + raw tiles) with one set of bases: build once, call per block.
 
-    See the module docstring for every array.  A call checks only the
-    per-call arrays (``bits``, ``entries``, ``escape_used``) and launches once.
-    The element codec is this class's (BF16: int16 bits and raw tiles); :mod:`gaac.fp8.cuda` subclasses it
-    with its own geometry, kernel and element type, and the same pools and launch.
+    See the module docstring for every array.  ``fmt`` (an element format, its name or a mode set; BF16
+    by default) picks the kernel and the dtype of the tiles and the raw pool (:func:`device_codec`).  A
+    call checks only the per-call arrays (``bits``, ``entries``, ``escape_used``) and launches once.
     """
 
-    ELEMENT = "int16"                   # dtype of the tiles' bits and of the raw pool
-
     def __init__(self, channels: int, capacity: int, bases, slots, slot_free, raw, raw_free, heads, *,
-                 tiles_per_block: int = TILES_PER_BLOCK):
-        self._build(_check_channels(channels), capacity, _bases_words(bases, channels), slots, slot_free, raw,
-                    raw_free, heads, encode_kernel(channels, tiles_per_block), tiles_per_block)
-
-    def _build(self, geo, capacity, bases_words, slots, slot_free, raw, raw_free, heads, kernel, tiles_per_block):
-        """Check the pools against ``geo`` once and pack the launch parameters that do not change."""
-        channels = geo.channels
-        self.geometry = geo
+                 fmt=L.BF16, tiles_per_block: int = TILES_PER_BLOCK):
+        codec = device_codec(fmt)
+        geo = codec.geometry(channels)
+        bases_words = _bases_words(bases, codec, channels)
+        self.modes, self.element, self.geometry = codec.modes, codec.element, geo
         self.channels, self.capacity = channels, check_capacity(capacity)
         check_array(slots, "slots", "uint8", (None, geo.slot_bytes(capacity)))
-        check_array(raw, "raw", self.ELEMENT, (None, L.BLOCK_TOKENS, channels))
+        check_array(raw, "raw", self.element, (None, L.BLOCK_TOKENS, channels))
         check_array(slot_free, "slot_free", "int32", (None,))
         check_array(raw_free, "raw_free", "int32", (None,))
         check_array(heads, "heads", "int32", (2,))
         self._fixed = (bases_words, self.capacity, words(slots), plain(slot_free), words(raw), plain(raw_free),
                        plain(heads))
-        self._launcher = TileLauncher(kernel, tiles_per_block)
+        self._launcher = TileLauncher(codec.encode_kernel(channels, tiles_per_block), tiles_per_block)
         self._fixed_params = None if SIMULATOR else [p for a in self._fixed for p in params(a)]
 
     def __call__(self, bits, entries, escape_used, *, stream=None, fast: bool = True):
-        n = check_array(bits, "bits", self.ELEMENT, (None, L.BLOCK_TOKENS, self.channels)).shape[0]
+        n = check_array(bits, "bits", self.element, (None, L.BLOCK_TOKENS, self.channels)).shape[0]
         check_array(entries, "entries", "int32", (n,))
         check_array(escape_used, "escape_used", "int32", (n,))
         if n == 0:
@@ -674,29 +720,26 @@ class EncodePlan:
 class DecodePlan:
     """Decoding from one pair of pools with one set of bases: build once, call per batch of tiles.
 
-    Like :class:`EncodePlan`, subclassed by :mod:`gaac.fp8.cuda` for FP8 elements."""
+    ``fmt`` picks the kernel and dtypes, as for :class:`EncodePlan`."""
 
-    ELEMENT = "int16"
-
-    def __init__(self, channels: int, capacity: int, bases, slots, raw, *, tiles_per_block: int = TILES_PER_BLOCK):
-        self._build(_check_channels(channels), capacity, _bases_words(bases, channels), slots, raw,
-                    decode_kernel(channels, tiles_per_block), tiles_per_block)
-
-    def _build(self, geo, capacity, bases_words, slots, raw, kernel, tiles_per_block):
-        channels = geo.channels
-        self.geometry = geo
+    def __init__(self, channels: int, capacity: int, bases, slots, raw, *, fmt=L.BF16,
+                 tiles_per_block: int = TILES_PER_BLOCK):
+        codec = device_codec(fmt)
+        geo = codec.geometry(channels)
+        bases_words = _bases_words(bases, codec, channels)
+        self.modes, self.element, self.geometry = codec.modes, codec.element, geo
         self.channels, self.capacity = channels, check_capacity(capacity)
         check_array(slots, "slots", "uint8", (None, geo.slot_bytes(capacity)))
-        check_array(raw, "raw", self.ELEMENT, (None, L.BLOCK_TOKENS, channels))
+        check_array(raw, "raw", self.element, (None, L.BLOCK_TOKENS, channels))
         self._slots, self._raw = words(slots), words(raw)
         self._bases = bases_words
-        self._launcher = TileLauncher(kernel, tiles_per_block)
+        self._launcher = TileLauncher(codec.decode_kernel(channels, tiles_per_block), tiles_per_block)
         self._pool_params = None if SIMULATOR else params(self._slots) + params(self._raw)
         self._bases_params = None if SIMULATOR else params(self._bases) + params(self.capacity)
 
     def __call__(self, entries, out, status, *, stream=None, fast: bool = True):
         n = check_array(entries, "entries", "int32", (None,)).shape[0]
-        check_array(out, "out", self.ELEMENT, (n, L.BLOCK_TOKENS, self.channels))
+        check_array(out, "out", self.element, (n, L.BLOCK_TOKENS, self.channels))
         check_array(status, "status", "int32", (n,))
         if n == 0:
             return
@@ -712,28 +755,33 @@ class DecodePlan:
 # ----------------------------------------------------------------------------------------------
 # One-shot helpers: a pool of n slots and n raw tiles for n tiles (tests, benchmarks, containers).
 
-def encode_tiles(bits, b3, b4, capacity: int, *, stream=None) -> dict:
-    """Encode tiles ``bits`` int16 ``[n, 16, C]`` with per-tile bases ``[P, C]`` into fresh pools of ``n``.
+def encode_tiles(bits, b_narrow, b_wide, capacity: int, fmt=L.BF16, *, stream=None) -> dict:
+    """Encode tiles ``bits`` ``[n, 16, C]`` of format ``fmt`` (BF16: int16, FP8: uint8) with per-tile bases
+    ``[P, C]`` into fresh pools of ``n``.
 
     Returns ``slots``, ``raw``, ``entries``, ``escape_used`` and ``heads`` (see the
     module docstring); tile ``i`` sits at ``entries[i]``.  Asynchronous on the GPU.
     """
-    n, _, channels = check_array(bits, "bits", "int16", (None, L.BLOCK_TOKENS, None)).shape
-    geo = _check_channels(channels)
+    codec = device_codec(fmt)
+    n, _, channels = check_array(bits, "bits", codec.element, (None, L.BLOCK_TOKENS, None)).shape
+    geo = codec.geometry(channels)
     zeros, arange = allocators(bits)
-    out = dict(slots=zeros((n, geo.slot_bytes(capacity)), "uint8"), raw=zeros((n, L.BLOCK_TOKENS, channels), "int16"),
+    out = dict(slots=zeros((n, geo.slot_bytes(capacity)), "uint8"),
+               raw=zeros((n, L.BLOCK_TOKENS, channels), codec.element),
                entries=zeros((n,), "int32"), escape_used=zeros((n,), "int32"), heads=zeros((2,), "int32"))
-    plan = EncodePlan(channels, capacity, pack_bases(b3, b4), out["slots"], arange(n), out["raw"], arange(n),
-                      out["heads"])
+    plan = EncodePlan(channels, capacity, pack_bases(b_narrow, b_wide, codec.modes), out["slots"], arange(n),
+                      out["raw"], arange(n), out["heads"], fmt=codec.modes)
     plan(bits, out["entries"], out["escape_used"], stream=stream)
     return out
 
 
-def decode_tiles(slots, raw, entries, b3, b4, capacity: int, *, stream=None):
-    """Decode the tiles that ``entries`` point at -> (int16 ``[n, 16, C]``, status int32 ``[n]``)."""
-    channels = check_array(raw, "raw", "int16", (None, L.BLOCK_TOKENS, None)).shape[2]
+def decode_tiles(slots, raw, entries, b_narrow, b_wide, capacity: int, fmt=L.BF16, *, stream=None):
+    """Decode the tiles that ``entries`` point at -> (``[n, 16, C]`` of ``fmt``'s dtype, status int32 ``[n]``)."""
+    codec = device_codec(fmt)
+    channels = check_array(raw, "raw", codec.element, (None, L.BLOCK_TOKENS, None)).shape[2]
     n = check_array(entries, "entries", "int32", (None,)).shape[0]
     zeros, _ = allocators(entries)
-    out, status = zeros((n, L.BLOCK_TOKENS, channels), "int16"), zeros((n,), "int32")
-    DecodePlan(channels, capacity, pack_bases(b3, b4), slots, raw)(entries, out, status, stream=stream)
+    out, status = zeros((n, L.BLOCK_TOKENS, channels), codec.element), zeros((n,), "int32")
+    DecodePlan(channels, capacity, pack_bases(b_narrow, b_wide, codec.modes), slots, raw, fmt=codec.modes)(
+        entries, out, status, stream=stream)
     return out, status

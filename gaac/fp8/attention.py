@@ -21,7 +21,7 @@ from .. import layout as L
 from ..arrays import as_bits
 from ..errors import InputError
 from ..block import decode_block, encode_block
-from .calibration import FP8Calibration
+from ..calibration import Calibration
 from .convert import fp8_values, to_fp8
 
 
@@ -29,7 +29,7 @@ from .convert import fp8_values, to_fp8
 class FP8LayerCache:
     """One layer of one sequence of a GAAC-FP8 cache."""
 
-    calibration: FP8Calibration
+    calibration: Calibration
     layer: int
     k_blocks: list[bytes]          # FP8 block containers, in token order
     v_blocks: list[bytes]
@@ -47,7 +47,7 @@ class FP8LayerCache:
         return np.concatenate(parts + [tail], axis=1)
 
 
-def build_layer_cache(k, v, calibration: FP8Calibration, layer: int) -> FP8LayerCache:
+def build_layer_cache(k, v, calibration: Calibration, layer: int) -> FP8LayerCache:
     """Convert one layer of one sequence (BF16 bits ``[kv_heads, tokens, head_dim]``) with the
     calibration's scales, encode its complete blocks, and keep the rest as the FP8 tail."""
     kb, vb = as_bits(k, "k", ndim=3), as_bits(v, "v", ndim=3)

@@ -2,30 +2,17 @@
 
 Contract
 ========
-The contract of :mod:`gaac.cuda.codec` (read its docstring), with FP8 elements.
-Arrays are torch CUDA tensors (NumPy arrays or torch CPU tensors under the CUDA
-simulator), C-contiguous, starting on a 16-byte boundary.  A plan is built for
-one **mode set** (an FP8 format name such as ``"fp8_e4m3"``, an
-:class:`~gaac.layout.ElementFormat`, or a :class:`~gaac.layout.ModeSet`),
+The contract of :mod:`gaac.cuda.codec` (read its docstring), with FP8 elements: its
+:class:`~gaac.cuda.codec.EncodePlan` and :class:`~gaac.cuda.codec.DecodePlan`,
+:func:`~gaac.cuda.codec.pack_bases` and one-shot helpers take an FP8 format (a name such as
+``"fp8_e4m3"``, an :class:`~gaac.layout.ElementFormat`, or any FP8
+:class:`~gaac.layout.ModeSet`) and run this module's kernels (:func:`fp8_codec`).
 ``C = min(head_dim, 128)``, ``N = 16*C``, ``G = N/8``;
-``slot_bytes = TileGeometry(C, modes).slot_bytes(capacity)`` (FORMAT-FP8.md 5.1).
-
-Encode (:class:`FP8EncodePlan`), one launch for any number of tiles ``n``:
-
-* ``bits``     uint8 ``[n, 16, C]``  -- FP8 bit patterns (``float8_e4m3fn`` / ``float8_e5m2`` tensors
-  as ``.view(torch.uint8)``), tile order of :func:`gaac.tiles.block_tiles`;
-* ``bases``    uint8 ``[P, 2, C]``   -- :func:`pack_bases`: narrow bases, then wide bases; tile ``i``
-  uses row ``i % P``;
-* ``slots``    uint8 ``[S, slot_bytes]`` and ``raw`` uint8 ``[R, 16, C]`` -- the two storage pools
-  (a raw tile is the FP8 bytes as they are, FORMAT-FP8.md 5.2);
-* ``slot_free`` / ``raw_free`` / ``heads`` int32, out ``entries`` / ``escape_used`` int32 ``[n]``:
-  exactly as in :mod:`gaac.cuda.codec` (entry = slot index, or ``raw index | 1 << 31``, or
-  :data:`~gaac.cuda.codec.NO_STORAGE` when a free list ran dry).
-
-Decode (:class:`FP8DecodePlan`): ``entries [n]`` -> ``out`` uint8 ``[n, 16, C]`` and ``status``
-int32 ``[n]``: 0, :data:`~gaac.cuda.codec.BAD_TAG` (reserved mode tag 3, rule R18) or
-:data:`~gaac.cuda.codec.BAD_ESCAPES` (the tags need more escape bytes than ``capacity``, R19);
-the zero padding (R20) is the container decoder's to check, as for BF16.
+``slot_bytes = TileGeometry(C, modes).slot_bytes(capacity)`` (FORMAT-FP8.md 5.1).  What differs from
+BF16's arrays: ``bits``, ``raw`` and ``out`` are uint8 ``[*, 16, C]`` -- FP8 bit patterns
+(``float8_e4m3fn`` / ``float8_e5m2`` tensors as ``.view(torch.uint8)``; a raw tile is the FP8 bytes
+as they are, FORMAT-FP8.md 5.2) -- and the packed ``bases`` are uint8 ``[P, 2, C]``: narrow bases,
+then wide bases.
 
 Kernel shape: the BF16 kernels' (one warp per tile, lane ``l`` owns groups ``32j + l``, the
 storage decision on the device, escape offsets from popcounts over the tag words), with byte
@@ -53,16 +40,15 @@ import numpy as np
 from numba import cuda, int32, uint8, uint32
 
 from .. import layout as L
-from ..cuda.codec import (BAD_ESCAPES, BAD_TAG, DECODE_SIG, ENCODE_SIG, NO_STORAGE, TILES_PER_BLOCK, DecodePlan,
-                          EncodePlan, _copy_raw, _free_list_position, _group_escapes, _staged_offset, _stream_field,
-                          _tag_words, _take_storage, _write_status, _write_stream, _write_tags_escapes)
-from ..cuda.launch import WORD, allocators, check_array, is_torch, words
+from ..cuda.codec import (DECODE_SIG, ENCODE_SIG, TILES_PER_BLOCK, DeviceCodec, _copy_raw, _free_list_position,
+                          _group_escapes, _staged_offset, _stream_field, _tag_words, _take_storage, _write_status,
+                          _write_stream, _write_tags_escapes)
+from ..cuda.launch import WORD
 from ..cuda.primitives import WARP, device, ldg2, mul32, stg2, syncwarp
 from ..errors import InputError
-from ..layout import MODE_NARROW, MODE_RAW, MODE_WIDE, TILE_WIDTHS, ElementFormat, ModeSet, TileGeometry, fp8_format
+from ..layout import MODE_NARROW, MODE_RAW, MODE_WIDE, TILE_WIDTHS, ModeSet, TileGeometry
 
-__all__ = ["BAD_ESCAPES", "BAD_TAG", "NO_STORAGE", "FP8DecodePlan", "FP8EncodePlan", "decode_tiles", "encode_tiles",
-           "pack_bases"]
+__all__ = ["decode_kernel", "decode_source", "encode_kernel", "encode_source", "fp8_codec"]
 
 _GROUP_WORDS = L.GROUP_SIZE // WORD              # 32-bit words of one group of FP8 bytes (2)
 # The kernels read a tag as (bit 0 = wide, bit 1 = raw), as the BF16 kernels do: a tag word's escape
@@ -119,27 +105,12 @@ def _spread_plane(byte, b):
     return uint32(lo << uint32(b)), uint32(hi << uint32(b))
 
 
-def _mode_set(fmt) -> ModeSet:
-    """A mode set from a ModeSet, an FP8 ElementFormat or a format name (the format's mode set in ``MODE_SETS``)."""
-    if isinstance(fmt, ModeSet):
-        return fmt
-    try:
-        return L.MODE_SETS[fp8_format(fmt.name if isinstance(fmt, ElementFormat) else fmt).name]
-    except (ValueError, AttributeError, TypeError):
-        raise InputError(f"unknown FP8 format {fmt!r}: expected a ModeSet, an FP8 ElementFormat or 'fp8_e4m3'/'fp8_e5m2'") \
-            from None
-
-
-def _geometry(modes: ModeSet, channels: int) -> TileGeometry:
-    if channels not in TILE_WIDTHS:
-        raise InputError(f"tiles of {channels} channels do not exist in GAAC-FP8 (tile widths {TILE_WIDTHS})")
-    return TileGeometry(channels, modes)
-
-
 def _shape(modes: ModeSet, channels: int) -> dict:
     """The constants a kernel is built with, all from the FP8 layout: word offsets and counts of the slot
     sections, bytes per group of each bit stream, escape bytes per mode, and byte-lane masks."""
-    geo = _geometry(modes, channels)
+    if channels not in TILE_WIDTHS:
+        raise InputError(f"tiles of {channels} channels do not exist in GAAC-FP8 (tile widths {TILE_WIDTHS})")
+    geo = TileGeometry(channels, modes)
     fmt = modes.fmt
     sm_b = L.GROUP_SIZE * fmt.sm_bits // 8             # bytes of one group in the sign+mantissa stream
     code_b = L.GROUP_SIZE * modes.low_bits // 8        # ... in the code stream
@@ -376,100 +347,9 @@ def decode_kernel(modes: ModeSet, channels: int, tiles_per_block: int = TILES_PE
     return cuda.jit(DECODE_SIG)(decode_source(modes, channels, tiles_per_block))
 
 
-# ----------------------------------------------------------------------------------------------
-# Host side: gaac.cuda.launch's array checks and launcher, with FP8 pools and bases.
-
-def pack_bases(b_narrow, b_wide, fmt):
-    """Per-tile bases ``[P, C]`` (as :func:`gaac.tiles.tile_bases` gives) -> uint8 ``[P, 2, C]`` for ``fmt``.
-
-    Torch in, torch out (same device); NumPy in, NumPy out.  Done once per layer
-    and kind; the kernels read the bases as byte lanes.  Bases outside the mode
-    set's windows (FORMAT-FP8.md 4.2 rule 3) raise :class:`InputError`.
-    """
-    modes = _mode_set(fmt)
-    if is_torch(b_narrow):
-        import torch
-
-        out = torch.stack([b_narrow.to(torch.int16), b_wide.to(torch.int16)], dim=1).contiguous()
-        bounds = [int(out[:, i].min()) for i in (0, 1)], [int(out[:, i].max()) for i in (0, 1)]
-    else:
-        out = np.stack([np.asarray(b_narrow, dtype=np.int64), np.asarray(b_wide, dtype=np.int64)], axis=1)
-        bounds = [int(out[:, i].min()) for i in (0, 1)], [int(out[:, i].max()) for i in (0, 1)]
-    if len(out.shape) != 3 or out.shape[0] == 0 or out.shape[2] not in TILE_WIDTHS:
-        raise InputError(f"bases must be [tiles, C] with tiles >= 1 and C in {TILE_WIDTHS}; "
-                         f"got {list(np.shape(b_narrow))} and {list(np.shape(b_wide))}")
-    (lo_n, lo_w), (hi_n, hi_w) = bounds
-    if lo_n < 0 or hi_n > modes.narrow_base_max or lo_w < 0 or hi_w > modes.wide_base_max:
-        raise InputError(f"{modes.fmt.name}: narrow bases must lie in 0..{modes.narrow_base_max} and wide bases "
-                         f"in 0..{modes.wide_base_max}; got {lo_n}..{hi_n} and {lo_w}..{hi_w}")
-    if is_torch(out):
-        import torch
-
-        return out.to(torch.uint8)
-    return np.ascontiguousarray(out.astype(np.uint8))
-
-
-def _bases_words(bases, channels: int):
-    check_array(bases, "bases", "uint8", (None, 2, channels))
-    if bases.shape[0] == 0:
-        raise InputError("bases: needs at least one row")
-    return words(bases)
-
-
-class FP8EncodePlan(EncodePlan):
-    """Encoding into one pair of pools (slots + raw tiles) with one set of bases: build once, call per block.
-
-    The arrays are the module docstring's; a call checks only ``bits``, ``entries`` and
-    ``escape_used`` and launches once (:class:`gaac.cuda.codec.EncodePlan`'s launch, FP8 elements).
-    """
-
-    ELEMENT = "uint8"
-
-    def __init__(self, fmt, channels: int, capacity: int, bases, slots, slot_free, raw, raw_free, heads, *,
-                 tiles_per_block: int = TILES_PER_BLOCK):
-        self.modes = modes = _mode_set(fmt)
-        self._build(_geometry(modes, channels), capacity, _bases_words(bases, channels), slots, slot_free, raw,
-                    raw_free, heads, encode_kernel(modes, channels, tiles_per_block), tiles_per_block)
-
-
-class FP8DecodePlan(DecodePlan):
-    """Decoding from one pair of pools with one set of bases: build once, call per batch of tiles."""
-
-    ELEMENT = "uint8"
-
-    def __init__(self, fmt, channels: int, capacity: int, bases, slots, raw, *,
-                 tiles_per_block: int = TILES_PER_BLOCK):
-        self.modes = modes = _mode_set(fmt)
-        self._build(_geometry(modes, channels), capacity, _bases_words(bases, channels), slots, raw,
-                    decode_kernel(modes, channels, tiles_per_block), tiles_per_block)
-
-
-# ----------------------------------------------------------------------------------------------
-# One-shot helpers: a pool of n slots and n raw tiles for n tiles (tests, benchmarks).
-
-def encode_tiles(bits, b_narrow, b_wide, capacity: int, fmt, *, stream=None) -> dict:
-    """Encode FP8 tiles ``bits`` uint8 ``[n, 16, C]`` with per-tile bases ``[P, C]`` into fresh pools of ``n``.
-
-    Returns ``slots``, ``raw``, ``entries``, ``escape_used`` and ``heads``; tile ``i`` sits at
-    ``entries[i]``.  Asynchronous on the GPU.
-    """
-    n, _, channels = check_array(bits, "bits", "uint8", (None, L.BLOCK_TOKENS, None)).shape
-    geo = _geometry(_mode_set(fmt), channels)
-    zeros, arange = allocators(bits)
-    out = dict(slots=zeros((n, geo.slot_bytes(capacity)), "uint8"), raw=zeros((n, L.BLOCK_TOKENS, channels), "uint8"),
-               entries=zeros((n,), "int32"), escape_used=zeros((n,), "int32"), heads=zeros((2,), "int32"))
-    plan = FP8EncodePlan(fmt, channels, capacity, pack_bases(b_narrow, b_wide, fmt), out["slots"], arange(n),
-                         out["raw"], arange(n), out["heads"])
-    plan(bits, out["entries"], out["escape_used"], stream=stream)
-    return out
-
-
-def decode_tiles(slots, raw, entries, b_narrow, b_wide, capacity: int, fmt, *, stream=None):
-    """Decode the tiles that ``entries`` point at -> (uint8 ``[n, 16, C]``, status int32 ``[n]``)."""
-    channels = check_array(raw, "raw", "uint8", (None, L.BLOCK_TOKENS, None)).shape[2]
-    n = check_array(entries, "entries", "int32", (None,)).shape[0]
-    zeros, _ = allocators(entries)
-    out, status = zeros((n, L.BLOCK_TOKENS, channels), "uint8"), zeros((n,), "int32")
-    FP8DecodePlan(fmt, channels, capacity, pack_bases(b_narrow, b_wide, fmt), slots, raw)(entries, out, status,
-                                                                                         stream=stream)
-    return out, status
+@functools.lru_cache(maxsize=None)
+def fp8_codec(modes: ModeSet) -> DeviceCodec:
+    """The device codec of an FP8 mode set: uint8 elements and bases, this module's kernels.  The plans,
+    :func:`gaac.cuda.codec.pack_bases` and the one-shot helpers take it through the element format."""
+    return DeviceCodec(modes, "uint8", "uint8", functools.partial(encode_kernel, modes),
+                       functools.partial(decode_kernel, modes))

@@ -33,7 +33,7 @@ from .. import layout as L
 from ..errors import InputError
 from ..layout import MODE_SETS, ModeSet, fp8_format
 from ..stats import CacheStats, KindStats, TileTally, measure_layer, measured_cache
-from .calibration import FP8Calibration, calibrate_fp8
+from ..calibration import Calibration, calibrate
 from .convert import bf16_to_float, cache_to_fp8, fp8_to_float
 
 BF16_BYTES_PER_FP8_BYTE = 2
@@ -90,7 +90,7 @@ class FP8KindStats(KindStats):
         return {**out, "conversion": {"scale_log2": self.scale_log2, **self.conversion}}
 
 
-def measure_fp8(k, v, calibration: FP8Calibration, *, layer_ids=None) -> CacheStats:
+def measure_fp8(k, v, calibration: Calibration, *, layer_ids=None) -> CacheStats:
     """Convert BF16 caches ``k``, ``v`` ``[layers, kv_heads, tokens, head_dim]`` to FP8 and measure them."""
     modes = calibration.modes
     out = {}
@@ -106,7 +106,7 @@ def measure_fp8(k, v, calibration: FP8Calibration, *, layer_ids=None) -> CacheSt
     return CacheStats(**out, calibration=calibration)
 
 
-def fp8_stats(k, v, fmt: str, *, calibration: FP8Calibration | None = None, scale: str = "tensor",
+def fp8_stats(k, v, fmt: str, *, calibration: Calibration | None = None, scale: str = "tensor",
               per_layer: bool = False, layer_ids=None, model: str | None = None) -> dict:
     """What ``gaac stats --format fp8_e4m3|fp8_e5m2`` prints: the ``CacheStats.as_dict`` shape.
 
@@ -118,11 +118,11 @@ def fp8_stats(k, v, fmt: str, *, calibration: FP8Calibration | None = None, scal
     except ValueError as exc:
         raise InputError(str(exc)) from None
     if calibration is None:
-        calibration = calibrate_fp8(k, v, want.fmt.name, scale=scale, model=model)
+        calibration = calibrate(k, v, format=want.fmt, scale=scale, model=model)
     elif calibration.modes != want:
-        raise InputError(f"calibration is for {calibration.format}, not {want.fmt.name}")
+        raise InputError(f"calibration is for {calibration.format.name}, not {want.fmt.name}")
     out = measure_fp8(k, v, calibration, layer_ids=layer_ids).as_dict(per_layer=per_layer)
-    out["format"] = calibration.format
+    out["format"] = calibration.format.name
     out["calibration_id"] = f"{calibration.id:08x}"
     return out
 

@@ -29,9 +29,8 @@ sys.path.insert(0, str(ROOT))
 
 from format_spec.make_vectors import Rand, RejectBase  # noqa: E402
 from gaac import layout as L  # noqa: E402
-from gaac.calibration import fit_windows  # noqa: E402
-from gaac.fp8 import decode_fp8_block, encode_bf16_block, encode_fp8_block  # noqa: E402
-from gaac.fp8.calibration import FP8Calibration, calibrate_fp8  # noqa: E402
+from gaac.calibration import Calibration, fit_windows  # noqa: E402
+from gaac.fp8 import calibrate_fp8, decode_fp8_block, encode_bf16_block, encode_fp8_block  # noqa: E402
 from gaac.reference.bits import join_elements  # noqa: E402
 from gaac.reference.codec import choose_modes, escape_bytes, tile_exponents  # noqa: E402
 from gaac.fp8.convert import fp8_values  # noqa: E402
@@ -109,10 +108,10 @@ class TileBuilder:
 
 # -- calibrations -------------------------------------------------------------
 
-def calibration(fmt: str, bn, bw, capacity, scale_log2=None, model="synthetic") -> FP8Calibration:
+def calibration(fmt: str, bn, bw, capacity, scale_log2=None, model="synthetic") -> Calibration:
     bn = np.asarray(bn)
     scale = np.zeros(bn.shape[:3], dtype=np.int64) if scale_log2 is None else scale_log2
-    return FP8Calibration(format=fmt, scale_log2=scale, b_narrow=bn, b_wide=bw, capacity=capacity, model=model)
+    return Calibration(format=fmt, scale_log2=scale, b_narrow=bn, b_wide=bw, capacity=capacity, model=model)
 
 
 def synthetic_bases(fmt: str, heads: int, dim: int):
@@ -125,7 +124,7 @@ def synthetic_bases(fmt: str, heads: int, dim: int):
 
 # -- description of a valid vector ---------------------------------------------
 
-def describe(name: str, covers: str, enc, cal_file: str, cal: FP8Calibration, block: np.ndarray) -> dict:
+def describe(name: str, covers: str, enc, cal_file: str, cal: Calibration, block: np.ndarray) -> dict:
     """The JSON of a valid vector; sizes recomputed from the table and the modes, checked against the encoder."""
     heads, _, dim = block.shape
     geo = cal.geometry
@@ -139,7 +138,7 @@ def describe(name: str, covers: str, enc, cal_file: str, cal: FP8Calibration, bl
     stored = enc.modes[slot_tiles].ravel()
     names = cal.modes.mode_names
     meta = {
-        "name": name, "valid": True, "covers": covers, "element_format": cal.format,
+        "name": name, "valid": True, "covers": covers, "element_format": cal.format.name,
         "calibration": cal_file, "calibration_id": f"{cal.id:08x}",
         "layer": enc.layer, "kind": L.KIND_NAMES[enc.kind], "kv_heads": heads, "head_dim": dim,
         "scale_log2": cal.scale_log2[enc.kind, enc.layer].tolist(),
