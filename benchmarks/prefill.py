@@ -132,7 +132,7 @@ def main():
            "numba_cuda": package_version("numba-cuda"), "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
            "layers": s.layers, "kv_heads": s.kv_heads, "head_dim": s.head_dim, "tokens": tokens,
            "bytes": 2 * k.numel() * 2, "smoke": smoke}
-    log(f"== check: device rule vs host rule ==")
+    log("== check: device rule vs host rule ==")
     rep["check"] = check(k, v, k_u, v_u, min(check_tokens, tokens), min(4, s.layers))
 
     log(f"== prefill {tokens} tokens x {s.layers} layers ==")

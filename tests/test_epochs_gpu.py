@@ -19,7 +19,6 @@ from test_cache import B, assert_same_epochs, drifting, synthetic  # noqa: E402
 from test_epochs_device import _same_adapter  # noqa: E402
 
 import gaac.epochs as epochs  # noqa: E402
-from gaac import layout as L  # noqa: E402
 from gaac.cache import PagedKVCache  # noqa: E402
 from gaac.calibration import calibrate  # noqa: E402
 from gaac.cuda import epochs as device_epochs  # noqa: E402
