@@ -30,6 +30,7 @@ from .primitives import SIMULATOR, WARP
 
 BINS = 256                   # exponent values of a BF16 element
 CHANNELS_PER_BLOCK = 16      # channels of one head (a warp each) per thread block of the candidates kernel
+CANDIDATE_REGISTERS = None   # a register cap for the candidates kernel (None: the compiler's choice)
 MAX_CHANNELS = 8192          # kv_heads * head_dim the chain kernel's shared bases hold
 MAX_GROUPS = MAX_CHANNELS // L.GROUP_SIZE
 CHAIN_THREADS = 1024
@@ -85,7 +86,7 @@ def pair(xa, xb, ja, rec, r0, job, b, h, t, w):
 
 
 @functools.lru_cache(maxsize=None)
-def candidates_kernel(wpb: int, every: int, shift: int):
+def candidates_kernel(wpb: int, every: int, shift: int, registers: int | None = None):
     """Per job and channel: the decayed histogram after each check of ``every`` blocks (decay shift
     ``shift``) and the check's best windows.
 
@@ -99,8 +100,9 @@ def candidates_kernel(wpb: int, every: int, shift: int):
     run = BINS // WARP                                # bins a lane owns: 8
     stride = BINS + BINS // run                       # one channel's skewed shared row
     cells, pairs = wpb * stride, 2 * wpb              # shared array sizes: compile-time constants
+    jit = cuda.jit if SIMULATOR or registers is None else cuda.jit(max_registers=registers)
 
-    @cuda.jit
+    @jit
     def kernel(xa, xb, ja, rec, r0, checks, hist, cand, head_dim):
         job = cuda.blockIdx.x
         warp = cuda.threadIdx.x // WARP
@@ -513,7 +515,7 @@ class Batch:
 
     def candidates(self) -> None:
         """Launch the candidates kernel: every check's windows, and the histograms after the last check."""
-        self._launch(candidates_kernel(self.cpb, self.every, E.DECAY_SHIFT), (len(self.jobs), self.channels // self.cpb),
+        self._launch(candidates_kernel(self.cpb, self.every, E.DECAY_SHIFT, CANDIDATE_REGISTERS), (len(self.jobs), self.channels // self.cpb),
                      self.cpb * WARP, self.args1)
 
     def chain(self) -> None:
