@@ -29,7 +29,7 @@ from .. import layout as L
 from .primitives import SIMULATOR, WARP
 
 BINS = 256                   # exponent values of a BF16 element
-CHANNELS_PER_BLOCK = 16      # channels of one head (a warp each) per thread block of the candidates kernel
+CHANNELS_PER_BLOCK = 8       # channels of one head (a warp each) per thread block of the candidates kernel
 CANDIDATE_REGISTERS = None   # a register cap for the candidates kernel (None: the compiler's choice)
 MAX_CHANNELS = 8192          # kv_heads * head_dim the chain kernel's shared bases hold
 MAX_GROUPS = MAX_CHANNELS // L.GROUP_SIZE
