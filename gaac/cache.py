@@ -1210,7 +1210,11 @@ class PagedKVCache:
         """Whether the adaptation rule runs on the GPU where an update reaches a check: with the CUDA codec
         on a GPU (``_rule_on_device`` set on a cache, the simulator's tests run it there too)."""
         on = getattr(self, "_rule_on_device", None)
-        return self._cuda_codec and (self.device.type == "cuda" if on is None else on)
+        if not self._cuda_codec or not (self.device.type == "cuda" if on is None else on):
+            return False
+        from .cuda.epochs import supported
+
+        return supported(self.kv_heads, self.head_dim)
 
     @property
     def _cuda_codec(self) -> bool:

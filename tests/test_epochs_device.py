@@ -81,3 +81,16 @@ def test_a_cache_whose_rule_runs_on_the_device_holds_what_the_host_rule_makes(mo
         _same_adapter(gpu._store[0][kind].adapter, host._store[0][kind].adapter)
     rk, rv = gpu.read_layer(0, [sg])
     assert np.array_equal(rk[0].numpy().view(np.uint16), x[0, :, :]) and np.array_equal(rv[0].numpy().view(np.uint16), x[1])
+
+
+def test_shapes_the_device_rule_does_not_take_fall_back_to_the_host_rule(monkeypatch):
+    assert device_epochs.supported(8, 128) and device_epochs.supported(32, 256)
+    assert not device_epochs.supported(64, 256)               # more channels than its shared tables hold
+    monkeypatch.setattr(epochs, "ADAPT_EVERY", 3)              # 48 tokens a check: not whole warps
+    assert not device_epochs.supported(8, 128)
+    cache = PagedKVCache(calibrate(*(drifting_cache(64)[:, :1],) * 2), codec="cuda")
+    cache._rule_on_device = True
+    assert not cache._device_rule                              # so an update runs the host rule
+    with pytest.raises(ValueError, match="host rule does"):
+        device_epochs.assign([(epochs.Adapter(cache.calibration.copy(), 0, 0),
+                               torch.zeros((3, 1, L.BLOCK_TOKENS, 64), dtype=torch.int16))])

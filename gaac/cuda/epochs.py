@@ -404,6 +404,13 @@ def chain_kernel(every: int):
     return kernel
 
 
+def supported(kv_heads: int, head_dim: int) -> bool:
+    """Whether the GPU rule takes blocks of this shape with the rule's current check size (else the host
+    rule runs): at most ``MAX_CHANNELS`` channels, whole thread blocks of channels, whole warps of tokens."""
+    return (kv_heads * head_dim <= MAX_CHANNELS and head_dim % CHANNELS_PER_BLOCK == 0
+            and head_dim % L.GROUP_SIZE == 0 and E.ADAPT_EVERY * L.BLOCK_TOKENS % WARP == 0)
+
+
 def _stacked(tensors: list):
     """``tensors`` (equal shapes and strides) as one tensor with a leading axis: a view of their common
     storage where they lie at equal distances (a prefill's layers), else a copy."""
@@ -457,9 +464,10 @@ class Batch:
         n, kv_heads, _, head_dim = first.shape
         channels = kv_heads * head_dim
         self.cpb = cpb = 1 if SIMULATOR else CHANNELS_PER_BLOCK
-        if channels > MAX_CHANNELS or head_dim % cpb:
+        if not supported(kv_heads, head_dim):
             raise ValueError(f"kv_heads * head_dim = {channels} (at most {MAX_CHANNELS}), head_dim {head_dim} "
-                             f"(a multiple of {cpb})")
+                             f"(a multiple of {CHANNELS_PER_BLOCK}), checks of {E.ADAPT_EVERY} blocks (whole warps "
+                             "of tokens): the GPU rule does not take these; the host rule does")
         if any(b.shape != first.shape for _, b in jobs):
             raise ValueError("every job's blocks must have the same shape")
         self.n, self.kv_heads, self.head_dim, self.channels = n, kv_heads, head_dim, channels
