@@ -34,29 +34,17 @@ CANDIDATE_REGISTERS = None   # a register cap for the candidates kernel (None: t
 MAX_CHANNELS = 8192          # kv_heads * head_dim the chain kernel's shared bases hold
 MAX_GROUPS = MAX_CHANNELS // L.GROUP_SIZE
 CHAIN_THREADS = 1024
+# a block of CHAIN_THREADS threads fits an SM only at 64 registers a thread or fewer
+block_jit = cuda.jit if SIMULATOR else cuda.jit(max_registers=65536 // CHAIN_THREADS)
 COST_3BIT = L.ESCAPE_BYTES[L.MODE_3BIT]
 COST_4BIT = L.ESCAPE_BYTES[L.MODE_4BIT]
 COST_RAW = L.ESCAPE_BYTES[L.MODE_RAW]
 
 
 @cuda.jit(device=True, inline=True)
-def exponent(xa, xb, ja, rec, r0, job, b, h, t, d):
-    """The exponent of element (head h, token t, channel d) of job ``job``'s logical block ``b``: its pending
-    blocks first (``rec``), then its new blocks (``xa`` for the first ``ja`` jobs, ``xb`` for the rest)."""
-    r = r0[job]
-    if b < r:
-        v = rec[job, b, h, t, d]
-    elif job < ja:
-        v = xa[job, b - r, h, t, d]
-    else:
-        v = xb[job - ja, b - r, h, t, d]
-    return (np.int32(v) >> 7) & 0xFF
-
-
-@cuda.jit(device=True, inline=True)
-def source_exponent(src, at, rec, job, r, b, h, t, d):
-    """:func:`exponent` with the job's source array ``src`` (index ``at`` in it) and pending count ``r``
-    already chosen."""
+def exponent(src, at, rec, job, r, b, h, t, d):
+    """The exponent of element (head h, token t, channel d) of job ``job``'s logical block ``b``: its ``r``
+    pending blocks first (``rec``), then its new blocks (``src[at]``, the job's own source array)."""
     v = rec[job, b, h, t, d] if b < r else src[at, b - r, h, t, d]
     return (np.int32(v) >> 7) & 0xFF
 
@@ -71,18 +59,6 @@ else:
     def warp_sync():
         """The warp's lanes see each other's shared-memory writes."""
         cuda.syncwarp()
-
-
-@cuda.jit(device=True, inline=True)
-def pair(xa, xb, ja, rec, r0, job, b, h, t, w):
-    """Word ``w`` of (head h, token t) of job ``job``'s logical block ``b``: elements 2w (low half) and 2w + 1,
-    from the int32 views of the blocks (as :func:`exponent`)."""
-    r = r0[job]
-    if b < r:
-        return rec[job, b, h, t, w]
-    if job < ja:
-        return xa[job, b - r, h, t, w]
-    return xb[job - ja, b - r, h, t, w]
 
 
 @functools.lru_cache(maxsize=None)
@@ -130,7 +106,7 @@ def candidates_kernel(wpb: int, every: int, shift: int, registers: int | None = 
         if n_checks > 0:
             for k in range(per_lane):
                 i = lane + k * WARP
-                ex[k] = source_exponent(src, at, rec, job, r, i // L.BLOCK_TOKENS, h, i % L.BLOCK_TOKENS, d)
+                ex[k] = exponent(src, at, rec, job, r, i // L.BLOCK_TOKENS, h, i % L.BLOCK_TOKENS, d)
         warp_sync()
         for j in range(n_checks):
             for k in range(per_lane):
@@ -139,7 +115,7 @@ def candidates_kernel(wpb: int, every: int, shift: int, registers: int | None = 
             if j + 1 < n_checks:                      # the next check's exponents, in flight meanwhile
                 for k in range(per_lane):
                     i = lane + k * WARP
-                    ex[k] = source_exponent(src, at, rec, job, r, (j + 1) * every + i // L.BLOCK_TOKENS, h,
+                    ex[k] = exponent(src, at, rec, job, r, (j + 1) * every + i // L.BLOCK_TOKENS, h,
                                             i % L.BLOCK_TOKENS, d)
             warp_sync()
             # decay, then add: each lane its own bins
@@ -204,6 +180,53 @@ def group_bytes(out):
     return COST_RAW
 
 
+@cuda.jit(device=True, inline=True)
+def group_saving(src, at, rec, job, r, i, n_groups, j, every, head_dim, c3, c4, n3, n4):
+    """Escape bytes that bases (n3, n4) save against bases (c3, c4) on item ``i`` of check ``j``: one group of
+    8 channels (``i % n_groups``) of one token (``i // n_groups``), read two elements a load from the int32
+    views of the blocks."""
+    g = i % n_groups
+    tok = i // n_groups
+    b = j * every + tok // L.BLOCK_TOKENS
+    t = tok % L.BLOCK_TOKENS
+    h = (g * L.GROUP_SIZE) // head_dim
+    w = ((g * L.GROUP_SIZE) % head_dim) // 2
+    out_cur = 0
+    out_new = 0
+    for u in range(L.GROUP_SIZE // 2):
+        word = rec[job, b, h, t, w + u] if b < r else src[at, b - r, h, t, w + u]
+        c = g * L.GROUP_SIZE + 2 * u
+        e = (word >> 7) & 0xFF
+        out_cur |= outside(e, c3[c], c4[c])
+        out_new |= outside(e, n3[c], n4[c])
+        e = (word >> 23) & 0xFF
+        out_cur |= outside(e, c3[c + 1], c4[c + 1])
+        out_new |= outside(e, n3[c + 1], n4[c + 1])
+    return group_bytes(out_cur) - group_bytes(out_new)
+
+
+@cuda.jit(device=True, inline=True)
+def block_sum(part, value):
+    """The sum of every thread's ``value`` (returned in thread 0); ``part`` holds one int32 a thread."""
+    tid = cuda.threadIdx.x
+    nthreads = cuda.blockDim.x
+    part[tid] = value
+    cuda.syncthreads()
+    if tid < WARP:
+        s = 0
+        k = tid
+        while k < nthreads:
+            s += part[k]
+            k += WARP
+        part[tid] = s
+    cuda.syncthreads()
+    s = 0
+    if tid == 0:
+        for k in range(min(WARP, nthreads)):
+            s += part[k]
+    return s
+
+
 @functools.lru_cache(maxsize=None)
 def costs_kernel(every: int):
     """Per job and check, all at once: the escape bytes the check's candidate saves on the check's blocks
@@ -212,7 +235,7 @@ def costs_kernel(every: int):
     tokens = every * L.BLOCK_TOKENS
     group = L.GROUP_SIZE
 
-    @cuda.jit
+    @block_jit
     def kernel(xa, xb, ja, rec, r0, checks, cand, cur, kv_heads, head_dim, saved0, differs0):
         job = cuda.blockIdx.x
         j = cuda.blockIdx.y
@@ -245,39 +268,10 @@ def costs_kernel(every: int):
         if any_differs:
             i = tid
             while i < tokens * n_groups:
-                g = i % n_groups
-                tok = i // n_groups
-                b = j * every + tok // L.BLOCK_TOKENS
-                t = tok % L.BLOCK_TOKENS
-                h = (g * group) // head_dim
-                w = ((g * group) % head_dim) // 2
-                out_cur = 0
-                out_new = 0
-                for u in range(group // 2):
-                    word = rec[job, b, h, t, w + u] if b < r else src[at, b - r, h, t, w + u]
-                    c = g * group + 2 * u
-                    e = (word >> 7) & 0xFF
-                    out_cur |= outside(e, c3[c], c4[c])
-                    out_new |= outside(e, n3[c], n4[c])
-                    e = (word >> 23) & 0xFF
-                    out_cur |= outside(e, c3[c + 1], c4[c + 1])
-                    out_new |= outside(e, n3[c + 1], n4[c + 1])
-                saved += group_bytes(out_cur) - group_bytes(out_new)
+                saved += group_saving(src, at, rec, job, r, i, n_groups, j, every, head_dim, c3, c4, n3, n4)
                 i += nthreads
-        part[tid] = saved
-        cuda.syncthreads()
-        if tid < WARP:
-            s = 0
-            k = tid
-            while k < nthreads:
-                s += part[k]
-                k += WARP
-            part[tid] = s
-        cuda.syncthreads()
+        s = block_sum(part, saved)
         if tid == 0:
-            s = 0
-            for k in range(min(WARP, nthreads)):
-                s += part[k]
             saved0[job, j] = s
             differs0[job, j] = 1 if any_differs else 0
 
@@ -295,7 +289,7 @@ def chain_kernel(every: int):
     tokens = every * L.BLOCK_TOKENS
     group = L.GROUP_SIZE
 
-    @cuda.jit
+    @block_jit
     def kernel(xa, xb, ja, rec, r0, checks, cand, cur, finalized, n_epochs, warmup, max_epochs, payback,
                table_bytes, kv_heads, head_dim, saved0, differs0, accept):
         job = cuda.blockIdx.x
@@ -316,6 +310,9 @@ def chain_kernel(every: int):
             c4[ch] = cur[job, 1, ch]
             ch += nthreads
         n_ep = n_epochs[job]
+        src = xa if job < ja else xb
+        at = job if job < ja else job - ja
+        r = r0[job]
         cuda.syncthreads()
         first = n_ep
         for j in range(checks[job]):                 # accept is zeros: only appending checks are written
@@ -354,40 +351,11 @@ def chain_kernel(every: int):
             saved = 0
             i = tid
             while i < tokens * n_groups:
-                g = i % n_groups
-                if differ[g]:
-                    tok = i // n_groups
-                    b = j * every + tok // L.BLOCK_TOKENS
-                    t = tok % L.BLOCK_TOKENS
-                    h = (g * group) // head_dim
-                    w = ((g * group) % head_dim) // 2
-                    out_cur = 0
-                    out_new = 0
-                    for u in range(group // 2):
-                        word = pair(xa, xb, ja, rec, r0, job, b, h, t, w + u)
-                        c = g * group + 2 * u
-                        e = (word >> 7) & 0xFF
-                        out_cur |= outside(e, c3[c], c4[c])
-                        out_new |= outside(e, n3[c], n4[c])
-                        e = (word >> 23) & 0xFF
-                        out_cur |= outside(e, c3[c + 1], c4[c + 1])
-                        out_new |= outside(e, n3[c + 1], n4[c + 1])
-                    saved += group_bytes(out_cur) - group_bytes(out_new)
+                if differ[i % n_groups]:
+                    saved += group_saving(src, at, rec, job, r, i, n_groups, j, every, head_dim, c3, c4, n3, n4)
                 i += nthreads
-            part[tid] = saved
-            cuda.syncthreads()
-            if tid < WARP:
-                s = 0
-                k = tid
-                while k < nthreads:
-                    s += part[k]
-                    k += WARP
-                part[tid] = s
-            cuda.syncthreads()
+            s = block_sum(part, saved)
             if tid == 0:
-                s = 0
-                for k in range(min(WARP, nthreads)):
-                    s += part[k]
                 flag[0] = 1 if np.int64(s) * payback >= table_bytes else 0
             cuda.syncthreads()
             if flag[0]:
@@ -463,7 +431,7 @@ class Batch:
         first_adapter, first = jobs[0]
         n, kv_heads, _, head_dim = first.shape
         channels = kv_heads * head_dim
-        self.cpb = cpb = 1 if SIMULATOR else CHANNELS_PER_BLOCK
+        self.cpb = 1 if SIMULATOR else CHANNELS_PER_BLOCK
         if not supported(kv_heads, head_dim):
             raise ValueError(f"kv_heads * head_dim = {channels} (at most {MAX_CHANNELS}), head_dim {head_dim} "
                              f"(a multiple of {CHANNELS_PER_BLOCK}), checks of {E.ADAPT_EVERY} blocks (whole warps "
