@@ -210,12 +210,7 @@ def _host_view(view: LayerView) -> LayerView:
         if _is_torch(x):
             return x.detach().cpu().numpy()
         return np.asarray(x)
-    return LayerView(slots=tuple(h(x) for x in view.slots), raw=tuple(h(x) for x in view.raw),
-                     table=tuple(h(x) for x in view.table), b3=tuple(h(x) for x in view.b3),
-                     b4=tuple(h(x) for x in view.b4), capacity=view.capacity, tail_k=h(view.tail_k),
-                     tail_v=h(view.tail_v), seq_lens=h(view.seq_lens), kv_heads=view.kv_heads,
-                     head_dim=view.head_dim,
-                     epoch=None if view.epoch is None else tuple(None if e is None else h(e) for e in view.epoch))
+    return view.map_arrays(h)
 
 
 # ----------------------------------------------------------------------------------------------

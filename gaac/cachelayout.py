@@ -67,6 +67,14 @@ class LayerView:
             raise InputError(f"epoch {epoch} of {L.KIND_NAMES[kind]} is not in the view's {b3.shape[0]} epochs")
         return b3[epoch], b4[epoch]
 
+    def map_arrays(self, fn) -> "LayerView":
+        """The same view with ``fn`` applied to every array it holds (to move or convert them)."""
+        pair = lambda xs: tuple(None if x is None else fn(x) for x in xs)  # noqa: E731
+        return LayerView(slots=pair(self.slots), raw=pair(self.raw), table=pair(self.table), b3=pair(self.b3),
+                         b4=pair(self.b4), capacity=self.capacity, tail_k=fn(self.tail_k), tail_v=fn(self.tail_v),
+                         seq_lens=fn(self.seq_lens), kv_heads=self.kv_heads, head_dim=self.head_dim,
+                         epoch=None if self.epoch is None else pair(self.epoch))
+
     @property
     def channels(self) -> int:
         return L.tile_channels(self.head_dim)

@@ -130,9 +130,4 @@ def view_to(view: LayerView, device) -> LayerView:
     def t(x):
         x = x if _is_torch(x) else torch.from_numpy(np.ascontiguousarray(x))
         return x.to(device).contiguous()
-    return LayerView(slots=tuple(t(x) for x in view.slots), raw=tuple(t(x) for x in view.raw),
-                     table=tuple(t(x) for x in view.table), b3=tuple(t(x) for x in view.b3),
-                     b4=tuple(t(x) for x in view.b4), capacity=view.capacity, tail_k=t(view.tail_k),
-                     tail_v=t(view.tail_v), seq_lens=t(view.seq_lens), kv_heads=view.kv_heads,
-                     head_dim=view.head_dim,
-                     epoch=None if view.epoch is None else tuple(None if e is None else t(e) for e in view.epoch))
+    return view.map_arrays(t)
