@@ -1058,7 +1058,7 @@ class PagedKVCache:
                 used = torch.empty_like(entries)
                 for epoch, start, stop in _runs(plan.epochs):
                     a, z = start * per, stop * per
-                    self._encoder(store, plan, epoch)(tiles[a:z], entries[a:z], used[a:z])
+                    self._encoder(store, plan, epoch, u.layer, kind)(tiles[a:z], entries[a:z], used[a:z])
                 u.entries[kind] = entries
                 for pool in (store.slots, store.raw):
                     pool.pending += tiles.shape[0]
@@ -1092,15 +1092,18 @@ class PagedKVCache:
         store = self._store[layer][kind]
         return store.slots, store.raw
 
-    def _encoder(self, store: _Kind, plan: _Epochs, epoch: int):
-        """The CUDA codec's EncodePlan of ``store``'s pools and ``epoch``'s bases, made once."""
+    def _encoder(self, store: _Kind, plan: _Epochs, epoch: int, layer: int, kind: int):
+        """The CUDA codec's EncodePlan of ``store``'s pools and ``epoch``'s bases, made once.  The bases come
+        from the host's copy (the calibration, or the epochs the update appends), so that making a plan never
+        waits for the device."""
         key = (epoch, store.pools_key())
         enc = store.encoders.get(key)
         if enc is None:
             from .cuda.codec import EncodePlan, pack_bases
 
-            tb3, tb4 = (t.cpu().numpy() for t in self._tile_bases(store, plan, epoch))
-            bases = torch.from_numpy(pack_bases(tb3, tb4)).to(self.device)
+            held = store.tb3.shape[0]
+            b3, b4 = self._calibration.bases(layer, kind, epoch) if epoch < held else plan.tables[epoch - held]
+            bases = self._to_device(pack_bases(*tile_bases(b3, b4)))
             enc = EncodePlan(self.geometry.channels, store.capacity, bases, store.slots.data, store.slots.order,
                              store.raw.data, store.raw.order, store.heads)
             if epoch < store.tb3.shape[0]:          # an epoch this update appends is cached once committed
