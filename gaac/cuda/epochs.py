@@ -8,9 +8,11 @@ its own decisions and a short chain that does:
   :func:`candidates_kernel` runs them per channel, a warp per channel and a lane per 8 histogram bins,
   looping over the checks;
 * whether a check appends its candidate depends on the epoch current at that check, the last one
-  appended; :func:`chain_kernel` walks the checks in order, a thread block per (kind, layer), and for
-  each check whose candidate differs from the current epoch counts, over the check's 8 blocks, the escape
-  bytes under both, in the groups of channels where they differ.
+  appended.  :func:`costs_kernel` counts, for every check at once, the escape bytes its candidate saves
+  against the epoch current when the batch starts; :func:`chain_kernel` walks the checks in order, a thread
+  block per (kind, layer), deciding from those counts until the batch appends an epoch, and after that
+  counting itself, over the check's 8 blocks, in the groups of channels where candidate and current
+  epoch differ.
 
 Both read the blocks where they lie (a strided view of the input; the adapter's pending blocks from a
 small array); the adapters' histograms stay on the device until the host rule needs one, and one copy to
