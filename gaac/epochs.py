@@ -100,7 +100,7 @@ class Adapter:
 
         if self._hist_device is not None and self._hist_device.device == device:
             return self._hist_device
-        return torch.from_numpy(self._hist.astype(np.int32)).to(device)
+        return torch.from_numpy(self.hist.astype(np.int32)).to(device)
 
     def keep_hist_on_device(self, hist) -> None:
         """Take the GPU rule's histogram (an int32 tensor ``[kv_heads, head_dim, 256]``) as this adapter's;
