@@ -393,7 +393,6 @@ class _Epochs:
                                  # (NumPy, or a pinned host copy and its event on a GPU)
     blocks: object = None        # the rule runs on the GPU: the blocks, until the update's batch is decided
                                  # (``after`` is the live adapter until then)
-    first_new: int = 0           # the index of the first epoch this update may append
 
 
 @dataclass
@@ -475,6 +474,8 @@ class PagedKVCache:
     thread that runs attention on a view while others append holds :attr:`lock` around
     taking the view and using it.
     """
+
+    _rule_on_device: bool | None = None    # where an update runs the epoch rule (None: on a GPU, there)
 
     def __init__(self, calibration: Calibration, *, max_seqs: int = 1, max_blocks: int = 64,
                  slots: int | None = None, raw_tiles: int | None = None, device="cpu", grow: bool = False,
@@ -889,19 +890,19 @@ class PagedKVCache:
                 continue
             parts = []
             for epoch, start, stop in _runs(plan.epochs):
-                tb3, tb4 = self._tile_bases(store, plan, epoch)
+                tb3, tb4 = (torch.from_numpy(t) for t in self._tile_bases(store, plan, epoch, layer, kind))
                 parts.append(self.codec.encode(tiles[-1][start * per:stop * per], tb3, tb4, store.capacity))
             slots.append(torch.cat([p[0] for p in parts]))
             fits.append(np.concatenate([p[1] for p in parts]))
         return _Update(layer=layer, seqs=seqs, new=(k, v), blocks=blocks, tiles=tuple(tiles), slots=tuple(slots),
                        fits=tuple(fits), epochs=tuple(epochs))
 
-    def _tile_bases(self, store: _Kind, plan: _Epochs, epoch: int):
-        """One block's per-tile bases ``(tb3, tb4)`` of ``epoch``: the store's, or one the update appends."""
-        if epoch < store.tb3.shape[0]:
-            return store.tb3[epoch], store.tb4[epoch]
-        return tuple(torch.from_numpy(np.ascontiguousarray(t)).to(self.device)
-                     for t in tile_bases(*plan.tables[epoch - store.tb3.shape[0]]))
+    def _tile_bases(self, store: _Kind, plan: _Epochs, epoch: int, layer: int, kind: int):
+        """One block's per-tile bases ``(tb3, tb4)`` of ``epoch`` (NumPy): from the host's calibration, which
+        holds every epoch the store does, or one the update appends -- never read back from the device."""
+        held = store.tb3.shape[0]
+        b3, b4 = self._calibration.bases(layer, kind, epoch) if epoch < held else plan.tables[epoch - held]
+        return tuple(np.ascontiguousarray(t) for t in tile_bases(b3, b4))
 
     def _plan_epochs(self, store: _Kind, layer: int, kind: int, finished: torch.Tensor) -> _Epochs:
         """The epoch each of ``finished`` ``[n, heads, 16, D]`` is coded with; the cache's adapter stays as it is.
@@ -921,8 +922,7 @@ class PagedKVCache:
             return _Epochs(epochs=np.full(n, adapter.epoch, np.int64), tables=[], after=None,
                            pending=self._host_copy(finished))
         if self._device_rule:
-            return _Epochs(epochs=None, tables=[], after=adapter, pending=None, blocks=finished,
-                           first_new=adapter.epoch + 1)
+            return _Epochs(epochs=None, tables=[], after=adapter, pending=None, blocks=finished)
         after = copy.deepcopy(adapter, {id(adapter.calibration): self._calibration.copy()})
         host = finished.cpu().numpy().view(np.uint16)
         epochs = after.assign(host)
@@ -942,7 +942,9 @@ class PagedKVCache:
         # pending blocks rather than changing them) and of the calibration (one for the batch: each job
         # appends to its own layer and kind), so that the cache is unchanged until commit.
         calibration = self._calibration.copy()
+        first_new = {}                  # the index of the first epoch each plan may append
         for _, _, plan in waiting:
+            first_new[id(plan)] = plan.after.epoch + 1
             after = copy.copy(plan.after)
             after.calibration, after._recent = calibration, list(after._recent)
             plan.after = after
@@ -953,7 +955,7 @@ class PagedKVCache:
             for (layer, kind, plan), epochs in zip(batch, assign([(p.after, p.blocks) for _, _, p in batch])):
                 plan.epochs = epochs
                 plan.tables = [plan.after.calibration.bases(layer, kind, e)
-                               for e in range(plan.first_new, plan.after.epoch + 1)]
+                               for e in range(first_new[id(plan)], plan.after.epoch + 1)]
                 plan.blocks = None
 
     def _host_copy(self, x: torch.Tensor):
@@ -1093,17 +1095,14 @@ class PagedKVCache:
         return store.slots, store.raw
 
     def _encoder(self, store: _Kind, plan: _Epochs, epoch: int, layer: int, kind: int):
-        """The CUDA codec's EncodePlan of ``store``'s pools and ``epoch``'s bases, made once.  The bases come
-        from the host's copy (the calibration, or the epochs the update appends), so that making a plan never
-        waits for the device."""
+        """The CUDA codec's EncodePlan of ``store``'s pools and ``epoch``'s bases, made once; the bases come
+        from the host (:meth:`_tile_bases`), so that making a plan never waits for the device."""
         key = (epoch, store.pools_key())
         enc = store.encoders.get(key)
         if enc is None:
             from .cuda.codec import EncodePlan, pack_bases
 
-            held = store.tb3.shape[0]
-            b3, b4 = self._calibration.bases(layer, kind, epoch) if epoch < held else plan.tables[epoch - held]
-            bases = self._to_device(pack_bases(*tile_bases(b3, b4)))
+            bases = self._to_device(pack_bases(*self._tile_bases(store, plan, epoch, layer, kind)))
             enc = EncodePlan(self.geometry.channels, store.capacity, bases, store.slots.data, store.slots.order,
                              store.raw.data, store.raw.order, store.heads)
             if epoch < store.tb3.shape[0]:          # an epoch this update appends is cached once committed
@@ -1212,7 +1211,7 @@ class PagedKVCache:
     def _device_rule(self) -> bool:
         """Whether the adaptation rule runs on the GPU where an update reaches a check: with the CUDA codec
         on a GPU (``_rule_on_device`` set on a cache, the simulator's tests run it there too)."""
-        on = getattr(self, "_rule_on_device", None)
+        on = self._rule_on_device
         if not self._cuda_codec or not (self.device.type == "cuda" if on is None else on):
             return False
         from .cuda.epochs import supported

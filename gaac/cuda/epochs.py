@@ -28,7 +28,7 @@ from numba import cuda
 
 from .. import epochs as E
 from .. import layout as L
-from .primitives import SIMULATOR, WARP
+from .primitives import SIMULATOR, WARP, syncwarp
 
 BINS = 256                   # exponent values of a BF16 element
 CHANNELS_PER_BLOCK = 8       # channels of one head (a warp each) per thread block of the candidates kernel
@@ -44,23 +44,17 @@ COST_RAW = L.ESCAPE_BYTES[L.MODE_RAW]
 
 
 @cuda.jit(device=True, inline=True)
+def element(src, at, rec, job, r, b, h, t, x):
+    """Entry ``x`` of (head h, token t) of job ``job``'s logical block ``b``: its ``r`` pending blocks first
+    (``rec``), then its new blocks (``src[at]``, the job's own source array).  An element of the int16 views,
+    two elements of the int32 views."""
+    return rec[job, b, h, t, x] if b < r else src[at, b - r, h, t, x]
+
+
+@cuda.jit(device=True, inline=True)
 def exponent(src, at, rec, job, r, b, h, t, d):
-    """The exponent of element (head h, token t, channel d) of job ``job``'s logical block ``b``: its ``r``
-    pending blocks first (``rec``), then its new blocks (``src[at]``, the job's own source array)."""
-    v = rec[job, b, h, t, d] if b < r else src[at, b - r, h, t, d]
-    return (np.int32(v) >> 7) & 0xFF
-
-
-if SIMULATOR:
-    @cuda.jit(device=True)
-    def warp_sync():
-        """The simulator has no warp barrier; its candidates blocks are one warp, so a block barrier is one."""
-        cuda.syncthreads()
-else:
-    @cuda.jit(device=True, inline=True)
-    def warp_sync():
-        """The warp's lanes see each other's shared-memory writes."""
-        cuda.syncwarp()
+    """The exponent of element (head h, token t, channel d) of job ``job``'s logical block ``b``."""
+    return (np.int32(element(src, at, rec, job, r, b, h, t, d)) >> 7) & 0xFF
 
 
 @functools.lru_cache(maxsize=None)
@@ -109,7 +103,7 @@ def candidates_kernel(wpb: int, every: int, shift: int, registers: int | None = 
             for k in range(per_lane):
                 i = lane + k * WARP
                 ex[k] = exponent(src, at, rec, job, r, i // L.BLOCK_TOKENS, h, i % L.BLOCK_TOKENS, d)
-        warp_sync()
+        syncwarp()
         for j in range(n_checks):
             for k in range(per_lane):
                 e = ex[k]
@@ -118,14 +112,14 @@ def candidates_kernel(wpb: int, every: int, shift: int, registers: int | None = 
                 for k in range(per_lane):
                     i = lane + k * WARP
                     ex[k] = exponent(src, at, rec, job, r, (j + 1) * every + i // L.BLOCK_TOKENS, h,
-                                            i % L.BLOCK_TOKENS, d)
-            warp_sync()
+                                     i % L.BLOCK_TOKENS, d)
+            syncwarp()
             # decay, then add: each lane its own bins
             for k in range(run):
                 v = hs[base + k]
                 hs[base + k] = v - (v >> shift) + cnt[base + k]
                 cnt[base + k] = 0
-            warp_sync()
+            syncwarp()
             # the windows starting at this lane's bins, which end in the next two lanes' bins
             a3 = 0
             for k in range(run):
@@ -151,13 +145,13 @@ def candidates_kernel(wpb: int, every: int, shift: int, registers: int | None = 
                 cuda.atomic.max(best, 2 * warp, k3)
             if k4 >= BINS:
                 cuda.atomic.max(best, 2 * warp + 1, k4)
-            warp_sync()
+            syncwarp()
             if lane == 0:
                 cand[job, j, 0, ch] = BINS - 1 - (best[2 * warp] & (BINS - 1))
                 cand[job, j, 1, ch] = BINS - 1 - (best[2 * warp + 1] & (BINS - 1))
                 best[2 * warp] = -1
                 best[2 * warp + 1] = -1
-        warp_sync()
+        syncwarp()
         for k in range(run):
             hist[job, ch, lane * run + k] = hs[base + k]
 
@@ -196,7 +190,7 @@ def group_saving(src, at, rec, job, r, i, n_groups, j, every, head_dim, c3, c4, 
     out_cur = 0
     out_new = 0
     for u in range(L.GROUP_SIZE // 2):
-        word = rec[job, b, h, t, w + u] if b < r else src[at, b - r, h, t, w + u]
+        word = element(src, at, rec, job, r, b, h, t, w + u)
         c = g * L.GROUP_SIZE + 2 * u
         e = (word >> 7) & 0xFF
         out_cur |= outside(e, c3[c], c4[c])
@@ -468,23 +462,24 @@ class Batch:
         rec, cur, r0_d, checks_d = dev(rec_np), dev(cur_np), dev(r0), dev(checks.astype(np.int32))
         self.hist = (torch.zeros((n_jobs, channels, BINS), dtype=torch.int32, device=device) if fresh else
                      torch.stack([a.hist_on_device(device).reshape(channels, BINS) for a, _ in jobs]))
-        m = max(1, int(checks.max()))
+        self.m = m = max(1, int(checks.max()))
         self.cand = torch.zeros((n_jobs, m, 2, channels), dtype=torch.uint8, device=device)
         self.accept = torch.zeros((n_jobs, m), dtype=torch.int32, device=device)
         self.saved0 = torch.zeros((n_jobs, m), dtype=torch.int32, device=device)
         self.differs0 = torch.zeros((n_jobs, m), dtype=torch.int32, device=device)
         self.args1 = (xa, xb, ja, rec, r0_d, checks_d, self.hist, self.cand, head_dim)
         words = [x.view(torch.int32) for x in (xa, xb, rec)]      # the chain reads two elements a load
-        self.args2 = (words[0], words[1], ja, words[2], r0_d, checks_d, self.cand, cur, dev(finalized), dev(n_epochs), E.WARMUP_BLOCKS,
-                      E.MAX_EPOCHS, E.PAYBACK_CHECKS, E.epoch_table_bytes(first_adapter.calibration), kv_heads,
-                      head_dim, self.saved0, self.differs0, self.accept)
-        self.args0 = (words[0], words[1], ja, words[2], r0_d, checks_d, self.cand, cur, kv_heads, head_dim, self.saved0,
-                      self.differs0)
+        self.args0 = (words[0], words[1], ja, words[2], r0_d, checks_d, self.cand, cur, kv_heads, head_dim,
+                      self.saved0, self.differs0)
+        self.args2 = (words[0], words[1], ja, words[2], r0_d, checks_d, self.cand, cur, dev(finalized),
+                      dev(n_epochs), E.WARMUP_BLOCKS, E.MAX_EPOCHS, E.PAYBACK_CHECKS,
+                      E.epoch_table_bytes(first_adapter.calibration), kv_heads, head_dim, self.saved0,
+                      self.differs0, self.accept)
 
     def _launch(self, kernel, grid, block, args) -> None:
         import torch
 
-        if int(self.checks.max()) == 0:
+        if not self.checks.any():
             return
         if SIMULATOR:
             kernel[grid, block](*(a.numpy() if isinstance(a, torch.Tensor) else a for a in args))
@@ -493,14 +488,14 @@ class Batch:
 
     def candidates(self) -> None:
         """Launch the candidates kernel: every check's windows, and the histograms after the last check."""
-        self._launch(candidates_kernel(self.cpb, self.every, E.DECAY_SHIFT, CANDIDATE_REGISTERS), (len(self.jobs), self.channels // self.cpb),
-                     self.cpb * WARP, self.args1)
+        kernel = candidates_kernel(self.cpb, self.every, E.DECAY_SHIFT, CANDIDATE_REGISTERS)
+        self._launch(kernel, (len(self.jobs), self.channels // self.cpb), self.cpb * WARP, self.args1)
 
     def chain(self) -> None:
         """Launch the costs kernel and the chain kernel: which checks append their candidate."""
         threads = 64 if SIMULATOR else CHAIN_THREADS
-        self._launch(costs_kernel(self.every), (len(self.jobs), max(1, int(self.checks.max()))), threads, self.args0)
-        self._launch(chain_kernel(self.every), len(self.jobs), 64 if SIMULATOR else CHAIN_THREADS, self.args2)
+        self._launch(costs_kernel(self.every), (len(self.jobs), self.m), threads, self.args0)
+        self._launch(chain_kernel(self.every), len(self.jobs), threads, self.args2)
 
     def finish(self) -> list:
         """Wait for the decisions; append the epochs, update the adapters, return each job's block epochs."""
