@@ -521,6 +521,8 @@ class PagedKVCache:
         self._cuts = [set() for _ in range(max_seqs)]      # per sequence: blocks where some layer's epoch changes
         self._layer_state = {}       # (layer, g) -> what a step plan launches attention with (gaac.step)
         self._step_index = None      # the device indices of the current one-token step (_append_token)
+        self._generation = 0         # counts changes of lengths or storage: a captured step plan checks it (gaac.step)
+        self._recording = None       # the step plan whose device-driven step is being recorded (gaac.step)
         self._wave = {}              # attention kernel -> warps in one wave (gaac.step)
         self._append_launch = None   # the one-token append kernel's launcher (GPU)
         self._append_params = {}     # layer -> its tails and the packed parameters of its arrays (GPU)
@@ -670,6 +672,7 @@ class PagedKVCache:
         self._live[seq] = False
         self._cuts[seq].clear()
         self._step_index = None
+        self._generation += 1
 
     def _grow_rows(self, n: int) -> None:
         extra = n - self.max_seqs
@@ -684,8 +687,9 @@ class PagedKVCache:
         self._seq_lens = torch.cat([self._seq_lens, self._seq_lens.new_zeros((self.layers, extra))], dim=1)
         self._live = np.concatenate([self._live, np.zeros(extra, bool)])
         self._cuts += [set() for _ in range(extra)]
-        self._layer_state.clear()
+        self._storage_changed()
         self._step_index = None
+        self._generation += 1
 
     # -- appending --------------------------------------------------------------
     @_locked
@@ -743,6 +747,9 @@ class PagedKVCache:
         if k.shape != v.shape or k.shape[0] != len(seqs):
             raise InputError(f"k {list(k.shape)} and v {list(v.shape)} must both be [{len(seqs)} sequences, "
                              f"kv_heads, tokens, head_dim]")
+        if self._recording is not None:
+            self._recording.record_append(layer, seqs, k, v)
+            return
         if k.shape[2] == 1 and self._append_token(layer, seqs, k, v):
             return
         self._apply([self._prepare(layer, seqs, k, v)])
@@ -774,6 +781,7 @@ class PagedKVCache:
             v_store.tail[rows_t, :, r_t] = v[:, :, 0]
             self._seq_lens[layer, rows_t] = after_t.to(torch.int32)
         self._lens[layer, rows] += 1
+        self._generation += 1
         return True
 
     def _launch_append(self, layer, k, v, index, k_store, v_store) -> None:
@@ -985,6 +993,12 @@ class PagedKVCache:
         """Forget what attention launches ``layer`` with: its arrays changed."""
         for key in [key for key in self._layer_state if key[0] == layer]:
             del self._layer_state[key]
+        self._generation += 1
+
+    def _storage_changed(self) -> None:
+        """Forget what attention launches every layer with: arrays were replaced (growth)."""
+        self._layer_state.clear()
+        self._generation += 1
 
     def _flush_all(self) -> None:
         for layer, layer_store in enumerate(self._store):
@@ -1037,7 +1051,7 @@ class PagedKVCache:
                 self._grow_blocks(max(n, 2 * self.max_blocks))
             else:
                 pool.grow_to(max(n, 2 * pool.size))
-                self._layer_state.clear()
+                self._storage_changed()
 
     def _encode_on_device(self, updates: list) -> None:
         """Encode every finished tile of ``updates`` into its pools with the CUDA encoder (one launch per
@@ -1088,7 +1102,7 @@ class PagedKVCache:
                                          "pool larger")
             for pool, n in over:
                 pool.grow_to(max(pool.size + n, 2 * pool.size))
-            self._layer_state.clear()
+            self._storage_changed()
 
     def _pools(self, layer: int, kind: int) -> tuple:
         store = self._store[layer][kind]
@@ -1119,7 +1133,7 @@ class PagedKVCache:
                 if store.epoch is not None:
                     e = store.epoch
                     store.epoch = torch.cat([e, e.new_zeros((e.shape[0], n - e.shape[1]))], dim=1)
-        self._layer_state.clear()
+        self._storage_changed()
 
     def _commit(self, u: _Update) -> None:
         """Write an update prepared and reserved for: slots, raw tiles, table entries, tails, lengths."""
@@ -1159,6 +1173,7 @@ class PagedKVCache:
             self.blocks_encoded += q
         self._seq_lens[u.layer].copy_(self._to_device(self._lens[u.layer].astype(np.int32)), non_blocking=True)
         self._step_index = None
+        self._generation += 1
 
     def _commit_epochs(self, store: _Kind, u: _Update, kind: int) -> None:
         """Apply an update's epoch decisions: new epochs, the adapter's state, each finished block's epoch."""
@@ -1193,7 +1208,8 @@ class PagedKVCache:
 
     # -- a decode step -----------------------------------------------------------
     @_locked
-    def decode_plan(self, q_heads: int, *, append: int = 1, seqs=None, scale: float | None = None):
+    def decode_plan(self, q_heads: int, *, append: int = 1, seqs=None, scale: float | None = None,
+                    steps: int | None = None):
         """Plan one decode step for every layer: a :class:`gaac.step.StepPlan` whose ``run(q, layer)``
         launches that layer's attention.
 
@@ -1202,10 +1218,15 @@ class PagedKVCache:
         after them, from the host's copy of the lengths (no device synchronisation), and reserves the
         records the step's finished blocks need in every layer: an exhausted pool raises
         :class:`PoolExhaustedError` here, before anything is written.  ``append=0`` plans attention
-        over what the cache holds (after a prefill)."""
+        over what the cache holds (after a prefill).
+
+        ``steps=N`` plans the next ``N`` steps (or fewer: ``plan.steps``) for a CUDA graph: the step that
+        ``with plan.device_driven():`` records reads its positions and lengths on the device, encodes the
+        blocks it finishes there, and is replayed with ``plan.replayed()`` after each replay
+        (:mod:`gaac.captured`)."""
         from .step import StepPlan
 
-        return StepPlan(self, q_heads, append=append, seqs=seqs, scale=scale)
+        return StepPlan(self, q_heads, append=append, seqs=seqs, scale=scale, steps=steps)
 
     @property
     def _device_rule(self) -> bool:

@@ -109,7 +109,8 @@ class StepPlan:
     live sequence give output 0 and LSE -inf).
     """
 
-    def __init__(self, cache, q_heads: int, *, append: int = 1, seqs=None, scale: float | None = None):
+    def __init__(self, cache, q_heads: int, *, append: int = 1, seqs=None, scale: float | None = None,
+                 steps: int | None = None):
         hk, d = cache.kv_heads, cache.head_dim
         if isinstance(q_heads, bool) or not isinstance(q_heads, (int, np.integer)) or q_heads % hk \
                 or not 1 <= q_heads // hk <= MAX_GROUP:
@@ -132,24 +133,38 @@ class StepPlan:
         self.lens = before.copy()
         self.lens[rows] += append
         self.batch = len(self.lens)
-        reserve_step(cache, before, self.lens)
+        self.steps = None
         self.kernel_path = cache._cuda_codec
-        if self.kernel_path:
-            self._plan_kernel()
+        if steps is None:
+            reserve_step(cache, before, self.lens)
+            if self.kernel_path:
+                self._plan_kernel(self.lens, set())
+            return
+        from .captured import CapturedSteps
+
+        if append != 1:
+            raise InputError(f"a plan of steps appends one token per sequence a step; got append={append!r}")
+        self.captured = CapturedSteps(self, steps, rows, before)
+        self.steps = self.captured.steps
+        if self.steps:
+            self._plan_kernel(self.captured.end, self.captured.cuts)
+            self.captured.prepare()
 
     # -- the CUDA kernel's plan -------------------------------------------------------------------
-    def _plan_kernel(self) -> None:
+    def _plan_kernel(self, lens: np.ndarray, more_cuts: set) -> None:
+        """The work list for the lengths ``lens`` (this step's; a captured plan's: its last step's), cut
+        where an epoch changes and at ``more_cuts`` (blocks)."""
         import torch
 
         from .cuda import merge
         from .cuda.primitives import SIMULATOR
 
         cache, hk, d = self.cache, self.cache.kv_heads, self.cache.head_dim
-        nfull = self.lens // L.BLOCK_TOKENS
-        nblk = -(-self.lens // L.BLOCK_TOKENS)
+        nfull = lens // L.BLOCK_TOKENS
+        nblk = -(-lens // L.BLOCK_TOKENS)
         runs = []
         for b in np.flatnonzero(nblk):
-            cuts = sorted(c for c in cache._cuts[b] if 0 < c < nfull[b])
+            cuts = sorted(c for c in cache._cuts[b] | more_cuts if 0 < c < nfull[b])
             edges = [0, *cuts, int(nblk[b])]
             runs += [(int(b), a, z) for a, z in zip(edges[:-1], edges[1:]) if z > a]
         state = layer_launch(cache, 0, self.g)
@@ -197,7 +212,9 @@ class StepPlan:
     def _run(self, q, layer, out, lse, return_lse):
         cache = self.cache
         cache._check_layer(layer)
-        if not np.array_equal(cache._lens[layer], self.lens):
+        if self.steps is not None:
+            self.captured.check_recording("run")
+        elif not np.array_equal(cache._lens[layer], self.lens):
             raise InputError(f"layer {layer} holds {cache._lens[layer].tolist()} tokens per sequence; this plan is "
                              f"for {self.lens.tolist()}: append the step's tokens to the layer before its attention")
         if not self.kernel_path:
@@ -264,6 +281,24 @@ class StepPlan:
         out = out.view(torch.bfloat16)
         return (out, lse) if return_lse else out
 
+    def device_driven(self):
+        """A plan of ``steps``: the context in which ``cache.update_layer`` (one token) and :meth:`run` launch
+        the device-driven step, for a CUDA graph to capture (:mod:`gaac.captured`).  Run eagerly, it is
+        one step."""
+        self._need_steps("device_driven")
+        return self.captured.device_driven()
+
+    def replayed(self) -> None:
+        """A plan of ``steps``: the host's account of one replay of the captured step (no synchronisation):
+        its copy of the lengths and of the blocks the step finished."""
+        self._need_steps("replayed")
+        self.captured.replayed()
+
+    def _need_steps(self, what: str) -> None:
+        if self.steps is None:
+            raise InputError(f"{what}: this plan is for one eager step; cache.decode_plan(q_heads, steps=N) makes a "
+                             "plan of N device-driven steps")
+
     def check_status(self) -> None:
         """Raise :class:`FormatError` naming the layers whose attention found a malformed slot or table entry
         this step (synchronises with the device: call it where the loop waits for the device anyway)."""
@@ -320,8 +355,8 @@ def reserve_step(cache, before: np.ndarray, after: np.ndarray) -> None:
                 if free >= n:
                     continue
                 if not cache.grow:
-                    raise PoolExhaustedError(f"{pool.name} is exhausted: this step finishes {n} tiles per layer and "
+                    raise PoolExhaustedError(f"{pool.name} is exhausted: the steps planned finish {n} tiles per layer and "
                                              f"kind, each of which may need a record of it, and {free} of {pool.size} "
                                              "are free; remove sequences or make the pool larger")
                 pool.grow_to(max(pool.size + n - free, 2 * pool.size))
-                cache._layer_state.clear()
+                cache._storage_changed()

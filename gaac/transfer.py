@@ -663,7 +663,7 @@ class _Writer:
                 if grow is not None:
                     pool, n = grow
                     pool.grow_to(max(n, 2 * pool.size))
-                    cache._layer_state.clear()
+                    cache._storage_changed()
             self.records = self._records()       # the counts _shortfalls read, or a grown pool's new list
             for i in range(len(lay.sections)):
                 self.scatter(i, body)
@@ -689,6 +689,7 @@ class _Writer:
         cache._lens[:, seq] = lay.tokens
         cache._seq_lens[:, seq] = lay.tokens
         cache._step_index = None
+        cache._generation += 1
         return seq
 
 

@@ -93,3 +93,91 @@ def test_gpu_step_reservation_refuses_before_writing():
     with pytest.raises(PoolExhaustedError):
         cache.decode_plan(4)
     np.testing.assert_array_equal(cache.read(seq)[0], k[:, :, :2 * B - 1])
+
+
+@pytest.mark.parametrize("adapt", [False, True])
+def test_captured_graph_steps_match_the_reference_cache(adapt, monkeypatch):
+    """The whole step of every layer (appends, tail encodes, attention) captured in one CUDA graph and
+    replayed over block ends, batch rows finishing blocks on different steps; with adaptation, plans end at
+    the rule's checks and are captured again.  The GPU cache then holds the reference cache's bits, epochs
+    and slot/raw decisions, and every replayed step's attention matches float64."""
+    for name in ("WARMUP_BLOCKS", "ADAPT_EVERY"):
+        monkeypatch.setattr(epochs_mod, name, 4)
+    rng = np.random.default_rng(17)
+    layers, heads, dim, steps = 2, 4, 128, 120
+    start = [30 * B + 3, 9 * B + 10, 5]
+    n_tok = [s + steps for s in start]
+    k = [drifting(rng, layers, heads, n, dim, 12.0) for n in n_tok]
+    v = [synthetic(rng, layers, heads, n, dim) for n in n_tok]
+    cal = calibrate(k[0][:, :, :256], v[0][:, :, :256])
+    caches = [PagedKVCache(cal, max_seqs=3, max_blocks=48, raw_tiles=3 * 48 * 4, device=d, adapt=adapt)
+              for d in ("cuda", "cpu")]
+    seqs = [[c.add_sequence(k[i][:, :, :start[i]], v[i][:, :, :start[i]]) for i in range(3)] for c in caches][0]
+    kbuf = torch.zeros((layers, 3, heads, 1, dim), dtype=torch.int16, device="cuda")
+    vbuf = torch.zeros_like(kbuf)
+    qbuf = torch.zeros((3, 2 * heads, dim), dtype=torch.bfloat16, device="cuda")
+    out = torch.zeros((layers, 3, 2 * heads, dim), dtype=torch.bfloat16, device="cuda")
+
+    def fill(step):
+        for layer in range(layers):
+            for i in range(3):
+                p = start[i] + step
+                kbuf[layer, i, :, 0] = torch.from_numpy(k[i][layer, :, p].view(np.int16))
+                vbuf[layer, i, :, 0] = torch.from_numpy(v[i][layer, :, p].view(np.int16))
+
+    def eager_ref(step):
+        for layer in range(layers):
+            caches[1].update_layer(layer, seqs, kbuf[layer].cpu(), vbuf[layer].cpu())
+
+    step, graphs, worst = 0, 0, 0.0
+    while step < steps:
+        plan = caches[0].decode_plan(2 * heads, steps=min(48, steps - step))
+        if not plan.steps:                        # the next step passes a check: eagerly
+            fill(step)
+            eager = caches[0].decode_plan(2 * heads)
+            for layer in range(layers):
+                caches[0].update_layer(layer, seqs, kbuf[layer], vbuf[layer])
+                eager.run(qbuf, layer)
+            eager_ref(step)
+            step += 1
+            continue
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph), plan.device_driven():
+            for layer in range(layers):
+                caches[0].update_layer(layer, seqs, kbuf[layer], vbuf[layer])
+                plan.run(qbuf, layer, out=out[layer])
+        graphs += 1
+        for _ in range(plan.steps):
+            fill(step)
+            qbuf.copy_(torch.randn((3, 2 * heads, dim)).to(torch.bfloat16))
+            graph.replay()
+            plan.replayed()
+            eager_ref(step)
+            if step % 13 == 0 or step == steps - 1:
+                qf = bf16_to_float(qbuf.view(torch.int16).cpu().numpy())
+                for layer in range(layers):
+                    ks = [bf16_to_float(k[i][layer, :, :start[i] + step + 1]) for i in range(3)]
+                    vs = [bf16_to_float(v[i][layer, :, :start[i] + step + 1]) for i in range(3)]
+                    ref, _ = reference_attention(qf, ks, vs)
+                    got = out[layer].float().cpu().numpy()
+                    err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+                    worst = max(worst, err)
+                    assert err < 8e-3, (step, layer, err)
+            step += 1
+        plan.check_status()
+    print(f"{graphs} graphs; worst attention error against float64: {worst:.2e}")
+    assert graphs >= (3 if adapt else 2)
+    if adapt:
+        assert_same_epochs(caches[0].calibration, caches[1].calibration)
+        assert caches[0].calibration.n_epochs(0, 0) > 1
+    for i, s in enumerate(seqs):
+        for c in caches:
+            got_k, got_v = c.read(s)
+            np.testing.assert_array_equal(got_k, k[i])
+            np.testing.assert_array_equal(got_v, v[i])
+    for layer in range(layers):
+        g, r = (c.layer_view(layer) for c in caches)
+        for kind in range(2):
+            assert torch.equal(g.table[kind].cpu() < 0, r.table[kind] < 0)
+            if adapt:
+                assert torch.equal(g.epoch[kind].cpu(), r.epoch[kind])

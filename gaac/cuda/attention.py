@@ -462,10 +462,13 @@ def attention_kernel(head_dim: int, plain: bool, nstage: int = 3, stage_bytes: i
         # to every load and store, and every warp runs these at the same time (nothing overlaps them).
         b = work[u32(3 * w)]
         blk0 = work[u32(3 * w + 1)]
-        blk1 = work[u32(3 * w + 2)]
+        blk1w = work[u32(3 * w + 2)]
         seq = seq_lens[u32(b)]
         nfull = i32(seq // L.BLOCK_TOKENS)
         tail_valid = i32(seq - nfull * L.BLOCK_TOKENS)
+        # A captured step's work list covers the lengths of its last step: a split stops at the sequence's
+        # blocks now (one past the tail), and one wholly past them is empty (output 0, LSE -inf).
+        blk1 = min(blk1w, i32(nfull + (1 if tail_valid > 0 else 0)))
         hq = i32(kv_heads * g)
         # Query fragments (B operand of q.k: column r = query head r of the group; columns >= g zero),
         # loaded with the block-table entries: they depend on the work item only.
@@ -481,9 +484,9 @@ def attention_kernel(head_dim: int, plain: bool, nstage: int = 3, stage_bytes: i
         # and are unconditional (a lane past the split's entries reloads its last one): all of them in
         # flight at once, where a load and store per lane under a condition made a round trip each.
         # Each is checked against its pool as it is stored (checked_entry).
-        ntab = i32((min(blk1, max_blocks) - blk0) * 2 * T)
+        ntab = i32((min(blk1w, max_blocks) - blk0) * 2 * T)
         if ntab > 0:
-            last = i32(min(blk1, max_blocks) - 1)
+            last = i32(min(blk1w, max_blocks) - 1)
             for k in range(NENT // WARP):
                 i = i32(lane + WARP * k)
                 blk_i = i32(min(blk0 + i // (2 * T), last))

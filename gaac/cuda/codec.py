@@ -129,6 +129,8 @@ assert _TAG_BITS_OK, "the kernels' tag arithmetic no longer matches gaac.layout'
 # gaac.fp8.cuda's kernels take the same arguments.
 ENCODE_SIG = ("void(int32[:, ::1], int32[:, ::1], int64, int32[:, ::1], int32[::1], int32[:, ::1], "
               "int32[::1], int32[::1], int32[::1], int32[::1])")
+TAIL_ENCODE_SIG = ("void(int32[:, ::1], int32[:, ::1], int64, int32[:, ::1], int32[::1], int32[:, ::1], "
+                   "int32[::1], int32[::1], int32[::1], int32[::1], int32[::1], int32[::1], int32[::1], int64)")
 DECODE_SIG = "void(int32[:, ::1], int32[:, ::1], int32[::1], int32[:, ::1], int64, int32[:, ::1], int32[::1])"
 
 
@@ -142,6 +144,19 @@ def _check_channels(channels: int) -> L.TileGeometry:
 def encode_kernel(channels: int, tiles_per_block: int = TILES_PER_BLOCK):
     """The encode kernel for ``channels``-wide tiles, compiled once (see the module docstring)."""
     return cuda.jit(ENCODE_SIG)(encode_source(channels, tiles_per_block))
+
+
+@functools.lru_cache(maxsize=None)
+def tail_encode_kernel(channels: int):
+    """The encode kernel of a captured decode step, compiled once per tile width.
+
+    Arguments as the encode kernel's (module docstring), except: ``bits`` is a layer's tails
+    ``[max_seqs * P, 16 * C]`` (tiles of whole heads: ``head_dim`` = ``C``), ``table`` is the flat block
+    table ``[max_seqs * max_blocks * P]`` that receives each entry, and the grid is one warp per tile of
+    the step's sequences ``rows`` (``P`` tiles each, ``P`` = the rows of ``bases``).  A sequence's tiles are
+    encoded only where ``finish[row]`` is set (the append kernel sets it when the token completes the
+    block); their entries go to the block that ``seq_lens[row]`` (already advanced) has just completed."""
+    return cuda.jit(TAIL_ENCODE_SIG)(encode_source(channels, 1, finished_tails=True))
 
 
 @functools.lru_cache(maxsize=None)
@@ -266,9 +281,10 @@ def _free_list_position(heads, cls, base, tid, warp, lane, valid, fits, tpb):
 
 
 @device
-def _take_storage(slot_free, raw_free, entries, escape_used, k, fits, tile, lane, total):
+def _take_storage(slot_free, raw_free, entries, escape_used, k, fits, tile, dest, lane, total):
     """The slot (a tile that ``fits``) or raw tile at position ``k`` of its free list, or NO_STORAGE where the
-    list ran dry; lane 0 writes the tile's entry (FORMAT.md 7.2) and its ``total`` escape bytes."""
+    list ran dry; lane 0 writes the tile's entry (FORMAT.md 7.2) to ``entries[dest]`` and its ``total``
+    escape bytes to ``escape_used[tile]``."""
     if fits:
         d = slot_free[k] if k < uint32(slot_free.shape[0]) else NO_STORAGE
         entry = d
@@ -276,7 +292,7 @@ def _take_storage(slot_free, raw_free, entries, escape_used, k, fits, tile, lane
         d = raw_free[k] if k < uint32(raw_free.shape[0]) else NO_STORAGE
         entry = d + _RAW_ENTRY_BIAS if d >= 0 else NO_STORAGE
     if lane == _ZERO:
-        entries[tile] = entry
+        entries[dest] = entry
         escape_used[tile] = total
     return d
 
@@ -393,8 +409,11 @@ def _write_status(status, tile, lane, bad, total, cap):
         status[tile] = BAD_TAG if bad & _EVEN_BITS else (BAD_ESCAPES if total > cap else 0)
 
 
-def encode_source(channels: int, tiles_per_block: int = TILES_PER_BLOCK):
-    """The Python function of the encode kernel, its tile geometry baked in as constants."""
+def encode_source(channels: int, tiles_per_block: int = TILES_PER_BLOCK, finished_tails: bool = False):
+    """The Python function of the encode kernel, its tile geometry baked in as constants.
+
+    ``finished_tails``: the kernel of a captured decode step (:func:`tail_encode_kernel`), which encodes
+    the blocks that the step's one-token appends finished, straight from the cache's tails."""
     s = _shape(channels)
     G, J, GPR, TW, SMW, CODEW, TAGW0, ESCW0, HALF = (s[k] for k in
                                                     ("G", "J", "GPR", "TW", "SMW", "CODEW", "TAGW0", "ESCW0", "HALF"))
@@ -404,7 +423,11 @@ def encode_source(channels: int, tiles_per_block: int = TILES_PER_BLOCK):
     TAGS = (TPB, TW)
     u = uint32
 
-    def kernel(bits, bases, capacity, slots, slot_free, raw, raw_free, heads, entries, escape_used):
+    @device
+    def encode_tile(bits, bases, capacity, slots, slot_free, raw, raw_free, heads, entries, escape_used, tile, valid,
+                    t, dest):
+        """One warp's tile: row ``t`` of ``bits``, entry to ``entries[dest]``, escape bytes to
+        ``escape_used[tile]``; a warp without a tile (not ``valid``) only takes part in the block's pops."""
         stage = cuda.shared.array(STAGE, uint8)            # mode of each group; later the escape bytes
         codes = cuda.shared.array(CODES, uint32)           # 24 code bits of each group
         tagw = cuda.shared.array(TAGS, uint32)             # the tile's tag stream
@@ -419,11 +442,7 @@ def encode_source(channels: int, tiles_per_block: int = TILES_PER_BLOCK):
         tid = u(cuda.threadIdx.x)
         warp = tid // u(WARP)
         lane = tid % u(WARP)
-        n = u(bits.shape[0])
         cap = u(capacity)
-        tile = u(u(cuda.blockIdx.x) * u(TPB) + warp)
-        valid = tile < n
-        t = tile if valid else u(n - u(1))                 # a warp past the end mirrors the last tile
         row = t % u(bases.shape[0])
         col = u((lane % u(GPR)) * u(4))                    # this lane's 8 channels are the same in every chunk
         b0, b1, b2, b3 = ldg4(bases, row, col)
@@ -464,7 +483,7 @@ def encode_source(channels: int, tiles_per_block: int = TILES_PER_BLOCK):
         k = _free_list_position(heads, cls, base, tid, warp, lane, valid, fits, TPB)
         if not valid:
             return
-        d = _take_storage(slot_free, raw_free, entries, escape_used, k, fits, tile, lane, total)
+        d = _take_storage(slot_free, raw_free, entries, escape_used, k, fits, tile, dest, lane, total)
         if d < 0:
             return
         dw = u(d)
@@ -503,6 +522,29 @@ def encode_source(channels: int, tiles_per_block: int = TILES_PER_BLOCK):
         # Whole words of the code stream (24 bits a group), the tag stream and the escape area.
         _write_stream(slots, dw, SMW, CODEW, codes, warp, lane, 3)
         _write_tags_escapes(slots, dw, tagw, stage, warp, lane, cap, total, TW, TAGW0, ESCW0)
+
+    if finished_tails:
+        def kernel(bits, bases, capacity, slots, slot_free, raw, raw_free, heads, table, escape_used, rows, finish,
+                   seq_lens, max_blocks):
+            # One warp a block (TPB 1): a block whose sequence finished no block leaves before any barrier.
+            i = u(cuda.blockIdx.x)
+            per = u(bases.shape[0])                        # tiles per block of the layer
+            row = u(rows[i // per])
+            if finish[row] == 0:
+                return
+            j = i % per
+            last = u(u(seq_lens[row]) // u(L.BLOCK_TOKENS) - u(1))
+            encode_tile(bits, bases, capacity, slots, slot_free, raw, raw_free, heads, table, escape_used, i, True,
+                        u(row * per + j), u((row * u(max_blocks) + last) * per + j))
+        return kernel
+
+    def kernel(bits, bases, capacity, slots, slot_free, raw, raw_free, heads, entries, escape_used):
+        n = u(bits.shape[0])
+        tile = u(u(cuda.blockIdx.x) * u(TPB) + u(cuda.threadIdx.x) // u(WARP))
+        valid = tile < n
+        t = tile if valid else u(n - u(1))                 # a warp past the end mirrors the last tile
+        encode_tile(bits, bases, capacity, slots, slot_free, raw, raw_free, heads, entries, escape_used, tile, valid,
+                    t, tile)
 
     return kernel
 

@@ -193,6 +193,13 @@ class FastLaunch:
         self._configs = {}
         self._streams = {}
 
+    def prepare(self, signature) -> None:
+        """Compile for ``signature`` (numba types) without launching: a launch being captured into a CUDA
+        graph must not compile, and a first launch through numba would run the kernel."""
+        if self._cufunc is None:
+            self._dispatcher.compile(signature)
+            self._cufunc = cufunction(self._dispatcher)
+
     @property
     def compiled(self) -> bool:
         """Whether the first call (through numba, which compiles) has been made: later calls need no ``args``."""

@@ -127,6 +127,8 @@ def merge_kernel(head_dim: int, lanes: int):
             for u in range(1, UNROLL):
                 mu = max(mu, ls[u])
             m_new = max(m, mu)
+            if m_new == f32(_NEG_INF):          # only empty splits so far (a captured step's splits past the end)
+                continue
             scale = ex2(m - m_new)
             den *= scale
             for c in range(4):

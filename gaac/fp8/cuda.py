@@ -217,7 +217,7 @@ def encode_source(modes: ModeSet, channels: int, tiles_per_block: int = TILES_PE
         k = _free_list_position(heads, cls, base, tid, warp, lane, valid, fits, TPB)
         if not valid:
             return
-        d = _take_storage(slot_free, raw_free, entries, escape_used, k, fits, tile, lane, total)
+        d = _take_storage(slot_free, raw_free, entries, escape_used, k, fits, tile, tile, lane, total)
         if d < 0:
             return
         dw = u(d)

@@ -1,0 +1,247 @@
+"""A decode step the device drives by itself, for CUDA graphs: the captured plan of :mod:`gaac.step`.
+
+An eager step is planned by the host from the lengths it keeps (:class:`gaac.step.StepPlan`); a CUDA
+graph replays the same launches step after step, so its kernels must find on the device what changes
+between steps.  A plan made with ``steps=N`` (``cache.decode_plan(q_heads, steps=N)``) does that for the
+next ``N`` steps of one token per sequence:
+
+    plan = cache.decode_plan(q_heads, steps=256)      # plan.steps <= 256 steps, all reserved
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), plan.device_driven():
+        for layer in range(layers):                   # the model's step, inputs and outputs in fixed buffers
+            cache.update_layer(layer, seqs, k, v)
+            plan.run(q, layer, out=out)
+    for _ in range(plan.steps):
+        graph.replay()
+        plan.replayed()                              # the host's own account of the step
+
+What the device reads instead of the host:
+
+* **Appends** (:func:`gaac.cuda.append.device_append_kernel`): each sequence's position is its length on
+  the device, which the kernel advances.  A token that completes a block sets the sequence's finish
+  flag and writes the block's epoch; the tail encode kernel (:func:`gaac.cuda.codec.tail_encode_kernel`)
+  then encodes exactly the flagged blocks from the tails into the pools, popping records from the
+  device free lists, and writes their block-table entries.
+* **Attention**: the work list covers the lengths of the plan's last step (a length-independent split
+  for the plan's steps); the kernel stops each split at the sequence's length now, and the merge skips
+  the splits that are still empty.  The list is cut at the blocks where an epoch changes, and, with
+  adaptation, at the first block the plan finishes, so that every split reads one epoch.
+
+What stays with the host, in :meth:`CapturedSteps.replayed` (no synchronisation): its copy of the
+lengths, the blocks it knows finished (pool counts, each block's epoch, the blocks the adaptation rule
+observes, copied to pinned memory for it).  The host knows which blocks a step finishes because every
+step appends one token to every sequence of the plan.
+
+Limits, worked out when the plan is made (``plan.steps`` may come out below the ``steps`` asked for):
+
+* every pool can take every tile the plan's steps finish (or grows, with ``grow``), since a tile's slot
+  or raw record is decided only on the device;
+* with adaptation, the plan ends at the step whose blocks complete the rule's next check, so that a new
+  plan picks up the epoch that check may append; a step whose blocks go past a check (several
+  sequences finishing blocks at once) is left out, and ``plan.steps`` is 0 where it is the next step:
+  run that step eagerly (``cache.decode_plan(q_heads)``), then plan again.
+
+Anything else that changes the cache (another update, a removal, growth) ends the plan: ``replayed``
+raises :class:`InputError`, since the graph's launches name arrays that may be gone.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import numpy as np
+
+from . import layout as L
+from .errors import InputError
+
+
+class CapturedSteps:
+    """The device-driven part of a :class:`gaac.step.StepPlan` made with ``steps`` (module docstring)."""
+
+    def __init__(self, plan, steps, rows: np.ndarray, before: np.ndarray):
+        from .step import reserve_step
+
+        cache = plan.cache
+        if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
+            raise InputError(f"steps must be a positive number of decode steps, got {steps!r}")
+        if not cache._cuda_codec:
+            raise InputError("a plan of steps records the CUDA codec's device-driven step; this cache runs the "
+                             "reference codec (make it on a GPU, or with codec='cuda' in the simulator)")
+        if L.tiles_per_head(cache.head_dim) != 1:
+            raise InputError(f"a captured step encodes finished blocks straight from the tails, which needs one "
+                             f"tile per head: head_dim 64 or 128, not {cache.head_dim}")
+        if not len(rows):
+            raise InputError("a plan of steps needs at least one live sequence")
+        self.plan, self.cache, self.rows = plan, cache, rows
+        cache._flush_all()                      # the adapters' counts are current
+        self.steps = self._steps_before_check(int(steps), before[rows])
+        self.end = before.copy()
+        self.end[rows] += self.steps
+        self.step = 0
+        self.cuts = set()
+        if not self.steps:
+            return
+        reserve_step(cache, before, self.end)
+        # Each layer and kind's epoch for the blocks the plan finishes: the adapter's newest (0 without
+        # adaptation).  Where it differs from a sequence's last block, the work list is cut there.
+        self.epochs = [[s.adapter.epoch if s.adapter is not None else 0 for s in layer] for layer in cache._store]
+        if cache.adapt:
+            self.cuts = {int(b) for b in before[rows] // L.BLOCK_TOKENS}
+        self._generation = None
+
+    def _steps_before_check(self, steps: int, lens: np.ndarray) -> int:
+        """``steps``, or fewer: up to the step whose finished blocks complete an adapter's next check."""
+        cache = self.cache
+        if not cache.adapt:
+            return steps
+        until = min(s.adapter.until_check for layer in cache._store for s in layer)
+        done = ((lens[None, :] + np.arange(1, steps + 1)[:, None]) % L.BLOCK_TOKENS == 0).sum(axis=1)
+        total = np.cumsum(done)
+        hit = np.flatnonzero(total >= until)
+        if not len(hit):
+            return steps
+        return int(hit[0]) + (1 if total[hit[0]] == until else 0)
+
+    # -- before recording --------------------------------------------------------------------------
+    def prepare(self) -> None:
+        """Compile every kernel the step launches (a launch being captured must not compile) and make the
+        step's device arrays and each layer's tail encoders."""
+        import torch
+
+        from .cuda import append as A
+        from .cuda import attention as K
+        from .cuda.codec import tail_encode_kernel
+        from .cuda.launch import FastLaunch, TileLauncher
+        from .step import layer_launch
+
+        cache, plan, dev = self.cache, self.plan, self.cache.device
+        self.rows_dev = cache._to_device(self.rows.astype(np.int32))
+        self.finish = torch.zeros(cache.max_seqs, dtype=torch.int32, device=dev)
+        self.escape_used = torch.zeros(len(self.rows) * cache.tiles_per_block, dtype=torch.int32, device=dev)
+        self.no_epochs = torch.zeros(1, dtype=torch.int16, device=dev)
+        self.append = FastLaunch(A.device_append_kernel(), (len(self.rows),), A.DEVICE_APPEND_THREADS)
+        self.encoder = TileLauncher(tail_encode_kernel(cache.geometry.channels), 1)
+        self.encoders = [[cache._encoder(store, None, self.epochs[layer][kind], layer, kind)
+                          for kind, store in enumerate(layer_store)] for layer, layer_store in enumerate(cache._store)]
+        if not K.SIMULATOR:
+            self.append.prepare(A.DEVICE_APPEND_SIG)
+            for layer in range(cache.layers):
+                layer_launch(cache, layer, plan.g).main.prepare(K.kernel_signature())
+            plan._merge_launch.prepare(merge_signature())
+        self._generation = cache._generation
+
+    # -- recording ---------------------------------------------------------------------------------
+    @contextmanager
+    def device_driven(self):
+        cache = self.cache
+        if not self.steps:
+            raise InputError("this plan has no steps to record (plan.steps is 0): run the next step eagerly, "
+                             "then plan again")
+        if cache._recording is not None:
+            raise InputError("another plan's step is being recorded")
+        self.check_current()
+        cache._recording = self
+        try:
+            yield self.plan
+        finally:
+            cache._recording = None
+
+    def check_recording(self, what: str) -> None:
+        if self.cache._recording is not self:
+            raise InputError(f"{what}: a plan of steps runs inside `with plan.device_driven():` (captured in a "
+                             "CUDA graph, or run eagerly there), its host account kept by plan.replayed()")
+
+    def check_current(self) -> None:
+        if self.cache._generation != self._generation:
+            raise InputError("the cache changed since this plan of steps was made (another update, a removal, "
+                             "growth): its launches may name arrays that are gone; make a new plan and capture "
+                             "it again")
+        if self.step >= self.steps:
+            raise InputError(f"this plan's {self.steps} steps are used; make a new plan")
+
+    def record_append(self, layer: int, seqs, k, v) -> None:
+        """``cache.update_layer`` while recording: the device-driven append and the tail encodes."""
+        import torch
+
+        from .cuda.launch import params, plain, words
+
+        cache = self.cache
+        cache._check_layer(layer)
+        seqs = cache._check_seqs(seqs)
+        if seqs != self.plan.seqs:
+            raise InputError(f"sequences {seqs}: this plan of steps appends to {self.plan.seqs}, in that order")
+        k, v = cache._bits(k, "k", 4), cache._bits(v, "v", 4)
+        want = (len(seqs), cache.kv_heads, 1, cache.head_dim)
+        if tuple(k.shape) != want or tuple(v.shape) != want:
+            raise InputError(f"k {list(k.shape)} and v {list(v.shape)}: a plan of steps appends one token, "
+                             f"[{len(seqs)}, {cache.kv_heads}, 1, {cache.head_dim}] each")
+        k, v = k.contiguous().reshape(-1), v.contiguous().reshape(-1)
+        stores = cache._store[layer]
+        epochs = [s.epoch.reshape(-1) if s.epoch is not None else self.no_epochs for s in stores]
+        args = (k, v, stores[0].tail.reshape(-1), stores[1].tail.reshape(-1), self.rows_dev, cache._seq_lens[layer],
+                self.finish, epochs[0], epochs[1], *self.epochs[layer], cache.kv_heads, cache.head_dim,
+                cache.max_blocks, int(stores[0].epoch is not None))
+        self._launch(self.append, args)
+        n = len(self.rows) * cache.tiles_per_block
+        for kind, store in enumerate(stores):
+            enc = self.encoders[layer][kind]
+            tails = store.tail.reshape(cache.max_seqs * cache.kv_heads, L.BLOCK_TOKENS, cache.head_dim)
+            args = (words(tails), *enc._fixed, plain(store.table.reshape(-1)), plain(self.escape_used),
+                    plain(self.rows_dev), plain(self.finish), plain(cache._seq_lens[layer]), cache.max_blocks)
+            self.encoder.launch(n, args, fast=not _simulator(), packed=None if _simulator() else
+                                [p for a in args for p in params(a)])
+
+    def _launch(self, launcher, args) -> None:
+        if _simulator():
+            launcher._dispatcher[launcher._grid, launcher._block](*(a.numpy() if hasattr(a, "numpy") else a
+                                                                    for a in args))
+            return
+        from .cuda.launch import params
+
+        launcher(None, lambda p: [x for a in args for x in params(a)])
+
+    # -- after each replay -------------------------------------------------------------------------
+    def replayed(self) -> None:
+        """The host's account of one replayed (or eagerly run) step: lengths, the blocks it finished."""
+        cache = self.cache
+        self.check_current()
+        rows = self.rows
+        after = cache._lens[0, rows] + 1
+        done = after % L.BLOCK_TOKENS == 0
+        cache._lens[:, rows] += 1
+        self.step += 1
+        if not done.any():
+            return
+        fin, blk = rows[done], after[done] // L.BLOCK_TOKENS - 1
+        tiles = len(fin) * cache.tiles_per_block
+        index = None
+        for layer, layer_store in enumerate(cache._store):
+            for kind, store in enumerate(layer_store):
+                for pool in (store.slots, store.raw):
+                    pool.pending += tiles
+                if store.adapter is None:
+                    continue
+                e = self.epochs[layer][kind]
+                prev = store.epochs[fin, np.maximum(blk - 1, 0)]
+                for seq, b in zip(fin[(prev != e) & (blk > 0)], blk[(prev != e) & (blk > 0)]):
+                    cache._cuts[int(seq)].add(int(b))
+                store.epochs[fin, blk] = e
+                if index is None:
+                    index = cache._to_device(fin)
+                store.deferred.append(cache._host_copy(store.tail.index_select(0, index)))
+        cache.blocks_encoded += len(fin) * cache.layers
+
+
+def merge_signature() -> tuple:
+    """The argument types the merge kernel is launched with (:mod:`gaac.cuda.merge`)."""
+    from numba import types
+
+    def array(dtype):
+        return types.Array(dtype, 1, "C")
+    return (array(types.float32), array(types.float32), array(types.int32), array(types.int16),
+            array(types.float32), types.int64, types.int64)
+
+
+def _simulator() -> bool:
+    from .cuda.primitives import SIMULATOR
+
+    return SIMULATOR
