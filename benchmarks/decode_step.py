@@ -338,6 +338,239 @@ class SkipAttend:
         return q
 
 
+class GraphLoop:
+    """What a captured step reads instead of the host's step index: a device counter of the steps replayed,
+    which picks each layer's real next token (the eager loop's ``Loop.kv``)."""
+
+    def __init__(self, loop: Loop):
+        self.loop = loop
+        self.i = torch.full((1,), loop.i, dtype=torch.int64, device=DEV)
+
+    def kv(self, layer):
+        return self.loop.new_k[layer].index_select(0, self.i)[0], self.loop.new_v[layer].index_select(0, self.i)[0]
+
+    def end(self):
+        self.i.add_(1)
+
+
+PAGE = 256           # flash's paged-KV block size (it takes multiples of 256)
+FLASH_MODES = ("q1", "q1-paged", "fold4")
+
+
+class SdpaGraphAttend:
+    """BF16 in a CUDA graph: lengths on the device, each token written in place at its device position, and
+    torch's flash kernel (``torch.ops.aten._flash_attention_forward``, varlen with ``seqused_k``) over each
+    sequence's tokens.  The cache is ``[B, T, 8, D]`` per layer (flash's layout; a copy of the eager loop's
+    ``[B, 8, T, D]`` cache).  ``mode``: ``q1`` one query row of 32 heads per sequence (flash then folds the
+    query heads of a KV head itself and splits the keys), ``q1-paged`` the same through a block table of
+    256-token pages, ``fold4`` the 4 query heads of a KV head as 4 query rows of 8 heads."""
+
+    def __init__(self, s: Shape, kc, vc, tokens: int, loop: GraphLoop, mode: str = "q1", consume: bool = False):
+        self.s, self.loop, self.mode = s, loop, mode
+        b, t = kc[0].shape[0], kc[0].shape[2]
+        self.t_max = t_max = -(-t // PAGE) * PAGE
+        self.k, self.v = [], []
+        for src, dst in ((kc, self.k), (vc, self.v)):
+            for i, x in enumerate(src):
+                y = torch.zeros((b, t_max, s.kv_heads, s.head_dim), dtype=x.dtype, device=DEV)
+                y[:, :t].copy_(x.transpose(1, 2))
+                dst.append(y)
+                if consume:                  # the eager cache's layer is no longer needed (equal memory)
+                    src[i] = x = None
+        self.lens = torch.full((b,), tokens + loop.loop.i, dtype=torch.int32, device=DEV)
+        self.base = torch.arange(b, device=DEV, dtype=torch.int64) * t_max
+        self.cum_q = torch.arange(b + 1, device=DEV, dtype=torch.int32) * (s.group if mode == "fold4" else 1)
+        self.cum_k = torch.arange(b + 1, device=DEV, dtype=torch.int32) * t_max
+        self.table = torch.arange(b * (t_max // PAGE), device=DEV, dtype=torch.int32).view(b, t_max // PAGE)
+        self.begin()
+
+    def begin(self):
+        self.idx = self.base + self.lens.long()
+        self.after = self.lens + 1
+
+    def attend(self, layer, q, lens):
+        s, b = self.s, q.shape[0]
+        kf = self.k[layer].view(-1, s.kv_heads, s.head_dim)
+        vf = self.v[layer].view(-1, s.kv_heads, s.head_dim)
+        extra = {}
+        if self.mode == "q1-paged":
+            kf, vf = kf.view(-1, PAGE, s.kv_heads, s.head_dim), vf.view(-1, PAGE, s.kv_heads, s.head_dim)
+            extra["block_table"] = self.table
+        if self.mode == "fold4":
+            qv = q.view(b, s.kv_heads, s.group, s.head_dim).transpose(1, 2).reshape(b * s.group, s.kv_heads,
+                                                                                      s.head_dim)
+            o = torch.ops.aten._flash_attention_forward(qv, kf, vf, self.cum_q, self.cum_k, s.group, self.t_max, 0.0,
+                                                        False, False, seqused_k=lens)[0]
+            return o.view(b, s.group, s.kv_heads, s.head_dim).transpose(1, 2).reshape(b, s.q_heads, s.head_dim)
+        o = torch.ops.aten._flash_attention_forward(q.view(b, s.q_heads, s.head_dim), kf, vf, self.cum_q, self.cum_k,
+                                                    1, self.t_max, 0.0, False, False, seqused_k=lens, **extra)[0]
+        return o.view(b, s.q_heads, s.head_dim)
+
+    def __call__(self, layer, q):
+        k, v = self.loop.kv(layer)
+        s = self.s
+        self.k[layer].view(-1, s.kv_heads, s.head_dim).index_copy_(0, self.idx, k)
+        self.v[layer].view(-1, s.kv_heads, s.head_dim).index_copy_(0, self.idx, v)
+        return self.attend(layer, q, self.after)
+
+    def end(self):
+        self.lens.copy_(self.after)
+        self.loop.end()
+
+    def replayed(self):
+        pass
+
+
+def pick_flash_mode(s: Shape, kc, vc, tokens: int, loop: GraphLoop, q) -> tuple:
+    """The fastest of :data:`FLASH_MODES` on layer 0 as the cache stands (CUDA events, median of 20 calls),
+    among those that run and agree with eager flash SDPA; returns (mode, {mode: us or the error})."""
+    b = q.shape[0]
+    with sdpa_kernel(BACKEND):
+        ref = F.scaled_dot_product_attention(q.view(b, s.kv_heads, s.group, s.head_dim), kc[0][:, :, :tokens],
+                                             vc[0][:, :, :tokens]).reshape(b, s.q_heads, s.head_dim).float()
+    times = {}
+    for mode in FLASH_MODES:
+        try:
+            att = SdpaGraphAttend(s, kc[:1], vc[:1], tokens, loop, mode)
+            att.lens.fill_(tokens)
+            out = att.attend(0, q, att.lens)
+            err = float((out.float() - ref).abs().max())
+            if err > 0.02:
+                raise ValueError(f"max abs {err:.3g} from eager flash")
+            us = []
+            for _ in range(20):
+                a, z = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                att.attend(0, q, att.lens)
+                z.record()
+                z.synchronize()
+                us.append(1e3 * a.elapsed_time(z))
+            times[mode] = statistics.median(us)
+        except Exception as exc:             # a mode this torch's flash does not take
+            times[mode] = f"{type(exc).__name__}: {str(exc)[:120]}"
+        finally:
+            att = None
+            free()
+    ok = {m: t for m, t in times.items() if isinstance(t, float)}
+    if not ok:
+        raise SystemExit(f"no flash mode runs in a graph here: {times}")
+    return min(ok, key=ok.get), times
+
+
+class GaacGraphAttend:
+    """GAAC in a CUDA graph: a plan of steps (``cache.decode_plan(q_heads, steps=N)``), recorded with
+    ``plan.device_driven()``; after each replay ``plan.replayed()`` (the host's account of the step)."""
+
+    def __init__(self, s: Shape, cache, seqs, loop: GraphLoop, steps: int):
+        self.s, self.cache, self.seqs, self.loop = s, cache, seqs, loop
+        self.plan = cache.decode_plan(s.q_heads, steps=steps)
+        assert self.plan.steps == steps, (self.plan.steps, steps)
+        self.out = torch.empty((cache.max_seqs, s.q_heads, s.head_dim), dtype=torch.bfloat16, device=DEV)
+
+    def begin(self):
+        pass
+
+    def __call__(self, layer, q):
+        k, v = self.loop.kv(layer)
+        self.cache.update_layer(layer, self.seqs, k[:, :, None], v[:, :, None])
+        return self.plan.run(q, layer, out=self.out)
+
+    def end(self):
+        self.loop.end()
+
+    def replayed(self):
+        self.plan.replayed()
+
+
+class SkipGraphAttend(SkipAttend):
+    def __init__(self, loop: GraphLoop):
+        self.loop = loop
+
+    def end(self):
+        self.loop.end()
+
+    def replayed(self):
+        pass
+
+
+def capture(model, ids, attend):
+    """One decode step of ``model`` with ``attend`` in a CUDA graph (GAAC's inside ``plan.device_driven()``)."""
+    graph = torch.cuda.CUDAGraph()
+    ctx = attend.plan.device_driven() if isinstance(attend, GaacGraphAttend) else None
+    with torch.no_grad(), torch.cuda.graph(graph):
+        if ctx is not None:
+            ctx.__enter__()
+        try:
+            attend.begin()
+            logits = model.step(ids, attend)
+            attend.end()
+        finally:
+            if ctx is not None:
+                ctx.__exit__(None, None, None)
+    return graph, logits
+
+
+def run_graph_steps(graph, attend, steps: int) -> dict:
+    """``steps`` replays back to back, each followed by the host's account (GAAC: ``plan.replayed()``): wall
+    ms per step, synchronised at the end, and each replay's CUDA-event ms."""
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
+    sync()
+    t = time.perf_counter()
+    host = 0.0
+    for j in range(steps):
+        events[j][0].record()
+        graph.replay()
+        events[j][1].record()
+        h = time.perf_counter()
+        attend.replayed()
+        host += time.perf_counter() - h
+    sync()
+    wall = (time.perf_counter() - t) / steps * 1e3
+    per = [a.elapsed_time(b) for a, b in events]
+    return {"ms": wall, "event_median_ms": statistics.median(per), "event_max_ms": max(per), "steps": steps,
+            "replayed_us": 1e6 * host / steps}
+
+
+def graph_variants(model, ids, s: Shape, kc, vc, nk, nv, cache, seqs, tokens: int, start: int, args) -> dict:
+    """The three variants' steps as CUDA graphs (BF16 + flash, GAAC, no append and attention), each captured once
+    and replayed ``--warmup`` + ``--steps`` times from step ``start`` of the content."""
+    res = {}
+    n = args.warmup + args.steps
+    for name in ("default", "gaac", "skip"):
+        loop = GraphLoop(Loop(nk, nv, tokens))
+        loop.loop.i = start
+        loop.i.fill_(start)
+        if name == "default":
+            q = torch.randn((kc[0].shape[0], s.q_heads, s.head_dim), device=DEV).to(torch.bfloat16)
+            mode, res["flash_modes_us"] = pick_flash_mode(s, kc, vc, tokens + start, loop, q)
+            res["flash_mode"] = args.flash_mode = mode
+            log(f"  graph BF16 flash: {mode} of {res['flash_modes_us']}")
+            attend = SdpaGraphAttend(s, kc, vc, tokens, loop, mode)
+        elif name == "gaac":
+            t0 = time.perf_counter()
+            attend = GaacGraphAttend(s, cache, seqs, loop, n)
+            res["gaac_plan_ms"] = 1e3 * (time.perf_counter() - t0)
+        else:
+            attend = SkipGraphAttend(loop)
+        t0 = time.perf_counter()
+        graph, _ = capture(model, ids, attend)
+        sync()
+        res[f"{name}_capture_ms"] = 1e3 * (time.perf_counter() - t0)
+        run_graph_steps(graph, attend, args.warmup)
+        res[name] = run_graph_steps(graph, attend, args.steps)
+        log(f"  graph {name:8s} {res[name]['ms']:.3f} ms/step (events: median {res[name]['event_median_ms']:.3f}, "
+            f"max {res[name]['event_max_ms']:.3f}; host after replay {res[name]['replayed_us']:.1f} us; capture "
+            f"{res[f'{name}_capture_ms']:.0f} ms)")
+        if name == "gaac":
+            attend.plan.check_status()
+        del graph, attend
+        free()
+    for layer in range(s.layers):            # the eager BF16 cache takes the tokens the graphs appended
+        for c, new in ((kc, nk), (vc, nv)):
+            c[layer][:, :, tokens + start:tokens + start + n] = new[layer][start:start + n].permute(1, 2, 0, 3)
+    return res
+
+
 # ------------------------------------------------------------------------------------------------
 # Timing.
 
@@ -431,7 +664,7 @@ def run_context(model, src, cal, s: Shape, tokens: int, batch: int, raw_frac: fl
     log(f"== context {tokens} tokens, batch {batch} ==")
     row = {"tokens": tokens, "batch": batch}
     model.set_position(tokens)
-    room = args.warmup + 2 * args.steps + 16
+    room = args.warmup + 2 * args.steps + 16 + (args.warmup + args.steps if args.graph else 0)
     t0 = time.time()
     kc, vc, nk, nv = bf16_caches(src, s, batch, tokens, room)
     sync()
@@ -477,6 +710,10 @@ def run_context(model, src, cal, s: Shape, tokens: int, batch: int, raw_frac: fl
     log(f"  calls per layer: gaac host {row['gaac_calls']['host_us']:.1f} us (wall {row['gaac_calls']['wall_us']:.1f}),"
         f" default host {row['default_calls']['host_us']:.1f} us (wall {row['default_calls']['wall_us']:.1f})")
     sdpa_only.loop.i = loops["gaac"].i
+    if args.graph and not SMOKE:
+        row["graph"] = graph_variants(model, ids, s, kc, vc, nk, nv, cache, seqs, tokens, loops["gaac"].i, args)
+        for lp in (loops["gaac"], sdpa_only.loop):
+            lp.i += args.warmup + args.steps
     t0 = time.time()
     row["check"] = correctness(sdpa_only, att["gaac"], cache, seqs, s, loops["gaac"])
     log(f"  check ({time.time() - t0:.1f} s): {row['check']}")
@@ -496,7 +733,7 @@ def run_equal_memory(model, src, cal, s: Shape, per_seq_gaac: float, raw_frac: f
     log(f"== equal memory: {budget / GIB:.2f} GiB of KV, {tokens}-token sequences: BF16 {per_bf16 / GIB:.3f} GiB "
         f"each -> {n_b}; GAAC {per_seq_gaac / GIB:.3f} GiB each -> {n_g} ==")
     model.set_position(tokens)
-    room = args.warmup + args.steps
+    room = (args.warmup + args.steps) * (2 if args.graph else 1)
     for key, n in (("default", n_b), ("gaac", n_g)):
         if not n:
             continue
@@ -520,6 +757,21 @@ def run_equal_memory(model, src, cal, s: Shape, per_seq_gaac: float, raw_frac: f
         run_steps(model, ids, attend, loop, args.warmup)
         res[key] = run_steps(model, ids, attend, loop, args.steps)
         log(f"  {key} batch {n}: {res[key]['ms']:.3f} ms/step; {gpu_mem()}")
+        if args.graph and not SMOKE:
+            glp = GraphLoop(loop)
+            steps = args.warmup + args.steps
+            g_att = (SdpaGraphAttend(s, kc, vc, tokens, glp, getattr(args, "flash_mode", "q1"), consume=True)
+                     if key == "default"
+                     else GaacGraphAttend(s, cache, seqs, glp, steps))
+            graph, _ = capture(model, ids, g_att)
+            run_graph_steps(graph, g_att, args.warmup)
+            res[f"{key}_graph"] = run_graph_steps(graph, g_att, args.steps)
+            log(f"  {key} batch {n}, one CUDA graph a step: {res[f'{key}_graph']['ms']:.3f} ms/step")
+            del graph, g_att, glp
+        if key == "default":
+            del kc, vc
+        else:
+            del cache
         del attend, loop
         free()
     return res
@@ -583,6 +835,28 @@ def render(rep: dict) -> str:
                      map(step_cells, rows))]
     lines += ["", "speedup = BF16 ms / GAAC ms (above 1: GAAC faster). host us/layer: the cache's own calls without "
               "the model, timed on the host as they return (the GPU runs behind).", ""]
+    graph_rows = [r for r in rows if "graph" in r]
+    if graph_rows:
+        def graph_cells(r):
+            g = r["graph"]
+            d, a, k = (g[n]["ms"] for n in ("default", "gaac", "skip"))
+            b = r["batch"]
+            return (r["tokens"], b, f"{d:.3f}", f"{a:.3f}", f"{d / a:.3f}x", f"{1e3 * b / d:.1f}", f"{1e3 * b / a:.1f}",
+                    f"{k:.3f}", f"{g['default']['event_max_ms']:.3f} / {g['gaac']['event_max_ms']:.3f}",
+                    f"{g['gaac']['replayed_us']:.1f}", f"{g['gaac_plan_ms']:.1f} / {g['gaac_capture_ms']:.0f}")
+        lines += ["## Decode step in one CUDA graph (ms per step, every step appends; GAAC: one plan of steps)", "",
+                  *table(("context", "batch", "BF16 + flash ms", "GAAC ms", "speedup GAAC/BF16", "BF16 tok/s",
+                          "GAAC tok/s", "step without append+attention ms", "slowest step BF16 / GAAC ms",
+                          "GAAC host us/step after replay (`plan.replayed()`)", "GAAC plan ms / capture ms"),
+                         map(graph_cells, graph_rows))]
+        lines += ["", "Each variant's whole step -- every layer's append and attention, and the model -- is one CUDA "
+                  "graph, captured once and replayed back to back; the wall time includes GAAC's host account after "
+                  "each replay.  BF16: lengths on the device, the token written at its device position, flash "
+                  "(`torch.ops.aten._flash_attention_forward`, varlen with `seqused_k`, the 4 query heads of a KV head "
+                  "as 4 query rows).  GAAC: `cache.decode_plan(32, steps=N)` covers the N replays (a work list for the "
+                  "lengths of its last step, each split stopped at the length the kernel reads on the device); the "
+                  "append kernel reads each position from the device and flags a finished block, which the tail encode "
+                  "kernel then encodes into the pools.", ""]
     lines += ["## Memory (`PagedKVCache.memory()`)", "",
               *table(("context", "batch", "BF16 KV GiB", "GAAC resident GiB", "ratio", "raw-tile fraction",
                       "GAAC allocated GiB"), map(memory_cells, rows))]
@@ -603,6 +877,12 @@ def render(rep: dict) -> str:
         if tp["default"]:
             lines += ["", f"GAAC / BF16 aggregate throughput: {tp['gaac'] / tp['default']:.3f}x with "
                       f"{eq['gaac_seqs'] - eq['bf16_seqs']:+d} sequences."]
+        if eq.get("default_graph") and eq.get("gaac_graph"):
+            gd = 1e3 * eq["bf16_seqs"] / eq["default_graph"]["ms"]
+            gg = 1e3 * eq["gaac_seqs"] / eq["gaac_graph"]["ms"]
+            lines += ["", f"With each step one CUDA graph: BF16 {eq['default_graph']['ms']:.3f} ms a step "
+                      f"({gd:.1f} tok/s), GAAC {eq['gaac_graph']['ms']:.3f} ms ({gg:.1f} tok/s): **{gg / gd:.3f}x** "
+                      "aggregate throughput."]
         lines.append("")
     return "\n".join(lines) + "\n"
 
@@ -621,6 +901,7 @@ def main():
     ap.add_argument("--budget-gib", type=float, default=None, help="KV budget for --equal-memory (default 60)")
     ap.add_argument("--eq-context", type=int, default=None, help="sequence length for --equal-memory (default 65536)")
     ap.add_argument("--max-kv-gib", type=float, default=64.0, help="skip a context and batch whose BF16 K/V is larger")
+    ap.add_argument("--graph", action="store_true", help="also each variant's step captured in one CUDA graph")
     ap.add_argument("--profile", action="store_true", help="cProfile of GAAC's calls at the first context (.profile.txt)")
     args = ap.parse_args()
     args.profiled = False

@@ -160,8 +160,6 @@ class CapturedSteps:
 
     def record_append(self, layer: int, seqs, k, v) -> None:
         """``cache.update_layer`` while recording: the device-driven append and the tail encodes."""
-        import torch
-
         from .cuda.launch import params, plain, words
 
         cache = self.cache
