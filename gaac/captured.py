@@ -17,11 +17,11 @@ next ``N`` steps of one token per sequence:
 
 What the device reads instead of the host:
 
-* **Appends** (:func:`gaac.cuda.append.device_append_kernel`): each sequence's position is its length on
-  the device, which the kernel advances.  A token that completes a block sets the sequence's finish
-  flag and writes the block's epoch; the tail encode kernel (:func:`gaac.cuda.codec.tail_encode_kernel`)
-  then encodes exactly the flagged blocks from the tails into the pools, popping records from the
-  device free lists, and writes their block-table entries.
+* **Appends** (:func:`gaac.cuda.codec.step_append_kernel`, one launch a layer for K and V): each
+  sequence's position is its length on the device, which the kernel advances.  A warp per (head, kind)
+  writes its share of the token; where the token completes the block, the same warp encodes its tile
+  straight from the tail into the pools, popping records from the device free lists, and writes the
+  block-table entry and the block's epoch.
 * **Attention**: the work list covers the lengths of the plan's last step (a length-independent split
   for the plan's steps); the kernel stops each split at the sequence's length now, and the merge skips
   the splits that are still empty.  The list is cut at the blocks where an epoch changes, and, with
@@ -107,23 +107,22 @@ class CapturedSteps:
         step's device arrays and each layer's tail encoders."""
         import torch
 
-        from .cuda import append as A
         from .cuda import attention as K
-        from .cuda.codec import tail_encode_kernel
-        from .cuda.launch import FastLaunch, TileLauncher
+        from .cuda.codec import STEP_APPEND_SIG, step_append_kernel
+        from .cuda.launch import FastLaunch
         from .step import layer_launch
 
         cache, plan, dev = self.cache, self.plan, self.cache.device
         self.rows_dev = cache._to_device(self.rows.astype(np.int32))
-        self.finish = torch.zeros(cache.max_seqs, dtype=torch.int32, device=dev)
-        self.escape_used = torch.zeros(len(self.rows) * cache.tiles_per_block, dtype=torch.int32, device=dev)
+        self.arrivals = torch.zeros(cache.max_seqs, dtype=torch.int32, device=dev)
+        self.escape_used = torch.zeros(2 * len(self.rows) * cache.tiles_per_block, dtype=torch.int32, device=dev)
         self.no_epochs = torch.zeros(1, dtype=torch.int16, device=dev)
-        self.append = FastLaunch(A.device_append_kernel(), (len(self.rows),), A.DEVICE_APPEND_THREADS)
-        self.encoder = TileLauncher(tail_encode_kernel(cache.geometry.channels), 1)
+        self.append = FastLaunch(step_append_kernel(cache.geometry.channels),
+                                 (len(self.rows) * cache.tiles_per_block, 2), K.WARP)
         self.encoders = [[cache._encoder(store, None, self.epochs[layer][kind], layer, kind)
                           for kind, store in enumerate(layer_store)] for layer, layer_store in enumerate(cache._store)]
         if not K.SIMULATOR:
-            self.append.prepare(A.DEVICE_APPEND_SIG)
+            self.append.prepare(STEP_APPEND_SIG)
             for layer in range(cache.layers):
                 layer_launch(cache, layer, plan.g).main.prepare(K.kernel_signature())
             plan._merge_launch.prepare(merge_signature())
@@ -159,7 +158,8 @@ class CapturedSteps:
             raise InputError(f"this plan's {self.steps} steps are used; make a new plan")
 
     def record_append(self, layer: int, seqs, k, v) -> None:
-        """``cache.update_layer`` while recording: the device-driven append and the tail encodes."""
+        """``cache.update_layer`` while recording: one launch appends the token to both tails, advances the
+        lengths and encodes the blocks it completes (:func:`gaac.cuda.codec.step_append_kernel`)."""
         from .cuda.launch import params, plain, words
 
         cache = self.cache
@@ -172,30 +172,22 @@ class CapturedSteps:
         if tuple(k.shape) != want or tuple(v.shape) != want:
             raise InputError(f"k {list(k.shape)} and v {list(v.shape)}: a plan of steps appends one token, "
                              f"[{len(seqs)}, {cache.kv_heads}, 1, {cache.head_dim}] each")
-        k, v = k.contiguous().reshape(-1), v.contiguous().reshape(-1)
         stores = cache._store[layer]
-        epochs = [s.epoch.reshape(-1) if s.epoch is not None else self.no_epochs for s in stores]
-        args = (k, v, stores[0].tail.reshape(-1), stores[1].tail.reshape(-1), self.rows_dev, cache._seq_lens[layer],
-                self.finish, epochs[0], epochs[1], *self.epochs[layer], cache.kv_heads, cache.head_dim,
-                cache.max_blocks, int(stores[0].epoch is not None))
-        self._launch(self.append, args)
-        n = len(self.rows) * cache.tiles_per_block
-        for kind, store in enumerate(stores):
-            enc = self.encoders[layer][kind]
-            tails = store.tail.reshape(cache.max_seqs * cache.kv_heads, L.BLOCK_TOKENS, cache.head_dim)
-            args = (words(tails), *enc._fixed, plain(store.table.reshape(-1)), plain(self.escape_used),
-                    plain(self.rows_dev), plain(self.finish), plain(cache._seq_lens[layer]), cache.max_blocks)
-            self.encoder.launch(n, args, fast=not _simulator(), packed=None if _simulator() else
-                                [p for a in args for p in params(a)])
-
-    def _launch(self, launcher, args) -> None:
+        fixed = [enc._fixed for enc in self.encoders[layer]]     # bases, capacity, slots, free, raw, free, heads
+        tiles = cache.max_seqs * cache.kv_heads
+        token = len(seqs) * cache.kv_heads
+        k, v = (x.contiguous() for x in (k, v))
+        k, v = (x.clone() if x.data_ptr() % 16 else x for x in (k, v))     # the kernel reads 16-byte rows
+        args = (*(words(x.reshape(token, cache.head_dim)) for x in (k, v)),
+                *(words(s.tail.reshape(tiles, L.BLOCK_TOKENS, cache.head_dim)) for s in stores),
+                *(x for pair in zip(*fixed) for x in pair), *(s.table.reshape(-1) for s in stores),
+                *(s.epoch.reshape(-1) if s.epoch is not None else self.no_epochs for s in stores),
+                *self.epochs[layer], int(stores[0].epoch is not None), self.escape_used, self.rows_dev,
+                cache._seq_lens[layer], self.arrivals, cache.max_blocks)
         if _simulator():
-            launcher._dispatcher[launcher._grid, launcher._block](*(a.numpy() if hasattr(a, "numpy") else a
-                                                                    for a in args))
+            self.append._dispatcher[self.append._grid, self.append._block](*(plain(a) for a in args))
             return
-        from .cuda.launch import params
-
-        launcher(None, lambda p: [x for a in args for x in params(a)])
+        self.append(None, lambda p: [x for a in args for x in params(a)])
 
     # -- after each replay -------------------------------------------------------------------------
     def replayed(self) -> None:

@@ -129,8 +129,9 @@ assert _TAG_BITS_OK, "the kernels' tag arithmetic no longer matches gaac.layout'
 # gaac.fp8.cuda's kernels take the same arguments.
 ENCODE_SIG = ("void(int32[:, ::1], int32[:, ::1], int64, int32[:, ::1], int32[::1], int32[:, ::1], "
               "int32[::1], int32[::1], int32[::1], int32[::1])")
-TAIL_ENCODE_SIG = ("void(int32[:, ::1], int32[:, ::1], int64, int32[:, ::1], int32[::1], int32[:, ::1], "
-                   "int32[::1], int32[::1], int32[::1], int32[::1], int32[::1], int32[::1], int32[::1], int64)")
+_W2, _W1 = "int32[:, ::1]", "int32[::1]"
+STEP_APPEND_SIG = ("void(" + ", ".join([_W2] * 6 + ["int64"] * 2 + [_W2, _W2, _W1, _W1, _W2, _W2]
+                                      + [_W1] * 6 + ["int16[::1]"] * 2 + ["int64"] * 3 + [_W1] * 4 + ["int64"]) + ")")
 DECODE_SIG = "void(int32[:, ::1], int32[:, ::1], int32[::1], int32[:, ::1], int64, int32[:, ::1], int32[::1])"
 
 
@@ -147,16 +148,19 @@ def encode_kernel(channels: int, tiles_per_block: int = TILES_PER_BLOCK):
 
 
 @functools.lru_cache(maxsize=None)
-def tail_encode_kernel(channels: int):
-    """The encode kernel of a captured decode step, compiled once per tile width.
+def step_append_kernel(channels: int):
+    """A captured decode step's append of one layer, compiled once per tile width: one launch for K and V.
 
-    Arguments as the encode kernel's (module docstring), except: ``bits`` is a layer's tails
-    ``[max_seqs * P, 16 * C]`` (tiles of whole heads: ``head_dim`` = ``C``), ``table`` is the flat block
-    table ``[max_seqs * max_blocks * P]`` that receives each entry, and the grid is one warp per tile of
-    the step's sequences ``rows`` (``P`` tiles each, ``P`` = the rows of ``bases``).  A sequence's tiles are
-    encoded only where ``finish[row]`` is set (the append kernel sets it when the token completes the
-    block); their entries go to the block that ``seq_lens[row]`` (already advanced) has just completed."""
-    return cuda.jit(TAIL_ENCODE_SIG)(encode_source(channels, 1, finished_tails=True))
+    Grid ``(len(rows) * P, 2)`` of one-warp blocks (``P`` = the rows of ``bases_k``: tiles per block, one per
+    KV head, so ``head_dim`` = ``C``).  Warp ``(i, kind)`` writes its head's channels of the new token
+    ``new_k/new_v`` (words ``[len(rows) * P, C / 2]``) into the tails ``bits_k/v`` (words
+    ``[max_seqs * P, 8 * C]``: a tile a row) at the sequence's length on the device (``seq_lens[rows[i // P]]``
+    mod 16); the last warp of the sequence to read that length advances it (``arrivals`` int32
+    ``[max_seqs]``, zero between launches, counts the readers).  Where the token completes the block, the
+    warp encodes its tile straight from the tail into the pools, as the encode kernel does, writes its entry to the flat block table ``[max_seqs * max_blocks * P]`` and, with
+    ``with_epochs``, the block's epoch (``ek``/``ev``) to ``epoch_k/v`` int16 ``[max_seqs * max_blocks]``.
+    ``escape_used`` int32 ``[2 * len(rows) * P]`` receives each encoded tile's escape bytes (K, then V)."""
+    return cuda.jit(STEP_APPEND_SIG)(encode_source(channels, 1, step_append=True))
 
 
 @functools.lru_cache(maxsize=None)
@@ -409,11 +413,11 @@ def _write_status(status, tile, lane, bad, total, cap):
         status[tile] = BAD_TAG if bad & _EVEN_BITS else (BAD_ESCAPES if total > cap else 0)
 
 
-def encode_source(channels: int, tiles_per_block: int = TILES_PER_BLOCK, finished_tails: bool = False):
+def encode_source(channels: int, tiles_per_block: int = TILES_PER_BLOCK, step_append: bool = False):
     """The Python function of the encode kernel, its tile geometry baked in as constants.
 
-    ``finished_tails``: the kernel of a captured decode step (:func:`tail_encode_kernel`), which encodes
-    the blocks that the step's one-token appends finished, straight from the cache's tails."""
+    ``step_append``: the kernel of a captured decode step (:func:`step_append_kernel`), which appends the
+    step's token to the tails and encodes the blocks it completes, straight from the tails."""
     s = _shape(channels)
     G, J, GPR, TW, SMW, CODEW, TAGW0, ESCW0, HALF = (s[k] for k in
                                                     ("G", "J", "GPR", "TW", "SMW", "CODEW", "TAGW0", "ESCW0", "HALF"))
@@ -523,19 +527,49 @@ def encode_source(channels: int, tiles_per_block: int = TILES_PER_BLOCK, finishe
         _write_stream(slots, dw, SMW, CODEW, codes, warp, lane, 3)
         _write_tags_escapes(slots, dw, tagw, stage, warp, lane, cap, total, TW, TAGW0, ESCW0)
 
-    if finished_tails:
-        def kernel(bits, bases, capacity, slots, slot_free, raw, raw_free, heads, table, escape_used, rows, finish,
-                   seq_lens, max_blocks):
-            # One warp a block (TPB 1): a block whose sequence finished no block leaves before any barrier.
+    if step_append:
+        def kernel(new_k, new_v, bits_k, bits_v, bases_k, bases_v, cap_k, cap_v, slots_k, slots_v,
+                   slot_free_k, slot_free_v, raw_k, raw_v, raw_free_k, raw_free_v, heads_k, heads_v, table_k, table_v,
+                   epoch_k, epoch_v, ek, ev, with_epochs, escape_used, rows, seq_lens, arrivals, max_blocks):
+            # One warp a block (TPB 1): blockIdx.x = tile i of the step's sequences (P tiles each: one per KV
+            # head), blockIdx.y = kind.  The warp appends its head's channels of the new token to the tail,
+            # then, where the token completes the block, encodes the tile from the tail.
             i = u(cuda.blockIdx.x)
-            per = u(bases.shape[0])                        # tiles per block of the layer
+            kind = u(cuda.blockIdx.y)
+            lane = u(cuda.threadIdx.x)
+            per = u(bases_k.shape[0])                      # tiles (heads) per block of the layer
             row = u(rows[i // per])
-            if finish[row] == 0:
-                return
             j = i % per
-            last = u(u(seq_lens[row]) // u(L.BLOCK_TOKENS) - u(1))
-            encode_tile(bits, bases, capacity, slots, slot_free, raw, raw_free, heads, table, escape_used, i, True,
-                        u(row * per + j), u((row * u(max_blocks) + last) * per + j))
+            n = u(seq_lens[row])
+            r = n % u(L.BLOCK_TOKENS)
+            t = u(row * per + j)                           # the tile's row of the tails
+            w0 = u(r * u(HALF))                            # the token's first word in it
+            for w in range(lane, HALF, WARP):
+                if kind == _ZERO:
+                    bits_k[t, u(w0 + u(w))] = new_k[i, w]
+                else:
+                    bits_v[t, u(w0 + u(w))] = new_v[i, w]
+            syncwarp()
+            # The length advances once every warp of the sequence has read it: the last to arrive writes it.
+            if lane == _ZERO:
+                cuda.threadfence()
+                if u(cuda.atomic.add(arrivals, row, 1)) == u(2 * per - 1):
+                    arrivals[row] = 0
+                    seq_lens[row] = n + u(1)
+            if r != u(L.BLOCK_TOKENS - 1):
+                return
+            last = u(n // u(L.BLOCK_TOKENS))               # the block this token completes
+            dest = u((row * u(max_blocks) + last) * per + j)
+            if kind == _ZERO:
+                if with_epochs and j == _ZERO and lane == _ZERO:
+                    epoch_k[row * u(max_blocks) + last] = ek
+                encode_tile(bits_k, bases_k, cap_k, slots_k, slot_free_k, raw_k, raw_free_k, heads_k, table_k,
+                            escape_used, i, True, t, dest)
+            else:
+                if with_epochs and j == _ZERO and lane == _ZERO:
+                    epoch_v[row * u(max_blocks) + last] = ev
+                encode_tile(bits_v, bases_v, cap_v, slots_v, slot_free_v, raw_v, raw_free_v, heads_v, table_v,
+                            escape_used, u(i + u(cuda.gridDim.x)), True, t, dest)
         return kernel
 
     def kernel(bits, bases, capacity, slots, slot_free, raw, raw_free, heads, entries, escape_used):
