@@ -852,11 +852,12 @@ def render(rep: dict) -> str:
         lines += ["", "Each variant's whole step -- every layer's append and attention, and the model -- is one CUDA "
                   "graph, captured once and replayed back to back; the wall time includes GAAC's host account after "
                   "each replay.  BF16: lengths on the device, the token written at its device position, flash "
-                  "(`torch.ops.aten._flash_attention_forward`, varlen with `seqused_k`, the 4 query heads of a KV head "
-                  "as 4 query rows).  GAAC: `cache.decode_plan(32, steps=N)` covers the N replays (a work list for the "
-                  "lengths of its last step, each split stopped at the length the kernel reads on the device); the "
-                  "append kernel reads each position from the device and flags a finished block, which the tail encode "
-                  "kernel then encodes into the pools.", ""]
+                  "(`torch.ops.aten._flash_attention_forward`, varlen with `seqused_k`) in the fastest mode that runs "
+                  f"here (`{graph_rows[0]['graph']['flash_mode']}`: `SdpaGraphAttend` describes the modes; the .json "
+                  "has each context's layer-0 call times of every mode).  GAAC: `cache.decode_plan(32, steps=N)` covers "
+                  "the N replays (a work list for the lengths of its last step, each split stopped at the length the "
+                  "kernel reads on the device); one kernel a layer appends the token at the position it reads on the "
+                  "device and encodes a block the token completes straight from the tail into the pools.", ""]
     lines += ["## Memory (`PagedKVCache.memory()`)", "",
               *table(("context", "batch", "BF16 KV GiB", "GAAC resident GiB", "ratio", "raw-tile fraction",
                       "GAAC allocated GiB"), map(memory_cells, rows))]
