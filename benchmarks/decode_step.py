@@ -457,23 +457,17 @@ def pick_flash_mode(s: Shape, kc, vc, tokens: int, loop: GraphLoop, q) -> tuple:
     return min(ok, key=ok.get), times
 
 
-class GaacGraphAttend:
+class GaacGraphAttend(GaacAttend):
     """GAAC in a CUDA graph: a plan of steps (``cache.decode_plan(q_heads, steps=N)``), recorded with
     ``plan.device_driven()``; after each replay ``plan.replayed()`` (the host's account of the step)."""
 
     def __init__(self, s: Shape, cache, seqs, loop: GraphLoop, steps: int):
-        self.s, self.cache, self.seqs, self.loop = s, cache, seqs, loop
+        super().__init__(s, cache, seqs, loop)
         self.plan = cache.decode_plan(s.q_heads, steps=steps)
         assert self.plan.steps == steps, (self.plan.steps, steps)
-        self.out = torch.empty((cache.max_seqs, s.q_heads, s.head_dim), dtype=torch.bfloat16, device=DEV)
 
     def begin(self):
         pass
-
-    def __call__(self, layer, q):
-        k, v = self.loop.kv(layer)
-        self.cache.update_layer(layer, self.seqs, k[:, :, None], v[:, :, None])
-        return self.plan.run(q, layer, out=self.out)
 
     def end(self):
         self.loop.end()

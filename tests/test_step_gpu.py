@@ -27,6 +27,25 @@ from gaac.calibration import calibrate  # noqa: E402
 from gaac.errors import PoolExhaustedError  # noqa: E402
 
 
+def assert_same_caches(caches, seqs, k, v, adapt: bool):
+    """A GPU cache and the reference cache after the same steps: the same bits, slot/raw decisions and (with
+    adaptation) epochs, at least one of them appended."""
+    if adapt:
+        assert_same_epochs(caches[0].calibration, caches[1].calibration)
+        assert caches[0].calibration.n_epochs(0, 0) > 1
+    for i, s in enumerate(seqs):
+        for c in caches:
+            got_k, got_v = c.read(s)
+            np.testing.assert_array_equal(got_k, k[i])
+            np.testing.assert_array_equal(got_v, v[i])
+    for layer in range(caches[0].layers):
+        g, r = (c.layer_view(layer) for c in caches)
+        for kind in range(2):
+            assert torch.equal(g.table[kind].cpu() < 0, r.table[kind] < 0)
+            if adapt:
+                assert torch.equal(g.epoch[kind].cpu(), r.epoch[kind])
+
+
 def test_gpu_loop_matches_the_reference_cache(monkeypatch):
     for name in ("WARMUP_BLOCKS", "ADAPT_EVERY"):
         monkeypatch.setattr(epochs_mod, name, 4)
@@ -64,18 +83,7 @@ def test_gpu_loop_matches_the_reference_cache(monkeypatch):
                 assert err < 8e-3, (step, layer, err)
         plans[0].check_status()
     print(f"worst attention error against float64: {worst:.2e}")
-    assert_same_epochs(caches[0].calibration, caches[1].calibration)
-    assert caches[0].calibration.n_epochs(0, 0) > 1
-    for i, s in enumerate(seqs):
-        for c in caches:
-            got_k, got_v = c.read(s)
-            np.testing.assert_array_equal(got_k, k[i])
-            np.testing.assert_array_equal(got_v, v[i])
-    for layer in range(layers):
-        g, r = (c.layer_view(layer) for c in caches)
-        for kind in range(2):
-            assert torch.equal(g.table[kind].cpu() < 0, r.table[kind] < 0)
-            assert torch.equal(g.epoch[kind].cpu(), r.epoch[kind])
+    assert_same_caches(caches, seqs, k, v, adapt=True)
     for c in caches:                       # a removal gives its records back; a new sequence reuses them
         before = c.memory().slot_bytes
         c.remove_sequence(seqs[0])
@@ -167,17 +175,4 @@ def test_captured_graph_steps_match_the_reference_cache(adapt, monkeypatch):
         plan.check_status()
     print(f"{graphs} graphs; worst attention error against float64: {worst:.2e}")
     assert graphs >= (3 if adapt else 2)
-    if adapt:
-        assert_same_epochs(caches[0].calibration, caches[1].calibration)
-        assert caches[0].calibration.n_epochs(0, 0) > 1
-    for i, s in enumerate(seqs):
-        for c in caches:
-            got_k, got_v = c.read(s)
-            np.testing.assert_array_equal(got_k, k[i])
-            np.testing.assert_array_equal(got_v, v[i])
-    for layer in range(layers):
-        g, r = (c.layer_view(layer) for c in caches)
-        for kind in range(2):
-            assert torch.equal(g.table[kind].cpu() < 0, r.table[kind] < 0)
-            if adapt:
-                assert torch.equal(g.epoch[kind].cpu(), r.epoch[kind])
+    assert_same_caches(caches, seqs, k, v, adapt)
