@@ -17,6 +17,7 @@ _LAZY = {
     "decode_attention": ("gaac.attention", "decode_attention"),
     "AttentionPlan": ("gaac.attention", "AttentionPlan"),
     "StepPlan": ("gaac.step", "StepPlan"),
+    "StepGraph": ("gaac.captured", "StepGraph"),
     "measure": ("gaac.stats", "measure"),
 }
 
@@ -33,6 +34,7 @@ def __getattr__(name):
 
 __all__ = [
     "AttentionPlan", "Calibration", "CalibrationError", "EncodedBlock", "FORMAT_VERSION", "FormatError", "GAACError",
-    "InputError", "PagedKVCache", "PoolExhaustedError", "StepPlan", "calibrate", "decode_attention", "decode_block",
+    "InputError", "PagedKVCache", "PoolExhaustedError", "StepGraph", "StepPlan",
+    "calibrate", "decode_attention", "decode_block",
     "encode_block", "measure", "sample",
 ]

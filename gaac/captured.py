@@ -235,3 +235,53 @@ def _simulator() -> bool:
     from .cuda.primitives import SIMULATOR
 
     return SIMULATOR
+
+
+class StepGraph:
+    """A model's decode step over a cache, run as CUDA graphs: each call runs one step.
+
+    ``step(plan)`` is the model's step written against fixed buffers (its inputs read from them, its
+    outputs written to them): per layer ``cache.update_layer(layer, seqs, k, v)`` of one token per
+    sequence and ``plan.run(q, layer, out=...)``.  A call replays the captured step; where the plan's
+    steps are used up it plans and captures again (:meth:`PagedKVCache.decode_plan` with ``steps``), and
+    where no plan can take the next step (it passes the adaptation rule's check) it runs that one
+    step eagerly with a one-step plan.  The first call runs eagerly too: it warms the model's kernels
+    (libraries allocate on first use, which a capture must not do).  The graphs share one memory pool.
+
+    Between calls, change the cache only through the steps: anything else ends the current plan, and
+    the next call raises :class:`InputError` from ``plan.replayed()``; call :meth:`reset` after such a
+    change to plan and capture afresh.
+    """
+
+    def __init__(self, cache, q_heads: int, step, *, steps: int = 256, seqs=None):
+        if not callable(step):
+            raise InputError(f"step must be the model's step, a callable taking the plan; got {type(step).__name__}")
+        self.cache, self.q_heads, self.step, self.steps, self.seqs = cache, q_heads, step, steps, seqs
+        self.plan = self.graph = None
+        self._pool = None
+        self._warm = False
+        self.captures = self.eager_steps = 0
+
+    def reset(self) -> None:
+        """Forget the captured step: the next call plans and captures again."""
+        self.plan = self.graph = None
+
+    def __call__(self) -> None:
+        import torch
+
+        if self.plan is None or self.plan.captured.step >= self.plan.steps:
+            self.plan = self.graph = None
+            plan = self.cache.decode_plan(self.q_heads, steps=self.steps, seqs=self.seqs) if self._warm else None
+            if plan is None or not plan.steps:
+                self.step(self.cache.decode_plan(self.q_heads, seqs=self.seqs))
+                self.eager_steps += 1
+                self._warm = True
+                return
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool), plan.device_driven():
+                self.step(plan)
+            self._pool = graph.pool()
+            self.plan, self.graph = plan, graph
+            self.captures += 1
+        self.graph.replay()
+        self.plan.replayed()

@@ -11,6 +11,7 @@ import torch
 from test_cache import B, assert_same_epochs, drifting, synthetic
 from test_step import _check_attention, _q
 
+import gaac
 import gaac.epochs as epochs_mod
 from gaac.cache import PagedKVCache
 from gaac.calibration import calibrate
@@ -119,3 +120,5 @@ def test_a_plan_of_steps_refuses_what_would_break_its_launches():
     ref.add_sequence(k[:, :, :3], v[:, :, :3])
     with pytest.raises(InputError, match="reference codec"):
         ref.decode_plan(2, steps=4)
+    with pytest.raises(InputError, match="callable"):
+        gaac.StepGraph(cache, 2, None)

@@ -176,3 +176,47 @@ def test_captured_graph_steps_match_the_reference_cache(adapt, monkeypatch):
     print(f"{graphs} graphs; worst attention error against float64: {worst:.2e}")
     assert graphs >= (3 if adapt else 2)
     assert_same_caches(caches, seqs, k, v, adapt)
+
+
+def test_step_graph_runs_a_loop_through_plans_checks_and_eager_steps(monkeypatch):
+    """gaac.StepGraph: the first step eager, then captured plans of at most 16 steps, re-planned as they run
+    out and at the rule's checks; the cache ends as the reference cache, the last step's attention is right."""
+    import gaac
+
+    for name in ("WARMUP_BLOCKS", "ADAPT_EVERY"):
+        monkeypatch.setattr(epochs_mod, name, 4)
+    rng = np.random.default_rng(23)
+    layers, heads, dim, steps = 2, 4, 128, 90
+    start = [20 * B + 7, 3 * B]
+    k = [drifting(rng, layers, heads, s + steps, dim, 12.0) for s in start]
+    v = [synthetic(rng, layers, heads, s + steps, dim) for s in start]
+    cal = calibrate(k[0][:, :, :256], v[0][:, :, :256])
+    caches = [PagedKVCache(cal, max_seqs=2, max_blocks=32, raw_tiles=2 * 32 * 4, device=d) for d in ("cuda", "cpu")]
+    seqs = [[c.add_sequence(k[i][:, :, :start[i]], v[i][:, :, :start[i]]) for i in range(2)] for c in caches][0]
+    kbuf = torch.zeros((layers, 2, heads, 1, dim), dtype=torch.int16, device="cuda")
+    vbuf = torch.zeros_like(kbuf)
+    qbuf = torch.randn((2, 2 * heads, dim), device="cuda").to(torch.bfloat16)
+    out = torch.zeros((layers, 2, 2 * heads, dim), dtype=torch.bfloat16, device="cuda")
+
+    def step(plan):
+        for layer in range(layers):
+            caches[0].update_layer(layer, seqs, kbuf[layer], vbuf[layer])
+            plan.run(qbuf, layer, out=out[layer])
+
+    runner = gaac.StepGraph(caches[0], 2 * heads, step, steps=16)
+    for t in range(steps):
+        for layer in range(layers):
+            for i in range(2):
+                kbuf[layer, i, :, 0] = torch.from_numpy(k[i][layer, :, start[i] + t].view(np.int16))
+                vbuf[layer, i, :, 0] = torch.from_numpy(v[i][layer, :, start[i] + t].view(np.int16))
+            caches[1].update_layer(layer, seqs, kbuf[layer].cpu(), vbuf[layer].cpu())
+        runner()
+    assert runner.captures >= 6 and runner.eager_steps >= 1
+    qf = bf16_to_float(qbuf.view(torch.int16).cpu().numpy())
+    for layer in range(layers):
+        ks = [bf16_to_float(k[i][layer]) for i in range(2)]
+        vs = [bf16_to_float(v[i][layer]) for i in range(2)]
+        ref, _ = reference_attention(qf, ks, vs)
+        got = out[layer].float().cpu().numpy()
+        assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 8e-3
+    assert_same_caches(caches, seqs, k, v, adapt=True)
