@@ -33,6 +33,7 @@ The layout (C = 128; lane ``l = 4r + q``, the MMA's groupID ``r`` and thread-in-
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -199,15 +200,89 @@ def expected_fragments(kind: int, tile: np.ndarray) -> np.ndarray:
 # ----------------------------------------------------------------------------------------------
 # The device decoder (GPU or simulator, through gaac.cuda.primitives).
 
-def decoder_v3():
+def _code_expr(f: int) -> str:
+    """Fragment word f's two 3-bit codes at bits 7-9 and 23-25, as an expression of ``cw0..cw5``."""
+    if f < 30:
+        s = 7 - 3 * (f % 5)
+        y = f"u32(cw{f // 5} << {s})" if s >= 0 else f"u32(cw{f // 5} >> {-s})"
+    else:
+        b = 3 * (f - 30)
+        y = (f"u32(((cw{b} >> 8) & 0x00800080) | ((cw{b + 1} >> 7) & 0x01000100) | "
+             f"((cw{b + 2} >> 6) & 0x02000200))")
+    return f"u32({y} & 0x03800380)"
+
+
+def _sm_expr(f: int) -> str:
+    w = f"smw{f // 2}"
+    return w if f % 2 == 0 else f"u32(({w} >> 8) | u32({w} << 24))"
+
+
+def _compute_source(kind: int) -> str:
+    """Straight-line source (every index a literal, so that the arrays stay in registers) of the common path
+    of one kind: ``compute(smw, cw, bw, evl, evh, frag)``."""
+    lines = ["def compute(smw, cw, bw, evl, evh, frag):"]
+    lines += [f"    smw{w} = smw[{w}]" for w in range(16)] + [f"    cw{c} = cw[{c}]" for c in range(6)]
+    if kind == 0:
+        for g in range(8):
+            lines.append(f"    e = prmt0({'evl' if g < 4 else 'evh'}, {0x4440 | (g & 3)})")
+            for p in range(4):
+                f = 4 * (2 * (g & 3) + p // 2) + 2 * (p % 2) + (g >> 2)
+                mult = (1 << (10 - 2 * p)) + (1 << (25 - 2 * p))
+                lines.append(f"    frag[{f}] = u32(({_sm_expr(f)} & 0x807F807F) | u32({_code_expr(f)} + bw[{4 * g + p}]"
+                             f" + u32(mul32(e, {mult}) & 0x04000400)))")
+    else:
+        for j in range(4):
+            ga = 4 * (j >> 1) + (j & 1)
+            lines.append(f"    e = prmt0({'evl' if j < 2 else 'evh'}, {0x4040 | (ga & 3) | (((ga + 2) & 3) << 8)})")
+            for mt in range(8):
+                f = 4 * mt + j
+                lines.append(f"    frag[{f}] = u32(({_sm_expr(f)} & 0x807F807F) | u32({_code_expr(f)} + bw[{8 * j + mt}]"
+                             f" + u32(u32(e << {10 - mt}) & 0x04000400)))")
+    return "\n".join(lines) + "\n"
+
+
+def _fix_source(kind: int) -> str:
+    """Straight-line source of the raw groups' fix-up: ``fix(smem, end, raw, roff, frag)`` (``end``: the escape
+    area's end; ``roff``: the raw groups of the lanes before this one)."""
+    lines = ["def fix(smem, end, raw, roff, frag):"]
+    for g in range(8):
+        bit = 4 * (g & 3) + 2 * (g >> 2) + 1
+        lines.append(f"    if (raw >> {bit}) & 1:")
+        lines.append(f"        pw = lds(smem, u32(end - u32(4 * (roff + popc(raw & {(1 << bit) - 1}) + 1))))")
+        for f in range(32):
+            if kind == 0:
+                if (f & 1) == g // 4 and (f >> 3) == g % 4:
+                    p = 2 * ((f >> 2) & 1) + ((f & 3) >> 1)
+                    lines.append(f"        frag[{f}] = u32(frag[{f}] + (high_bits(pw, {2 * p}, 0) | "
+                                 f"high_bits(pw, {2 * p + 1}, 1)))")
+            else:
+                ga = 4 * ((f & 3) >> 1) + (f & 1)
+                if g in (ga, ga + 2):
+                    lines.append(f"        frag[{f}] = u32(frag[{f}] + high_bits(pw, {f >> 2}, {int(g != ga)}))")
+    return "\n".join(lines) + "\n"
+
+
+def decoder_v3(rare: bool = True):
     from numba import uint32
 
+    from gaac.cuda import primitives as P
     from gaac.cuda.primitives import (device, escape_scan, funnel_r, i32, kernel_api, lane_id, lds, lds4, mul32, popc,
-                                      prmt, prmt0, u32, warp_any)
+                                      prmt, u32, warp_any)
 
     @device
-    def rot8(x):
-        return u32((x >> 8) | u32(x << 24))
+    def high_bits(pw, e, half):
+        """Exponent bits 4..7 of element e from a raw group's planes word (bytes: planes 7, 6, 5, 4) at bits
+        11..14 of ``half``."""
+        nib = u32(mul32(u32((pw >> e) & 0x01010101), 0x08040201) >> 24)
+        return u32((nib & 0xF) << (11 + 16 * half))
+
+    def build(source: str, name: str):
+        space = {"u32": u32, "mul32": mul32, "prmt0": P.prmt0, "lds": lds, "popc": popc, "high_bits": high_bits}
+        exec(compile(source, f"<v3 {name}>", "exec"), space)
+        return device(space[name])
+
+    compute_k, compute_v = build(_compute_source(0), "compute"), build(_compute_source(1), "compute")
+    fix_k, fix_v = build(_fix_source(0), "fix"), build(_fix_source(1), "fix")
 
     @device
     def tags_v3(smem, src):
@@ -235,18 +310,6 @@ def decoder_v3():
         return prmt(x0, x1, sel & 0xFFFF), prmt(x0, x1, sel >> 16)
 
     @device
-    def code_of(cw, f):
-        """Fragment word f's two 3-bit codes at bits 7-9 and 23-25 (compile-time f)."""
-        if f < 30:
-            y = cw[f // 5]
-            s = 7 - 3 * (f % 5)
-            y = u32(y << s) if s >= 0 else u32(y >> -s)
-        else:
-            b = 3 * (f - 30)
-            y = u32(((cw[b] >> 8) & 0x00800080) | ((cw[b + 1] >> 7) & 0x01000100) | ((cw[b + 2] >> 6) & 0x02000200))
-        return u32(y & 0x03800380)
-
-    @device
     def loads_v3(smem, src, smw, cw):
         lane = lane_id()
         for k in range(4):
@@ -258,40 +321,16 @@ def decoder_v3():
         cw[5] = lds(smem, u32(src + CODE_HI_OFF + 8 * lane + 4))
 
     @device
-    def sm_of(smw, f):
-        return smw[f // 2] if f % 2 == 0 else rot8(smw[f // 2])
-
-    @device
-    def high_bits(pw, e, half):
-        """Exponent bits 4..7 of element e from a raw group's planes word (bytes: planes 7, 6, 5, 4) at bits
-        11..14 of ``half``."""
-        nib = u32(mul32(u32((pw >> e) & 0x01010101), 0x08040201) >> 24)
-        return u32((nib & 0xF) << (11 + 16 * half))
-
-    @device
-    def raw_fix(smem, src, t, cap, frag, kind, status, scr):
+    def raw_fix(smem, src, t, cap, frag, kind, scr):
         """Exponent bits 4..7 of raw groups (rare: a warp-uniform branch, then a scan of raw counts)."""
         raw = u32(t & 0xAAAA)
         if warp_any(raw != 0, scr):
             roff = escape_scan(i32(popc(raw)), scr)
             end = u32(src + ESC_OFF + u32(cap))
-            for g in range(8):
-                bit = 4 * (g & 3) + 2 * (g >> 2) + 1
-                if (raw >> bit) & 1:
-                    n = i32(roff + popc(raw & u32((1 << bit) - 1)))
-                    pw = lds(smem, u32(end - u32(4 * (n + 1))))
-                    if kind == 0:
-                        for f in range(32):
-                            if (f & 1) == g // 4 and (f >> 3) == g % 4:
-                                p = 2 * ((f >> 2) & 1) + ((f & 3) >> 1)
-                                frag[f] = u32(frag[f] + (high_bits(pw, 2 * p, 0) | high_bits(pw, 2 * p + 1, 1)))
-                    else:
-                        for f in range(32):
-                            ga = 4 * ((f & 3) >> 1) + (f & 1)
-                            if g == ga:
-                                frag[f] = u32(frag[f] + high_bits(pw, f >> 2, 0))
-                            elif g == ga + 2:
-                                frag[f] = u32(frag[f] + high_bits(pw, f >> 2, 1))
+            if kind == 0:
+                fix_k(smem, end, raw, roff, frag)
+            else:
+                fix_v(smem, end, raw, roff, frag)
 
     @device
     def decode_k_v3(smem, src, kbase, t, cnt, off, cap, kf, status, scr):
@@ -307,15 +346,11 @@ def decoder_v3():
             m = u32((t >> (4 * (g & 3) + 2 * (g >> 2))) & 3)
             b0, b1, b2, b3 = lds4(smem, u32(kbase + m * K_STRIDE + 4 * (16 * q + 4 * (g & 3))))
             bw[4 * g], bw[4 * g + 1], bw[4 * g + 2], bw[4 * g + 3] = b0, b1, b2, b3
-        for g in range(8):
-            e = prmt0(evl if g < 4 else evh, 0x4440 | (g & 3))
-            for p in range(4):
-                f = 4 * (2 * (g & 3) + p // 2) + 2 * (p % 2) + (g >> 2)
-                esc = u32(mul32(e, (1 << (10 - 2 * p)) + (1 << (25 - 2 * p))) & 0x04000400)
-                kf[f] = u32((sm_of(smw, f) & 0x807F807F) | u32(code_of(cw, f) + bw[4 * g + p] + esc))
-        if t & (t >> 1) & 0x5555:
-            kernel_api.atomic.or_(status, 0, 1)
-        raw_fix(smem, src, t, cap, kf, 0, status, scr)
+        compute_k(smw, cw, bw, evl, evh, kf)
+        if rare:
+            if t & (t >> 1) & 0x5555:
+                kernel_api.atomic.or_(status, 0, 1)
+            raw_fix(smem, src, t, cap, kf, 0, scr)
 
     @device
     def decode_v_v3(smem, src, vbase, t, cnt, off, cap, vf, status, scr):
@@ -336,16 +371,11 @@ def decoder_v3():
             bw[8 * j], bw[8 * j + 1], bw[8 * j + 2], bw[8 * j + 3] = b0, b1, b2, b3
             b0, b1, b2, b3 = lds4(smem, u32(a + 16))
             bw[8 * j + 4], bw[8 * j + 5], bw[8 * j + 6], bw[8 * j + 7] = b0, b1, b2, b3
-        for j in range(4):
-            ga = 4 * (j >> 1) + (j & 1)
-            esc = prmt0(evl if j < 2 else evh, 0x4040 | (ga & 3) | (((ga + 2) & 3) << 8))
-            for mt in range(8):
-                f = 4 * mt + j
-                kf_esc = u32(u32(esc << (10 - mt)) & 0x04000400)
-                vf[f] = u32((sm_of(smw, f) & 0x807F807F) | u32(code_of(cw, f) + bw[8 * j + mt] + kf_esc))
-        if t & (t >> 1) & 0x5555:
-            kernel_api.atomic.or_(status, 0, 1)
-        raw_fix(smem, src, t, cap, vf, 1, status, scr)
+        compute_v(smw, cw, bw, evl, evh, vf)
+        if rare:
+            if t & (t >> 1) & 0x5555:
+                kernel_api.atomic.or_(status, 0, 1)
+            raw_fix(smem, src, t, cap, vf, 1, scr)
 
     return tags_v3, decode_k_v3, decode_v_v3
 
@@ -359,14 +389,15 @@ SLOT = ESC_OFF + CAP
 SLOT_WORDS = SLOT // 4
 
 
-def harness(version: int, null: bool = False):
+def harness(version: int, null: bool = False, rare: bool = True):
+    """``rare=False``: without the raw-group fix-ups and the status checks (the common path's code)."""
     from numba import uint32
 
     from gaac.cuda.primitives import SCRATCH_WORDS, lane_id, scratch_init, smem_base, u32, warp_sync, ldsm_rows, ldsm_cols
     from gaac.cuda.tile_decoder import BASE_ROWS, base_row_words, decode_tile_fn, escape_scan2, row_bytes
 
     if version == 3:
-        tags_v3, decode_k, decode_v = decoder_v3()
+        tags_v3, decode_k, decode_v = decoder_v3(rare)
         base_words = (K_BASE_BYTES + V_BASE_BYTES) // 4
         extra = 0
     else:
@@ -420,7 +451,8 @@ def harness(version: int, null: bool = False):
             ok, ov = escape_scan2(ck, cv, scr)
             decode_loads(smem, src_k, base_k, 4 * RS, tk, ok, CAP, smw, cw, ev, bw)
             decode_compute(smem, dec, tk, smw, cw, ev, bw)
-            decode_fix(smem, src_k, dec, tk, ok, ck, CAP, status)
+            if rare:
+                decode_fix(smem, src_k, dec, tk, ok, ck, CAP, status)
             warp_sync(scr)
             for kk in range(C // 16):
                 a0, a1, a2, a3 = ldsm_rows(smem, u32(dec + 32 * kk), ROWB, scr)
@@ -428,7 +460,8 @@ def harness(version: int, null: bool = False):
             warp_sync(scr)
             decode_loads(smem, src_v, base_v, 4 * RS, tv, ov, CAP, smw, cw, ev, bw)
             decode_compute(smem, dec, tv, smw, cw, ev, bw)
-            decode_fix(smem, src_v, dec, tv, ov, cv, CAP, status)
+            if rare:
+                decode_fix(smem, src_v, dec, tv, ov, cv, CAP, status)
             warp_sync(scr)
             for mt in range(C // 16):
                 a0, a1, a2, a3 = ldsm_cols(smem, u32(dec + 32 * mt), ROWB, scr)
@@ -497,5 +530,70 @@ def check():
         assert nk == 0 and nv == 0 and status[0] == 0
 
 
+CLASSES = (("shared loads", ("LDS", "LDSM")), ("shared stores", ("STS",)), ("PRMT", ("PRMT",)),
+           ("IMAD", ("IMAD", "IMAD.WIDE", "IMAD.SHL", "IMAD.IADD", "IMAD.MOV", "IMAD.HI", "IMAD.U32", "IMAD.X")),
+           ("LOP3", ("LOP3",)), ("SHF", ("SHF",)), ("IADD3/LEA", ("IADD3", "LEA", "LEA.HI", "IADD3.X")),
+           ("POPC", ("POPC",)), ("SHFL", ("SHFL",)), ("SEL/ISETP/MOV", ("SEL", "ISETP", "MOV", "PLOP3", "VIMNMX")),
+           ("control", ("BRA", "BSSY", "BSYNC", "WARPSYNC", "BAR", "EXIT", "NOP", "VOTE", "RET", "CALL")))
+
+
+def sass():
+    """Opcode counts of the harness kernels: full (with the rare paths' code), common (without), and the
+    harness alone (null: copies and stores), for v2 (today) and v3."""
+    import tempfile
+    from collections import Counter
+
+    from benchmarks.kernel_resources import _ptxas_version, _tool, resources
+
+    ptxas, cuobjdump = _tool("ptxas"), _tool("cuobjdump")
+    isa = _ptxas_version(ptxas)
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for version in (2, 3):
+            for label, kw in (("common", dict(rare=False)), ("full", {}), ("null", dict(null=True))):
+                res = resources(harness(version, **kw).py_func, signature(), Path(tmp), ptxas, cuobjdump, isa)
+                # The decode region: after the harness' last 32-bit copy store to shared memory, less the
+                # global stores of the fragments and the kernel's end.
+                last = max(i for i, line in enumerate(res["lines"]) if re.match(r"(@!?P\w+\s+)?STS ", line))
+                region = [line for line in res["lines"][last + 1:]
+                          if not re.match(r"(@!?P\w+\s+)?(STG|EXIT|BRA|NOP)", line)]
+                ops = Counter()
+                for line in region:
+                    m = re.match(r"(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", line)
+                    if m:
+                        ops[m.group(1)] += 1
+                rows[(version, label)] = (res, ops)
+                dump = Path(os.environ.get("V3_SASS_DIR", tmp))
+                dump.mkdir(parents=True, exist_ok=True)
+                (dump / f"v{version}-{label}.sass").write_text("\n".join(res["lines"]) + "\n")
+                mem = {k: v for k, v in sorted(ops.items()) if k.startswith(("LDS", "STS", "LDSM", "SHFL"))}
+                print(f"v{version} {label}: {res['sass']} SASS, region {sum(ops.values())}, {res['registers']} registers, "
+                      f"spill {res['spill_bytes']}; {mem}", flush=True)
+
+    def cls(ops, names):
+        return sum(v for k, v in ops.items() if k.split(".")[0] in {n.split(".")[0] for n in names})
+
+    print()
+    head = ["class"] + [f"v{v} {label}" for v in (2, 3) for label in ("common", "full", "null")]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for name, names in CLASSES:
+        print(f"| {name} | " + " | ".join(str(cls(rows[(v, label)][1], names)) for v in (2, 3)
+                                          for label in ("common", "full", "null")) + " |")
+    rest = {}
+    known = {n.split(".")[0] for _, names in CLASSES for n in names}
+    for key, (_, ops) in rows.items():
+        rest[key] = sum(v for k, v in ops.items() if k.split(".")[0] not in known)
+    print("| other | " + " | ".join(str(rest[(v, label)]) for v in (2, 3) for label in ("common", "full", "null")) + " |")
+    print("| total | " + " | ".join(str(sum(rows[(v, label)][1].values())) for v in (2, 3)
+                                   for label in ("common", "full", "null")) + " |")
+    others = Counter()
+    for key, (_, ops) in rows.items():
+        for k, v in ops.items():
+            if k.split(".")[0] not in known:
+                others[(key, k)] += v
+    print("other opcodes:", sorted({k for (_, k) in others}))
+
+
 if __name__ == "__main__":
-    {"check": check}[sys.argv[1]]()
+    {"check": check, "sass": sass}[sys.argv[1]]()
