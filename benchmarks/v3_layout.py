@@ -595,5 +595,107 @@ def sass():
     print("other opcodes:", sorted({k for (_, k) in others}))
 
 
+def wavefronts(addrs, width: int) -> int:
+    """Shared-memory wavefronts of one warp-wide access (the usual model: 32 lanes a phase for accesses of up
+    to 4 bytes, 16 for 8 bytes, 8 for 16 bytes; a phase costs the largest number of distinct 32-bit words
+    it touches in one bank, at least 1).  ``ldmatrix`` is counted as 16-byte accesses of the 32 row
+    addresses."""
+    per = 32 if width <= 4 else 16 if width == 8 else 8
+    total = 0
+    for p0 in range(0, 32, per):
+        banks = {}
+        for a in addrs[p0:p0 + per]:
+            for w in range(max(1, width // 4)):
+                word = a // 4 + w
+                banks.setdefault(word % 32, set()).add(word)
+        total += max(len(v) for v in banks.values())
+    return total
+
+
+def sample_modes(rng, probs=(0.89, 0.107, 0.003)):
+    """Modes of a tile's 256 groups, drawn independently (FORMAT.md 9.3: about 89 % of groups 3-bit; the tile
+    decoder: raw groups about 0.3 %), as [lane][local group] of each layout's lane ownership."""
+    return rng.choice(3, size=(32, 8), p=probs)
+
+
+def smem_counts(rng, tiles: int = 400) -> dict:
+    """Mean wavefronts per tile, by access, for v2 (today's decoder + decoded tile + ldmatrix) and v3."""
+    from collections import defaultdict
+    acc = defaultdict(float)
+    lanes = range(32)
+    ROWB, RS_B = 2 * C + 16, 4 * (C // 2 + 4)
+    for _ in range(tiles):
+        m = sample_modes(rng)                    # v2: lane t + 16h's groups k = 0..7; v3: the lane's G
+        cnt = [(m[l] > 0).sum() for l in lanes]
+        cnt2 = [sum((1, 0, 1, 5)[x] if x else 0 for x in m[l]) for l in lanes]
+        # -- v2 (today): lane l = t + 16 h owns row t, channels 64 h ..
+        t_, h_ = [l & 15 for l in lanes], [l >> 4 for l in lanes]
+        for k in range(4):
+            c0 = [8 * t_[l] + 4 * h_[l] for l in lanes]
+            acc["v2 sign+mantissa LDS.128 x4"] += wavefronts([16 * (c ^ ((c >> 3) & 7)) ^ (16 * k) for c in c0], 16)
+        for i in range(3):
+            acc["v2 codes LDS.64 x3"] += wavefronts([2048 + 48 * t_[l] + 24 * h_[l] + 8 * i for l in lanes], 8)
+        acc["v2 tags LDS.32"] += wavefronts([2816 + 4 * t_[l] for l in lanes], 4)
+        order = sorted(lanes, key=scan_order)
+        off, run = {}, 0
+        for l in order:
+            off[l] = run
+            run += cnt2[l]
+        pos = {l: off[l] for l in lanes}
+        for k in range(8):
+            acc["v2 escapes LDS.U8 x8"] += wavefronts([2880 + pos[l] for l in lanes], 1)
+            for l in lanes:
+                pos[l] += (0, 1, 5)[m[l][k]]
+        for k in range(8):
+            acc["v2 bases LDS.128 x8"] += wavefronts([128 * h_[l] + m[l][k] * RS_B + 16 * k for l in lanes], 16)
+        for k in range(8):
+            acc["v2 decoded tile STS.128 x8"] += wavefronts([t_[l] * ROWB + 128 * h_[l] + 16 * k for l in lanes], 16)
+        for kk in range(8):
+            acc["v2 ldmatrix x8"] += wavefronts([32 * kk + ((l & 7) + 8 * ((l >> 3) & 1)) * ROWB + 16 * (l >> 4)
+                                                 for l in lanes], 16)
+        # -- v3: lane l = 4 r + q
+        for k in range(4):
+            acc["v3 sign+mantissa LDS.128 x4"] += wavefronts([16 * (32 * k + l) for l in lanes], 16)
+        acc["v3 codes LDS.128 + LDS.64"] += wavefronts([2048 + 16 * l for l in lanes], 16) + \
+            wavefronts([2560 + 8 * l for l in lanes], 8)
+        acc["v3 tags LDS.32"] += wavefronts([2816 + 4 * (l >> 1) for l in lanes], 4)
+        off, run = {}, 0
+        for l in order:
+            off[l] = run
+            run += cnt[l]
+        for w in range(3):
+            acc["v3 escapes LDS.32 x3"] += wavefronts([2880 + ((off[l]) & ~3) + 4 * w for l in lanes], 4)
+        for g in range(8):
+            q_ = [l & 3 for l in lanes]
+            acc["v3 K bases LDS.128 x8 (rows as today, 272 B)"] += wavefronts(
+                [m[l][g] * K_STRIDE + 4 * (16 * q_[l] + 4 * (g & 3)) for l in lanes], 16)
+            acc["v3 K bases LDS.128 x8 (chunk 4 gg + q, rows 320 B)"] += wavefronts(
+                [m[l][g] * 320 + 16 * (4 * (g & 3) + q_[l]) for l in lanes], 16)
+        for j in range(4):
+            ga = 4 * (j >> 1) + (j & 1)
+            for half in range(2):
+                acc["v3 V bases LDS.128 x8 (9 rows, 528 B)"] += wavefronts(
+                    [(3 * m[l][ga] + m[l][ga + 2]) * V_ROW + 4 * (16 * (l >> 2) + 8 * (j & 1)) + 16 * half
+                     for l in lanes], 16)
+    return {k: v / tiles for k, v in acc.items()}
+
+
+def smem():
+    rng = np.random.default_rng(25)
+    counts = smem_counts(rng)
+    for version in ("v2", "v3"):
+        print(f"| {version} access | wavefronts a tile |")
+        print("|---|---|")
+        for k, v in counts.items():
+            if k.startswith(version):
+                print(f"| {k[3:]} | {v:.1f} |")
+        print()
+    v2 = 2 * sum(v for k, v in counts.items() if k.startswith("v2"))
+    common = sum(v for k, v in counts.items() if k.startswith("v3") and "bases" not in k)
+    v3 = 2 * common + counts["v3 K bases LDS.128 x8 (chunk 4 gg + q, rows 320 B)"] + \
+        counts["v3 V bases LDS.128 x8 (9 rows, 528 B)"]
+    print(f"a block (K + V tiles, the copies excluded): v2 {v2:.1f}, v3 {v3:.1f} (K bases swizzled)")
+
+
 if __name__ == "__main__":
-    {"check": check, "sass": sass}[sys.argv[1]]()
+    {"check": check, "sass": sass, "smem": smem}[sys.argv[1]]()
