@@ -26,7 +26,8 @@ The layout (C = 128; lane ``l = 4r + q``, the MMA's groupID ``r`` and thread-in-
   ``G = k + 4`` (bits 2-3).
 * escapes: plane-3 bytes (a 4-bit group's byte, a raw group's first) of every non-3-bit group, lanes in the
   order of ``escape_scan`` (``2 (l % 16) + l // 16``), groups in ``G`` order, from the front of the escape
-  area; planes 7, 6, 5, 4 of each raw group as one aligned word, from the back (raw group ``n`` of the tile
+  area; planes 4..7 of each raw group as one aligned word, transposed (nibble ``i`` = exponent bits 4..7 of
+  element ``i``), from the back (raw group ``n`` of the tile
   at ``capacity - 4 (n + 1)``, a lane's raw groups in the order of their tag bits: G = 0, 4, 1, 5, ..);
   zeros between.  Same bytes as version 2, so the same capacity rule.
 """
@@ -162,13 +163,13 @@ def encode_v3(kind: int, tile: np.ndarray, b3: np.ndarray, b4: np.ndarray, capac
             if modes[lane, g] == 2:
                 t, c0 = group_of(kind, lane, g)
                 codes = [code(t, c0 + i, lane, g) for i in range(8)]
-                back.append([sum(((cd >> p) & 1) << i for i, cd in enumerate(codes)) for p in (7, 6, 5, 4)])
+                back.append(sum(((cd >> 4) & 0xF) << (4 * i) for i, cd in enumerate(codes)))
     if len(front) + 4 * len(back) > capacity:
         return None
     slot[ESC_OFF:ESC_OFF + len(front)] = bytes(front)
-    for n, planes in enumerate(back):
+    for n, word in enumerate(back):
         at = ESC_OFF + capacity - 4 * (n + 1)
-        slot[at:at + 4] = bytes(planes)
+        slot[at:at + 4] = word.to_bytes(4, "little")
     return bytes(slot)
 
 
@@ -243,22 +244,35 @@ def _compute_source(kind: int) -> str:
 
 def _fix_source(kind: int) -> str:
     """Straight-line source of the raw groups' fix-up: ``fix(smem, end, raw, roff, frag)`` (``end``: the escape
-    area's end; ``roff``: the raw groups of the lanes before this one)."""
-    lines = ["def fix(smem, end, raw, roff, frag):"]
-    for g in range(8):
+    area's end; ``roff``: the raw groups of the lanes before this one).  A raw group's extra word holds exponent
+    bits 4..7 of its element ``i`` in nibble ``i``."""
+    def word_of(g: int) -> str:
         bit = 4 * (g & 3) + 2 * (g >> 2) + 1
-        lines.append(f"    if (raw >> {bit}) & 1:")
-        lines.append(f"        pw = lds(smem, u32(end - u32(4 * (roff + popc(raw & {(1 << bit) - 1}) + 1))))")
-        for f in range(32):
-            if kind == 0:
-                if (f & 1) == g // 4 and (f >> 3) == g % 4:
-                    p = 2 * ((f >> 2) & 1) + ((f & 3) >> 1)
-                    lines.append(f"        frag[{f}] = u32(frag[{f}] + (high_bits(pw, {2 * p}, 0) | "
-                                 f"high_bits(pw, {2 * p + 1}, 1)))")
-            else:
-                ga = 4 * ((f & 3) >> 1) + (f & 1)
-                if g in (ga, ga + 2):
-                    lines.append(f"        frag[{f}] = u32(frag[{f}] + high_bits(pw, {f >> 2}, {int(g != ga)}))")
+        return f"lds(smem, u32(end - u32(4 * (roff + popc(raw & {(1 << bit) - 1}) + 1))))"
+
+    def bit_of(g: int) -> int:
+        return 4 * (g & 3) + 2 * (g >> 2) + 1
+
+    lines = ["def fix(smem, end, raw, roff, frag):"]
+    if kind == 0:
+        for g in range(8):
+            lines.append(f"    if (raw >> {bit_of(g)}) & 1:")
+            lines.append(f"        pw = {word_of(g)}")
+            for p in range(4):
+                f = 4 * (2 * (g & 3) + p // 2) + 2 * (p % 2) + (g >> 2)
+                lines.append(f"        frag[{f}] = u32(frag[{f}] + u32(mul32(prmt0(pw, {0x4440 | p}), 0x00800800) "
+                             f"& 0x78007800))")
+    else:
+        for j in range(4):
+            ga = 4 * (j >> 1) + (j & 1)
+            gb = ga + 2
+            lines.append(f"    if (raw >> {bit_of(ga)}) & 1 or (raw >> {bit_of(gb)}) & 1:")
+            lines.append(f"        pa = {word_of(ga)} if (raw >> {bit_of(ga)}) & 1 else u32(0)")
+            lines.append(f"        pb = {word_of(gb)} if (raw >> {bit_of(gb)}) & 1 else u32(0)")
+            for mt in range(8):
+                f = 4 * mt + j
+                lines.append(f"        frag[{f}] = u32(frag[{f}] + u32(u32(u32(pa >> {4 * mt}) & 0xF) << 11) "
+                             f"+ u32(u32(u32(pb >> {4 * mt}) & 0xF) << 27))")
     return "\n".join(lines) + "\n"
 
 
@@ -269,15 +283,8 @@ def decoder_v3(rare: bool = True):
     from gaac.cuda.primitives import (device, escape_scan, funnel_r, i32, kernel_api, lane_id, lds, lds4, mul32, popc,
                                       prmt, u32, warp_any)
 
-    @device
-    def high_bits(pw, e, half):
-        """Exponent bits 4..7 of element e from a raw group's planes word (bytes: planes 7, 6, 5, 4) at bits
-        11..14 of ``half``."""
-        nib = u32(mul32(u32((pw >> e) & 0x01010101), 0x08040201) >> 24)
-        return u32((nib & 0xF) << (11 + 16 * half))
-
     def build(source: str, name: str):
-        space = {"u32": u32, "mul32": mul32, "prmt0": P.prmt0, "lds": lds, "popc": popc, "high_bits": high_bits}
+        space = {"u32": u32, "mul32": mul32, "prmt0": P.prmt0, "lds": lds, "popc": popc}
         exec(compile(source, f"<v3 {name}>", "exec"), space)
         return device(space[name])
 
@@ -350,6 +357,8 @@ def decoder_v3(rare: bool = True):
         if rare:
             if t & (t >> 1) & 0x5555:
                 kernel_api.atomic.or_(status, 0, 1)
+            if off + cnt > cap:                 # (the raw groups' words from the back: checked in the fix-up)
+                kernel_api.atomic.or_(status, 0, 2)
             raw_fix(smem, src, t, cap, kf, 0, scr)
 
     @device
@@ -375,6 +384,8 @@ def decoder_v3(rare: bool = True):
         if rare:
             if t & (t >> 1) & 0x5555:
                 kernel_api.atomic.or_(status, 0, 1)
+            if off + cnt > cap:                 # (the raw groups' words from the back: checked in the fix-up)
+                kernel_api.atomic.or_(status, 0, 2)
             raw_fix(smem, src, t, cap, vf, 1, scr)
 
     return tags_v3, decode_k_v3, decode_v_v3
