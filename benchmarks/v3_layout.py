@@ -52,7 +52,9 @@ C = 128
 T = 16
 SM_OFF, CODE_OFF, TAG_OFF, ESC_OFF = 0, 2048, 2816, 2880
 CODE_HI_OFF = CODE_OFF + 512
-K_STRIDE = 4 * (C // 2 + 4)          # K base rows (b3, b4, zero; pair words of channels c, c+1), padded as today
+K_STRIDE = 4 * (C // 2 + 16)         # K base rows (b3, b4, zero; pair words of channels c, c+1; 320 bytes, so that
+                                     # rows m and m+1 fall in other banks), 16-byte chunk 4 gg + q = channels
+                                     # 32 q + 8 gg .. + 7: a quarter-warp's 4 chunks are 64 contiguous bytes
 V_ROW = 4 * (C + 4)                  # V base rows, 9 of them: (mode_lo, mode_hi), word of channel c = b_lo << 7 | b_hi << 23
 K_BASE_BYTES = 4 * K_STRIDE          # 3 rows and the reserved tag's row
 V_BASE_BYTES = 16 * V_ROW            # 9 rows; reserved tags read up to row 12
@@ -179,7 +181,11 @@ def bases_v3(b3: np.ndarray, b4: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     rows = [b3.astype(np.int64), b4.astype(np.int64), np.zeros(C, np.int64)]
     k = np.zeros(K_BASE_BYTES // 4, np.uint32)
     for m in range(3):
-        k[m * K_STRIDE // 4:m * K_STRIDE // 4 + C // 2] = rows[m][0::2] << 7 | rows[m][1::2] << 23
+        pairs = rows[m][0::2] << 7 | rows[m][1::2] << 23          # pair word i: channels 2i, 2i+1
+        for q in range(4):
+            for gg in range(4):
+                at = m * K_STRIDE // 4 + 4 * (4 * gg + q)
+                k[at:at + 4] = pairs[16 * q + 4 * gg:16 * q + 4 * gg + 4]
     v = np.zeros(V_BASE_BYTES // 4, np.uint32)
     for a in range(3):
         for b in range(3):
@@ -351,7 +357,7 @@ def decoder_v3(rare: bool = True):
         q = lane & 3
         for g in range(8):
             m = u32((t >> (4 * (g & 3) + 2 * (g >> 2))) & 3)
-            b0, b1, b2, b3 = lds4(smem, u32(kbase + m * K_STRIDE + 4 * (16 * q + 4 * (g & 3))))
+            b0, b1, b2, b3 = lds4(smem, u32(kbase + m * K_STRIDE + 16 * (4 * (g & 3) + q)))
             bw[4 * g], bw[4 * g + 1], bw[4 * g + 2], bw[4 * g + 3] = b0, b1, b2, b3
         compute_k(smw, cw, bw, evl, evh, kf)
         if rare:
@@ -679,9 +685,9 @@ def smem_counts(rng, tiles: int = 400) -> dict:
         for g in range(8):
             q_ = [l & 3 for l in lanes]
             acc["v3 K bases LDS.128 x8 (rows as today, 272 B)"] += wavefronts(
-                [m[l][g] * K_STRIDE + 4 * (16 * q_[l] + 4 * (g & 3)) for l in lanes], 16)
+                [m[l][g] * 272 + 4 * (16 * q_[l] + 4 * (g & 3)) for l in lanes], 16)
             acc["v3 K bases LDS.128 x8 (chunk 4 gg + q, rows 320 B)"] += wavefronts(
-                [m[l][g] * 320 + 16 * (4 * (g & 3) + q_[l]) for l in lanes], 16)
+                [m[l][g] * K_STRIDE + 16 * (4 * (g & 3) + q_[l]) for l in lanes], 16)
         for j in range(4):
             ga = 4 * (j >> 1) + (j & 1)
             for half in range(2):
