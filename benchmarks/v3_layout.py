@@ -1,6 +1,6 @@
-"""An offline study of a version-3 in-tile layout (issue 25, step 1): a slot whose bytes are ordered so that
+"""An offline study of a version-3 in-tile layout: a slot whose bytes are ordered so that
 the attention kernel's decoder builds the ``mma.sync m16n8k16`` A fragments of K and V in registers, with no
-decoded BF16 tile and no ``ldmatrix``.  Nothing here ships; benchmarks/v3-layout-study.md has the results.
+decoded BF16 tile and no ``ldmatrix``.  Nothing here ships; benchmarks/results/v3-layout-offline.md has the results.
 
     python benchmarks/v3_layout.py check       # simulator (NUMBA_ENABLE_CUDASIM=1): v3 decode == the tile
     python benchmarks/v3_layout.py sass        # SASS opcode classes per block (K+V), v2 (today) and v3
