@@ -15,6 +15,9 @@ next ``N`` steps of one token per sequence:
         graph.replay()
         plan.replayed()                              # the host's own account of the step
 
+:class:`StepGraph` runs that loop for a model's step function: it replays, plans and captures again when a
+plan's steps are used, and steps eagerly where no plan can take the next step.
+
 What the device reads instead of the host:
 
 * **Appends** (:func:`gaac.cuda.codec.step_append_kernel`, one launch a layer for K and V): each
