@@ -671,8 +671,7 @@ class PagedKVCache:
         self._seq_lens[:, seq] = 0
         self._live[seq] = False
         self._cuts[seq].clear()
-        self._step_index = None
-        self._generation += 1
+        self._lengths_changed()
 
     def _grow_rows(self, n: int) -> None:
         extra = n - self.max_seqs
@@ -688,8 +687,7 @@ class PagedKVCache:
         self._live = np.concatenate([self._live, np.zeros(extra, bool)])
         self._cuts += [set() for _ in range(extra)]
         self._storage_changed()
-        self._step_index = None
-        self._generation += 1
+        self._lengths_changed()
 
     # -- appending --------------------------------------------------------------
     @_locked
@@ -1000,6 +998,11 @@ class PagedKVCache:
         self._layer_state.clear()
         self._generation += 1
 
+    def _lengths_changed(self) -> None:
+        """Forget the one-token step's device indices (made for the old lengths); a captured plan is stale."""
+        self._step_index = None
+        self._generation += 1
+
     def _flush_all(self) -> None:
         for layer, layer_store in enumerate(self._store):
             for kind, store in zip(KINDS, layer_store):
@@ -1172,8 +1175,7 @@ class PagedKVCache:
             self._lens[u.layer, seq] += u.new[0].shape[2]
             self.blocks_encoded += q
         self._seq_lens[u.layer].copy_(self._to_device(self._lens[u.layer].astype(np.int32)), non_blocking=True)
-        self._step_index = None
-        self._generation += 1
+        self._lengths_changed()
 
     def _commit_epochs(self, store: _Kind, u: _Update, kind: int) -> None:
         """Apply an update's epoch decisions: new epochs, the adapter's state, each finished block's epoch."""

@@ -160,19 +160,16 @@ class CapturedSteps:
         if self.step >= self.steps:
             raise InputError(f"this plan's {self.steps} steps are used; make a new plan")
 
-    def record_append(self, layer: int, seqs, k, v) -> None:
-        """``cache.update_layer`` while recording: one launch appends the token to both tails, advances the
-        lengths and encodes the blocks it completes (:func:`gaac.cuda.codec.step_append_kernel`)."""
+    def record_append(self, layer: int, seqs: list, k, v) -> None:
+        """``cache.update_layer`` while recording (it has checked the layer, the sequences and the bits): one
+        launch appends the token to both tails, advances the lengths and encodes the blocks it completes
+        (:func:`gaac.cuda.codec.step_append_kernel`)."""
         from .cuda.launch import params, plain, words
 
         cache = self.cache
-        cache._check_layer(layer)
-        seqs = cache._check_seqs(seqs)
         if seqs != self.plan.seqs:
             raise InputError(f"sequences {seqs}: this plan of steps appends to {self.plan.seqs}, in that order")
-        k, v = cache._bits(k, "k", 4), cache._bits(v, "v", 4)
-        want = (len(seqs), cache.kv_heads, 1, cache.head_dim)
-        if tuple(k.shape) != want or tuple(v.shape) != want:
+        if k.shape[2] != 1:
             raise InputError(f"k {list(k.shape)} and v {list(v.shape)}: a plan of steps appends one token, "
                              f"[{len(seqs)}, {cache.kv_heads}, 1, {cache.head_dim}] each")
         stores = cache._store[layer]

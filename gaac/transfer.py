@@ -688,8 +688,7 @@ class _Writer:
         cache._live[seq] = True
         cache._lens[:, seq] = lay.tokens
         cache._seq_lens[:, seq] = lay.tokens
-        cache._step_index = None
-        cache._generation += 1
+        cache._lengths_changed()
         return seq
 
 
