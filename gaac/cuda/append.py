@@ -1,8 +1,9 @@
 """The one-token append of a decode step: each sequence's new token into its BF16 tails, K and V, and its length.
 
 ``append_kernel`` has a thread block per (sequence of the step, KV head) and a thread per channel.
-Sequence ``i`` of the step is cache row ``rows[i]``; its token goes to tail position ``rpos[i]`` (its length mod 16) and its length becomes ``lens_after[i]``, both worked out by the host.  A token that
-finishes a block is not written here: the cache encodes that block through its ordinary update.
+Sequence ``i`` of the step is cache row ``rows[i]``; its token goes to tail position ``rpos[i]`` (its length
+mod 16) and its length becomes ``lens_after[i]``, both worked out by the host.  A token that finishes a
+block is not written here: the cache encodes that block through its ordinary update.
 
 A captured step appends with :func:`gaac.cuda.codec.step_append_kernel` instead, which reads the positions
 on the device and encodes the blocks the token completes.

@@ -157,9 +157,10 @@ def step_append_kernel(channels: int):
     ``[max_seqs * P, 8 * C]``: a tile a row) at the sequence's length on the device (``seq_lens[rows[i // P]]``
     mod 16); the last warp of the sequence to read that length advances it (``arrivals`` int32
     ``[max_seqs]``, zero between launches, counts the readers).  Where the token completes the block, the
-    warp encodes its tile straight from the tail into the pools, as the encode kernel does, writes its entry to the flat block table ``[max_seqs * max_blocks * P]`` and, with
-    ``with_epochs``, the block's epoch (``ek``/``ev``) to ``epoch_k/v`` int16 ``[max_seqs * max_blocks]``.
-    ``escape_used`` int32 ``[2 * len(rows) * P]`` receives each encoded tile's escape bytes (K, then V)."""
+    warp encodes its tile straight from the tail into the pools, as the encode kernel does, writes its entry
+    to the flat block table ``[max_seqs * max_blocks * P]`` and, with ``with_epochs``, the block's epoch
+    (``ek``/``ev``) to ``epoch_k/v`` int16 ``[max_seqs * max_blocks]``.  ``escape_used`` int32
+    ``[2 * len(rows) * P]`` receives each encoded tile's escape bytes (K, then V)."""
     return cuda.jit(STEP_APPEND_SIG)(encode_source(channels, 1, step_append=True))
 
 
