@@ -525,8 +525,8 @@ class PagedKVCache:
         self._recording = None       # the step plan whose device-driven step is being recorded (gaac.step)
         self._wave = {}              # attention kernel -> warps in one wave (gaac.step)
         self._append_launch = None   # the one-token append kernel's launcher (GPU)
-        self._append_params = {}     # layer -> its tails and the packed parameters of its arrays (GPU)
-        self._step_params = None     # the current step's index rows, packed (GPU)
+        self._append_params = {}     # layer -> (its tails, lengths, the append kernel's parameter buffer) (GPU)
+        self._eager_plan = None      # the newest one-step plan, whose appends take its fast path (gaac.step)
         self._launchers = {}         # kernel -> its launcher, kept across steps (gaac.step)
         self.blocks_encoded = 0      # (layer, sequence, block) finalizations, each encoding K and V once
 
@@ -735,8 +735,13 @@ class PagedKVCache:
         On a GPU a step that finishes no block is a few device writes (the tails and
         the layer's lengths) with no synchronisation; a finished block is encoded
         straight into the pools by the CUDA encoder, which takes its records from free
-        lists on the device.
+        lists on the device.  Within a one-step plan (:meth:`decode_plan`), a token given as
+        the plan expects it (``seqs`` the plan's list, contiguous BF16 or int16 tensors on
+        the cache's GPU) is one launch whose parameters are written in place.
         """
+        plan = self._eager_plan
+        if plan is not None and plan.append_token(layer, seqs, k, v):
+            return
         self._check_layer(layer)
         seqs = self._check_seqs(seqs)
         if len(set(seqs)) != len(seqs):
@@ -786,36 +791,42 @@ class PagedKVCache:
         from .cuda.append import append_kernel
         from .cuda.primitives import SIMULATOR
 
-        kernel = append_kernel()
-        grid = (k.shape[0], self.kv_heads)
-        if SIMULATOR or self._append_launch is None:
+        if SIMULATOR:
             args = (k.reshape(-1), v.reshape(-1), k_store.tail.reshape(-1), v_store.tail.reshape(-1), index[0],
                     index[1], index[2], self._seq_lens[layer])
-            if SIMULATOR:
-                kernel[grid, self.head_dim](*(a.numpy() for a in args), self.kv_heads, self.head_dim)
-                return
-            from .cuda.launch import FastLaunch
-
-            self._append_launch = FastLaunch(kernel, grid, self.head_dim)
-            self._append_launch((*args, self.kv_heads, self.head_dim), None, grid=grid)
+            append_kernel()[(k.shape[0], self.kv_heads), self.head_dim](*(a.numpy() for a in args), self.kv_heads,
+                                                                         self.head_dim)
             return
-        # What does not change within a step is packed once: the layer's tails and lengths (until its storage
-        # changes) and the step's index rows; a call packs the two token arrays (contiguous, int16).
-        from .cuda.launch import params
-
-        fixed = self._append_params.get(layer)
-        if fixed is None or fixed[0] is not k_store.tail:
-            fixed = self._append_params[layer] = (k_store.tail, [x for a in (k_store.tail.reshape(-1),
-                                                                             v_store.tail.reshape(-1)) for x in params(a)],
-                                                  params(self._seq_lens[layer]) + params(self.kv_heads)
-                                                  + params(self.head_dim))
-        step = self._step_params
-        if step is None or step[0] is not index:
-            step = self._step_params = (index, [x for i in range(3) for x in params(index[i])])
         k, v = k.contiguous(), v.contiguous()
-        n = k.numel()
-        self._append_launch(None, lambda p: [0, 0, n, 2, k.data_ptr(), n, 2, 0, 0, n, 2, v.data_ptr(), n, 2]
-                            + fixed[1] + step[1] + fixed[2], grid=grid)
+        self._append_token_launch(layer, index, k.shape[0], k.data_ptr(), v.data_ptr())
+
+    def _append_token_launch(self, layer: int, index: torch.Tensor, n: int, k_ptr: int, v_ptr: int) -> None:
+        """Launch the one-token append of ``layer`` (GPU): ``n`` sequences' tokens at ``k_ptr``/``v_ptr``
+        (contiguous int16 ``[n, kv_heads, 1, head_dim]``), to the rows and positions of ``index``.
+
+        The kernel's parameters live in one buffer per layer, written when the layer's arrays change
+        (its tails and lengths) or the step's index does; a call writes the two token pointers."""
+        from .cuda.append import APPEND_SIG, append_kernel
+        from .cuda.launch import FastLaunch, ParamBuffer, params
+
+        if self._append_launch is None:
+            self._append_launch = FastLaunch(append_kernel(), None, self.head_dim)
+            self._append_launch.prepare(APPEND_SIG)
+        k_store, v_store = self._store[layer]
+        entry = self._append_params.get(layer)
+        if entry is None or entry[0] is not k_store.tail or entry[1] is not self._seq_lens:
+            arrays = [x for a in (k_store.tail.reshape(-1), v_store.tail.reshape(-1)) for x in params(a)]
+            entry = self._append_params[layer] = (k_store.tail, self._seq_lens, ParamBuffer(
+                [0] * 14 + arrays + [0] * 21 + params(self._seq_lens[layer]) + params(self.kv_heads)
+                + params(self.head_dim)))
+        buf = entry[2]
+        if buf.owner is not index or buf.slots[2] != n * self.kv_heads * self.head_dim:
+            m = n * self.kv_heads * self.head_dim
+            buf.write(0, [0, 0, m, 2, 0, m, 2] * 2)
+            buf.write(28, [x for i in range(3) for x in params(index[i])])
+            buf.owner = index
+        buf.slots[4], buf.slots[11] = k_ptr, v_ptr
+        self._append_launch.run(buf, (n, self.kv_heads))
 
     def _to_device(self, a: np.ndarray) -> torch.Tensor:
         """A host array on the cache's device without waiting for the device (pinned, asynchronous copy)."""

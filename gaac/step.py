@@ -38,6 +38,7 @@ from .attention import MAX_GROUP, _check_q, _pair_base_words, kernel_options, sp
 from .errors import FormatError, InputError, PoolExhaustedError
 
 LOG2_E = 1.4426950408889634
+_STEP_PARAMS = ("work", "o_part", "lse_part")      # the plan's arrays in the attention kernel's parameters
 
 
 @dataclass
@@ -50,6 +51,7 @@ class _LayerLaunch:
     main: object = None           # FastLaunch of the kernel (GPU)
     fixed: list = None            # packed parameters of ``arrays`` (GPU)
     fixed_scalars: list = None    # packed parameters of ``scalars`` (GPU)
+    buffer: object = None         # the launch's ParamBuffer (GPU)
 
 
 def layer_launch(cache, layer: int, g: int) -> _LayerLaunch:
@@ -91,11 +93,16 @@ def layer_launch(cache, layer: int, g: int) -> _LayerLaunch:
                store_k.raw.data.shape[0], store_v.raw.data.shape[0])
     state = _LayerLaunch(kernel=kernel, arrays=flat, scalars=tuple(int(s) for s in scalars))
     if not K.SIMULATOR:
-        from .cuda.launch import FastLaunch, params
+        from .cuda.launch import FastLaunch, ParamBuffer, params
 
         state.main = FastLaunch(kernel, None, K.WARP)
+        state.main.prepare(K.kernel_signature())
         state.fixed = [p for a in flat for p in params(a)]
         state.fixed_scalars = [p for s in state.scalars for p in params(s)]
+        # q, the layer's arrays, the plan's work list and partials, the status word, scalars, the scale:
+        # a plan writes its part once per layer (StepPlan._launch), a call writes q's address.
+        state.buffer = ParamBuffer([0] * 7 + state.fixed + [0] * (len(_STEP_PARAMS) * 7 + 7) + state.fixed_scalars
+                                   + [_c_float(0.0)])
     state.bases = bases            # kept alive with the state
     cache._layer_state[key] = state
     return state
@@ -135,10 +142,13 @@ class StepPlan:
         self.batch = len(self.lens)
         self.steps = None
         self.kernel_path = cache._cuda_codec
+        cache._eager_plan = None
+        self._fast = False
         if steps is None:
             reserve_step(cache, before, self.lens)
             if self.kernel_path:
                 self._plan_kernel(self.lens, set())
+                self._prepare_fast(rows, before, append)
             return
         from .captured import CapturedSteps
 
@@ -185,9 +195,9 @@ class StepPlan:
         self._lse = torch.empty((self.batch, self.q_heads), dtype=torch.float32, device=dev)
         self._scale_log2 = np.float32(self.scale * LOG2_E)
         if not SIMULATOR:
-            from .cuda.launch import FastLaunch, params
+            from .captured import merge_signature
+            from .cuda.launch import FastLaunch, ParamBuffer, params
 
-            self._step_params = [p for a in (self._work, self.o_part, self.lse_part) for p in params(a)]
             # Each layer's status word, and the scale, packed once: a call packs only q, out and lse.
             base = self.status.data_ptr()
             self._status_params = [[0, 0, 1, 4, base + 4 * i, 1, 4] for i in range(cache.layers)]
@@ -197,8 +207,12 @@ class StepPlan:
             if self._merge_launch is None:
                 self._merge_launch = cache._launchers[id(self._merge)] = FastLaunch(self._merge, None,
                                                                                     self._merge_grid[1], pdl=True)
-            self._merge_fixed = [p for a in (self.o_part, self.lse_part, self._split0) for p in params(a)]
-            self._merge_tail = params(cache.kv_heads) + params(self.g)
+            self._merge_launch.prepare(merge_signature())
+            self._step_params = [p for a in (self._work, self.o_part, self.lse_part) for p in params(a)]
+            n, m = self.batch * self.q_heads * d, self.batch * self.q_heads
+            self._merge_buffer = ParamBuffer([p for a in (self.o_part, self.lse_part, self._split0) for p in params(a)]
+                                             + [0, 0, n, 2, 0, n, 2] + [0, 0, m, 4, 0, m, 4]
+                                             + params(cache.kv_heads) + params(self.g))
 
     # -- running --------------------------------------------------------------------------------------
     def run(self, q, layer: int, *, out=None, lse=None, return_lse: bool = False):
@@ -210,6 +224,10 @@ class StepPlan:
             return self._run(q, layer, out, lse, return_lse)
 
     def _run(self, q, layer, out, lse, return_lse):
+        if self._fast:
+            res = self._run_fast(q, layer, out, lse, return_lse)
+            if res is not None:
+                return res
         cache = self.cache
         cache._check_layer(layer)
         if self.steps is not None:
@@ -235,51 +253,132 @@ class StepPlan:
             raise InputError(f"q: expected a contiguous BF16 tensor {list(shape)} on {cache.device}, got "
                              f"{getattr(q, 'dtype', type(q).__name__)} {list(getattr(q, 'shape', []))}")
         state = layer_launch(cache, layer, self.g)
-        if out is None:
+        given = out, lse
+        if out is not None and (not isinstance(out, torch.Tensor) or out.dtype not in (torch.int16, torch.bfloat16)
+                                or out.shape != shape or out.device != q.device):
+            raise InputError(f"out: expected a BF16 or int16 tensor {list(shape)} on {q.device}, got "
+                             f"{getattr(out, 'dtype', type(out).__name__)} {list(getattr(out, 'shape', []))}")
+        if lse is not None and (not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32
+                                or lse.shape != shape[:2] or lse.device != q.device):
+            raise InputError(f"lse: expected a float32 tensor {list(shape[:2])} on {q.device}, got "
+                             f"{getattr(lse, 'dtype', type(lse).__name__)} {list(getattr(lse, 'shape', []))}")
+        # The kernels write contiguous buffers; a strided ``out`` or ``lse`` receives a copy.
+        if out is None or not out.is_contiguous():
             out = torch.empty(shape, dtype=torch.int16, device=cache.device)
-        if lse is None:
-            lse = self._lse if not return_lse else torch.empty(shape[:2], dtype=torch.float32, device=cache.device)
-        out = out.view(torch.int16)
-        if out.shape != shape or lse.shape != shape[:2] or lse.dtype != torch.float32:
-            raise InputError(f"out {list(out.shape)} / lse {list(lse.shape)} {lse.dtype}: expected {list(shape)} / "
-                             f"float32 {list(shape[:2])}")
-        hk = cache.kv_heads
-        fast = (not K.SIMULATOR and state.main.compiled and self._merge_launch.compiled and out.is_contiguous()
-                and lse.is_contiguous())
-        if fast:
-            # The packed parameters of the per-call arrays, written directly (flat, contiguous: numba's layout).
-            n = q.numel() // 2
-            q_p = [0, 0, n, 4, q.data_ptr(), n, 4]
-            if self.n_work:
-                state.main(None, lambda p: q_p + state.fixed + self._step_params + self._status_params[layer]
-                           + state.fixed_scalars + self._scale_param, grid=self._grid)
-            n, m = out.numel(), lse.numel()
-            self._merge_launch(None, lambda p: self._merge_fixed + [0, 0, n, 2, out.data_ptr(), n, 2]
-                               + [0, 0, m, 4, lse.data_ptr(), m, 4] + self._merge_tail, grid=self._merge_grid[0])
-            out = out.view(torch.bfloat16)
-            return (out, lse) if return_lse else out
-        status = self.status[layer:layer + 1]
-        q32 = q.view(torch.int16).view(torch.int32).reshape(-1)
-        o, l_ = out.reshape(-1), lse.reshape(-1)
+        if lse is None or not lse.is_contiguous():
+            lse = self._lse if given[1] is None and not return_lse else torch.empty(
+                shape[:2], dtype=torch.float32, device=cache.device)
         if K.SIMULATOR:
+            status = self.status[layer:layer + 1]
+            q32 = q.view(torch.int16).view(torch.int32).reshape(-1)
+            o, l_ = out.view(torch.int16).reshape(-1), lse.reshape(-1)
             if self.n_work:
                 arrays = tuple(a.numpy() for a in state.arrays)
                 state.kernel[self._grid, K.WARP](q32.numpy(), *arrays, self._work.numpy(), self.o_part.numpy(),
                                                  self.lse_part.numpy(), status.numpy(), *state.scalars,
                                                  self._scale_log2)
             self._merge[self._merge_grid](self.o_part.numpy(), self.lse_part.numpy(), self._split0.numpy(),
-                                          o.numpy(), l_.numpy(), hk, self.g)
+                                          o.numpy(), l_.numpy(), cache.kv_heads, self.g)
         else:
-            if self.n_work:
-                state.main((q32, *state.arrays, self._work, self.o_part, self.lse_part, status, *state.scalars,
-                            self._scale_log2),
-                           lambda p: p(q32) + state.fixed + self._step_params + p(status) + state.fixed_scalars
-                           + [_c_float(self._scale_log2)], grid=self._grid)
-            self._merge_launch((self.o_part, self.lse_part, self._split0, o, l_, hk, self.g),
-                               lambda p: self._merge_fixed + p(o) + p(l_) + p(hk) + p(self.g),
-                               grid=self._merge_grid[0])
-        out = out.view(torch.bfloat16)
+            self._launch(state, layer, q, out, lse)
+        for buf, val in zip(given, (out, lse)):
+            if buf is not None and buf is not val:
+                buf.copy_(val.view(buf.dtype))
+        out = given[0] if given[0] is not None else out
+        out = out if out.dtype == torch.bfloat16 else out.view(torch.bfloat16)
+        lse = given[1] if given[1] is not None else lse
         return (out, lse) if return_lse else out
+
+    def _run_fast(self, q, layer, out, lse, return_lse):
+        """:meth:`run` where every argument is as the plan expects it (the layer appended through the plan,
+        contiguous tensors of the plan's shapes on the cache's GPU): the two launches and nothing else.
+        None where anything differs; :meth:`_run` then checks in full (and names what is wrong)."""
+        import torch
+
+        cache = self.cache
+        if type(layer) is not int or not 0 <= layer < cache.layers:
+            return None
+        if not (self._appended[layer] and cache._generation == self._gen) \
+                and not np.array_equal(cache._lens[layer], self.lens):
+            return None
+        shape, dev = self._q_shape, self._dev
+        if not _on_gpu(q, shape, dev):
+            return None
+        if out is None:
+            out = torch.empty(shape, dtype=torch.bfloat16, device=cache.device)
+        elif not _on_gpu(out, shape, dev):
+            return None
+        if lse is None:
+            lse = torch.empty(shape[:2], dtype=torch.float32, device=cache.device) if return_lse else self._lse
+        elif not (type(lse) is torch.Tensor and lse.dtype is torch.float32 and lse.shape == shape[:2] and lse.is_cuda
+                  and lse.get_device() == dev and lse.is_contiguous()):
+            return None
+        self._launch(layer_launch(cache, layer, self.g), layer, q, out, lse)
+        out = out if out.dtype is torch.bfloat16 else out.view(torch.bfloat16)
+        return (out, lse) if return_lse else out
+
+    def _launch(self, state, layer: int, q, out, lse) -> None:
+        """The layer's attention kernel and the merge, from their parameter buffers (GPU): the plan's part of
+        a layer's buffer is written at its first call, a call writes only its arrays' addresses."""
+        if self.n_work:
+            buf = state.buffer
+            if buf.owner is not self:
+                n = self.batch * self.q_heads * self.cache.head_dim // 2
+                buf.write(0, [0, 0, n, 4, 0, n, 4])
+                buf.write(7 + len(state.fixed), self._step_params + self._status_params[layer])
+                buf.write(len(buf) - 1, self._scale_param)
+                buf.owner = self
+            buf.slots[4] = q.data_ptr()
+            state.main.run(buf, self._grid)
+        merge = self._merge_buffer
+        merge.slots[25], merge.slots[32] = out.data_ptr(), lse.data_ptr()
+        self._merge_launch.run(merge, self._merge_grid[0])
+
+    def _prepare_fast(self, rows: np.ndarray, before: np.ndarray, append: int) -> None:
+        """Set up the GPU's per-call fast paths of an eager plan: :meth:`run`, and ``cache.update_layer`` of
+        the step's token where it finishes no block (:meth:`append_token`)."""
+        from .cuda.primitives import SIMULATOR
+
+        if SIMULATOR:
+            return
+        import torch
+
+        cache = self.cache
+        self._fast = True
+        self._dev = cache.device.index if cache.device.index is not None else torch.cuda.current_device()
+        self._q_shape = (self.batch, self.q_heads, cache.head_dim)
+        self._appended = [False] * cache.layers
+        self._token_shape = None
+        self._before = before
+        if append == 1 and len(rows) and not (before[rows] % L.BLOCK_TOKENS == L.BLOCK_TOKENS - 1).any():
+            self._token_shape = (len(rows), cache.kv_heads, 1, cache.head_dim)
+            self._index = cache._to_device(np.stack([rows, before[rows] % L.BLOCK_TOKENS, before[rows] + 1])
+                                           .astype(np.int32))
+            cache._eager_plan = self
+        self._gen = cache._generation
+
+    def append_token(self, layer, seqs, k, v) -> bool:
+        """``cache.update_layer(layer, seqs, k, v)`` of this step's token where the call is exactly what the
+        plan expects (``seqs`` the plan's list, a layer not yet appended, nothing else changed in the cache,
+        contiguous BF16 or int16 ``[len(seqs), kv_heads, 1, head_dim]`` on the cache's GPU): one launch
+        writes both tails and the layer's lengths, and the host advances its own copy.  False (nothing
+        done) otherwise: ``update_layer`` then checks the call in full."""
+        cache = self.cache
+        shape = self._token_shape
+        if (type(layer) is not int or not 0 <= layer < cache.layers or self._appended[layer]
+                or type(seqs) is not list or seqs != self.seqs
+                or not _on_gpu(k, shape, self._dev) or not _on_gpu(v, shape, self._dev)):
+            return False
+        # The step's positions hold while the layer holds the lengths the plan was made from: certain while
+        # nothing but this plan's appends changed the cache, else compared.
+        if cache._generation != self._gen and not np.array_equal(cache._lens[layer], self._before):
+            return False
+        cache._append_token_launch(layer, self._index, shape[0], k.data_ptr(), v.data_ptr())
+        cache._lens[layer] = self.lens
+        cache._generation += 1
+        self._gen = cache._generation
+        self._appended[layer] = True
+        return True
 
     def device_driven(self):
         """A plan of ``steps``: the context in which ``cache.update_layer`` (one token) and :meth:`run` launch
@@ -321,6 +420,14 @@ class _Shape:
     @property
     def seq_lens(self):
         return np.zeros(self.batch)
+
+
+def _on_gpu(x, shape: tuple, device: int) -> bool:
+    """Whether ``x`` is a contiguous BF16 or int16 torch tensor of ``shape`` on CUDA device ``device``."""
+    import torch
+
+    return (type(x) is torch.Tensor and (x.dtype is torch.bfloat16 or x.dtype is torch.int16) and x.shape == shape
+            and x.is_cuda and x.get_device() == device and x.is_contiguous())
 
 
 def _c_float(x):

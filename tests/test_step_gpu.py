@@ -24,7 +24,7 @@ from gaac import layout as L  # noqa: E402
 from gaac.attention import bf16_to_float, reference_attention  # noqa: E402
 from gaac.cache import PagedKVCache  # noqa: E402
 from gaac.calibration import calibrate  # noqa: E402
-from gaac.errors import PoolExhaustedError  # noqa: E402
+from gaac.errors import InputError, PoolExhaustedError  # noqa: E402
 
 
 def assert_same_caches(caches, seqs, k, v, adapt: bool):
@@ -90,6 +90,58 @@ def test_gpu_loop_matches_the_reference_cache(monkeypatch):
         assert c.memory().slot_bytes < before
         again = c.add_sequence(k[0][:, :, :20 * B], v[0][:, :, :20 * B])
         np.testing.assert_array_equal(c.read(again)[0], k[0][:, :, :20 * B])
+
+
+def test_gpu_eager_calls_take_the_fast_path_and_fall_back_where_they_must():
+    """The eager step's per-call fast paths (appends and attention through parameter buffers) and the full
+    paths they fall back to (a block finished, a strided token, a tuple of sequences, a strided ``out``)
+    leave the same bits as the reference cache and the same attention."""
+    rng = np.random.default_rng(11)
+    layers, heads, dim, steps = 2, 2, 128, 40
+    start = 2 * B - 5
+    k = [synthetic(rng, layers, heads, start + steps, dim) for _ in range(2)]
+    v = [synthetic(rng, layers, heads, start + steps, dim) for _ in range(2)]
+    cal = calibrate(k[0][:, :, :64], v[0][:, :, :64])
+    caches = [PagedKVCache(cal, max_seqs=2, max_blocks=8, device=d) for d in ("cuda", "cpu")]
+    seqs = [[c.add_sequence(k[i][:, :, :start], v[i][:, :, :start]) for i in range(2)] for c in caches][0]
+    fast_appends = 0
+    for step in range(steps):
+        pos = start + step
+        plans = [c.decode_plan(2 * heads) for c in caches]
+        for layer in range(layers):
+            kn = np.stack([k[i][layer, :, pos:pos + 1] for i in range(2)]).view(np.int16)
+            vn = np.stack([v[i][layer, :, pos:pos + 1] for i in range(2)]).view(np.int16)
+            kg, vg = torch.from_numpy(kn).cuda(), torch.from_numpy(vn).cuda()
+            variant = (step + layer) % 3
+            if variant == 1:                                  # BF16 tensors: the fast path too
+                kg, vg = kg.view(torch.bfloat16), vg.view(torch.bfloat16)
+            if variant == 2:                                  # strided tokens, a tuple: the full path
+                kg = kg.transpose(0, 1).contiguous().transpose(0, 1)
+                assert not kg.is_contiguous()
+            caches[0].update_layer(layer, tuple(seqs) if variant == 2 else seqs, kg, vg)
+            caches[1].update_layer(layer, seqs, torch.from_numpy(kn), torch.from_numpy(vn))
+            finishing = pos % B == B - 1
+            assert plans[0]._appended[layer] == (variant != 2 and not finishing), (step, layer)
+            fast_appends += plans[0]._appended[layer]
+            q = torch.randn((2, 2 * heads, dim)).to(torch.bfloat16)
+            want = plans[1].run(q, layer).float().numpy()
+            if variant == 2:                                  # a strided out receives the result
+                out = torch.zeros((2, dim, 2 * heads), dtype=torch.bfloat16, device="cuda").transpose(1, 2)
+                got = plans[0].run(q.cuda(), layer, out=out)
+                assert got.data_ptr() == out.data_ptr()
+            else:
+                got = plans[0].run(q.cuda(), layer)
+            got = got.float().cpu().numpy()
+            assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want), (step, layer)
+        with pytest.raises(InputError):
+            plans[0].run(torch.zeros((1, 2 * heads, dim), dtype=torch.bfloat16, device="cuda"), 0)
+        plans[0].check_status()
+    assert fast_appends > steps // 2
+    for i, s in enumerate(seqs):
+        for c in caches:
+            got_k, got_v = c.read(s)
+            np.testing.assert_array_equal(got_k, k[i])
+            np.testing.assert_array_equal(got_v, v[i])
 
 
 def test_gpu_step_reservation_refuses_before_writing():

@@ -12,9 +12,14 @@ from __future__ import annotations
 
 import functools
 
-from numba import cuda
+from numba import cuda, types
 
 from .. import layout as L
+
+# The argument types of a launch (torch tensors flattened to 1-D, Python ints): compiled before the
+# first launch, which then goes through the driver (gaac.cuda.launch.FastLaunch.run).
+APPEND_SIG = (*(types.Array(types.int16, 1, "C"),) * 4, *(types.Array(types.int32, 1, "C"),) * 4,
+              types.int64, types.int64)
 
 
 @functools.lru_cache(maxsize=None)

@@ -178,6 +178,120 @@ class TileLauncher:
         launch(s, config, self._cufunc, *(packed if packed is not None else [p for a in args for p in params(a)]))
 
 
+class ParamBuffer:
+    """A kernel's parameters kept in host memory between launches, as ``cuLaunchKernel`` takes them.
+
+    One 8-byte slot per packed parameter (:func:`params`: the words of numba's array layout and int64
+    scalars; a float32 in the low half of its slot), and the array of pointers to the slots.  A caller
+    writes the slots that change (a call's arrays, a step's work list) and launches: the driver copies
+    the values at launch, so a slot may be rewritten as soon as the launch returns.
+    """
+
+    __slots__ = ("slots", "pointers", "_base", "_floats", "owner")
+
+    def __init__(self, packed: list):
+        n = len(packed)
+        self.slots = (ctypes.c_int64 * n)()
+        self._base = ctypes.addressof(self.slots)
+        self.pointers = (ctypes.c_void_p * n)(*(self._base + 8 * i for i in range(n)))
+        self._floats = frozenset(i for i, p in enumerate(packed) if isinstance(p, ctypes.c_float))
+        self.owner = None                 # what the step-dependent slots were last written for (the caller's)
+        self.write(0, packed)
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def write(self, at: int, packed: list) -> None:
+        """Write packed parameters (ints, ``c_int64``, ``c_float``) into the slots from ``at`` on."""
+        try:
+            self.slots[at:at + len(packed)] = packed         # plain ints: one slice assignment
+            return
+        except TypeError:
+            pass
+        for i, p in enumerate(packed, at):
+            if isinstance(p, ctypes.c_float):
+                ctypes.c_float.from_address(self._base + 8 * i).value = p.value
+            else:
+                self.slots[i] = p.value if isinstance(p, ctypes.c_int64) else p
+
+    def packed(self) -> list:
+        """The parameters as :func:`params` packs them (for a launch through ``cuda.core``)."""
+        return [ctypes.c_float.from_address(self._base + 8 * i) if i in self._floats else self.slots[i]
+                for i in range(len(self.slots))]
+
+
+class _Driver:
+    """``cuLaunchKernel`` and ``cuLaunchKernelEx`` of the CUDA driver, called through ctypes: a call costs
+    about a microsecond of host time where ``cuda.core``'s ``launch`` converts every parameter."""
+
+    CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+    class Attribute(ctypes.Structure):
+        _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
+
+    class Config(ctypes.Structure):
+        _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared", ctypes.c_uint),
+                    ("stream", ctypes.c_void_p), ("attrs", ctypes.c_void_p), ("n_attrs", ctypes.c_uint)]
+
+    def __init__(self):
+        lib = ctypes.CDLL("libcuda.so.1")
+        u, p = ctypes.c_uint, ctypes.c_void_p
+        self.launch = lib.cuLaunchKernel
+        self.launch.argtypes = [p, u, u, u, u, u, u, u, p, p, p]
+        self.launch.restype = ctypes.c_int
+        self.launch_ex = lib.cuLaunchKernelEx
+        self.launch_ex.argtypes = [p, p, p, p]
+        self.launch_ex.restype = ctypes.c_int
+        self._function = lib.cuKernelGetFunction
+        self._function.argtypes = [ctypes.POINTER(p), p]
+        self._function.restype = ctypes.c_int
+        self._name = lib.cuGetErrorName
+        self._name.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+
+    def function(self, compiled) -> int:
+        """The ``CUfunction`` of numba's compiled kernel in the current context (numba loads kernels as
+        ``CUkernel``; an older loader's handle is already a function)."""
+        handle = int(compiled.handle if hasattr(compiled, "handle") else compiled._handle)
+        out = ctypes.c_void_p()
+        if self._function(ctypes.byref(out), handle) == 0 and out.value:
+            return out.value
+        return handle
+
+    def check(self, result: int, what: str) -> None:
+        if result:
+            name = ctypes.c_char_p()
+            self._name(result, ctypes.byref(name))
+            raise RuntimeError(f"{what}: CUDA error {result} ({(name.value or b'?').decode()})")
+
+    def config(self, grid, block, stream: int, pdl: bool):
+        """A launch configuration for ``cuLaunchKernelEx``, with programmatic stream serialization."""
+        attr = self.Attribute(self.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
+        ctypes.c_int.from_address(ctypes.addressof(attr) + self.Attribute.value.offset).value = int(pdl)
+        cfg = self.Config((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), 0, stream,
+                          ctypes.addressof(attr), 1)
+        cfg._attr = attr                  # kept alive with the configuration
+        return cfg
+
+
+_DRIVER = None
+
+
+def driver():
+    """The ctypes driver entry points (:class:`_Driver`), loaded once; None where they cannot be."""
+    global _DRIVER
+    if _DRIVER is None:
+        try:
+            _DRIVER = _Driver()
+        except (OSError, AttributeError):
+            _DRIVER = False
+    return _DRIVER or None
+
+
+def _dims(x) -> tuple:
+    x = (x,) if isinstance(x, int) else tuple(x)
+    return x + (1,) * (3 - len(x))
+
+
 class FastLaunch:
     """A numba kernel (GPU only) launched on torch's current stream with parameters packed by the caller.
 
@@ -190,6 +304,8 @@ class FastLaunch:
         self._dispatcher, self._grid, self._block = dispatcher, grid, block
         self._pdl = pdl                     # programmatic stream serialization (see ``__call__``)
         self._cufunc = None
+        self._function = None               # the driver's CUfunction handle (``run``)
+        self._ex_configs = {}
         self._configs = {}
         self._streams = {}
 
@@ -236,3 +352,41 @@ class FastLaunch:
         if s is None:
             s = self._streams[handle] = Stream.from_handle(handle)
         launch(s, config, self._cufunc, *params_of(params))
+
+    def run(self, buffer: ParamBuffer, grid=None) -> None:
+        """Launch with the parameters of ``buffer`` (after :meth:`prepare` or a first call) through the
+        driver: the per-call path of a decode step, whose host time is the launch itself."""
+        grid = self._grid if grid is None else grid
+        handle = current_stream()
+        drv = driver()
+        if drv is None:
+            self(None, lambda p: buffer.packed(), grid=grid)
+            return
+        if self._function is None:
+            self._check_arguments(buffer)
+            self._function = drv.function(self._cufunc)
+        if self._pdl:
+            key = (grid, handle)
+            cfg = self._ex_configs.get(key)
+            if cfg is None:
+                cfg = self._ex_configs[key] = drv.config(_dims(grid), _dims(self._block), handle, True)
+            result = drv.launch_ex(ctypes.addressof(cfg), self._function, buffer.pointers, None)
+        else:
+            g, b = _dims(grid), _dims(self._block)
+            result = drv.launch(self._function, *g, *b, 0, handle, buffer.pointers, None)
+        if result:
+            drv.check(result, f"launching {self._name}")
+
+    @property
+    def _name(self) -> str:
+        return getattr(self._dispatcher, "__name__", "a kernel")
+
+    def _check_arguments(self, buffer: ParamBuffer) -> None:
+        """A buffer of another length than the kernel's parameters would launch with garbage: refuse it
+        (where the driver can say how many the kernel takes)."""
+        try:
+            n = int(self._cufunc.num_arguments)
+        except Exception:               # a driver or cuda.core that cannot say
+            return
+        if n != len(buffer):
+            raise RuntimeError(f"{self._name}: {len(buffer)} packed parameters for a kernel of {n}")
