@@ -102,7 +102,7 @@ def test_gpu_eager_calls_take_the_fast_path_and_fall_back_where_they_must():
     k = [synthetic(rng, layers, heads, start + steps, dim) for _ in range(2)]
     v = [synthetic(rng, layers, heads, start + steps, dim) for _ in range(2)]
     cal = calibrate(k[0][:, :, :64], v[0][:, :, :64])
-    caches = [PagedKVCache(cal, max_seqs=2, max_blocks=8, device=d) for d in ("cuda", "cpu")]
+    caches = [PagedKVCache(cal, max_seqs=2, max_blocks=8, raw_tiles=2 * 8 * heads, device=d) for d in ("cuda", "cpu")]
     seqs = [[c.add_sequence(k[i][:, :, :start], v[i][:, :, :start]) for i in range(2)] for c in caches][0]
     fast_appends = 0
     for step in range(steps):
