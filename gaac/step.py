@@ -310,8 +310,7 @@ class StepPlan:
             return None
         if lse is None:
             lse = torch.empty(shape[:2], dtype=torch.float32, device=cache.device) if return_lse else self._lse
-        elif not (type(lse) is torch.Tensor and lse.dtype is torch.float32 and lse.shape == shape[:2] and lse.is_cuda
-                  and lse.get_device() == dev and lse.is_contiguous()):
+        elif not _on_gpu(lse, shape[:2], dev, (torch.float32,)):
             return None
         self._launch(layer_launch(cache, layer, self.g), layer, q, out, lse)
         out = out if out.dtype is torch.bfloat16 else out.view(torch.bfloat16)
@@ -422,11 +421,12 @@ class _Shape:
         return np.zeros(self.batch)
 
 
-def _on_gpu(x, shape: tuple, device: int) -> bool:
-    """Whether ``x`` is a contiguous BF16 or int16 torch tensor of ``shape`` on CUDA device ``device``."""
+def _on_gpu(x, shape: tuple, device: int, dtypes: tuple | None = None) -> bool:
+    """Whether ``x`` is a contiguous torch tensor of ``shape`` on CUDA device ``device``, of one of ``dtypes``
+    (default BF16 or int16)."""
     import torch
 
-    return (type(x) is torch.Tensor and (x.dtype is torch.bfloat16 or x.dtype is torch.int16) and x.shape == shape
+    return (type(x) is torch.Tensor and x.dtype in (dtypes or (torch.bfloat16, torch.int16)) and x.shape == shape
             and x.is_cuda and x.get_device() == device and x.is_contiguous())
 
 

@@ -306,6 +306,7 @@ class FastLaunch:
         self._cufunc = None
         self._function = None               # the driver's CUfunction handle (``run``)
         self._ex_configs = {}
+        self._dims = {}                     # grid -> the six launch dimensions (``run``)
         self._configs = {}
         self._streams = {}
 
@@ -315,11 +316,6 @@ class FastLaunch:
         if self._cufunc is None:
             self._dispatcher.compile(signature)
             self._cufunc = cufunction(self._dispatcher)
-
-    @property
-    def compiled(self) -> bool:
-        """Whether the first call (through numba, which compiles) has been made: later calls need no ``args``."""
-        return self._cufunc is not None
 
     def __call__(self, args, params_of, grid=None):
         """Launch with ``args`` (first call), later with ``params_of(params)``: the packed parameters.
@@ -372,8 +368,10 @@ class FastLaunch:
                 cfg = self._ex_configs[key] = drv.config(_dims(grid), _dims(self._block), handle, True)
             result = drv.launch_ex(ctypes.addressof(cfg), self._function, buffer.pointers, None)
         else:
-            g, b = _dims(grid), _dims(self._block)
-            result = drv.launch(self._function, *g, *b, 0, handle, buffer.pointers, None)
+            dims = self._dims.get(grid)
+            if dims is None:
+                dims = self._dims[grid] = (*_dims(grid), *_dims(self._block))
+            result = drv.launch(self._function, *dims, 0, handle, buffer.pointers, None)
         if result:
             drv.check(result, f"launching {self._name}")
 
