@@ -526,8 +526,10 @@ class PagedKVCache:
         self._wave = {}              # attention kernel -> warps in one wave (gaac.step)
         self._append_launch = None   # the one-token append kernel's launcher (GPU)
         self._append_params = {}     # layer -> (its tails, lengths, the append kernel's parameter buffer) (GPU)
+        self._step_appends = {}      # the sequences' bytes -> their one-token step appends (gaac.step_append)
         self._eager_plan = None      # the newest one-step plan, whose appends take its fast path (gaac.step)
         self._launchers = {}         # kernel -> its launcher, kept across steps (gaac.step)
+        self._work_plans = {}        # the newest one-step plan's work list and launch state, for the next (gaac.step)
         self.blocks_encoded = 0      # (layer, sequence, block) finalizations, each encoding K and V once
 
     def _make_kind(self, layer, kind, max_seqs, max_blocks, n_slots, n_raw) -> _Kind:
@@ -740,7 +742,7 @@ class PagedKVCache:
         the cache's GPU) is one launch whose parameters are written in place.
         """
         plan = self._eager_plan
-        if plan is not None and plan.append_token(layer, seqs, k, v):
+        if plan is not None and self._recording is None and plan.append_token(layer, seqs, k, v):
             return
         self._check_layer(layer)
         seqs = self._check_seqs(seqs)
@@ -1007,6 +1009,7 @@ class PagedKVCache:
     def _storage_changed(self) -> None:
         """Forget what attention launches every layer with: arrays were replaced (growth)."""
         self._layer_state.clear()
+        self._step_appends.clear()
         self._generation += 1
 
     def _lengths_changed(self) -> None:

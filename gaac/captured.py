@@ -107,25 +107,15 @@ class CapturedSteps:
     # -- before recording --------------------------------------------------------------------------
     def prepare(self) -> None:
         """Compile every kernel the step launches (a launch being captured must not compile) and make the
-        step's device arrays and each layer's tail encoders."""
-        import torch
-
+        step's device arrays and each layer's encoders."""
         from .cuda import attention as K
-        from .cuda.codec import STEP_APPEND_SIG, step_append_kernel
-        from .cuda.launch import FastLaunch
         from .step import layer_launch
+        from .step_append import step_append
 
-        cache, plan, dev = self.cache, self.plan, self.cache.device
-        self.rows_dev = cache._to_device(self.rows.astype(np.int32))
-        self.arrivals = torch.zeros(cache.max_seqs, dtype=torch.int32, device=dev)
-        self.escape_used = torch.zeros(2 * len(self.rows) * cache.tiles_per_block, dtype=torch.int32, device=dev)
-        self.no_epochs = torch.zeros(1, dtype=torch.int16, device=dev)
-        self.append = FastLaunch(step_append_kernel(cache.geometry.channels),
-                                 (len(self.rows) * cache.tiles_per_block, 2), K.WARP)
-        self.encoders = [[cache._encoder(store, None, self.epochs[layer][kind], layer, kind)
-                          for kind, store in enumerate(layer_store)] for layer, layer_store in enumerate(cache._store)]
+        cache, plan = self.cache, self.plan
+        self.appender = step_append(cache, self.rows)
+        self.appender.prepare(self.epochs)
         if not K.SIMULATOR:
-            self.append.prepare(STEP_APPEND_SIG)
             for layer in range(cache.layers):
                 layer_launch(cache, layer, plan.g).main.prepare(K.kernel_signature())
             plan._merge_launch.prepare(merge_signature())
@@ -164,30 +154,13 @@ class CapturedSteps:
         """``cache.update_layer`` while recording (it has checked the layer, the sequences and the bits): one
         launch appends the token to both tails, advances the lengths and encodes the blocks it completes
         (:func:`gaac.cuda.codec.step_append_kernel`)."""
-        from .cuda.launch import params, plain, words
-
         cache = self.cache
         if seqs != self.plan.seqs:
             raise InputError(f"sequences {seqs}: this plan of steps appends to {self.plan.seqs}, in that order")
         if k.shape[2] != 1:
             raise InputError(f"k {list(k.shape)} and v {list(v.shape)}: a plan of steps appends one token, "
                              f"[{len(seqs)}, {cache.kv_heads}, 1, {cache.head_dim}] each")
-        stores = cache._store[layer]
-        fixed = [enc._fixed for enc in self.encoders[layer]]     # bases, capacity, slots, free, raw, free, heads
-        tiles = cache.max_seqs * cache.kv_heads
-        token = len(seqs) * cache.kv_heads
-        k, v = (x.contiguous() for x in (k, v))
-        k, v = (x.clone() if x.data_ptr() % 16 else x for x in (k, v))     # the kernel reads 16-byte rows
-        args = (*(words(x.reshape(token, cache.head_dim)) for x in (k, v)),
-                *(words(s.tail.reshape(tiles, L.BLOCK_TOKENS, cache.head_dim)) for s in stores),
-                *(x for pair in zip(*fixed) for x in pair), *(s.table.reshape(-1) for s in stores),
-                *(s.epoch.reshape(-1) if s.epoch is not None else self.no_epochs for s in stores),
-                *self.epochs[layer], int(stores[0].epoch is not None), self.escape_used, self.rows_dev,
-                cache._seq_lens[layer], self.arrivals, cache.max_blocks)
-        if _simulator():
-            self.append._dispatcher[self.append._grid, self.append._block](*(plain(a) for a in args))
-            return
-        self.append(None, lambda p: [x for a in args for x in params(a)])
+        self.appender.launch(layer, k, v, tuple(self.epochs[layer]))
 
     # -- after each replay -------------------------------------------------------------------------
     def replayed(self) -> None:
@@ -199,26 +172,7 @@ class CapturedSteps:
         done = after % L.BLOCK_TOKENS == 0
         cache._lens[:, rows] += 1
         self.step += 1
-        if not done.any():
-            return
-        fin, blk = rows[done], after[done] // L.BLOCK_TOKENS - 1
-        tiles = len(fin) * cache.tiles_per_block
-        index = None
-        for layer, layer_store in enumerate(cache._store):
-            for kind, store in enumerate(layer_store):
-                for pool in (store.slots, store.raw):
-                    pool.pending += tiles
-                if store.adapter is None:
-                    continue
-                e = self.epochs[layer][kind]
-                prev = store.epochs[fin, np.maximum(blk - 1, 0)]
-                for seq, b in zip(fin[(prev != e) & (blk > 0)], blk[(prev != e) & (blk > 0)]):
-                    cache._cuts[int(seq)].add(int(b))
-                store.epochs[fin, blk] = e
-                if index is None:
-                    index = cache._to_device(fin)
-                store.deferred.append(cache._host_copy(store.tail.index_select(0, index)))
-        cache.blocks_encoded += len(fin) * cache.layers
+        self.appender.account(range(cache.layers), rows[done], after[done] // L.BLOCK_TOKENS - 1, self.epochs)
 
 
 def merge_signature() -> tuple:

@@ -39,6 +39,10 @@ from .errors import FormatError, InputError, PoolExhaustedError
 
 LOG2_E = 1.4426950408889634
 _STEP_PARAMS = ("work", "o_part", "lse_part")      # the plan's arrays in the attention kernel's parameters
+# What a one-step plan shares with the next one whose work list is the same (StepPlan._plan_kernel).
+_SHARED = ("blocks_per_split", "n_work", "_merge", "_merge_grid", "_grid", "_work", "_split0", "o_part", "lse_part",
+           "status", "_lse", "_scale_log2", "_status_params", "_scale_param", "_merge_launch", "_step_params",
+           "_merge_buffer", "_owner")
 
 
 @dataclass
@@ -147,7 +151,8 @@ class StepPlan:
         if steps is None:
             reserve_step(cache, before, self.lens)
             if self.kernel_path:
-                self._plan_kernel(self.lens, set())
+                cuts = self._device_appends(rows, before, append)
+                self._plan_kernel(self.lens, cuts)
                 self._prepare_fast(rows, before, append)
             return
         from .captured import CapturedSteps
@@ -181,6 +186,14 @@ class StepPlan:
         target = cache._wave.get(id(state.kernel))
         if target is None:
             target = cache._wave[id(state.kernel)] = wave_target(state.kernel, cache._seq_lens)[0]
+        key = (tuple(runs), self.batch, self.q_heads, self.scale, id(state.kernel))
+        shared = cache._work_plans.get(key) if self.steps is None else None
+        if shared is not None:
+            # The lengths' blocks and cuts are those of an earlier step: its work list, partials and
+            # launch parameters serve this one (stream order keeps the steps' uses apart).
+            self.__dict__.update(shared)
+            self.status.zero_()
+            return
         split = split_work(runs, self.batch, hk, target)
         self.blocks_per_split, self.n_work = split.blocks_per_split, split.n_work
         grid, threads, lanes = merge.merge_launch(self.batch, self.q_heads, d, int(split.splits.max(initial=0)))
@@ -213,6 +226,9 @@ class StepPlan:
             self._merge_buffer = ParamBuffer([p for a in (self.o_part, self.lse_part, self._split0) for p in params(a)]
                                              + [0, 0, n, 2, 0, n, 2] + [0, 0, m, 4, 0, m, 4]
                                              + params(cache.kv_heads) + params(self.g))
+        self._owner = object()           # what the layers' parameter buffers were last written for
+        if self.steps is None:
+            cache._work_plans = {key: {name: getattr(self, name) for name in _SHARED if hasattr(self, name)}}
 
     # -- running --------------------------------------------------------------------------------------
     def run(self, q, layer: int, *, out=None, lse=None, return_lse: bool = False):
@@ -321,47 +337,78 @@ class StepPlan:
         a layer's buffer is written at its first call, a call writes only its arrays' addresses."""
         if self.n_work:
             buf = state.buffer
-            if buf.owner is not self:
+            if buf.owner is not self._owner:
                 n = self.batch * self.q_heads * self.cache.head_dim // 2
                 buf.write(0, [0, 0, n, 4, 0, n, 4])
                 buf.write(7 + len(state.fixed), self._step_params + self._status_params[layer])
                 buf.write(len(buf) - 1, self._scale_param)
-                buf.owner = self
+                buf.owner = self._owner
             buf.slots[4] = q.data_ptr()
             state.main.run(buf, self._grid)
         merge = self._merge_buffer
         merge.slots[25], merge.slots[32] = out.data_ptr(), lse.data_ptr()
         self._merge_launch.run(merge, self._merge_grid[0])
 
+    def _device_appends(self, rows: np.ndarray, before: np.ndarray, append: int) -> set:
+        """Whether this step's token appends go through the cache's :class:`gaac.step_append.StepAppend`
+        (one launch a layer, block ends encoded on the device), and the blocks where the work list must be
+        cut for them.  Not where the step's finished blocks pass an adaptation check (the check may append
+        an epoch part way: the full update decides) or the cache cannot (:func:`gaac.step_append.supported`)."""
+        from .step_append import step_append, supported
+
+        cache = self.cache
+        self._appender = None
+        if append != 1 or not len(rows) or not supported(cache):
+            return set()
+        after = before[rows] + 1
+        done = after % L.BLOCK_TOKENS == 0
+        fin, blk = rows[done], after[done] // L.BLOCK_TOKENS - 1
+        if len(fin) and cache.adapt:
+            cache._flush_all()                  # the adapters' counts are current
+            until = min((s.adapter.until_check for layer in cache._store for s in layer if s.adapter is not None),
+                        default=len(fin))
+            if len(fin) > until:
+                return set()
+        self._appender = step_append(cache, rows)
+        self._fin, self._blk, self._fin_index = fin, blk, None
+        # A finished block takes its adapter's newest epoch, which may differ from the block before it.
+        return {int(b) for b in blk} if cache.adapt else set()
+
     def _prepare_fast(self, rows: np.ndarray, before: np.ndarray, append: int) -> None:
-        """Set up the GPU's per-call fast paths of an eager plan: :meth:`run`, and ``cache.update_layer`` of
-        the step's token where it finishes no block (:meth:`append_token`)."""
+        """Set up the per-call fast paths of an eager plan: ``cache.update_layer`` of the step's token
+        (:meth:`append_token`), and on the GPU :meth:`run`."""
         from .cuda.primitives import SIMULATOR
 
-        if SIMULATOR:
-            return
         import torch
 
         cache = self.cache
-        self._fast = True
-        self._dev = cache.device.index if cache.device.index is not None else torch.cuda.current_device()
-        self._q_shape = (self.batch, self.q_heads, cache.head_dim)
         self._appended = [False] * cache.layers
         self._token_shape = None
         self._before = before
-        if append == 1 and len(rows) and not (before[rows] % L.BLOCK_TOKENS == L.BLOCK_TOKENS - 1).any():
+        self._gen = cache._generation
+        if SIMULATOR:
+            self._dev = None
+        else:
+            self._fast = True
+            self._dev = cache.device.index if cache.device.index is not None else torch.cuda.current_device()
+            self._q_shape = (self.batch, self.q_heads, cache.head_dim)
+        if self._appender is not None:
+            self._token_shape = (len(rows), cache.kv_heads, 1, cache.head_dim)
+            cache._eager_plan = self
+        elif not SIMULATOR and append == 1 and len(rows) \
+                and not (before[rows] % L.BLOCK_TOKENS == L.BLOCK_TOKENS - 1).any():
             self._token_shape = (len(rows), cache.kv_heads, 1, cache.head_dim)
             self._index = cache._to_device(np.stack([rows, before[rows] % L.BLOCK_TOKENS, before[rows] + 1])
                                            .astype(np.int32))
             cache._eager_plan = self
-        self._gen = cache._generation
 
     def append_token(self, layer, seqs, k, v) -> bool:
         """``cache.update_layer(layer, seqs, k, v)`` of this step's token where the call is exactly what the
         plan expects (``seqs`` the plan's list, a layer not yet appended, nothing else changed in the cache,
-        contiguous BF16 or int16 ``[len(seqs), kv_heads, 1, head_dim]`` on the cache's GPU): one launch
-        writes both tails and the layer's lengths, and the host advances its own copy.  False (nothing
-        done) otherwise: ``update_layer`` then checks the call in full."""
+        contiguous BF16 or int16 ``[len(seqs), kv_heads, 1, head_dim]`` on the cache's device): one launch
+        writes both tails and the layer's lengths -- and encodes the blocks the token finishes -- and the
+        host advances its own account.  False (nothing done) otherwise: ``update_layer`` then checks the
+        call in full."""
         cache = self.cache
         shape = self._token_shape
         if (type(layer) is not int or not 0 <= layer < cache.layers or self._appended[layer]
@@ -372,7 +419,15 @@ class StepPlan:
         # nothing but this plan's appends changed the cache, else compared.
         if cache._generation != self._gen and not np.array_equal(cache._lens[layer], self._before):
             return False
-        cache._append_token_launch(layer, self._index, shape[0], k.data_ptr(), v.data_ptr())
+        app = self._appender
+        if app is not None:
+            epochs = app.epochs(layer)
+            app.launch(layer, k, v, epochs, contiguous=True)
+            if len(self._fin):
+                self._fin_index = app.account(range(layer, layer + 1), self._fin, self._blk, {layer: epochs},
+                                              self._fin_index)
+        else:
+            cache._append_token_launch(layer, self._index, shape[0], k.data_ptr(), v.data_ptr())
         cache._lens[layer] = self.lens
         cache._generation += 1
         self._gen = cache._generation
@@ -421,13 +476,14 @@ class _Shape:
         return np.zeros(self.batch)
 
 
-def _on_gpu(x, shape: tuple, device: int, dtypes: tuple | None = None) -> bool:
-    """Whether ``x`` is a contiguous torch tensor of ``shape`` on CUDA device ``device``, of one of ``dtypes``
-    (default BF16 or int16)."""
+def _on_gpu(x, shape: tuple, device: int | None, dtypes: tuple | None = None) -> bool:
+    """Whether ``x`` is a contiguous torch tensor of ``shape`` on CUDA device ``device`` (None: on the CPU,
+    as in the simulator), of one of ``dtypes`` (default BF16 or int16)."""
     import torch
 
     return (type(x) is torch.Tensor and x.dtype in (dtypes or (torch.bfloat16, torch.int16)) and x.shape == shape
-            and x.is_cuda and x.get_device() == device and x.is_contiguous())
+            and (x.is_cuda and x.get_device() == device if device is not None else not x.is_cuda)
+            and x.is_contiguous())
 
 
 def _c_float(x):

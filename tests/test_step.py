@@ -47,21 +47,33 @@ def test_decode_loop_reads_back_and_attends(codec, monkeypatch):
     v = [synthetic(rng, layers, heads, n + steps, dim) for n in total]
     cal = calibrate(k[0][:, :, :32], v[0][:, :, :32])
     cache = PagedKVCache(cal, max_seqs=3, max_blocks=8, codec=codec)
-    rows = [cache.add_sequence(k[i][:, :, :total[i]], v[i][:, :, :total[i]]) for i in range(2)]
+    ref = PagedKVCache(cal, max_seqs=3, max_blocks=8, codec="reference")     # updated in full, layer by layer
+    rows = [c.add_sequence(k[i][:, :, :total[i]], v[i][:, :, :total[i]]) for c in (cache, ref) for i in range(2)][:2]
+    on_device = 0                 # steps finishing a block whose appends encoded it on the device
     for step in range(steps):
         plan = cache.decode_plan(2 * heads)
         q = _q(rng, cache.max_seqs, 2 * heads, dim)
+        finishing = any((total[i] + step + 1) % B == 0 for i in range(2))
+        on_device += finishing and getattr(plan, "_appender", None) is not None
         for layer in range(layers):
             pos = [total[i] + step for i in range(2)]
             kn = torch.from_numpy(np.stack([k[i][layer, :, pos[i]:pos[i] + 1] for i in range(2)]).view(np.int16))
             vn = torch.from_numpy(np.stack([v[i][layer, :, pos[i]:pos[i] + 1] for i in range(2)]).view(np.int16))
             cache.update_layer(layer, rows, kn, vn)
+            ref._apply([ref._prepare(layer, rows, kn, vn)])
             if step % 7 == 6 or step == steps - 1:         # attention where checked (the simulator is slow)
                 out = plan.run(q, layer)
                 held = {r: (k[i][:, :, :pos[i] + 1], v[i][:, :, :pos[i] + 1]) for i, r in enumerate(rows)}
                 _check_attention(out, q, held, layer, rows)
         plan.check_status()
     assert max(cache.calibration.n_epochs(layer, 0) for layer in range(layers)) > 1
+    assert on_device == (3 if codec == "cuda" else 0)       # the CUDA codec's steps encode block ends in the append
+    cache._flush_all(), ref._flush_all()
+    for layer in range(layers):                             # the same epochs, appended after the same blocks
+        for kind in range(2):
+            assert cache.calibration.n_epochs(layer, kind) == ref.calibration.n_epochs(layer, kind)
+            np.testing.assert_array_equal(cache._store[layer][kind].epochs, ref._store[layer][kind].epochs)
+    assert cache.memory() == ref.memory()
     for i, r in enumerate(rows):
         got_k, got_v = cache.read(r)
         np.testing.assert_array_equal(got_k, k[i])

@@ -93,9 +93,9 @@ def test_gpu_loop_matches_the_reference_cache(monkeypatch):
 
 
 def test_gpu_eager_calls_take_the_fast_path_and_fall_back_where_they_must():
-    """The eager step's per-call fast paths (appends and attention through parameter buffers) and the full
-    paths they fall back to (a block finished, a strided token, a tuple of sequences, a strided ``out``)
-    leave the same bits as the reference cache and the same attention."""
+    """The eager step's per-call fast paths (appends, block ends included, and attention through parameter
+    buffers) and the full paths they fall back to (a strided token, a tuple of sequences, a strided ``out``)
+    leave the same bits, epochs and memory as the reference cache, and the same attention."""
     rng = np.random.default_rng(11)
     layers, heads, dim, steps = 2, 2, 128, 40
     start = 2 * B - 5
@@ -120,8 +120,8 @@ def test_gpu_eager_calls_take_the_fast_path_and_fall_back_where_they_must():
                 assert not kg.is_contiguous()
             caches[0].update_layer(layer, tuple(seqs) if variant == 2 else seqs, kg, vg)
             caches[1].update_layer(layer, seqs, torch.from_numpy(kn), torch.from_numpy(vn))
-            finishing = pos % B == B - 1
-            assert plans[0]._appended[layer] == (variant != 2 and not finishing), (step, layer)
+            # A token that finishes a block takes the fast path too: the append encodes it on the device.
+            assert plans[0]._appended[layer] == (variant != 2), (step, layer)
             fast_appends += plans[0]._appended[layer]
             q = torch.randn((2, 2 * heads, dim)).to(torch.bfloat16)
             want = plans[1].run(q, layer).float().numpy()
@@ -137,6 +137,12 @@ def test_gpu_eager_calls_take_the_fast_path_and_fall_back_where_they_must():
             plans[0].run(torch.zeros((1, 2 * heads, dim), dtype=torch.bfloat16, device="cuda"), 0)
         plans[0].check_status()
     assert fast_appends > steps // 2
+    for c in caches:
+        c._flush_all()
+    for layer in range(layers):
+        for kind in range(2):
+            np.testing.assert_array_equal(caches[0]._store[layer][kind].epochs, caches[1]._store[layer][kind].epochs)
+    assert caches[0].memory() == caches[1].memory()
     for i, s in enumerate(seqs):
         for c in caches:
             got_k, got_v = c.read(s)

@@ -1,0 +1,153 @@
+"""A decode step's one-token append on the device: one launch a layer, for K and V, block ends included.
+
+Every step of a decode loop appends one token to each of its sequences in every layer.
+:class:`StepAppend` launches :func:`gaac.cuda.codec.step_append_kernel` for a layer: a warp per
+(head, kind) writes its share of the token into the tails at the sequence's length on the device,
+the last of them advances that length, and where the token completes a block the same warp encodes
+its tile straight from the tail into the pools (records popped from the device free lists), and
+writes the block-table entry and the block's epoch.  Nothing is read back: the host keeps its own
+account (:meth:`StepAppend.account`), since it knows which blocks a step of one token per sequence
+finishes.
+
+The eager one-step plan (:class:`gaac.step.StepPlan`) and the captured plan of many steps
+(:mod:`gaac.captured`) both append through it.  The cache keeps one per list of sequences, with the
+layers' packed launch parameters, so that a step's call writes only its two token addresses.
+
+It needs one tile per head (``head_dim`` 64 or 128): the kernel encodes a head's tile from its tail.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import layout as L
+
+
+def supported(cache) -> bool:
+    """Whether ``cache``'s steps can append through :class:`StepAppend` (the CUDA codec, one tile per head)."""
+    return bool(cache._cuda_codec) and L.tiles_per_head(cache.head_dim) == 1
+
+
+def step_append(cache, rows: np.ndarray) -> "StepAppend":
+    """The cache's :class:`StepAppend` for the sequences ``rows`` (in that order), made once and kept."""
+    key = rows.tobytes()
+    app = cache._step_appends.get(key)
+    if app is None:
+        cache._step_appends.clear()          # one list of sequences at a time: a batch changes rarely
+        app = cache._step_appends[key] = StepAppend(cache, rows)
+    return app
+
+
+class StepAppend:
+    """One-token appends of the sequences ``rows`` (module docstring)."""
+
+    def __init__(self, cache, rows: np.ndarray):
+        import torch
+
+        from .cuda.codec import STEP_APPEND_SIG, step_append_kernel
+        from .cuda.launch import FastLaunch
+        from .cuda.primitives import SIMULATOR, WARP
+
+        self.cache, self.rows = cache, np.asarray(rows, np.int64)
+        dev, n = cache.device, len(self.rows)
+        self.rows_dev = cache._to_device(self.rows.astype(np.int32))
+        self.arrivals = torch.zeros(cache.max_seqs, dtype=torch.int32, device=dev)
+        self.escape_used = torch.zeros(2 * n * cache.tiles_per_block, dtype=torch.int32, device=dev)
+        self.no_epochs = torch.zeros(1, dtype=torch.int16, device=dev)
+        self.token = n * cache.kv_heads              # rows of a token's words
+        self.launcher = FastLaunch(step_append_kernel(cache.geometry.channels), (n * cache.tiles_per_block, 2),
+                                   WARP)
+        if not SIMULATOR:
+            self.launcher.prepare(STEP_APPEND_SIG)    # compiled once per tile width, before any launch
+        self._buffers = {}                            # layer -> (what its parameters name, ParamBuffer) (GPU)
+
+    def prepare(self, epochs: list) -> None:
+        """Make every layer's encoders for the epochs ``epochs[layer]`` (K, V) ahead of the launches: a launch
+        being captured in a CUDA graph must not allocate or copy from the host."""
+        cache = self.cache
+        for layer, layer_store in enumerate(cache._store):
+            for kind, store in enumerate(layer_store):
+                cache._encoder(store, None, epochs[layer][kind], layer, kind)
+
+    def epochs(self, layer: int) -> tuple:
+        """The epoch of the blocks this layer's appends finish, K and V: the adapter's newest (0 without)."""
+        return tuple(s.adapter.epoch if s.adapter is not None else 0 for s in self.cache._store[layer])
+
+    def args(self, layer: int, k, v, epochs: tuple) -> tuple:
+        """The kernel's arguments for ``layer`` with the token ``k``/``v`` (contiguous int16, 16-byte aligned)."""
+        from .cuda.launch import words
+
+        cache = self.cache
+        stores = cache._store[layer]
+        encoders = [cache._encoder(s, None, e, layer, kind) for kind, (s, e) in enumerate(zip(stores, epochs))]
+        tiles = cache.max_seqs * cache.kv_heads
+        fixed = [enc._fixed for enc in encoders]      # bases, capacity, slots, free, raw, free, heads
+        return (*(words(x.reshape(self.token, cache.head_dim)) for x in (k, v)),
+                *(words(s.tail.reshape(tiles, L.BLOCK_TOKENS, cache.head_dim)) for s in stores),
+                *(x for pair in zip(*fixed) for x in pair), *(s.table.reshape(-1) for s in stores),
+                *(s.epoch.reshape(-1) if s.epoch is not None else self.no_epochs for s in stores),
+                *epochs, int(stores[0].epoch is not None), self.escape_used, self.rows_dev,
+                cache._seq_lens[layer], self.arrivals, cache.max_blocks)
+
+    def launch(self, layer: int, k, v, epochs: tuple, contiguous: bool = False) -> None:
+        """Append the token ``k``/``v`` (int16 or BF16 ``[len(rows), kv_heads, 1, head_dim]``; ``contiguous``:
+        known to be) to ``layer``, its finished blocks in the epochs ``epochs`` (K, V).
+
+        On the GPU the layer's parameters are packed once (until its arrays or pools change) and a call
+        writes the two token addresses; in the simulator numba's dispatcher launches."""
+        from .cuda.launch import ParamBuffer, params, plain
+        from .cuda.primitives import SIMULATOR
+
+        if not contiguous:
+            k, v = k.contiguous(), v.contiguous()
+        if k.data_ptr() % 16 or v.data_ptr() % 16:             # the kernel reads 16-byte rows
+            k, v = k.clone(), v.clone()
+        if SIMULATOR:
+            args = self.args(layer, k, v, epochs)
+            self.launcher._dispatcher[self.launcher._grid, self.launcher._block](*(plain(a) for a in args))
+            return
+        cache = self.cache
+        ks, vs = cache._store[layer]
+        names = (ks.tail, vs.tail, ks.table, vs.table, ks.epoch, vs.epoch, cache._seq_lens)
+        versions = (ks.slots.version, ks.raw.version, vs.slots.version, vs.raw.version, *epochs)
+        entry = self._buffers.get(layer)
+        if entry is None or entry[1] != versions or any(a is not b for a, b in zip(entry[0], names)):
+            buffer = ParamBuffer([x for a in self.args(layer, k, v, epochs) for x in params(a)])
+            entry = self._buffers[layer] = (names, versions, buffer)
+        buffer = entry[2]
+        buffer.slots[4], buffer.slots[13] = k.data_ptr(), v.data_ptr()   # the words' data of k and v
+        self.launcher.run(buffer)
+
+    def account(self, layers: range, fin: np.ndarray, blk: np.ndarray, epochs, index=None):
+        """The host's account of the blocks a step's appends to ``layers`` finished once launched (no
+        synchronisation; the caller advances its copy of the lengths): the sequences ``fin`` finished
+        block ``blk``, in each layer's K and V epochs ``epochs[layer]``.  The pools count the records
+        the encodes may have taken, and ask for the device's count without waiting for it; the blocks'
+        epochs and the work list's cuts are recorded; with adaptation the finished blocks are copied
+        (pinned, in flight) for the rule.  ``index`` is ``fin`` on the device (made here if needed,
+        returned for the next call)."""
+        cache = self.cache
+        if not len(fin):
+            return index
+        tiles = len(fin) * cache.tiles_per_block
+        later = blk > 0
+        gpu = cache.device.type == "cuda"
+        for layer in layers:
+            for kind, store in enumerate(cache._store[layer]):
+                counts = None
+                for pool in (store.slots, store.raw):
+                    pool.pending += tiles
+                    if gpu:             # the lower bound of free records then keeps up without a sync
+                        counts = counts or cache._host_copy(store.heads)
+                        pool.snapshot(counts)
+                if store.adapter is None:
+                    continue
+                e = epochs[layer][kind]
+                prev = store.epochs[fin, np.maximum(blk - 1, 0)]
+                for seq, b in zip(fin[(prev != e) & later], blk[(prev != e) & later]):
+                    cache._cuts[int(seq)].add(int(b))
+                store.epochs[fin, blk] = e
+                if index is None:
+                    index = cache._to_device(fin)
+                store.deferred.append(cache._host_copy(store.tail.index_select(0, index)))
+            cache.blocks_encoded += len(fin)
+        return index
