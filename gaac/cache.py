@@ -369,6 +369,7 @@ class _Kind:
     heads: torch.Tensor | None = None    # int32 [2]: the device free lists' taken counts (CUDA codec)
     deferred: list = field(default_factory=list)    # finalized blocks on their way to the adapter (GPU)
     encoders: dict = field(default_factory=dict)    # (epoch, pools) -> the CUDA codec's EncodePlan
+    packed: dict = field(default_factory=dict)      # epoch -> its per-tile bases packed for the CUDA codec (device)
 
     def add_epoch(self, b3: np.ndarray, b4: np.ndarray) -> None:
         """Append one epoch's bases ``[kv_heads, head_dim]`` to the device tables."""
@@ -531,6 +532,10 @@ class PagedKVCache:
         self._launchers = {}         # kernel -> its launcher, kept across steps (gaac.step)
         self._work_plans = {}        # the newest one-step plan's work list and launch state, for the next (gaac.step)
         self.blocks_encoded = 0      # (layer, sequence, block) finalizations, each encoding K and V once
+        if self._cuda_codec:         # every layer's encoders for the calibration's bases, made with the pools
+            for layer, layer_store in enumerate(self._store):
+                for kind, store in enumerate(layer_store):
+                    self._encoder(store, None, 0, layer, kind)
 
     def _make_kind(self, layer, kind, max_seqs, max_blocks, n_slots, n_raw) -> _Kind:
         geo, dev = self.geometry, self.device
@@ -1036,6 +1041,11 @@ class PagedKVCache:
         short = []
         if need_blocks > self.max_blocks:
             short.append((None, need_blocks))
+        # The device's exact counts where the lower bounds fall short: one wait for all such pools.
+        stale = [pool for u in updates for kind in KINDS if u.tiles[kind] is not None and u.fits[kind] is None
+                 for pool in self._pools(u.layer, kind) if pool.free_lower() < u.tiles[kind].shape[0]]
+        if stale:
+            sync_pools(stale)
         for u in updates:
             for kind in KINDS:
                 store, tiles = self._store[u.layer][kind], u.tiles[kind]
@@ -1043,9 +1053,6 @@ class PagedKVCache:
                     continue
                 if u.fits[kind] is None:
                     n = tiles.shape[0]
-                    for pool in (store.slots, store.raw):
-                        if pool.free_lower() < n:
-                            pool.sync()
                     if store.slots.free_lower() + store.raw.free_lower() < n:
                         pool = store.raw if store.raw.free_lower() < n else store.slots
                         short.append((pool, pool.used + n - (store.slots.free_lower() + store.raw.free_lower()
@@ -1099,12 +1106,9 @@ class PagedKVCache:
                     counts = self._host_copy(store.heads)
                     for pool in (store.slots, store.raw):
                         pool.snapshot(counts)
-            over = []
-            for u, kind in unsure:
-                for pool in self._pools(u.layer, kind):
-                    pool.sync()
-                    if pool.taken > pool.order.shape[0]:
-                        over.append((pool, pool.taken - pool.order.shape[0]))
+            checked = [pool for u, kind in unsure for pool in self._pools(u.layer, kind)]
+            sync_pools(checked)                  # one wait for the device, for every pool in doubt
+            over = [(pool, pool.taken - pool.order.shape[0]) for pool in checked if pool.taken > pool.order.shape[0]]
             if not over:
                 return
             for u, kind in unsure:
@@ -1133,7 +1137,12 @@ class PagedKVCache:
         if enc is None:
             from .cuda.codec import EncodePlan, pack_bases
 
-            bases = self._to_device(pack_bases(*self._tile_bases(store, plan, epoch, layer, kind)))
+            # An epoch's bases outlive the pools' versions (growth, removals make new free lists).
+            bases = store.packed.get(epoch)
+            if bases is None:
+                bases = self._to_device(pack_bases(*self._tile_bases(store, plan, epoch, layer, kind)))
+                if epoch < store.tb3.shape[0]:
+                    store.packed[epoch] = bases
             enc = EncodePlan(self.geometry.channels, store.capacity, bases, store.slots.data, store.slots.order,
                              store.raw.data, store.raw.order, store.heads)
             if epoch < store.tb3.shape[0]:          # an epoch this update appends is cached once committed
