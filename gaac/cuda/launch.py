@@ -295,9 +295,10 @@ def _dims(x) -> tuple:
 class FastLaunch:
     """A numba kernel (GPU only) launched on torch's current stream with parameters packed by the caller.
 
-    Made for kernels with many arguments (the attention kernel has 27), whose fixed parameters a plan
-    packs once so that a call leaves only the per-call arrays.  The first call goes through numba
-    (which compiles); later calls take the fast path.
+    Made for kernels with many arguments (the attention kernel has 32), whose fixed parameters a plan
+    packs once so that a call leaves only the per-call arrays.  ``__call__`` launches through
+    ``cuda.core`` (its first call through numba, which compiles); :meth:`run`, the decode step's path,
+    launches a :class:`ParamBuffer` through the driver after :meth:`prepare` has compiled.
     """
 
     def __init__(self, dispatcher, grid, block, pdl: bool = False):
