@@ -1100,12 +1100,7 @@ class PagedKVCache:
                     a, z = start * per, stop * per
                     self._encoder(store, plan, epoch, u.layer, kind)(tiles[a:z], entries[a:z], used[a:z])
                 u.entries[kind] = entries
-                for pool in (store.slots, store.raw):
-                    pool.pending += tiles.shape[0]
-                if self.device.type == "cuda" and (id(u), kind) not in unsure_ids:
-                    counts = self._host_copy(store.heads)
-                    for pool in (store.slots, store.raw):
-                        pool.snapshot(counts)
+                self._encodes_launched(store, tiles.shape[0], ask=(id(u), kind) not in unsure_ids)
             checked = [pool for u, kind in unsure for pool in self._pools(u.layer, kind)]
             sync_pools(checked)                  # one wait for the device, for every pool in doubt
             over = [(pool, pool.taken - pool.order.shape[0]) for pool in checked if pool.taken > pool.order.shape[0]]
@@ -1124,6 +1119,17 @@ class PagedKVCache:
             for pool, n in over:
                 pool.grow_to(max(pool.size + n, 2 * pool.size))
             self._storage_changed()
+
+    def _encodes_launched(self, store: _Kind, tiles: int, ask: bool = True) -> None:
+        """``store``'s pools count the records that encodes of ``tiles`` tiles, just launched, may take; with
+        ``ask`` (GPU) the device's counts come back by an asynchronous copy, which the lower bound of free
+        records takes up once it has arrived (no synchronisation)."""
+        for pool in (store.slots, store.raw):
+            pool.pending += tiles
+        if ask and self.device.type == "cuda":
+            counts = self._host_copy(store.heads)
+            for pool in (store.slots, store.raw):
+                pool.snapshot(counts)
 
     def _pools(self, layer: int, kind: int) -> tuple:
         store = self._store[layer][kind]

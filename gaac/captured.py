@@ -185,12 +185,6 @@ def merge_signature() -> tuple:
             array(types.float32), types.int64, types.int64)
 
 
-def _simulator() -> bool:
-    from .cuda.primitives import SIMULATOR
-
-    return SIMULATOR
-
-
 class StepGraph:
     """A model's decode step over a cache, run as CUDA graphs: each call runs one step.
 

@@ -130,15 +130,9 @@ class StepAppend:
             return index
         tiles = len(fin) * cache.tiles_per_block
         later = blk > 0
-        gpu = cache.device.type == "cuda"
         for layer in layers:
             for kind, store in enumerate(cache._store[layer]):
-                counts = None
-                for pool in (store.slots, store.raw):
-                    pool.pending += tiles
-                    if gpu:             # the lower bound of free records then keeps up without a sync
-                        counts = counts or cache._host_copy(store.heads)
-                        pool.snapshot(counts)
+                cache._encodes_launched(store, tiles)
                 if store.adapter is None:
                     continue
                 e = epochs[layer][kind]

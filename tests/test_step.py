@@ -48,7 +48,8 @@ def test_decode_loop_reads_back_and_attends(codec, monkeypatch):
     cal = calibrate(k[0][:, :, :32], v[0][:, :, :32])
     cache = PagedKVCache(cal, max_seqs=3, max_blocks=8, codec=codec)
     ref = PagedKVCache(cal, max_seqs=3, max_blocks=8, codec="reference")     # updated in full, layer by layer
-    rows = [c.add_sequence(k[i][:, :, :total[i]], v[i][:, :, :total[i]]) for c in (cache, ref) for i in range(2)][:2]
+    rows = [cache.add_sequence(k[i][:, :, :total[i]], v[i][:, :, :total[i]]) for i in range(2)]
+    assert [ref.add_sequence(k[i][:, :, :total[i]], v[i][:, :, :total[i]]) for i in range(2)] == rows
     on_device = 0                 # steps finishing a block whose appends encoded it on the device
     for step in range(steps):
         plan = cache.decode_plan(2 * heads)
