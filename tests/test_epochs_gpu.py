@@ -25,8 +25,17 @@ from gaac.cuda import epochs as device_epochs  # noqa: E402
 from gaac.tiles import cache_blocks  # noqa: E402
 
 
-@pytest.mark.parametrize("every, payback, cap", [(8, 6, 256), (4, 10 ** 9, 256), (8, 10 ** 9, 3)])
-def test_the_device_rule_decides_what_the_host_rule_decides(monkeypatch, every, payback, cap):
+def _at_offset(blocks: np.ndarray, offset: int) -> torch.Tensor:
+    """``blocks`` on the GPU, ``offset`` int16 elements into a larger buffer (1: no run of 8 channels is
+    16-byte aligned)."""
+    flat = torch.zeros(blocks.size + offset, dtype=torch.int16, device="cuda")
+    flat[offset:] = torch.from_numpy(blocks.view(np.int16).reshape(-1)).cuda()
+    return flat[offset:].view(blocks.shape)
+
+
+@pytest.mark.parametrize("every, payback, cap, offset",
+                         [(8, 6, 256, 0), (4, 10 ** 9, 256, 0), (8, 10 ** 9, 3, 0), (8, 10 ** 9, 256, 1)])
+def test_the_device_rule_decides_what_the_host_rule_decides(monkeypatch, every, payback, cap, offset):
     monkeypatch.setattr(epochs, "ADAPT_EVERY", every)
     monkeypatch.setattr(epochs, "PAYBACK_CHECKS", payback)
     monkeypatch.setattr(epochs, "MAX_EPOCHS", cap)
@@ -43,7 +52,7 @@ def test_the_device_rule_decides_what_the_host_rule_decides(monkeypatch, every, 
             adapter.assign(blocks[:every * 7 + layer])           # 0, 1 or 2 blocks pending, by layer
             reference = copy.deepcopy(adapter)
             want.append((reference, reference.assign(blocks[every * 7 + 2:])))
-            jobs.append((adapter, torch.from_numpy(blocks[every * 7 + 2:].view(np.int16)).cuda()))
+            jobs.append((adapter, _at_offset(blocks[every * 7 + 2:], offset)))
     got = device_epochs.assign(jobs)
     appended = 0
     for (adapter, _), e, (reference, e_want) in zip(jobs, got, want):

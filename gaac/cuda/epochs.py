@@ -4,15 +4,14 @@ A prefill finalizes thousands of blocks per (kind, layer); the rule looks at the
 time, and on the host each check costs milliseconds.  The rule splits into a part that does not depend on
 its own decisions and a short chain that does:
 
-* the exponent histogram and the candidate windows of every check depend only on the blocks, so
-  :func:`candidates_kernel` runs them per channel, a warp per channel and a lane per 8 histogram bins,
-  looping over the checks;
+* the exponent histogram and the candidate windows of every check depend only on the blocks, and so does
+  what a check's candidate saves against the epoch current when the batch starts: :func:`scan_kernel`
+  computes all three, a thread block per group of 8 channels (a warp per channel, a lane per 8 histogram
+  bins), looping over the checks;
 * whether a check appends its candidate depends on the epoch current at that check, the last one
-  appended.  :func:`costs_kernel` counts, for every check at once, the escape bytes its candidate saves
-  against the epoch current when the batch starts; :func:`chain_kernel` walks the checks in order, a thread
-  block per (kind, layer), deciding from those counts until the batch appends an epoch, and after that
-  counting itself, over the check's 8 blocks, in the groups of channels where candidate and current
-  epoch differ.
+  appended.  :func:`chain_kernel` walks the checks in order, a thread block per (kind, layer), deciding
+  from the scan's savings until the batch appends an epoch, and after that counting itself, over the
+  check's 8 blocks, in the groups of channels where candidate and current epoch differ.
 
 Both read the blocks where they lie (a strided view of the input; the adapter's pending blocks from a
 small array); the adapters' histograms stay on the device until the host rule needs one, and one copy to
@@ -28,11 +27,10 @@ from numba import cuda
 
 from .. import epochs as E
 from .. import layout as L
-from .primitives import SIMULATOR, WARP, syncwarp
+from .primitives import SIMULATOR, WARP, device, gaddr, i32, ldg4_at, syncwarp, u32, u64
 
 BINS = 256                   # exponent values of a BF16 element
-CHANNELS_PER_BLOCK = 8       # channels of one head (a warp each) per thread block of the candidates kernel
-CANDIDATE_REGISTERS = None   # a register cap for the candidates kernel (None: the compiler's choice)
+SCAN_REGISTERS = 64          # the scan kernel's register cap: 32 warps an SM
 MAX_CHANNELS = 8192          # kv_heads * head_dim the chain kernel's shared bases hold
 MAX_GROUPS = MAX_CHANNELS // L.GROUP_SIZE
 CHAIN_THREADS = 1024
@@ -57,103 +55,227 @@ def exponent(src, at, rec, job, r, b, h, t, d):
     return (np.int32(element(src, at, rec, job, r, b, h, t, d)) >> 7) & 0xFF
 
 
-@functools.lru_cache(maxsize=None)
-def candidates_kernel(wpb: int, every: int, shift: int, registers: int | None = None):
-    """Per job and channel: the decayed histogram after each check of ``every`` blocks (decay shift
-    ``shift``) and the check's best windows.
+if SIMULATOR:
+    @device
+    def channels8(x, i0, i1, i2, i3, d0):
+        """Elements ``d0 .. d0 + 7`` of ``x[i0, i1, i2, i3]`` (int16, 16-byte aligned) as four words."""
+        w = np.ascontiguousarray(np.asarray(x[i0, i1, i2, i3, d0:d0 + 8])).view(np.uint32)
+        return u32(w[0]), u32(w[1]), u32(w[2]), u32(w[3])
+else:
+    @device
+    def channels8(x, i0, i1, i2, i3, d0):
+        """Elements ``d0 .. d0 + 7`` of ``x[i0, i1, i2, i3]`` (int16, 16-byte aligned) as four words: one load."""
+        s = x.strides
+        return ldg4_at(x, gaddr(x, i0 * s[0] + i1 * s[1] + i2 * s[2] + i3 * s[3] + d0 * s[4]))
 
-    A warp per channel (``wpb`` channels of one head per thread block), a lane per 8 histogram bins; the
-    warps of a block never wait for each other.  The shared counts and histogram
-    are skewed (bin ``b`` at ``b + b // 8``) so that the lanes' 8-bin runs fall in distinct banks.  The next
-    check's exponents are loaded before this check's histogram work, to hide the loads' latency."""
-    w3, w4 = L.WINDOW_3BIT, L.WINDOW_4BIT
+
+@functools.lru_cache(maxsize=None)
+def scan_kernel(every: int, shift: int, registers: int | None = None):
+    """Per job and check, for every check at once: the decayed histogram after the check (decay shift
+    ``shift``, a check every ``every`` blocks), the check's best windows per channel, and the escape bytes
+    those windows save on the check's blocks against the epoch current when the batch starts.
+
+    A thread block is one group of channels (``GROUP_SIZE`` warps, a warp per channel), so that a group's
+    escape bytes, which depend on its channels together, are summed inside it.  Per check:
+
+    * the first ``tokens`` threads load the next check's tokens, a token's 8 channels (16 bytes) each, and
+      leave their exponents in shared memory for the warps (loads of one channel by a warp would touch a
+      line per lane);
+    * each warp counts its channel's exponents (a lane 1/32 of the tokens) into shared counts (bin ``b``
+      at ``b + b // 8``, so that the lanes' 8-bin runs fall in distinct banks), decays and adds them to its
+      bins (8 a lane, in registers), finds the best 8- and 16-wide windows from its own bins and the next
+      two lanes' (two lanes of zeros past bin 255 end the windows that run off the end: such a window never
+      covers more than the one starting at ``256 - w``, and ties go to the smaller start), and marks, per
+      token, the group's elements outside the current and the candidate windows;
+    * after the block's barrier the last warp turns the marks into escape bytes saved, and adds the
+      previous check's sum to ``saved0``.
+
+    Arithmetic is 32-bit wherever the values allow it."""
     tokens = every * L.BLOCK_TOKENS
     per_lane = tokens // WARP                         # exponents a lane counts per check
     run = BINS // WARP                                # bins a lane owns: 8
-    stride = BINS + BINS // run                       # one channel's skewed shared row
-    cells, pairs = wpb * stride, 2 * wpb              # shared array sizes: compile-time constants
+    skew = run + 1                                    # a lane's run in shared memory, one word of padding
+    stride = (WARP + 2) * skew                        # one channel's row: 32 lanes' runs, two lanes of zeros
+    group = L.GROUP_SIZE
+    threads = group * WARP
+    last = group - 1                                  # the warp that sums the marks
+    # shared array sizes: compile-time constants
+    cells, keys, lanes2, staged = group * stride, 4 * group, 2 * WARP, (2, group, tokens)
+    # numba widens int32 arithmetic to 64 bits: every result is cast back (two instructions become one),
+    # and indices are unsigned (no negative-index wrap-around)
+    RUN, SKEW, SHIFT, BINS_, TOP = i32(run), i32(skew), i32(shift), i32(BINS), i32(BINS - 1)
+    ZERO, ONE, TWO, THREE, MINUS = i32(0), i32(1), i32(2), i32(3), i32(-1)
+    BYTES3, BYTES4, BYTESR = i32(COST_3BIT), i32(COST_4BIT), i32(COST_RAW)
+    WIDE3, WIDE4 = i32(-L.WINDOW_3BIT), i32(-L.WINDOW_4BIT)
+    assert per_lane * 4 <= 32 and tokens <= threads, "a lane packs its tokens' marks, 4 bits each, into one word"
     jit = cuda.jit if SIMULATOR or registers is None else cuda.jit(max_registers=registers)
 
+    @device
+    def marks(e, b3, b4):
+        """Bit 0: exponent ``e`` is outside the 3-bit window from ``b3``; bit 1: outside the 4-bit one."""
+        return i32((ONE if i32(i32(e - b3) & WIDE3) != ZERO else ZERO)
+                   | (TWO if i32(i32(e - b4) & WIDE4) != ZERO else ZERO))
+
+    @device
+    def escape(m):
+        """Escape bytes of a group whose elements' :func:`marks` OR to ``m``."""
+        return BYTES3 if i32(m & ONE) == ZERO else (BYTES4 if i32(m & TWO) == ZERO else BYTESR)
+
+    @device
+    def stage(ex, p, tt, xw0, xw1, xw2, xw3):
+        """Token ``tt``'s exponents of the group's 8 channels (its four words) into ``ex[p, :, tt]``."""
+        ex[p, 0, tt] = (xw0 >> u32(7)) & u32(0xFF)
+        ex[p, 1, tt] = (xw0 >> u32(23)) & u32(0xFF)
+        ex[p, 2, tt] = (xw1 >> u32(7)) & u32(0xFF)
+        ex[p, 3, tt] = (xw1 >> u32(23)) & u32(0xFF)
+        ex[p, 4, tt] = (xw2 >> u32(7)) & u32(0xFF)
+        ex[p, 5, tt] = (xw2 >> u32(23)) & u32(0xFF)
+        ex[p, 6, tt] = (xw3 >> u32(7)) & u32(0xFF)
+        ex[p, 7, tt] = (xw3 >> u32(23)) & u32(0xFF)
+
+    @device
+    def token(xa, xb, ja, rec, job, r, lb, h, t, d0):
+        """Token ``t`` of job ``job``'s logical block ``lb``, channels ``d0 .. d0 + 7`` of head ``h`` (four
+        words): its ``r`` pending blocks (``rec``) first, then its own blocks (``xa``, or ``xb`` past ``ja``)."""
+        if lb < r:
+            return channels8(rec, job, u32(lb), h, t, d0)
+        if job < ja:
+            return channels8(xa, job, u32(lb - r), h, t, d0)
+        return channels8(xb, job - ja, u32(lb - r), h, t, d0)
+
     @jit
-    def kernel(xa, xb, ja, rec, r0, checks, hist, cand, head_dim):
+    def kernel(xa, xb, ja, rec, r0, checks, hist, cand, cur, head_dim, saved0, differs0):
         job = cuda.blockIdx.x
-        warp = cuda.threadIdx.x // WARP
-        lane = cuda.threadIdx.x % WARP
-        ch = cuda.blockIdx.y * wpb + warp
-        h = ch // head_dim
-        d = ch % head_dim
-        cnt = cuda.shared.array(cells, np.int32)
-        hs = cuda.shared.array(cells, np.int32)
-        best = cuda.shared.array(pairs, np.int32)
-        row = warp * stride
-        base = row + lane * (run + 1)
-        ex = cuda.local.array(per_lane, np.int32)
+        tid = i32(cuda.threadIdx.x)
+        warp = i32(tid // i32(WARP))
+        lane = i32(tid % i32(WARP))
+        ch = i32(i32(cuda.blockIdx.y) * i32(group) + warp)
+        h = u32(ch // i32(head_dim))
+        d0 = u32(i32(i32(cuda.blockIdx.y) * i32(group)) % i32(head_dim))   # the group's first channel
+        cnt = cuda.shared.array(cells, np.int32)      # this check's counts
+        hs = cuda.shared.array(cells, np.int32)       # the decayed histogram, for the neighbours' windows
+        best = cuda.shared.array(keys, np.int32)      # [warp][check parity][3-bit, 4-bit]: the best window keys
+        mark = cuda.shared.array(lanes2, np.int32)    # [check parity][lane]: the group's marks, 4 bits a token
+        acc = cuda.shared.array(3, np.int32)          # [check mod 3]: the group's escape bytes saved
+        flag = cuda.shared.array(3, np.int32)         # [check mod 3]: a channel's windows differ from the current
+        ex = cuda.shared.array(staged, np.uint8)      # [check parity][channel][token]: the exponents
+        hb = cuda.local.array(run, np.int32)          # this lane's bins
+        row = i32(warp * i32(stride))
+        base = i32(row + i32(lane * SKEW))
         for k in range(run):
-            hs[base + k] = hist[job, ch, lane * run + k]
-            cnt[base + k] = 0
-        if lane == 0:
-            best[2 * warp] = -1
-            best[2 * warp + 1] = -1
-        n_checks = checks[job]
-        # this block's job reads one source: its own blocks (xa or xb) after its pending ones (rec)
-        src = xa if job < ja else xb
-        at = job if job < ja else job - ja
-        r = r0[job]
-        if n_checks > 0:
-            for k in range(per_lane):
-                i = lane + k * WARP
-                ex[k] = exponent(src, at, rec, job, r, i // L.BLOCK_TOKENS, h, i % L.BLOCK_TOKENS, d)
-        syncwarp()
+            hb[k] = hist[job, u32(ch), u32(i32(lane * RUN) + i32(k))]
+            cnt[base + k] = ZERO
+            if lane < 2:                              # the two lanes of zeros past bin 255
+                hs[i32(row + i32(i32(i32(WARP) + lane) * SKEW) + i32(k))] = ZERO
+        if lane < 4:
+            best[i32(warp * i32(4) + lane)] = MINUS
+        if tid < 2 * WARP:
+            mark[tid] = ZERO
+        if tid < 3:
+            acc[tid] = ZERO
+            flag[tid] = ZERO
+        c3 = i32(cur[job, 0, u32(ch)])
+        c4 = i32(cur[job, 1, u32(ch)])
+        n_checks = i32(checks[job])
+        r = i32(r0[job])
+        loader = tid < tokens                         # the thread that loads token tid of each check
+        tt = u32(tid)
+        t = u32(tid % i32(L.BLOCK_TOKENS))
+        b0 = i32(tid // i32(L.BLOCK_TOKENS))
+        xw0 = xw1 = xw2 = xw3 = u32(0)
+        if loader and n_checks > 0:
+            xw0, xw1, xw2, xw3 = token(xa, xb, ja, rec, job, r, b0, h, t, d0)
+            stage(ex, 0, tt, xw0, xw1, xw2, xw3)
+        cuda.syncthreads()
+        q = ZERO                                      # j % 3
+        # shared-memory indices are unsigned 64-bit: no negative-index wrap-around, and constant offsets
+        # fold into the instructions' immediates
+        rowu, baseu, warpu = u64(row), u64(base), u64(warp)
+        nextu, next2u = u64(base + SKEW), u64(base + i32(2) * SKEW)
         for j in range(n_checks):
+            j = i32(j)
+            p = i32(j & ONE)
+            pu = u64(p)
+            q1 = i32(q - ONE) if q > ZERO else TWO    # (j - 1) % 3
+            more = j + ONE < n_checks
+            if loader and more:                       # the next check's token, in flight meanwhile
+                xw0, xw1, xw2, xw3 = token(xa, xb, ja, rec, job, r, i32(i32(i32(j + ONE) * i32(every)) + b0), h, t, d0)
             for k in range(per_lane):
-                e = ex[k]
-                cuda.atomic.add(cnt, row + e + e // run, 1)
-            if j + 1 < n_checks:                      # the next check's exponents, in flight meanwhile
-                for k in range(per_lane):
-                    i = lane + k * WARP
-                    ex[k] = exponent(src, at, rec, job, r, (j + 1) * every + i // L.BLOCK_TOKENS, h,
-                                     i % L.BLOCK_TOKENS, d)
+                e = u64(ex[pu, warpu, u64(lane + WARP * k)])
+                cuda.atomic.add(cnt, rowu + e + (e >> u64(3)), ONE)
             syncwarp()
             # decay, then add: each lane its own bins
+            a3 = ZERO
             for k in range(run):
-                v = hs[base + k]
-                hs[base + k] = v - (v >> shift) + cnt[base + k]
-                cnt[base + k] = 0
+                v = hb[k]
+                v = i32(i32(v - i32(v >> SHIFT)) + cnt[baseu + u64(k)])
+                cnt[baseu + u64(k)] = ZERO
+                hb[k] = v
+                hs[baseu + u64(k)] = v
+                a3 = i32(a3 + v)
             syncwarp()
             # the windows starting at this lane's bins, which end in the next two lanes' bins
-            a3 = 0
-            for k in range(run):
-                a3 += hs[base + k]
             a4 = a3
-            if lane + 1 < WARP:
-                for k in range(run):
-                    a4 += hs[base + run + 1 + k]
-            k3 = -1
-            k4 = -1
             for k in range(run):
-                s = lane * run + k
-                if s <= BINS - w3:
-                    k3 = max(k3, a3 * BINS + (BINS - 1 - s))
-                if s <= BINS - w4:
-                    k4 = max(k4, a4 * BINS + (BINS - 1 - s))
-                first = hs[base + k]
-                a3 += (hs[base + run + 1 + k] if lane + 1 < WARP else 0) - first
-                a4 += (hs[base + 2 * (run + 1) + k] if lane + 2 < WARP else 0) - first
-            # a window covering nothing loses to any that covers something, and with none covering anything
-            # the answer is start 0, which the reset value -1 gives: so only covering windows compete
-            if k3 >= BINS:
-                cuda.atomic.max(best, 2 * warp, k3)
-            if k4 >= BINS:
-                cuda.atomic.max(best, 2 * warp + 1, k4)
+                a4 = i32(a4 + hs[nextu + u64(k)])
+            k3 = MINUS
+            k4 = MINUS
+            for k in range(run):
+                s = i32(TOP - i32(i32(lane * RUN) + i32(k)))    # a smaller start wins a tie
+                k3 = max(k3, i32(i32(a3 * BINS_) + s))
+                k4 = max(k4, i32(i32(a4 * BINS_) + s))
+                first = hb[k]
+                a3 = i32(a3 + i32(hs[nextu + u64(k)] - first))
+                a4 = i32(a4 + i32(hs[next2u + u64(k)] - first))
+            at3 = i32(i32(warp * i32(4)) + i32(p * TWO))
+            cuda.atomic.max(best, at3, k3)
+            cuda.atomic.max(best, at3 + 1, k4)
             syncwarp()
+            n3 = i32(TOP - i32(best[at3] & TOP))
+            n4 = i32(TOP - i32(best[at3 + 1] & TOP))
             if lane == 0:
-                cand[job, j, 0, ch] = BINS - 1 - (best[2 * warp] & (BINS - 1))
-                cand[job, j, 1, ch] = BINS - 1 - (best[2 * warp + 1] & (BINS - 1))
-                best[2 * warp] = -1
-                best[2 * warp + 1] = -1
-        syncwarp()
+                cand[job, u32(j), 0, u32(ch)] = n3
+                cand[job, u32(j), 1, u32(ch)] = n4
+                other = i32(i32(warp * i32(4)) + i32(i32(ONE - p) * TWO))
+                best[other] = MINUS                   # the other parity's keys, read by every lane at j - 1
+                best[other + 1] = MINUS
+                if n3 != c3 or n4 != c4:
+                    flag[q] = ONE
+            # the group's marks: per token, which elements fall outside the current and the candidate windows
+            m = ZERO
+            for k in range(per_lane):
+                e = i32(ex[pu, warpu, u64(lane + WARP * k)])
+                m = i32(m | i32(i32(marks(e, c3, c4) | i32(marks(e, n3, n4) << TWO)) << i32(4 * k)))
+            cuda.atomic.or_(mark, i32(i32(p * i32(WARP)) + lane), m)
+            if loader and more:
+                stage(ex, ONE - p, tt, xw0, xw1, xw2, xw3)
+            cuda.syncthreads()
+            if warp == last:
+                if lane == 0 and j > 0:               # check j - 1's sum, complete since this barrier
+                    if flag[q1]:
+                        differs0[job, u32(j - ONE)] = 1
+                        if acc[q1] != 0:
+                            cuda.atomic.add(saved0, (job, u32(j - ONE)), acc[q1])
+                    acc[q1] = ZERO
+                    flag[q1] = ZERO
+                w = mark[i32(i32(p * i32(WARP)) + lane)]
+                mark[i32(i32(p * i32(WARP)) + lane)] = ZERO
+                saved = ZERO
+                for k in range(per_lane):
+                    g = i32(w >> i32(4 * k))
+                    saved = i32(saved + i32(escape(i32(g & THREE)) - escape(i32(i32(g >> TWO) & THREE))))
+                if saved != 0:
+                    cuda.atomic.add(acc, q, saved)
+            q = i32(q + ONE) if q < TWO else ZERO
+        cuda.syncthreads()
+        if tid == 0 and n_checks > 0:
+            q = i32(q - ONE) if q > ZERO else TWO     # (n_checks - 1) % 3
+            if flag[q]:
+                differs0[job, u32(n_checks - ONE)] = 1
+                if acc[q] != 0:
+                    cuda.atomic.add(saved0, (job, u32(n_checks - ONE)), acc[q])
         for k in range(run):
-            hist[job, ch, lane * run + k] = hs[base + k]
+            hist[job, u32(ch), u32(i32(lane * RUN) + i32(k))] = hb[k]
 
     return kernel
 
@@ -224,61 +346,10 @@ def block_sum(part, value):
 
 
 @functools.lru_cache(maxsize=None)
-def costs_kernel(every: int):
-    """Per job and check, all at once: the escape bytes the check's candidate saves on the check's blocks
-    against the epoch current when the batch starts, and whether the two differ at all.  While no check
-    of the batch has appended an epoch, these decide the chain's checks without reading the blocks again."""
-    tokens = every * L.BLOCK_TOKENS
-    group = L.GROUP_SIZE
-
-    @block_jit
-    def kernel(xa, xb, ja, rec, r0, checks, cand, cur, kv_heads, head_dim, saved0, differs0):
-        job = cuda.blockIdx.x
-        j = cuda.blockIdx.y
-        if j >= checks[job]:
-            return
-        tid = cuda.threadIdx.x
-        nthreads = cuda.blockDim.x
-        channels = kv_heads * head_dim
-        n_groups = channels // group
-        c3 = cuda.shared.array(MAX_CHANNELS, np.uint8)
-        c4 = cuda.shared.array(MAX_CHANNELS, np.uint8)
-        n3 = cuda.shared.array(MAX_CHANNELS, np.uint8)
-        n4 = cuda.shared.array(MAX_CHANNELS, np.uint8)
-        part = cuda.shared.array(CHAIN_THREADS, np.int32)
-        dif = 0
-        c = tid
-        while c < channels:
-            c3[c] = cur[job, 0, c]
-            c4[c] = cur[job, 1, c]
-            n3[c] = cand[job, j, 0, c]
-            n4[c] = cand[job, j, 1, c]
-            if n3[c] != c3[c] or n4[c] != c4[c]:
-                dif = 1
-            c += nthreads
-        any_differs = cuda.syncthreads_or(dif)
-        src = xa if job < ja else xb
-        at = job if job < ja else job - ja
-        r = r0[job]
-        saved = 0
-        if any_differs:
-            i = tid
-            while i < tokens * n_groups:
-                saved += group_saving(src, at, rec, job, r, i, n_groups, j, every, head_dim, c3, c4, n3, n4)
-                i += nthreads
-        s = block_sum(part, saved)
-        if tid == 0:
-            saved0[job, j] = s
-            differs0[job, j] = 1 if any_differs else 0
-
-    return kernel
-
-
-@functools.lru_cache(maxsize=None)
 def chain_kernel(every: int):
     """Per job, in check order (a check every ``every`` blocks): whether it appends its candidate.
 
-    Until the batch appends an epoch, :func:`costs_kernel`'s answers decide.  After that, a check whose
+    Until the batch appends an epoch, :func:`scan_kernel`'s savings decide.  After that, a check whose
     candidate equals the current epoch is decided at once; otherwise only the groups of 8 channels in which
     the two differ can save or cost escape bytes, so only those groups of the check's blocks are read (two
     elements a load)."""
@@ -314,7 +385,7 @@ def chain_kernel(every: int):
         for j in range(checks[job]):                 # accept is zeros: only appending checks are written
             if finalized[job] + (j + 1) * every < warmup or n_ep >= max_epochs:
                 continue
-            if n_ep == first:          # still the batch's first epoch: the costs kernel has decided
+            if n_ep == first:          # still the batch's first epoch: the scan has decided
                 if differs0[job, j] and np.int64(saved0[job, j]) * payback >= table_bytes:
                     if tid == 0:
                         accept[job, j] = 1
@@ -371,8 +442,8 @@ def chain_kernel(every: int):
 def supported(kv_heads: int, head_dim: int) -> bool:
     """Whether the GPU rule takes blocks of this shape with the rule's current check size (else the host
     rule runs): at most ``MAX_CHANNELS`` channels, whole thread blocks of channels, whole warps of tokens."""
-    return (kv_heads * head_dim <= MAX_CHANNELS and head_dim % CHANNELS_PER_BLOCK == 0
-            and head_dim % L.GROUP_SIZE == 0 and E.ADAPT_EVERY * L.BLOCK_TOKENS % WARP == 0)
+    return (kv_heads * head_dim <= MAX_CHANNELS and head_dim % L.GROUP_SIZE == 0
+            and E.ADAPT_EVERY * L.BLOCK_TOKENS % WARP == 0 and E.ADAPT_EVERY * L.BLOCK_TOKENS <= 8 * WARP)
 
 
 def _stacked(tensors: list):
@@ -395,6 +466,18 @@ def _stacked(tensors: list):
     return first[None]
 
 
+def _aligned(x):
+    """``x`` (int16 blocks, any strides) where every run of 8 channels starts on 16 bytes, as the scan
+    kernel loads them: ``x`` itself where it does, else a contiguous copy."""
+    import torch
+
+    size = x.element_size()
+    if (x.stride(-1) == 1 and x.data_ptr() % 16 == 0
+            and all(st * size % 16 == 0 for st, n in zip(x.stride()[:-1], x.shape[:-1]) if n > 1)):
+        return x
+    return x.clone(memory_format=torch.contiguous_format)
+
+
 def assign(jobs: list) -> list:
     """Run the adaptation rule on the GPU for each ``(adapter, blocks)`` of ``jobs``, as
     ``adapter.assign(blocks)`` would on the host.
@@ -409,13 +492,13 @@ def assign(jobs: list) -> list:
     if not jobs:
         return []
     batch = Batch(jobs)
-    batch.candidates()
+    batch.scan()
     batch.chain()
     return batch.finish()
 
 
 class Batch:
-    """One :func:`assign`, in its three stages (so that a benchmark can time each): the candidates kernel,
+    """One :func:`assign`, in its three stages (so that a benchmark can time each): the scan kernel,
     the chain kernel, and :meth:`finish`, which waits for the decisions and applies them to the adapters."""
 
     def __init__(self, jobs: list):
@@ -427,11 +510,10 @@ class Batch:
         first_adapter, first = jobs[0]
         n, kv_heads, _, head_dim = first.shape
         channels = kv_heads * head_dim
-        self.cpb = 1 if SIMULATOR else CHANNELS_PER_BLOCK
         if not supported(kv_heads, head_dim):
             raise ValueError(f"kv_heads * head_dim = {channels} (at most {MAX_CHANNELS}), head_dim {head_dim} "
-                             f"(a multiple of {CHANNELS_PER_BLOCK}), checks of {E.ADAPT_EVERY} blocks (whole warps "
-                             "of tokens): the GPU rule does not take these; the host rule does")
+                             f"(a multiple of {L.GROUP_SIZE}), checks of {E.ADAPT_EVERY} blocks (whole warps "
+                             "of tokens, at most 8 a lane): the GPU rule does not take these; the host rule does")
         if any(b.shape != first.shape for _, b in jobs):
             raise ValueError("every job's blocks must have the same shape")
         self.n, self.kv_heads, self.head_dim, self.channels = n, kv_heads, head_dim, channels
@@ -452,8 +534,8 @@ class Batch:
             cur_np[i, 0], cur_np[i, 1] = np.asarray(b3).reshape(-1), np.asarray(b4).reshape(-1)
         finalized = np.array([a.finalized - len(a._recent) for a, _ in jobs], dtype=np.int32)
         n_epochs = np.array([a.epoch + 1 for a, _ in jobs], dtype=np.int32)
-        xa = _stacked([b for _, b in jobs[:ja]])
-        xb = _stacked([b for _, b in jobs[ja:]]) if ja < n_jobs else xa
+        xa = _aligned(_stacked([b for _, b in jobs[:ja]]))
+        xb = _aligned(_stacked([b for _, b in jobs[ja:]])) if ja < n_jobs else xa
 
         def dev(a):
             t = torch.from_numpy(np.ascontiguousarray(a))
@@ -467,10 +549,9 @@ class Batch:
         self.accept = torch.zeros((n_jobs, m), dtype=torch.int32, device=device)
         self.saved0 = torch.zeros((n_jobs, m), dtype=torch.int32, device=device)
         self.differs0 = torch.zeros((n_jobs, m), dtype=torch.int32, device=device)
-        self.args1 = (xa, xb, ja, rec, r0_d, checks_d, self.hist, self.cand, head_dim)
+        self.args1 = (xa, xb, ja, rec, r0_d, checks_d, self.hist, self.cand, cur, head_dim, self.saved0,
+                      self.differs0)
         words = [x.view(torch.int32) for x in (xa, xb, rec)]      # the chain reads two elements a load
-        self.args0 = (words[0], words[1], ja, words[2], r0_d, checks_d, self.cand, cur, kv_heads, head_dim,
-                      self.saved0, self.differs0)
         self.args2 = (words[0], words[1], ja, words[2], r0_d, checks_d, self.cand, cur, dev(finalized),
                       dev(n_epochs), E.WARMUP_BLOCKS, E.MAX_EPOCHS, E.PAYBACK_CHECKS,
                       E.epoch_table_bytes(first_adapter.calibration), kv_heads, head_dim, self.saved0,
@@ -486,15 +567,15 @@ class Batch:
         else:
             kernel[grid, block, cuda.external_stream(torch.cuda.current_stream(self.device).cuda_stream)](*args)
 
-    def candidates(self) -> None:
-        """Launch the candidates kernel: every check's windows, and the histograms after the last check."""
-        kernel = candidates_kernel(self.cpb, self.every, E.DECAY_SHIFT, CANDIDATE_REGISTERS)
-        self._launch(kernel, (len(self.jobs), self.channels // self.cpb), self.cpb * WARP, self.args1)
+    def scan(self) -> None:
+        """Launch the scan kernel: every check's windows and what they save, and the histograms after the
+        last check."""
+        kernel = scan_kernel(self.every, E.DECAY_SHIFT, SCAN_REGISTERS)
+        self._launch(kernel, (len(self.jobs), self.channels // L.GROUP_SIZE), L.GROUP_SIZE * WARP, self.args1)
 
     def chain(self) -> None:
-        """Launch the costs kernel and the chain kernel: which checks append their candidate."""
+        """Launch the chain kernel: which checks append their candidate."""
         threads = 64 if SIMULATOR else CHAIN_THREADS
-        self._launch(costs_kernel(self.every), (len(self.jobs), self.m), threads, self.args0)
         self._launch(chain_kernel(self.every), len(self.jobs), threads, self.args2)
 
     def finish(self) -> list:
