@@ -60,7 +60,7 @@ TEXTS = {"licence": "licenses", "code": "python-stdlib"}     # capture name: gaa
 OTHER = {"licence": "code", "code": "licence"}
 # --sweep: each constant of gaac.epochs tried at these values, the others at their chosen ones.  A shift of 62
 # never decays a count below 2**62: no decay, the cumulative histogram of the probe that preceded the rule.
-SWEEP = {"ADAPT_EVERY": (4, 16, 32), "DECAY_SHIFT": (1, 3, 62), "PAYBACK_CHECKS": (3, 12),
+SWEEP = {"ADAPT_EVERY": (4, 8, 32), "DECAY_SHIFT": (1, 3, 62), "PAYBACK_CHECKS": (3, 12),
          "WARMUP_BLOCKS": (16, 32, 64)}
 
 

@@ -15,17 +15,17 @@ blocks in the order they are finalized:
 
 * a running exponent histogram ``[kv_heads, head_dim, 256]`` of the finalized
   blocks;
-* every ``ADAPT_EVERY`` (8) blocks -- a **check** -- the histogram is first
+* every ``ADAPT_EVERY`` (16) blocks -- a **check** -- the histogram is first
   decayed, ``hist -= hist >> DECAY_SHIFT`` (it keeps 3/4 of its weight, so it
   follows the drift instead of averaging over the whole past), then the
-  exponents of those 8 blocks are added;
+  exponents of those 16 blocks are added;
 * from the first check at which at least ``WARMUP_BLOCKS`` (48 blocks, 768
   tokens) have been finalized, the best 8- and 16-wide windows of the
   histogram (:func:`gaac.calibration.best_windows`) become the candidate --
   earlier, the blocks it is judged on weigh far more than their steady-state
   quarter of the histogram it comes from, and such an in-sample candidate
   displaces good bases too easily; it is appended as a new epoch when it
-  differs from the newest epoch and would have saved, on the 8 blocks just
+  differs from the newest epoch and would have saved, on the 16 blocks just
   finalized, at least ``1/PAYBACK_CHECKS`` of its table bytes
   (``2 * kv_heads * head_dim``) in escape bytes -- so that, if the saving
   lasts, the table pays for itself within 6 checks;
@@ -36,7 +36,10 @@ The escape capacity stays the calibration's: a slot size is fixed per pool.
 
 Every number above was chosen by measurement on 8192-token captures of a
 real model: ``python benchmarks/drift.py --sweep`` tries each around its value
-(``benchmarks/results/drift-sweep-smollm2.md``).  The rule is what gaac does;
+(``benchmarks/results/drift-sweep-smollm2.md``).  A check every 8 blocks
+compresses a few hundredths of a percent better than every 16; 16 stays
+within the same 0.5 % of whole-context calibration and halves the checks, so
+the rule's share of a long prefill.  The rule is what gaac does;
 a decoder never runs it -- it reads each block's epoch.
 """
 from __future__ import annotations
@@ -47,7 +50,7 @@ from . import layout as L
 from .calibration import Calibration, best_windows, exponent_histograms, tile_escape_bytes
 from .errors import InputError
 
-ADAPT_EVERY = 8         # R: finalized blocks between two checks
+ADAPT_EVERY = 16        # R: finalized blocks between two checks
 WARMUP_BLOCKS = 48      # no epoch before 48 blocks (768 tokens) are finalized
 DECAY_SHIFT = 2         # at each check the histogram keeps 1 - 2**-2 = 3/4 of its weight
 PAYBACK_CHECKS = 6      # an epoch must save 1/6 of its table bytes on the last ADAPT_EVERY blocks

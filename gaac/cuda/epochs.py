@@ -30,7 +30,7 @@ from .. import layout as L
 from .primitives import SIMULATOR, WARP, device, gaddr, i32, ldg4_at, syncwarp, u32, u64
 
 BINS = 256                   # exponent values of a BF16 element
-SCAN_REGISTERS = 64          # the scan kernel's register cap: 32 warps an SM
+SCAN_REGISTERS = 64          # the scan kernel's register cap: 32 warps an SM, no spills
 MAX_CHANNELS = 8192          # kv_heads * head_dim the chain kernel's shared bases hold
 MAX_GROUPS = MAX_CHANNELS // L.GROUP_SIZE
 CHAIN_THREADS = 1024
@@ -160,6 +160,7 @@ def scan_kernel(every: int, shift: int, registers: int | None = None):
         flag = cuda.shared.array(3, np.int32)         # [check mod 3]: a channel's windows differ from the current
         ex = cuda.shared.array(staged, np.uint8)      # [check parity][channel][token]: the exponents
         hb = cuda.local.array(run, np.int32)          # this lane's bins
+        ev = cuda.local.array(per_lane, np.int32)     # this check's exponents of this lane's tokens
         row = i32(warp * i32(stride))
         base = i32(row + i32(lane * SKEW))
         for k in range(run):
@@ -190,7 +191,8 @@ def scan_kernel(every: int, shift: int, registers: int | None = None):
         q = ZERO                                      # j % 3
         # shared-memory indices are unsigned 64-bit: no negative-index wrap-around, and constant offsets
         # fold into the instructions' immediates
-        rowu, baseu, warpu = u64(row), u64(base), u64(warp)
+        baseu, warpu = u64(base), u64(warp)
+        row32 = u32(u32(u32(cuda.threadIdx.x) // u32(WARP)) * u32(stride))
         nextu, next2u = u64(base + SKEW), u64(base + i32(2) * SKEW)
         for j in range(n_checks):
             j = i32(j)
@@ -201,8 +203,9 @@ def scan_kernel(every: int, shift: int, registers: int | None = None):
             if loader and more:                       # the next check's token, in flight meanwhile
                 xw0, xw1, xw2, xw3 = token(xa, xb, ja, rec, job, r, i32(i32(i32(j + ONE) * i32(every)) + b0), h, t, d0)
             for k in range(per_lane):
-                e = u64(ex[pu, warpu, u64(lane + WARP * k)])
-                cuda.atomic.add(cnt, rowu + e + (e >> u64(3)), ONE)
+                e = u32(ex[pu, warpu, u64(lane + WARP * k)])
+                ev[k] = i32(e)
+                cuda.atomic.add(cnt, u32(row32 + u32(e + (e >> u32(3)))), ONE)   # unsigned: no wrap-around
             syncwarp()
             # decay, then add: each lane its own bins
             a3 = ZERO
@@ -244,7 +247,7 @@ def scan_kernel(every: int, shift: int, registers: int | None = None):
             # the group's marks: per token, which elements fall outside the current and the candidate windows
             m = ZERO
             for k in range(per_lane):
-                e = i32(ex[pu, warpu, u64(lane + WARP * k)])
+                e = ev[k]
                 m = i32(m | i32(i32(marks(e, c3, c4) | i32(marks(e, n3, n4) << TWO)) << i32(4 * k)))
             cuda.atomic.or_(mark, i32(i32(p * i32(WARP)) + lane), m)
             if loader and more:
