@@ -394,6 +394,7 @@ class _Epochs:
                                  # (NumPy, or a pinned host copy and its event on a GPU)
     blocks: object = None        # the rule runs on the GPU: the blocks, until the update's batch is decided
                                  # (``after`` is the live adapter until then)
+    first_new: int = 0           # the rule runs on the GPU: the index of the first epoch it may append
 
 
 @dataclass
@@ -409,6 +410,8 @@ class _Update:
     fits: tuple                  # per kind: bool [n_tiles] (None: the CUDA encoder decides as it writes)
     epochs: tuple                # per kind: _Epochs, or None where no block finishes
     entries: list = field(default_factory=lambda: [None, None])   # per kind: table entries int32 [n_tiles] (GPU)
+    heads_before: list = field(default_factory=lambda: [None, None])   # per kind, where the rule may undo the
+                                                                       # encode: the free lists' heads before it
 
 
 @dataclass(frozen=True)
@@ -843,11 +846,20 @@ class PagedKVCache:
         return t.pin_memory().to(self.device, non_blocking=True)
 
     def _apply(self, updates: list) -> None:
-        """Reserve, encode (GPU) and commit prepared updates: all of them, or nothing and an error."""
-        self._decide_epochs(updates)
-        self._reserve(updates)
-        if self._cuda_codec:
-            self._encode_on_device(updates)
+        """Reserve, encode (GPU) and commit prepared updates: all of them, or nothing and an error.
+
+        On a GPU the adaptation rule runs while the host reserves and launches the encodes: the blocks a
+        rule still decides are encoded with their layer's newest epoch, which is what the rule keeps unless
+        it appends an epoch; where it does, that layer and kind is encoded again once the decision is in."""
+        rule = self._launch_rule(updates)
+        try:
+            self._reserve(updates)
+            if self._cuda_codec:
+                self._encode_on_device(updates)
+        finally:
+            redo = self._finish_rule(rule)
+        if redo:
+            self._encode_again(redo)
         for u in updates:
             self._commit(u)
 
@@ -953,34 +965,63 @@ class PagedKVCache:
         tables = [after.calibration.bases(layer, kind, e) for e in range(adapter.epoch + 1, after.epoch + 1)]
         return _Epochs(epochs=epochs, tables=tables, after=after, pending=None)
 
-    def _decide_epochs(self, updates: list) -> None:
-        """Run the adaptation rule on the GPU for every (layer, kind) of ``updates`` that reaches a check:
-        one batch per shape of finished blocks (:func:`gaac.cuda.epochs.assign`), one wait for the device."""
-        waiting = [(u.layer, kind, u.epochs[kind]) for u in updates for kind in KINDS
+    def _launch_rule(self, updates: list) -> list:
+        """Launch the adaptation rule on the GPU for every (layer, kind) of ``updates`` that reaches a check:
+        one batch per shape of finished blocks (:class:`gaac.cuda.epochs.Batch`).  Until
+        :meth:`_finish_rule`, each such plan's epochs are its adapter's newest epoch for every block (the
+        encode's guess)."""
+        waiting = [(u, kind, u.epochs[kind]) for u in updates for kind in KINDS
                    if u.epochs[kind] is not None and u.epochs[kind].blocks is not None]
         if not waiting:
-            return
-        from .cuda.epochs import assign
+            return []
+        from .cuda.epochs import Batch
 
         # The rule runs on copies: of each adapter (a shallow one: the GPU rule replaces its histogram and
         # pending blocks rather than changing them) and of the calibration (one for the batch: each job
         # appends to its own layer and kind), so that the cache is unchanged until commit.
         calibration = self._calibration.copy()
-        first_new = {}                  # the index of the first epoch each plan may append
         for _, _, plan in waiting:
-            first_new[id(plan)] = plan.after.epoch + 1
+            plan.first_new = plan.after.epoch + 1
+            plan.epochs = np.full(len(plan.blocks), plan.after.epoch, np.int64)
             after = copy.copy(plan.after)
             after.calibration, after._recent = calibration, list(after._recent)
             plan.after = after
         by_shape = {}
         for item in waiting:
             by_shape.setdefault(tuple(item[2].blocks.shape), []).append(item)
-        for batch in by_shape.values():
-            for (layer, kind, plan), epochs in zip(batch, assign([(p.after, p.blocks) for _, _, p in batch])):
+        launched = []
+        for items in by_shape.values():
+            batch = Batch([(plan.after, plan.blocks) for _, _, plan in items])
+            batch.scan()
+            batch.chain()
+            launched.append((batch, items))
+        return launched
+
+    def _finish_rule(self, launched: list) -> list:
+        """Wait for the rule's decisions and put them in the plans; return the (update, kind) pairs whose
+        encode guessed an epoch the rule did not keep."""
+        redo = []
+        for batch, items in launched:
+            for (u, kind, plan), epochs in zip(items, batch.finish()):
+                guessed = plan.epochs
                 plan.epochs = epochs
-                plan.tables = [plan.after.calibration.bases(layer, kind, e)
-                               for e in range(first_new[id(plan)], plan.after.epoch + 1)]
+                plan.tables = [plan.after.calibration.bases(u.layer, kind, e)
+                               for e in range(plan.first_new, plan.after.epoch + 1)]
                 plan.blocks = None
+                if u.entries[kind] is not None and not np.array_equal(guessed, epochs):
+                    redo.append((u, kind))
+        return redo
+
+    def _encode_again(self, redo: list) -> None:
+        """Encode ``redo``'s (update, kind) pairs again with the epochs the rule decided: their stores' free
+        lists go back to where they were before the first encode (nothing else was written)."""
+        for u, kind in redo:
+            store = self._store[u.layer][kind]
+            store.heads.copy_(u.heads_before[kind])
+            for pool in (store.slots, store.raw):
+                pool.sync()
+            u.entries[kind] = None
+        self._encode_on_device(list({id(u): u for u, _ in redo}.values()), only={(id(u), kind) for u, kind in redo})
 
     def _host_copy(self, x: torch.Tensor):
         """``x`` on the host: NumPy on the CPU; on a GPU a pinned copy in flight and its event."""
@@ -1077,15 +1118,17 @@ class PagedKVCache:
                 pool.grow_to(max(n, 2 * pool.size))
                 self._storage_changed()
 
-    def _encode_on_device(self, updates: list) -> None:
-        """Encode every finished tile of ``updates`` into its pools with the CUDA encoder (one launch per
-        epoch run and kind), leaving each tile's table entry in ``u.entries``.
+    def _encode_on_device(self, updates: list, only: set | None = None) -> None:
+        """Encode every finished tile of ``updates`` (of its ``(id(update), kind)`` pairs in ``only``) into its
+        pools with the CUDA encoder (one launch per epoch run and kind), leaving each tile's table entry in
+        ``u.entries``.
 
         Where :meth:`_reserve` could not prove that the records suffice, the device's counts are read
         after the launches: if a free list ran dry, the counts are put back (the records taken return
         to their lists; nothing else was written) and the pool grows (``grow``) and the encode is
         redone, or :class:`PoolExhaustedError` is raised with the cache unchanged."""
-        jobs = [(u, kind) for u in updates for kind in KINDS if u.tiles[kind] is not None]
+        jobs = [(u, kind) for u in updates for kind in KINDS if u.tiles[kind] is not None
+                and (only is None or (id(u), kind) in only)]
         while True:
             unsure = [(u, kind) for u, kind in jobs
                       if min(p.free_lower() for p in self._pools(u.layer, kind)) < u.tiles[kind].shape[0]]
@@ -1093,6 +1136,8 @@ class PagedKVCache:
             unsure_ids = {(id(u), kind) for u, kind in unsure}
             for u, kind in jobs:
                 store = self._store[u.layer][kind]
+                if u.epochs[kind].blocks is not None:     # the rule is still deciding: keep what to go back to
+                    u.heads_before[kind] = store.heads.clone()
                 tiles, plan, per = u.tiles[kind], u.epochs[kind], self.tiles_per_block
                 entries = torch.empty(tiles.shape[0], dtype=torch.int32, device=self.device)
                 used = torch.empty_like(entries)

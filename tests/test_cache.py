@@ -590,11 +590,11 @@ def test_exhausted_update_leaves_adapters_and_epochs_unchanged(drift):
     k, v, cal = drift
     small, big = (PagedKVCache(cal, max_blocks=n, raw_tiles=128) for n in (58, 64))
     for cache in (small, big):
-        cache.add_sequence(k[:, :, :50 * B + 3], v[:, :, :50 * B + 3])
+        cache.add_sequence(k[:, :, :40 * B + 3], v[:, :, :40 * B + 3])
     before, before_state = snapshot(small), adapter_state(small)
     with pytest.raises(PoolExhaustedError, match="block table holds 58"):
-        small.append(0, k[:, :, 50 * B + 3:62 * B], v[:, :, 50 * B + 3:62 * B])
-    big.append(0, k[:, :, 50 * B + 3:62 * B], v[:, :, 50 * B + 3:62 * B])
+        small.append(0, k[:, :, 40 * B + 3:64 * B], v[:, :, 40 * B + 3:64 * B])
+    big.append(0, k[:, :, 40 * B + 3:64 * B], v[:, :, 40 * B + 3:64 * B])
     assert big.calibration.n_epochs(0, 0) > small.calibration.n_epochs(0, 0)   # the refused update appends one
     assert_same(snapshot(small), before)
     after_blocks, after_epochs = adapter_state(small)
@@ -602,7 +602,7 @@ def test_exhausted_update_leaves_adapters_and_epochs_unchanged(drift):
     for x, y in zip(sum(after_blocks, []), sum(before_state[0], [])):
         assert x[:2] == y[:2] and (x[2] == y[2]).all() and torch.equal(x[3], y[3]) and (x[4] == y[4]).all()
     # ... so the cache goes on exactly as if the refused update had never been tried.
-    small.append(0, k[:, :, 50 * B + 3:58 * B], v[:, :, 50 * B + 3:58 * B])
+    small.append(0, k[:, :, 40 * B + 3:58 * B], v[:, :, 40 * B + 3:58 * B])
     ref_cal, ref = reference_epochs(cal, [[cache_blocks(x[layer, :, :58 * B]) for layer in range(2)] for x in (k, v)])
     assert_same_epochs(small.calibration, ref_cal)
     np.testing.assert_array_equal(cache_epochs(small, 0, 1, 0), ref[0][1])

@@ -540,9 +540,9 @@ class Batch:
         xa = _aligned(_stacked([b for _, b in jobs[:ja]]))
         xb = _aligned(_stacked([b for _, b in jobs[ja:]])) if ja < n_jobs else xa
 
-        def dev(a):
+        def dev(a):          # no wait for the device: the copies queue behind its work
             t = torch.from_numpy(np.ascontiguousarray(a))
-            return t if device.type != "cuda" else t.to(device)
+            return t if device.type != "cuda" else t.pin_memory().to(device, non_blocking=True)
 
         rec, cur, r0_d, checks_d = dev(rec_np), dev(cur_np), dev(r0), dev(checks.astype(np.int32))
         self.hist = (torch.zeros((n_jobs, channels, BINS), dtype=torch.int32, device=device) if fresh else
