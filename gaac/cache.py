@@ -398,6 +398,20 @@ class _Epochs:
 
 
 @dataclass
+class _InPlace:
+    """One sequence's finished blocks where its input holds them: ``bits`` int16 ``[heads, tokens, head_dim]``
+    (C-contiguous, ``head_dim`` one tile wide), ``shape[0]`` tiles from its first token on, which the CUDA
+    encoder reads there (:meth:`gaac.cuda.codec.EncodePlan.in_place`) instead of from a copy cut into tiles."""
+
+    bits: torch.Tensor
+    n_tiles: int
+
+    @property
+    def shape(self) -> tuple:
+        return (self.n_tiles,)
+
+
+@dataclass
 class _Update:
     """One layer's update, encoded but not yet written: what :meth:`PagedKVCache._commit` applies."""
 
@@ -405,7 +419,7 @@ class _Update:
     seqs: list
     new: tuple                   # (K, V) int16 [b, heads, t, D] on the device
     blocks: list                 # per sequence: how many blocks the new tokens finish
-    tiles: tuple                 # per kind: the finished blocks' tiles int16 [n_tiles, 16, C], or None
+    tiles: tuple                 # per kind: the finished blocks' tiles int16 [n_tiles, 16, C] (or _InPlace), or None
     slots: tuple                 # per kind: slot bytes of the fitting tiles uint8 [n_fit, slot_bytes], tile order
     fits: tuple                  # per kind: bool [n_tiles] (None: the CUDA encoder decides as it writes)
     epochs: tuple                # per kind: _Epochs, or None where no block finishes
@@ -892,6 +906,10 @@ class PagedKVCache:
                              f"kv_heads, tokens, head_dim]")
         t = k.shape[2]
         blocks, cut = [], ([], [])
+        # One sequence's blocks from its first new token on, head_dim one tile wide: the CUDA encoder reads
+        # them where the input holds them, so that a prefill copies nothing before encoding.
+        in_place = (self._cuda_codec and len(seqs) == 1 and int(self._lens[layer, seqs[0]]) % L.BLOCK_TOKENS == 0
+                    and self.head_dim == self.geometry.channels and k[0].is_contiguous() and v[0].is_contiguous())
         for i, seq in enumerate(seqs):
             r = int(self._lens[layer, seq]) % L.BLOCK_TOKENS
             q = (r + t) // L.BLOCK_TOKENS
@@ -914,11 +932,10 @@ class PagedKVCache:
                 fits.append(np.zeros(0, bool))
                 epochs.append(None)
                 continue
-            # [n, heads, 16, D] in finalized order; a single sequence's blocks stay a view of its input, so that
-            # cutting them into tiles is the one copy a prefill makes before encoding.
+            # [n, heads, 16, D] in finalized order; a single sequence's blocks stay a view of its input.
             finished = cut[kind][0] if len(cut[kind]) == 1 else torch.cat(cut[kind])
             plan = self._plan_epochs(store, layer, kind, finished)
-            tiles.append(blocks_to_tiles(finished))
+            tiles.append(_InPlace((k, v)[kind][0], len(finished) * per) if in_place else blocks_to_tiles(finished))
             epochs.append(plan)
             if on_device:
                 slots.append(None)
@@ -1143,7 +1160,11 @@ class PagedKVCache:
                 used = torch.empty_like(entries)
                 for epoch, start, stop in _runs(plan.epochs):
                     a, z = start * per, stop * per
-                    self._encoder(store, plan, epoch, u.layer, kind)(tiles[a:z], entries[a:z], used[a:z])
+                    encoder = self._encoder(store, plan, epoch, u.layer, kind)
+                    if isinstance(tiles, _InPlace):
+                        encoder.in_place(tiles.bits, start, entries[a:z], used[a:z])
+                    else:
+                        encoder(tiles[a:z], entries[a:z], used[a:z])
                 u.entries[kind] = entries
                 self._encodes_launched(store, tiles.shape[0], ask=(id(u), kind) not in unsure_ids)
             checked = [pool for u, kind in unsure for pool in self._pools(u.layer, kind)]

@@ -233,3 +233,38 @@ def test_32bit_toolkit_against_numpy():
         assert primitives.popc32(a) == bin(int(a)).count("1")
         r = int(b) % 32
         assert primitives.funnel_r(a, b, r) == ((int(b) << 32 | int(a)) >> r) % 2**32
+
+
+def test_in_place_encode_reads_a_sequence_where_it_lies():
+    """EncodePlan.in_place on a [heads, tokens, C] input writes what the ordinary encode writes for the same
+    blocks cut into tiles: entries, escape counts, slots and raw tiles (a tile of wide exponents overflows)."""
+    rng = np.random.default_rng(5)
+    heads, channels, tokens = 3, 64, 4 * L.BLOCK_TOKENS + 5
+    e = 120 + rng.choice([0, 1, 2, 5, 9], size=(heads, tokens, channels), p=[.4, .3, .2, .095, .005])
+    e[1, 2 * L.BLOCK_TOKENS:3 * L.BLOCK_TOKENS] = rng.integers(1, 250, size=(L.BLOCK_TOKENS, channels))
+    bits = ((rng.integers(0, 2, e.shape) << 15) | (e << 7) | rng.integers(0, 128, e.shape)).astype(np.uint16)
+    b3 = np.full((heads, channels), 120, np.uint8)
+    b4 = np.full((heads, channels), 118, np.uint8)
+    first, blocks = 1, 3                                  # blocks 1..3 of the sequence
+    tiles = block_tiles(bits[:, first * L.BLOCK_TOKENS:(first + blocks) * L.BLOCK_TOKENS]
+                        .reshape(heads, blocks, L.BLOCK_TOKENS, channels).transpose(1, 0, 2, 3))
+    n, capacity = len(tiles), 16
+    out = []
+    for in_place in (False, True):
+        geo = L.TileGeometry(channels)
+        slots = np.full((n, geo.slot_bytes(capacity)), POISON, np.uint8)
+        raw = np.full((n, L.BLOCK_TOKENS, channels), POISON * 0x101, np.uint16).view(np.int16)
+        heads_at = np.zeros(2, np.int32)
+        entries, used = np.full(n, 7, np.int32), np.full(n, -7, np.int32)
+        plan = EncodePlan(channels, capacity, pack_bases(*tile_bases(b3, b4)), slots, np.arange(n, dtype=np.int32),
+                          raw, np.arange(n, dtype=np.int32), heads_at)
+        if in_place:
+            plan.in_place(bits.view(np.int16), first, entries, used)
+        else:
+            plan(tiles.view(np.int16), entries, used)
+        out.append((slots, raw, entries, used, heads_at))
+    for want, got in zip(*out):
+        np.testing.assert_array_equal(got, want)
+    assert (out[1][2] < 0).any() and (out[1][2] >= 0).any()        # raw and slot tiles both
+    with pytest.raises(InputError, match="not whole blocks"):
+        plan.in_place(bits.view(np.int16), 3, entries, used)       # blocks 3..5 run past the 4 whole blocks

@@ -129,6 +129,7 @@ assert _TAG_BITS_OK, "the kernels' tag arithmetic no longer matches gaac.layout'
 # gaac.fp8.cuda's kernels take the same arguments.
 ENCODE_SIG = ("void(int32[:, ::1], int32[:, ::1], int64, int32[:, ::1], int32[::1], int32[:, ::1], "
               "int32[::1], int32[::1], int32[::1], int32[::1])")
+ENCODE_IN_PLACE_SIG = ENCODE_SIG.replace("void(int32[:, ::1], ", "void(int32[:, ::1], int64, ", 1)
 _W2, _W1 = "int32[:, ::1]", "int32[::1]"
 STEP_APPEND_SIG = ("void(" + ", ".join([_W2] * 6 + ["int64"] * 2 + [_W2, _W2, _W1, _W1, _W2, _W2]
                                       + [_W1] * 6 + ["int16[::1]"] * 2 + ["int64"] * 3 + [_W1] * 4 + ["int64"]) + ")")
@@ -145,6 +146,12 @@ def _check_channels(channels: int) -> L.TileGeometry:
 def encode_kernel(channels: int, tiles_per_block: int = TILES_PER_BLOCK):
     """The encode kernel for ``channels``-wide tiles, compiled once (see the module docstring)."""
     return cuda.jit(ENCODE_SIG)(encode_source(channels, tiles_per_block))
+
+
+@functools.lru_cache(maxsize=None)
+def encode_in_place_kernel(channels: int, tiles_per_block: int = TILES_PER_BLOCK):
+    """The encode kernel that reads a sequence's blocks in its input's layout (:meth:`EncodePlan.in_place`)."""
+    return cuda.jit(ENCODE_IN_PLACE_SIG)(encode_source(channels, tiles_per_block, in_place=True))
 
 
 @functools.lru_cache(maxsize=None)
@@ -414,15 +421,18 @@ def _write_status(status, tile, lane, bad, total, cap):
         status[tile] = BAD_TAG if bad & _EVEN_BITS else (BAD_ESCAPES if total > cap else 0)
 
 
-def encode_source(channels: int, tiles_per_block: int = TILES_PER_BLOCK, step_append: bool = False):
+def encode_source(channels: int, tiles_per_block: int = TILES_PER_BLOCK, step_append: bool = False,
+                  in_place: bool = False):
     """The Python function of the encode kernel, its tile geometry baked in as constants.
 
     ``step_append``: the kernel of a captured decode step (:func:`step_append_kernel`), which appends the
-    step's token to the tails and encodes the blocks it completes, straight from the tails."""
+    step's token to the tails and encodes the blocks it completes, straight from the tails.  ``in_place``:
+    the kernel that reads one sequence's blocks where its input holds them (:meth:`EncodePlan.in_place`)."""
     s = _shape(channels)
     G, J, GPR, TW, SMW, CODEW, TAGW0, ESCW0, HALF = (s[k] for k in
                                                     ("G", "J", "GPR", "TW", "SMW", "CODEW", "TAGW0", "ESCW0", "HALF"))
     TPB = tiles_per_block
+    TILE_WORDS = L.BLOCK_TOKENS * channels // 2
     STAGE = (TPB, G * _ESCR)
     CODES = (TPB, G)
     TAGS = (TPB, TW)
@@ -430,9 +440,10 @@ def encode_source(channels: int, tiles_per_block: int = TILES_PER_BLOCK, step_ap
 
     @device
     def encode_tile(bits, bases, capacity, slots, slot_free, raw, raw_free, heads, entries, escape_used, tile, valid,
-                    t, dest):
-        """One warp's tile: row ``t`` of ``bits``, entry to ``entries[dest]``, escape bytes to
-        ``escape_used[tile]``; a warp without a tile (not ``valid``) only takes part in the block's pops."""
+                    t, dest, c0):
+        """One warp's tile: words ``c0 ..`` of row ``t`` of ``bits`` (a tile's 16 tokens), entry to
+        ``entries[dest]``, escape bytes to ``escape_used[tile]``, bases from row ``t % P`` of ``bases``; a warp
+        without a tile (not ``valid``) only takes part in the block's pops."""
         stage = cuda.shared.array(STAGE, uint8)            # mode of each group; later the escape bytes
         codes = cuda.shared.array(CODES, uint32)           # 24 code bits of each group
         tagw = cuda.shared.array(TAGS, uint32)             # the tile's tag stream
@@ -463,7 +474,7 @@ def encode_source(channels: int, tiles_per_block: int = TILES_PER_BLOCK, step_ap
         modes = u(0)
         for j in range(J):
             g = u(u(WARP * j) + lane)
-            x0, x1, x2, x3 = ldg4(bits, t, u(g * u(4)))
+            x0, x1, x2, x3 = ldg4(bits, t, u(c0 + u(g * u(4))))
             e0, e1, e2, e3 = _exponents(x0), _exponents(x1), _exponents(x2), _exponents(x3)
             w0, w1, w2, w3 = u(e0 + k30), u(e1 + k31), u(e2 + k32), u(e3 + k33)
             v0, v1, v2, v3 = u(e0 + k40), u(e1 + k41), u(e2 + k42), u(e3 + k43)
@@ -495,10 +506,11 @@ def encode_source(channels: int, tiles_per_block: int = TILES_PER_BLOCK, step_ap
         if not fits:                                       # the tile as it is, read again (rare)
             for j in range(J):
                 g4 = u(u(u(WARP * j) + lane) * u(4))
-                raw[dw, g4] = bits[t, g4]
-                raw[dw, u(g4 + u(1))] = bits[t, u(g4 + u(1))]
-                raw[dw, u(g4 + u(2))] = bits[t, u(g4 + u(2))]
-                raw[dw, u(g4 + u(3))] = bits[t, u(g4 + u(3))]
+                s4 = u(c0 + g4)
+                raw[dw, g4] = bits[t, s4]
+                raw[dw, u(g4 + u(1))] = bits[t, u(s4 + u(1))]
+                raw[dw, u(g4 + u(2))] = bits[t, u(s4 + u(2))]
+                raw[dw, u(g4 + u(3))] = bits[t, u(s4 + u(3))]
             return
 
         # Pass 2: sign+mantissa bytes to the slot; codes and escape bytes to shared memory, a group's
@@ -515,7 +527,7 @@ def encode_source(channels: int, tiles_per_block: int = TILES_PER_BLOCK, step_ap
             if mode == _M4:
                 stage[warp, off] = u(c >> u(24))
             elif mode == _MR:                               # planes 3..7 of the exponents, read again (rare)
-                g4 = u(g * u(4))
+                g4 = u(c0 + u(g * u(4)))
                 e0, e1 = _exponents(u(bits[t, g4])), _exponents(u(bits[t, u(g4 + u(1))]))
                 e2, e3 = _exponents(u(bits[t, u(g4 + u(2))])), _exponents(u(bits[t, u(g4 + u(3))]))
                 lo = prmt(e0, e1, _LOW_BYTES)
@@ -565,12 +577,26 @@ def encode_source(channels: int, tiles_per_block: int = TILES_PER_BLOCK, step_ap
                 if with_epochs and j == _ZERO and lane == _ZERO:
                     epoch_k[row * u(max_blocks) + last] = ek
                 encode_tile(bits_k, bases_k, cap_k, slots_k, slot_free_k, raw_k, raw_free_k, heads_k, table_k,
-                            escape_used, i, True, t, dest)
+                            escape_used, i, True, t, dest, _ZERO)
             else:
                 if with_epochs and j == _ZERO and lane == _ZERO:
                     epoch_v[row * u(max_blocks) + last] = ev
                 encode_tile(bits_v, bases_v, cap_v, slots_v, slot_free_v, raw_v, raw_free_v, heads_v, table_v,
-                            escape_used, u(i + u(cuda.gridDim.x)), True, t, dest)
+                            escape_used, u(i + u(cuda.gridDim.x)), True, t, dest, _ZERO)
+        return kernel
+
+    if in_place:
+        def kernel(bits, first, bases, capacity, slots, slot_free, raw, raw_free, heads, entries, escape_used):
+            # bits: one sequence's tokens as its input holds them, a row per head ([P, tokens * C / 2] words);
+            # tile i of the launch is head i % P of block first + i // P, whose 16 tokens are 8 * C words of
+            # the head's row.
+            n = u(entries.shape[0])
+            per = u(bases.shape[0])
+            tile = u(u(cuda.blockIdx.x) * u(TPB) + u(cuda.threadIdx.x) // u(WARP))
+            valid = tile < n
+            i = tile if valid else u(n - u(1))             # a warp past the end mirrors the last tile
+            encode_tile(bits, bases, capacity, slots, slot_free, raw, raw_free, heads, entries, escape_used, tile,
+                        valid, u(i % per), tile, u(u(u(first) + i // per) * u(TILE_WORDS)))
         return kernel
 
     def kernel(bits, bases, capacity, slots, slot_free, raw, raw_free, heads, entries, escape_used):
@@ -579,7 +605,7 @@ def encode_source(channels: int, tiles_per_block: int = TILES_PER_BLOCK, step_ap
         valid = tile < n
         t = tile if valid else u(n - u(1))                 # a warp past the end mirrors the last tile
         encode_tile(bits, bases, capacity, slots, slot_free, raw, raw_free, heads, entries, escape_used, tile, valid,
-                    t, tile)
+                    t, tile, _ZERO)
 
     return kernel
 
@@ -779,6 +805,35 @@ class EncodePlan:
                        plain(heads))
         self._launcher = TileLauncher(codec.encode_kernel(channels, tiles_per_block), tiles_per_block)
         self._fixed_params = None if SIMULATOR else [p for a in self._fixed for p in params(a)]
+        self._codec, self._rows, self._tiles_per_block, self._in_place = codec, bases.shape[0], tiles_per_block, None
+
+    def in_place(self, bits, first: int, entries, escape_used, *, stream=None, fast: bool = True):
+        """Encode blocks ``first .. first + n / P - 1`` of one sequence from its input as it lies: ``bits``
+        ``[P, tokens, C]`` (BF16 bits, C-contiguous; ``P`` = the rows of the bases, a tile a head, so
+        ``head_dim`` = ``C``), the ``n`` = ``len(entries)`` tiles in tile order (block-major), so that a
+        prefill encodes without first copying its blocks into tiles."""
+        if self._codec is not BF16_CODEC:
+            raise InputError("encoding in place takes BF16 tiles")
+        p = self._rows
+        check_array(bits, "bits", self.element, (p, None, self.channels))
+        n = check_array(entries, "entries", "int32", (None,)).shape[0]
+        check_array(escape_used, "escape_used", "int32", (n,))
+        if n % p or first < 0 or (first + n // p) * L.BLOCK_TOKENS > bits.shape[1]:
+            raise InputError(f"{n} tiles from block {first}: not whole blocks of {p} tiles within "
+                             f"{bits.shape[1]} tokens")
+        if n == 0:
+            return
+        if self._in_place is None:
+            self._in_place = TileLauncher(encode_in_place_kernel(self.channels, self._tiles_per_block),
+                                          self._tiles_per_block)
+        flat = bits.reshape(p, -1)
+        if self._fixed_params is not None and fast:
+            packed = (word_params(flat) + params(int(first)) + self._fixed_params + params(entries)
+                      + params(escape_used))
+            self._in_place.launch(n, None, stream, fast, packed)
+            return
+        args = (words(flat), int(first), *self._fixed, plain(entries), plain(escape_used))
+        self._in_place.launch(n, args, stream, fast)
 
     def __call__(self, bits, entries, escape_used, *, stream=None, fast: bool = True):
         n = check_array(bits, "bits", self.element, (None, L.BLOCK_TOKENS, self.channels)).shape[0]
