@@ -864,15 +864,19 @@ class PagedKVCache:
 
         On a GPU the adaptation rule runs while the host reserves and launches the encodes: the blocks a
         rule still decides are encoded with their layer's newest epoch, which is what the rule keeps unless
-        it appends an epoch; where it does, that layer and kind is encoded again once the decision is in."""
+        it appends an epoch; where it does, that layer and kind is encoded again once the decision is in (every
+        one, where a guessed epoch ran a free list dry)."""
         rule = self._launch_rule(updates)
+        encoded = True
         try:
             self._reserve(updates)
             if self._cuda_codec:
-                self._encode_on_device(updates)
+                encoded = self._encode_on_device(updates, guessing=bool(rule))
         finally:
             redo = self._finish_rule(rule)
-        if redo:
+        if not encoded:                 # a guessed epoch ran a free list dry: encode with the rule's epochs
+            self._encode_on_device(updates)
+        elif redo:
             self._encode_again(redo)
         for u in updates:
             self._commit(u)
@@ -1135,26 +1139,30 @@ class PagedKVCache:
                 pool.grow_to(max(n, 2 * pool.size))
                 self._storage_changed()
 
-    def _encode_on_device(self, updates: list, only: set | None = None) -> None:
+    def _encode_on_device(self, updates: list, only: set | None = None, guessing: bool = False) -> bool:
         """Encode every finished tile of ``updates`` (of its ``(id(update), kind)`` pairs in ``only``) into its
         pools with the CUDA encoder (one launch per epoch run and kind), leaving each tile's table entry in
-        ``u.entries``.
+        ``u.entries``; return True.
 
         Where :meth:`_reserve` could not prove that the records suffice, the device's counts are read
-        after the launches: if a free list ran dry, the counts are put back (the records taken return
+        after the launches: if a free list ran dry, every count is put back (the records taken return
         to their lists; nothing else was written) and the pool grows (``grow``) and the encode is
-        redone, or :class:`PoolExhaustedError` is raised with the cache unchanged."""
+        redone, or :class:`PoolExhaustedError` is raised with the cache unchanged.  With ``guessing``
+        (some epochs are the rule's, still being decided) a list that runs dry returns False instead, the
+        counts put back: the epochs the rule decides may need fewer records."""
         jobs = [(u, kind) for u in updates for kind in KINDS if u.tiles[kind] is not None
                 and (only is None or (id(u), kind) in only)]
         while True:
             unsure = [(u, kind) for u, kind in jobs
                       if min(p.free_lower() for p in self._pools(u.layer, kind)) < u.tiles[kind].shape[0]]
-            saved = {id(self._store[u.layer][kind]): self._store[u.layer][kind].heads.clone() for u, kind in unsure}
+            # where a list may run dry, every job's counts, so that all of them can be put back
+            saved = {id(self._store[u.layer][kind]): self._store[u.layer][kind].heads.clone()
+                     for u, kind in jobs} if unsure else {}
             unsure_ids = {(id(u), kind) for u, kind in unsure}
             for u, kind in jobs:
                 store = self._store[u.layer][kind]
                 if u.epochs[kind].blocks is not None:     # the rule is still deciding: keep what to go back to
-                    u.heads_before[kind] = store.heads.clone()
+                    u.heads_before[kind] = saved[id(store)] if saved else store.heads.clone()
                 tiles, plan, per = u.tiles[kind], u.epochs[kind], self.tiles_per_block
                 entries = torch.empty(tiles.shape[0], dtype=torch.int32, device=self.device)
                 used = torch.empty_like(entries)
@@ -1171,12 +1179,15 @@ class PagedKVCache:
             sync_pools(checked)                  # one wait for the device, for every pool in doubt
             over = [(pool, pool.taken - pool.order.shape[0]) for pool in checked if pool.taken > pool.order.shape[0]]
             if not over:
-                return
-            for u, kind in unsure:
+                return True
+            for u, kind in jobs:
                 store = self._store[u.layer][kind]
                 store.heads.copy_(saved[id(store)])
+                u.entries[kind] = None
                 for pool in (store.slots, store.raw):
                     pool.sync()
+            if guessing:
+                return False
             if not self.grow:
                 pool, n = over[0]
                 raise PoolExhaustedError(f"{pool.name} is exhausted: this update needs {n} more records than the "

@@ -16,6 +16,7 @@ import torch
 import gaac.epochs as epochs
 from gaac import layout as L
 from gaac.cache import PagedKVCache
+from gaac.errors import PoolExhaustedError
 from gaac.calibration import calibrate
 from gaac.cuda import epochs as device_epochs
 from gaac.tiles import cache_blocks
@@ -91,3 +92,28 @@ def test_shapes_the_device_rule_does_not_take_fall_back_to_the_host_rule(monkeyp
     with pytest.raises(ValueError, match="host rule does"):
         device_epochs.assign([(epochs.Adapter(cache.calibration.copy(), 0, 0),
                                torch.zeros((3, 1, L.BLOCK_TOKENS, 64), dtype=torch.int16))])
+
+
+def test_a_guessed_epoch_that_would_run_a_pool_dry_does_not_refuse_the_update(monkeypatch):
+    """The encode starts before the rule decides, with the newest epoch; where that guess needs more raw
+    tiles than the pool holds but the rule's epochs do not, the update goes through as the host rule's does."""
+    monkeypatch.setattr(epochs, "WARMUP_BLOCKS", 8)
+    monkeypatch.setattr(epochs, "PAYBACK_CHECKS", 10 ** 9)
+    monkeypatch.setattr(epochs, "ADAPT_EVERY", 8)
+    x = drifting_cache(64 * L.BLOCK_TOKENS, layers=2)[:, :1]
+    x[1] = x[1] ^ 0x8000
+    cal = calibrate(x[:1, :, :128], x[1:, :, :128])
+    plain = PagedKVCache(cal, max_blocks=64, raw_tiles=12, codec="reference", adapt=False)
+    with pytest.raises(PoolExhaustedError, match="raw-tile pool is exhausted"):
+        plain.add_sequence(x[:1], x[1:])                    # the calibration's bases alone need more raw tiles
+    host = PagedKVCache(cal, max_blocks=64, raw_tiles=12, codec="reference")
+    gpu = PagedKVCache(cal, max_blocks=64, raw_tiles=12, codec="cuda")
+    gpu._rule_on_device = True
+    sh, sg = host.add_sequence(x[:1], x[1:]), gpu.add_sequence(x[:1], x[1:])
+    assert_same_epochs(gpu.calibration, host.calibration)
+    for kind in (L.KIND_K, L.KIND_V):
+        assert np.array_equal(gpu._store[0][kind].epochs[sg], host._store[0][kind].epochs[sh])
+        assert gpu._store[0][kind].raw.used == host._store[0][kind].raw.used
+    rk, rv = gpu.read_layer(0, [sg])
+    assert np.array_equal(rk[0].numpy().view(np.uint16), x[0])
+    assert np.array_equal(rv[0].numpy().view(np.uint16), x[1])
