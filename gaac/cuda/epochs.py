@@ -49,12 +49,6 @@ def element(src, at, rec, job, r, b, h, t, x):
     return rec[job, b, h, t, x] if b < r else src[at, b - r, h, t, x]
 
 
-@cuda.jit(device=True, inline=True)
-def exponent(src, at, rec, job, r, b, h, t, d):
-    """The exponent of element (head h, token t, channel d) of job ``job``'s logical block ``b``."""
-    return (np.int32(element(src, at, rec, job, r, b, h, t, d)) >> 7) & 0xFF
-
-
 if SIMULATOR:
     @device
     def channels8(x, i0, i1, i2, i3, d0):
