@@ -7,10 +7,11 @@ The cache has the Llama-3.1-8B KV shape (32 layers, 8 KV heads of 128) and the r
 ``decode_step.py`` tiled to ``--tokens``.  Timed, wall clock from the call to the device's last write
 (synchronised; the cache is made before, as a server makes it once), best and median of ``--runs``:
 
-* ``add_sequence`` with calibration epochs off: the blocks are cut into tiles and encoded, one launch per
-  kind and layer;
-* the same with epochs on (the cache's default): the adaptation rule runs first, on the GPU, for every
-  (layer, kind) at once, then the encode, one launch per epoch run; once with the calibration of every
+* ``add_sequence`` with calibration epochs off: the blocks are encoded where the prompt holds them, one
+  launch per kind and layer;
+* the same with epochs on (the cache's default): the adaptation rule runs on the GPU for every (layer,
+  kind) at once while the encodes are launched with each layer's newest epoch, and a layer and kind where
+  the rule appends an epoch is encoded again, one launch per epoch run; once with the calibration of every
   real token (few epochs) and once with a calibration of the first 256 tokens (the content then drifts
   away from it and the rule appends epochs);
 * the rule alone (``gaac.cuda.epochs.assign`` on fresh adapters of every layer and kind);

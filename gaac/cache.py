@@ -831,7 +831,7 @@ class PagedKVCache:
         The kernel's parameters live in one buffer per layer, written when the layer's arrays change
         (its tails and lengths) or the step's index does; a call writes the two token pointers."""
         from .cuda.append import APPEND_SIG, append_kernel
-        from .cuda.launch import FastLaunch, ParamBuffer, params
+        from .cuda.launch import DATA_SLOT, FastLaunch, ParamBuffer, params
 
         if self._append_launch is None:
             self._append_launch = FastLaunch(append_kernel(), None, self.head_dim)
@@ -849,7 +849,7 @@ class PagedKVCache:
             buf.write(0, [0, 0, m, 2, 0, m, 2] * 2)
             buf.write(28, [x for i in range(3) for x in params(index[i])])
             buf.owner = index
-        buf.slots[4], buf.slots[11] = k_ptr, v_ptr
+        buf.slots[DATA_SLOT], buf.slots[7 + DATA_SLOT] = k_ptr, v_ptr     # the first two arguments' data
         self._append_launch.run(buf, (n, self.kv_heads))
 
     def _to_device(self, a: np.ndarray) -> torch.Tensor:
@@ -1036,12 +1036,7 @@ class PagedKVCache:
     def _encode_again(self, redo: list) -> None:
         """Encode ``redo``'s (update, kind) pairs again with the epochs the rule decided: their stores' free
         lists go back to where they were before the first encode (nothing else was written)."""
-        for u, kind in redo:
-            store = self._store[u.layer][kind]
-            store.heads.copy_(u.heads_before[kind])
-            for pool in (store.slots, store.raw):
-                pool.sync()
-            u.entries[kind] = None
+        self._put_back([(u, kind, u.heads_before[kind]) for u, kind in redo])
         self._encode_on_device(list({id(u): u for u, _ in redo}.values()), only={(id(u), kind) for u, kind in redo})
 
     def _host_copy(self, x: torch.Tensor):
@@ -1180,12 +1175,7 @@ class PagedKVCache:
             over = [(pool, pool.taken - pool.order.shape[0]) for pool in checked if pool.taken > pool.order.shape[0]]
             if not over:
                 return True
-            for u, kind in jobs:
-                store = self._store[u.layer][kind]
-                store.heads.copy_(saved[id(store)])
-                u.entries[kind] = None
-                for pool in (store.slots, store.raw):
-                    pool.sync()
+            self._put_back([(u, kind, saved[id(self._store[u.layer][kind])]) for u, kind in jobs])
             if guessing:
                 return False
             if not self.grow:
@@ -1196,6 +1186,15 @@ class PagedKVCache:
             for pool, n in over:
                 pool.grow_to(max(pool.size + n, 2 * pool.size))
             self._storage_changed()
+
+    def _put_back(self, undo: list) -> None:
+        """Undo encodes: for each ``(update, kind, heads)`` of ``undo`` the store's free lists go back to the
+        counts ``heads`` saved before its encode (the records taken return to their lists; nothing else was
+        written) and its entries are dropped; the pools' counts are then read with one wait for the device."""
+        for u, kind, heads in undo:
+            self._store[u.layer][kind].heads.copy_(heads)
+            u.entries[kind] = None
+        sync_pools([pool for u, kind, _ in undo for pool in self._pools(u.layer, kind)])
 
     def _encodes_launched(self, store: _Kind, tiles: int, ask: bool = True) -> None:
         """``store``'s pools count the records that encodes of ``tiles`` tiles, just launched, may take; with

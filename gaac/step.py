@@ -42,7 +42,7 @@ _STEP_PARAMS = ("work", "o_part", "lse_part")      # the plan's arrays in the at
 # What a one-step plan shares with the next one whose work list is the same (StepPlan._plan_kernel).
 _SHARED = ("blocks_per_split", "n_work", "_merge", "_merge_grid", "_grid", "_work", "_split0", "o_part", "lse_part",
            "status", "_lse", "_scale_log2", "_status_params", "_scale_param", "_merge_launch", "_step_params",
-           "_merge_buffer", "_owner")
+           "_merge_buffer", "_merge_out", "_owner")
 
 
 @dataclass
@@ -209,7 +209,7 @@ class StepPlan:
         self._scale_log2 = np.float32(self.scale * LOG2_E)
         if not SIMULATOR:
             from .captured import merge_signature
-            from .cuda.launch import FastLaunch, ParamBuffer, params
+            from .cuda.launch import DATA_SLOT, FastLaunch, ParamBuffer, params
 
             # Each layer's status word, and the scale, packed once: a call packs only q, out and lse.
             base = self.status.data_ptr()
@@ -223,8 +223,10 @@ class StepPlan:
             self._merge_launch.prepare(merge_signature())
             self._step_params = [p for a in (self._work, self.o_part, self.lse_part) for p in params(a)]
             n, m = self.batch * self.q_heads * d, self.batch * self.q_heads
-            self._merge_buffer = ParamBuffer([p for a in (self.o_part, self.lse_part, self._split0) for p in params(a)]
-                                             + [0, 0, n, 2, 0, n, 2] + [0, 0, m, 4, 0, m, 4]
+            partials = [p for a in (self.o_part, self.lse_part, self._split0) for p in params(a)]
+            # out and lse follow the partials, 7 slots each; a call writes their data pointers
+            self._merge_out = len(partials) + DATA_SLOT
+            self._merge_buffer = ParamBuffer(partials + [0, 0, n, 2, 0, n, 2] + [0, 0, m, 4, 0, m, 4]
                                              + params(cache.kv_heads) + params(self.g))
         self._owner = object()           # what the layers' parameter buffers were last written for
         if self.steps is None:
@@ -343,10 +345,10 @@ class StepPlan:
                 buf.write(7 + len(state.fixed), self._step_params + self._status_params[layer])
                 buf.write(len(buf) - 1, self._scale_param)
                 buf.owner = self._owner
-            buf.slots[4] = q.data_ptr()
+            buf.slots[4] = q.data_ptr()     # q is the kernel's first argument: its data (launch.DATA_SLOT)
             state.main.run(buf, self._grid)
         merge = self._merge_buffer
-        merge.slots[25], merge.slots[32] = out.data_ptr(), lse.data_ptr()
+        merge.slots[self._merge_out], merge.slots[self._merge_out + 7] = out.data_ptr(), lse.data_ptr()
         self._merge_launch.run(merge, self._merge_grid[0])
 
     def _device_appends(self, rows: np.ndarray, before: np.ndarray, append: int) -> set:

@@ -58,7 +58,7 @@ class StepAppend:
                                    WARP)
         if not SIMULATOR:
             self.launcher.prepare(STEP_APPEND_SIG)    # compiled once per tile width, before any launch
-        self._buffers = {}                            # layer -> (what its parameters name, ParamBuffer) (GPU)
+        self._buffers = {}      # layer -> (what its parameters name, pool versions, ParamBuffer, token slots) (GPU)
 
     def prepare(self, epochs: list) -> None:
         """Make every layer's encoders for the epochs ``epochs[layer]`` (K, V) ahead of the launches: a launch
@@ -94,7 +94,7 @@ class StepAppend:
 
         On the GPU the layer's parameters are packed once (until its arrays or pools change) and a call
         writes the two token addresses; in the simulator numba's dispatcher launches."""
-        from .cuda.launch import ParamBuffer, params, plain
+        from .cuda.launch import DATA_SLOT, ParamBuffer, params, plain
         from .cuda.primitives import SIMULATOR
 
         if not contiguous:
@@ -111,10 +111,12 @@ class StepAppend:
         versions = (ks.slots.version, ks.raw.version, vs.slots.version, vs.raw.version, *epochs)
         entry = self._buffers.get(layer)
         if entry is None or entry[1] != versions or any(a is not b for a, b in zip(entry[0], names)):
-            buffer = ParamBuffer([x for a in self.args(layer, k, v, epochs) for x in params(a)])
-            entry = self._buffers[layer] = (names, versions, buffer)
-        buffer = entry[2]
-        buffer.slots[4], buffer.slots[13] = k.data_ptr(), v.data_ptr()   # the words' data of k and v
+            packed = [params(a) for a in self.args(layer, k, v, epochs)]
+            # the data pointers of the first two arguments, the token's K and V words
+            slots = (DATA_SLOT, len(packed[0]) + DATA_SLOT)
+            entry = self._buffers[layer] = (names, versions, ParamBuffer([x for p in packed for x in p]), slots)
+        _, _, buffer, (k_slot, v_slot) = entry
+        buffer.slots[k_slot], buffer.slots[v_slot] = k.data_ptr(), v.data_ptr()
         self.launcher.run(buffer)
 
     def account(self, layers: range, fin: np.ndarray, blk: np.ndarray, epochs, index=None):

@@ -826,14 +826,7 @@ class EncodePlan:
         if self._in_place is None:
             self._in_place = TileLauncher(encode_in_place_kernel(self.channels, self._tiles_per_block),
                                           self._tiles_per_block)
-        flat = bits.reshape(p, -1)
-        if self._fixed_params is not None and fast:
-            packed = (word_params(flat) + params(int(first)) + self._fixed_params + params(entries)
-                      + params(escape_used))
-            self._in_place.launch(n, None, stream, fast, packed)
-            return
-        args = (words(flat), int(first), *self._fixed, plain(entries), plain(escape_used))
-        self._in_place.launch(n, args, stream, fast)
+        self._launch(self._in_place, n, bits.reshape(p, -1), (int(first),), entries, escape_used, stream, fast)
 
     def __call__(self, bits, entries, escape_used, *, stream=None, fast: bool = True):
         n = check_array(bits, "bits", self.element, (None, L.BLOCK_TOKENS, self.channels)).shape[0]
@@ -841,12 +834,17 @@ class EncodePlan:
         check_array(escape_used, "escape_used", "int32", (n,))
         if n == 0:
             return
+        self._launch(self._launcher, n, bits, (), entries, escape_used, stream, fast)
+
+    def _launch(self, launcher, n: int, bits, scalars: tuple, entries, escape_used, stream, fast: bool) -> None:
+        """Launch ``launcher`` over ``n`` tiles: the words of ``bits``, then ``scalars`` (ints), the plan's
+        fixed arguments, ``entries`` and ``escape_used``; packed by hand on the fast path."""
         if self._fixed_params is not None and fast:
-            packed = word_params(bits) + self._fixed_params + params(entries) + params(escape_used)
-            self._launcher.launch(n, None, stream, fast, packed)
+            packed = (word_params(bits) + [p for s in scalars for p in params(s)] + self._fixed_params
+                      + params(entries) + params(escape_used))
+            launcher.launch(n, None, stream, fast, packed)
             return
-        args = (words(bits), *self._fixed, plain(entries), plain(escape_used))
-        self._launcher.launch(n, args, stream, fast)
+        launcher.launch(n, (words(bits), *scalars, *self._fixed, plain(entries), plain(escape_used)), stream, fast)
 
 
 class DecodePlan:

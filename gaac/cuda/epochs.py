@@ -44,8 +44,8 @@ COST_RAW = L.ESCAPE_BYTES[L.MODE_RAW]
 @cuda.jit(device=True, inline=True)
 def element(src, at, rec, job, r, b, h, t, x):
     """Entry ``x`` of (head h, token t) of job ``job``'s logical block ``b``: its ``r`` pending blocks first
-    (``rec``), then its new blocks (``src[at]``, the job's own source array).  An element of the int16 views,
-    two elements of the int32 views."""
+    (``rec``), then its new blocks (``src[at]``, the job's own source array): a word of the int32 views,
+    two BF16 elements."""
     return rec[job, b, h, t, x] if b < r else src[at, b - r, h, t, x]
 
 
@@ -546,10 +546,10 @@ class Batch:
         self.accept = torch.zeros((n_jobs, m), dtype=torch.int32, device=device)
         self.saved0 = torch.zeros((n_jobs, m), dtype=torch.int32, device=device)
         self.differs0 = torch.zeros((n_jobs, m), dtype=torch.int32, device=device)
-        self.args1 = (xa, xb, ja, rec, r0_d, checks_d, self.hist, self.cand, cur, head_dim, self.saved0,
+        self.scan_args = (xa, xb, ja, rec, r0_d, checks_d, self.hist, self.cand, cur, head_dim, self.saved0,
                       self.differs0)
         words = [x.view(torch.int32) for x in (xa, xb, rec)]      # the chain reads two elements a load
-        self.args2 = (words[0], words[1], ja, words[2], r0_d, checks_d, self.cand, cur, dev(finalized),
+        self.chain_args = (words[0], words[1], ja, words[2], r0_d, checks_d, self.cand, cur, dev(finalized),
                       dev(n_epochs), E.WARMUP_BLOCKS, E.MAX_EPOCHS, E.PAYBACK_CHECKS,
                       E.epoch_table_bytes(first_adapter.calibration), kv_heads, head_dim, self.saved0,
                       self.differs0, self.accept)
@@ -568,12 +568,12 @@ class Batch:
         """Launch the scan kernel: every check's windows and what they save, and the histograms after the
         last check."""
         kernel = scan_kernel(self.every, E.DECAY_SHIFT, SCAN_REGISTERS)
-        self._launch(kernel, (len(self.jobs), self.channels // L.GROUP_SIZE), L.GROUP_SIZE * WARP, self.args1)
+        self._launch(kernel, (len(self.jobs), self.channels // L.GROUP_SIZE), L.GROUP_SIZE * WARP, self.scan_args)
 
     def chain(self) -> None:
         """Launch the chain kernel: which checks append their candidate."""
         threads = 64 if SIMULATOR else CHAIN_THREADS
-        self._launch(chain_kernel(self.every), len(self.jobs), threads, self.args2)
+        self._launch(chain_kernel(self.every), len(self.jobs), threads, self.chain_args)
 
     def finish(self) -> list:
         """Wait for the decisions; append the epochs, update the adapters, return each job's block epochs."""

@@ -88,6 +88,9 @@ def allocators(x):
     return (lambda shape, dt: np.zeros(shape, dtype=dt), lambda n: np.arange(n, dtype=np.int32))
 
 
+DATA_SLOT = 4     # an array's data pointer among its parameters (params): meminfo, parent, size, itemsize, data
+
+
 def params(a) -> list:
     """Kernel parameters of one argument (an int64 scalar or a C-contiguous tensor), laid out as
     numba's own launch lays them out: meminfo, parent, size, itemsize, data, shape, strides."""
