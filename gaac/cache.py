@@ -290,7 +290,8 @@ class _DevicePool(_Pool):
     def snapshot(self, counts: tuple) -> None:
         """Take up, once it has arrived, ``counts``: (pinned copy of ``heads``, its event), started after the
         encodes that ``pending`` counts now."""
-        self._snap = (*counts, self.pending)
+        host, event = counts
+        self._snap = (host.numpy(), event, self.pending)       # read through NumPy: a torch index costs more
 
     def free_lower(self) -> int:
         """Free records, at least (no synchronisation)."""
@@ -545,6 +546,7 @@ class PagedKVCache:
         self._append_launch = None   # the one-token append kernel's launcher (GPU)
         self._append_params = {}     # layer -> (its tails, lengths, the append kernel's parameter buffer) (GPU)
         self._step_appends = {}      # the sequences' bytes -> their one-token step appends (gaac.step_append)
+        self._side = None            # the stream the adaptation rule runs on (GPU; _rule_stream)
         self._eager_plan = None      # the newest one-step plan, whose appends take its fast path (gaac.step)
         self._launchers = {}         # kernel -> its launcher, kept across steps (gaac.step)
         self._work_plans = {}        # the newest one-step plan's work list and launch state, for the next (gaac.step)
@@ -598,6 +600,7 @@ class PagedKVCache:
     def __getstate__(self):
         state = self.__dict__.copy()
         del state["_lock"]                 # a lock is not copied or pickled: a copy gets a lock of its own
+        state["_side"] = None              # nor is a stream: a copy makes its own when it first needs one
         return state
 
     def __setstate__(self, state):
@@ -865,21 +868,37 @@ class PagedKVCache:
         On a GPU the adaptation rule runs while the host reserves and launches the encodes: the blocks a
         rule still decides are encoded with their layer's newest epoch, which is what the rule keeps unless
         it appends an epoch; where it does, that layer and kind is encoded again once the decision is in (every
-        one, where a guessed epoch ran a free list dry)."""
+        one, where a guessed epoch ran a free list dry).  The host takes the rule's decisions while the
+        encodes run, and only then waits for the encodes' counts where a free list may have run dry."""
         rule = self._launch_rule(updates)
-        encoded = True
+        encoded, redo, done = True, [], False
+
+        def decided():          # the rule's decisions, taken once: before the encodes are checked, or on an error
+            nonlocal redo, done
+            if not done:
+                done = True
+                redo = self._finish_rule(rule)
+
         try:
             self._reserve(updates)
             if self._cuda_codec:
-                encoded = self._encode_on_device(updates, guessing=bool(rule))
+                encoded = self._encode_on_device(updates, guessing=bool(rule), before_check=decided)
         finally:
-            redo = self._finish_rule(rule)
+            decided()
         if not encoded:                 # a guessed epoch ran a free list dry: encode with the rule's epochs
             self._encode_on_device(updates)
         elif redo:
             self._encode_again(redo)
         for u in updates:
             self._commit(u)
+        # the device's lengths of every layer the updates changed, in one copy
+        layers = sorted({u.layer for u in updates})
+        if len(layers) == self.layers:
+            self._seq_lens.copy_(self._to_device(self._lens.astype(np.int32)), non_blocking=True)
+        else:
+            for layer in layers:
+                self._seq_lens[layer].copy_(self._to_device(self._lens[layer].astype(np.int32)), non_blocking=True)
+        self._lengths_changed()
 
     def _bits(self, x, name: str, ndim: int) -> torch.Tensor:
         """``x`` (torch BF16/int16/uint16 on any device, or NumPy bits, any strides) as int16 on the cache's device."""
@@ -1012,11 +1031,21 @@ class PagedKVCache:
             by_shape.setdefault(tuple(item[2].blocks.shape), []).append(item)
         launched = []
         for items in by_shape.values():
-            batch = Batch([(plan.after, plan.blocks) for _, _, plan in items])
+            batch = Batch([(plan.after, plan.blocks) for _, _, plan in items], stream=self._rule_stream())
             batch.scan()
             batch.chain()
             launched.append((batch, items))
         return launched
+
+    def _rule_stream(self):
+        """The CUDA stream the adaptation rule runs on, beside the encodes (None on the CPU): of a higher
+        priority, so that the GPU schedules the rule's blocks first -- the host waits for its decisions,
+        while the encodes are waited for only later, if at all."""
+        if self.device.type != "cuda":
+            return None
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device, priority=-1)
+        return self._side
 
     def _finish_rule(self, launched: list) -> list:
         """Wait for the rule's decisions and put them in the plans; return the (update, kind) pairs whose
@@ -1134,7 +1163,8 @@ class PagedKVCache:
                 pool.grow_to(max(n, 2 * pool.size))
                 self._storage_changed()
 
-    def _encode_on_device(self, updates: list, only: set | None = None, guessing: bool = False) -> bool:
+    def _encode_on_device(self, updates: list, only: set | None = None, guessing: bool = False,
+                          before_check=None) -> bool:
         """Encode every finished tile of ``updates`` (of its ``(id(update), kind)`` pairs in ``only``) into its
         pools with the CUDA encoder (one launch per epoch run and kind), leaving each tile's table entry in
         ``u.entries``; return True.
@@ -1144,7 +1174,8 @@ class PagedKVCache:
         to their lists; nothing else was written) and the pool grows (``grow``) and the encode is
         redone, or :class:`PoolExhaustedError` is raised with the cache unchanged.  With ``guessing``
         (some epochs are the rule's, still being decided) a list that runs dry returns False instead, the
-        counts put back: the epochs the rule decides may need fewer records."""
+        counts put back: the epochs the rule decides may need fewer records.  ``before_check`` runs once,
+        after the first launches and before that wait (host work that overlaps the encodes)."""
         jobs = [(u, kind) for u in updates for kind in KINDS if u.tiles[kind] is not None
                 and (only is None or (id(u), kind) in only)]
         while True:
@@ -1170,6 +1201,9 @@ class PagedKVCache:
                         encoder(tiles[a:z], entries[a:z], used[a:z])
                 u.entries[kind] = entries
                 self._encodes_launched(store, tiles.shape[0], ask=(id(u), kind) not in unsure_ids)
+            if before_check is not None:
+                before_check()
+                before_check = None
             checked = [pool for u, kind in unsure for pool in self._pools(u.layer, kind)]
             sync_pools(checked)                  # one wait for the device, for every pool in doubt
             over = [(pool, pool.taken - pool.order.shape[0]) for pool in checked if pool.taken > pool.order.shape[0]]
@@ -1244,7 +1278,8 @@ class PagedKVCache:
         self._storage_changed()
 
     def _commit(self, u: _Update) -> None:
-        """Write an update prepared and reserved for: slots, raw tiles, table entries, tails, lengths."""
+        """Write an update prepared and reserved for: slots, raw tiles, table entries, tails, the host's
+        lengths (the caller copies them to the device)."""
         per = self.tiles_per_block
         for kind in KINDS:
             store, tiles, fits = self._store[u.layer][kind], u.tiles[kind], u.fits[kind]
@@ -1275,12 +1310,11 @@ class PagedKVCache:
                     store.tail[seq, :, r:r + t] = new[i]
                 else:
                     rest = r + t - q * L.BLOCK_TOKENS
-                    store.tail[seq, :, :rest] = new[i, :, t - rest:]
+                    if rest:
+                        store.tail[seq, :, :rest] = new[i, :, t - rest:]
         for seq, q in zip(u.seqs, u.blocks):
             self._lens[u.layer, seq] += u.new[0].shape[2]
             self.blocks_encoded += q
-        self._seq_lens[u.layer].copy_(self._to_device(self._lens[u.layer].astype(np.int32)), non_blocking=True)
-        self._lengths_changed()
 
     def _commit_epochs(self, store: _Kind, u: _Update, kind: int) -> None:
         """Apply an update's epoch decisions: new epochs, the adapter's state, each finished block's epoch."""

@@ -496,9 +496,29 @@ def assign(jobs: list) -> list:
 
 class Batch:
     """One :func:`assign`, in its three stages (so that a benchmark can time each): the scan kernel,
-    the chain kernel, and :meth:`finish`, which waits for the decisions and applies them to the adapters."""
+    the chain kernel, and :meth:`finish`, which waits for the decisions and applies them to the adapters.
 
-    def __init__(self, jobs: list):
+    ``stream`` (a torch CUDA stream; None: the current one): where the batch's copies and kernels run.  It
+    first waits for the current stream (which wrote the blocks), so that the rule runs beside the work the
+    caller queues next (the cache's encodes); :meth:`finish` makes the current stream wait for it again."""
+
+    def __init__(self, jobs: list, stream=None):
+        import torch
+
+        self.stream = stream if stream is not None and jobs[0][1].device.type == "cuda" else None
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(jobs[0][1].device))
+        with self._on_stream():
+            self._setup(jobs)
+
+    def _on_stream(self):
+        import contextlib
+
+        import torch
+
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    def _setup(self, jobs: list) -> None:
         import torch
 
         # K jobs first, then V: each kind's blocks are one strided view where a prefill's layers allow
@@ -562,7 +582,8 @@ class Batch:
         if SIMULATOR:
             kernel[grid, block](*(a.numpy() if isinstance(a, torch.Tensor) else a for a in args))
         else:
-            kernel[grid, block, cuda.external_stream(torch.cuda.current_stream(self.device).cuda_stream)](*args)
+            stream = self.stream if self.stream is not None else torch.cuda.current_stream(self.device)
+            kernel[grid, block, cuda.external_stream(stream.cuda_stream)](*args)
 
     def scan(self) -> None:
         """Launch the scan kernel: every check's windows and what they save, and the histograms after the
@@ -579,9 +600,22 @@ class Batch:
         """Wait for the decisions; append the epochs, update the adapters, return each job's block epochs."""
         import torch
 
+        with self._on_stream():
+            accept_h = self.accept.cpu().numpy()          # waits for the batch's stream
+        if self.stream is not None:
+            # the rest runs on the current stream, which reads the batch's tensors after the allocator may
+            # have given them back to the batch's stream
+            main = torch.cuda.current_stream(self.device)
+            main.wait_stream(self.stream)
+            for t in (self.hist, self.cand):
+                t.record_stream(main)
+        return self._finish(accept_h)
+
+    def _finish(self, accept_h: np.ndarray) -> list:
+        import torch
+
         jobs, n, checks, r0, every = self.jobs, self.n, self.checks, self.r0, self.every
         kv_heads, head_dim = self.kv_heads, self.head_dim
-        accept_h = self.accept.cpu().numpy()
         picked_all = [np.flatnonzero(accept_h[i, :checks[i]]) for i in range(len(jobs))]
         wanted = [(i, j) for i in range(len(jobs)) for j in picked_all[i]]
         tables = {}
