@@ -31,6 +31,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from . import layout as L
 from . import attention
@@ -38,11 +39,12 @@ from .attention import MAX_GROUP, _check_q, _pair_base_words, kernel_options, sp
 from .errors import FormatError, InputError, PoolExhaustedError
 
 LOG2_E = 1.4426950408889634
+PLAN_AHEAD = 16 * L.BLOCK_TOKENS   # an eager step's work list covers lengths up to the next multiple of this
 _STEP_PARAMS = ("work", "o_part", "lse_part")      # the plan's arrays in the attention kernel's parameters
 # What a one-step plan shares with the next one whose work list is the same (StepPlan._plan_kernel).
 _SHARED = ("blocks_per_split", "n_work", "_merge", "_merge_grid", "_grid", "_work", "_split0", "o_part", "lse_part",
            "status", "_lse", "_scale_log2", "_status_params", "_scale_param", "_merge_launch", "_step_params",
-           "_merge_buffer", "_merge_out", "_owner")
+           "_merge_buffer", "_merge_out", "_owner", "_current_stream")
 
 
 @dataclass
@@ -81,8 +83,6 @@ def layer_launch(cache, layer: int, g: int) -> _LayerLaunch:
     bases = np.zeros((2, max(len(w) for w in words), *words[0].shape[1:]), np.int32)
     for kind, w in enumerate(words):
         bases[kind, :len(w)] = w
-    import torch
-
     bases = torch.from_numpy(bases).to(cache.device)
     eps = [s.epoch if s.epoch is not None else None for s in (store_k, store_v)]
     if eps[0] is None:
@@ -152,7 +152,7 @@ class StepPlan:
             reserve_step(cache, before, self.lens)
             if self.kernel_path:
                 cuts = self._device_appends(rows, before, append)
-                self._plan_kernel(self.lens, cuts)
+                self._plan_kernel(self._ahead(self.lens), cuts)
                 self._prepare_fast(rows, before, append)
             return
         from .captured import CapturedSteps
@@ -166,11 +166,17 @@ class StepPlan:
             self.captured.prepare()
 
     # -- the CUDA kernel's plan -------------------------------------------------------------------
+    def _ahead(self, lens: np.ndarray) -> np.ndarray:
+        """The lengths an eager step's work list is made for: ``lens`` rounded up to ``PLAN_AHEAD`` tokens
+        (within the block table).  The kernel stops each split at the length it reads on the device, so the
+        list serves every step until a sequence passes the rounded length, and the steps in between reuse it
+        (``cache._work_plans``) instead of building one a block."""
+        ahead = -(-lens // PLAN_AHEAD) * PLAN_AHEAD
+        return np.minimum(ahead, self.cache.max_blocks * L.BLOCK_TOKENS)
+
     def _plan_kernel(self, lens: np.ndarray, more_cuts: set) -> None:
         """The work list for the lengths ``lens`` (this step's; a captured plan's: its last step's), cut
         where an epoch changes and at ``more_cuts`` (blocks)."""
-        import torch
-
         from .cuda import merge
         from .cuda.primitives import SIMULATOR
 
@@ -209,7 +215,9 @@ class StepPlan:
         self._scale_log2 = np.float32(self.scale * LOG2_E)
         if not SIMULATOR:
             from .captured import merge_signature
-            from .cuda.launch import DATA_SLOT, FastLaunch, ParamBuffer, params
+            from .cuda.launch import DATA_SLOT, FastLaunch, ParamBuffer, current_stream, params
+
+            self._current_stream = current_stream
 
             # Each layer's status word, and the scale, packed once: a call packs only q, out and lse.
             base = self.status.data_ptr()
@@ -260,8 +268,6 @@ class StepPlan:
                 if buf is not None:
                     buf.copy_(val.view(buf.dtype)) if hasattr(buf, "copy_") else np.copyto(buf, val)
             return res if return_lse else res[0]
-        import torch
-
         from .cuda import attention as K
 
         shape = (self.batch, self.q_heads, cache.head_dim)
@@ -311,8 +317,6 @@ class StepPlan:
         """:meth:`run` where every argument is as the plan expects it (the layer appended through the plan,
         contiguous tensors of the plan's shapes on the cache's GPU): the two launches and nothing else.
         None where anything differs; :meth:`_run` then checks in full (and names what is wrong)."""
-        import torch
-
         cache = self.cache
         if type(layer) is not int or not 0 <= layer < cache.layers:
             return None
@@ -337,6 +341,7 @@ class StepPlan:
     def _launch(self, state, layer: int, q, out, lse) -> None:
         """The layer's attention kernel and the merge, from their parameter buffers (GPU): the plan's part of
         a layer's buffer is written at its first call, a call writes only its arrays' addresses."""
+        handle = self._current_stream()
         if self.n_work:
             buf = state.buffer
             if buf.owner is not self._owner:
@@ -346,10 +351,10 @@ class StepPlan:
                 buf.write(len(buf) - 1, self._scale_param)
                 buf.owner = self._owner
             buf.slots[4] = q.data_ptr()     # q is the kernel's first argument: its data (launch.DATA_SLOT)
-            state.main.run(buf, self._grid)
+            state.main.run(buf, self._grid, handle)
         merge = self._merge_buffer
         merge.slots[self._merge_out], merge.slots[self._merge_out + 7] = out.data_ptr(), lse.data_ptr()
-        self._merge_launch.run(merge, self._merge_grid[0])
+        self._merge_launch.run(merge, self._merge_grid[0], handle)
 
     def _device_appends(self, rows: np.ndarray, before: np.ndarray, append: int) -> set:
         """Whether this step's token appends go through the cache's :class:`gaac.step_append.StepAppend`
@@ -380,8 +385,6 @@ class StepPlan:
         """Set up the per-call fast paths of an eager plan: ``cache.update_layer`` of the step's token
         (:meth:`append_token`), and on the GPU :meth:`run`."""
         from .cuda.primitives import SIMULATOR
-
-        import torch
 
         cache = self.cache
         self._appended = [False] * cache.layers
@@ -478,12 +481,13 @@ class _Shape:
         return np.zeros(self.batch)
 
 
-def _on_gpu(x, shape: tuple, device: int | None, dtypes: tuple | None = None) -> bool:
+_BITS = (torch.bfloat16, torch.int16)
+
+
+def _on_gpu(x, shape: tuple, device: int | None, dtypes: tuple = _BITS) -> bool:
     """Whether ``x`` is a contiguous torch tensor of ``shape`` on CUDA device ``device`` (None: on the CPU,
     as in the simulator), of one of ``dtypes`` (default BF16 or int16)."""
-    import torch
-
-    return (type(x) is torch.Tensor and x.dtype in (dtypes or (torch.bfloat16, torch.int16)) and x.shape == shape
+    return (type(x) is torch.Tensor and x.dtype in dtypes and x.shape == shape
             and (x.is_cuda and x.get_device() == device if device is not None else not x.is_cuda)
             and x.is_contiguous())
 

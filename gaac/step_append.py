@@ -20,6 +20,8 @@ from __future__ import annotations
 import numpy as np
 
 from . import layout as L
+from .cuda.launch import DATA_SLOT, ParamBuffer, params, plain
+from .cuda.primitives import SIMULATOR
 
 
 def supported(cache) -> bool:
@@ -58,7 +60,7 @@ class StepAppend:
                                    WARP)
         if not SIMULATOR:
             self.launcher.prepare(STEP_APPEND_SIG)    # compiled once per tile width, before any launch
-        self._buffers = {}      # layer -> (what its parameters name, pool versions, ParamBuffer, token slots) (GPU)
+        self._buffers = {}      # layer -> (pool versions and epochs, ParamBuffer, token slots) (GPU)
 
     def prepare(self, epochs: list) -> None:
         """Make every layer's encoders for the epochs ``epochs[layer]`` (K, V) ahead of the launches: a launch
@@ -94,9 +96,6 @@ class StepAppend:
 
         On the GPU the layer's parameters are packed once (until its arrays or pools change) and a call
         writes the two token addresses; in the simulator numba's dispatcher launches."""
-        from .cuda.launch import DATA_SLOT, ParamBuffer, params, plain
-        from .cuda.primitives import SIMULATOR
-
         if not contiguous:
             k, v = k.contiguous(), v.contiguous()
         if k.data_ptr() % 16 or v.data_ptr() % 16:             # the kernel reads 16-byte rows
@@ -105,17 +104,18 @@ class StepAppend:
             args = self.args(layer, k, v, epochs)
             self.launcher._dispatcher[self.launcher._grid, self.launcher._block](*(plain(a) for a in args))
             return
-        cache = self.cache
-        ks, vs = cache._store[layer]
-        names = (ks.tail, vs.tail, ks.table, vs.table, ks.epoch, vs.epoch, cache._seq_lens)
+        # A layer's parameters hold while its pools keep their free lists and its finished blocks their
+        # epoch; the arrays they name (tails, tables, epochs, lengths) are replaced only by growth, which
+        # drops this object (the cache's _storage_changed).
+        ks, vs = self.cache._store[layer]
         versions = (ks.slots.version, ks.raw.version, vs.slots.version, vs.raw.version, *epochs)
         entry = self._buffers.get(layer)
-        if entry is None or entry[1] != versions or any(a is not b for a, b in zip(entry[0], names)):
+        if entry is None or entry[0] != versions:
             packed = [params(a) for a in self.args(layer, k, v, epochs)]
             # the data pointers of the first two arguments, the token's K and V words
             slots = (DATA_SLOT, len(packed[0]) + DATA_SLOT)
-            entry = self._buffers[layer] = (names, versions, ParamBuffer([x for p in packed for x in p]), slots)
-        _, _, buffer, (k_slot, v_slot) = entry
+            entry = self._buffers[layer] = (versions, ParamBuffer([x for p in packed for x in p]), slots)
+        _, buffer, (k_slot, v_slot) = entry
         buffer.slots[k_slot], buffer.slots[v_slot] = k.data_ptr(), v.data_ptr()
         self.launcher.run(buffer)
 

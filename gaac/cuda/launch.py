@@ -143,15 +143,23 @@ def resident_blocks(dispatcher, signature, threads: int) -> tuple[int, int, int]
     return n, int(fn.attrs.regs), int(fn.attrs.shared)
 
 
+_CUFUNCS = {}       # id(dispatcher) -> (dispatcher, its CUfunction): resolved once per process, not per plan
+_STREAMS = {}       # raw stream handle -> cuda.core Stream
+_CONFIGS = {}       # (grid, threads) -> cuda.core LaunchConfig
+
+
 class TileLauncher:
     """A compiled kernel (one warp per tile, ``tiles_per_block`` tiles per block), launched on a torch
-    stream (or in the simulator)."""
+    stream (or in the simulator).
+
+    What a launch needs besides its parameters (the kernel's ``CUfunction``, launch configurations,
+    stream objects) is kept per process: a cache makes plans for every layer and kind, and a new
+    cache's first prefill would otherwise resolve them once per plan."""
 
     def __init__(self, dispatcher, tiles_per_block: int):
         self._dispatcher = dispatcher
         self._tiles = tiles_per_block
         self._threads = WARP * tiles_per_block
-        self._configs = {}
         self._streams = {}
         self._cufunc = None
 
@@ -171,13 +179,16 @@ class TileLauncher:
         from cuda.core import LaunchConfig, Stream, launch
 
         if self._cufunc is None:
-            self._cufunc = cufunction(self._dispatcher)
-        config = self._configs.get(n)
+            known = _CUFUNCS.get(id(self._dispatcher))
+            if known is None or known[0] is not self._dispatcher:
+                known = _CUFUNCS[id(self._dispatcher)] = (self._dispatcher, cufunction(self._dispatcher))
+            self._cufunc = known[1]
+        config = _CONFIGS.get((grid, self._threads))
         if config is None:
-            config = self._configs[n] = LaunchConfig(grid=grid, block=self._threads, shmem_size=0)
-        s = self._streams.get(handle)
+            config = _CONFIGS[(grid, self._threads)] = LaunchConfig(grid=grid, block=self._threads, shmem_size=0)
+        s = _STREAMS.get(handle)
         if s is None:
-            s = self._streams[handle] = Stream.from_handle(handle)
+            s = _STREAMS[handle] = Stream.from_handle(handle)
         launch(s, config, self._cufunc, *(packed if packed is not None else [p for a in args for p in params(a)]))
 
 
@@ -245,6 +256,12 @@ class _Driver:
         self.launch_ex = lib.cuLaunchKernelEx
         self.launch_ex.argtypes = [p, p, p, p]
         self.launch_ex.restype = ctypes.c_int
+        # The same entry points without argument types, for calls whose arguments are ctypes values built
+        # once (:meth:`FastLaunch.run`): ctypes then converts nothing, half the host time of a call.
+        self.launch_raw = lib["cuLaunchKernel"]
+        self.launch_raw.restype = ctypes.c_int
+        self.launch_ex_raw = lib["cuLaunchKernelEx"]
+        self.launch_ex_raw.restype = ctypes.c_int
         self._function = lib.cuKernelGetFunction
         self._function.argtypes = [ctypes.POINTER(p), p]
         self._function.restype = ctypes.c_int
@@ -309,8 +326,8 @@ class FastLaunch:
         self._pdl = pdl                     # programmatic stream serialization (see ``__call__``)
         self._cufunc = None
         self._function = None               # the driver's CUfunction handle (``run``)
-        self._ex_configs = {}
-        self._dims = {}                     # grid -> the six launch dimensions (``run``)
+        self._ex_configs = {}               # (grid, stream) -> launch configuration and its ctypes arguments (``run``)
+        self._dims = {}                     # (grid, stream) -> cuLaunchKernel's ctypes arguments before the parameters
         self._configs = {}
         self._streams = {}
 
@@ -353,11 +370,13 @@ class FastLaunch:
             s = self._streams[handle] = Stream.from_handle(handle)
         launch(s, config, self._cufunc, *params_of(params))
 
-    def run(self, buffer: ParamBuffer, grid=None) -> None:
+    def run(self, buffer: ParamBuffer, grid=None, handle: int | None = None) -> None:
         """Launch with the parameters of ``buffer`` (after :meth:`prepare` or a first call) through the
-        driver: the per-call path of a decode step, whose host time is the launch itself."""
+        driver: the per-call path of a decode step, whose host time is the launch itself.  ``handle``: the
+        raw stream (default torch's current one)."""
         grid = self._grid if grid is None else grid
-        handle = current_stream()
+        if handle is None:
+            handle = current_stream()
         drv = driver()
         if drv is None:
             self(None, lambda p: buffer.packed(), grid=grid)
@@ -365,17 +384,21 @@ class FastLaunch:
         if self._function is None:
             self._check_arguments(buffer)
             self._function = drv.function(self._cufunc)
+        key = (grid, handle)
         if self._pdl:
-            key = (grid, handle)
             cfg = self._ex_configs.get(key)
             if cfg is None:
-                cfg = self._ex_configs[key] = drv.config(_dims(grid), _dims(self._block), handle, True)
-            result = drv.launch_ex(ctypes.addressof(cfg), self._function, buffer.pointers, None)
+                cfg = drv.config(_dims(grid), _dims(self._block), handle, True)
+                self._ex_configs[key] = (cfg, ctypes.c_void_p(ctypes.addressof(cfg)), ctypes.c_void_p(self._function))
+            result = drv.launch_ex_raw(*self._ex_configs[key][1:], buffer.pointers, None)
         else:
-            dims = self._dims.get(grid)
-            if dims is None:
-                dims = self._dims[grid] = (*_dims(grid), *_dims(self._block))
-            result = drv.launch(self._function, *dims, 0, handle, buffer.pointers, None)
+            head = self._dims.get(key)
+            if head is None:
+                u = ctypes.c_uint
+                head = self._dims[key] = (ctypes.c_void_p(self._function),
+                                          *(u(x) for x in (*_dims(grid), *_dims(self._block), 0)),
+                                          ctypes.c_void_p(handle))
+            result = drv.launch_raw(*head, buffer.pointers, None)
         if result:
             drv.check(result, f"launching {self._name}")
 
