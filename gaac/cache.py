@@ -175,6 +175,8 @@ def _runs(epochs: np.ndarray):
     """``(epoch, start, stop)`` of each run of equal values in ``epochs``: one codec call each."""
     if not len(epochs):
         return []
+    if (epochs == epochs[0]).all():     # one run (a pass, cheaper than finding cuts)
+        return [(int(epochs[0]), 0, len(epochs))]
     cuts = np.flatnonzero(np.diff(epochs)) + 1
     bounds = [0, *cuts.tolist(), len(epochs)]
     return [(int(epochs[a]), a, b) for a, b in zip(bounds[:-1], bounds[1:])]
@@ -190,6 +192,8 @@ class _Pool:
     first): a sequence of a long context takes and gives back tens of thousands of records per pool at
     once (a prefill, an import, a removal), which a list of Python ints would convert one by one.
     """
+
+    exact = True          # the host's counts are the pool's (a device pool's are a bound: _DevicePool.exact)
 
     def __init__(self, name: str, n: int, record: tuple, dtype: torch.dtype, device: torch.device):
         self.name = name
@@ -292,6 +296,11 @@ class _DevicePool(_Pool):
         encodes that ``pending`` counts now."""
         host, event = counts
         self._snap = (host.numpy(), event, self.pending)       # read through NumPy: a torch index costs more
+
+    @property
+    def exact(self) -> bool:
+        """Whether :meth:`free_lower` is exact: no encode launched since the device's count was last read."""
+        return self.pending == 0 and self._snap is None
 
     def free_lower(self) -> int:
         """Free records, at least (no synchronisation)."""
@@ -1128,8 +1137,11 @@ class PagedKVCache:
         if need_blocks > self.max_blocks:
             short.append((None, need_blocks))
         # The device's exact counts where the lower bounds fall short: one wait for all such pools.
+        # (A count already exact needs no wait: a new cache's, or one read since its last encode.  Waiting
+        # here would also wait behind the adaptation rule's kernels, which hold the GPU.)
         stale = [pool for u in updates for kind in KINDS if u.tiles[kind] is not None and u.fits[kind] is None
-                 for pool in self._pools(u.layer, kind) if pool.free_lower() < u.tiles[kind].shape[0]]
+                 for pool in self._pools(u.layer, kind)
+                 if pool.free_lower() < u.tiles[kind].shape[0] and not pool.exact]
         if stale:
             sync_pools(stale)
         for u in updates:
@@ -1337,7 +1349,10 @@ class PagedKVCache:
             first = int(self._lens[u.layer, seq]) // L.BLOCK_TOKENS
             new = plan.epochs[start:start + q]
             before = store.epochs[seq, first - 1] if first else new[0]
-            cuts = np.flatnonzero(np.diff(np.concatenate([[before], new]))) + first
+            if (new == new[0]).all():    # one epoch: a cut only where it starts, if at all
+                cuts = np.array([first] if new[0] != before else [], np.int64)
+            else:
+                cuts = np.flatnonzero(np.diff(np.concatenate([[before], new]))) + first
             self._cuts[seq].update(cuts.tolist())
             store.epochs[seq, first:first + q] = new
             if store.epoch is not None:

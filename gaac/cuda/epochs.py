@@ -558,7 +558,9 @@ class Batch:
             t = torch.from_numpy(np.ascontiguousarray(a))
             return t if device.type != "cuda" else t.pin_memory().to(device, non_blocking=True)
 
-        rec, cur, r0_d, checks_d = dev(rec_np), dev(cur_np), dev(r0), dev(checks.astype(np.int32))
+        # no adapter holds a block not yet checked (a new cache's prefill): nothing to copy
+        rec = dev(rec_np) if r0.any() else torch.zeros(rec_np.shape, dtype=torch.int16, device=device)
+        cur, r0_d, checks_d = dev(cur_np), dev(r0), dev(checks.astype(np.int32))
         self.hist = (torch.zeros((n_jobs, channels, BINS), dtype=torch.int32, device=device) if fresh else
                      torch.stack([a.hist_on_device(device).reshape(channels, BINS) for a, _ in jobs]))
         self.m = m = max(1, int(checks.max()))
@@ -626,9 +628,12 @@ class Batch:
         out = [None] * len(jobs)
         for i, (a, blocks) in enumerate(jobs):
             picked = picked_all[i]
-            # logical block r0 + b belongs to check (r0 + b) // every and is coded with the epoch current before it
-            check_of = (r0[i] + np.arange(n)) // every
-            epochs = a.epoch + np.searchsorted(picked, check_of, side="left").astype(np.int64)
+            if not len(picked):          # no epoch appended: every block keeps the current one
+                epochs = np.full(n, a.epoch, np.int64)
+            else:
+                # logical block r0 + b belongs to check (r0 + b) // every, coded with the epoch current before it
+                check_of = (r0[i] + np.arange(n)) // every
+                epochs = a.epoch + np.searchsorted(picked, check_of, side="left").astype(np.int64)
             for j in picked:
                 b3, b4 = tables[(i, j)]
                 a.calibration.add_epoch(a.layer, a.kind, b3.reshape(kv_heads, head_dim),
