@@ -27,6 +27,7 @@ from numba import cuda
 
 from .. import epochs as E
 from .. import layout as L
+from .launch import driver, launch_args
 from .primitives import SIMULATOR, WARP, device, gaddr, i32, ldg4_at, syncwarp, u32, u64
 
 BINS = 256                   # exponent values of a BF16 element
@@ -585,7 +586,10 @@ class Batch:
             kernel[grid, block](*(a.numpy() if isinstance(a, torch.Tensor) else a for a in args))
         else:
             stream = self.stream if self.stream is not None else torch.cuda.current_stream(self.device)
-            kernel[grid, block, cuda.external_stream(stream.cuda_stream)](*args)
+            if driver() is not None:
+                launch_args(kernel, grid, block, args, stream.cuda_stream)
+            else:
+                kernel[grid, block, cuda.external_stream(stream.cuda_stream)](*args)
 
     def scan(self) -> None:
         """Launch the scan kernel: every check's windows and what they save, and the histograms after the

@@ -307,6 +307,46 @@ def driver():
     return _DRIVER or None
 
 
+_NUMBA_DTYPES = {}
+
+
+def signature_of(args) -> tuple:
+    """The numba argument types of ``args`` (torch tensors and ints) as numba's launch would infer them, except
+    that a tensor that is not C-contiguous is typed ``'A'`` (any strides) whatever its strides."""
+    from numba import types
+
+    if not _NUMBA_DTYPES:
+        import torch
+
+        _NUMBA_DTYPES.update({torch.int8: types.int8, torch.uint8: types.uint8, torch.int16: types.int16,
+                              torch.int32: types.int32, torch.int64: types.int64, torch.float32: types.float32})
+    return tuple(types.int64 if isinstance(a, (int, np.integer)) else
+                 types.Array(_NUMBA_DTYPES[a.dtype], a.dim(), "C" if a.is_contiguous() else "A") for a in args)
+
+
+def packed_params(args) -> list:
+    """:func:`params` of every argument in ``args`` (ints as int64), one flat list."""
+    return [p for a in args for p in params(int(a) if isinstance(a, np.integer) else a)]
+
+
+_BY_SIGNATURE = {}    # (kernel, block, signature) -> FastLaunch
+
+
+def launch_args(dispatcher, grid, block, args, stream: int) -> None:
+    """Launch ``dispatcher`` over ``grid`` x ``block`` with ``args`` (CUDA tensors and ints) on the raw stream
+    ``stream`` through the driver: numba's own launch converts every tensor through the CUDA array interface
+    (milliseconds for a kernel of a dozen arrays on a slow host).  Compiled once per signature
+    (:func:`signature_of`); the parameters are packed per call."""
+    sig = signature_of(args)
+    key = (id(dispatcher), tuple(_dims(block)), sig)
+    entry = _BY_SIGNATURE.get(key)
+    if entry is None or entry[0] is not dispatcher:
+        launcher = FastLaunch(dispatcher, grid, block)
+        launcher.prepare(sig)
+        entry = _BY_SIGNATURE[key] = (dispatcher, launcher)
+    entry[1].run(ParamBuffer(packed_params(args)), tuple(_dims(grid)), stream)
+
+
 def _dims(x) -> tuple:
     x = (x,) if isinstance(x, int) else tuple(x)
     return x + (1,) * (3 - len(x))
@@ -335,8 +375,8 @@ class FastLaunch:
         """Compile for ``signature`` (numba types) without launching: a launch being captured into a CUDA
         graph must not compile, and a first launch through numba would run the kernel."""
         if self._cufunc is None:
-            self._dispatcher.compile(signature)
-            self._cufunc = cufunction(self._dispatcher)
+            # the overload for this signature (a dispatcher may hold others)
+            self._cufunc = self._dispatcher.compile(signature)._codelibrary.get_cufunc().kernel
 
     def __call__(self, args, params_of, grid=None):
         """Launch with ``args`` (first call), later with ``params_of(params)``: the packed parameters.
