@@ -438,6 +438,44 @@ class _Update:
                                                                        # encode: the free lists' heads before it
 
 
+@dataclass
+class _EarlyWrite:
+    """An update committed before its encodes' counts are known (:meth:`PagedKVCache._written_early`), and what
+    puts the cache back if a free list ran dry.  Only what later calls read is put back: the host's lengths,
+    the tails that held tokens, the work list's cuts, the adapters and their pending blocks, the block count.
+    Table entries and block epochs past the restored lengths are never read (a later update overwrites them),
+    and no epoch was appended (the caller writes early only then)."""
+
+    cache: object
+    lens: np.ndarray
+    cuts: dict
+    adapters: list               # (store, its adapter, its deferred blocks' count)
+    tails: list                  # (store, sequence, its tail before the write)
+    blocks_encoded: int
+    stores: list                 # (layer, kind) of every store written
+
+    def undo(self) -> None:
+        cache = self.cache
+        cache._lens[...] = self.lens
+        for seq, cuts in self.cuts.items():
+            cache._cuts[seq] = cuts
+        for store, adapter, n in self.adapters:
+            store.adapter = adapter
+            del store.deferred[n:]
+        for store, seq, tail in self.tails:
+            store.tail[seq].copy_(tail)
+        cache.blocks_encoded = self.blocks_encoded
+
+    def settle(self) -> None:
+        """The write stands: a CPU cache's adapters observe the new blocks now."""
+        cache = self.cache
+        if cache.device.type != "cuda":
+            for layer, kind in self.stores:
+                store = cache._store[layer][kind]
+                if store.deferred:
+                    cache._flush(store, layer, kind)
+
+
 @dataclass(frozen=True)
 class MemoryReport:
     """Bytes a :class:`PagedKVCache` holds for its tokens, against a plain BF16 cache of the same tokens.
@@ -878,9 +916,11 @@ class PagedKVCache:
         rule still decides are encoded with their layer's newest epoch, which is what the rule keeps unless
         it appends an epoch; where it does, that layer and kind is encoded again once the decision is in (every
         one, where a guessed epoch ran a free list dry).  The host takes the rule's decisions while the
-        encodes run, and only then waits for the encodes' counts where a free list may have run dry."""
+        encodes run.  Where the rule keeps every guess and appends no epoch, the host also writes the update
+        (tables, tails, lengths, block epochs, adapters) before it waits for the encodes' counts, and undoes
+        that write if a free list ran dry (:meth:`_written_early`)."""
         rule = self._launch_rule(updates)
-        encoded, redo, done = True, [], False
+        encoded, redo, done, early = True, [], False, None
 
         def decided():          # the rule's decisions, taken once: before the encodes are checked, or on an error
             nonlocal redo, done
@@ -888,18 +928,35 @@ class PagedKVCache:
                 done = True
                 redo = self._finish_rule(rule)
 
+        def before_check():
+            nonlocal early
+            decided()
+            if not redo and not any(u.epochs[kind] is not None and u.epochs[kind].tables
+                                    for u in updates for kind in KINDS):
+                early = self._written_early(updates)
+
+        def ran_dry():
+            nonlocal early
+            if early is not None:
+                early.undo()
+                early = None
+
         try:
             self._reserve(updates)
             if self._cuda_codec:
-                encoded = self._encode_on_device(updates, guessing=bool(rule), before_check=decided)
+                encoded = self._encode_on_device(updates, guessing=bool(rule), before_check=before_check,
+                                                 ran_dry=ran_dry)
         finally:
             decided()
         if not encoded:                 # a guessed epoch ran a free list dry: encode with the rule's epochs
             self._encode_on_device(updates)
         elif redo:
             self._encode_again(redo)
-        for u in updates:
-            self._commit(u)
+        if early is None:
+            for u in updates:
+                self._commit(u)
+        else:
+            early.settle()
         # the device's lengths of every layer the updates changed, in one copy
         layers = sorted({u.layer for u in updates})
         if len(layers) == self.layers:
@@ -908,6 +965,22 @@ class PagedKVCache:
             for layer in layers:
                 self._seq_lens[layer].copy_(self._to_device(self._lens[layer].astype(np.int32)), non_blocking=True)
         self._lengths_changed()
+
+    def _written_early(self, updates: list) -> "_EarlyWrite":
+        """Commit ``updates`` while their encodes may still run dry: what the write changes that a later
+        update could see is kept to be put back (:class:`_EarlyWrite`).  The adapters' observation of the
+        new blocks waits for :meth:`_EarlyWrite.settle`."""
+        seqs = sorted({s for u in updates for s in u.seqs})
+        stores = [store for u in updates for store in self._store[u.layer]]
+        tails = [(store, seq, store.tail[seq].clone()) for u in updates for store in self._store[u.layer]
+                 for seq in u.seqs if self._lens[u.layer, seq] % L.BLOCK_TOKENS]
+        early = _EarlyWrite(self, lens=self._lens.copy(), cuts={s: set(self._cuts[s]) for s in seqs},
+                            adapters=[(st, st.adapter, len(st.deferred)) for st in stores], tails=tails,
+                            blocks_encoded=self.blocks_encoded,
+                            stores=[(u.layer, kind) for u in updates for kind in KINDS])
+        for u in updates:
+            self._commit(u, observe=False)
+        return early
 
     def _bits(self, x, name: str, ndim: int) -> torch.Tensor:
         """``x`` (torch BF16/int16/uint16 on any device, or NumPy bits, any strides) as int16 on the cache's device."""
@@ -1176,7 +1249,7 @@ class PagedKVCache:
                 self._storage_changed()
 
     def _encode_on_device(self, updates: list, only: set | None = None, guessing: bool = False,
-                          before_check=None) -> bool:
+                          before_check=None, ran_dry=None) -> bool:
         """Encode every finished tile of ``updates`` (of its ``(id(update), kind)`` pairs in ``only``) into its
         pools with the CUDA encoder (one launch per epoch run and kind), leaving each tile's table entry in
         ``u.entries``; return True.
@@ -1187,7 +1260,8 @@ class PagedKVCache:
         redone, or :class:`PoolExhaustedError` is raised with the cache unchanged.  With ``guessing``
         (some epochs are the rule's, still being decided) a list that runs dry returns False instead, the
         counts put back: the epochs the rule decides may need fewer records.  ``before_check`` runs once,
-        after the first launches and before that wait (host work that overlaps the encodes)."""
+        after the first launches and before that wait (host work that overlaps the encodes); ``ran_dry``
+        runs where a list ran dry, before the counts are put back."""
         jobs = [(u, kind) for u in updates for kind in KINDS if u.tiles[kind] is not None
                 and (only is None or (id(u), kind) in only)]
         while True:
@@ -1221,6 +1295,8 @@ class PagedKVCache:
             over = [(pool, pool.taken - pool.order.shape[0]) for pool in checked if pool.taken > pool.order.shape[0]]
             if not over:
                 return True
+            if ran_dry is not None:
+                ran_dry()
             self._put_back([(u, kind, saved[id(self._store[u.layer][kind])]) for u, kind in jobs])
             if guessing:
                 return False
@@ -1289,14 +1365,15 @@ class PagedKVCache:
                     store.epoch = torch.cat([e, e.new_zeros((e.shape[0], n - e.shape[1]))], dim=1)
         self._storage_changed()
 
-    def _commit(self, u: _Update) -> None:
+    def _commit(self, u: _Update, observe: bool = True) -> None:
         """Write an update prepared and reserved for: slots, raw tiles, table entries, tails, the host's
-        lengths (the caller copies them to the device)."""
+        lengths (the caller copies them to the device).  ``observe``: a CPU cache's adapters observe the
+        new blocks now (else the caller has them do it)."""
         per = self.tiles_per_block
         for kind in KINDS:
             store, tiles, fits = self._store[u.layer][kind], u.tiles[kind], u.fits[kind]
             if tiles is not None:
-                self._commit_epochs(store, u, kind)
+                self._commit_epochs(store, u, kind, observe)
                 if u.entries[kind] is not None:
                     entries = u.entries[kind]
                 else:
@@ -1328,7 +1405,7 @@ class PagedKVCache:
             self._lens[u.layer, seq] += u.new[0].shape[2]
             self.blocks_encoded += q
 
-    def _commit_epochs(self, store: _Kind, u: _Update, kind: int) -> None:
+    def _commit_epochs(self, store: _Kind, u: _Update, kind: int, observe: bool = True) -> None:
         """Apply an update's epoch decisions: new epochs, the adapter's state, each finished block's epoch."""
         plan = u.epochs[kind]
         for b3, b4 in plan.tables:
@@ -1340,7 +1417,7 @@ class PagedKVCache:
             store.adapter = plan.after
         elif plan.pending is not None:
             store.deferred.append(plan.pending)
-            if self.device.type != "cuda":
+            if self.device.type != "cuda" and observe:
                 self._flush(store, u.layer, kind)
         start = 0
         for seq, q in zip(u.seqs, u.blocks):

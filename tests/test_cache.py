@@ -478,6 +478,43 @@ def test_cuda_codec_path_in_the_simulator():
     np.testing.assert_array_equal(cache.read(seq)[1], v)
 
 
+def test_an_update_written_before_its_counts_is_undone_where_a_list_ran_dry(monkeypatch):
+    """The CUDA path writes an update while its encodes' counts are still in flight; where the raw list ran
+    dry, that write is undone -- lengths, tail, counts and contents as before -- and the update is refused, or
+    with ``grow`` encoded again into a larger pool."""
+    pytest.importorskip("numba")
+    rng = np.random.default_rng(5)
+    k, v = synthetic(rng, 1, 1, 3 * B, 64, spread=2.5), synthetic(rng, 1, 1, 3 * B, 64, spread=2.5)
+    cal = with_capacity(calibrate(k, v), [[0], [L.geometry(64).max_useful_capacity]])    # K's escapes go raw
+    undone = []
+    undo = cache_mod._EarlyWrite.undo
+    monkeypatch.setattr(cache_mod._EarlyWrite, "undo", lambda self: (undone.append(True), undo(self)))
+    for grow in (False, True):
+        cache = PagedKVCache(cal, max_seqs=1, max_blocks=4, raw_tiles=1, codec="cuda", grow=grow)
+        seq = cache.add_sequence(k[:, :, :10], v[:, :, :10])       # a tail of 10 tokens, no block
+
+        def state():        # contents, memory, blocks, each device pool's free records, what the adapters saw
+            return ({seq: cache.read(seq)}, cache.memory(), cache.blocks_encoded,
+                    [[(p.n_free(), p._rest().tolist()) for st in layer for p in (st.slots, st.raw)]
+                     for layer in cache._store],
+                    [(st.adapter is not None and st.adapter.finalized, len(st.deferred))
+                     for layer in cache._store for st in layer])
+        before = state()
+        undone.clear()
+        if not grow:
+            with pytest.raises(PoolExhaustedError, match="raw-tile pool"):
+                cache.append(seq, k[:, :, 10:45], v[:, :, 10:45])  # two blocks (two raw K tiles, one free), a tail
+            assert_same(state(), before)
+            assert cache.seq_len(seq) == 10 and cache._seq_lens[0, seq] == 10
+            assert cache._cuts[seq] == set()
+        else:
+            cache.append(seq, k[:, :, 10:45], v[:, :, 10:45])
+            np.testing.assert_array_equal(cache.read(seq)[0], k[:, :, :45])
+            np.testing.assert_array_equal(cache.read(seq)[1], v[:, :, :45])
+            assert cache.blocks_encoded == 2 and cache.memory().raw_bytes > 0
+        assert undone == [True]
+
+
 # ----------------------------------------------------------------------------------------------
 # Calibration epochs: a context that drifts away from its calibration.
 
