@@ -171,6 +171,9 @@ def _codec_for(codec: str | None, device: torch.device):
     raise InputError(f"codec {codec!r}: one of 'reference', 'cuda' (or None for the device's default)")
 
 
+_RULE_STREAMS = {}       # CUDA device index -> the stream the adaptation rule runs on (PagedKVCache._rule_stream)
+
+
 def _runs(epochs: np.ndarray):
     """``(epoch, start, stop)`` of each run of equal values in ``epochs``: one codec call each."""
     if not len(epochs):
@@ -593,7 +596,6 @@ class PagedKVCache:
         self._append_launch = None   # the one-token append kernel's launcher (GPU)
         self._append_params = {}     # layer -> (its tails, lengths, the append kernel's parameter buffer) (GPU)
         self._step_appends = {}      # the sequences' bytes -> their one-token step appends (gaac.step_append)
-        self._side = None            # the stream the adaptation rule runs on (GPU; _rule_stream)
         self._eager_plan = None      # the newest one-step plan, whose appends take its fast path (gaac.step)
         self._launchers = {}         # kernel -> its launcher, kept across steps (gaac.step)
         self._work_plans = {}        # the newest one-step plan's work list and launch state, for the next (gaac.step)
@@ -647,7 +649,6 @@ class PagedKVCache:
     def __getstate__(self):
         state = self.__dict__.copy()
         del state["_lock"]                 # a lock is not copied or pickled: a copy gets a lock of its own
-        state["_side"] = None              # nor is a stream: a copy makes its own when it first needs one
         return state
 
     def __setstate__(self, state):
@@ -1122,12 +1123,15 @@ class PagedKVCache:
     def _rule_stream(self):
         """The CUDA stream the adaptation rule runs on, beside the encodes (None on the CPU): of a higher
         priority, so that the GPU schedules the rule's blocks first -- the host waits for its decisions,
-        while the encodes are waited for only later, if at all."""
+        while the encodes are waited for only later, if at all.  One per device for the process: torch's
+        allocator keeps freed memory per stream, so a stream per cache would strand the rule's buffers."""
         if self.device.type != "cuda":
             return None
-        if self._side is None:
-            self._side = torch.cuda.Stream(self.device, priority=-1)
-        return self._side
+        key = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        stream = _RULE_STREAMS.get(key)
+        if stream is None:
+            stream = _RULE_STREAMS[key] = torch.cuda.Stream(key, priority=-1)
+        return stream
 
     def _finish_rule(self, launched: list) -> list:
         """Wait for the rule's decisions and put them in the plans; return the (update, kind) pairs whose
