@@ -28,7 +28,7 @@ from numba import cuda
 from .. import epochs as E
 from .. import layout as L
 from .launch import driver, launch_args
-from .primitives import SIMULATOR, WARP, device, gaddr, i32, ldg4_at, syncwarp, u32, u64
+from .primitives import SIMULATOR, WARP, device, gaddr, i32, ldg4_at, popc, syncwarp, u32, u64
 
 BINS = 256                   # exponent values of a BF16 element
 SCAN_REGISTERS = 64          # the scan kernel's register cap: 32 warps an SM, no spills
@@ -81,9 +81,10 @@ def scan_kernel(every: int, shift: int, registers: int | None = None):
       bins (8 a lane, in registers), finds the best 8- and 16-wide windows from its own bins and the next
       two lanes' (two lanes of zeros past bin 255 end the windows that run off the end: such a window never
       covers more than the one starting at ``256 - w``, and ties go to the smaller start), and marks, per
-      token, the group's elements outside the current and the candidate windows;
-    * after the block's barrier the last warp turns the marks into escape bytes saved, and adds the
-      previous check's sum to ``saved0``.
+      token, the group's elements outside the current windows (a table per channel, made once: they hold
+      for the batch) and outside the candidate windows;
+    * after the block's barrier the last warp turns the marks into escape bytes saved (population counts of
+      the mark planes), and adds the previous check's sum to ``saved0``.
 
     Arithmetic is 32-bit wherever the values allow it."""
     tokens = every * L.BLOCK_TOKENS
@@ -95,12 +96,12 @@ def scan_kernel(every: int, shift: int, registers: int | None = None):
     threads = group * WARP
     last = group - 1                                  # the warp that sums the marks
     # shared array sizes: compile-time constants
-    cells, keys, lanes2, staged = group * stride, 4 * group, 2 * WARP, (2, group, tokens)
+    cells, keys, lanes2, staged, tables = group * stride, 4 * group, 2 * WARP, (2, group, tokens), group * BINS
     # numba widens int32 arithmetic to 64 bits: every result is cast back (two instructions become one),
     # and indices are unsigned (no negative-index wrap-around)
     RUN, SKEW, SHIFT, BINS_, TOP = i32(run), i32(skew), i32(shift), i32(BINS), i32(BINS - 1)
     ZERO, ONE, TWO, THREE, MINUS = i32(0), i32(1), i32(2), i32(3), i32(-1)
-    BYTES3, BYTES4, BYTESR = i32(COST_3BIT), i32(COST_4BIT), i32(COST_RAW)
+    EXTRA4, EXTRAR, NIBBLES = i32(COST_4BIT - COST_3BIT), i32(COST_RAW - COST_3BIT), i32(0x11111111)
     WIDE3, WIDE4 = i32(-L.WINDOW_3BIT), i32(-L.WINDOW_4BIT)
     assert per_lane * 4 <= 32 and tokens <= threads, "a lane packs its tokens' marks, 4 bits each, into one word"
     jit = cuda.jit if SIMULATOR or registers is None else cuda.jit(max_registers=registers)
@@ -112,9 +113,18 @@ def scan_kernel(every: int, shift: int, registers: int | None = None):
                    | (TWO if i32(i32(e - b4) & WIDE4) != ZERO else ZERO))
 
     @device
-    def escape(m):
-        """Escape bytes of a group whose elements' :func:`marks` OR to ``m``."""
-        return BYTES3 if i32(m & ONE) == ZERO else (BYTES4 if i32(m & TWO) == ZERO else BYTESR)
+    def saved_bytes(w):
+        """Escape bytes the candidate windows save over the current ones on a lane's tokens, whose group marks
+        are ``w`` (4 bits a token: outside the current 3- and 4-bit windows, then the candidate's).  A group
+        costs the 3-bit mode's escape bytes, plus the 4-bit mode's extra where it leaves the 3-bit window, or
+        the raw mode's extra where it leaves both: so the sum is population counts of the mark planes."""
+        o3c = i32(w & NIBBLES)
+        o4c = i32(i32(w >> ONE) & NIBBLES)
+        o3n = i32(i32(w >> TWO) & NIBBLES)
+        o4n = i32(i32(w >> THREE) & NIBBLES)
+        wide = i32(popc(i32(o3c & i32(~o4c))) - popc(i32(o3n & i32(~o4n))))
+        raw = i32(popc(i32(o3c & o4c)) - popc(i32(o3n & o4n)))
+        return i32(i32(wide * EXTRA4) + i32(raw * EXTRAR))
 
     @device
     def stage(ex, p, tt, xw0, xw1, xw2, xw3):
@@ -154,6 +164,7 @@ def scan_kernel(every: int, shift: int, registers: int | None = None):
         acc = cuda.shared.array(3, np.int32)          # [check mod 3]: the group's escape bytes saved
         flag = cuda.shared.array(3, np.int32)         # [check mod 3]: a channel's windows differ from the current
         ex = cuda.shared.array(staged, np.uint8)      # [check parity][channel][token]: the exponents
+        curmark = cuda.shared.array(tables, np.uint8)  # [channel][exponent]: its marks against the current windows
         hb = cuda.local.array(run, np.int32)          # this lane's bins
         ev = cuda.local.array(per_lane, np.int32)     # this check's exponents of this lane's tokens
         row = i32(warp * i32(stride))
@@ -172,6 +183,11 @@ def scan_kernel(every: int, shift: int, registers: int | None = None):
             flag[tid] = ZERO
         c3 = i32(cur[job, 0, u32(ch)])
         c4 = i32(cur[job, 1, u32(ch)])
+        # the current windows hold for the whole batch: each exponent's marks against them, looked up per token
+        tab = u64(i32(warp * BINS_))
+        for k in range(run):
+            e = i32(i32(lane * RUN) + i32(k))
+            curmark[tab + u64(e)] = marks(e, c3, c4)
         n_checks = i32(checks[job])
         r = i32(r0[job])
         loader = tid < tokens                         # the thread that loads token tid of each check
@@ -243,7 +259,7 @@ def scan_kernel(every: int, shift: int, registers: int | None = None):
             m = ZERO
             for k in range(per_lane):
                 e = ev[k]
-                m = i32(m | i32(i32(marks(e, c3, c4) | i32(marks(e, n3, n4) << TWO)) << i32(4 * k)))
+                m = i32(m | i32(i32(i32(curmark[tab + u64(e)]) | i32(marks(e, n3, n4) << TWO)) << i32(4 * k)))
             cuda.atomic.or_(mark, i32(i32(p * i32(WARP)) + lane), m)
             if loader and more:
                 stage(ex, ONE - p, tt, xw0, xw1, xw2, xw3)
@@ -258,10 +274,7 @@ def scan_kernel(every: int, shift: int, registers: int | None = None):
                     flag[q1] = ZERO
                 w = mark[i32(i32(p * i32(WARP)) + lane)]
                 mark[i32(i32(p * i32(WARP)) + lane)] = ZERO
-                saved = ZERO
-                for k in range(per_lane):
-                    g = i32(w >> i32(4 * k))
-                    saved = i32(saved + i32(escape(i32(g & THREE)) - escape(i32(i32(g >> TWO) & THREE))))
+                saved = saved_bytes(w)
                 if saved != 0:
                     cuda.atomic.add(acc, q, saved)
             q = i32(q + ONE) if q < TWO else ZERO
