@@ -552,14 +552,14 @@ class AttentionPlan:
                          *(p.shape[0] for p in (*view.slots, *view.raw)))
         self._scale_log2 = np.float32(self.scale * 1.4426950408889634)
         if not K.SIMULATOR:
-            from .cuda.launch import FastLaunch, params
+            from .cuda.launch import FastLaunch, packed_params
 
             self._main = FastLaunch(self._kernel, (self.n_work, hk), K.WARP)
-            self._main_fixed = ([p for a in (*self._arrays, self.o_part, self.lse_part, self.status) for p in params(a)]
-                                + [p for x in self._scalars for p in params(int(x))]
+            self._main_fixed = (packed_params((*self._arrays, self.o_part, self.lse_part, self.status))
+                                + packed_params(self._scalars)
                                 + [ctypes.c_float(self._scale_log2)])
             self._merge_launch = FastLaunch(self._merge, *self._merge_grid, pdl=pdl)
-            self._merge_fixed = [p for a in (self.o_part, self.lse_part, self._split0) for p in params(a)]
+            self._merge_fixed = packed_params((self.o_part, self.lse_part, self._split0))
 
     def run(self, q, *, out=None, lse=None, return_lse: bool = False):
         """Attention output ``[B, Hq, D]``: torch bfloat16 on the GPU, int16 BF16 bits in the simulator.

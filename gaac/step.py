@@ -97,12 +97,12 @@ def layer_launch(cache, layer: int, g: int) -> _LayerLaunch:
                store_k.raw.data.shape[0], store_v.raw.data.shape[0])
     state = _LayerLaunch(kernel=kernel, arrays=flat, scalars=tuple(int(s) for s in scalars))
     if not K.SIMULATOR:
-        from .cuda.launch import FastLaunch, ParamBuffer, params
+        from .cuda.launch import FastLaunch, ParamBuffer, packed_params
 
         state.main = FastLaunch(kernel, None, K.WARP)
         state.main.prepare(K.kernel_signature())
-        state.fixed = [p for a in flat for p in params(a)]
-        state.fixed_scalars = [p for s in state.scalars for p in params(s)]
+        state.fixed = packed_params(flat)
+        state.fixed_scalars = packed_params(state.scalars)
         # q, the layer's arrays, the plan's work list and partials, the status word, scalars, the scale:
         # a plan writes its part once per layer (StepPlan._launch), a call writes q's address.
         state.buffer = ParamBuffer([0] * 7 + state.fixed + [0] * (len(_STEP_PARAMS) * 7 + 7) + state.fixed_scalars
@@ -215,7 +215,7 @@ class StepPlan:
         self._scale_log2 = np.float32(self.scale * LOG2_E)
         if not SIMULATOR:
             from .captured import merge_signature
-            from .cuda.launch import DATA_SLOT, FastLaunch, ParamBuffer, current_stream, params
+            from .cuda.launch import DATA_SLOT, FastLaunch, ParamBuffer, current_stream, packed_params, params
 
             self._current_stream = current_stream
 
@@ -229,9 +229,9 @@ class StepPlan:
                 self._merge_launch = cache._launchers[id(self._merge)] = FastLaunch(self._merge, None,
                                                                                     self._merge_grid[1], pdl=True)
             self._merge_launch.prepare(merge_signature())
-            self._step_params = [p for a in (self._work, self.o_part, self.lse_part) for p in params(a)]
+            self._step_params = packed_params((self._work, self.o_part, self.lse_part))
             n, m = self.batch * self.q_heads * d, self.batch * self.q_heads
-            partials = [p for a in (self.o_part, self.lse_part, self._split0) for p in params(a)]
+            partials = packed_params((self.o_part, self.lse_part, self._split0))
             # out and lse follow the partials, 7 slots each; a call writes their data pointers
             self._merge_out = len(partials) + DATA_SLOT
             self._merge_buffer = ParamBuffer(partials + [0, 0, n, 2, 0, n, 2] + [0, 0, m, 4, 0, m, 4]

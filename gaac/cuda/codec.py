@@ -75,7 +75,8 @@ from numba import cuda, int32, int64, uint8, uint32
 
 from .. import layout as L
 from ..errors import InputError
-from .launch import WORD, TileLauncher, allocators, check_array, is_torch, params, plain, word_params, words
+from .launch import (WORD, TileLauncher, allocators, check_array, is_torch, packed_params, params, plain, word_params,
+                     words)
 from .primitives import SIMULATOR, WARP, device, funnel_r, ldg2, ldg4, mul32, popc32, prmt, stg2, stg4, syncwarp
 
 NO_STORAGE = -1                                  # entry of a tile whose free list ran dry
@@ -804,7 +805,7 @@ class EncodePlan:
         self._fixed = (bases_words, self.capacity, words(slots), plain(slot_free), words(raw), plain(raw_free),
                        plain(heads))
         self._launcher = TileLauncher(codec.encode_kernel(channels, tiles_per_block), tiles_per_block)
-        self._fixed_params = None if SIMULATOR else [p for a in self._fixed for p in params(a)]
+        self._fixed_params = None if SIMULATOR else packed_params(self._fixed)
         self._codec, self._rows, self._tiles_per_block, self._in_place = codec, bases.shape[0], tiles_per_block, None
 
     def in_place(self, bits, first: int, entries, escape_used, *, stream=None, fast: bool = True):
@@ -840,7 +841,7 @@ class EncodePlan:
         """Launch ``launcher`` over ``n`` tiles: the words of ``bits``, then ``scalars`` (ints), the plan's
         fixed arguments, ``entries`` and ``escape_used``; packed by hand on the fast path."""
         if self._fixed_params is not None and fast:
-            packed = (word_params(bits) + [p for s in scalars for p in params(s)] + self._fixed_params
+            packed = (word_params(bits) + packed_params(scalars) + self._fixed_params
                       + params(entries) + params(escape_used))
             launcher.launch(n, None, stream, fast, packed)
             return

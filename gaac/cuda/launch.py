@@ -92,10 +92,10 @@ DATA_SLOT = 4     # an array's data pointer among its parameters (params): memin
 
 
 def params(a) -> list:
-    """Kernel parameters of one argument (an int64 scalar or a C-contiguous tensor), laid out as
+    """Kernel parameters of one argument (an int64 scalar, Python or NumPy, or a tensor), laid out as
     numba's own launch lays them out: meminfo, parent, size, itemsize, data, shape, strides."""
-    if isinstance(a, int):
-        return [ctypes.c_int64(a)]
+    if isinstance(a, (int, np.integer)):
+        return [ctypes.c_int64(int(a))]
     item = a.element_size()
     return [0, 0, a.numel(), item, a.data_ptr(), *a.shape, *(s * item for s in a.stride())]
 
@@ -189,7 +189,7 @@ class TileLauncher:
         s = _STREAMS.get(handle)
         if s is None:
             s = _STREAMS[handle] = Stream.from_handle(handle)
-        launch(s, config, self._cufunc, *(packed if packed is not None else [p for a in args for p in params(a)]))
+        launch(s, config, self._cufunc, *(packed if packed is not None else packed_params(args)))
 
 
 class ParamBuffer:
@@ -325,8 +325,8 @@ def signature_of(args) -> tuple:
 
 
 def packed_params(args) -> list:
-    """:func:`params` of every argument in ``args`` (ints as int64), one flat list."""
-    return [p for a in args for p in params(int(a) if isinstance(a, np.integer) else a)]
+    """:func:`params` of every argument in ``args``, one flat list."""
+    return [p for a in args for p in params(a)]
 
 
 _BY_SIGNATURE = {}    # (kernel, block, signature) -> FastLaunch
