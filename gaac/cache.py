@@ -452,17 +452,17 @@ class _EarlyWrite:
     cache: object
     lens: np.ndarray
     cuts: dict
-    adapters: list               # (store, its adapter, its deferred blocks' count)
+    adapters: list               # per store written: (layer, kind, its adapter, its deferred blocks' count)
     tails: list                  # (store, sequence, its tail before the write)
     blocks_encoded: int
-    stores: list                 # (layer, kind) of every store written
 
     def undo(self) -> None:
         cache = self.cache
         cache._lens[...] = self.lens
         for seq, cuts in self.cuts.items():
             cache._cuts[seq] = cuts
-        for store, adapter, n in self.adapters:
+        for layer, kind, adapter, n in self.adapters:
+            store = cache._store[layer][kind]
             store.adapter = adapter
             del store.deferred[n:]
         for store, seq, tail in self.tails:
@@ -473,10 +473,8 @@ class _EarlyWrite:
         """The write stands: a CPU cache's adapters observe the new blocks now."""
         cache = self.cache
         if cache.device.type != "cuda":
-            for layer, kind in self.stores:
-                store = cache._store[layer][kind]
-                if store.deferred:
-                    cache._flush(store, layer, kind)
+            for layer, kind, _, _ in self.adapters:
+                cache._flush(cache._store[layer][kind], layer, kind)
 
 
 @dataclass(frozen=True)
@@ -972,13 +970,12 @@ class PagedKVCache:
         update could see is kept to be put back (:class:`_EarlyWrite`).  The adapters' observation of the
         new blocks waits for :meth:`_EarlyWrite.settle`."""
         seqs = sorted({s for u in updates for s in u.seqs})
-        stores = [store for u in updates for store in self._store[u.layer]]
         tails = [(store, seq, store.tail[seq].clone()) for u in updates for store in self._store[u.layer]
                  for seq in u.seqs if self._lens[u.layer, seq] % L.BLOCK_TOKENS]
+        adapters = [(u.layer, kind, store.adapter, len(store.deferred))
+                    for u in updates for kind, store in zip(KINDS, self._store[u.layer])]
         early = _EarlyWrite(self, lens=self._lens.copy(), cuts={s: set(self._cuts[s]) for s in seqs},
-                            adapters=[(st, st.adapter, len(st.deferred)) for st in stores], tails=tails,
-                            blocks_encoded=self.blocks_encoded,
-                            stores=[(u.layer, kind) for u in updates for kind in KINDS])
+                            adapters=adapters, tails=tails, blocks_encoded=self.blocks_encoded)
         for u in updates:
             self._commit(u, observe=False)
         return early

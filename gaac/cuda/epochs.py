@@ -127,6 +127,15 @@ def scan_kernel(every: int, shift: int, registers: int | None = None):
         return i32(i32(wide * EXTRA4) + i32(raw * EXTRAR))
 
     @device
+    def publish(acc, flag, q, differs0, saved0, job, check):
+        """Check ``check``'s result, complete in ``acc[q]`` and ``flag[q]``: whether the candidate differs from the
+        current windows, and the escape bytes it saves (added: other groups of channels add theirs)."""
+        if flag[q]:
+            differs0[job, check] = 1
+            if acc[q] != 0:
+                cuda.atomic.add(saved0, (job, check), acc[q])
+
+    @device
     def stage(ex, p, tt, xw0, xw1, xw2, xw3):
         """Token ``tt``'s exponents of the group's 8 channels (its four words) into ``ex[p, :, tt]``."""
         ex[p, 0, tt] = (xw0 >> u32(7)) & u32(0xFF)
@@ -266,10 +275,7 @@ def scan_kernel(every: int, shift: int, registers: int | None = None):
             cuda.syncthreads()
             if warp == last:
                 if lane == 0 and j > 0:               # check j - 1's sum, complete since this barrier
-                    if flag[q1]:
-                        differs0[job, u32(j - ONE)] = 1
-                        if acc[q1] != 0:
-                            cuda.atomic.add(saved0, (job, u32(j - ONE)), acc[q1])
+                    publish(acc, flag, q1, differs0, saved0, job, u32(j - ONE))
                     acc[q1] = ZERO
                     flag[q1] = ZERO
                 w = mark[i32(i32(p * i32(WARP)) + lane)]
@@ -281,10 +287,7 @@ def scan_kernel(every: int, shift: int, registers: int | None = None):
         cuda.syncthreads()
         if tid == 0 and n_checks > 0:
             q = i32(q - ONE) if q > ZERO else TWO     # (n_checks - 1) % 3
-            if flag[q]:
-                differs0[job, u32(n_checks - ONE)] = 1
-                if acc[q] != 0:
-                    cuda.atomic.add(saved0, (job, u32(n_checks - ONE)), acc[q])
+            publish(acc, flag, q, differs0, saved0, job, u32(n_checks - ONE))
         for k in range(run):
             hist[job, u32(ch), u32(i32(lane * RUN) + i32(k))] = hb[k]
 
@@ -554,10 +557,7 @@ class Batch:
         self.r0 = r0 = np.array([len(a._recent) for a, _ in jobs], dtype=np.int32)
         self.every = every = E.ADAPT_EVERY
         self.checks = checks = (r0 + n) // every
-        rec_np = np.zeros((n_jobs, max(1, int(r0.max())), kv_heads, L.BLOCK_TOKENS, head_dim), dtype=np.int16)
-        for i, (a, _) in enumerate(jobs):
-            for b, block in enumerate(a._recent):
-                rec_np[i, b] = np.asarray(block).view(np.int16)
+        rec_shape = (n_jobs, max(1, int(r0.max())), kv_heads, L.BLOCK_TOKENS, head_dim)
         fresh = all(a.finalized == 0 for a, _ in jobs)           # a new cache's prefill: empty histograms
         cur_np = np.empty((n_jobs, 2, channels), dtype=np.int32)
         for i, (a, _) in enumerate(jobs):
@@ -572,8 +572,14 @@ class Batch:
             t = torch.from_numpy(np.ascontiguousarray(a))
             return t if device.type != "cuda" else t.pin_memory().to(device, non_blocking=True)
 
-        # no adapter holds a block not yet checked (a new cache's prefill): nothing to copy
-        rec = dev(rec_np) if r0.any() else torch.zeros(rec_np.shape, dtype=torch.int16, device=device)
+        if r0.any():         # the adapters' blocks not yet checked
+            rec_np = np.zeros(rec_shape, dtype=np.int16)
+            for i, (a, _) in enumerate(jobs):
+                for b, block in enumerate(a._recent):
+                    rec_np[i, b] = np.asarray(block).view(np.int16)
+            rec = dev(rec_np)
+        else:                # none (a new cache's prefill): nothing to copy
+            rec = torch.zeros(rec_shape, dtype=torch.int16, device=device)
         cur, r0_d, checks_d = dev(cur_np), dev(r0), dev(checks.astype(np.int32))
         self.hist = (torch.zeros((n_jobs, channels, BINS), dtype=torch.int32, device=device) if fresh else
                      torch.stack([a.hist_on_device(device).reshape(channels, BINS) for a, _ in jobs]))
