@@ -32,6 +32,7 @@ from .primitives import SIMULATOR, WARP, device, gaddr, i32, ldg4_at, popc, sync
 
 BINS = 256                   # exponent values of a BF16 element
 SCAN_REGISTERS = 64          # the scan kernel's register cap: 32 warps an SM, no spills
+SCAN_COPIES = 1              # copies of a check's counts the scan kernel's lanes spread their atomics over
 MAX_CHANNELS = 8192          # kv_heads * head_dim the chain kernel's shared bases hold
 MAX_GROUPS = MAX_CHANNELS // L.GROUP_SIZE
 CHAIN_THREADS = 1024
@@ -65,7 +66,7 @@ else:
 
 
 @functools.lru_cache(maxsize=None)
-def scan_kernel(every: int, shift: int, registers: int | None = None):
+def scan_kernel(every: int, shift: int, registers: int | None = None, copies: int = 1):
     """Per job and check, for every check at once: the decayed histogram after the check (decay shift
     ``shift``, a check every ``every`` blocks), the check's best windows per channel, and the escape bytes
     those windows save on the check's blocks against the epoch current when the batch starts.
@@ -77,7 +78,8 @@ def scan_kernel(every: int, shift: int, registers: int | None = None):
       leave their exponents in shared memory for the warps (loads of one channel by a warp would touch a
       line per lane);
     * each warp counts its channel's exponents (a lane 1/32 of the tokens) into shared counts (bin ``b``
-      at ``b + b // 8``, so that the lanes' 8-bin runs fall in distinct banks), decays and adds them to its
+      at ``b + b // 8``, so that the lanes' 8-bin runs fall in distinct banks; lane ``l`` into copy
+      ``l % copies`` of them, fewer lanes adding to one address at once), decays and adds them to its
       bins (8 a lane, in registers), finds the best 8- and 16-wide windows from its own bins and the next
       two lanes' (two lanes of zeros past bin 255 end the windows that run off the end: such a window never
       covers more than the one starting at ``256 - w``, and ties go to the smaller start), and marks, per
@@ -104,6 +106,11 @@ def scan_kernel(every: int, shift: int, registers: int | None = None):
     EXTRA4, EXTRAR, NIBBLES = i32(COST_4BIT - COST_3BIT), i32(COST_RAW - COST_3BIT), i32(0x11111111)
     WIDE3, WIDE4 = i32(-L.WINDOW_3BIT), i32(-L.WINDOW_4BIT)
     assert per_lane * 4 <= 32 and tokens <= threads, "a lane packs its tokens' marks, 4 bits each, into one word"
+    assert copies in (1, 2, 4, 8)
+    # the copies of the counts start 32 // copies banks apart, so that equal bins of two copies share no bank
+    apart = (cells + 31) // 32 * 32 + 32 // copies if copies > 1 else cells
+    counted = apart * copies
+    COPIES, APART = u32(copies - 1), u32(apart)
     jit = cuda.jit if SIMULATOR or registers is None else cuda.jit(max_registers=registers)
 
     @device
@@ -166,7 +173,7 @@ def scan_kernel(every: int, shift: int, registers: int | None = None):
         ch = i32(i32(cuda.blockIdx.y) * i32(group) + warp)
         h = u32(ch // i32(head_dim))
         d0 = u32(i32(i32(cuda.blockIdx.y) * i32(group)) % i32(head_dim))   # the group's first channel
-        cnt = cuda.shared.array(cells, np.int32)      # this check's counts
+        cnt = cuda.shared.array(counted, np.int32)    # this check's counts, ``copies`` times
         hs = cuda.shared.array(cells, np.int32)       # the decayed histogram, for the neighbours' windows
         best = cuda.shared.array(keys, np.int32)      # [warp][check parity][3-bit, 4-bit]: the best window keys
         mark = cuda.shared.array(lanes2, np.int32)    # [check parity][lane]: the group's marks, 4 bits a token
@@ -180,7 +187,8 @@ def scan_kernel(every: int, shift: int, registers: int | None = None):
         base = i32(row + i32(lane * SKEW))
         for k in range(run):
             hb[k] = hist[job, u32(ch), u32(i32(lane * RUN) + i32(k))]
-            cnt[base + k] = ZERO
+            for c in range(copies):
+                cnt[i32(c * apart) + base + k] = ZERO
             if lane < 2:                              # the two lanes of zeros past bin 255
                 hs[i32(row + i32(i32(i32(WARP) + lane) * SKEW) + i32(k))] = ZERO
         if lane < 4:
@@ -213,6 +221,8 @@ def scan_kernel(every: int, shift: int, registers: int | None = None):
         # fold into the instructions' immediates
         baseu, warpu = u64(base), u64(warp)
         row32 = u32(u32(u32(cuda.threadIdx.x) // u32(WARP)) * u32(stride))
+        if copies > 1:
+            row32 = u32(row32 + u32(u32(u32(cuda.threadIdx.x) & COPIES) * APART))
         nextu, next2u = u64(base + SKEW), u64(base + i32(2) * SKEW)
         for j in range(n_checks):
             j = i32(j)
@@ -233,6 +243,9 @@ def scan_kernel(every: int, shift: int, registers: int | None = None):
                 v = hb[k]
                 v = i32(i32(v - i32(v >> SHIFT)) + cnt[baseu + u64(k)])
                 cnt[baseu + u64(k)] = ZERO
+                for c in range(1, copies):
+                    v = i32(v + cnt[baseu + u64(c * apart + k)])
+                    cnt[baseu + u64(c * apart + k)] = ZERO
                 hb[k] = v
                 hs[baseu + u64(k)] = v
                 a3 = i32(a3 + v)
@@ -492,6 +505,31 @@ def _aligned(x):
     return x.clone(memory_format=torch.contiguous_format)
 
 
+_STAGING = {}        # device index -> (pinned int32 host buffer, event of the last copy out of it)
+
+
+def _upload(a: np.ndarray, device):
+    """Int32 host array ``a`` in a new tensor on ``device`` (a CUDA device), copied on the current stream
+    without the host waiting for the device: through a pinned buffer kept per device and grown as needed
+    (pinning a new host buffer of half a megabyte takes a millisecond or more; reusing one only waits for
+    its previous copy, long finished by the next batch)."""
+    import torch
+
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    host, event = _STAGING.get(key, (None, None))
+    if event is not None:
+        event.synchronize()
+    if host is None or host.numel() < a.size:
+        host = torch.empty(max(a.size, 2 * (0 if host is None else host.numel())), dtype=torch.int32, pin_memory=True)
+    host[:a.size].numpy()[:] = a
+    out = torch.empty(a.size, dtype=torch.int32, device=device)
+    out.copy_(host[:a.size], non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    _STAGING[key] = (host, event)
+    return out
+
+
 def assign(jobs: list) -> list:
     """Run the adaptation rule on the GPU for each ``(adapter, blocks)`` of ``jobs``, as
     ``adapter.assign(blocks)`` would on the host.
@@ -568,7 +606,7 @@ class Batch:
         xa = _aligned(_stacked([b for _, b in jobs[:ja]]))
         xb = _aligned(_stacked([b for _, b in jobs[ja:]])) if ja < n_jobs else xa
 
-        def dev(a):          # no wait for the device: the copies queue behind its work
+        def dev(a):          # no wait for the device: the copy queues behind its work
             t = torch.from_numpy(np.ascontiguousarray(a))
             return t if device.type != "cuda" else t.pin_memory().to(device, non_blocking=True)
 
@@ -580,7 +618,12 @@ class Batch:
             rec = dev(rec_np)
         else:                # none (a new cache's prefill): nothing to copy
             rec = torch.zeros(rec_shape, dtype=torch.int16, device=device)
-        cur, r0_d, checks_d = dev(cur_np), dev(r0), dev(checks.astype(np.int32))
+        # the small int32 inputs in one copy, through a pinned buffer kept for the device
+        small = [cur_np, r0, checks.astype(np.int32), finalized, n_epochs]
+        flat = np.concatenate([a.reshape(-1) for a in small])
+        staged = _upload(flat, device) if device.type == "cuda" else torch.from_numpy(flat)
+        ends = np.cumsum([a.size for a in small])
+        cur, r0_d, checks_d, finalized_d, n_epochs_d = (staged[e - a.size:e].view(a.shape) for a, e in zip(small, ends))
         self.hist = (torch.zeros((n_jobs, channels, BINS), dtype=torch.int32, device=device) if fresh else
                      torch.stack([a.hist_on_device(device).reshape(channels, BINS) for a, _ in jobs]))
         self.m = m = max(1, int(checks.max()))
@@ -591,8 +634,8 @@ class Batch:
         self.scan_args = (xa, xb, ja, rec, r0_d, checks_d, self.hist, self.cand, cur, head_dim, self.saved0,
                       self.differs0)
         words = [x.view(torch.int32) for x in (xa, xb, rec)]      # the chain reads two elements a load
-        self.chain_args = (words[0], words[1], ja, words[2], r0_d, checks_d, self.cand, cur, dev(finalized),
-                      dev(n_epochs), E.WARMUP_BLOCKS, E.MAX_EPOCHS, E.PAYBACK_CHECKS,
+        self.chain_args = (words[0], words[1], ja, words[2], r0_d, checks_d, self.cand, cur, finalized_d,
+                      n_epochs_d, E.WARMUP_BLOCKS, E.MAX_EPOCHS, E.PAYBACK_CHECKS,
                       E.epoch_table_bytes(first_adapter.calibration), kv_heads, head_dim, self.saved0,
                       self.differs0, self.accept)
 
@@ -613,7 +656,7 @@ class Batch:
     def scan(self) -> None:
         """Launch the scan kernel: every check's windows and what they save, and the histograms after the
         last check."""
-        kernel = scan_kernel(self.every, E.DECAY_SHIFT, SCAN_REGISTERS)
+        kernel = scan_kernel(self.every, E.DECAY_SHIFT, SCAN_REGISTERS, SCAN_COPIES)
         self._launch(kernel, (len(self.jobs), self.channels // L.GROUP_SIZE), L.GROUP_SIZE * WARP, self.scan_args)
 
     def chain(self) -> None:
