@@ -146,12 +146,11 @@ def main():
     blocks = {kind: x[:, :, : tokens // L.BLOCK_TOKENS * L.BLOCK_TOKENS].reshape(
         s.layers, s.kv_heads, tokens // L.BLOCK_TOKENS, L.BLOCK_TOKENS, s.head_dim).transpose(1, 2)
         for kind, x in ((0, k), (1, v))}
-    default = (GE.SCAN_REGISTERS, GE.SCAN_COPIES)
-    # the scan kernel's register cap and the copies of its counts
-    variants = [default] + [v for v in ((None, 1), (80, 1), (64, 2), (64, 4)) if v != default and not smoke]
+    default = GE.SCAN_REGISTERS
+    variants = [default] + [v for v in (None, 64, 80) if v != default and not smoke]
     rep["rule"], names, decided = {}, {}, None
-    for regs, copies in variants:
-        GE.SCAN_REGISTERS, GE.SCAN_COPIES = regs, copies
+    for regs in variants:               # the scan kernel's register cap
+        GE.SCAN_REGISTERS = regs
         stages = {"prepare": [], "scan": [], "chain": [], "finish": [], "total": []}
         for run in range(runs + 1):
             jobs = [(Adapter(cal.copy(), l, kind), blocks[kind][l]) for kind in (0, 1) for l in range(s.layers)]
@@ -185,9 +184,7 @@ def main():
         out = (batch.cand, batch.saved0, batch.differs0, batch.accept, batch.hist)
         decided = decided or out
         same = all(torch.equal(a, b) for a, b in zip(out, decided))
-        name = names[(regs, copies)] = ((f"scan kernel at most {regs} registers" if regs else
-                                         "scan kernel, the compiler's registers")
-                                        + (f", counts in {copies} copies" if copies > 1 else ""))
+        name = names[regs] = f"scan kernel at most {regs} registers" if regs else "scan kernel, the compiler's registers"
         rep["rule"][name] = {**{key: statistics.median(x) for key, x in stages.items()}, "same": same}
         log(f"  the rule alone, every layer and kind ({name}): "
             + ", ".join(f"{key} {statistics.median(x):.1f} ms" for key, x in stages.items())
@@ -196,7 +193,7 @@ def main():
     decided = None
     # the add_sequence timings below run the fastest configuration that computes the same
     best = min((v for v in variants if rep["rule"][names[v]]["same"]), key=lambda v: rep["rule"][names[v]]["total"])
-    GE.SCAN_REGISTERS, GE.SCAN_COPIES = best
+    GE.SCAN_REGISTERS = best
     rep["rule_used"] = names[best]
     log(f"  add_sequence runs with: {rep['rule_used']}")
 

@@ -34,9 +34,7 @@ def _same_adapter(got: epochs.Adapter, want: epochs.Adapter) -> None:
     assert_same_epochs(got.calibration, want.calibration)
 
 
-@pytest.mark.parametrize("copies", [1, 2])
-def test_the_device_rule_decides_what_the_host_rule_decides(monkeypatch, copies):
-    monkeypatch.setattr(device_epochs, "SCAN_COPIES", copies)   # the scan's counts, once or spread over copies
+def test_the_device_rule_decides_what_the_host_rule_decides(monkeypatch):
     monkeypatch.setattr(epochs, "WARMUP_BLOCKS", 8)
     monkeypatch.setattr(epochs, "PAYBACK_CHECKS", 10 ** 9)      # every differing candidate that saves is appended
     x = drifting_cache(40 * L.BLOCK_TOKENS, layers=2)[:, :1]     # one head: the simulator is slow

@@ -32,7 +32,6 @@ from .primitives import SIMULATOR, WARP, device, gaddr, i32, ldg4_at, popc, sync
 
 BINS = 256                   # exponent values of a BF16 element
 SCAN_REGISTERS = 64          # the scan kernel's register cap: 32 warps an SM, no spills
-SCAN_COPIES = 1              # copies of a check's counts the scan kernel's lanes spread their atomics over
 MAX_CHANNELS = 8192          # kv_heads * head_dim the chain kernel's shared bases hold
 MAX_GROUPS = MAX_CHANNELS // L.GROUP_SIZE
 CHAIN_THREADS = 1024
@@ -66,7 +65,7 @@ else:
 
 
 @functools.lru_cache(maxsize=None)
-def scan_kernel(every: int, shift: int, registers: int | None = None, copies: int = 1):
+def scan_kernel(every: int, shift: int, registers: int | None = None):
     """Per job and check, for every check at once: the decayed histogram after the check (decay shift
     ``shift``, a check every ``every`` blocks), the check's best windows per channel, and the escape bytes
     those windows save on the check's blocks against the epoch current when the batch starts.
@@ -78,8 +77,7 @@ def scan_kernel(every: int, shift: int, registers: int | None = None, copies: in
       leave their exponents in shared memory for the warps (loads of one channel by a warp would touch a
       line per lane);
     * each warp counts its channel's exponents (a lane 1/32 of the tokens) into shared counts (bin ``b``
-      at ``b + b // 8``, so that the lanes' 8-bin runs fall in distinct banks; lane ``l`` into copy
-      ``l % copies`` of them, fewer lanes adding to one address at once), decays and adds them to its
+      at ``b + b // 8``, so that the lanes' 8-bin runs fall in distinct banks), decays and adds them to its
       bins (8 a lane, in registers), finds the best 8- and 16-wide windows from its own bins and the next
       two lanes' (two lanes of zeros past bin 255 end the windows that run off the end: such a window never
       covers more than the one starting at ``256 - w``, and ties go to the smaller start), and marks, per
@@ -106,11 +104,6 @@ def scan_kernel(every: int, shift: int, registers: int | None = None, copies: in
     EXTRA4, EXTRAR, NIBBLES = i32(COST_4BIT - COST_3BIT), i32(COST_RAW - COST_3BIT), i32(0x11111111)
     WIDE3, WIDE4 = i32(-L.WINDOW_3BIT), i32(-L.WINDOW_4BIT)
     assert per_lane * 4 <= 32 and tokens <= threads, "a lane packs its tokens' marks, 4 bits each, into one word"
-    assert copies in (1, 2, 4, 8)
-    # the copies of the counts start 32 // copies banks apart, so that equal bins of two copies share no bank
-    apart = (cells + 31) // 32 * 32 + 32 // copies if copies > 1 else cells
-    counted = apart * copies
-    COPIES, APART = u32(copies - 1), u32(apart)
     jit = cuda.jit if SIMULATOR or registers is None else cuda.jit(max_registers=registers)
 
     @device
@@ -173,7 +166,7 @@ def scan_kernel(every: int, shift: int, registers: int | None = None, copies: in
         ch = i32(i32(cuda.blockIdx.y) * i32(group) + warp)
         h = u32(ch // i32(head_dim))
         d0 = u32(i32(i32(cuda.blockIdx.y) * i32(group)) % i32(head_dim))   # the group's first channel
-        cnt = cuda.shared.array(counted, np.int32)    # this check's counts, ``copies`` times
+        cnt = cuda.shared.array(cells, np.int32)      # this check's counts
         hs = cuda.shared.array(cells, np.int32)       # the decayed histogram, for the neighbours' windows
         best = cuda.shared.array(keys, np.int32)      # [warp][check parity][3-bit, 4-bit]: the best window keys
         mark = cuda.shared.array(lanes2, np.int32)    # [check parity][lane]: the group's marks, 4 bits a token
@@ -187,8 +180,7 @@ def scan_kernel(every: int, shift: int, registers: int | None = None, copies: in
         base = i32(row + i32(lane * SKEW))
         for k in range(run):
             hb[k] = hist[job, u32(ch), u32(i32(lane * RUN) + i32(k))]
-            for c in range(copies):
-                cnt[i32(c * apart) + base + k] = ZERO
+            cnt[base + k] = ZERO
             if lane < 2:                              # the two lanes of zeros past bin 255
                 hs[i32(row + i32(i32(i32(WARP) + lane) * SKEW) + i32(k))] = ZERO
         if lane < 4:
@@ -221,8 +213,6 @@ def scan_kernel(every: int, shift: int, registers: int | None = None, copies: in
         # fold into the instructions' immediates
         baseu, warpu = u64(base), u64(warp)
         row32 = u32(u32(u32(cuda.threadIdx.x) // u32(WARP)) * u32(stride))
-        if copies > 1:
-            row32 = u32(row32 + u32(u32(u32(cuda.threadIdx.x) & COPIES) * APART))
         nextu, next2u = u64(base + SKEW), u64(base + i32(2) * SKEW)
         for j in range(n_checks):
             j = i32(j)
@@ -243,9 +233,6 @@ def scan_kernel(every: int, shift: int, registers: int | None = None, copies: in
                 v = hb[k]
                 v = i32(i32(v - i32(v >> SHIFT)) + cnt[baseu + u64(k)])
                 cnt[baseu + u64(k)] = ZERO
-                for c in range(1, copies):
-                    v = i32(v + cnt[baseu + u64(c * apart + k)])
-                    cnt[baseu + u64(c * apart + k)] = ZERO
                 hb[k] = v
                 hs[baseu + u64(k)] = v
                 a3 = i32(a3 + v)
@@ -656,7 +643,7 @@ class Batch:
     def scan(self) -> None:
         """Launch the scan kernel: every check's windows and what they save, and the histograms after the
         last check."""
-        kernel = scan_kernel(self.every, E.DECAY_SHIFT, SCAN_REGISTERS, SCAN_COPIES)
+        kernel = scan_kernel(self.every, E.DECAY_SHIFT, SCAN_REGISTERS)
         self._launch(kernel, (len(self.jobs), self.channels // L.GROUP_SIZE), L.GROUP_SIZE * WARP, self.scan_args)
 
     def chain(self) -> None:
