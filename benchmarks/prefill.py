@@ -147,7 +147,7 @@ def main():
         s.layers, s.kv_heads, tokens // L.BLOCK_TOKENS, L.BLOCK_TOKENS, s.head_dim).transpose(1, 2)
         for kind, x in ((0, k), (1, v))}
     default = GE.SCAN_REGISTERS
-    variants = [default] + [v for v in (None, 64, 80) if v != default and not smoke]
+    variants = [default] + [v for v in (None, 40, 48, 64, 80) if v != default and not smoke]
     rep["rule"], names, decided = {}, {}, None
     for regs in variants:               # the scan kernel's register cap
         GE.SCAN_REGISTERS = regs
