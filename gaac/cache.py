@@ -1161,6 +1161,14 @@ class PagedKVCache:
         event.record()
         return host, event
 
+    def _host_copies(self, tensors: list) -> list:
+        """Equal-shaped device tensors on the host, each as :meth:`_host_copy` gives it (a pinned copy in
+        flight and its event), made with one kernel, one pinned buffer and one copy for all of them."""
+        if self.device.type != "cuda":
+            return [self._host_copy(t) for t in tensors]
+        host, event = self._host_copy(torch.stack(tensors))
+        return [(host[i], event) for i in range(len(tensors))]
+
     def _flush(self, store: _Kind, layer: int, kind: int) -> None:
         """Let the adapter observe the blocks deferred to it; an epoch it appends joins the device tables."""
         while store.deferred:
@@ -1287,7 +1295,9 @@ class PagedKVCache:
                     else:
                         encoder(tiles[a:z], entries[a:z], used[a:z])
                 u.entries[kind] = entries
-                self._encodes_launched(store, tiles.shape[0], ask=(id(u), kind) not in unsure_ids)
+                self._encodes_launched(store, tiles.shape[0])
+            # where a list may run dry the counts are read below, after a wait; elsewhere they are asked for
+            self._ask_counts([self._store[u.layer][kind] for u, kind in jobs if (id(u), kind) not in unsure_ids])
             if before_check is not None:
                 before_check()
                 before_check = None
@@ -1319,14 +1329,18 @@ class PagedKVCache:
             u.entries[kind] = None
         sync_pools([pool for u, kind, _ in undo for pool in self._pools(u.layer, kind)])
 
-    def _encodes_launched(self, store: _Kind, tiles: int, ask: bool = True) -> None:
-        """``store``'s pools count the records that encodes of ``tiles`` tiles, just launched, may take; with
-        ``ask`` (GPU) the device's counts come back by an asynchronous copy, which the lower bound of free
-        records takes up once it has arrived (no synchronisation)."""
+    def _encodes_launched(self, store: _Kind, tiles: int) -> None:
+        """``store``'s pools count the records that encodes of ``tiles`` tiles, just launched, may take."""
         for pool in (store.slots, store.raw):
             pool.pending += tiles
-        if ask and self.device.type == "cuda":
-            counts = self._host_copy(store.heads)
+
+    def _ask_counts(self, stores: list) -> None:
+        """On a GPU, ask for the device's free-list counts of ``stores`` (after the encodes just launched) in
+        one asynchronous copy; each pool's lower bound of free records takes its count up once it has
+        arrived (no synchronisation)."""
+        if self.device.type != "cuda" or not stores:
+            return
+        for store, counts in zip(stores, self._host_copies([store.heads for store in stores])):
             for pool in (store.slots, store.raw):
                 pool.snapshot(counts)
 

@@ -132,9 +132,11 @@ class StepAppend:
             return index
         tiles = len(fin) * cache.tiles_per_block
         later = blk > 0
+        stores, observing = [], []
         for layer in layers:
             for kind, store in enumerate(cache._store[layer]):
                 cache._encodes_launched(store, tiles)
+                stores.append(store)
                 if store.adapter is None:
                     continue
                 e = epochs[layer][kind]
@@ -142,8 +144,14 @@ class StepAppend:
                 for seq, b in zip(fin[(prev != e) & later], blk[(prev != e) & later]):
                     cache._cuts[int(seq)].add(int(b))
                 store.epochs[fin, blk] = e
-                if index is None:
-                    index = cache._to_device(fin)
-                store.deferred.append(cache._host_copy(store.tail.index_select(0, index)))
+                observing.append(store)
             cache.blocks_encoded += len(fin)
+        # one copy for every store's counts, one for every adapter's finished blocks
+        cache._ask_counts(stores)
+        if observing:
+            if index is None:
+                index = cache._to_device(fin)
+            blocks = cache._host_copies([store.tail.index_select(0, index) for store in observing])
+            for store, copied in zip(observing, blocks):
+                store.deferred.append(copied)
         return index
