@@ -143,3 +143,49 @@ def test_step_status_names_the_faulty_layer():
     plan.run(q, 1)
     with pytest.raises(FormatError, match="layer 1.*past its slot or raw-tile pool"):
         plan.check_status()
+
+
+def test_counts_and_blocks_asked_for_in_one_copy_reach_their_own_stores(monkeypatch):
+    """On a GPU the host asks for every store's free-list counts, and copies every adapter's finished blocks,
+    in one pinned copy each (in flight, with one event): each pool takes up its own store's counts once the
+    copy has arrived, and each store gets its own blocks.  The copy is made on the CPU here, with an event
+    that arrives when the test says so."""
+    rng = np.random.default_rng(9)
+    k, v = synthetic(rng, 2, 1, 3 * B, 64), synthetic(rng, 2, 1, 3 * B, 64)
+    cache = PagedKVCache(calibrate(k, v), max_blocks=4, codec="cuda")
+    cache.add_sequence(k, v)
+
+    class Arrival:
+        done = False
+
+        def query(self):
+            return self.done
+
+        def synchronize(self):
+            self.done = True
+
+    arrival = Arrival()
+    copies = []
+
+    def one_copy(x):
+        copies.append(x.shape)
+        return x.clone(), arrival
+    monkeypatch.setattr(cache, "_host_copy", one_copy)
+    monkeypatch.setattr(cache, "device", torch.device("cuda"))
+    stores = [store for layer in cache._store for store in layer]
+    for i, store in enumerate(stores):                     # counts the device would hold after new encodes
+        store.heads.copy_(torch.tensor([i + 1, 2 * i], dtype=torch.int32))
+        cache._encodes_launched(store, 3)
+    before = [[pool.free_lower() for pool in (s.slots, s.raw)] for s in stores]
+    cache._ask_counts(stores)
+    assert copies == [(len(stores), 2)]                     # one copy for every store
+    for store, lower in zip(stores, before):                # not arrived: the bounds stay
+        assert [pool.free_lower() for pool in (store.slots, store.raw)] == lower
+    arrival.done = True
+    for i, store in enumerate(stores):
+        assert store.slots.free_lower() == store.slots.order.shape[0] - (i + 1)
+        assert store.raw.free_lower() == store.raw.order.shape[0] - 2 * i
+    blocks = [torch.full((2, 3), i, dtype=torch.int16) for i in range(len(stores))]
+    got = cache._host_copies(blocks)
+    assert copies[1:] == [(len(stores), 2, 3)]
+    assert all(event is arrival and torch.equal(host, block) for (host, event), block in zip(got, blocks))
