@@ -1280,6 +1280,7 @@ class PagedKVCache:
             saved = {id(self._store[u.layer][kind]): self._store[u.layer][kind].heads.clone()
                      for u, kind in jobs} if unsure else {}
             unsure_ids = {(id(u), kind) for u, kind in unsure}
+            asked = []           # where a list may run dry the counts are read below, after a wait
             for u, kind in jobs:
                 store = self._store[u.layer][kind]
                 if u.epochs[kind].blocks is not None:     # the rule is still deciding: keep what to go back to
@@ -1296,8 +1297,9 @@ class PagedKVCache:
                         encoder(tiles[a:z], entries[a:z], used[a:z])
                 u.entries[kind] = entries
                 self._encodes_launched(store, tiles.shape[0])
-            # where a list may run dry the counts are read below, after a wait; elsewhere they are asked for
-            self._ask_counts([self._store[u.layer][kind] for u, kind in jobs if (id(u), kind) not in unsure_ids])
+                if (id(u), kind) not in unsure_ids:
+                    asked.append(store)
+            self._ask_counts(asked)
             if before_check is not None:
                 before_check()
                 before_check = None

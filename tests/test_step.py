@@ -161,9 +161,6 @@ def test_counts_and_blocks_asked_for_in_one_copy_reach_their_own_stores(monkeypa
         def query(self):
             return self.done
 
-        def synchronize(self):
-            self.done = True
-
     arrival = Arrival()
     copies = []
 
