@@ -593,24 +593,21 @@ class Batch:
         xa = _aligned(_stacked([b for _, b in jobs[:ja]]))
         xb = _aligned(_stacked([b for _, b in jobs[ja:]])) if ja < n_jobs else xa
 
-        def dev(a):          # no wait for the device: the copy queues behind its work
-            t = torch.from_numpy(np.ascontiguousarray(a))
-            return t if device.type != "cuda" else t.pin_memory().to(device, non_blocking=True)
-
-        if r0.any():         # the adapters' blocks not yet checked
-            rec_np = np.zeros(rec_shape, dtype=np.int16)
-            for i, (a, _) in enumerate(jobs):
-                for b, block in enumerate(a._recent):
-                    rec_np[i, b] = np.asarray(block).view(np.int16)
-            rec = dev(rec_np)
-        else:                # none (a new cache's prefill): nothing to copy
-            rec = torch.zeros(rec_shape, dtype=torch.int16, device=device)
-        # the small int32 inputs in one copy, through a pinned buffer kept for the device
-        small = [cur_np, r0, checks.astype(np.int32), finalized, n_epochs]
+        # the adapters' blocks not yet checked (none in a new cache's prefill) and the small int32 inputs
+        # go in one copy, through a pinned buffer kept for the device; the blocks come first, so that they
+        # start on the allocation's alignment as the scan kernel's 16-byte loads need
+        rec_np = np.zeros(rec_shape if r0.any() else (0,), dtype=np.int16)
+        for i, (a, _) in enumerate(jobs):
+            for b, block in enumerate(a._recent):
+                rec_np[i, b] = np.asarray(block).view(np.int16)
+        small = [rec_np.view(np.int32), cur_np, r0, checks.astype(np.int32), finalized, n_epochs]
         flat = np.concatenate([a.reshape(-1) for a in small])
         staged = _upload(flat, device) if device.type == "cuda" else torch.from_numpy(flat)
         ends = np.cumsum([a.size for a in small])
-        cur, r0_d, checks_d, finalized_d, n_epochs_d = (staged[e - a.size:e].view(a.shape) for a, e in zip(small, ends))
+        rec32, cur, r0_d, checks_d, finalized_d, n_epochs_d = (
+            staged[e - a.size:e].view(a.shape) for a, e in zip(small, ends))
+        rec = (rec32.view(torch.int16).view(rec_shape) if r0.any() else
+               torch.zeros(rec_shape, dtype=torch.int16, device=device))
         self.hist = (torch.zeros((n_jobs, channels, BINS), dtype=torch.int32, device=device) if fresh else
                      torch.stack([a.hist_on_device(device).reshape(channels, BINS) for a, _ in jobs]))
         self.m = m = max(1, int(checks.max()))
