@@ -170,9 +170,10 @@ class StepPlan:
         """The lengths an eager step's work list is made for: ``lens`` rounded up to ``PLAN_AHEAD`` tokens
         (within the block table).  The kernel stops each split at the length it reads on the device, so the
         list serves every step until a sequence passes the rounded length, and the steps in between reuse it
-        (``cache._work_plans``) instead of building one a block."""
+        (``cache._work_plans``) instead of building one a block.  A sequence holds at most a full block table
+        and a tail of ``BLOCK_TOKENS - 1`` tokens after it, so the rounded lengths stop there."""
         ahead = -(-lens // PLAN_AHEAD) * PLAN_AHEAD
-        return np.minimum(ahead, self.cache.max_blocks * L.BLOCK_TOKENS)
+        return np.minimum(ahead, (self.cache.max_blocks + 1) * L.BLOCK_TOKENS - 1)
 
     def _plan_kernel(self, lens: np.ndarray, more_cuts: set) -> None:
         """The work list for the lengths ``lens`` (this step's; a captured plan's: its last step's), cut

@@ -116,6 +116,29 @@ def test_plan_reserves_the_step_before_anything_is_written(codec):
     assert out.shape == (1, 2, 64)
 
 
+@pytest.mark.parametrize("codec", ["reference", "cuda"])
+def test_attention_covers_a_tail_past_the_tables_last_block(codec):
+    """A sequence may hold a full block table and a tail after it: each step's attention covers the tail's
+    tokens too (with the work list an eager step reuses for later lengths), on a cache that never grows and
+    on one that grows its table at the next finished block."""
+    rng = np.random.default_rng(8)
+    k, v = synthetic(rng, 1, 1, 3 * B + 2, 64, spread=2.5), synthetic(rng, 1, 1, 3 * B + 2, 64)
+    for grow in (False, True):
+        cache = PagedKVCache(calibrate(k, v), max_blocks=2, codec=codec, grow=grow)
+        seq = cache.add_sequence(k[:, :, :2 * B - 1], v[:, :, :2 * B - 1])
+        steps = B + 3 if grow else B
+        for step in range(steps):              # the table fills, then the tail holds up to B - 1 tokens past it
+            n = 2 * B - 1 + step
+            plan = cache.decode_plan(2)
+            cache.update_layer(0, [seq], torch.from_numpy(k[None, 0, :, n:n + 1].view(np.int16)),
+                               torch.from_numpy(v[None, 0, :, n:n + 1].view(np.int16)))
+            if step in (2, B - 1, steps - 1):
+                q = _q(rng, 1, 2, 64)
+                _check_attention(plan.run(q, 0), q, {seq: (k[:, :, :n + 1], v[:, :, :n + 1])}, 0, [seq])
+        assert cache.max_blocks == (4 if grow else 2)
+        np.testing.assert_array_equal(cache.read(seq)[0], k[:, :, :2 * B - 1 + steps])
+
+
 def test_block_table_limit_names_max_blocks():
     rng = np.random.default_rng(6)
     k, v = synthetic(rng, 1, 1, B, 64), synthetic(rng, 1, 1, B, 64)
