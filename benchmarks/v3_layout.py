@@ -5,6 +5,10 @@ decoded BF16 tile and no ``ldmatrix``.  Nothing here ships; benchmarks/results/v
     python benchmarks/v3_layout.py check       # simulator (NUMBA_ENABLE_CUDASIM=1): v3 decode == the tile
     python benchmarks/v3_layout.py sass        # SASS opcode classes per block (K+V), v2 (today) and v3
     python benchmarks/v3_layout.py smem        # shared-memory wavefronts per tile from the address patterns
+    python benchmarks/v3_layout.py sass-loop   # registers, spills and a pass's SASS of the loop harness' variants
+    python benchmarks/v3_layout.py gpu --out DIR     # device: bit-exact check, then decode throughput of v2 and v3
+                                                     # (CUDA events; ncu counts if ncu is there): DIR/v3-gpu.md, .json
+    python benchmarks/v3_layout.py gpu --sim-check   # simulator: the loop kernels on 2 blocks, reps 1 and 3
 
 The layout (C = 128; lane ``l = 4r + q``, the MMA's groupID ``r`` and thread-in-group ``q``):
 
@@ -41,7 +45,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-if sys.argv[1:2] == ["check"]:
+if sys.argv[1:2] == ["check"] or (sys.argv[1:2] == ["gpu"] and "--sim-check" in sys.argv):
     os.environ["NUMBA_ENABLE_CUDASIM"] = "1"     # before numba is imported
 else:
     os.environ.pop("NUMBA_ENABLE_CUDASIM", None)
@@ -192,6 +196,17 @@ def bases_v3(b3: np.ndarray, b4: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             at = (3 * a + b) * V_ROW // 4
             v[at:at + C] = rows[a] << 7 | rows[b] << 23
     return k, v
+
+
+def block_bases_v3(b3k, b4k, b3v, b4v) -> np.ndarray:
+    """The harness' v3 base words of a block: K's table (of the K tile's bases), V's (of the V tile's), zeros to
+    a multiple of 32 words (the harness copies 32 words a step)."""
+    kb, _ = bases_v3(b3k, b4k)
+    _, vb = bases_v3(b3v, b4v)
+    bases = np.zeros(32 * -(-(len(kb) + len(vb)) // 32), np.uint32)
+    bases[:len(kb)] = kb
+    bases[len(kb):len(kb) + len(vb)] = vb
+    return bases
 
 
 def expected_fragments(kind: int, tile: np.ndarray) -> np.ndarray:
@@ -406,11 +421,20 @@ SLOT = ESC_OFF + CAP
 SLOT_WORDS = SLOT // 4
 
 
-def harness(version: int, null: bool = False, rare: bool = True):
-    """``rare=False``: without the raw-group fix-ups and the status checks (the common path's code)."""
+def harness(version: int, null: bool = False, rare: bool = True, loop: bool = False):
+    """``rare=False``: without the raw-group fix-ups and the status checks (the common path's code).
+
+    ``loop=False``: ``kernel(slot_k, slot_v, bases, out, status)``, one block decoded once.  ``loop=True``: the
+    throughput form ``decode_loop(slot_k, slot_v, bases, out, status, pairs, reps)``: block ``b`` stages tile
+    pair ``b % pairs`` (the inputs hold ``pairs`` of them back to back), decodes it ``reps`` times and XORs
+    each decode's fragment words into registers, stored once at the end (``out``: 64 words a lane, 2048 a
+    block); with an odd ``reps`` they equal one decode's.  Its null body reads two 16-byte words of the
+    staged K and V slots a pass (with ``lds4``, which is not hoisted) and XORs them in, so that it keeps the
+    loop and the accumulation of the decoders' loops."""
     from numba import uint32
 
-    from gaac.cuda.primitives import SCRATCH_WORDS, lane_id, scratch_init, smem_base, u32, warp_sync, ldsm_rows, ldsm_cols
+    from gaac.cuda.primitives import (SCRATCH_WORDS, device, kernel_api, lane_id, lds4, scratch_init, smem_base, u32,
+                                      warp_sync, ldsm_rows, ldsm_cols)
     from gaac.cuda.tile_decoder import BASE_ROWS, base_row_words, decode_tile_fn, escape_scan2, row_bytes
 
     if version == 3:
@@ -427,39 +451,23 @@ def harness(version: int, null: bool = False, rare: bool = True):
     BASE_COPY = -(-base_words // 32)
     SMEM = 2 * SLOT_WORDS + 32 * BASE_COPY + extra
 
-    @cuda.jit
-    def kernel(slot_k, slot_v, bases, out, status):
-        smem = cuda.shared.array(SMEM, uint32)
-        scr = cuda.shared.array(SCRATCH_WORDS, uint32)
-        scratch_init(scr)
-        lane = lane_id()
-        for i in range(SLOT_WORDS // 32):
-            smem[u32(32 * i + lane)] = slot_k[u32(32 * i + lane)]
-            smem[u32(SLOT_WORDS + 32 * i + lane)] = slot_v[u32(32 * i + lane)]
-        for i in range(BASE_COPY):
-            smem[u32(2 * SLOT_WORDS + 32 * i + lane)] = bases[u32(32 * i + lane)]
-        warp_sync(scr)
-        sb = smem_base(smem)
+    @device
+    def decode_block(smem, sb, lane, kf, vf, status, scr):
+        """The staged K and V tiles (slots at ``sb``, then the bases) to lane ``lane``'s fragment words."""
         src_k = u32(sb)
         src_v = u32(sb + 4 * SLOT_WORDS)
         bb = u32(sb + 8 * SLOT_WORDS)
-        kf = cuda.local.array(32, uint32)
-        vf = cuda.local.array(32, uint32)
-        if null:
-            for f in range(32):
-                kf[f] = smem[u32(32 * f + lane)]
-                vf[f] = smem[u32(SLOT_WORDS + 32 * f + lane)]
-        elif version == 3:
+        if version == 3:
             tk, ck = tags_v3(smem, src_k)
             tv, cv = tags_v3(smem, src_v)
             ok, ov = escape_scan2(ck, cv, scr)
             decode_k(smem, src_k, bb, tk, ck, ok, CAP, kf, status, scr)
             decode_v(smem, src_v, u32(bb + K_BASE_BYTES), tv, cv, ov, CAP, vf, status, scr)
         else:
-            smw = cuda.local.array(SM_WORDS, uint32)
-            cw = cuda.local.array(CODE_ARRAY, uint32)
-            ev = cuda.local.array(GPL, uint32)
-            bw = cuda.local.array(BASE_WORDS, uint32)
+            smw = kernel_api.local.array(SM_WORDS, uint32)
+            cw = kernel_api.local.array(CODE_ARRAY, uint32)
+            ev = kernel_api.local.array(GPL, uint32)
+            bw = kernel_api.local.array(BASE_WORDS, uint32)
             dec = u32(sb + 4 * (SMEM - extra))
             base_k = u32(bb + C * (lane >> 4))
             base_v = u32(base_k + 4 * BASE_ROWS * RS)
@@ -483,16 +491,83 @@ def harness(version: int, null: bool = False, rare: bool = True):
             for mt in range(C // 16):
                 a0, a1, a2, a3 = ldsm_cols(smem, u32(dec + 32 * mt), ROWB, scr)
                 vf[4 * mt], vf[4 * mt + 1], vf[4 * mt + 2], vf[4 * mt + 3] = a0, a1, a2, a3
+
+    if loop:
+        @cuda.jit
+        def decode_loop(slot_k, slot_v, bases, out, status, pairs, reps):
+            smem = cuda.shared.array(SMEM, uint32)
+            scr = cuda.shared.array(SCRATCH_WORDS, uint32)
+            scratch_init(scr)
+            lane = lane_id()
+            blk = u32(cuda.blockIdx.x)
+            pair = u32(blk % u32(pairs))
+            s0 = u32(pair * SLOT_WORDS)
+            b0 = u32(pair * (32 * BASE_COPY))
+            for i in range(SLOT_WORDS // 32):
+                smem[u32(32 * i + lane)] = slot_k[u32(s0 + 32 * i + lane)]
+                smem[u32(SLOT_WORDS + 32 * i + lane)] = slot_v[u32(s0 + 32 * i + lane)]
+            for i in range(BASE_COPY):
+                smem[u32(2 * SLOT_WORDS + 32 * i + lane)] = bases[u32(b0 + 32 * i + lane)]
+            warp_sync(scr)
+            sb = smem_base(smem)
+            kf = cuda.local.array(32, uint32)
+            vf = cuda.local.array(32, uint32)
+            ak = cuda.local.array(32, uint32)
+            av = cuda.local.array(32, uint32)
+            for f in range(32):
+                ak[f] = u32(0)
+                av[f] = u32(0)
+            for _ in range(reps):
+                if null:
+                    k0, k1, k2, k3 = lds4(smem, u32(sb + 16 * lane))
+                    v0, v1, v2, v3 = lds4(smem, u32(sb + 4 * SLOT_WORDS + 16 * lane))
+                    for f in range(0, 32, 4):
+                        kf[f], kf[f + 1], kf[f + 2], kf[f + 3] = k0, k1, k2, k3
+                        vf[f], vf[f + 1], vf[f + 2], vf[f + 3] = v0, v1, v2, v3
+                else:
+                    decode_block(smem, sb, lane, kf, vf, status, scr)
+                for f in range(32):
+                    ak[f] = u32(ak[f] ^ kf[f])
+                    av[f] = u32(av[f] ^ vf[f])
+                if version == 2 and not null:
+                    warp_sync(scr)              # the next pass's K decode overwrites the decode tile
+            o = u32(2048 * blk + 64 * lane)
+            for f in range(32):
+                out[u32(o + f)] = ak[f]
+                out[u32(o + 32 + f)] = av[f]
+        return decode_loop
+
+    @cuda.jit
+    def kernel(slot_k, slot_v, bases, out, status):
+        smem = cuda.shared.array(SMEM, uint32)
+        scr = cuda.shared.array(SCRATCH_WORDS, uint32)
+        scratch_init(scr)
+        lane = lane_id()
+        for i in range(SLOT_WORDS // 32):
+            smem[u32(32 * i + lane)] = slot_k[u32(32 * i + lane)]
+            smem[u32(SLOT_WORDS + 32 * i + lane)] = slot_v[u32(32 * i + lane)]
+        for i in range(BASE_COPY):
+            smem[u32(2 * SLOT_WORDS + 32 * i + lane)] = bases[u32(32 * i + lane)]
+        warp_sync(scr)
+        sb = smem_base(smem)
+        kf = cuda.local.array(32, uint32)
+        vf = cuda.local.array(32, uint32)
+        if null:
+            for f in range(32):
+                kf[f] = smem[u32(32 * f + lane)]
+                vf[f] = smem[u32(SLOT_WORDS + 32 * f + lane)]
+        else:
+            decode_block(smem, sb, lane, kf, vf, status, scr)
         for f in range(32):
             out[u32(64 * lane + f)] = kf[f]
             out[u32(64 * lane + 32 + f)] = vf[f]
     return kernel
 
 
-def signature():
+def signature(loop: bool = False):
     from numba import types
     a32 = types.Array(types.uint32, 1, "C")
-    return (a32, a32, a32, a32, types.Array(types.int32, 1, "C"))
+    return (a32, a32, a32, a32, types.Array(types.int32, 1, "C")) + ((types.int32, types.int32) if loop else ())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -526,11 +601,7 @@ def check():
         sk = encode_v3(0, tk, b3k, b4k, CAP)
         sv = encode_v3(1, tv, b3v, b4v, CAP)
         assert sk is not None and sv is not None
-        kb, _ = bases_v3(b3k, b4k)
-        _, vb = bases_v3(b3v, b4v)
-        bases = np.zeros(32 * -(-(len(kb) + len(vb)) // 32), np.uint32)
-        bases[:len(kb)] = kb
-        bases[len(kb):len(kb) + len(vb)] = vb
+        bases = block_bases_v3(b3k, b4k, b3v, b4v)
         out = np.zeros(32 * 64, np.uint32)
         status = np.zeros(1, np.int32)
         harness(3)[1, 32](np.frombuffer(sk, np.uint32).copy(), np.frombuffer(sv, np.uint32).copy(), bases, out,
@@ -610,6 +681,57 @@ def sass():
             if k.split(".")[0] not in known:
                 others[(key, k)] += v
     print("other opcodes:", sorted({k for (_, k) in others}))
+
+
+def sass_loop():
+    """Every variant of the loop harness (``loop=True``) compiled for sm_90: registers, spills, SASS, and the
+    loop's body (the longest backward branch's span: a decode pass, its XOR accumulation and the loop control;
+    static, so the rare variants count their rare code too) by opcode class."""
+    import tempfile
+    from collections import Counter
+
+    from benchmarks.kernel_resources import _ptxas_version, _tool, resources
+
+    ptxas, cuobjdump = _tool("ptxas"), _tool("cuobjdump")
+    isa = _ptxas_version(ptxas)
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for key, version, null, rare in LOOP_VARIANTS:
+            res = resources(harness(version, null=null, rare=rare, loop=True).py_func, signature(loop=True), Path(tmp),
+                            ptxas, cuobjdump, isa)
+            lines, addrs = res["lines"], res["addresses"]
+            spans = []
+            for i, line in enumerate(lines):
+                m = re.match(r"(?:@!?U?P\w+\s+)?BRA\s+.*?(0x[0-9a-f]+)", line)
+                if m and int(m.group(1), 16) < addrs[i]:
+                    spans.append((addrs[i] - int(m.group(1), 16), addrs.index(int(m.group(1), 16)), i))
+            _, lo, hi = max(spans)
+            ops = Counter()
+            for line in lines[lo:hi + 1]:
+                m = re.match(r"(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", line)
+                if m:
+                    ops[m.group(1)] += 1
+            rows[key] = ops
+            dump = os.environ.get("V3_SASS_DIR")
+            if dump:
+                Path(dump).mkdir(parents=True, exist_ok=True)
+                (Path(dump) / f"loop-{key}.sass").write_text("\n".join(lines) + "\n")
+            mem = {k: v for k, v in sorted(ops.items()) if k.startswith(("LDS", "STS", "LDSM", "SHFL"))}
+            print(f"loop {key}: {res['sass']} SASS, loop body {sum(ops.values())}, {res['registers']} registers, "
+                  f"spill {res['spill_bytes']}, smem {res['smem']}, {res['warps_per_sm']} warps/SM; {mem}", flush=True)
+
+    def cls(ops, names):
+        return sum(v for k, v in ops.items() if k.split(".")[0] in {n.split(".")[0] for n in names})
+
+    known = {n.split(".")[0] for _, names in CLASSES for n in names}
+    print()
+    print("| loop body (a pass) | " + " | ".join(rows) + " |")
+    print("|---|" + "---|" * len(rows))
+    for name, names in CLASSES:
+        print(f"| {name} | " + " | ".join(str(cls(ops, names)) for ops in rows.values()) + " |")
+    print("| other | " + " | ".join(str(sum(v for k, v in ops.items() if k.split(".")[0] not in known))
+                                   for ops in rows.values()) + " |")
+    print("| total | " + " | ".join(str(sum(ops.values())) for ops in rows.values()) + " |")
 
 
 def wavefronts(addrs, width: int) -> int:
@@ -714,5 +836,523 @@ def smem():
     print(f"a block (K + V tiles, the copies excluded): v2 {v2:.1f}, v3 {v3:.1f} (K bases swizzled)")
 
 
+# ----------------------------------------------------------------------------------------------
+# The first GPU run (v3-layout-offline.md section 5, step 1): the throughput form of the harness (``loop=True``)
+# on the same tiles in both layouts, checked bit for bit, timed with CUDA events and counted by ncu.
+
+LOOP_VARIANTS = (           # key, version, null, rare
+    ("null", 2, True, True),
+    ("v2", 2, False, True),
+    ("v2-common", 2, False, False),
+    ("v3", 3, False, True),
+    ("v3-common", 3, False, False),
+)
+BLOCKS_PER_SM = 12          # one-warp blocks an SM, as the attention kernel runs
+NCU_METRICS = ("l1tex__data_pipe_lsu_wavefronts_mem_shared.sum", "smsp__inst_executed.sum", "gpu__time_duration.sum")
+NCU_REPS = 17               # the ncu pass launches reps 1 and NCU_REPS; per decode = the difference / (NCU_REPS - 1)
+NCU_TIMEOUT = 60            # seconds for one variant's ncu subprocess
+PREDICTED = {               # v3-layout-offline.md: shared wavefronts and SASS of the decode region, a block (K + V)
+    "v2-common": (266.0, 785),
+    "v3-common": (119.4, 635),
+}
+LOOP_SASS = {               # ``sass-loop`` here (numba-cuda 0.30.4, ptxas 13.0, sm_90): SASS of a pass of the loop
+    "null": 73, "v2": 1023, "v2-common": 824, "v3": 1198, "v3-common": 671,
+}
+RAW_K = (2, 0, 1, 0, 3, 0, 1, 0)    # raw groups planted in tile pair i's K tile (i % 8): half the K tiles have any
+RAW_V = (1, 0, 0, 0, 0, 2, 0, 0)    # and in its V tile: a quarter
+
+
+def say(*args):
+    print(*args, flush=True)
+
+
+def staged_v2(slot: np.ndarray) -> np.ndarray:
+    """A v2 slot (bytes) as today's kernel stages it (:func:`gaac.cuda.tile_decoder.stage_slot_fn`), as uint32
+    words: sign+mantissa chunk ``c`` (16 bytes) at chunk ``c ^ ((c >> 3) & 7)``, the rest in place."""
+    b = np.asarray(slot, np.uint8)
+    out = b.copy()
+    c = np.arange(C)                                     # the sign+mantissa section is C chunks
+    out[:16 * C].reshape(C, 16)[c ^ ((c >> 3) & 7)] = b[:16 * C].reshape(C, 16)
+    return out.view(np.uint32)
+
+
+def slot_v2(tile: np.ndarray, b3: np.ndarray, b4: np.ndarray) -> np.ndarray:
+    """A tile's v2 slot of escape capacity CAP (the reference encoder, :func:`gaac.reference.codec.encode_tiles`),
+    staged."""
+    from gaac.reference.codec import encode_tiles
+
+    enc = encode_tiles(tile[None], b3[None], b4[None], CAP)
+    if not enc.fits[0]:
+        raise SystemExit(f"a v2 slot overflows its {CAP} escape bytes ({enc.escape_used[0]} needed)")
+    assert enc.slots.shape[1] == SLOT
+    return staged_v2(enc.slots[0])
+
+
+def block_bases_v2(b3k, b4k, b3v, b4v) -> np.ndarray:
+    """The harness' v2 base words of a block, as the attention kernel's ``store_bases`` lays them out: the pair
+    words of :func:`gaac.attention._pair_base_words` (rows b3, b4, 0), row ``m`` of kind ``kind`` at word
+    ``(3 kind + m) * base_row_words(C)``; then the reserved tag's row (zeros) and zeros to a multiple of 32."""
+    from gaac.attention import _pair_base_words
+    from gaac.cuda.tile_decoder import BASE_ROWS, base_row_words
+
+    rs = base_row_words(C)
+    words = np.zeros(32 * -(-(2 * BASE_ROWS * rs + rs) // 32), np.uint32)
+    for kind, (b3, b4) in enumerate(((b3k, b4k), (b3v, b4v))):
+        rows = _pair_base_words(np.asarray(b3)[None], np.asarray(b4)[None])[0]      # [3, C/2] int32
+        for m in range(BASE_ROWS):
+            at = (kind * BASE_ROWS + m) * rs
+            words[at:at + C // 2] = rows[m].astype(np.int64).astype(np.uint32)
+    return words
+
+
+def v2_fragments(kind: int, tile: np.ndarray) -> np.ndarray:
+    """Lane ``l = 4r + q``'s 32 fragment words from today's decoder: step ``s`` (16 channels) of ``ldmatrix.x4``
+    (K, ``ldsm_rows``) or ``ldmatrix.x4.trans`` (V, ``ldsm_cols``) of the decoded tile (row = token).  K word
+    ``4s + i``: token ``r + 8 (i & 1)``, channels ``16 s + 8 (i >> 1) + 2q`` (lo) and ``+1`` (hi); V word ``4s + i``:
+    channel ``16 s + 8 (i & 1) + r`` of tokens ``8 (i >> 1) + 2q`` (lo) and ``+1`` (hi)."""
+    t = tile.astype(np.uint32)
+    out = np.zeros((32, 32), np.uint32)
+    for lane in range(32):
+        r, q = lane >> 2, lane & 3
+        for s in range(C // 16):
+            for i in range(4):
+                if kind == 0:
+                    tok, ch = r + 8 * (i & 1), 16 * s + 8 * (i >> 1) + 2 * q
+                    out[lane, 4 * s + i] = t[tok, ch] | t[tok, ch + 1] << 16
+                else:
+                    tok, ch = 8 * (i >> 1) + 2 * q, 16 * s + 8 * (i & 1) + r
+                    out[lane, 4 * s + i] = t[tok, ch] | t[tok + 1, ch] << 16
+    return out
+
+
+def common_path(tile: np.ndarray, b3: np.ndarray, b4: np.ndarray) -> np.ndarray:
+    """The tile that both decoders give without their rare code (``rare=False``): a raw group's exponent bits
+    4..7 (BF16 bits 11..14) stay 0, the rest as the tile."""
+    from gaac.reference.codec import choose_modes, tile_exponents
+
+    from gaac import layout as L
+
+    modes = choose_modes(tile_exponents(tile[None]), np.asarray(b3)[None], np.asarray(b4)[None])[0]
+    raw = np.repeat(modes.reshape(T, C // 8) == L.MODE_RAW, 8, axis=1)
+    return np.where(raw, tile & np.uint16(0x87FF), tile).astype(np.uint16)
+
+
+def tile_pairs(n: int, seed: int = 7) -> list[dict]:
+    """``n`` (K, V) tile pairs of :func:`random_tile` (mostly 3-bit, ~11% 4-bit groups), each tile with its own
+    bases; pair ``i`` plants ``RAW_K[i % 8]`` and ``RAW_V[i % 8]`` raw groups."""
+    rng = np.random.default_rng(seed)
+    pairs = []
+    for i in range(n):
+        tk, b3k, b4k = random_tile(rng, 0, raw_groups=RAW_K[i % 8])
+        tv, b3v, b4v = random_tile(rng, 1, raw_groups=RAW_V[i % 8])
+        pairs.append(dict(k=tk, b3k=b3k, b4k=b4k, v=tv, b3v=b3v, b4v=b4v))
+    return pairs
+
+
+def loop_inputs(version: int, pairs: list[dict]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The loop harness' ``slot_k``, ``slot_v`` and ``bases`` of one layout: every pair's, back to back."""
+    sk, sv, bs = [], [], []
+    for p in pairs:
+        if version == 3:
+            k, v = encode_v3(0, p["k"], p["b3k"], p["b4k"], CAP), encode_v3(1, p["v"], p["b3v"], p["b4v"], CAP)
+            if k is None or v is None:
+                raise SystemExit(f"a v3 slot overflows its {CAP} escape bytes")
+            sk.append(np.frombuffer(k, np.uint32))
+            sv.append(np.frombuffer(v, np.uint32))
+            bs.append(block_bases_v3(p["b3k"], p["b4k"], p["b3v"], p["b4v"]))
+        else:
+            sk.append(slot_v2(p["k"], p["b3k"], p["b4k"]))
+            sv.append(slot_v2(p["v"], p["b3v"], p["b4v"]))
+            bs.append(block_bases_v2(p["b3k"], p["b4k"], p["b3v"], p["b4v"]))
+    return np.concatenate(sk), np.concatenate(sv), np.concatenate(bs)
+
+
+def loop_expected(version: int, null: bool, rare: bool, pairs: list[dict], slot_k: np.ndarray,
+                  slot_v: np.ndarray) -> np.ndarray:
+    """``[pairs, 32, 64]``: what a block of each pair stores (lane, K words then V words) after an odd number of
+    passes: the fragments of the tiles (of their common-path decode without the rare code) in v3's or
+    ldmatrix's lane order; for null, the lane's 16-byte word of each staged slot, 8 times."""
+    out = np.zeros((len(pairs), 32, 64), np.uint32)
+    for i, p in enumerate(pairs):
+        if null:
+            for f0, slot in ((0, slot_k), (32, slot_v)):
+                words = slot[i * SLOT_WORDS:i * SLOT_WORDS + 128].reshape(32, 4)
+                out[i, :, f0:f0 + 32] = np.tile(words, (1, 8))
+            continue
+        tk, tv = p["k"], p["v"]
+        if not rare:
+            tk, tv = common_path(tk, p["b3k"], p["b4k"]), common_path(tv, p["b3v"], p["b4v"])
+        frag = expected_fragments if version == 3 else v2_fragments
+        out[i, :, :32] = frag(0, tk)
+        out[i, :, 32:] = frag(1, tv)
+    return out
+
+
+def mismatches(key: str, out: np.ndarray, status: int, expected: np.ndarray, blocks: int) -> str | None:
+    """None if every block stored its pair's words and the status word is 0, else what differs."""
+    got = out.reshape(blocks, 32, 64)
+    want = expected[np.arange(blocks) % len(expected)]
+    bad = got != want
+    if not bad.any() and status == 0:
+        return None
+    msg = f"{key}: {int(bad.sum())} wrong words of {bad.size}, status {status}"
+    if bad.any():
+        b, lane, f = (int(x) for x in np.argwhere(bad)[0])
+        msg += (f" (first: block {b}, lane {lane}, {'K' if f < 32 else 'V'} word {f % 32}: "
+                f"{int(got[b, lane, f]):#010x}, expected {int(want[b, lane, f]):#010x})")
+    return msg
+
+
+class LoopRun:
+    """One variant's loop kernel with its device inputs, launched on ``blocks`` one-warp blocks."""
+
+    def __init__(self, key: str, version: int, null: bool, rare: bool, pairs: list[dict], blocks: int, host=None):
+        self.key, self.version, self.null, self.rare, self.blocks = key, version, null, rare, blocks
+        self.kernel = harness(version, null=null, rare=rare, loop=True)
+        sk, sv, bs = host if host is not None else loop_inputs(version, pairs)
+        self.expected = loop_expected(version, null, rare, pairs, sk, sv)
+        self.npairs = len(pairs)
+        self.args = [cuda.to_device(sk), cuda.to_device(sv), cuda.to_device(bs),
+                     cuda.device_array(2048 * blocks, np.uint32), cuda.to_device(np.zeros(1, np.int32))]
+
+    def launch(self, reps: int):
+        self.kernel[self.blocks, 32](*self.args, np.int32(self.npairs), np.int32(reps))
+
+    def check(self) -> str | None:
+        cuda.synchronize()
+        return mismatches(self.key, self.args[3].copy_to_host(), int(self.args[4].copy_to_host()[0]), self.expected,
+                          self.blocks)
+
+    def resources(self, sms: int) -> dict:
+        """Registers, local memory (spills), static shared memory and resident blocks an SM (occupancy API)."""
+        k = self.kernel
+        res = {}
+        for name, fn in (("registers", "get_regs_per_thread"), ("local_bytes", "get_local_mem_per_thread"),
+                         ("shared_bytes", "get_shared_mem_per_block")):
+            try:
+                v = getattr(k, fn)()
+                res[name] = int(next(iter(v.values())) if isinstance(v, dict) else v)
+            except Exception as e:          # noqa: BLE001  (a report line, not a failure)
+                res[name] = f"? ({type(e).__name__})"
+        try:
+            res["blocks_per_sm"] = int(next(iter(k.overloads.values())).max_cooperative_grid_blocks(32)) // sms
+        except Exception as e:              # noqa: BLE001
+            res["blocks_per_sm"] = f"? ({type(e).__name__})"
+        return res
+
+
+def sim_check(args) -> None:
+    """The loop kernels of every variant in the simulator: 2 blocks (pairs 0 and 1: raw groups in both kinds,
+    and none), reps 1 and 3, against the expected words."""
+    pairs = tile_pairs(2)
+    host = {v: loop_inputs(v, pairs) for v in (2, 3)}
+    failed = []
+    for key, version, null, rare in LOOP_VARIANTS:
+        if key not in args.variants:
+            continue
+        run = LoopRun(key, version, null, rare, pairs, 2, host[version])
+        for reps in (1, 3):
+            run.args[4] = cuda.to_device(np.zeros(1, np.int32))
+            run.launch(reps)
+            err = run.check()
+            say(f"sim-check {key:9s} reps {reps}: " + (err or f"2 blocks x 2048 words as expected, status 0"))
+            if err:
+                failed.append(err)
+    if failed:
+        raise SystemExit("sim-check FAILED:\n" + "\n".join(failed))
+    say("sim-check: all variants bit-exact")
+
+
+def find_ncu() -> str | None:
+    import glob
+    import shutil
+
+    found = shutil.which("ncu")
+    if found:
+        return found
+    for pattern in ("/usr/local/cuda/bin/ncu", "/usr/local/cuda-*/bin/ncu", "/opt/nvidia/nsight-compute/*/ncu"):
+        hits = sorted(glob.glob(pattern))
+        if hits:
+            return hits[-1]
+    return None
+
+
+def ncu_child(args) -> None:
+    """The target of one variant's ncu pass: reps 1, then NCU_REPS, on ``--blocks`` blocks."""
+    key, version, null, rare = next(v for v in LOOP_VARIANTS if v[0] == args.ncu_child)
+    run = LoopRun(key, version, null, rare, tile_pairs(args.pairs), args.blocks)
+    for reps in (1, NCU_REPS):
+        run.launch(reps)
+    err = run.check()
+    say(f"ncu child {key}: launched reps 1 and {NCU_REPS} on {args.blocks} blocks; " + (err or "output as expected"))
+
+
+def ncu_pass(ncu: str, keys: list[str], args, blocks: int, budget: float) -> dict:
+    """Per variant: each metric per block-decode, ``(value at NCU_REPS - value at 1) / (blocks * (NCU_REPS - 1))``
+    (the staging and the stores cancel), or ``{"error": ...}``.  One subprocess per variant, NCU_TIMEOUT
+    seconds each, none started after ``budget`` seconds."""
+    import csv
+    import signal
+    import subprocess
+    import time
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("NUMBA_ENABLE_CUDASIM", None)
+    start = time.monotonic()
+    results = {}
+    for key in keys:
+        left = budget - (time.monotonic() - start)
+        if left < 15:
+            results[key] = {"error": f"skipped: the ncu pass' {budget:.0f} s were spent"}
+            say(f"ncu {key}: {results[key]['error']}")
+            continue
+        cmd = [ncu, "--csv", "--print-units", "base", "--clock-control", "none", "--kernel-name-base", "mangled",
+               "--kernel-name", "regex:decode_loop", "--metrics", ",".join(NCU_METRICS),
+               sys.executable, str(Path(__file__).resolve()), "gpu", "--ncu-child", key, "--pairs", str(args.pairs),
+               "--blocks", str(blocks)]
+        t0 = time.monotonic()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                start_new_session=True)
+        try:
+            text, _ = proc.communicate(timeout=min(NCU_TIMEOUT, left))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)          # ncu and its target: the session this call started
+            text, _ = proc.communicate()
+            results[key] = {"error": f"timed out after {min(NCU_TIMEOUT, left):.0f} s"}
+            say(f"ncu {key}: {results[key]['error']}; its last lines:\n" + "\n".join(text.splitlines()[-5:]))
+            continue
+        rows = [line for line in text.splitlines() if line.startswith('"')]
+        per = {}
+        try:
+            for row in csv.DictReader(rows):
+                unit = (row.get("Metric Unit") or "").strip()
+                value = float(row["Metric Value"].replace(",", ""))
+                scale = {"ns": 1, "nsecond": 1, "us": 1e3, "usecond": 1e3, "ms": 1e6, "msecond": 1e6, "s": 1e9,
+                         "second": 1e9}.get(unit, 1) if row["Metric Name"].startswith("gpu__time") else 1
+                per.setdefault(int(row["ID"]), {})[row["Metric Name"]] = value * scale
+        except (KeyError, ValueError) as e:
+            per = {}
+            say(f"ncu {key}: unreadable CSV ({type(e).__name__}: {e})")
+        launches = [per[i] for i in sorted(per)]
+        if proc.returncode or len(launches) != 2 or any(set(NCU_METRICS) - set(x) for x in launches):
+            results[key] = {"error": f"ncu exit {proc.returncode}, {len(launches)} launches profiled"}
+            say(f"ncu {key}: {results[key]['error']}; its last lines:\n" + "\n".join(text.splitlines()[-8:]))
+            continue
+        one, many = launches
+        results[key] = {m: (many[m] - one[m]) / (blocks * (NCU_REPS - 1)) for m in NCU_METRICS}
+        results[key].update({f"{m} (reps 1)": one[m] for m in NCU_METRICS})
+        say(f"ncu {key} ({time.monotonic() - t0:.0f} s): " + ", ".join(f"{m} {v:.1f}" for m, v in results[key].items()
+                                                                      if "reps 1" not in m) + " per block-decode")
+    return results
+
+
+def git_commit() -> str:
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              timeout=10)
+        if head.returncode:
+            return "unknown (no git metadata)"
+        diff = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "benchmarks/v3_layout.py"], cwd=root,
+                              timeout=10)
+        return head.stdout.strip() + (" (benchmarks/v3_layout.py modified)" if diff.returncode else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (git not run)"
+
+
+def report(meta: dict, rows: list[dict], ncu: dict | None) -> str:
+    """The run as markdown: the setup, then a row per variant."""
+    def fmt(x, spec=".1f"):
+        return format(x, spec) if isinstance(x, (int, float)) else ("-" if x is None else str(x))
+
+    lines = ["# v3 layout: decode throughput on the GPU (benchmarks/v3_layout.py gpu)", ""]
+    lines += [f"- {k}: {v}" for k, v in meta.items()]
+    lines += ["", "Per block-decode = one warp decoding one block's K and V tiles (2 tiles) in the loop harness; "
+              "GPU ns = kernel time / (blocks x reps); SM ns = GPU ns x SMs (one SM's time per decode, "
+              f"{BLOCKS_PER_SM} warps sharing it). Every pass also XORs 64 fragment words into registers "
+              "(64 LOP3) and counts the loop (v2 adds a warp barrier); null is that loop with two LDS.128 "
+              "(8 wavefronts) in place of a decode. ncu values: (launch at reps "
+              f"{NCU_REPS} - launch at reps 1) / (blocks x {NCU_REPS - 1}). Predicted: v3-layout-offline.md "
+              "(model wavefronts; SASS of the decode region, without the loop's XOR and control); offline SASS a pass: "
+              "the loop's body as `sass-loop` compiles it here (static: the rare variants count their rare code, "
+              "which a pass skips where its tiles have no raw group; the common variants' passes run it all).", ""]
+    head = ["variant", "GPU ns / decode", "SM ns / decode", "minus null (SM ns)", "tiles/s", "registers",
+            "local bytes", "blocks/SM"]
+    if ncu is not None:
+        head += ["ncu shared wavefronts", "ncu instructions", "ncu GPU ns"]
+    head += ["offline SASS a pass", "predicted wavefronts", "predicted instructions"]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    null = next((r for r in rows if r["key"] == "null"), None)
+    for r in rows:
+        cells = [r["name"], fmt(r["ns_per_decode"], ".3f"), fmt(r["sm_ns_per_decode"]),
+                 fmt(r["sm_ns_per_decode"] - null["sm_ns_per_decode"]) if null and r is not null else "-",
+                 f"{r['tiles_per_s']:.3e}", fmt(r["registers"], "d"), fmt(r["local_bytes"], "d"),
+                 fmt(r["blocks_per_sm"], "d")]
+        if ncu is not None:
+            n = ncu.get(r["key"], {"error": "not run"})
+            if "error" in n:
+                cells += [n["error"], "", ""]
+            else:
+                cells += [fmt(n[NCU_METRICS[0]]), fmt(n[NCU_METRICS[1]]), fmt(n[NCU_METRICS[2]], ".3f")]
+        pw, pi = PREDICTED.get(r["key"], (None, None))
+        cells += [fmt(LOOP_SASS.get(r["key"]), "d"), fmt(pw), fmt(pi, "d")]
+        lines.append("| " + " | ".join(cells) + " |")
+    by = {r["key"]: r for r in rows}
+    if "v2-common" in by and "v3-common" in by:
+        a, b = by["v2-common"], by["v3-common"]
+        line = (f"v2 - v3, common path: {a['sm_ns_per_decode'] - b['sm_ns_per_decode']:.1f} SM ns a decode "
+                f"(v3/v2 = {b['sm_ns_per_decode'] / a['sm_ns_per_decode']:.3f})")
+        if ncu and all("error" not in ncu.get(k, {"error": 1}) for k in ("v2-common", "v3-common")):
+            dw = ncu["v2-common"][NCU_METRICS[0]] - ncu["v3-common"][NCU_METRICS[0]]
+            di = ncu["v2-common"][NCU_METRICS[1]] - ncu["v3-common"][NCU_METRICS[1]]
+            line += f"; {dw:.1f} wavefronts and {di:.1f} instructions fewer (predicted 146.6 and 150)"
+        lines += ["", line]
+    if "v2" in by and "v3" in by:
+        a, b = by["v2"], by["v3"]
+        lines += ["", f"v2 - v3, with the rare code (these tiles' raw groups): "
+                      f"{a['sm_ns_per_decode'] - b['sm_ns_per_decode']:.1f} SM ns a decode "
+                      f"(v3/v2 = {b['sm_ns_per_decode'] / a['sm_ns_per_decode']:.3f})"]
+    return "\n".join(lines) + "\n"
+
+
+def gpu(argv: list[str]) -> None:
+    """Decode throughput of v2 (today's decoder) and v3 on the device, after a bit-exact check of every variant's
+    loop kernel; then, if ncu is there, shared wavefronts, instructions and time per block-decode."""
+    import argparse
+    import datetime
+    import json
+    import statistics
+    import time
+
+    keys = [v[0] for v in LOOP_VARIANTS]
+    ap = argparse.ArgumentParser(prog="v3_layout.py gpu")
+    ap.add_argument("--out", type=Path, help="folder for v3-gpu.md and v3-gpu.json")
+    ap.add_argument("--reps", type=int, default=1025,
+                    help="decodes a block a timed launch (odd: its output is checked)")
+    ap.add_argument("--rounds", type=int, default=21, help="timed launches a variant (interleaved; the median is kept)")
+    ap.add_argument("--pairs", type=int, default=8, help="distinct (K, V) tile pairs spread over the blocks")
+    ap.add_argument("--variants", type=lambda s: s.split(","), default=keys, help=f"comma-separated, of {keys}")
+    ap.add_argument("--no-ncu", action="store_true", help="skip the ncu pass")
+    ap.add_argument("--ncu-budget", type=float, default=150.0, help="seconds for the whole ncu pass")
+    ap.add_argument("--sim-check", action="store_true", help="the loop kernels in the simulator, 2 blocks, no timing")
+    ap.add_argument("--ncu-child", choices=keys, help=argparse.SUPPRESS)
+    ap.add_argument("--blocks", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    unknown = set(args.variants) - set(keys)
+    if unknown:
+        ap.error(f"unknown variants {sorted(unknown)}; known: {keys}")
+    if args.reps < 1 or args.reps % 2 == 0:
+        ap.error("--reps must be odd (an even number of XORed decodes is 0)")
+    if args.sim_check:
+        return sim_check(args)
+    if args.ncu_child:
+        return ncu_child(args)
+    if args.out is None:
+        ap.error("--out DIR is needed")
+    if not cuda.is_available():
+        raise SystemExit("no CUDA device (for the simulator check: gpu --sim-check)")
+    args.out.mkdir(parents=True, exist_ok=True)
+    t_start = time.monotonic()
+
+    dev = cuda.get_current_device()
+    name = dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
+    sms = int(dev.MULTIPROCESSOR_COUNT)
+    blocks = BLOCKS_PER_SM * sms
+    import numba
+    import numba_cuda
+    meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "device": f"{name}, {sms} SMs, cc {dev.compute_capability[0]}.{dev.compute_capability[1]}",
+        "commit": git_commit(),
+        "command": "python " + " ".join(["benchmarks/v3_layout.py", "gpu"] + argv),
+        "versions": f"numba {numba.__version__}, numba-cuda {getattr(numba_cuda, '__version__', '?')}, "
+                    f"numpy {np.__version__}, Python {sys.version.split()[0]}",
+        "launch": f"{blocks} one-warp blocks ({BLOCKS_PER_SM} x {sms} SMs), reps {args.reps} a block, "
+                  f"{args.rounds} timed launches a variant (median; interleaved, 2 warm-up launches each)",
+        "tiles": f"{args.pairs} (K, V) pairs of random_tile (seed 7), block b decodes pair b % {args.pairs}; "
+                 f"raw groups K {[RAW_K[i % 8] for i in range(args.pairs)]}, "
+                 f"V {[RAW_V[i % 8] for i in range(args.pairs)]}; escape capacity {CAP} both layouts",
+    }
+    for k, v in meta.items():
+        say(f"{k}: {v}")
+
+    say("encoding the tiles (v2: gaac.reference.codec, staged; v3: encode_v3) ...")
+    pairs = tile_pairs(args.pairs)
+    host = {v: loop_inputs(v, pairs) for v in (2, 3)}
+    runs = []
+    for key, version, null, rare in LOOP_VARIANTS:
+        if key not in args.variants:
+            continue
+        t0 = time.monotonic()
+        run = LoopRun(key, version, null, rare, pairs, blocks, host[version])
+        run.launch(3)                                       # compiles, then the check at reps 3
+        err = run.check()
+        run.res = run.resources(sms)
+        say(f"{key}: compiled and launched in {time.monotonic() - t0:.1f} s; {run.res}; check at reps 3: "
+            + (err or "bit-exact, status 0"))
+        if err:
+            raise SystemExit(f"FAILED before timing: {err}")
+        runs.append(run)
+
+    say(f"timing: {args.rounds} rounds x {len(runs)} variants ...")
+    for run in runs:
+        for _ in range(2):
+            run.launch(args.reps)
+    cuda.synchronize()
+    times = {run.key: [] for run in runs}
+    for _ in range(args.rounds):
+        events = []
+        for run in runs:
+            e0, e1 = cuda.event(), cuda.event()
+            e0.record()
+            run.launch(args.reps)
+            e1.record()
+            events.append((run.key, e0, e1))
+        cuda.synchronize()
+        for key, e0, e1 in events:
+            times[key].append(cuda.event_elapsed_time(e0, e1))
+    rows = []
+    for run in runs:
+        err = run.check()                                   # the last timed launch's output (reps odd)
+        if err:
+            raise SystemExit(f"FAILED after timing: {err}")
+        ms = statistics.median(times[run.key])
+        ns = ms * 1e6 / (blocks * args.reps)
+        name = ("null (harness only)" if run.null else
+                f"v{run.version} ({'today' if run.version == 2 else 'fragments'}) rare={run.rare}")
+        rows.append(dict(key=run.key, name=name, ms_median=ms, ms_min=min(times[run.key]), ms_max=max(times[run.key]),
+                         ns_per_decode=ns, sm_ns_per_decode=ns * sms, tiles_per_s=2e9 / ns, **run.res))
+        say(f"{run.key:9s}: {ms:.3f} ms a launch (min {min(times[run.key]):.3f}, max {max(times[run.key]):.3f}); "
+            f"{ns:.3f} ns a block-decode, {ns * sms:.1f} SM ns, {2e9 / ns:.3e} tiles/s; output bit-exact")
+
+    def write(ncu):
+        (args.out / "v3-gpu.md").write_text(report(meta, rows, ncu))
+        (args.out / "v3-gpu.json").write_text(json.dumps(dict(meta=meta, predicted=PREDICTED, variants=rows, ncu=ncu),
+                                                         indent=1, default=str) + "\n")
+    write(None)
+    say(f"wrote {args.out / 'v3-gpu.md'} and v3-gpu.json ({time.monotonic() - t_start:.0f} s so far)")
+
+    ncu = None
+    path = find_ncu()
+    if args.no_ncu:
+        say("ncu pass skipped (--no-ncu)")
+    elif path is None:
+        say("ncu not found (PATH, /usr/local/cuda/bin): no ncu pass")
+    else:
+        say(f"ncu pass with {path}: {len(runs)} variants, reps 1 and {NCU_REPS} on {blocks} blocks, "
+            f"{NCU_TIMEOUT} s each ...")
+        ncu = ncu_pass(path, [run.key for run in runs], args, blocks, args.ncu_budget)
+        meta["ncu"] = f"{path}, metrics {', '.join(NCU_METRICS)}, --clock-control none"
+        write(ncu)
+    text = report(meta, rows, ncu)
+    say("\n" + text)
+    say(f"wrote {args.out / 'v3-gpu.md'} and v3-gpu.json; {time.monotonic() - t_start:.0f} s in all")
+
+
 if __name__ == "__main__":
-    {"check": check, "sass": sass, "smem": smem}[sys.argv[1]]()
+    if sys.argv[1:2] == ["gpu"]:
+        gpu(sys.argv[2:])
+    else:
+        {"check": check, "sass": sass, "smem": smem, "sass-loop": sass_loop}[sys.argv[1]]()
