@@ -1124,7 +1124,9 @@ class PagedKVCache:
         allocator keeps freed memory per stream, so a stream per cache would strand the rule's buffers."""
         if self.device.type != "cuda":
             return None
-        key = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        from .cuda.launch import device_index
+
+        key = device_index(self.device)
         stream = _RULE_STREAMS.get(key)
         if stream is None:
             stream = _RULE_STREAMS[key] = torch.cuda.Stream(key, priority=-1)

@@ -385,6 +385,7 @@ class StepPlan:
     def _prepare_fast(self, rows: np.ndarray, before: np.ndarray, append: int) -> None:
         """Set up the per-call fast paths of an eager plan: ``cache.update_layer`` of the step's token
         (:meth:`append_token`), and on the GPU :meth:`run`."""
+        from .cuda.launch import device_index
         from .cuda.primitives import SIMULATOR
 
         cache = self.cache
@@ -396,7 +397,7 @@ class StepPlan:
             self._dev = None
         else:
             self._fast = True
-            self._dev = cache.device.index if cache.device.index is not None else torch.cuda.current_device()
+            self._dev = device_index(cache.device)
             self._q_shape = (self.batch, self.q_heads, cache.head_dim)
         if self._appender is not None:
             self._token_shape = (len(rows), cache.kv_heads, 1, cache.head_dim)

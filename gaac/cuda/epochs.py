@@ -27,7 +27,7 @@ from numba import cuda
 
 from .. import epochs as E
 from .. import layout as L
-from .launch import driver, launch_args
+from .launch import device_index, driver, launch_args
 from .primitives import SIMULATOR, WARP, device, gaddr, i32, ldg4_at, popc, syncwarp, u32, u64
 
 BINS = 256                   # exponent values of a BF16 element
@@ -502,7 +502,7 @@ def _upload(a: np.ndarray, device):
     its previous copy, long finished by the next batch)."""
     import torch
 
-    key = device.index if device.index is not None else torch.cuda.current_device()
+    key = device_index(device)
     host, event = _STAGING.get(key, (None, None))
     if event is not None:
         event.synchronize()

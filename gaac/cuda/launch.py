@@ -121,6 +121,14 @@ def current_stream() -> int:
         return torch.cuda.current_stream().cuda_stream
 
 
+def device_index(device) -> int:
+    """The index of the CUDA ``device`` (a torch.device): its own, or the current device's where it names none
+    (``torch.device("cuda")``), so that one GPU has one key in the per-device caches."""
+    import torch
+
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def cufunction(dispatcher):
     """The ``CUfunction`` of a dispatcher's (one) compiled kernel: numba compiled it, ``cuda.core`` launches it."""
     kernel = next(iter(dispatcher.overloads.values()))
