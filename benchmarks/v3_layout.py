@@ -2,7 +2,7 @@
 the attention kernel's decoder builds the ``mma.sync m16n8k16`` A fragments of K and V in registers, with no
 decoded BF16 tile and no ``ldmatrix``.  Nothing here ships; benchmarks/results/v3-layout-offline.md has the results.
 
-    python benchmarks/v3_layout.py check       # simulator (NUMBA_ENABLE_CUDASIM=1): v3 decode == the tile
+    python benchmarks/v3_layout.py check       # simulator (NUMBA_ENABLE_CUDASIM=1): v3 and v3r decodes == the tile
     python benchmarks/v3_layout.py sass        # SASS opcode classes per block (K+V), v2 (today) and v3
     python benchmarks/v3_layout.py smem        # shared-memory wavefronts per tile from the address patterns
     python benchmarks/v3_layout.py sass-loop   # registers, spills and a pass's SASS of the loop harness' variants
@@ -34,6 +34,11 @@ The layout (C = 128; lane ``l = 4r + q``, the MMA's groupID ``r`` and thread-in-
   element ``i``), from the back (raw group ``n`` of the tile
   at ``capacity - 4 (n + 1)``, a lane's raw groups in the order of their tag bits: G = 0, 4, 1, 5, ..);
   zeros between.  Same bytes as version 2, so the same capacity rule.
+* version "3r" (``encode_v3(..., raw_layout="lane")``, harness version "3r"): the same slot but for the escapes:
+  a lane's run is its plane-3 bytes, then one unaligned 4-byte word per raw group (K: G order, nibbles
+  ``e0 e2 e4 e6 e1 e3 e5 e7``; V: G = 0, 2, 1, 3, 4, 6, 5, 7, nibble ``i`` = element ``i``); the runs back
+  to back in the scan order.  The one escape scan (of the runs' bytes) places them: no vote, no second scan.
+  Same bytes again.  v3-layout-offline.md section 7.
 """
 from __future__ import annotations
 
@@ -103,8 +108,28 @@ def scan_order(lane: int) -> int:
     return 2 * (lane & 15) + (lane >> 4)
 
 
-def encode_v3(kind: int, tile: np.ndarray, b3: np.ndarray, b4: np.ndarray, capacity: int) -> bytes | None:
-    """A [16, 128] uint16 BF16 tile as a v3 slot (None on slot overflow), canonical modes (FORMAT.md 5.2)."""
+def raw_order(kind: int) -> tuple[int, ...]:
+    """raw_layout="lane": the order of a lane's raw words in its run (the order its fix-up visits them)."""
+    return tuple(range(8)) if kind == 0 else (0, 2, 1, 3, 4, 6, 5, 7)
+
+
+def raw_nibble(kind: int, i: int) -> int:
+    """raw_layout="lane": the nibble of a raw word that holds exponent bits 4..7 of the group's element ``i``
+    (K: elements 0, 2, 4, 6 in nibbles 0..3 and 1, 3, 5, 7 in nibbles 4..7, so that pair ``p``'s two nibbles
+    sit 16 bits apart at bits ``4p``: one shift and one masked OR place them; V: nibble ``i``)."""
+    return (i >> 1) + 4 * (i & 1) if kind == 0 else i
+
+
+def encode_v3(kind: int, tile: np.ndarray, b3: np.ndarray, b4: np.ndarray, capacity: int,
+              raw_layout: str = "back") -> bytes | None:
+    """A [16, 128] uint16 BF16 tile as a v3 slot (None on slot overflow), canonical modes (FORMAT.md 5.2).
+
+    ``raw_layout="back"``: planes 4..7 of the raw groups as aligned words from the back of the escape area
+    (the module docstring).  ``"lane"``: in the lane's own escape run, right after its plane-3 bytes: lane
+    ``l``'s run = its plane-3 bytes (G order), then one 4-byte word per raw group (unaligned, in
+    :func:`raw_order`, nibbles as :func:`raw_nibble`); runs back to back in the scan order from the front of
+    the escape area.  The same bytes as "back" (and v2): (non-3-bit groups) + 4 x (raw groups)."""
+    assert raw_layout in ("back", "lane")
     tile = tile.astype(np.int64)
     e = (tile >> 7) & 0xFF
     sm = ((tile >> 8) & 0x80) | (tile & 0x7F)
@@ -156,6 +181,24 @@ def encode_v3(kind: int, tile: np.ndarray, b3: np.ndarray, b4: np.ndarray, capac
             tw |= int(modes[lane, g]) << (4 * (g & 3) + 2 * (g >> 2))
         slot[TAG_OFF + 2 * lane:TAG_OFF + 2 * lane + 2] = tw.to_bytes(2, "little")
     # escapes
+    if raw_layout == "lane":
+        run = bytearray()
+        for lane in sorted(range(32), key=scan_order):
+            for g in range(8):                  # plane-3 bytes in G order
+                if modes[lane, g] == 0:
+                    continue
+                t, c0 = group_of(kind, lane, g)
+                run.append(sum(((code(t, c0 + i, lane, g) >> 3) & 1) << i for i in range(8)))
+            for g in raw_order(kind):           # then the raw groups' words
+                if modes[lane, g] == 2:
+                    t, c0 = group_of(kind, lane, g)
+                    word = sum(((code(t, c0 + i, lane, g) >> 4) & 0xF) << (4 * raw_nibble(kind, i))
+                               for i in range(8))
+                    run += word.to_bytes(4, "little")
+        if len(run) > capacity:
+            return None
+        slot[ESC_OFF:ESC_OFF + len(run)] = bytes(run)
+        return bytes(slot)
     front, back = [], []
     for lane in sorted(range(32), key=scan_order):
         for g in range(8):                      # plane-3 bytes in G order
@@ -297,7 +340,56 @@ def _fix_source(kind: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def decoder_v3(rare: bool = True):
+def _fix_lane_source(kind: int) -> str:
+    """raw_layout="lane": straight-line source of the raw groups' fix-up, ``fix(smem, pa, sh, raw, frag)``
+    (``pa``: the aligned address at or before the lane's first raw word, ``sh``: 8 x its misalignment; a
+    lane's raw words are consecutive, so ``sh`` holds for all of them).  K: a body per group, entered where its
+    raw bit is set: the word (2 LDS and a funnel shift), then a shift and a masked OR per fragment word.  V: a
+    body per pair of groups (``G``, ``G + 2``: the lo and hi halves of the same 8 fragment words): 3 LDS, then
+    a PRMT per 2 fragment words and a shift and a masked OR per fragment word."""
+    def bit_of(g: int) -> int:
+        return 4 * (g & 3) + 2 * (g >> 2) + 1
+
+    def shifted(w: str, s: int) -> str:                  # a funnel shift for s < 0 (one SHF)
+        return f"u32({w} << {s})" if s >= 0 else f"funnel_r({w}, {w}, {-s})"
+
+    lines = ["def fix(smem, pa, sh, raw, frag):"]
+    if kind == 0:
+        for g in raw_order(0):
+            lines.append(f"    if raw & {1 << bit_of(g)}:")
+            lines.append("        w = funnel_r(lds(smem, pa), lds(smem, u32(pa + 4)), sh)")
+            lines.append("        pa = u32(pa + 4)")
+            for p in range(4):
+                f = 4 * (2 * (g & 3) + p // 2) + 2 * (p % 2) + (g >> 2)
+                lines.append(f"        frag[{f}] = u32(frag[{f}] | u32({shifted('w', 11 - 4 * p)} & 0x78007800))")
+    else:
+        for j in range(4):
+            ga = 4 * (j >> 1) + (j & 1)
+            gb = ga + 2
+            lines.append(f"    if raw & {(1 << bit_of(ga)) | (1 << bit_of(gb))}:")
+            lines.append(f"        ra = u32((raw >> {bit_of(ga)}) & 1)")
+            lines.append(f"        rb = u32((raw >> {bit_of(gb)}) & 1)")
+            lines.append("        l0 = lds(smem, pa)")
+            lines.append("        l1 = lds(smem, u32(pa + 4))")
+            lines.append("        l2 = lds(smem, u32(pa + 8))")
+            lines.append("        w0 = funnel_r(l0, l1, sh)")
+            lines.append("        w1 = funnel_r(l1, l2, sh)")
+            lines.append("        wa = w0 if ra else u32(0)")
+            lines.append("        wb = (w1 if ra else w0) if rb else u32(0)")
+            lines.append("        pa = u32(pa + 4 * (ra + rb))")
+            for k in range(4):
+                lines.append(f"        x = prmt(wa, wb, {k | k << 4 | (4 + k) << 8 | (4 + k) << 12})")
+                for h in range(2):
+                    f = 4 * (2 * k + h) + j
+                    lines.append(f"        frag[{f}] = u32(frag[{f}] | u32(u32(x << {11 - 4 * h}) & 0x78007800))")
+    return "\n".join(lines) + "\n"
+
+
+def decoder_v3(rare: bool = True, raw_layout: str = "back"):
+    """The v3 device functions ``(tags, decode_k, decode_v)``.  ``raw_layout`` as :func:`encode_v3`: with
+    "lane", ``tags`` also returns the lane's escape run (plane-3 bytes + 4 per raw group: what the caller's
+    scan sums), and the rare code (status checks and the fix-up) is one branch per lane at the end of each
+    decode, entered where the lane has a raw (or reserved) tag or its run overflows; no vote, no second scan."""
     from numba import uint32
 
     from gaac.cuda import primitives as P
@@ -310,7 +402,14 @@ def decoder_v3(rare: bool = True):
         return device(space[name])
 
     compute_k, compute_v = build(_compute_source(0), "compute"), build(_compute_source(1), "compute")
-    fix_k, fix_v = build(_fix_source(0), "fix"), build(_fix_source(1), "fix")
+    if raw_layout == "lane":
+        space = {"u32": u32, "lds": lds, "funnel_r": funnel_r, "prmt": prmt}
+        for kind in (0, 1):
+            exec(compile(_fix_lane_source(kind), f"<v3 lane fix {kind}>", "exec"), space)
+            space[f"fix{kind}"] = device(space.pop("fix"))
+        fix_k, fix_v = space["fix0"], space["fix1"]
+    else:
+        fix_k, fix_v = build(_fix_source(0), "fix"), build(_fix_source(1), "fix")
 
     @device
     def tags_v3(smem, src):
@@ -318,6 +417,29 @@ def decoder_v3(rare: bool = True):
         lane = lane_id()
         t = u32((lds(smem, u32(src + TAG_OFF + 4 * (lane >> 1))) >> (16 * (lane & 1))) & 0xFFFF)
         return t, i32(popc((t | (t >> 1)) & 0x5555))
+
+    @device
+    def tags_lane(smem, src):
+        """raw_layout="lane": this lane's tag bits, plane-3 bytes and escape run (+ 4 bytes a raw group)."""
+        t, cnt = tags_v3(smem, src)
+        return t, cnt, i32(cnt + 4 * popc(t & 0xAAAA))
+
+    @device
+    def rare_lane(smem, src, t, cnt, off, cap, frag, kind, status):
+        """raw_layout="lane": a lane's rare code, entered where its tags hold a raw or reserved tag or its
+        run overflows: the status checks, then its raw words, read from its own run, into the fragments."""
+        raw = u32(t & 0xAAAA)
+        over = u32(i32(cap - (off + cnt + 4 * popc(raw))) >> 31)          # all ones if the run overflows
+        bad = u32(u32(t & (t >> 1) & 0x5555) | u32(over & 0x10000))
+        if bad:                                 # one branch for both status bits
+            kernel_api.atomic.or_(status, 0, i32(1 if bad & 0x5555 else 0) | i32(2 if bad >> 16 else 0))
+        p = u32(src + ESC_OFF + u32(min(i32(off + cnt), i32(cap))))
+        pa = u32(p & ~u32(3))
+        sh = u32(8 * (p & 3))
+        if kind == 0:
+            fix_k(smem, pa, sh, raw, frag)
+        else:
+            fix_v(smem, pa, sh, raw, frag)
 
     @device
     def escapes_v3(smem, src, t, cnt, off, cap):
@@ -375,7 +497,10 @@ def decoder_v3(rare: bool = True):
             b0, b1, b2, b3 = lds4(smem, u32(kbase + m * K_STRIDE + 16 * (4 * (g & 3) + q)))
             bw[4 * g], bw[4 * g + 1], bw[4 * g + 2], bw[4 * g + 3] = b0, b1, b2, b3
         compute_k(smw, cw, bw, evl, evh, kf)
-        if rare:
+        if rare and raw_layout == "lane":
+            if (t & 0xAAAA) != 0 or off + cnt > cap:
+                rare_lane(smem, src, t, cnt, off, cap, kf, 0, status)
+        elif rare:
             if t & (t >> 1) & 0x5555:
                 kernel_api.atomic.or_(status, 0, 1)
             if off + cnt > cap:                 # (the raw groups' words from the back: checked in the fix-up)
@@ -402,14 +527,17 @@ def decoder_v3(rare: bool = True):
             b0, b1, b2, b3 = lds4(smem, u32(a + 16))
             bw[8 * j + 4], bw[8 * j + 5], bw[8 * j + 6], bw[8 * j + 7] = b0, b1, b2, b3
         compute_v(smw, cw, bw, evl, evh, vf)
-        if rare:
+        if rare and raw_layout == "lane":
+            if (t & 0xAAAA) != 0 or off + cnt > cap:
+                rare_lane(smem, src, t, cnt, off, cap, vf, 1, status)
+        elif rare:
             if t & (t >> 1) & 0x5555:
                 kernel_api.atomic.or_(status, 0, 1)
             if off + cnt > cap:                 # (the raw groups' words from the back: checked in the fix-up)
                 kernel_api.atomic.or_(status, 0, 2)
             raw_fix(smem, src, t, cap, vf, 1, scr)
 
-    return tags_v3, decode_k_v3, decode_v_v3
+    return (tags_lane if raw_layout == "lane" else tags_v3), decode_k_v3, decode_v_v3
 
 
 # ----------------------------------------------------------------------------------------------
@@ -421,8 +549,11 @@ SLOT = ESC_OFF + CAP
 SLOT_WORDS = SLOT // 4
 
 
-def harness(version: int, null: bool = False, rare: bool = True, loop: bool = False):
-    """``rare=False``: without the raw-group fix-ups and the status checks (the common path's code).
+def harness(version, null: bool = False, rare: bool = True, loop: bool = False):
+    """``version``: 2 (today's decoder), 3 (v3, raw words from the back of the escape area) or "3r" (v3 with
+    the raw words in the lane's own escape run, :func:`encode_v3`'s ``raw_layout="lane"``).
+
+    ``rare=False``: without the raw-group fix-ups and the status checks (the common path's code).
 
     ``loop=False``: ``kernel(slot_k, slot_v, bases, out, status)``, one block decoded once.  ``loop=True``: the
     throughput form ``decode_loop(slot_k, slot_v, bases, out, status, pairs, reps)``: block ``b`` stages tile
@@ -437,8 +568,8 @@ def harness(version: int, null: bool = False, rare: bool = True, loop: bool = Fa
                                       warp_sync, ldsm_rows, ldsm_cols)
     from gaac.cuda.tile_decoder import BASE_ROWS, base_row_words, decode_tile_fn, escape_scan2, row_bytes
 
-    if version == 3:
-        tags_v3, decode_k, decode_v = decoder_v3(rare)
+    if version in (3, "3r"):
+        tags_v3, decode_k, decode_v = decoder_v3(rare, "lane" if version == "3r" else "back")
         base_words = (K_BASE_BYTES + V_BASE_BYTES) // 4
         extra = 0
     else:
@@ -457,7 +588,13 @@ def harness(version: int, null: bool = False, rare: bool = True, loop: bool = Fa
         src_k = u32(sb)
         src_v = u32(sb + 4 * SLOT_WORDS)
         bb = u32(sb + 8 * SLOT_WORDS)
-        if version == 3:
+        if version == "3r":
+            tk, ck, rk = tags_v3(smem, src_k)
+            tv, cv, rv = tags_v3(smem, src_v)
+            ok, ov = escape_scan2(rk, rv, scr)             # the runs: plane-3 bytes and raw words
+            decode_k(smem, src_k, bb, tk, ck, ok, CAP, kf, status, scr)
+            decode_v(smem, src_v, u32(bb + K_BASE_BYTES), tv, cv, ov, CAP, vf, status, scr)
+        elif version == 3:
             tk, ck = tags_v3(smem, src_k)
             tv, cv = tags_v3(smem, src_v)
             ok, ov = escape_scan2(ck, cv, scr)
@@ -616,6 +753,104 @@ def check():
         wide_k = int((np.frombuffer(sk[TAG_OFF:ESC_OFF], np.uint8) != 0).sum())
         print(f"trial {trial}: K tag bytes not 0: {wide_k} of 64, K raw groups {raw_k}: {nk} wrong words of 1024; V: {nv} wrong; status {status[0]}")
         assert nk == 0 and nv == 0 and status[0] == 0
+    check_lane()
+
+
+def escape_bytes(kind: int, tile, b3, b4) -> int:
+    m = lane_modes(kind, tile, b3, b4)
+    return int((m > 0).sum() + 4 * (m == 2).sum())
+
+
+def tile_with_escape_bytes(rng, kind: int, target: int):
+    """A tile of :func:`random_tile` with raw groups and 4-bit groups added until its escapes take exactly
+    ``target`` bytes (many raw groups: lanes with several)."""
+    tile, b3, b4 = random_tile(rng, kind, raw_groups=0)
+    tile = tile.astype(np.int64)
+
+    def set_group(t, g, exps):
+        c = slice(8 * g, 8 * g + 8)
+        tile[t, c] = (tile[t, c] & 0x807F) | (np.asarray(exps) << 7)
+
+    while True:
+        m = lane_modes(kind, tile.astype(np.uint16), b3, b4)
+        left = target - int((m > 0).sum() + 4 * (m == 2).sum())
+        if left == 0:
+            return tile.astype(np.uint16), b3, b4
+        assert left > 0
+        want = 0 if left > 12 or left < 4 else 1            # turn a 3-bit (+5) or a 4-bit (+4) group raw,
+        if left < 4:                                         # or a 3-bit group 4-bit (+1)
+            want = 2
+        lanes, gs = np.nonzero(m == (1 if want == 1 else 0))
+        k = rng.integers(len(lanes))
+        t, c0 = group_of(kind, int(lanes[k]), int(gs[k]))
+        g = c0 // 8
+        if want == 2:
+            e = b3[c0:c0 + 8] + rng.integers(0, 8, 8)
+            j = int(rng.integers(8))
+            e[j] = b4[c0 + j] + 15                             # outside the 3-bit window, inside the 4-bit one
+        else:
+            e = rng.choice([0, 1, 255, 254, 3, 200], 8)
+            e[0] = 255
+        set_group(t, g, e)
+
+
+def run_block(version, sk: bytes, sv: bytes, bases) -> tuple[np.ndarray, int]:
+    out = np.zeros(32 * 64, np.uint32)
+    status = np.zeros(1, np.int32)
+    harness(version)[1, 32](np.frombuffer(sk, np.uint32).copy(), np.frombuffer(sv, np.uint32).copy(), bases, out,
+                            status)
+    return out.reshape(32, 64), int(status[0])
+
+
+def check_lane():
+    """raw_layout="lane" (version "3r"): the decode of K and V tiles bit for bit, raw-free and raw-heavy
+    tiles, lanes with all 8 groups raw, tiles whose escapes fill the capacity exactly, and the status bit of a
+    slot whose escapes overflow it."""
+    rng = np.random.default_rng(26)
+    cases = []
+    for trial in range(4):
+        wide = 0.97 if trial == 3 else 0.12
+        cases.append((f"trial {trial}", random_tile(rng, 0, raw_groups=3 * trial, wide_share=wide),
+                      random_tile(rng, 1, raw_groups=2 * trial + 1, wide_share=wide)))
+    cases.append(("no raw group", random_tile(rng, 0, raw_groups=0), random_tile(rng, 1, raw_groups=0)))
+    cases.append(("40 / 30 planted raw groups", random_tile(rng, 0, raw_groups=40), random_tile(rng, 1, raw_groups=30)))
+    full = []
+    for kind in (0, 1):                         # lanes 0, 5, 18, 31: all 8 groups raw; lane 9: groups 0, 3, 6
+        tile, b3, b4 = random_tile(rng, kind, raw_groups=2)
+        for lane, gs in ((0, range(8)), (5, range(8)), (18, range(8)), (31, range(8)), (9, (0, 3, 6))):
+            for g in gs:
+                t, c0 = group_of(kind, lane, g)
+                tile[t, c0:c0 + 8] = (tile[t, c0:c0 + 8] & 0x807F) | (np.array([255, 0, 1, 254, 3, 200, 128, 7]) << 7)
+        full.append((tile, b3, b4))
+    cases.append(("lanes with all 8 groups raw", *full))
+    cases.append((f"escapes of exactly {CAP} bytes", tile_with_escape_bytes(rng, 0, CAP),
+                  tile_with_escape_bytes(rng, 1, CAP)))
+    for name, (tk, b3k, b4k), (tv, b3v, b4v) in cases:
+        sk, sv = encode_v3(0, tk, b3k, b4k, CAP, "lane"), encode_v3(1, tv, b3v, b4v, CAP, "lane")
+        assert sk is not None and sv is not None, name
+        assert len(sk) == len(encode_v3(0, tk, b3k, b4k, CAP)), name
+        out, status = run_block("3r", sk, sv, block_bases_v3(b3k, b4k, b3v, b4v))
+        nk = int((out[:, :32] != expected_fragments(0, tk)).sum())
+        nv = int((out[:, 32:] != expected_fragments(1, tv)).sum())
+        mk, mv = lane_modes(0, tk, b3k, b4k), lane_modes(1, tv, b3v, b4v)
+        print(f"3r {name}: K raw groups {int((mk == 2).sum())} (most a lane {int((mk == 2).sum(1).max())}), "
+              f"escapes {escape_bytes(0, tk, b3k, b4k)} bytes: {nk} wrong words of 1024; V raw groups "
+              f"{int((mv == 2).sum())} (most a lane {int((mv == 2).sum(1).max())}), escapes "
+              f"{escape_bytes(1, tv, b3v, b4v)} bytes: {nv} wrong; status {status}")
+        assert nk == 0 and nv == 0 and status == 0, name
+    # one byte over: both layouts refuse it; written with room to spare and cut to the slot, the decoder flags it
+    for kind in (0, 1):
+        tile, b3, b4 = tile_with_escape_bytes(rng, kind, CAP + 1)
+        assert encode_v3(kind, tile, b3, b4, CAP, "lane") is None and encode_v3(kind, tile, b3, b4, CAP) is None
+        cut = encode_v3(kind, tile, b3, b4, CAP + 8, "lane")[:SLOT]
+        other, ob3, ob4 = random_tile(rng, 1 - kind, raw_groups=1)
+        good = encode_v3(1 - kind, other, ob3, ob4, CAP, "lane")
+        slots = (cut, good) if kind == 0 else (good, cut)
+        bb = block_bases_v3(b3, b4, ob3, ob4) if kind == 0 else block_bases_v3(ob3, ob4, b3, b4)
+        _, status = run_block("3r", *slots, bb)
+        print(f"3r {'KV'[kind]} escapes of {CAP + 1} bytes: the encoders refuse the slot; cut to it, the decoder's "
+              f"status {status}")
+        assert status == 2
 
 
 CLASSES = (("shared loads", ("LDS", "LDSM")), ("shared stores", ("STS",)), ("PRMT", ("PRMT",)),
@@ -682,6 +917,117 @@ def sass():
                 others[(key, k)] += v
     print("other opcodes:", sorted({k for (_, k) in others}))
 
+    # v3r (raw words in the lane's run): a second table, so that the one above stays as it was
+    with tempfile.TemporaryDirectory() as tmp:
+        r3 = {}
+        for label, kw in (("common", dict(rare=False)), ("full", {})):
+            res = resources(harness("3r", **kw).py_func, signature(), Path(tmp), ptxas, cuobjdump, isa)
+            last = max(i for i, line in enumerate(res["lines"]) if re.match(r"(@!?P\w+\s+)?STS ", line))
+            ops = Counter()
+            for line in res["lines"][last + 1:]:
+                if re.match(r"(@!?P\w+\s+)?(STG|EXIT|BRA|NOP)", line):
+                    continue
+                m = re.match(r"(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", line)
+                if m:
+                    ops[m.group(1)] += 1
+            r3[label] = (res, ops)
+            print(f"v3r {label}: {res['sass']} SASS, region {sum(ops.values())}, {res['registers']} registers, "
+                  f"spill {res['spill_bytes']}", flush=True)
+    print()
+    print("| class | v3 common | v3 full | v3r common | v3r full |")
+    print("|---|---|---|---|---|")
+    for name, names in CLASSES:
+        print(f"| {name} | {cls(rows[(3, 'common')][1], names)} | {cls(rows[(3, 'full')][1], names)} | "
+              f"{cls(r3['common'][1], names)} | {cls(r3['full'][1], names)} |")
+    print(f"| total | {sum(rows[(3, 'common')][1].values())} | {sum(rows[(3, 'full')][1].values())} | "
+          f"{sum(r3['common'][1].values())} | {sum(r3['full'][1].values())} |")
+
+
+def lane_modes(kind: int, tile: np.ndarray, b3: np.ndarray, b4: np.ndarray) -> np.ndarray:
+    """[32, 8]: the mode (0: 3-bit, 1: 4-bit, 2: raw) of each lane's local group ``G`` (v3's ownership)."""
+    e = (tile.astype(np.int64) >> 7) & 0xFF
+    modes = np.zeros((32, 8), np.int64)
+    for lane in range(32):
+        for g in range(8):
+            t, c0 = group_of(kind, lane, g)
+            x, lo3, lo4 = e[t, c0:c0 + 8], b3[c0:c0 + 8], b4[c0:c0 + 8]
+            modes[lane, g] = 0 if np.all((x >= lo3) & (x <= lo3 + 7)) else \
+                1 if np.all((x >= lo4) & (x <= lo4 + 15)) else 2
+    return modes
+
+
+def rare_regions(lines: list[str], addrs: list[int]):
+    """The forward conditional branches of a loop body (``lines``, ``addrs``: its SASS), as regions
+    ``(first, end)`` of the instructions a taken branch skips, sorted.  Returns ``(status, handlers, other)``:
+    the innermost regions holding a global atomic (the status bits: never entered on good slots); per kind, in program
+    order, a handler (the outermost region that holds the raw groups' bodies, entered when any lane of the
+    warp has a raw group) with its bodies (innermost regions holding an LDS, in program order: K's groups
+    ``G = 0..7``, V's pairs ``j = 0..3``, the order of the source); and the rest."""
+    at = {a: i for i, a in enumerate(addrs)}
+    regions = []
+    for i, line in enumerate(lines):
+        m = re.match(r"@!?U?P\w+\s+BRA\s+.*?(0x[0-9a-f]+)", line)
+        if m and int(m.group(1), 16) > addrs[i] and int(m.group(1), 16) in at:
+            regions.append((i + 1, at[int(m.group(1), 16)]))
+    regions = sorted(set(regions))
+
+    def holds(r, pat):
+        return any(re.match(rf"(?:@!?U?P\w+\s+)?{pat}", x) for x in lines[r[0]:r[1]])
+
+    atomic = r"(REDG|RED|ATOMG|ATOM)\b"
+    status = [r for r in regions if holds(r, atomic) and
+              not any(o != r and r[0] <= o[0] and o[1] <= r[1] and holds(o, atomic) for o in regions)]
+    leaves = [r for r in regions if r not in status and holds(r, r"LDS\b") and
+              not any(o != r and r[0] <= o[0] and o[1] <= r[1] and holds(o, r"LDS\b") for o in regions)]
+    outer = [r for r in regions if r not in status and any(r[0] <= b[0] and b[1] <= r[1] and b != r for b in leaves)]
+    handlers = [r for r in outer if not any(o != r and o[0] <= r[0] and r[1] <= o[1] for o in outer)]
+    handlers = [(h, [b for b in leaves if h[0] <= b[0] and b[1] <= h[1]]) for h in handlers]
+    other = [r for r in regions if r not in status and r not in leaves and all(r != h for h, _ in handlers)]
+    return status, handlers, other
+
+
+def executed_estimate(lines: list[str], addrs: list[int], tiles) -> tuple[float, str]:
+    """Warp instructions a pass executes, averaged over ``tiles`` (a list of (K modes, V modes), [32, 8]
+    each): the loop body less what its taken branches skip: the status regions always; a kind's raw
+    handler where no lane of the tile has a raw group; a body where no lane has a raw group in its
+    position (K: group G; V: G or G + 2 of pair j).  Other forward branches are counted as not taken.
+    Returns the mean and a line on the structure found."""
+    status, handlers, other = rare_regions(lines, addrs)
+    size = lambda r: r[1] - r[0]                  # noqa: E731
+    want = (8, 4)
+    if len(handlers) != 2 or tuple(len(b) for _, b in handlers) != want:
+        return float("nan"), f"structure not recognised: {len(handlers)} handlers, bodies " \
+                             f"{[len(b) for _, b in handlers]}"
+    total = 0.0
+    for modes in tiles:
+        n = len(lines) - sum(size(r) for r in status)
+        for kind, ((h, bodies), m) in enumerate(zip(handlers, modes)):
+            raw = (np.asarray(m) == 2).any(axis=0)                    # [8]: any lane raw in group G
+            if not raw.any():
+                n -= size(h)
+                continue
+            for k, b in enumerate(bodies):
+                hit = raw[k] if kind == 0 else raw[4 * (k >> 1) + (k & 1)] or raw[4 * (k >> 1) + (k & 1) + 2]
+                if not hit:
+                    n -= size(b)
+        total += n
+    info = (f"handlers K {size(handlers[0][0])}, V {size(handlers[1][0])} instructions; bodies K "
+            f"{[size(b) for b in handlers[0][1]]}, V {[size(b) for b in handlers[1][1]]}; status regions "
+            f"{[size(r) for r in status]}; other forward branches {[size(r) for r in other]} (counted as run)")
+    return total / len(tiles), info
+
+
+def realistic_tiles():
+    """Two samples of (K modes, V modes): the gpu command's 8 tile pairs (what the next GPU run times), and
+    4000 pairs of independent group modes (89% 3-bit; raw groups 0.3% of K's groups, so that 54% of K tiles
+    have one, and 0.087% of V's, 20% of V tiles)."""
+    gpu_pairs = [(lane_modes(0, p["k"], p["b3k"], p["b4k"]), lane_modes(1, p["v"], p["b3v"], p["b4v"]))
+                 for p in tile_pairs(8)]
+    rng = np.random.default_rng(11)
+    sampled = [(sample_modes(rng, (0.89, 0.107, 0.003)), sample_modes(rng, (0.89, 0.10913, 0.00087)))
+               for _ in range(4000)]
+    return {"gpu tile pairs": gpu_pairs, "sampled (54% / 20%)": sampled}
+
 
 def sass_loop():
     """Every variant of the loop harness (``loop=True``) compiled for sm_90: registers, spills, SASS, and the
@@ -694,7 +1040,7 @@ def sass_loop():
 
     ptxas, cuobjdump = _tool("ptxas"), _tool("cuobjdump")
     isa = _ptxas_version(ptxas)
-    rows = {}
+    rows, bodies = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for key, version, null, rare in LOOP_VARIANTS:
             res = resources(harness(version, null=null, rare=rare, loop=True).py_func, signature(loop=True), Path(tmp),
@@ -712,6 +1058,7 @@ def sass_loop():
                 if m:
                     ops[m.group(1)] += 1
             rows[key] = ops
+            bodies[key] = (lines[lo:hi + 1], addrs[lo:hi + 1], version, rare, res)
             dump = os.environ.get("V3_SASS_DIR")
             if dump:
                 Path(dump).mkdir(parents=True, exist_ok=True)
@@ -732,6 +1079,32 @@ def sass_loop():
     print("| other | " + " | ".join(str(sum(v for k, v in ops.items() if k.split(".")[0] not in known))
                                    for ops in rows.values()) + " |")
     print("| total | " + " | ".join(str(sum(ops.values())) for ops in rows.values()) + " |")
+
+    # Executed instructions a pass on realistic tiles (the static body misleads: the rare code runs only where
+    # a tile has raw groups).  The common variants run their whole body.
+    samples = realistic_tiles()
+    print()
+    print("Executed warp instructions a pass (estimate from the SASS: the loop body less the regions its taken "
+          "branches skip; see executed_estimate):")
+    print()
+    print("| variant | static body | registers | " + " | ".join(samples) + " |")
+    print("|---|---|---|" + "---|" * len(samples))
+    for key, (lines, addrs, version, rare, res) in bodies.items():
+        if version == 2 and rare:
+            cells = ["-"] * len(samples)                 # (its structure is not modelled)
+        elif not rare:
+            cells = [str(len(lines))] * len(samples)
+        else:
+            est = [executed_estimate(lines, addrs, tiles) for tiles in samples.values()]
+            cells = [f"{e:.1f}" for e, _ in est]
+            print(f"({key}: {est[0][1]})")
+        print(f"| {key} | {len(lines)} | {res['registers']} | " + " | ".join(cells) + " |")
+    for tiles_name, tiles in samples.items():
+        k = np.mean([(np.asarray(a) == 2).any() for a, _ in tiles])
+        v = np.mean([(np.asarray(b) == 2).any() for _, b in tiles])
+        print(f"{tiles_name}: raw groups in {100 * k:.0f}% of K tiles, {100 * v:.0f}% of V tiles; raw groups a "
+              f"tile K {np.mean([(np.asarray(a) == 2).sum() for a, _ in tiles]):.2f}, "
+              f"V {np.mean([(np.asarray(b) == 2).sum() for _, b in tiles]):.2f}")
 
 
 def wavefronts(addrs, width: int) -> int:
@@ -846,6 +1219,8 @@ LOOP_VARIANTS = (           # key, version, null, rare
     ("v2-common", 2, False, False),
     ("v3", 3, False, True),
     ("v3-common", 3, False, False),
+    ("v3r", "3r", False, True),         # raw words in the lane's own escape run (v3-layout-offline.md section 7)
+    ("v3r-common", "3r", False, False),
 )
 BLOCKS_PER_SM = 12          # one-warp blocks an SM, as the attention kernel runs
 NCU_METRICS = ("l1tex__data_pipe_lsu_wavefronts_mem_shared.sum", "smsp__inst_executed.sum", "gpu__time_duration.sum")
@@ -856,7 +1231,10 @@ PREDICTED = {               # v3-layout-offline.md: shared wavefronts and SASS o
     "v3-common": (119.4, 635),
 }
 LOOP_SASS = {               # ``sass-loop`` here (numba-cuda 0.30.4, ptxas 13.0, sm_90): SASS of a pass of the loop
-    "null": 73, "v2": 1023, "v2-common": 824, "v3": 1198, "v3-common": 671,
+    "null": 73, "v2": 1023, "v2-common": 824, "v3": 1198, "v3-common": 671, "v3r": 1051, "v3r-common": 677,
+}
+EXECUTED = {                # ``sass-loop``'s estimate of the instructions a pass executes on the gpu tile pairs
+    "v3": 768.9, "v3-common": 671, "v3r": 737.5, "v3r-common": 677,
 }
 RAW_K = (2, 0, 1, 0, 3, 0, 1, 0)    # raw groups planted in tile pair i's K tile (i % 8): half the K tiles have any
 RAW_V = (1, 0, 0, 0, 0, 2, 0, 0)    # and in its V tile: a quarter
@@ -953,8 +1331,10 @@ def loop_inputs(version: int, pairs: list[dict]) -> tuple[np.ndarray, np.ndarray
     """The loop harness' ``slot_k``, ``slot_v`` and ``bases`` of one layout: every pair's, back to back."""
     sk, sv, bs = [], [], []
     for p in pairs:
-        if version == 3:
-            k, v = encode_v3(0, p["k"], p["b3k"], p["b4k"], CAP), encode_v3(1, p["v"], p["b3v"], p["b4v"], CAP)
+        if version in (3, "3r"):
+            lay = "lane" if version == "3r" else "back"
+            k = encode_v3(0, p["k"], p["b3k"], p["b4k"], CAP, lay)
+            v = encode_v3(1, p["v"], p["b3v"], p["b4v"], CAP, lay)
             if k is None or v is None:
                 raise SystemExit(f"a v3 slot overflows its {CAP} escape bytes")
             sk.append(np.frombuffer(k, np.uint32))
@@ -982,7 +1362,7 @@ def loop_expected(version: int, null: bool, rare: bool, pairs: list[dict], slot_
         tk, tv = p["k"], p["v"]
         if not rare:
             tk, tv = common_path(tk, p["b3k"], p["b4k"]), common_path(tv, p["b3v"], p["b4v"])
-        frag = expected_fragments if version == 3 else v2_fragments
+        frag = v2_fragments if version == 2 else expected_fragments
         out[i, :, :32] = frag(0, tk)
         out[i, :, 32:] = frag(1, tv)
     return out
@@ -1045,7 +1425,7 @@ def sim_check(args) -> None:
     """The loop kernels of every variant in the simulator: 2 blocks (pairs 0 and 1: raw groups in both kinds,
     and none), reps 1 and 3, against the expected words."""
     pairs = tile_pairs(2)
-    host = {v: loop_inputs(v, pairs) for v in (2, 3)}
+    host = {v: loop_inputs(v, pairs) for v in (2, 3, "3r")}
     failed = []
     for key, version, null, rare in LOOP_VARIANTS:
         if key not in args.variants:
@@ -1214,6 +1594,17 @@ def report(meta: dict, rows: list[dict], ncu: dict | None) -> str:
         lines += ["", f"v2 - v3, with the rare code (these tiles' raw groups): "
                       f"{a['sm_ns_per_decode'] - b['sm_ns_per_decode']:.1f} SM ns a decode "
                       f"(v3/v2 = {b['sm_ns_per_decode'] / a['sm_ns_per_decode']:.3f})"]
+    for x, y, what in (("v2", "v3r", "with the rare code, raw words in the lane run"),
+                       ("v3r-common", "v3r", "v3r's rare code on these tiles"),
+                       ("v3", "v3r", "the two raw layouts, rare code in")):
+        if x in by and y in by:
+            a, b = by[x], by[y]
+            line = (f"{x} - {y}, {what}: {a['sm_ns_per_decode'] - b['sm_ns_per_decode']:.1f} SM ns a decode "
+                    f"({y}/{x} = {b['sm_ns_per_decode'] / a['sm_ns_per_decode']:.3f})")
+            if ncu and all("error" not in ncu.get(k, {"error": 1}) for k in (x, y)):
+                line += (f"; instructions {ncu[x][NCU_METRICS[1]]:.1f} -> {ncu[y][NCU_METRICS[1]]:.1f} "
+                         f"(estimated from the SASS: {EXECUTED.get(x, '-')} -> {EXECUTED.get(y, '-')})")
+            lines += ["", line]
     return "\n".join(lines) + "\n"
 
 
@@ -1280,7 +1671,7 @@ def gpu(argv: list[str]) -> None:
 
     say("encoding the tiles (v2: gaac.reference.codec, staged; v3: encode_v3) ...")
     pairs = tile_pairs(args.pairs)
-    host = {v: loop_inputs(v, pairs) for v in (2, 3)}
+    host = {v: loop_inputs(v, pairs) for v in sorted({x[1] for x in LOOP_VARIANTS if x[0] in args.variants}, key=str)}
     runs = []
     for key, version, null, rare in LOOP_VARIANTS:
         if key not in args.variants:
@@ -1321,7 +1712,8 @@ def gpu(argv: list[str]) -> None:
         ms = statistics.median(times[run.key])
         ns = ms * 1e6 / (blocks * args.reps)
         name = ("null (harness only)" if run.null else
-                f"v{run.version} ({'today' if run.version == 2 else 'fragments'}) rare={run.rare}")
+                f"v{run.version} ({'today' if run.version == 2 else 'fragments'}"
+                f"{', raw words in the lane run' if run.version == '3r' else ''}) rare={run.rare}")
         rows.append(dict(key=run.key, name=name, ms_median=ms, ms_min=min(times[run.key]), ms_max=max(times[run.key]),
                          ns_per_decode=ns, sm_ns_per_decode=ns * sms, tiles_per_s=2e9 / ns, **run.res))
         say(f"{run.key:9s}: {ms:.3f} ms a launch (min {min(times[run.key]):.3f}, max {max(times[run.key]):.3f}); "
