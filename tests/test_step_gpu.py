@@ -161,6 +161,32 @@ def test_gpu_step_reservation_refuses_before_writing():
     np.testing.assert_array_equal(cache.read(seq)[0], k[:, :, :2 * B - 1])
 
 
+def test_gpu_attention_covers_a_tail_past_the_tables_last_block():
+    """A full block table and a tail after it (a table that never grows, and one that grows at the next
+    finished block): the fused kernel's attention matches the reference cache's at every step."""
+    rng = np.random.default_rng(8)
+    heads, dim = 2, 128
+    k, v = synthetic(rng, 1, heads, 3 * B + 2, dim), synthetic(rng, 1, heads, 3 * B + 2, dim)
+    for grow in (False, True):
+        caches = [PagedKVCache(calibrate(k, v), max_blocks=2, raw_tiles=4 * heads, grow=grow, device=d)
+                  for d in ("cuda", "cpu")]
+        seq = [c.add_sequence(k[:, :, :2 * B - 1], v[:, :, :2 * B - 1]) for c in caches][0]
+        steps = B + 3 if grow else B
+        for step in range(steps):
+            n = 2 * B - 1 + step
+            plans = [c.decode_plan(2 * heads) for c in caches]
+            kn, vn = k[None, 0, :, n:n + 1].view(np.int16), v[None, 0, :, n:n + 1].view(np.int16)
+            caches[0].update_layer(0, [seq], torch.from_numpy(kn).cuda(), torch.from_numpy(vn).cuda())
+            caches[1].update_layer(0, [seq], torch.from_numpy(kn), torch.from_numpy(vn))
+            q = torch.randn((1, 2 * heads, dim)).to(torch.bfloat16)
+            want = plans[1].run(q, 0).float().numpy()
+            got = plans[0].run(q.cuda(), 0).float().cpu().numpy()
+            assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want), (grow, step)
+            plans[0].check_status()
+        assert caches[0].max_blocks == (4 if grow else 2)
+        np.testing.assert_array_equal(caches[0].read(seq)[0], k[:, :, :2 * B - 1 + steps])
+
+
 @pytest.mark.parametrize("adapt", [False, True])
 def test_captured_graph_steps_match_the_reference_cache(adapt, monkeypatch):
     """The whole step of every layer (appends, tail encodes, attention) captured in one CUDA graph and
