@@ -167,11 +167,11 @@ class StepPlan:
 
     # -- the CUDA kernel's plan -------------------------------------------------------------------
     def _ahead(self, lens: np.ndarray) -> np.ndarray:
-        """The lengths an eager step's work list is made for: ``lens`` rounded up to ``PLAN_AHEAD`` tokens
-        (within the block table).  The kernel stops each split at the length it reads on the device, so the
-        list serves every step until a sequence passes the rounded length, and the steps in between reuse it
-        (``cache._work_plans``) instead of building one a block.  A sequence holds at most a full block table
-        and a tail of ``BLOCK_TOKENS - 1`` tokens after it, so the rounded lengths stop there."""
+        """The lengths an eager step's work list is made for: ``lens`` rounded up to ``PLAN_AHEAD`` tokens, at
+        most what a sequence can hold (a full block table and a tail of ``BLOCK_TOKENS - 1`` tokens after it).
+        The kernel stops each split at the length it reads on the device, so the list serves every step until
+        a sequence passes the rounded length, and the steps in between reuse it (``cache._work_plans``)
+        instead of building one a block."""
         ahead = -(-lens // PLAN_AHEAD) * PLAN_AHEAD
         return np.minimum(ahead, (self.cache.max_blocks + 1) * L.BLOCK_TOKENS - 1)
 
