@@ -551,13 +551,15 @@ class AttentionPlan:
         self._scalars = (mb, hk, self.g, *self._sizes, *view.capacity, *self.n_epochs,
                          *(p.shape[0] for p in (*view.slots, *view.raw)))
         self._scale_log2 = np.float32(self.scale * 1.4426950408889634)
+        # The merge kernel merges the splits; the kernel's fused merge (a decode step's) is off: group 0.
+        self._no_fused = (alloc((1,), "int32"), alloc((1,), "int16"), alloc((1,), "float32"), 0, 0)
         if not K.SIMULATOR:
             from .cuda.launch import FastLaunch, packed_params
 
             self._main = FastLaunch(self._kernel, (self.n_work, hk), K.WARP)
             self._main_fixed = (packed_params((*self._arrays, self.o_part, self.lse_part, self.status))
                                 + packed_params(self._scalars)
-                                + [ctypes.c_float(self._scale_log2)])
+                                + [ctypes.c_float(self._scale_log2)] + packed_params(self._no_fused))
             self._merge_launch = FastLaunch(self._merge, *self._merge_grid, pdl=pdl)
             self._merge_fixed = packed_params((self.o_part, self.lse_part, self._split0))
 
@@ -589,13 +591,14 @@ class AttentionPlan:
         if K.SIMULATOR:
             q32 = _host(qb).view(np.int32).reshape(-1)
             self._kernel[(self.n_work, self.view.kv_heads), K.WARP](
-                q32, *self._arrays, self.o_part, self.lse_part, self.status, *self._scalars, self._scale_log2)
+                q32, *self._arrays, self.o_part, self.lse_part, self.status, *self._scalars, self._scale_log2,
+                *self._no_fused)
             return
         import torch
 
         q32 = qb.view(torch.int16).view(torch.int32).reshape(-1)
-        self._main((q32, *self._arrays, self.o_part, self.lse_part, self.status, *self._scalars, self._scale_log2),
-                   lambda params: params(q32) + self._main_fixed)
+        self._main((q32, *self._arrays, self.o_part, self.lse_part, self.status, *self._scalars, self._scale_log2,
+                    *self._no_fused), lambda params: params(q32) + self._main_fixed)
 
     def _launch_merge(self, out, lse) -> None:
         """The merge kernel: splits -> BF16 output and natural-log LSE."""

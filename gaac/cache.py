@@ -83,10 +83,14 @@ MAX_INDEXED_EPOCHS = int(np.iinfo(np.int16).max) + 1
 
 
 def _locked(method):
-    """Run a :class:`PagedKVCache` method holding the cache's lock (a re-entrant lock: methods call each other)."""
+    """Run a :class:`PagedKVCache` method holding the cache's lock (a re-entrant lock: methods call each other),
+    after the host's account of an eager step's finished blocks where the step left it pending
+    (:meth:`gaac.step.StepPlan.settle`: a step accounts once, at its last layer)."""
     @functools.wraps(method)
     def locked(self, *args, **kwargs):
         with self._lock:
+            if self._unsettled is not None:
+                self._unsettled.settle()
             return method(self, *args, **kwargs)
     return locked
 
@@ -255,6 +259,26 @@ class _Pool:
 
 
 _VERSIONS = itertools.count()
+
+
+class _Arrival:
+    """The event of a copy that many readers share (every pool's counts, every adapter's blocks): queried until
+    it has completed, then known to have, so that a hundred readers cost one query of the device."""
+
+    __slots__ = ("event", "done")
+
+    def __init__(self, event):
+        self.event, self.done = event, False
+
+    def query(self) -> bool:
+        if not self.done:
+            self.done = self.event.query()
+        return self.done
+
+    def synchronize(self) -> None:
+        if not self.done:
+            self.event.synchronize()
+            self.done = True
 
 
 class _DevicePool(_Pool):
@@ -543,6 +567,7 @@ class PagedKVCache:
     """
 
     _rule_on_device: bool | None = None    # where an update runs the epoch rule (None: on a GPU, there)
+    _unsettled = None                      # a one-step plan whose account of finished blocks is pending (gaac.step)
 
     def __init__(self, calibration: Calibration, *, max_seqs: int = 1, max_blocks: int = 64,
                  slots: int | None = None, raw_tiles: int | None = None, device="cpu", grow: bool = False,
@@ -645,7 +670,10 @@ class PagedKVCache:
         return self._lock
 
     def __getstate__(self):
-        state = self.__dict__.copy()
+        with self._lock:
+            if self._unsettled is not None:          # a copy takes the account of every block written
+                self._unsettled.settle()
+            state = self.__dict__.copy()
         del state["_lock"]                 # a lock is not copied or pickled: a copy gets a lock of its own
         return state
 
@@ -717,6 +745,7 @@ class PagedKVCache:
             free = np.flatnonzero(~self._live)
         seq = int(free[0])
         self._live[seq] = True
+        self._generation += 1                    # a plan for every live sequence is stale
         if k is not None or v is not None:
             try:
                 self.append(seq, k, v, show_progress=show_progress)
@@ -796,7 +825,6 @@ class PagedKVCache:
                 f"table holds {self.max_blocks} ({self.max_blocks * L.BLOCK_TOKENS} tokens) per sequence: make the "
                 f"cache with max_blocks={need} or more, or with grow=True to enlarge it as needed")
 
-    @_locked
     def update_layer(self, layer: int, seqs, k, v) -> None:
         """Append ``t`` tokens to each sequence of ``seqs`` in one layer: ``k``/``v`` ``[len(seqs), kv_heads, t, D]``.
 
@@ -812,9 +840,15 @@ class PagedKVCache:
         the plan expects it (``seqs`` the plan's list, contiguous BF16 or int16 tensors on
         the cache's GPU) is one launch whose parameters are written in place.
         """
-        plan = self._eager_plan
-        if plan is not None and self._recording is None and plan.append_token(layer, seqs, k, v):
-            return
+        with self._lock:
+            plan = self._eager_plan
+            if plan is not None and self._recording is None and plan.append_token(layer, seqs, k, v):
+                return
+            self._update_layer(layer, seqs, k, v)
+
+    @_locked
+    def _update_layer(self, layer: int, seqs, k, v) -> None:
+        """:meth:`update_layer` checked in full (any call its step plan's fast path does not take)."""
         self._check_layer(layer)
         seqs = self._check_seqs(seqs)
         if len(set(seqs)) != len(seqs):
@@ -1169,7 +1203,8 @@ class PagedKVCache:
         if self.device.type != "cuda":
             return [self._host_copy(t) for t in tensors]
         host, event = self._host_copy(torch.stack(tensors))
-        return [(host[i], event) for i in range(len(tensors))]
+        arrival = _Arrival(event)
+        return [(host[i], arrival) for i in range(len(tensors))]
 
     def _flush(self, store: _Kind, layer: int, kind: int) -> None:
         """Let the adapter observe the blocks deferred to it; an epoch it appends joins the device tables."""

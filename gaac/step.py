@@ -8,7 +8,7 @@ out once, by :meth:`gaac.PagedKVCache.decode_plan` (FlashInfer's plan/run):
     for layer in range(layers):
         k, v, q = ...                                # the model's layer
         cache.update_layer(layer, seqs, k, v)        # one token per sequence
-        out = plan.run(q, layer)                     # attention + merge: two launches, no synchronisation
+        out = plan.run(q, layer)                     # attention (and merge): no synchronisation
 
 The plan reads only what the cache keeps on the host -- its copy of every
 sequence's length and where some layer's calibration epoch changes -- so it
@@ -18,6 +18,12 @@ serves every layer (the attention kernel loads one epoch's bases per split).
 What the kernel needs of each layer (its arrays, the pair words of its epochs'
 bases, the packed launch parameters) is built the first time a layer runs and
 kept by the cache until that layer's storage changes (a new epoch, growth).
+
+An eager step is bound by the host's time per launch, so its attention is one
+launch a layer: the kernel's last warps merge the splits (``fused_merge`` in
+:mod:`gaac.cuda.attention`).  A captured step (a plan of ``steps``) is bound by the
+GPU instead, and launches the merge kernel, whose many blocks merge faster than
+the kernel's last warps.
 
 The plan also reserves the step: before anything is written it checks that
 every layer's pools can take the blocks this step's appends finish
@@ -41,10 +47,12 @@ from .errors import FormatError, InputError, PoolExhaustedError
 LOG2_E = 1.4426950408889634
 PLAN_AHEAD = 16 * L.BLOCK_TOKENS   # an eager step's work list covers lengths up to the next multiple of this
 _STEP_PARAMS = ("work", "o_part", "lse_part")      # the plan's arrays in the attention kernel's parameters
+FUSED_MERGE = True          # an eager step's attention merges in the kernel (head_dim <= 128): one launch a layer
+_MERGE_PARAMS = 3 * 7 + 2   # the kernel's fused-merge parameters: mrg, out, lse (7 slots each), batch, group
 # What a one-step plan shares with the next one whose work list is the same (StepPlan._plan_kernel).
 _SHARED = ("blocks_per_split", "n_work", "_merge", "_merge_grid", "_grid", "_work", "_split0", "o_part", "lse_part",
            "status", "_lse", "_scale_log2", "_status_params", "_scale_param", "_merge_launch", "_step_params",
-           "_merge_buffer", "_merge_out", "_owner", "_current_stream")
+           "_merge_buffer", "_merge_out", "_owner", "_current_stream", "_fused", "_mrg", "_group", "_merge_params")
 
 
 @dataclass
@@ -58,12 +66,14 @@ class _LayerLaunch:
     fixed: list = None            # packed parameters of ``arrays`` (GPU)
     fixed_scalars: list = None    # packed parameters of ``scalars`` (GPU)
     buffer: object = None         # the launch's ParamBuffer (GPU)
+    scale_at: int = 0             # the buffer's slot of the scale; the fused merge's parameters follow it
 
 
-def layer_launch(cache, layer: int, g: int) -> _LayerLaunch:
-    """The attention kernel's per-layer state for ``g`` query heads per KV head, made once per layer
-    and storage version (the cache drops it when the layer's arrays change)."""
-    key = (layer, g)
+def layer_launch(cache, layer: int, g: int, fused: bool = False) -> _LayerLaunch:
+    """The attention kernel's per-layer state for ``g`` query heads per KV head (``fused``: the kernel with
+    the fused merge), made once per layer and storage version (the cache drops it when the layer's arrays
+    change)."""
+    key = (layer, g, fused)
     state = cache._layer_state.get(key)
     if state is not None:
         return state
@@ -74,7 +84,7 @@ def layer_launch(cache, layer: int, g: int) -> _LayerLaunch:
     geo = L.TileGeometry(L.tile_channels(d))
     sizes = (geo.slot_bytes(store_k.capacity), geo.slot_bytes(store_v.capacity))
     overlap, max_registers = kernel_options(d, False, None, -1)
-    kernel = K.attention_kernel(d, False, 2, -(-max(sizes) // 16) * 16, overlap, max_registers)
+    kernel = K.attention_kernel(d, False, 2, -(-max(sizes) // 16) * 16, overlap, max_registers, fused_merge=fused)
     cal = cache._calibration
     words = []
     for kind, store in enumerate((store_k, store_v)):
@@ -106,7 +116,8 @@ def layer_launch(cache, layer: int, g: int) -> _LayerLaunch:
         # q, the layer's arrays, the plan's work list and partials, the status word, scalars, the scale:
         # a plan writes its part once per layer (StepPlan._launch), a call writes q's address.
         state.buffer = ParamBuffer([0] * 7 + state.fixed + [0] * (len(_STEP_PARAMS) * 7 + 7) + state.fixed_scalars
-                                   + [_c_float(0.0)])
+                                   + [_c_float(0.0)] + [0] * _MERGE_PARAMS)
+        state.scale_at = len(state.buffer) - _MERGE_PARAMS - 1
     state.bases = bases            # kept alive with the state
     cache._layer_state[key] = state
     return state
@@ -133,6 +144,8 @@ class StepPlan:
             raise InputError(f"scale must be a finite real number, got {scale!r}")
         self.cache, self.q_heads, self.g = cache, int(q_heads), int(q_heads) // hk
         self.scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+        if steps is None and append == 1 and self._follow(cache._eager_plan, seqs):
+            return
         lens = cache._lens
         if (lens != lens[0]).any():
             layer = int(np.flatnonzero((lens != lens[0]).any(axis=1))[0])
@@ -140,6 +153,7 @@ class StepPlan:
                              f"{lens[0].tolist()}): finish the step that is under way before planning the next")
         rows = np.asarray(cache.sequences if seqs is None else cache._check_seqs(seqs), np.int64)
         self.seqs = rows.tolist()
+        self._rows, self._all_seqs = rows, seqs is None
         before = lens[0].copy()
         self.lens = before.copy()
         self.lens[rows] += append
@@ -152,7 +166,8 @@ class StepPlan:
             reserve_step(cache, before, self.lens)
             if self.kernel_path:
                 cuts = self._device_appends(rows, before, append)
-                self._plan_kernel(self._ahead(self.lens), cuts)
+                self._ahead_lens = self._ahead(self.lens)
+                self._plan_kernel(self._ahead_lens, cuts)
                 self._prepare_fast(rows, before, append)
             return
         from .captured import CapturedSteps
@@ -164,6 +179,38 @@ class StepPlan:
         if self.steps:
             self._plan_kernel(self.captured.end, self.captured.cuts)
             self.captured.prepare()
+
+    def _follow(self, prev, seqs) -> bool:
+        """Make this plan as the successor of ``prev``, the previous eager step's plan, where it can be: ``prev``'s
+        token reached every layer through :meth:`append_token` (one launch a layer), nothing else changed the
+        cache since, this plan is for the same sequences, heads and scale, and neither step finishes a block.
+        Then only the lengths advance: the pools need no reservation, the appends' launches and (while the
+        lengths stay within the work list's rounded ones) the work list carry over.  False, nothing set,
+        otherwise: the full plan follows."""
+        cache = self.cache
+        if (prev is None or prev._appender is None or prev._n_appended != cache.layers or cache._generation != prev._gen
+                or len(prev._fin) or prev.q_heads != self.q_heads or prev.scale != self.scale
+                or not (prev._all_seqs if seqs is None else type(seqs) is list and seqs == prev.seqs)):
+            return False
+        rows, before = prev._rows, prev.lens
+        after = before[rows] + 1
+        if not (after % L.BLOCK_TOKENS).all():
+            return False
+        lens = before.copy()
+        lens[rows] = after
+        ahead = self._ahead(lens)
+        if not np.array_equal(ahead, prev._ahead_lens):
+            return False
+        self.seqs, self._rows, self._all_seqs, self.lens, self.batch = prev.seqs, rows, prev._all_seqs, lens, prev.batch
+        self.steps, self.kernel_path, self._fast, self._ahead_lens = None, True, False, ahead
+        cache._eager_plan = None
+        for name in _SHARED:
+            if name in prev.__dict__:
+                setattr(self, name, prev.__dict__[name])
+        self.status.zero_()
+        self._appender, self._fin, self._blk, self._fin_index = prev._appender, prev._fin, prev._blk, None
+        self._prepare_fast(rows, before, 1, prev._dev)
+        return True
 
     # -- the CUDA kernel's plan -------------------------------------------------------------------
     def _ahead(self, lens: np.ndarray) -> np.ndarray:
@@ -189,7 +236,8 @@ class StepPlan:
             cuts = sorted(c for c in cache._cuts[b] | more_cuts if 0 < c < nfull[b])
             edges = [0, *cuts, int(nblk[b])]
             runs += [(int(b), a, z) for a, z in zip(edges[:-1], edges[1:]) if z > a]
-        state = layer_launch(cache, 0, self.g)
+        self._fused = FUSED_MERGE and self.steps is None and d <= 128
+        state = layer_launch(cache, 0, self.g, self._fused)
         target = cache._wave.get(id(state.kernel))
         if target is None:
             target = cache._wave[id(state.kernel)] = wave_target(state.kernel, cache._seq_lens)[0]
@@ -202,15 +250,24 @@ class StepPlan:
             self.status.zero_()
             return
         split = split_work(runs, self.batch, hk, target)
-        self.blocks_per_split, self.n_work = split.blocks_per_split, split.n_work
+        if self._fused:
+            work, split0, mrg, self._group = fused_merge_work(split, self.batch, hk)
+            self.n_work = len(work) // 3
+            self._mrg = cache._to_device(mrg)
+            rows = self.n_work + int(mrg[2 * (self.batch + 1) - 1])       # the splits', then the groups'
+        else:
+            work, split0, self.n_work, self._group = split.work, split.split0, split.n_work, 0
+            self._mrg = torch.zeros(1, dtype=torch.int32, device=cache.device)
+            rows = max(self.n_work, 1)
+        self.blocks_per_split = split.blocks_per_split
         grid, threads, lanes = merge.merge_launch(self.batch, self.q_heads, d, int(split.splits.max(initial=0)))
         self._merge, self._merge_grid = merge.merge_kernel(d, lanes), (tuple(int(x) for x in grid), threads)
         self._grid = (max(self.n_work, 1), hk)
-        self._work = cache._to_device(split.work if self.n_work else np.zeros(3, np.int32))
-        self._split0 = cache._to_device(split.split0)
+        self._work = cache._to_device(work if self.n_work else np.zeros(3, np.int32))
+        self._split0 = cache._to_device(split0)
         dev = cache.device
-        self.o_part = torch.empty(max(self.n_work, 1) * hk * self.g * d, dtype=torch.float32, device=dev)
-        self.lse_part = torch.empty(max(self.n_work, 1) * hk * self.g, dtype=torch.float32, device=dev)
+        self.o_part = torch.empty(rows * hk * self.g * d, dtype=torch.float32, device=dev)
+        self.lse_part = torch.empty(rows * hk * self.g, dtype=torch.float32, device=dev)
         self.status = torch.zeros(cache.layers, dtype=torch.int32, device=dev)
         self._lse = torch.empty((self.batch, self.q_heads), dtype=torch.float32, device=dev)
         self._scale_log2 = np.float32(self.scale * LOG2_E)
@@ -231,6 +288,11 @@ class StepPlan:
                                                                                     self._merge_grid[1], pdl=True)
             self._merge_launch.prepare(merge_signature())
             self._step_params = packed_params((self._work, self.o_part, self.lse_part))
+            # mrg, then out and lse (a call writes their data pointers; without the fused merge, this one-word
+            # array stands in for both: the kernel does not read them), the batch and the group size
+            n, m = (self.batch * self.q_heads * d, self.batch * self.q_heads) if self._fused else (1, 1)
+            self._merge_params = (packed_params((self._mrg,)) + [0, 0, n, 2, 0, n, 2] + [0, 0, m, 4, 0, m, 4]
+                                  + [self.batch, self._group])
             n, m = self.batch * self.q_heads * d, self.batch * self.q_heads
             partials = packed_params((self.o_part, self.lse_part, self._split0))
             # out and lse follow the partials, 7 slots each; a call writes their data pointers
@@ -277,7 +339,7 @@ class StepPlan:
             _check_q(q, _Shape(self.batch, cache.head_dim, cache.kv_heads), cache.device.type)
             raise InputError(f"q: expected a contiguous BF16 tensor {list(shape)} on {cache.device}, got "
                              f"{getattr(q, 'dtype', type(q).__name__)} {list(getattr(q, 'shape', []))}")
-        state = layer_launch(cache, layer, self.g)
+        state = layer_launch(cache, layer, self.g, self._fused)
         given = out, lse
         if out is not None and (not isinstance(out, torch.Tensor) or out.dtype not in (torch.int16, torch.bfloat16)
                                 or out.shape != shape or out.device != q.device):
@@ -299,11 +361,14 @@ class StepPlan:
             o, l_ = out.view(torch.int16).reshape(-1), lse.reshape(-1)
             if self.n_work:
                 arrays = tuple(a.numpy() for a in state.arrays)
+                fused = (o, l_) if self._fused else (self._mrg[:1].view(torch.int16), self._mrg.view(torch.float32))
                 state.kernel[self._grid, K.WARP](q32.numpy(), *arrays, self._work.numpy(), self.o_part.numpy(),
                                                  self.lse_part.numpy(), status.numpy(), *state.scalars,
-                                                 self._scale_log2)
-            self._merge[self._merge_grid](self.o_part.numpy(), self.lse_part.numpy(), self._split0.numpy(),
-                                          o.numpy(), l_.numpy(), cache.kv_heads, self.g)
+                                                 self._scale_log2, self._mrg.numpy(), *(x.numpy() for x in fused),
+                                                 self.batch, self._group)
+            if not (self._fused and self.n_work):
+                self._merge[self._merge_grid](self.o_part.numpy(), self.lse_part.numpy(), self._split0.numpy(),
+                                              o.numpy(), l_.numpy(), cache.kv_heads, self.g)
         else:
             self._launch(state, layer, q, out, lse)
         for buf, val in zip(given, (out, lse)):
@@ -335,7 +400,7 @@ class StepPlan:
             lse = torch.empty(shape[:2], dtype=torch.float32, device=cache.device) if return_lse else self._lse
         elif not _on_gpu(lse, shape[:2], dev, (torch.float32,)):
             return None
-        self._launch(layer_launch(cache, layer, self.g), layer, q, out, lse)
+        self._launch(layer_launch(cache, layer, self.g, self._fused), layer, q, out, lse)
         out = out if out.dtype is torch.bfloat16 else out.view(torch.bfloat16)
         return (out, lse) if return_lse else out
 
@@ -345,13 +410,19 @@ class StepPlan:
         handle = self._current_stream()
         if self.n_work:
             buf = state.buffer
+            at = state.scale_at
             if buf.owner is not self._owner:
                 n = self.batch * self.q_heads * self.cache.head_dim // 2
                 buf.write(0, [0, 0, n, 4, 0, n, 4])
                 buf.write(7 + len(state.fixed), self._step_params + self._status_params[layer])
-                buf.write(len(buf) - 1, self._scale_param)
+                buf.write(at, self._scale_param + self._merge_params)
                 buf.owner = self._owner
-            buf.slots[4] = q.data_ptr()     # q is the kernel's first argument: its data (launch.DATA_SLOT)
+            slots = buf.slots
+            slots[4] = q.data_ptr()         # q is the kernel's first argument: its data (launch.DATA_SLOT)
+            if self._fused:                 # the kernel merges: out and lse follow mrg's 7 slots
+                slots[at + 12], slots[at + 19] = out.data_ptr(), lse.data_ptr()
+                state.main.run(buf, self._grid, handle)
+                return
             state.main.run(buf, self._grid, handle)
         merge = self._merge_buffer
         merge.slots[self._merge_out], merge.slots[self._merge_out + 7] = out.data_ptr(), lse.data_ptr()
@@ -382,14 +453,16 @@ class StepPlan:
         # A finished block takes its adapter's newest epoch, which may differ from the block before it.
         return {int(b) for b in blk} if cache.adapt else set()
 
-    def _prepare_fast(self, rows: np.ndarray, before: np.ndarray, append: int) -> None:
+    def _prepare_fast(self, rows: np.ndarray, before: np.ndarray, append: int, dev: int | None = None) -> None:
         """Set up the per-call fast paths of an eager plan: ``cache.update_layer`` of the step's token
-        (:meth:`append_token`), and on the GPU :meth:`run`."""
+        (:meth:`append_token`), and on the GPU :meth:`run` (``dev``: the cache's device index, if known)."""
         from .cuda.launch import device_index
         from .cuda.primitives import SIMULATOR
 
         cache = self.cache
         self._appended = [False] * cache.layers
+        self._n_appended = 0
+        self._unaccounted = {}          # layer -> the epochs (K, V) of the blocks its append finished, until settle()
         self._token_shape = None
         self._before = before
         self._gen = cache._generation
@@ -397,7 +470,7 @@ class StepPlan:
             self._dev = None
         else:
             self._fast = True
-            self._dev = device_index(cache.device)
+            self._dev = device_index(cache.device) if dev is None else dev
             self._q_shape = (self.batch, self.q_heads, cache.head_dim)
         if self._appender is not None:
             self._token_shape = (len(rows), cache.kv_heads, 1, cache.head_dim)
@@ -414,8 +487,8 @@ class StepPlan:
         plan expects (``seqs`` the plan's list, a layer not yet appended, nothing else changed in the cache,
         contiguous BF16 or int16 ``[len(seqs), kv_heads, 1, head_dim]`` on the cache's device): one launch
         writes both tails and the layer's lengths -- and encodes the blocks the token finishes -- and the
-        host advances its own account.  False (nothing done) otherwise: ``update_layer`` then checks the
-        call in full."""
+        host advances its copy of the lengths; its account of the finished blocks waits for the step's last
+        layer (:meth:`settle`).  False (nothing done) otherwise: ``update_layer`` then checks the call in full."""
         cache = self.cache
         shape = self._token_shape
         if (type(layer) is not int or not 0 <= layer < cache.layers or self._appended[layer]
@@ -431,15 +504,30 @@ class StepPlan:
             epochs = app.epochs(layer)
             app.launch(layer, k, v, epochs, contiguous=True)
             if len(self._fin):
-                self._fin_index = app.account(range(layer, layer + 1), self._fin, self._blk, {layer: epochs},
-                                              self._fin_index)
+                self._unaccounted[layer] = epochs
+                cache._unsettled = self
         else:
             cache._append_token_launch(layer, self._index, shape[0], k.data_ptr(), v.data_ptr())
         cache._lens[layer] = self.lens
         cache._generation += 1
         self._gen = cache._generation
         self._appended[layer] = True
+        self._n_appended += 1
+        if self._n_appended == cache.layers and self._unaccounted:
+            self.settle()
         return True
+
+    def settle(self) -> None:
+        """The host's account of the blocks this step's appends finished (:meth:`StepAppend.account
+        <gaac.step_append.StepAppend.account>`), for every layer appended since the last account, in one
+        copy of the pools' counts and one of the finished blocks: made when the step's last layer is
+        appended, or by the cache's next call if the step stops part way."""
+        cache = self.cache
+        if cache._unsettled is self:
+            cache._unsettled = None
+        pending, self._unaccounted = self._unaccounted, {}
+        if pending:
+            self._fin_index = self._appender.account(list(pending), self._fin, self._blk, pending, self._fin_index)
 
     def device_driven(self):
         """A plan of ``steps``: the context in which ``cache.update_layer`` (one token) and :meth:`run` launch
@@ -531,3 +619,34 @@ def reserve_step(cache, before: np.ndarray, after: np.ndarray) -> None:
                                              "are free; remove sequences or make the pool larger")
                 pool.grow_to(max(pool.size + n - free, 2 * pool.size))
                 cache._storage_changed()
+
+
+def fused_merge_work(split, batch: int, kv_heads: int) -> tuple:
+    """The work list, split index and ``mrg`` array of the kernel's fused merge, and its group size.
+
+    Every sequence row gets at least one split (a row without blocks one of no blocks, whose warps store an
+    empty partial), so that its output is written: the fused merge writes a row's output from its splits.
+    Splits come in groups of ``group`` (about the square root of the most a sequence has, at least 8), so
+    that neither level of the merge folds many rows.  ``mrg`` int32: the splits' first index per sequence
+    ``[B + 1]``, the groups' first slot per sequence ``[B + 1]``, then zeroed counters, one per (slot, KV
+    head) and one per (sequence, KV head), which the kernel leaves at zero."""
+    work = split.work.reshape(-1, 3)
+    splits = split.splits.astype(np.int64)
+    empty = splits == 0
+    if empty.any():
+        before = np.cumsum(empty) - empty             # empty rows ahead of each sequence
+        out = np.zeros((len(work) + int(empty.sum()), 3), np.int32)
+        out[np.arange(len(work)) + before[work[:, 0]]] = work
+        splits = np.where(empty, 1, splits)
+        split0 = np.concatenate([[0], np.cumsum(splits)])
+        rows = np.flatnonzero(empty)
+        out[split0[rows]] = np.stack([rows, np.zeros_like(rows), np.zeros_like(rows)], axis=1)
+        work = out
+    else:
+        split0 = np.concatenate([[0], np.cumsum(splits)])
+    group = max(8, math.isqrt(int(splits.max(initial=1)) - 1) + 1)
+    groups = -(-splits // group)
+    group0 = np.concatenate([[0], np.cumsum(groups)])
+    mrg = np.zeros(2 * (batch + 1) + (int(group0[-1]) + batch) * kv_heads, np.int32)
+    mrg[:batch + 1], mrg[batch + 1:2 * (batch + 1)] = split0, group0
+    return work.astype(np.int32).reshape(-1), split0.astype(np.int32), mrg, group

@@ -119,8 +119,8 @@ class StepAppend:
         buffer.slots[k_slot], buffer.slots[v_slot] = k.data_ptr(), v.data_ptr()
         self.launcher.run(buffer)
 
-    def account(self, layers: range, fin: np.ndarray, blk: np.ndarray, epochs, index=None):
-        """The host's account of the blocks a step's appends to ``layers`` finished once launched (no
+    def account(self, layers, fin: np.ndarray, blk: np.ndarray, epochs, index=None):
+        """The host's account of the blocks a step's appends to ``layers`` (an iterable) finished once launched (no
         synchronisation; the caller advances its copy of the lengths): the sequences ``fin`` finished
         block ``blk``, in each layer's K and V epochs ``epochs[layer]``.  The pools count the records
         the encodes may have taken, and ask for the device's count without waiting for it; the blocks'

@@ -139,6 +139,165 @@ def test_attention_covers_a_tail_past_the_tables_last_block(codec):
         np.testing.assert_array_equal(cache.read(seq)[0], k[:, :, :2 * B - 1 + steps])
 
 
+def test_a_step_accounts_its_finished_blocks_once_and_a_call_part_way_settles_them(monkeypatch):
+    """The host's account of the blocks a step's appends finish (pool counts, block epochs, the adapters'
+    copies) is made once a step, at its last layer; a step stopped part way is accounted by the cache's next
+    call, and the layers appended after it by the step's last layer.  Epochs and contents then match a
+    cache updated in full, layer by layer."""
+    from gaac.step_append import StepAppend
+
+    for name in ("WARMUP_BLOCKS", "ADAPT_EVERY"):
+        monkeypatch.setattr(epochs_mod, name, 1)
+    rng = np.random.default_rng(12)
+    layers, n = 3, 2 * B - 1
+    k, v = drifting(rng, layers, 1, n + 2, 64, 8.0), synthetic(rng, layers, 1, n + 2, 64)
+    cal = calibrate(k[:, :, :B], v[:, :, :B])
+    cache = PagedKVCache(cal, max_blocks=4, codec="cuda")
+    ref = PagedKVCache(cal, max_blocks=4, codec="reference")
+    seq = cache.add_sequence(k[:, :, :n], v[:, :, :n])
+    ref.add_sequence(k[:, :, :n], v[:, :, :n])
+    accounts = []
+    account = StepAppend.account
+
+    def counted(self, layers_, *args):
+        accounts.append(list(layers_))
+        return account(self, layers_, *args)
+    monkeypatch.setattr(StepAppend, "account", counted)
+
+    def token(layer, pos):
+        return (torch.from_numpy(k[None, layer, :, pos:pos + 1].view(np.int16)),
+                torch.from_numpy(v[None, layer, :, pos:pos + 1].view(np.int16)))
+
+    plan = cache.decode_plan(2)                 # this step finishes block 1 in every layer
+    assert plan._appender is not None
+    cache.update_layer(0, [seq], *token(0, n))
+    ref.update_layer(0, [seq], *token(0, n))
+    assert accounts == []                       # pending until the step's last layer ...
+    assert cache.seq_len(seq, 0) == n + 1       # ... or the cache's next call
+    assert accounts == [[0]]
+    for layer in range(1, layers):
+        cache.update_layer(layer, [seq], *token(layer, n))
+        ref.update_layer(layer, [seq], *token(layer, n))
+    assert accounts == [[0], [1, 2]]
+    assert cache.blocks_encoded == ref.blocks_encoded == 2 * layers
+    cache._flush_all(), ref._flush_all()
+    for layer in range(layers):
+        for kind in range(2):
+            assert cache.calibration.n_epochs(layer, kind) == ref.calibration.n_epochs(layer, kind)
+            np.testing.assert_array_equal(cache._store[layer][kind].epochs, ref._store[layer][kind].epochs)
+    assert cache.memory() == ref.memory()
+    got_k, got_v = cache.read(seq)
+    np.testing.assert_array_equal(got_k, k[:, :, :n + 1])
+    np.testing.assert_array_equal(got_v, v[:, :, :n + 1])
+
+
+def test_a_plan_follows_the_previous_step_where_only_the_lengths_advanced(monkeypatch):
+    """A step's plan is made from the previous step's where that step's token reached every layer through its
+    fast path, nothing else changed the cache and neither step finishes a block; otherwise (a layer appended
+    through the full path, a new sequence, a finished block) the plan is made in full.  Either way the cache
+    holds the same bits and attends over what it holds."""
+    from gaac.step import StepPlan
+
+    rng = np.random.default_rng(14)
+    layers, n = 2, B + 8
+    k, v = synthetic(rng, layers, 1, n + 8, 64), synthetic(rng, layers, 1, n + 8, 64)
+    cache = PagedKVCache(calibrate(k, v), max_seqs=2, max_blocks=4, codec="cuda")
+    seq = cache.add_sequence(k[:, :, :n], v[:, :, :n])
+    full = []
+    plan_kernel = StepPlan._plan_kernel
+
+    def counted(self, *args):
+        full.append(len(full))
+        return plan_kernel(self, *args)
+    monkeypatch.setattr(StepPlan, "_plan_kernel", counted)
+
+    def step(pos, seqs=None, slow_layer=None):
+        plan = cache.decode_plan(2, seqs=seqs)
+        made = len(full)
+        for layer in range(layers):
+            kn = torch.from_numpy(k[None, layer, :, pos:pos + 1].view(np.int16))
+            vn = torch.from_numpy(v[None, layer, :, pos:pos + 1].view(np.int16))
+            cache.update_layer(layer, (seq,) if layer == slow_layer else [seq], kn, vn)
+        return plan, made
+
+    plan, made = step(n)
+    assert made == 1
+    plan, made = step(n + 1)                      # the successor: only the lengths advanced
+    assert made == 1 and plan.lens[seq] == n + 2 and plan._appender is not None
+    plan, made = step(n + 2, slow_layer=1)        # follows; its layer 1 takes the full path ...
+    assert made == 1
+    plan, made = step(n + 3)                      # ... so the next plan is made in full
+    assert made == 2
+    plan, made = step(n + 4, seqs=[seq])          # the same sequences, named: follows
+    assert made == 2
+    plan, made = step(n + 5)                      # the live ones again (the same): follows
+    assert made == 2
+    empty = cache.add_sequence()                  # a new live sequence: in full, and the plan covers it
+    plan = cache.decode_plan(2, append=0)
+    assert len(full) == 3 and plan.seqs == [seq, empty]
+    cache.remove_sequence(empty)
+    plan, made = step(n + 6)                      # after a removal: in full
+    assert made == 4
+    plan, made = step(n + 7)                      # a step that finishes block 2: in full
+    assert made == 5 and (n + 8) % B == 0
+    q = _q(rng, 2, 2, 64)
+    _check_attention(plan.run(q, 1), q, {seq: (k[:, :, :n + 8], v[:, :, :n + 8])}, 1, [seq])
+    np.testing.assert_array_equal(cache.read(seq)[0], k)
+    np.testing.assert_array_equal(cache.read(seq)[1], v)
+
+
+def test_fused_merge_work_gives_every_row_a_split_and_groups_the_splits():
+    from gaac.attention import split_work
+    from gaac.step import fused_merge_work
+
+    split = split_work([(0, 0, 20), (2, 0, 3)], 4, 2, None, blocks_per_split=1)     # rows 1 and 3 hold nothing
+    work, split0, mrg, group = fused_merge_work(split, 4, 2)
+    work = work.reshape(-1, 3)
+    assert split0.tolist() == [0, 20, 21, 24, 25] and group == 8
+    assert work[:, 0].tolist() == [0] * 20 + [1] + [2] * 3 + [3]
+    assert work[20].tolist() == [1, 0, 0] and work[24].tolist() == [3, 0, 0]        # a split of no blocks
+    assert work[:20, 1].tolist() == list(range(20)) and work[21:24, 1].tolist() == [0, 1, 2]
+    assert mrg[:5].tolist() == split0.tolist()
+    assert mrg[5:10].tolist() == [0, 3, 4, 5, 6]                                      # 20 splits: 3 groups of 8
+    assert len(mrg) == 10 + (6 + 4) * 2 and not mrg[10:].any()
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_an_eager_step_merges_in_the_kernel_over_groups_and_empty_rows(fused, monkeypatch):
+    """The eager step's attention merges its splits in the kernel (two levels where a sequence has more splits
+    than a group): each live row matches float64, and a row without a sequence gives 0 and LSE -inf.  The same
+    with the merge kernel (``FUSED_MERGE`` off, as a captured step runs)."""
+    import gaac.step as step_mod
+
+    monkeypatch.setattr(step_mod, "FUSED_MERGE", fused)
+    monkeypatch.setattr(step_mod, "wave_target", lambda kernel, like: (256, None))   # a split a block
+    rng = np.random.default_rng(15)
+    lens = [12 * B + 5, 3 * B]
+    k = [synthetic(rng, 1, 2, n + 1, 64) for n in lens]
+    v = [synthetic(rng, 1, 2, n + 1, 64) for n in lens]
+    cache = PagedKVCache(calibrate(k[0], v[0]), max_seqs=3, max_blocks=16, codec="cuda")
+    a = cache.add_sequence(k[0][:, :, :lens[0]], v[0][:, :, :lens[0]])
+    gap = cache.add_sequence()
+    c = cache.add_sequence(k[1][:, :, :lens[1]], v[1][:, :, :lens[1]])
+    cache.remove_sequence(gap)
+    plan = cache.decode_plan(8)
+    assert plan._fused == fused
+    if fused:
+        # a split a block of the work list's rounded lengths (256 tokens: 16 blocks, those past the length
+        # empty) in 2 groups for each sequence, and the empty row's
+        assert plan._group == 8 and plan.n_work == 16 + 1 + 16
+    kn = torch.from_numpy(np.stack([k[0][0, :, lens[0]:], k[1][0, :, lens[1]:]]).view(np.int16))
+    vn = torch.from_numpy(np.stack([v[0][0, :, lens[0]:], v[1][0, :, lens[1]:]]).view(np.int16))
+    cache.update_layer(0, [a, c], kn, vn)
+    q = _q(rng, 3, 8, 64)
+    out, lse = plan.run(q, 0, return_lse=True)
+    _check_attention(out, q, {a: (k[0], v[0]), c: (k[1], v[1])}, 0, [a, c])
+    assert not out[gap].view(torch.int16).any() and torch.isneginf(lse[gap]).all()
+    assert torch.isfinite(lse[[a, c]]).all()
+    if fused:
+        assert not plan._mrg[2 * 4:].any()                            # the counters are left at zero
+
+
 def test_block_table_limit_names_max_blocks():
     rng = np.random.default_rng(6)
     k, v = synthetic(rng, 1, 1, B, 64), synthetic(rng, 1, 1, B, 64)
@@ -180,8 +339,10 @@ def test_counts_and_blocks_asked_for_in_one_copy_reach_their_own_stores(monkeypa
 
     class Arrival:
         done = False
+        queries_after = 0                   # queries once arrived: the pools share one answer
 
         def query(self):
+            self.queries_after += self.done
             return self.done
 
     arrival = Arrival()
@@ -205,7 +366,8 @@ def test_counts_and_blocks_asked_for_in_one_copy_reach_their_own_stores(monkeypa
     for i, store in enumerate(stores):
         assert store.slots.free_lower() == store.slots.order.shape[0] - (i + 1)
         assert store.raw.free_lower() == store.raw.order.shape[0] - 2 * i
+    assert arrival.queries_after == 1
     blocks = [torch.full((2, 3), i, dtype=torch.int16) for i in range(len(stores))]
     got = cache._host_copies(blocks)
     assert copies[1:] == [(len(stores), 2, 3)]
-    assert all(event is arrival and torch.equal(host, block) for (host, event), block in zip(got, blocks))
+    assert all(event.event is arrival and torch.equal(host, block) for (host, event), block in zip(got, blocks))

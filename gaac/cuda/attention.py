@@ -32,7 +32,9 @@ sequence and one KV head.  Per block the warp
    and accumulates ``P.V`` in FP32 registers.
 
 Each split writes its normalised partial output and log-sum-exp; a second small
-kernel merges the splits of a sequence (:mod:`gaac.cuda.merge`).  The BF16
+kernel merges the splits of a sequence (:mod:`gaac.cuda.merge`), or, with the fused
+merge, the warps that finish last merge them in two levels (``fused_merge``): a
+decode step's layer is then one launch fewer, which is host time on every layer.  The BF16
 baseline (``plain=True``) is the same kernel with every tile raw: step 1 stages
 BF16 tiles and step 2 is compiled out.
 
@@ -55,14 +57,16 @@ from them the variants that time the kernel's stages apart.
 from __future__ import annotations
 
 import functools
+import math
 
 from numba import cuda, float32, int32, uint32
 
 from .. import layout as L
 from .primitives import (SCRATCH_WORDS, SIMULATOR, WARP, col_max, col_sum, cp16, cp_commit, cp_wait_fn, device,
-                         escape_scan, ex2, f32, gaddr, grid_launch_dependents, i32, lane_id, ldg4_at, ldsm_cols,
-                         ldsm_rows, lg2, mma, pack_bf16x2, prefetch_l2, rcp, scratch_init, smem_base, sts4,
+                         escape_scan, ex2, f32, gaddr, grid_launch_dependents, i32, lane_id, ldcg4f, ldcgf, ldg4_at,
+                         ldsm_cols, ldsm_rows, lg2, mma, pack_bf16x2, prefetch_l2, rcp, scratch_init, smem_base, sts4,
                          transpose8, u32, u64, warp_any, warp_sync)
+from .merge import as_int16
 from .tile_decoder import (BASE_ROWS, base_row_words, decode_tile_fn, escape_scan2, row_bytes, stage_slot_fn,
                            tile_bytes)
 
@@ -77,8 +81,11 @@ from .tile_decoder import (BASE_ROWS, base_row_words, decode_tile_fn, escape_sca
 LINE = 128
 SMEM_ALIGN = None if SIMULATOR else LINE   # (the simulator takes no alignment)
 MAX_BLOCKS_PER_SPLIT = 64    # the split's block-table entries are staged in shared memory
+MERGE_GROUP_MAX = 8          # query heads per KV head the fused merge takes (gaac.attention.MAX_GROUP)
+MERGE_ROWS = 2               # partial rows a lane of the fused merge loads at once
 
 _NEG_INF = float("-inf")
+_LOG2E = 1.4426950408889634
 
 # Status bits the kernel sets (``status[0]``, OR-ed in), above the tile decoder's (gaac.cuda.tile_decoder:
 # STATUS_BAD_TAG = 1, STATUS_BAD_ESCAPES = 2).
@@ -149,19 +156,23 @@ def kernel_signature() -> tuple:
         return types.Array(dtype, 1, "C")
     arrays = [types.int32] + [types.uint8] * 4 + [types.int32] * 2 + [types.uint8] * 2 + [types.int32] + \
         [types.int16] * 2 + [types.int32] * 2 + [types.float32] * 2 + [types.int32]
-    return tuple([array(a) for a in arrays] + [types.int64] * 13 + [types.float32])
+    merge = [array(types.int32), array(types.int16), array(types.float32), types.int64, types.int64]
+    return tuple([array(a) for a in arrays] + [types.int64] * 13 + [types.float32] + merge)
 
 
 @functools.lru_cache(maxsize=None)
 def attention_kernel(head_dim: int, plain: bool, nstage: int = 3, stage_bytes: int = 0, overlap: bool = False,
-                     max_registers: int | None = None, hooks: type = KernelHooks):
+                     max_registers: int | None = None, hooks: type = KernelHooks, fused_merge: bool = False):
     """The split-KV decode kernel for ``head_dim``; ``plain`` = every tile is BF16 (the baseline).
 
     ``overlap`` (compressed, head_dim <= 128): when both tiles of a block are slots, one escape scan
     serves K and V, and the V tile's reads, then its decode, sit in one straight-line region with the
     q.k MMAs and the softmax, so that the compiler overlaps their latencies.  ``max_registers``
     caps registers per thread (more resident warps, possibly spills).  ``hooks``: :class:`KernelHooks`, or a
-    subclass of it that builds another kernel of the same structure.
+    subclass of it that builds another kernel of the same structure.  ``fused_merge`` (compressed,
+    head_dim <= 128) compiles the fused merge in; the kernel without it has the same parameters and leaves
+    them unread, and its block loop is not changed by the merge's code (which costs the loop a few
+    instructions in register allocation).
 
     ``stage_bytes``: bytes of a staging area, at least the larger slot of K and V (compressed kernel;
     raw tiles and the tail are loaded when used, so the stages only hold slots); the plain kernel
@@ -176,7 +187,10 @@ def attention_kernel(head_dim: int, plain: bool, nstage: int = 3, stage_bytes: i
     ``max_blocks, kv_heads, g, slot_bytes_k, slot_bytes_v, cap_k, cap_v, epochs_k, epochs_v`` (epoch
     counts; ``E = max``), ``n_slots_k, n_slots_v, n_raw_k, n_raw_v`` (records in the pools: a
     finalized block's entry at or past its pool's is flagged, :data:`STATUS_BAD_ENTRY`, and entry 0
-    is read instead, so each pool needs a record) and ``scale_log2``.  Grid ``(W, Hkv)``, one warp per block.
+    is read instead, so each pool needs a record) and ``scale_log2``; then the fused merge's ``mrg`` int32,
+    ``out`` int16 ``[B*Hq*D]`` (BF16 bits), ``lse_out`` float32 ``[B*Hq]`` (natural log), ``merge_batch`` (B) and
+    ``group`` (splits a group; 0, or a kernel built without ``fused_merge``: :mod:`gaac.cuda.merge` merges):
+    see ``fused_merge``, whose group rows follow the splits' in ``o_part`` and ``lse_part``.  Grid ``(W, Hkv)``, one warp per block.
 
     Epochs: the plan cuts splits where a sequence's K or V epoch changes (``AttentionPlan``), so every
     split reads one epoch's bases per kind: loaded into shared memory once, from its first block's
@@ -438,12 +452,150 @@ def attention_kernel(head_dim: int, plain: bool, nstage: int = 3, stage_bytes: i
             return i32(0)
         return i32(e)
 
+    # The fused merge (``group`` > 0): a lane holds quads (4 channels of one query head) of the KV head's g*D outputs.
+    FUSED = fused_merge and not plain and D <= 128
+    MQ = D // 4                         # quads of one query head
+    MCH = max(1, MERGE_GROUP_MAX * MQ // WARP)   # quads a lane holds at most
+    MST = 6 * MCH                       # per quad: log2 maximum, sum, 4 weighted channel sums
+    MLS = MCH * MERGE_ROWS              # a round's loads of a lane: log2-sum-exps, then channels
+    MOS = 4 * MLS
+
+    @device
+    def arrive(mrg, at, ents, lane, scr):
+        """This warp's arrival at the counter ``mrg[at]``, after its stores (each lane fences its own): the
+        count before it, in every lane."""
+        cuda.threadfence()
+        warp_sync(scr)
+        if lane == 0:
+            ents[0] = cuda.atomic.add(mrg, at, 1)
+        warp_sync(scr)
+        return ents[0]
+
+    @device
+    def merge_rows(o_part, lse_part, row0, n, h, kv_heads, g, lane, st):
+        """Fold the partial rows ``row0 .. row0 + n - 1`` of KV head ``h`` (normalised outputs, log2-sum-exps)
+        into ``st``, this lane's quads as one softmax.  Each round loads :data:`MERGE_ROWS` rows of every quad
+        before it folds any, so that the loads are in flight together; they read L2, where the other
+        warps' stores are."""
+        nq = u32(g * MQ)
+        for k in range(MCH):
+            st[6 * k] = f32(_NEG_INF)
+            for c in range(1, 6):
+                st[6 * k + c] = f32(0)
+        ls = cuda.local.array(MLS, float32)
+        os_ = cuda.local.array(MOS, float32)
+        for s in range(0, n, MERGE_ROWS):
+            for k in range(MCH):
+                quad = u32(lane + WARP * k)
+                for u in range(MERGE_ROWS):
+                    x = k * MERGE_ROWS + u
+                    ls[x] = f32(_NEG_INF)
+                    if quad < nq and s + u < n:
+                        row = u32((u32(row0 + s + u) * u32(kv_heads) + u32(h)) * u32(g) + quad // MQ)
+                        ls[x] = ldcgf(lse_part, row)
+                        os_[4 * x], os_[4 * x + 1], os_[4 * x + 2], os_[4 * x + 3] = ldcg4f(
+                            o_part, u32(row * D + 4 * (quad % MQ)))
+            for k in range(MCH):
+                for u in range(MERGE_ROWS):
+                    x = k * MERGE_ROWS + u
+                    lx = ls[x]
+                    if lx != f32(_NEG_INF):         # an empty split (or none) adds nothing
+                        m = st[6 * k]
+                        mn = max(m, lx)
+                        a = ex2(m - mn) if m != f32(_NEG_INF) else f32(0)
+                        wx = ex2(lx - mn)
+                        st[6 * k] = mn
+                        st[6 * k + 1] = st[6 * k + 1] * a + wx
+                        for c in range(4):
+                            st[6 * k + 2 + c] = st[6 * k + 2 + c] * a + wx * os_[4 * x + c]
+
+    @device
+    def merge_store(st, o_part, lse_part, row, h, kv_heads, g, lane):
+        """This lane's merged quads as partial row ``row`` (normalised, log2-sum-exp), for the next merge."""
+        nq = u32(g * MQ)
+        for k in range(MCH):
+            quad = u32(lane + WARP * k)
+            if quad < nq:
+                at = u32((u32(row) * u32(kv_heads) + u32(h)) * u32(g) + quad // MQ)
+                den = st[6 * k + 1]
+                inv = f32(1) / den if den > 0 else f32(0)
+                for c in range(4):
+                    o_part[u32(at * D + 4 * (quad % MQ) + c)] = st[6 * k + 2 + c] * inv
+                if quad % MQ == 0:
+                    lse_part[at] = st[6 * k] + lg2(den) if den > 0 else st[6 * k]
+
+    @device
+    def merge_out(st, out, lse_out, b, h, kv_heads, g, lane):
+        """This lane's merged quads as the output (BF16 bits) and natural-log LSE of sequence ``b``."""
+        nq = u32(g * MQ)
+        for k in range(MCH):
+            quad = u32(lane + WARP * k)
+            if quad < nq:
+                hq = u32((u32(b) * u32(kv_heads) + u32(h)) * u32(g) + quad // MQ)
+                den = st[6 * k + 1]
+                inv = f32(1) / den if den > 0 else f32(0)     # no split: an empty sequence, output 0
+                lo = pack_bf16x2(st[6 * k + 2] * inv, st[6 * k + 3] * inv)
+                hi = pack_bf16x2(st[6 * k + 4] * inv, st[6 * k + 5] * inv)
+                base = u32(hq * D + 4 * (quad % MQ))
+                out[base] = as_int16(lo & 0xFFFF)
+                out[base + 1] = as_int16(lo >> 16)
+                out[base + 2] = as_int16(hi & 0xFFFF)
+                out[base + 3] = as_int16(hi >> 16)
+                if quad % MQ == 0:
+                    lse_out[hq] = (st[6 * k] + math.log2(den)) * f32(1 / _LOG2E) if den > 0 else f32(_NEG_INF)
+
+    @device
+    def fused_merge(o_part, lse_part, mrg, out, lse_out, merge_batch, group, b, w, h, kv_heads, g, lane, ents, scr):
+        """The merge of the splits of sequence ``b``, KV head ``h``, by the warps that finish last: the splits
+        come in groups of ``group``; the last warp of a group to store its partial merges the group's into a
+        partial row of its own (rows ``W + slot``, after the splits'), and the last of those merges the
+        groups' rows into the output.  A lone group's last warp writes the output.  Each counter is
+        reset by the warp that finds itself last, for the next launch.  ``mrg`` int32: the splits' first
+        index per sequence ``[B + 1]``, the groups' first slot per sequence ``[B + 1]``, a counter per
+        (slot, KV head), then one per (sequence, KV head)."""
+        nw = i32(cuda.gridDim.x)
+        mb = i32(merge_batch + 1)
+        s0 = mrg[u32(b)]
+        nb = mrg[u32(b + 1)] - s0
+        g0 = mrg[u32(mb + b)]
+        ng = mrg[u32(mb + b + 1)] - g0
+        first = i32(2 * mb)
+        k = (w - s0) // group
+        slot = g0 + k
+        size = min(group, nb - k * group)
+        at = i32(first + slot * kv_heads + h)
+        if arrive(mrg, u32(at), ents, lane, scr) != size - 1:
+            return
+        cuda.threadfence()
+        if lane == 0:
+            mrg[u32(at)] = 0
+        st = cuda.local.array(MST, float32)
+        row0 = s0 + k * group
+        n = size
+        last_level = ng == 1
+        at = i32(first + mrg[u32(mb + merge_batch)] * kv_heads + b * kv_heads + h)
+        while True:                     # (a loop, not two copies of the merge: the code is large)
+            merge_rows(o_part, lse_part, row0, n, h, kv_heads, g, lane, st)
+            if last_level:
+                merge_out(st, out, lse_out, b, h, kv_heads, g, lane)
+                return
+            merge_store(st, o_part, lse_part, nw + slot, h, kv_heads, g, lane)
+            if arrive(mrg, u32(at), ents, lane, scr) != ng - 1:
+                return
+            cuda.threadfence()
+            if lane == 0:
+                mrg[u32(at)] = 0
+            row0 = nw + g0
+            n = ng
+            last_level = True
+
     jit = cuda.jit if max_registers is None or SIMULATOR else cuda.jit(max_registers=max_registers)
 
     @jit
     def kernel(q32, slots_k, slots_v, raw_k, raw_v, table_k, table_v, tail_k, tail_v, bases, epoch_k, epoch_v,
                seq_lens, work, o_part, lse_part, status, max_blocks, kv_heads, g, slot_bytes_k, slot_bytes_v, cap_k,
-               cap_v, epochs_k, epochs_v, n_slots_k, n_slots_v, n_raw_k, n_raw_v, scale_log2):
+               cap_v, epochs_k, epochs_v, n_slots_k, n_slots_v, n_raw_k, n_raw_v, scale_log2, mrg, out, lse_out,
+               merge_batch, group):
         smem = cuda.shared.array(SMEM_WORDS, uint32, alignment=SMEM_ALIGN)
         ents = cuda.shared.array(NENT, int32)
         scr = cuda.shared.array(SCRATCH_WORDS, uint32)
@@ -656,4 +808,6 @@ def attention_kernel(head_dim: int, plain: bool, nstage: int = 3, stage_bytes: i
         if 2 * q + 1 < g:
             store_head(o_part, lse_part, acc, 1, row + 1, r, m1, l1)
         finish(o_part, u32((w * kv_heads + h) * g * D), t_start, lane, scr)
+        if FUSED and group > 0:
+            fused_merge(o_part, lse_part, mrg, out, lse_out, merge_batch, group, b, w, h, kv_heads, g, lane, ents, scr)
     return kernel

@@ -191,6 +191,22 @@ if not SIMULATOR:
         return rt(types.int64), codegen
 
     @intrinsic
+    def _ldcg4(typingctx, gptr):
+        rt = types.UniTuple(types.float32, 4)
+
+        def codegen(context, builder, sig, args):
+            r = _asm(builder, ir.LiteralStructType([_F32] * 4), list(args),
+                     "ld.global.cg.v4.f32 {$0,$1,$2,$3}, [$4];", "=f,=f,=f,=f,l,~{memory}", side_effect=True)
+            return _tuple(context, builder, rt, r, 4)
+        return rt(types.int64), codegen
+
+    @intrinsic
+    def _ldcg(typingctx, gptr):
+        def codegen(context, builder, sig, args):
+            return _asm(builder, _F32, list(args), "ld.global.cg.f32 $0, [$1];", "=f,l,~{memory}", side_effect=True)
+        return types.float32(types.int64), codegen
+
+    @intrinsic
     def _cp16(typingctx, addr, gptr):
         def codegen(context, builder, sig, args):
             _asm(builder, ir.VoidType(), list(args), "cp.async.cg.shared.global [$0], [$1], 16;", "r,l,~{memory}",
@@ -324,6 +340,17 @@ if not SIMULATOR:
     def ldg4_at(src, gptr):
         """16 bytes of read-only global memory at address ``gptr`` (``src``: the array, for the simulator)."""
         return _ldg4(gptr)
+
+    @device
+    def ldcg4f(arr, i):
+        """Four float32 of ``arr`` from element ``i`` (16-byte aligned), read from L2 (not L1): values that other
+        thread blocks of the grid wrote, made visible by their fence and an atomic this warp read after them."""
+        return _ldcg4(gaddr(arr, u64(i) * u64(4)))
+
+    @device
+    def ldcgf(arr, i):
+        """One float32 of ``arr``, read from L2 as :func:`ldcg4f` reads."""
+        return _ldcg(gaddr(arr, u64(i) * u64(4)))
 
     @device
     def cp_commit():
@@ -513,6 +540,15 @@ else:
     def sts4(smem, addr, w0, w1, w2, w3):
         w = int(addr) >> 2
         smem[w:w + 4] = (int(w0), int(w1), int(w2), int(w3))
+
+    @device
+    def ldcg4f(arr, i):
+        i = int(i)
+        return f32(arr[i]), f32(arr[i + 1]), f32(arr[i + 2]), f32(arr[i + 3])
+
+    @device
+    def ldcgf(arr, i):
+        return f32(arr[int(i)])
 
     @device
     def ldg4_at(src, gptr):
