@@ -381,7 +381,7 @@ class StepPlan:
 
     def _run_fast(self, q, layer, out, lse, return_lse):
         """:meth:`run` where every argument is as the plan expects it (the layer appended through the plan,
-        contiguous tensors of the plan's shapes on the cache's GPU): the two launches and nothing else.
+        contiguous tensors of the plan's shapes on the cache's GPU): the launches and nothing else.
         None where anything differs; :meth:`_run` then checks in full (and names what is wrong)."""
         cache = self.cache
         if type(layer) is not int or not 0 <= layer < cache.layers:
@@ -405,8 +405,9 @@ class StepPlan:
         return (out, lse) if return_lse else out
 
     def _launch(self, state, layer: int, q, out, lse) -> None:
-        """The layer's attention kernel and the merge, from their parameter buffers (GPU): the plan's part of
-        a layer's buffer is written at its first call, a call writes only its arrays' addresses."""
+        """The layer's attention kernel (with the fused merge: one launch) or the kernel and the merge kernel, from
+        their parameter buffers (GPU): the plan's part of a layer's buffer is written at its first call, a call
+        writes only its arrays' addresses."""
         handle = self._current_stream()
         if self.n_work:
             buf = state.buffer
