@@ -271,25 +271,25 @@ def test_an_eager_step_merges_in_the_kernel_over_groups_and_empty_rows(fused, mo
 
     monkeypatch.setattr(step_mod, "FUSED_MERGE", fused)
     monkeypatch.setattr(step_mod, "wave_target", lambda kernel, like: (256, None))   # a split a block
+    monkeypatch.setattr(step_mod, "PLAN_AHEAD", B)                                   # of the blocks held
     rng = np.random.default_rng(15)
-    lens = [12 * B + 5, 3 * B]
-    k = [synthetic(rng, 1, 2, n + 1, 64) for n in lens]
-    v = [synthetic(rng, 1, 2, n + 1, 64) for n in lens]
+    lens = [9 * B + 5, 3 * B]
+    k = [synthetic(rng, 1, 1, n + 1, 64) for n in lens]
+    v = [synthetic(rng, 1, 1, n + 1, 64) for n in lens]
     cache = PagedKVCache(calibrate(k[0], v[0]), max_seqs=3, max_blocks=16, codec="cuda")
     a = cache.add_sequence(k[0][:, :, :lens[0]], v[0][:, :, :lens[0]])
     gap = cache.add_sequence()
     c = cache.add_sequence(k[1][:, :, :lens[1]], v[1][:, :, :lens[1]])
     cache.remove_sequence(gap)
-    plan = cache.decode_plan(8)
+    plan = cache.decode_plan(4)
     assert plan._fused == fused
     if fused:
-        # a split a block of the work list's rounded lengths (256 tokens: 16 blocks, those past the length
-        # empty) in 2 groups for each sequence, and the empty row's
-        assert plan._group == 8 and plan.n_work == 16 + 1 + 16
+        # a split a block: 10 (2 groups), the empty row's, 4
+        assert plan._group == 8 and plan.n_work == 10 + 1 + 4
     kn = torch.from_numpy(np.stack([k[0][0, :, lens[0]:], k[1][0, :, lens[1]:]]).view(np.int16))
     vn = torch.from_numpy(np.stack([v[0][0, :, lens[0]:], v[1][0, :, lens[1]:]]).view(np.int16))
     cache.update_layer(0, [a, c], kn, vn)
-    q = _q(rng, 3, 8, 64)
+    q = _q(rng, 3, 4, 64)
     out, lse = plan.run(q, 0, return_lse=True)
     _check_attention(out, q, {a: (k[0], v[0]), c: (k[1], v[1])}, 0, [a, c])
     assert not out[gap].view(torch.int16).any() and torch.isneginf(lse[gap]).all()
