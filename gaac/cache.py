@@ -89,8 +89,7 @@ def _locked(method):
     @functools.wraps(method)
     def locked(self, *args, **kwargs):
         with self._lock:
-            if self._unsettled is not None:
-                self._unsettled.settle()
+            self._settle()
             return method(self, *args, **kwargs)
     return locked
 
@@ -669,10 +668,14 @@ class PagedKVCache:
         """The re-entrant lock every public method holds (see the class docstring on threads)."""
         return self._lock
 
+    def _settle(self) -> None:
+        """Make the account of an eager step's finished blocks that the step left pending, if any."""
+        if self._unsettled is not None:
+            self._unsettled.settle()
+
     def __getstate__(self):
         with self._lock:
-            if self._unsettled is not None:          # a copy takes the account of every block written
-                self._unsettled.settle()
+            self._settle()                           # a copy takes the account of every block written
             state = self.__dict__.copy()
         del state["_lock"]                 # a lock is not copied or pickled: a copy gets a lock of its own
         return state

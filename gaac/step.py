@@ -67,6 +67,7 @@ class _LayerLaunch:
     fixed_scalars: list = None    # packed parameters of ``scalars`` (GPU)
     buffer: object = None         # the launch's ParamBuffer (GPU)
     scale_at: int = 0             # the buffer's slot of the scale; the fused merge's parameters follow it
+    out_slots: tuple = ()         # the buffer's slots of the data pointers of the fused merge's out and lse
 
 
 def layer_launch(cache, layer: int, g: int, fused: bool = False) -> _LayerLaunch:
@@ -107,7 +108,7 @@ def layer_launch(cache, layer: int, g: int, fused: bool = False) -> _LayerLaunch
                store_k.raw.data.shape[0], store_v.raw.data.shape[0])
     state = _LayerLaunch(kernel=kernel, arrays=flat, scalars=tuple(int(s) for s in scalars))
     if not K.SIMULATOR:
-        from .cuda.launch import FastLaunch, ParamBuffer, packed_params
+        from .cuda.launch import DATA_SLOT, FastLaunch, ParamBuffer, packed_params
 
         state.main = FastLaunch(kernel, None, K.WARP)
         state.main.prepare(K.kernel_signature())
@@ -118,6 +119,7 @@ def layer_launch(cache, layer: int, g: int, fused: bool = False) -> _LayerLaunch
         state.buffer = ParamBuffer([0] * 7 + state.fixed + [0] * (len(_STEP_PARAMS) * 7 + 7) + state.fixed_scalars
                                    + [_c_float(0.0)] + [0] * _MERGE_PARAMS)
         state.scale_at = len(state.buffer) - _MERGE_PARAMS - 1
+        state.out_slots = (state.scale_at + 1 + 7 + DATA_SLOT, state.scale_at + 1 + 14 + DATA_SLOT)  # after mrg
     state.bases = bases            # kept alive with the state
     cache._layer_state[key] = state
     return state
@@ -250,21 +252,21 @@ class StepPlan:
             self.status.zero_()
             return
         split = split_work(runs, self.batch, hk, target)
-        if self._fused:
-            work, split0, mrg, self._group = fused_merge_work(split, self.batch, hk)
+        if self._fused:                 # no merge kernel: its split index, launcher and parameters are not made
+            work, mrg, self._group = fused_merge_work(split, self.batch, hk)
             self.n_work = len(work) // 3
             self._mrg = cache._to_device(mrg)
             rows = self.n_work + int(mrg[2 * (self.batch + 1) - 1])       # the splits', then the groups'
         else:
-            work, split0, self.n_work, self._group = split.work, split.split0, split.n_work, 0
+            work, self.n_work, self._group = split.work, split.n_work, 0
             self._mrg = torch.zeros(1, dtype=torch.int32, device=cache.device)
             rows = max(self.n_work, 1)
+            grid, threads, lanes = merge.merge_launch(self.batch, self.q_heads, d, int(split.splits.max(initial=0)))
+            self._merge, self._merge_grid = merge.merge_kernel(d, lanes), (tuple(int(x) for x in grid), threads)
+            self._split0 = cache._to_device(split.split0)
         self.blocks_per_split = split.blocks_per_split
-        grid, threads, lanes = merge.merge_launch(self.batch, self.q_heads, d, int(split.splits.max(initial=0)))
-        self._merge, self._merge_grid = merge.merge_kernel(d, lanes), (tuple(int(x) for x in grid), threads)
         self._grid = (max(self.n_work, 1), hk)
         self._work = cache._to_device(work if self.n_work else np.zeros(3, np.int32))
-        self._split0 = cache._to_device(split0)
         dev = cache.device
         self.o_part = torch.empty(rows * hk * self.g * d, dtype=torch.float32, device=dev)
         self.lse_part = torch.empty(rows * hk * self.g, dtype=torch.float32, device=dev)
@@ -281,24 +283,25 @@ class StepPlan:
             base = self.status.data_ptr()
             self._status_params = [[0, 0, 1, 4, base + 4 * i, 1, 4] for i in range(cache.layers)]
             self._scale_param = [_c_float(self._scale_log2)]
-            # One launcher per merge kernel for the cache's life: its first call compiles through numba.
-            self._merge_launch = cache._launchers.get(id(self._merge))
-            if self._merge_launch is None:
-                self._merge_launch = cache._launchers[id(self._merge)] = FastLaunch(self._merge, None,
-                                                                                    self._merge_grid[1], pdl=True)
-            self._merge_launch.prepare(merge_signature())
             self._step_params = packed_params((self._work, self.o_part, self.lse_part))
             # mrg, then out and lse (a call writes their data pointers; without the fused merge, this one-word
             # array stands in for both: the kernel does not read them), the batch and the group size
             n, m = (self.batch * self.q_heads * d, self.batch * self.q_heads) if self._fused else (1, 1)
             self._merge_params = (packed_params((self._mrg,)) + [0, 0, n, 2, 0, n, 2] + [0, 0, m, 4, 0, m, 4]
                                   + [self.batch, self._group])
-            n, m = self.batch * self.q_heads * d, self.batch * self.q_heads
-            partials = packed_params((self.o_part, self.lse_part, self._split0))
-            # out and lse follow the partials, 7 slots each; a call writes their data pointers
-            self._merge_out = len(partials) + DATA_SLOT
-            self._merge_buffer = ParamBuffer(partials + [0, 0, n, 2, 0, n, 2] + [0, 0, m, 4, 0, m, 4]
-                                             + params(cache.kv_heads) + params(self.g))
+            if not self._fused:
+                # One launcher per merge kernel for the cache's life: its first call compiles through numba.
+                self._merge_launch = cache._launchers.get(id(self._merge))
+                if self._merge_launch is None:
+                    self._merge_launch = cache._launchers[id(self._merge)] = FastLaunch(
+                        self._merge, None, self._merge_grid[1], pdl=True)
+                self._merge_launch.prepare(merge_signature())
+                n, m = self.batch * self.q_heads * d, self.batch * self.q_heads
+                partials = packed_params((self.o_part, self.lse_part, self._split0))
+                # out and lse follow the partials, 7 slots each; a call writes their data pointers
+                self._merge_out = len(partials) + DATA_SLOT
+                self._merge_buffer = ParamBuffer(partials + [0, 0, n, 2, 0, n, 2] + [0, 0, m, 4, 0, m, 4]
+                                                 + params(cache.kv_heads) + params(self.g))
         self._owner = object()           # what the layers' parameter buffers were last written for
         if self.steps is None:
             cache._work_plans = {key: {name: getattr(self, name) for name in _SHARED if hasattr(self, name)}}
@@ -366,7 +369,7 @@ class StepPlan:
                                                  self.lse_part.numpy(), status.numpy(), *state.scalars,
                                                  self._scale_log2, self._mrg.numpy(), *(x.numpy() for x in fused),
                                                  self.batch, self._group)
-            if not (self._fused and self.n_work):
+            if not self._fused:
                 self._merge[self._merge_grid](self.o_part.numpy(), self.lse_part.numpy(), self._split0.numpy(),
                                               o.numpy(), l_.numpy(), cache.kv_heads, self.g)
         else:
@@ -411,20 +414,20 @@ class StepPlan:
         handle = self._current_stream()
         if self.n_work:
             buf = state.buffer
-            at = state.scale_at
             if buf.owner is not self._owner:
                 n = self.batch * self.q_heads * self.cache.head_dim // 2
                 buf.write(0, [0, 0, n, 4, 0, n, 4])
                 buf.write(7 + len(state.fixed), self._step_params + self._status_params[layer])
-                buf.write(at, self._scale_param + self._merge_params)
+                buf.write(state.scale_at, self._scale_param + self._merge_params)
                 buf.owner = self._owner
             slots = buf.slots
             slots[4] = q.data_ptr()         # q is the kernel's first argument: its data (launch.DATA_SLOT)
-            if self._fused:                 # the kernel merges: out and lse follow mrg's 7 slots
-                slots[at + 12], slots[at + 19] = out.data_ptr(), lse.data_ptr()
-                state.main.run(buf, self._grid, handle)
-                return
+            if self._fused:                 # the kernel merges
+                o, l_ = state.out_slots
+                slots[o], slots[l_] = out.data_ptr(), lse.data_ptr()
             state.main.run(buf, self._grid, handle)
+            if self._fused:
+                return
         merge = self._merge_buffer
         merge.slots[self._merge_out], merge.slots[self._merge_out + 7] = out.data_ptr(), lse.data_ptr()
         self._merge_launch.run(merge, self._merge_grid[0], handle)
@@ -623,7 +626,7 @@ def reserve_step(cache, before: np.ndarray, after: np.ndarray) -> None:
 
 
 def fused_merge_work(split, batch: int, kv_heads: int) -> tuple:
-    """The work list, split index and ``mrg`` array of the kernel's fused merge, and its group size.
+    """The work list and ``mrg`` array of the kernel's fused merge, and its group size.
 
     Every sequence row gets at least one split (a row without blocks one of no blocks, whose warps store an
     empty partial), so that its output is written: the fused merge writes a row's output from its splits.
@@ -631,23 +634,14 @@ def fused_merge_work(split, batch: int, kv_heads: int) -> tuple:
     that neither level of the merge folds many rows.  ``mrg`` int32: the splits' first index per sequence
     ``[B + 1]``, the groups' first slot per sequence ``[B + 1]``, then zeroed counters, one per (slot, KV
     head) and one per (sequence, KV head), which the kernel leaves at zero."""
-    work = split.work.reshape(-1, 3)
-    splits = split.splits.astype(np.int64)
-    empty = splits == 0
-    if empty.any():
-        before = np.cumsum(empty) - empty             # empty rows ahead of each sequence
-        out = np.zeros((len(work) + int(empty.sum()), 3), np.int32)
-        out[np.arange(len(work)) + before[work[:, 0]]] = work
-        splits = np.where(empty, 1, splits)
-        split0 = np.concatenate([[0], np.cumsum(splits)])
-        rows = np.flatnonzero(empty)
-        out[split0[rows]] = np.stack([rows, np.zeros_like(rows), np.zeros_like(rows)], axis=1)
-        work = out
-    else:
-        split0 = np.concatenate([[0], np.cumsum(splits)])
+    held = split.splits > 0
+    splits = np.where(held, split.splits, 1).astype(np.int64)
+    split0 = np.concatenate([[0], np.cumsum(splits)])
+    work = np.zeros((int(split0[-1]), 3), np.int32)            # (row, 0, 0): a split of no blocks
+    work[:, 0] = np.repeat(np.arange(batch), splits)
+    work[np.repeat(held, splits)] = split.work.reshape(-1, 3)  # the rows' own splits, in order
     group = max(8, math.isqrt(int(splits.max(initial=1)) - 1) + 1)
-    groups = -(-splits // group)
-    group0 = np.concatenate([[0], np.cumsum(groups)])
+    group0 = np.concatenate([[0], np.cumsum(-(-splits // group))])
     mrg = np.zeros(2 * (batch + 1) + (int(group0[-1]) + batch) * kv_heads, np.int32)
     mrg[:batch + 1], mrg[batch + 1:2 * (batch + 1)] = split0, group0
-    return work.astype(np.int32).reshape(-1), split0.astype(np.int32), mrg, group
+    return work.reshape(-1), mrg, group
