@@ -64,8 +64,8 @@ from numba import cuda, float32, int32, uint32
 from .. import layout as L
 from .primitives import (SCRATCH_WORDS, SIMULATOR, WARP, col_max, col_sum, cp16, cp_commit, cp_wait_fn, device,
                          escape_scan, ex2, f32, gaddr, grid_launch_dependents, i32, lane_id, ldcg4f, ldcgf, ldg4_at,
-                         ldsm_cols, ldsm_rows, lg2, mma, pack_bf16x2, prefetch_l2, rcp, scratch_init, smem_base, sts4,
-                         transpose8, u32, u64, warp_any, warp_sync)
+                         ldsm_cols, ldsm_rows, lg2, mma, pack_bf16x2, prefetch_l2, prmt, rcp, scratch_init, smem_base,
+                         sts4, transpose8, u32, u64, warp_any, warp_sync)
 from .merge import as_int16
 from .tile_decoder import (BASE_ROWS, base_row_words, decode_tile_fn, escape_scan2, row_bytes, stage_slot_fn,
                            tile_bytes)
@@ -134,7 +134,15 @@ class KernelHooks:
     * ``stage_only``: whether the block loop only stages the tiles (no decode, MMAs or softmax);
     * ``start()``: a device function every split runs first, its uint64 result passed to ``finish``;
     * ``finish(o_part, at, t_start, lane, scr)``: a device function every lane of a split runs last, after the
-      split's partial output is stored (``o_part[at]``: the first element of its first head's).
+      split's partial output is stored (``o_part[at]``: the first element of its first head's);
+    * ``fragments``: ``None``, or a decoder of another in-slot byte order whose lanes decode straight into MMA
+      fragments (no decode tile, no ``ldmatrix``; the ``overlap`` path, ``head_dim`` 128, ``nstage >= 2``).  Its
+      attributes: ``tags(smem, src) -> (tags, plane-3 bytes, escape run bytes)``; ``decode_k(smem, src, table, tags,
+      n3, off, cap, kf, status, scr)`` and ``decode_v`` (same arguments, ``vf``); ``k_words`` and ``v_words`` (the
+      K and V base tables' uint32 words, which the kernel copies from ``bases`` laid out as ``[E, Hkv,
+      table_words]``: the K table of K's epoch-e bases, then the V table of V's, ``table_words`` a multiple of 4).
+      K's fragments pair query channels ``32q + 4kk + {0, 1}`` (``qb0[kk]``) and ``+{2, 3}`` (``qb1[kk]``); V's
+      accumulator ``acc[4 mt + i + 2h]`` is output channel ``16r + 8h + mt`` (benchmarks/v3_attention.py).
     """
 
     decoder = staticmethod(decode_tile_fn)
@@ -142,6 +150,7 @@ class KernelHooks:
     stage_only = False
     start = staticmethod(_no_start)
     finish = staticmethod(_no_finish)
+    fragments = None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -213,12 +222,24 @@ def attention_kernel(head_dim: int, plain: bool, nstage: int = 3, stage_bytes: i
     RAW_WORDS = 4 * RAW_PER_LANE        # a lane's words of a BF16 tile loaded through registers
     if overlap and (T != 1 or plain):
         raise ValueError("overlap is for the compressed kernel with head_dim <= 128")
+    FR = hooks.fragments
+    FRAG = FR is not None
+    if FRAG and (plain or not overlap or D != 128 or NS < 2):
+        raise ValueError("a fragment decoder is for the overlap path, head_dim 128 and nstage >= 2")
     BASES = 0                           # byte offsets in the shared array: the bases, the stages, the decode tile
     STG = 0 if plain else bases_bytes(D)
+    if FRAG:                            # the K and V base tables, then the stages: no decode tile
+        STG = -(-4 * (FR.k_words + FR.v_words) // LINE) * LINE
     DEC = STG + NS * 2 * T * SB
     PAIRS = D // 2                      # base pair words per row of one kind
     RS = base_row_words(D)              # words per base row in shared memory
-    SMEM_WORDS = smem_bytes(C, T, NS, plain, SB) // 4
+    # (a fragment decoder reads its escape run in whole words: up to 12 bytes past the last stage's slot)
+    SMEM_WORDS = (DEC + 16 if FRAG else smem_bytes(C, T, NS, plain, SB)) // 4
+    if FRAG:
+        fr_tags, fr_decode_k, fr_decode_v = FR.tags, FR.decode_k, FR.decode_v
+        TW, KW = FR.table_words, FR.k_words
+        KCH, TCH = FR.k_words // 4, (FR.k_words + FR.v_words) // 4     # 16-byte chunks of the tables
+        TCH_LANE = -(-TCH // WARP)
     NENT = MAX_BLOCKS_PER_SPLIT * 2 * T
     KIND_BASE = BASE_ROWS * PAIRS       # base words of one kind, one head, one epoch
     KIND_PER_LANE = 0 if plain else KIND_BASE // WARP
@@ -411,10 +432,16 @@ def attention_kernel(head_dim: int, plain: bool, nstage: int = 3, stage_bytes: i
         """The normalised output of partial row ``row`` (this lane's head ``2q + i``: channels ``16 t + r``
         and ``+ 8`` from ``acc[4 t + i]``, ``acc[4 t + i + 2]``) and, from lane r = 0, its log2-sum-exp."""
         inv = rcp(l_) if l_ > 0 else f32(0)
-        o = u32(row * D + r)                # unsigned indices: no negative-index fix-up a store
-        for t in range(NACC // 4):
-            o_part[u32(o + 16 * t)] = acc[4 * t + i] * inv
-            o_part[u32(o + 16 * t + 8)] = acc[4 * t + i + 2] * inv
+        if FRAG:                            # channels 16 r + t and 16 r + 8 + t
+            o = u32(row * D + 16 * r)
+            for t in range(NACC // 4):
+                o_part[u32(o + t)] = acc[4 * t + i] * inv
+                o_part[u32(o + 8 + t)] = acc[4 * t + i + 2] * inv
+        else:
+            o = u32(row * D + r)                # unsigned indices: no negative-index fix-up a store
+            for t in range(NACC // 4):
+                o_part[u32(o + 16 * t)] = acc[4 * t + i] * inv
+                o_part[u32(o + 16 * t + 8)] = acc[4 * t + i + 2] * inv
         if r == 0:
             lse_part[u32(row)] = m + lg2(l_) if l_ > 0 else m
 
@@ -433,6 +460,69 @@ def attention_kernel(head_dim: int, plain: bool, nstage: int = 3, stage_bytes: i
             for k in range(KIND_PER_LANE):
                 i = lane + WARP * k
                 smem[BASES // 4 + (kind * BASE_ROWS + i // PAIRS) * RS + i % PAIRS] = words[kind * KIND_PER_LANE + k]
+
+    @device
+    def copy_tables(smem, sb, bases, ek, ev, h, kv_heads, lane):
+        """Fragment decoder: start the copies of the split's K table (K's epoch ``ek``) and V table (V's epoch
+        ``ev``) into shared memory; they complete with the first stage's copy group."""
+        kb = u32(4 * (ek * kv_heads + h) * TW)
+        vb = u32(4 * ((ev * kv_heads + h) * TW + KW) - 16 * KCH)
+        for k in range(TCH_LANE):
+            c = u32(lane + WARP * k)
+            if c < KCH:
+                cp16(smem, u32(sb + BASES + 16 * c), bases, gaddr(bases, kb + 16 * c))
+            elif c < TCH:
+                cp16(smem, u32(sb + BASES + 16 * c), bases, gaddr(bases, vb + 16 * c))
+
+    @device
+    def frags_of(smem, src, kind, is_tail, e, raw, tail, tail_base, valid, cap, frag, status, lane, scr):
+        """Fragment decoder, a block whose K and V tiles are not both slots: this kind's fragments from its
+        slot (an escape scan of its own), or from its raw tile or the tail (BF16 rows read from L2, where the
+        copies of the block ahead prefetched them; tail rows at or after ``valid`` read as zeros)."""
+        if not is_tail and e >= 0:
+            t, n3, run = fr_tags(smem, src)
+            off = escape_scan(run, scr)
+            if kind == 0:
+                fr_decode_k(smem, src, u32(smem_base(smem) + BASES), t, n3, off, cap, frag, status, scr)
+            else:
+                fr_decode_v(smem, src, u32(smem_base(smem) + BASES + 4 * KW), t, n3, off, cap, frag, status, scr)
+            return
+        g0 = gaddr(tail, tail_base) if is_tail else gaddr(raw, (e & 0x7FFFFFFF) * TILE_BYTES)
+        rstride = 2 * D if is_tail else 2 * C
+        arr = tail if is_tail else raw
+        r = lane >> 2
+        q = lane & 3
+        if kind == 0:                       # group G: token r + 8 (G >> 2), channels 32 q + 8 (G & 3) .. + 7
+            for G in range(8):
+                tok = r + 8 * (G >> 2)
+                keep = u32(0xFFFFFFFF) if tok < valid else u32(0)
+                w0, w1, w2, w3 = ldg4_at(arr, g0 + i32(tok * rstride + 2 * (32 * q + 8 * (G & 3))))
+                gg = G & 3
+                i = G >> 2
+                frag[4 * (2 * gg) + i] = u32(w0 & keep)
+                frag[4 * (2 * gg) + 2 + i] = u32(w1 & keep)
+                frag[4 * (2 * gg + 1) + i] = u32(w2 & keep)
+                frag[4 * (2 * gg + 1) + 2 + i] = u32(w3 & keep)
+        else:                               # word 4 mt + 2 jh + cg: channel 16 r + 8 cg + mt, tokens t0, t0 + 1
+            for jh in range(2):
+                t0 = 2 * q + 8 * jh
+                k0 = u32(0xFFFFFFFF) if t0 < valid else u32(0)
+                k1 = u32(0xFFFFFFFF) if t0 + 1 < valid else u32(0)
+                for cg in range(2):
+                    ch = 16 * r + 8 * cg
+                    a0, a1, a2, a3 = ldg4_at(arr, g0 + i32(t0 * rstride + 2 * ch))
+                    b0, b1, b2, b3 = ldg4_at(arr, g0 + i32((t0 + 1) * rstride + 2 * ch))
+                    a0, a1, a2, a3 = u32(a0 & k0), u32(a1 & k0), u32(a2 & k0), u32(a3 & k0)
+                    b0, b1, b2, b3 = u32(b0 & k1), u32(b1 & k1), u32(b2 & k1), u32(b3 & k1)
+                    f = 2 * jh + cg
+                    frag[f] = prmt(a0, b0, 0x5410)
+                    frag[4 + f] = prmt(a0, b0, 0x7632)
+                    frag[8 + f] = prmt(a1, b1, 0x5410)
+                    frag[12 + f] = prmt(a1, b1, 0x7632)
+                    frag[16 + f] = prmt(a2, b2, 0x5410)
+                    frag[20 + f] = prmt(a2, b2, 0x7632)
+                    frag[24 + f] = prmt(a3, b3, 0x5410)
+                    frag[28 + f] = prmt(a3, b3, 0x7632)
 
     @device
     def checked_epoch(e, n, status):
@@ -628,8 +718,12 @@ def attention_kernel(head_dim: int, plain: bool, nstage: int = 3, stage_bytes: i
         qb1 = cuda.local.array(NCHUNK, uint32)
         qrow = u32((b * hq + h * g + r) * (D // 2))
         for kk in range(NCHUNK):
-            qb0[kk] = u32(q32[u32(qrow + 8 * kk + q)]) if r < g else u32(0)
-            qb1[kk] = u32(q32[u32(qrow + 8 * kk + 4 + q)]) if r < g else u32(0)
+            if FRAG:
+                qb0[kk] = u32(q32[u32(qrow + 16 * q + 2 * kk)]) if r < g else u32(0)
+                qb1[kk] = u32(q32[u32(qrow + 16 * q + 2 * kk + 1)]) if r < g else u32(0)
+            else:
+                qb0[kk] = u32(q32[u32(qrow + 8 * kk + q)]) if r < g else u32(0)
+                qb1[kk] = u32(q32[u32(qrow + 8 * kk + 4 + q)]) if r < g else u32(0)
 
         # Block-table entries of this split (K then V, T tiles each).  The loads depend on the work item
         # only (not on the sequence length, which would put a second round trip to memory before them)
@@ -657,8 +751,11 @@ def attention_kernel(head_dim: int, plain: bool, nstage: int = 3, stage_bytes: i
             ne = max(epochs_k, epochs_v)
             ek = checked_epoch(ek, epochs_k, status) if blk0 < nfull else i32(0)
             ev_ = checked_epoch(ev_, epochs_v, status) if blk0 < nfull else i32(0)
-            load_bases(bases, 0, ek, ne, h, kv_heads, lane, bw0)
-            load_bases(bases, 1, ev_, ne, h, kv_heads, lane, bw0)
+            if FRAG:
+                copy_tables(smem, sb, bases, ek, ev_, h, kv_heads, lane)
+            else:
+                load_bases(bases, 0, ek, ne, h, kv_heads, lane, bw0)
+                load_bases(bases, 1, ev_, ne, h, kv_heads, lane, bw0)
         warp_sync(scr)
         # The first stages' copies start as soon as the entries are in shared memory, right behind the
         # bases' loads above (the first decode waits for both; the bases are stored after the copies).
@@ -678,7 +775,7 @@ def attention_kernel(head_dim: int, plain: bool, nstage: int = 3, stage_bytes: i
                 issue_v(smem, sb, ents, s, s, blk0 + s, nfull, slots_v, slot_bytes_v, raw_v, tail_v, tail_base,
                         tail_valid, lane, entry(ents, s, 1))
             cp_commit()
-        if not plain:
+        if not plain and not FRAG:
             store_bases(smem, bw0, lane)
         acc = cuda.local.array(NACC, float32)
         for i in range(NACC):
@@ -689,6 +786,7 @@ def attention_kernel(head_dim: int, plain: bool, nstage: int = 3, stage_bytes: i
         l1 = f32(0)
         sc = cuda.local.array(8, float32)           # score accumulators (see qk_mma)
         kf = cuda.local.array(KF_WORDS, uint32)      # K fragments of one tile
+        vf = cuda.local.array(KF_WORDS, uint32)      # V fragments of one tile (fragment decoder)
         smw = cuda.local.array(SM_WORDS, uint32)     # decoder state (overlap path)
         cw = cuda.local.array(CODE_ARRAY, uint32)
         ev = cuda.local.array(GPL, uint32)
@@ -735,6 +833,32 @@ def attention_kernel(head_dim: int, plain: bool, nstage: int = 3, stage_bytes: i
             valid = tail_valid if is_tail else i32(L.BLOCK_TOKENS)
             for c in range(8):
                 sc[c] = f32(0)
+            if FRAG:
+                # Slots decode straight into fragments; a raw tile or the tail is read into them from L2.
+                src_k = u32(sb + STG + 2 * st * SB)
+                src_v = u32(src_k + SB)
+                if not is_tail and ek_c >= 0 and ev_c >= 0:
+                    tk, nk, rk = fr_tags(smem, src_k)
+                    tv, nv, rv = fr_tags(smem, src_v)
+                    ok, ov = escape_scan2(rk, rv, scr)
+                    fr_decode_k(smem, src_k, u32(sb + BASES), tk, nk, ok, cap_k, kf, status, scr)
+                else:
+                    frags_of(smem, src_k, 0, is_tail, ek_c, raw_k, tail_k, tail_base, valid, cap_k, kf, status,
+                             lane, scr)
+                qk_mma(kf, 0, qb0, qb1, sc, scr)
+                m0, m1, l0, l1, pb0, pb1, al0, al1 = softmax_update(sc, valid, r, m0, m1, l0, l1, scale_log2, scr)
+                if not is_tail and ek_c >= 0 and ev_c >= 0:
+                    fr_decode_v(smem, src_v, u32(sb + BASES + 4 * KW), tv, nv, ov, cap_v, vf, status, scr)
+                else:
+                    frags_of(smem, src_v, 1, is_tail, ev_c, raw_v, tail_v, tail_base, valid, cap_v, vf, status,
+                             lane, scr)
+                rescale(acc, al0, al1, scr)
+                for mt in range(C // 16):
+                    acc[4 * mt], acc[4 * mt + 1], acc[4 * mt + 2], acc[4 * mt + 3] = mma(
+                        vf[4 * mt], vf[4 * mt + 1], vf[4 * mt + 2], vf[4 * mt + 3], pb0, pb1, acc[4 * mt],
+                        acc[4 * mt + 1], acc[4 * mt + 2], acc[4 * mt + 3], scr)
+                warp_sync(scr)                  # the stage is refilled by a later iteration's copies
+                continue
             if overlap and not is_tail and ek_c >= 0 and ev_c >= 0:
                 # Both tiles compressed: one escape scan; K decoded; then the V tile's reads, the q.k
                 # MMAs, the softmax and the V decode in one straight-line region.
