@@ -306,16 +306,17 @@ def _compute_source(kind: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def bit_of(g: int) -> int:
+    """The high bit of local group ``g``'s tag in a lane's 16 tag bits (set: a raw group)."""
+    return 4 * (g & 3) + 2 * (g >> 2) + 1
+
+
 def _fix_source(kind: int) -> str:
     """Straight-line source of the raw groups' fix-up: ``fix(smem, end, raw, roff, frag)`` (``end``: the escape
     area's end; ``roff``: the raw groups of the lanes before this one).  A raw group's extra word holds exponent
     bits 4..7 of its element ``i`` in nibble ``i``."""
     def word_of(g: int) -> str:
-        bit = 4 * (g & 3) + 2 * (g >> 2) + 1
-        return f"lds(smem, u32(end - u32(4 * (roff + popc(raw & {(1 << bit) - 1}) + 1))))"
-
-    def bit_of(g: int) -> int:
-        return 4 * (g & 3) + 2 * (g >> 2) + 1
+        return f"lds(smem, u32(end - u32(4 * (roff + popc(raw & {(1 << bit_of(g)) - 1}) + 1))))"
 
     lines = ["def fix(smem, end, raw, roff, frag):"]
     if kind == 0:
@@ -347,9 +348,6 @@ def _fix_lane_source(kind: int) -> str:
     raw bit is set: the word (2 LDS and a funnel shift), then a shift and a masked OR per fragment word.  V: a
     body per pair of groups (``G``, ``G + 2``: the lo and hi halves of the same 8 fragment words): 3 LDS, then
     a PRMT per 2 fragment words and a shift and a masked OR per fragment word."""
-    def bit_of(g: int) -> int:
-        return 4 * (g & 3) + 2 * (g >> 2) + 1
-
     def shifted(w: str, s: int) -> str:                  # a funnel shift for s < 0 (one SHF)
         return f"u32({w} << {s})" if s >= 0 else f"funnel_r({w}, {w}, {-s})"
 
