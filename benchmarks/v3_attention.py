@@ -17,7 +17,6 @@ torch SDPA flash on the same content in the same process, and the floors of both
 from __future__ import annotations
 
 import argparse
-import ctypes
 import dataclasses
 import json
 import platform
@@ -130,10 +129,7 @@ def v3r_plan(view, tables, q_heads: int, **options) -> AttentionPlan:
     arrays[8] = tab
     plan._arrays = tuple(arrays)
     if not SIMULATOR:
-        from gaac.cuda.launch import packed_params
-        plan._main_fixed = (packed_params((*plan._arrays, plan.o_part, plan.lse_part, plan.status))
-                            + packed_params(plan._scalars) + [ctypes.c_float(plan._scale_log2)]
-                            + packed_params(plan._no_fused))
+        plan._pack_main()
     return plan
 
 

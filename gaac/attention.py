@@ -557,11 +557,17 @@ class AttentionPlan:
             from .cuda.launch import FastLaunch, packed_params
 
             self._main = FastLaunch(self._kernel, (self.n_work, hk), K.WARP)
-            self._main_fixed = (packed_params((*self._arrays, self.o_part, self.lse_part, self.status))
-                                + packed_params(self._scalars)
-                                + [ctypes.c_float(self._scale_log2)] + packed_params(self._no_fused))
+            self._pack_main()
             self._merge_launch = FastLaunch(self._merge, *self._merge_grid, pdl=pdl)
             self._merge_fixed = packed_params((self.o_part, self.lse_part, self._split0))
+
+    def _pack_main(self) -> None:
+        """The split kernel's parameters after ``q``, packed once (its arrays, outputs and scalars)."""
+        from .cuda.launch import packed_params
+
+        self._main_fixed = (packed_params((*self._arrays, self.o_part, self.lse_part, self.status))
+                            + packed_params(self._scalars)
+                            + [ctypes.c_float(self._scale_log2)] + packed_params(self._no_fused))
 
     def run(self, q, *, out=None, lse=None, return_lse: bool = False):
         """Attention output ``[B, Hq, D]``: torch bfloat16 on the GPU, int16 BF16 bits in the simulator.
