@@ -398,6 +398,8 @@ class Calibration:
             raise CalibrationError(f"{'FP8 ' if f.scales else ''}calibration version {d.get('version')} is not "
                                    f"supported (this gaac reads version{'s' if len(f.versions) > 1 else ''} "
                                    f"{' and '.join(map(str, f.versions))})")
+        if d.get("model") is not None and not isinstance(d["model"], str):
+            raise CalibrationError(f"calibration \"model\" must be a string or null, got {type(d['model']).__name__}")
         if "epochs" in d and not f.scales and d["version"] != EPOCHS_VERSION:
             raise CalibrationError(f"a calibration with an \"epochs\" section is version {EPOCHS_VERSION}, "
                                    f"this file says {d['version']}")
@@ -431,19 +433,29 @@ class Calibration:
         return cal
 
     def check_header(self, d: dict) -> None:
-        """FORMAT.md 3.4: the file's ``layers``, ``kv_heads``, ``head_dim`` and ``id`` agree with its tables."""
+        """FORMAT.md 3.4: the file's ``layers``, ``kv_heads`` and ``head_dim`` are JSON integers (``1.0`` and
+        ``true`` are not) equal to its tables' shape, ``layers`` and ``kv_heads`` fit the containers' u16
+        fields, and ``id``, when present, is the tables' id as 8 lowercase hex digits."""
         dims = (d.get("layers"), d.get("kv_heads"), d.get("head_dim"))
-        if dims != (self.layers, self.kv_heads, self.head_dim):
+        if any(type(n) is not int for n in dims) or dims != (self.layers, self.kv_heads, self.head_dim):
             raise CalibrationError(f"calibration header says {dims} but its tables are "
-                                   f"{(self.layers, self.kv_heads, self.head_dim)}")
-        if "id" in d and d["id"] != f"{self.id:08x}":
-            raise CalibrationError(f"calibration id {d['id']} does not match its tables ({self.id:08x}): "
+                                   f"{(self.layers, self.kv_heads, self.head_dim)} (integers)")
+        if self.layers > L.MAX_LAYERS or self.kv_heads > L.MAX_KV_HEADS:
+            raise CalibrationError(f"calibration of {self.layers} layers x {self.kv_heads} KV heads: block and "
+                                   f"sequence headers hold at most {L.MAX_LAYERS} layers and {L.MAX_KV_HEADS} KV "
+                                   "heads (u16)")
+        given = d.get("id", f"{self.id:08x}")
+        if not (isinstance(given, str) and len(given) == 8 and set(given) <= set("0123456789abcdef")):
+            raise CalibrationError(f"calibration id {given!r} is not 8 lowercase hex digits")
+        if given != f"{self.id:08x}":
+            raise CalibrationError(f"calibration id {given} does not match its tables ({self.id:08x}): "
                                    "the file was edited or damaged")
 
     def _read_epochs(self, section) -> None:
         """FORMAT.md 3.5: ``{"k": [per layer: [{"b3", "b4", "id"?}, ...]], "v": [...]}`` appended in order."""
         if not isinstance(section, dict) or not set(section) <= {"k", "v"}:
-            raise CalibrationError("malformed calibration: \"epochs\" must be an object with keys \"k\" and \"v\"")
+            raise CalibrationError("malformed calibration: \"epochs\" must be an object with keys \"k\" and \"v\" "
+                                   "(no others)")
         for kind, name in L.KIND_NAMES.items():
             layers = section.get(name, [[] for _ in range(self.layers)])
             if not isinstance(layers, list) or len(layers) != self.layers:
@@ -456,11 +468,18 @@ class Calibration:
                     where = f"epochs.{name}[{layer}] epoch {self.n_epochs(layer, kind)}"
                     if not isinstance(entry, dict) or not all(_all_ints(entry.get(t)) for t in ("b3", "b4")):
                         raise CalibrationError(f"malformed calibration: {where} needs integer tables b3 and b4")
+                    if not set(entry) <= {"b3", "b4", "id"}:
+                        raise CalibrationError(f"malformed calibration: {where} has keys other than b3, b4 and id "
+                                               f"({sorted(set(entry) - {'b3', 'b4', 'id'})})")
                     epoch = self.add_epoch(layer, kind, entry["b3"], entry["b4"])
-                    if "id" in entry and entry["id"] != f"{self.epoch_id(layer, kind, epoch):08x}":
-                        raise CalibrationError(f"{where}: id {entry['id']} does not match its tables "
-                                               f"({self.epoch_id(layer, kind, epoch):08x}): the file was edited "
-                                               "or damaged")
+                    if "id" not in entry:
+                        continue
+                    given, want = entry["id"], f"{self.epoch_id(layer, kind, epoch):08x}"
+                    if not (isinstance(given, str) and len(given) == 8 and set(given) <= set("0123456789abcdef")):
+                        raise CalibrationError(f"{where}: id {given!r} is not 8 lowercase hex digits")
+                    if given != want:
+                        raise CalibrationError(f"{where}: id {given} does not match its tables ({want}): the file "
+                                               "was edited or damaged")
 
 
 CANONICAL_HEAD_BYTES = 20        # FORMAT.md 3.3: "GAACCAL", the version byte and three u32 dimensions

@@ -55,6 +55,8 @@ B4_MAX = 256 - WINDOW_4BIT            # 240
 
 SLOT_ALIGN = 16            # slot sizes (and so escape capacities) are multiples of 16 bytes
 MAX_ESCAPE_CAPACITY = 65520  # fits the u16 header field and is a multiple of 16
+MAX_LAYERS = 0xFFFF        # layers and KV heads fit the u16 fields of the block and sequence headers and the
+MAX_KV_HEADS = 0xFFFF      # epoch bytes (FORMAT.md 3.2), though the calibration's canonical bytes hold u32
 
 # Element formats (stream header byte 5).
 ELEMENT_BF16 = 1

@@ -134,6 +134,15 @@ def _int_table(value, shape: tuple, what: str, low: int, high: int) -> list:
     return [_int_table(v, shape[1:], f"{what}[{i}]", low, high) for i, v in enumerate(value)]
 
 
+def check_dimensions(layers: int, kv_heads: int, head_dim: int) -> None:
+    """FORMAT.md 3.2 rules 1 and 4: at least one layer and head, at most 65535 of each (u16 fields), and a
+    supported head_dim."""
+    if not (1 <= layers <= 65535 and 1 <= kv_heads <= 65535):
+        raise CalibrationError("3.2", f"layers {layers} and kv_heads {kv_heads} must lie in 1..65535")
+    if head_dim not in (64, 128, 256):
+        raise CalibrationError("3.2", f"head_dim {head_dim} is not 64, 128 or 256")
+
+
 def load_calibration(source) -> Calibration:
     """Read a calibration file (a path) or its parsed JSON object, checking FORMAT.md 3.2 and 3.4."""
     d = json.loads(Path(source).read_text()) if not isinstance(source, dict) else source
@@ -143,12 +152,13 @@ def load_calibration(source) -> Calibration:
         raise CalibrationError("3.4", f"calibration version {d.get('version')!r} is not 1 or 2")
     if "epochs" in d and d["version"] != 2:
         raise CalibrationError("3.4", "an epochs section needs version 2")
+    if d.get("model") is not None and not isinstance(d["model"], str):
+        raise CalibrationError("3.4", f"model {d['model']!r} is not a string or null")
     dims = [d.get(k) for k in ("layers", "kv_heads", "head_dim")]
-    if any(type(n) is not int or n < 1 for n in dims):
-        raise CalibrationError("3.2", f"layers, kv_heads and head_dim must be positive integers, got {dims}")
+    if any(type(n) is not int for n in dims):
+        raise CalibrationError("3.4", f"layers, kv_heads and head_dim must be JSON integers, got {dims}")
     layers, heads, dim = dims
-    if dim not in (64, 128, 256):
-        raise CalibrationError("3.2", f"head_dim {dim} is not 64, 128 or 256")
+    check_dimensions(layers, heads, dim)
     tables = {}
     for kind in ("k", "v"):
         t = d.get(kind)
@@ -161,7 +171,7 @@ def load_calibration(source) -> Calibration:
             raise CalibrationError("3.2", f"{kind}.capacity {tables[kind][2]} has a value not a multiple of 16")
     cal = Calibration(layers, heads, dim, b3=[tables["k"][0], tables["v"][0]], b4=[tables["k"][1], tables["v"][1]],
                       capacity=[tables["k"][2], tables["v"][2]])
-    if "id" in d and d["id"] != f"{cal.id:08x}":
+    if "id" in d and d["id"] != f"{cal.id:08x}":         # 8 lowercase hex digits: "6ECDAC86" is refused
         raise CalibrationError("3.4", f"id {d['id']!r} differs from the tables' id {cal.id:08x}")
     section = d.get("epochs", {})
     if not isinstance(section, dict) or not set(section) <= {"k", "v"}:
@@ -177,8 +187,8 @@ def load_calibration(source) -> Calibration:
                 raise CalibrationError("3.5", f"epochs.{name}[{layer}] is not a list")
             for e, entry in enumerate(entries, start=1):
                 what = f"epochs.{name}[{layer}] epoch {e}"
-                if not isinstance(entry, dict):
-                    raise CalibrationError("3.5", f"{what} is not an object")
+                if not isinstance(entry, dict) or not set(entry) <= {"b3", "b4", "id"}:
+                    raise CalibrationError("3.5", f"{what} is not an object with keys b3, b4 and (optional) id")
                 cal.epochs[kind][layer].append((_int_table(entry.get("b3"), (heads, dim), f"{what}.b3", 0, 248),
                                                 _int_table(entry.get("b4"), (heads, dim), f"{what}.b4", 0, 240)))
                 if "id" in entry and entry["id"] != f"{cal.epoch_id(kind, layer, e):08x}":

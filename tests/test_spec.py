@@ -300,6 +300,14 @@ BAD_CALIBRATIONS = {
     "id differs": _set(["id"], "00000000"),
     "no layers": lambda d: d.update(layers=0, k={"b3": [], "b4": [], "capacity": []},
                                     v={"b3": [], "b4": [], "capacity": []}),
+    "layers as 1.0": _set(["layers"], 1.0),
+    "kv_heads as true": _set(["kv_heads"], True),
+    "id in upper case": lambda d: d.update(id=json.loads(CAL_FILE.read_text())["id"].upper()),
+    "id as a number": lambda d: d.update(id=int(json.loads(CAL_FILE.read_text())["id"], 16)),
+    "model a number": _set(["model"], 5),
+    "epochs of another shape: a third key": lambda d: d.update(version=2, epochs={"k": [[]], "v": [[]], "q": []}),
+    "an epoch entry with another key": lambda d: d.update(version=2, epochs={"k": [[{
+        "b3": d["k"]["b3"][0], "b4": d["k"]["b4"][0], "scale": 1}]]}),
 }
 
 
@@ -328,3 +336,28 @@ def test_reference_refuses_non_integer_bases():
     with pytest.raises(gaac.CalibrationError):
         gaac.Calibration.from_dict(_mutated(_set(["k", "b3", 0, 0, 0], 121.5)))
 
+
+
+def test_unknown_keys_outside_the_epochs_section_are_ignored_by_both_decoders():
+    """FORMAT.md 3.4: the top-level object and k / v are open (unknown keys ignored); a version 2 file without
+    an epochs section is a calibration without epochs."""
+    d = json.loads(CAL_FILE.read_text())
+    d.update(future={"x": 1}, version=2)
+    d["k"]["scale_log2"] = [[0]]
+    assert gaac.Calibration.from_dict(d).id == spec_decoder.load_calibration(d).id == int(d["id"], 16)
+    assert not gaac.Calibration.from_dict(d).epochs
+
+
+def test_more_layers_or_kv_heads_than_a_u16_holds_are_refused():
+    """FORMAT.md 3.2 rule 4: headers and epoch bytes name a layer and count heads in a u16 (checked on a
+    stand-in calibration: a real file of 65,536 layers is large)."""
+    from types import SimpleNamespace
+
+    for layers, heads in ((L.MAX_LAYERS + 1, 1), (1, L.MAX_KV_HEADS + 1)):
+        stand_in = SimpleNamespace(layers=layers, kv_heads=heads, head_dim=64, id=0)
+        d = {"layers": layers, "kv_heads": heads, "head_dim": 64}
+        with pytest.raises(gaac.CalibrationError, match="at most 65535"):
+            gaac.Calibration.check_header(stand_in, d)
+        with pytest.raises(spec_decoder.CalibrationError, match="65535"):
+            spec_decoder.check_dimensions(layers, heads, 64)
+    assert L.MAX_LAYERS == L.MAX_KV_HEADS == 0xFFFF
