@@ -564,7 +564,7 @@ def epoch_reject_vectors(valid: dict) -> list[tuple[str, bytes, dict]]:
     return [
         base.rejected("reject_reserved_v2", "R7", "FormatError", "bad header", "version 2 reserved header field "
                       "(bytes 22..23) 1", base.stream(reserved=1)),
-        base.rejected("reject_unknown_epoch", "R21", "CalibrationError", "unknown epoch", "epoch 3; the "
+        base.rejected("reject_unknown_epoch", "R23", "CalibrationError", "unknown epoch", "epoch 3; the "
                       "calibration has epochs 0..2 for layer 0 K", base.stream(epoch=3)),
         base.rejected("reject_epoch_id", "R22", "CalibrationError", "another cache's epochs", "none: the stream "
                       "of epoch_k read with cal_epochs_other.json, whose epoch 0 (the calibration id) and epoch 1 "

@@ -4,7 +4,7 @@ Plain Python: no NumPy, no ``gaac`` import, not even ``zlib`` (the CRC-32 is
 built from the parameters of FORMAT.md 7.4).  It exists to prove that the spec
 is enough for a third party to decode the test vectors; it is slow on purpose
 and follows the spec's sections in order.  Every error carries the id of the
-FORMAT.md section 8 rule (``R1`` .. ``R22``) or the calibration rule it enforces.
+FORMAT.md section 8 rule (``R1`` .. ``R20``, ``R22``, ``R23``) or the calibration rule it enforces.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ class FormatError(SpecError):
 
 
 class CalibrationError(SpecError):
-    """FORMAT.md 3.2, 3.4, 3.5 and R14-R17, R21, R22: a bad calibration, or a stream of another calibration."""
+    """FORMAT.md 3.2, 3.4, 3.5 and R14-R17, R22, R23: a bad calibration, or a stream of another calibration."""
 
 
 # -- section 1: bytes, bit streams, CRC-32 -------------------------------------------------------
@@ -249,7 +249,7 @@ def decode_slot(slot: bytes, b3: list, b4: list, capacity: int, channels: int, t
 
 
 def decode_block(data: bytes, cal: Calibration) -> Decoded:
-    """FORMAT.md section 7, with every check of section 8 in its order (R1-R17, R21, R22, R18-R20)."""
+    """FORMAT.md section 7, with every check of section 8 in its order (R1-R17, R23, R22, R18-R20)."""
     data = bytes(data)
     if len(data) < 28:
         raise FormatError("R1", f"{len(data)} bytes: shorter than header and CRC")
@@ -312,7 +312,7 @@ def decode_block(data: bytes, cal: Calibration) -> Decoded:
         raise CalibrationError("R17", f"escape capacity {capacity}, calibration {cal.capacity[kind][layer]}")
     known = 1 + (len(cal.epochs[kind][layer]) if cal.epochs else 0)
     if epoch >= known:
-        raise CalibrationError("R21", f"epoch {epoch}; the calibration has {known} for layer {layer} kind {kind}")
+        raise CalibrationError("R23", f"epoch {epoch}; the calibration has {known} for layer {layer} kind {kind}")
     if epoch and bases_id != cal.epoch_id(kind, layer, epoch):
         raise CalibrationError("R22", f"stream epoch id {bases_id:08x}, the calibration's epoch {epoch} has "
                                       f"{cal.epoch_id(kind, layer, epoch):08x}")

@@ -169,8 +169,9 @@ def test_reject_vectors_cover_every_rule_of_section_8():
         m = re.match(r"\| (R\d+) \|.*\| (\w+Error) \| (.*) \|$", line)
         if m:
             rows[m.group(1)] = (m.group(2), m.group(3))
-    # the table lists the rules in numeric order (the reference checks R21 and R22 before the slot rules)
-    assert list(rows) == [f"R{i}" for i in range(1, 23)]
+    # the table lists the rules in numeric order (the reference checks R23 and R22 before the slot rules); R21 is
+    # FORMAT-FP8.md's element-format rule, which a BF16 stream cannot break
+    assert list(rows) == [f"R{i}" for i in (*range(1, 21), 22, 23)]
     for name in REJECT:
         meta = METAS[name]
         error, phrases = rows[meta["rule"]]
