@@ -225,3 +225,28 @@ def test_regenerating_every_vector_gives_the_committed_folder(tmp_path):
     # Sub-folders (fp8/) hold other element formats with generators of their own.
     assert sorted(written) == sorted(p.name for p in VECTORS.iterdir() if p.is_file())
     assert {n: (tmp_path / n).read_bytes() for n in written} == _committed(written)
+
+
+# -- the sequence container's must-reject vectors (FORMAT.md 11.7, appendix A) --------------------------
+
+SEQUENCE = VECTORS / "sequence"
+SEQUENCE_REJECT = json.loads((SEQUENCE / "reject.json").read_text())
+
+
+def sequence_rules() -> dict:
+    rows = {}
+    for line in (SPEC / "FORMAT.md").read_text().splitlines():
+        m = re.match(r"\| ([SC]\d+) \|.*\| (\w+Error) \| (.*) \|$", line)
+        if m:
+            rows[m.group(1)] = (m.group(2), m.group(3))
+    return rows
+
+
+def test_sequence_reject_vectors_cover_every_rule_of_11_7():
+    rows = sequence_rules()
+    assert list(rows) == [f"S{i}" for i in range(1, 17)] + [f"C{i}" for i in range(1, 6)]
+    assert {e["rule"] for e in SEQUENCE_REJECT} == set(rows)
+    for entry in SEQUENCE_REJECT:
+        error, phrases = rows[entry["rule"]]
+        assert entry["error"] == error and entry["message"] in phrases.split("; "), entry["name"]
+        assert (SEQUENCE / f"{entry['name']}.bin").is_file()

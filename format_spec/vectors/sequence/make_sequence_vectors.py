@@ -19,12 +19,22 @@ format_spec/make_vectors.py, so the bytes never depend on library versions:
   capacity 0 sends its tiles with a 4-bit or raw group to raw tiles.
 * ``seq_embedded``: the same shape, 37 tokens, ``cal_d64.json`` embedded
   (flag bit 0): the file form, which unpacks without a calibration.
+
+And the must-reject containers ``reject_*.bin``, indexed by ``reject.json``
+(FORMAT.md 11.7, appendix A): each breaks one rule S1-S16 or C1-C5 of a small
+valid container -- ``cal_one_head.json``, 17 tokens (a block and a tail
+token), with an epoch 1 of layer 0 K that the blocks use (so an epoch record)
+and a raw V tile; or the same calibration embedded -- with its head CRC and
+chunk CRCs recomputed unless a CRC is what breaks.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import struct
 import sys
+import zlib
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +47,7 @@ from format_spec.make_vectors import Rand  # noqa: E402
 from gaac import layout as L  # noqa: E402
 from gaac import transfer  # noqa: E402
 from gaac.cache import PagedKVCache  # noqa: E402
-from gaac.calibration import Calibration  # noqa: E402
+from gaac.calibration import Calibration, epoch_canonical_bytes  # noqa: E402
 
 VECTORS = HERE.parent
 
@@ -99,7 +109,180 @@ def generate(out: Path) -> list[str]:
         (out / f"{name}.bin").write_bytes(data)
         (out / f"{name}.json").write_text(json.dumps(meta, indent=1) + "\n")
         written += [f"{name}.bin", f"{name}.json"]
-    return written
+    return written + reject_vectors(out)
+
+
+# ----------------------------------------------------------------------------------------------
+# Must-reject containers: a container cut into the fields of FORMAT.md 11.1-11.6, changed, and put back.
+
+@dataclass(frozen=True)
+class Parts:
+    """A container's fields: header values (11.1), section records (11.2), epoch records (11.3: epoch, reserved,
+    bases id, b3 and b4 bytes), the embedded calibration (11.4) or None, the chunk CRCs and the body."""
+
+    header: tuple                # magic, version, element, flags, layers, heads, dim, tokens, cal id, E, reserved, B
+    sections: tuple              # (capacity, epoch records, raw tiles) per section
+    records: tuple               # (epoch, reserved, bases id, b3, b4) in container order
+    calibration: bytes | None
+    chunk_crcs: tuple
+    body: bytes
+    head_crc: int | None = None  # None: the CRC-32 of the head as written
+
+    @classmethod
+    def of(cls, data: bytes) -> "Parts":
+        c = transfer.read_head(data)
+        lay = c.layout
+        table = lay.kv_heads * lay.head_dim
+        records, at = [], L.SEQUENCE_HEADER.size + 2 * lay.layers * L.SEQUENCE_SECTION.size
+        for _ in range(sum(len(s.epochs) for s in lay.sections)):
+            epoch, zero, bases_id = L.SEQUENCE_EPOCH.unpack_from(data, at)
+            at += L.SEQUENCE_EPOCH.size
+            records.append((epoch, zero, bases_id, data[at:at + table], data[at + table:at + 2 * table]))
+            at += 2 * table
+        size = len(c.calibration.canonical_bytes()) if c.calibration is not None else 0
+        sections = tuple(L.SEQUENCE_SECTION.unpack_from(data, L.SEQUENCE_HEADER.size + i * L.SEQUENCE_SECTION.size)
+                         for i in range(2 * lay.layers))
+        return cls(header=L.SEQUENCE_HEADER.unpack_from(data), sections=sections, records=tuple(records),
+                   calibration=data[at:at + size] if size else None,
+                   chunk_crcs=tuple(int(x) for x in c.chunk_crcs), body=data[lay.body_offset:])
+
+    def rechunked(self) -> "Parts":
+        """The same parts with the chunk CRCs of the body as it is."""
+        chunk = L.SEQUENCE_CHUNK_BYTES
+        return replace(self, chunk_crcs=tuple(zlib.crc32(self.body[i:i + chunk])
+                                              for i in range(0, len(self.body), chunk)))
+
+    def bytes(self) -> bytes:
+        head = L.SEQUENCE_HEADER.pack(*self.header) + b"".join(L.SEQUENCE_SECTION.pack(*r) for r in self.sections)
+        head += b"".join(L.SEQUENCE_EPOCH.pack(*r[:3]) + r[3] + r[4] for r in self.records)
+        head += (self.calibration or b"") + struct.pack(f"<{len(self.chunk_crcs)}I", *self.chunk_crcs)
+        head += struct.pack("<I", zlib.crc32(head) if self.head_crc is None else self.head_crc)
+        return head + bytes(-len(head) % L.SEQUENCE_ALIGN) + self.body
+
+
+def _header(parts: Parts, **values) -> Parts:
+    names = ("magic", "version", "element", "flags", "layers", "heads", "dim", "tokens", "cal_id", "records",
+             "reserved", "body")
+    return replace(parts, header=tuple(values.get(n, v) for n, v in zip(names, parts.header)))
+
+
+def _body(parts: Parts, offset: int, value: bytes) -> Parts:
+    """The body with ``value`` at ``offset`` and the chunk CRCs that cover it."""
+    body = parts.body[:offset] + value + parts.body[offset + len(value):]
+    return replace(parts, body=body).rechunked()
+
+
+def _with_calibration(parts: Parts, canonical: bytes) -> Parts:
+    """Embedded canonical bytes ``canonical``, and the header naming their CRC-32 as the calibration id."""
+    return _header(replace(parts, calibration=canonical), cal_id=zlib.crc32(canonical))
+
+
+def _epoch_base_cache() -> tuple[Calibration, PagedKVCache]:
+    """``cal_one_head.json`` with an epoch 1 of layer 0 K (each base one above epoch 0's), in a cache that codes
+    its K blocks with it."""
+    cal = Calibration.load(VECTORS / "cal_one_head.json")
+    b3, b4 = cal.bases(0, L.KIND_K)
+    cal.add_epoch(0, L.KIND_K, np.minimum(b3.astype(int) + 1, L.B3_MAX), np.minimum(b4.astype(int) + 1, L.B4_MAX))
+    return cal, PagedKVCache(cal, max_blocks=2, grow=True)
+
+
+REJECT_TOKENS = 17
+
+
+def reject_vectors(out: Path) -> list[str]:
+    """The must-reject containers and their index ``reject.json``; returns the file names written."""
+    cal, cache = _epoch_base_cache()
+    rand = Rand(21)
+    k, v = (bf16_data(rand, cal, REJECT_TOKENS, kind) for kind in (L.KIND_K, L.KIND_V))
+    epochs = bytes(cache.export_sequence(cache.add_sequence(k, v)))
+    plain = Calibration.load(VECTORS / "cal_one_head.json")
+    cache = PagedKVCache(plain, max_blocks=2, grow=True)
+    embedded = bytes(cache.export_sequence(cache.add_sequence(k, v), calibration=True))
+    a, b = Parts.of(epochs), Parts.of(embedded)
+    lay = transfer.read_head(epochs).layout
+    k_sec, v_sec = lay.sections
+    assert [len(s.epochs) for s in lay.sections] == [1, 0] and (v_sec.raw_tiles, v_sec.slot_tiles) == (1, 0)
+    assert lay.head_bytes % L.SEQUENCE_ALIGN and a.bytes() == epochs and b.bytes() == embedded
+    epoch, zero, _, r3, r4 = a.records[0]
+    high = bytes([249]) + r3[1:]                     # b3 above B3_MAX: a base 3.2 rule 2 refuses
+    high_id = zlib.crc32(epoch_canonical_bytes(plain.id, 0, L.KIND_K, epoch, np.frombuffer(high, np.uint8),
+                                               np.frombuffer(r4, np.uint8)))
+    cal_bytes = b.calibration
+    b3_at = 20                                       # FORMAT.md 3.3: the first b3 of the canonical bytes
+
+    one_head, A, B = "../cal_one_head.json", "epoch record", "embedded"
+    cases = [   # name, rule, error, message, base, mutation, container, calibration, adapt
+        ("reject_s1_truncated", "S1", "FormatError", "truncated sequence container", A,
+         "the last body byte removed", epochs[:-1], one_head, True),
+        ("reject_s2_magic", "S2", "FormatError", "bad magic", A, "magic GAACSEX",
+         _header(a, magic=b"GAACSEX").bytes(), one_head, True),
+        ("reject_s3_version", "S3", "FormatError", "sequence container version", A, "version 3",
+         _header(a, version=3).bytes(), one_head, True),
+        ("reject_s4_element", "S4", "FormatError", "element format", A, "element format 2 (FP8 E4M3)",
+         _header(a, element=2).bytes(), one_head, True),
+        ("reject_s5_flags", "S5", "FormatError", "reserved flags or field", A, "flag bit 1 set",
+         _header(a, flags=2).bytes(), one_head, True),
+        ("reject_s6_head_dim", "S6", "FormatError", "bad header", A, "head_dim 96",
+         _header(a, dim=96).bytes(), one_head, True),
+        ("reject_s7_capacity", "S7", "FormatError", "bad section record", A,
+         "layer 0 K's escape capacity 24, not a multiple of 16",
+         replace(a, sections=((24,) + a.sections[0][1:],) + a.sections[1:]).bytes(), one_head, True),
+        ("reject_s8_records", "S8", "FormatError", "bad header", A,
+         "the header's epoch record count 0; layer 0 K's section record lists 1",
+         _header(a, records=0).bytes(), one_head, True),
+        ("reject_s9_head_crc", "S9", "FormatError", "head CRC-32 mismatch", A, "the head CRC's low byte flipped",
+         replace(a, head_crc=zlib.crc32(a.bytes()[:lay.head_bytes - 4]) ^ 0xFF).bytes(), one_head, True),
+        ("reject_s10_padding", "S10", "FormatError", "padding after the head CRC", A,
+         "the last padding byte before the body 1",
+         epochs[:lay.body_offset - 1] + b"\x01" + epochs[lay.body_offset:], one_head, True),
+        ("reject_s11_reserved", "S11", "FormatError", "bad epoch record", A, "the epoch record's reserved field 1",
+         replace(a, records=((epoch, 1) + a.records[0][2:],)).bytes(), one_head, True),
+        ("reject_s12_crc", "S12", "FormatError", "embedded calibration", B,
+         "the embedded calibration's first b3 one higher (the header's id unchanged)",
+         replace(b, calibration=cal_bytes[:b3_at] + bytes([cal_bytes[b3_at] + 1]) + cal_bytes[b3_at + 1:]).bytes(),
+         None, True),
+        ("reject_s12_magic", "S12", "FormatError", "embedded calibration", B,
+         "the embedded calibration's magic GAACCAX (the header names its CRC-32)",
+         _with_calibration(b, b"GAACCAX" + cal_bytes[7:]).bytes(), None, True),
+        ("reject_s12_dimensions", "S12", "FormatError", "embedded calibration", B,
+         "the embedded calibration's head_dim 128, the header's 64 (the header names its CRC-32)",
+         _with_calibration(b, cal_bytes[:16] + struct.pack("<I", 128) + cal_bytes[20:]).bytes(), None, True),
+        ("reject_s13_chunk_crc", "S13", "FormatError", "CRC-32 mismatch", A,
+         "a slot byte of layer 0 K flipped, the chunk CRC table unchanged",
+         replace(a, body=a.body[:k_sec.slots + 100] + bytes([a.body[k_sec.slots + 100] ^ 0x10])
+                 + a.body[k_sec.slots + 101:]).bytes(), one_head, True),
+        ("reject_s14_padding", "S14", "FormatError", "padding after its block table", A,
+         "the last padding byte after layer 0 K's block table 1",
+         _body(a, k_sec.block_epochs - 1, b"\x01").bytes(), one_head, True),
+        ("reject_s15_epoch", "S15", "FormatError", "block epochs", A,
+         "layer 0 K's block of epoch 1 says epoch 2, which has no record",
+         _body(a, k_sec.block_epochs, struct.pack("<H", 2)).bytes(), one_head, True),
+        ("reject_s16_unused_record", "S16", "FormatError", "no block uses", A,
+         "layer 0 K's block of epoch 1 says epoch 0: the section's record of epoch 1 is then used by no block",
+         _body(a, k_sec.block_epochs, struct.pack("<H", 0)).bytes(), one_head, True),
+        ("reject_c1_calibration", "C1", "CalibrationError", "exported from a cache with calibration", A,
+         "none: the container read with cal_edge.json, another calibration", epochs, "../cal_edge.json", True),
+        ("reject_c2_capacity", "C2", "CalibrationError", "differs from the calibration", A,
+         "layer 0 V's escape capacity 16, the calibration's 0 (its one tile is raw: no size changes)",
+         replace(a, sections=a.sections[:1] + ((16,) + a.sections[1][1:],)).bytes(), one_head, True),
+        ("reject_c3_bases", "C3", "CalibrationError", "bases above", A,
+         "the epoch record's first b3 249, its bases id recomputed",
+         replace(a, records=((epoch, zero, high_id, high, r4),)).bytes(), one_head, True),
+        ("reject_c4_embedded", "C4", "CalibrationError", "embedded calibration breaks", B,
+         "the embedded calibration's first b3 249 (the header names its CRC-32)",
+         _with_calibration(b, cal_bytes[:b3_at] + bytes([249]) + cal_bytes[b3_at + 1:]).bytes(), None, True),
+        ("reject_c5_no_epochs", "C5", "CalibrationError", "adapt=True", A,
+         "none: the container imported into a cache that keeps no epochs", epochs, one_head, False),
+    ]
+    index, written = [], []
+    for name, rule, error, message, base, mutation, data, calibration, adapt in cases:
+        (out / f"{name}.bin").write_bytes(data)
+        written.append(f"{name}.bin")
+        index.append({"name": name, "covers": f"must reject: rule {rule} of FORMAT.md 11.7",
+                      "derived_from": f"{REJECT_TOKENS} tokens of cal_one_head.json, {base}", "mutation": mutation,
+                      "rule": rule, "error": error, "message": message, "calibration": calibration, "adapt": adapt})
+    (out / "reject.json").write_text(json.dumps(index, indent=1) + "\n")
+    return written + ["reject.json"]
 
 
 def main(argv=None) -> int:
