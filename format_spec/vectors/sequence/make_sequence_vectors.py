@@ -34,7 +34,7 @@ import json
 import struct
 import sys
 import zlib
-from dataclasses import dataclass, replace
+from typing import NamedTuple
 from pathlib import Path
 
 import numpy as np
@@ -115,8 +115,7 @@ def generate(out: Path) -> list[str]:
 # ----------------------------------------------------------------------------------------------
 # Must-reject containers: a container cut into the fields of FORMAT.md 11.1-11.6, changed, and put back.
 
-@dataclass(frozen=True)
-class Parts:
+class Parts(NamedTuple):
     """A container's fields: header values (11.1), section records (11.2), epoch records (11.3: epoch, reserved,
     bases id, b3 and b4 bytes), the embedded calibration (11.4) or None, the chunk CRCs and the body."""
 
@@ -149,10 +148,10 @@ class Parts:
     def rechunked(self) -> "Parts":
         """The same parts with the chunk CRCs of the body as it is."""
         chunk = L.SEQUENCE_CHUNK_BYTES
-        return replace(self, chunk_crcs=tuple(zlib.crc32(self.body[i:i + chunk])
+        return self._replace(chunk_crcs=tuple(zlib.crc32(self.body[i:i + chunk])
                                               for i in range(0, len(self.body), chunk)))
 
-    def bytes(self) -> bytes:
+    def pack(self) -> bytes:
         head = L.SEQUENCE_HEADER.pack(*self.header) + b"".join(L.SEQUENCE_SECTION.pack(*r) for r in self.sections)
         head += b"".join(L.SEQUENCE_EPOCH.pack(*r[:3]) + r[3] + r[4] for r in self.records)
         head += (self.calibration or b"") + struct.pack(f"<{len(self.chunk_crcs)}I", *self.chunk_crcs)
@@ -163,18 +162,18 @@ class Parts:
 def _header(parts: Parts, **values) -> Parts:
     names = ("magic", "version", "element", "flags", "layers", "heads", "dim", "tokens", "cal_id", "records",
              "reserved", "body")
-    return replace(parts, header=tuple(values.get(n, v) for n, v in zip(names, parts.header)))
+    return parts._replace(header=tuple(values.get(n, v) for n, v in zip(names, parts.header)))
 
 
 def _body(parts: Parts, offset: int, value: bytes) -> Parts:
     """The body with ``value`` at ``offset`` and the chunk CRCs that cover it."""
     body = parts.body[:offset] + value + parts.body[offset + len(value):]
-    return replace(parts, body=body).rechunked()
+    return parts._replace(body=body).rechunked()
 
 
 def _with_calibration(parts: Parts, canonical: bytes) -> Parts:
     """Embedded canonical bytes ``canonical``, and the header naming their CRC-32 as the calibration id."""
-    return _header(replace(parts, calibration=canonical), cal_id=zlib.crc32(canonical))
+    return _header(parts._replace(calibration=canonical), cal_id=zlib.crc32(canonical))
 
 
 def _epoch_base_cache() -> tuple[Calibration, PagedKVCache]:
@@ -202,7 +201,7 @@ def reject_vectors(out: Path) -> list[str]:
     lay = transfer.read_head(epochs).layout
     k_sec, v_sec = lay.sections
     assert [len(s.epochs) for s in lay.sections] == [1, 0] and (v_sec.raw_tiles, v_sec.slot_tiles) == (1, 0)
-    assert lay.head_bytes % L.SEQUENCE_ALIGN and a.bytes() == epochs and b.bytes() == embedded
+    assert lay.head_bytes % L.SEQUENCE_ALIGN and a.pack() == epochs and b.pack() == embedded
     epoch, zero, _, r3, r4 = a.records[0]
     high = bytes([249]) + r3[1:]                     # b3 above B3_MAX: a base 3.2 rule 2 refuses
     high_id = zlib.crc32(epoch_canonical_bytes(plain.id, 0, L.KIND_K, epoch, np.frombuffer(high, np.uint8),
@@ -215,62 +214,62 @@ def reject_vectors(out: Path) -> list[str]:
         ("reject_s1_truncated", "S1", "FormatError", "truncated sequence container", A,
          "the last body byte removed", epochs[:-1], one_head, True),
         ("reject_s2_magic", "S2", "FormatError", "bad magic", A, "magic GAACSEX",
-         _header(a, magic=b"GAACSEX").bytes(), one_head, True),
+         _header(a, magic=b"GAACSEX").pack(), one_head, True),
         ("reject_s3_version", "S3", "FormatError", "sequence container version", A, "version 3",
-         _header(a, version=3).bytes(), one_head, True),
+         _header(a, version=3).pack(), one_head, True),
         ("reject_s4_element", "S4", "FormatError", "element format", A, "element format 2 (FP8 E4M3)",
-         _header(a, element=2).bytes(), one_head, True),
+         _header(a, element=2).pack(), one_head, True),
         ("reject_s5_flags", "S5", "FormatError", "reserved flags or field", A, "flag bit 1 set",
-         _header(a, flags=2).bytes(), one_head, True),
+         _header(a, flags=2).pack(), one_head, True),
         ("reject_s6_head_dim", "S6", "FormatError", "bad header", A, "head_dim 96",
-         _header(a, dim=96).bytes(), one_head, True),
+         _header(a, dim=96).pack(), one_head, True),
         ("reject_s7_capacity", "S7", "FormatError", "bad section record", A,
          "layer 0 K's escape capacity 24, not a multiple of 16",
-         replace(a, sections=((24,) + a.sections[0][1:],) + a.sections[1:]).bytes(), one_head, True),
+         a._replace(sections=((24,) + a.sections[0][1:],) + a.sections[1:]).pack(), one_head, True),
         ("reject_s8_records", "S8", "FormatError", "bad header", A,
          "the header's epoch record count 0; layer 0 K's section record lists 1",
-         _header(a, records=0).bytes(), one_head, True),
+         _header(a, records=0).pack(), one_head, True),
         ("reject_s9_head_crc", "S9", "FormatError", "head CRC-32 mismatch", A, "the head CRC's low byte flipped",
-         replace(a, head_crc=zlib.crc32(a.bytes()[:lay.head_bytes - 4]) ^ 0xFF).bytes(), one_head, True),
+         a._replace(head_crc=zlib.crc32(a.pack()[:lay.head_bytes - 4]) ^ 0xFF).pack(), one_head, True),
         ("reject_s10_padding", "S10", "FormatError", "padding after the head CRC", A,
          "the last padding byte before the body 1",
          epochs[:lay.body_offset - 1] + b"\x01" + epochs[lay.body_offset:], one_head, True),
         ("reject_s11_reserved", "S11", "FormatError", "bad epoch record", A, "the epoch record's reserved field 1",
-         replace(a, records=((epoch, 1) + a.records[0][2:],)).bytes(), one_head, True),
+         a._replace(records=((epoch, 1) + a.records[0][2:],)).pack(), one_head, True),
         ("reject_s12_crc", "S12", "FormatError", "embedded calibration", B,
          "the embedded calibration's first b3 one higher (the header's id unchanged)",
-         replace(b, calibration=cal_bytes[:b3_at] + bytes([cal_bytes[b3_at] + 1]) + cal_bytes[b3_at + 1:]).bytes(),
+         b._replace(calibration=cal_bytes[:b3_at] + bytes([cal_bytes[b3_at] + 1]) + cal_bytes[b3_at + 1:]).pack(),
          None, True),
         ("reject_s12_magic", "S12", "FormatError", "embedded calibration", B,
          "the embedded calibration's magic GAACCAX (the header names its CRC-32)",
-         _with_calibration(b, b"GAACCAX" + cal_bytes[7:]).bytes(), None, True),
+         _with_calibration(b, b"GAACCAX" + cal_bytes[7:]).pack(), None, True),
         ("reject_s12_dimensions", "S12", "FormatError", "embedded calibration", B,
          "the embedded calibration's head_dim 128, the header's 64 (the header names its CRC-32)",
-         _with_calibration(b, cal_bytes[:16] + struct.pack("<I", 128) + cal_bytes[20:]).bytes(), None, True),
+         _with_calibration(b, cal_bytes[:16] + struct.pack("<I", 128) + cal_bytes[20:]).pack(), None, True),
         ("reject_s13_chunk_crc", "S13", "FormatError", "CRC-32 mismatch", A,
          "a slot byte of layer 0 K flipped, the chunk CRC table unchanged",
-         replace(a, body=a.body[:k_sec.slots + 100] + bytes([a.body[k_sec.slots + 100] ^ 0x10])
-                 + a.body[k_sec.slots + 101:]).bytes(), one_head, True),
+         a._replace(body=a.body[:k_sec.slots + 100] + bytes([a.body[k_sec.slots + 100] ^ 0x10])
+                 + a.body[k_sec.slots + 101:]).pack(), one_head, True),
         ("reject_s14_padding", "S14", "FormatError", "padding after its block table", A,
          "the last padding byte after layer 0 K's block table 1",
-         _body(a, k_sec.block_epochs - 1, b"\x01").bytes(), one_head, True),
+         _body(a, k_sec.block_epochs - 1, b"\x01").pack(), one_head, True),
         ("reject_s15_epoch", "S15", "FormatError", "block epochs", A,
          "layer 0 K's block of epoch 1 says epoch 2, which has no record",
-         _body(a, k_sec.block_epochs, struct.pack("<H", 2)).bytes(), one_head, True),
+         _body(a, k_sec.block_epochs, struct.pack("<H", 2)).pack(), one_head, True),
         ("reject_s16_unused_record", "S16", "FormatError", "no block uses", A,
          "layer 0 K's block of epoch 1 says epoch 0: the section's record of epoch 1 is then used by no block",
-         _body(a, k_sec.block_epochs, struct.pack("<H", 0)).bytes(), one_head, True),
+         _body(a, k_sec.block_epochs, struct.pack("<H", 0)).pack(), one_head, True),
         ("reject_c1_calibration", "C1", "CalibrationError", "exported from a cache with calibration", A,
          "none: the container read with cal_edge.json, another calibration", epochs, "../cal_edge.json", True),
         ("reject_c2_capacity", "C2", "CalibrationError", "differs from the calibration", A,
          "layer 0 V's escape capacity 16, the calibration's 0 (its one tile is raw: no size changes)",
-         replace(a, sections=a.sections[:1] + ((16,) + a.sections[1][1:],)).bytes(), one_head, True),
+         a._replace(sections=a.sections[:1] + ((16,) + a.sections[1][1:],)).pack(), one_head, True),
         ("reject_c3_bases", "C3", "CalibrationError", "bases above", A,
          "the epoch record's first b3 249, its bases id recomputed",
-         replace(a, records=((epoch, zero, high_id, high, r4),)).bytes(), one_head, True),
+         a._replace(records=((epoch, zero, high_id, high, r4),)).pack(), one_head, True),
         ("reject_c4_embedded", "C4", "CalibrationError", "embedded calibration breaks", B,
          "the embedded calibration's first b3 249 (the header names its CRC-32)",
-         _with_calibration(b, cal_bytes[:b3_at] + bytes([249]) + cal_bytes[b3_at + 1:]).bytes(), None, True),
+         _with_calibration(b, cal_bytes[:b3_at] + bytes([249]) + cal_bytes[b3_at + 1:]).pack(), None, True),
         ("reject_c5_no_epochs", "C5", "CalibrationError", "adapt=True", A,
          "none: the container imported into a cache that keeps no epochs", epochs, one_head, False),
     ]
