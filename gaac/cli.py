@@ -15,22 +15,33 @@ does not find -- ends the command with one line on stderr and exit status 2
 (the missing package's line names the extra that installs it); anything else
 is a bug and keeps its traceback.  ``gaac
 stats`` exits 1 if a block does not decode to its exact bits (never expected).
+
+A file error names the option, the path and what is wrong (no such file, a
+directory, a FIFO or device, a folder that cannot be written).  Inputs must be
+regular files, checked by type before they are opened.  An output is written
+to a temporary file beside it and moved into place once every output of the
+command is complete, so a failure leaves the files that were there as they
+were; no command writes over one of its own inputs.  A reader that closes the
+output early (``| head``) ends the command quietly with status 141.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
 import json
+import os
 import sys
 
 import numpy as np
 
 from .calibration import Calibration, calibrate
 from .errors import GAACError, InputError
-from .io import load_cache, load_sample, parse_token_range
+from .io import check_input_file, check_output_file, load_cache, load_sample, parse_token_range, reading, \
+    write_files
 from .stats import CacheStats, measure
 
 EXIT_USAGE = 2
+EXIT_BROKEN_PIPE = 128 + 13       # what a shell reports for a program that SIGPIPE ended
 FORMATS = ("bf16", "fp8_e4m3", "fp8_e5m2")
 MAX_PLOT_LAYERS = 8          # gaac.plot.MAX_LAYERS (not imported here: gaac.plot is only loaded for --plot)
 
@@ -137,12 +148,32 @@ EXTRAS = {"torch": "torch", "transformers": "hf", "gguf": "hf", "safetensors": "
 
 
 def main(argv=None) -> int:
+    """Run the command ``argv`` (default: ``sys.argv[1:]``); its exit status.
+
+    A reader that closes the output early (``gaac stats --json | head``) ends the command quietly
+    with status 141, as a program killed by SIGPIPE ends: no error, no traceback."""
+    try:
+        try:
+            return _main(argv)
+        finally:
+            sys.stdout.flush()             # here, where a closed pipe can still be caught
+    except BrokenPipeError:
+        # Python flushes stdout again at exit: point it at devnull so that flush has nowhere to fail.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_BROKEN_PIPE
+
+
+def _main(argv) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         if argv[:1] == ["capture"]:
             return run_capture(argv[1:])
         args = build_parser().parse_args(argv)
         return args.func(args)
+    except BrokenPipeError:
+        raise
     except (GAACError, OSError) as exc:
         return _fail(exc)
     except ImportError as exc:
@@ -177,7 +208,8 @@ def run_capture(argv: list[str]) -> int:
 def cmd_calibrate(args) -> int:
     if args.slot_line and args.format != "bf16":
         raise InputError("--slot-line applies to BF16 calibrations (GAAC-FP8 slots have their own sizes)")
-    k, v = load_cache(args.k, "k"), load_cache(args.v, "v")
+    check_output_file(args.output, "-o", [("--k", args.k), ("--v", args.v)])
+    k, v = load_cache(args.k, "k", "--k"), load_cache(args.v, "v", "--v")
     notes = {"source": {"k": args.k, "v": args.v}}
     if args.tokens:
         k = k[:, :, parse_token_range(args.tokens, k.shape[2])]
@@ -188,7 +220,7 @@ def cmd_calibrate(args) -> int:
     if args.slot_line:
         notes["slot_line"] = args.slot_line
     cal.notes.update(notes)
-    cal.save(args.output)
+    write_files([("-o", args.output, lambda f: cal.save(f.name))])    # save writes by name: the temporary file's
     print(f"wrote {args.output}: {what} {cal.id:08x} for {cal.layers} layers x {cal.kv_heads} KV heads x "
           f"head_dim {cal.head_dim} (model {cal.model!r}), from {k.shape[2]} K / {v.shape[2]} V tokens; "
           f"escape capacity K {_span(cal.capacity[0])}, V {_span(cal.capacity[1])} bytes")
@@ -201,16 +233,19 @@ def load_calibration(path: str, fmt: str):
     from .calibration import CALIBRATION_FILES
     from .errors import CalibrationError
 
+    check_input_file(path, "--calibration")
     try:
-        cal = Calibration.load(path, CALIBRATION_FILES[fmt])
+        with reading(path, "--calibration"):
+            cal = Calibration.load(path, CALIBRATION_FILES[fmt])
     except CalibrationError as exc:
-        if not str(exc).startswith("not a GAAC"):
-            raise
+        why = str(exc).removeprefix(f"{path}: ")
+        if not why.startswith("not a GAAC"):
+            raise CalibrationError(f"--calibration {path!r}: {why}") from None
         make = f"gaac calibrate --k K.npy --v V.npy -o cal.json{'' if fmt == 'bf16' else f' --format {fmt}'}"
-        raise CalibrationError(f"{path}: {exc}. --format {fmt} needs a{' BF16' if fmt == 'bf16' else 'n ' + fmt} "
-                               f"calibration, made by `{make}`") from None
+        raise CalibrationError(f"--calibration {path!r}: {why}. --format {fmt} needs a"
+                               f"{' BF16' if fmt == 'bf16' else 'n ' + fmt} calibration, made by `{make}`") from None
     if cal.format.name != fmt:
-        raise CalibrationError(f"{path} is a {cal.format.name} calibration, not {fmt}: pass --format "
+        raise CalibrationError(f"--calibration {path!r} is a {cal.format.name} calibration, not {fmt}: pass --format "
                                f"{cal.format.name}, or make one with `gaac calibrate --k K.npy --v V.npy -o cal.json "
                                f"--format {fmt}`")
     return cal
@@ -232,7 +267,8 @@ def _stats_inputs(args):
         where = (f"the sample shipped with gaac: {meta['model']} layers {', '.join(map(str, meta['layers']))}, "
                  f"{SAMPLE_MEASURED} prompt")
         return k, v, meta["layers"], where, meta
-    return load_cache(args.k, "k"), load_cache(args.v, "v"), None, f"K {args.k}, V {args.v}", None
+    return (load_cache(args.k, "k", "--k"), load_cache(args.v, "v", "--v"), None, f"K {args.k}, V {args.v}",
+            None)
 
 
 def cmd_stats(args) -> int:
@@ -313,13 +349,15 @@ def _transfer():
 
 
 def cmd_pack(args) -> int:
+    """``gaac pack``: the container is written to a temporary file and moved onto ``-o`` once complete,
+    so a failed pack leaves a file that was there as it was."""
     transfer = _transfer()
-    k, v = load_cache(args.k, "k"), load_cache(args.v, "v")
+    check_output_file(args.output, "-o", [("--k", args.k), ("--v", args.v), ("--calibration", args.calibration)])
+    k, v = load_cache(args.k, "k", "--k"), load_cache(args.v, "v", "--v")
     cal = load_calibration(args.calibration, "bf16") if args.calibration else None
     data = transfer.pack(k, v, cal)
-    with open(args.output, "wb") as f:
-        f.write(data)
     info = transfer.read_head(data).describe()
+    write_files([("-o", args.output, lambda f: f.write(data))])
     how = f"loaded from {args.calibration}" if args.calibration else "calibrated on these caches"
     print(f"wrote {args.output}: {info['layers']} layers x {info['kv_heads']} KV heads x {info['tokens']} tokens x "
           f"head_dim {info['head_dim']}, {info['bytes']:,} bytes for {info['bf16_bytes']:,} bytes of BF16: ratio "
@@ -329,21 +367,25 @@ def cmd_pack(args) -> int:
 
 
 def cmd_unpack(args) -> int:
+    """``gaac unpack``: K and V are written to temporary files and moved onto ``--k`` and ``--v`` once
+    both are complete, so a failure leaves files that were there as they were."""
     from pathlib import Path
 
     transfer = _transfer()
-    for name in (args.k, args.v):
+    for option, name in (("--k", args.k), ("--v", args.v)):
         if Path(name).suffix.lower() != ".npy":
-            raise InputError(f"{name}: gaac unpack writes .npy files (uint16 BF16 bits)")
-    path = Path(args.input)
-    if not path.is_file():
-        raise InputError(f"{args.input!r}: no such file")
-    data = path.read_bytes()
+            raise InputError(f"{option} {name!r}: gaac unpack writes .npy files (uint16 BF16 bits)")
+    inputs = [("the input", args.input), ("--calibration", args.calibration)]
+    check_output_file(args.k, "--k", inputs)
+    check_output_file(args.v, "--v", inputs, [("--k", args.k)])
+    path = check_input_file(args.input, "input")
+    with reading(path, "input"):
+        data = path.read_bytes()
     cal = load_calibration(args.calibration, "bf16") if args.calibration else None
     k, v = transfer.unpack(data, cal)
-    np.save(args.k, k)
-    np.save(args.v, v)
     info = transfer.read_head(data).describe()
+    write_files([("--k", args.k, lambda f: np.save(f, k, allow_pickle=False)),
+                 ("--v", args.v, lambda f: np.save(f, v, allow_pickle=False))])
     print(f"wrote {args.k}, {args.v}: {list(k.shape)} ([layers, kv_heads, tokens, head_dim]) from {info['bytes']:,} "
           f"bytes; ratio {info['ratio']:.4f}x over BF16; every CRC checked")
     return 0

@@ -15,11 +15,16 @@ raw little-endian bytes.  Every dtype rule is :func:`gaac.arrays.as_bits`'s.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
+import stat
 import struct
+import tempfile
 from importlib import resources
 from pathlib import Path
+from typing import BinaryIO, Callable, Iterable
 
 import numpy as np
 
@@ -47,21 +52,155 @@ def check_cache(bits: np.ndarray, name: str) -> np.ndarray:
     return bits
 
 
-def load_cache(path, kind: str) -> np.ndarray:
-    """The ``kind`` (``'k'`` or ``'v'``) cache in ``path`` as ``uint16[layers, kv_heads, tokens, head_dim]``."""
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(f"{kind} cache {str(path)!r}: no such file")
+# -- files the command line reads and writes -------------------------------------
+
+_FILE_TYPES = ((stat.S_ISDIR, "is a directory"), (stat.S_ISFIFO, "is a FIFO (named pipe)"),
+               (stat.S_ISCHR, "is a character device"), (stat.S_ISBLK, "is a block device"),
+               (stat.S_ISSOCK, "is a socket"))
+
+
+def _not_regular(mode: int) -> str:
+    """What a file of ``st_mode`` ``mode`` is, said as the reason it is refused (not a regular file)."""
+    what = next((text for test, text in _FILE_TYPES if test(mode)), "is not a regular file")
+    return what if what == "is not a regular file" else f"{what}, not a regular file"
+
+
+def check_input_file(path, option: str) -> Path:
+    """``path`` as a :class:`~pathlib.Path` if it names a regular file, else :class:`InputError` naming
+    ``option`` (e.g. ``'--calibration'``), the path and what is wrong: no such file, a directory, a
+    FIFO or device.  The check looks at the file's type without opening it, since opening a FIFO
+    that no one writes to blocks forever."""
+    try:
+        st = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        raise InputError(f"{option} {str(path)!r}: no such file") from None
+    except OSError as exc:
+        raise InputError(f"{option} {str(path)!r}: cannot read ({exc.strerror or exc})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise InputError(f"{option} {str(path)!r}: {_not_regular(st.st_mode)}")
+    return Path(path)
+
+
+@contextlib.contextmanager
+def reading(path, option: str):
+    """Within: an :class:`OSError` reading ``path`` becomes an :class:`InputError` naming ``option``."""
+    try:
+        yield
+    except OSError as exc:
+        raise InputError(f"{option} {str(path)!r}: cannot read ({exc.strerror or exc})") from None
+
+
+def same_file(a, b) -> bool:
+    """Whether paths ``a`` and ``b`` name one file: the same file on disk (hard links and symbolic links
+    included) where both exist, else the same resolved path."""
+    try:
+        if os.path.exists(a) and os.path.exists(b):
+            return os.path.samefile(a, b)
+    except OSError:
+        pass
+    return Path(a).resolve() == Path(b).resolve()
+
+
+def check_output_file(path, option: str, inputs: Iterable[tuple[str, object]] = (),
+                      outputs: Iterable[tuple[str, object]] = ()) -> Path:
+    """``path`` as a :class:`~pathlib.Path` if a command may write it, else :class:`InputError` naming
+    ``option``, the path and why not: it is a directory or another file that is not a regular file
+    (writing it would replace the device or FIFO with a plain file), its folder does not exist, it is
+    one of the command's ``inputs`` (``(option, path)`` pairs; writing would destroy what is read), or
+    one of its other ``outputs`` (one would overwrite the other)."""
+    for other, src in inputs:
+        if src is not None and same_file(path, src):
+            raise InputError(f"{option} {str(path)!r}: is also {other}; a command does not overwrite its own "
+                             "input: write to another file")
+    for other, dst in outputs:
+        if dst is not None and same_file(path, dst):
+            raise InputError(f"{option} {str(path)!r}: is also {other}; each needs a file of its own")
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        folder = Path(path).parent
+        if not folder.is_dir():
+            raise InputError(f"{option} {str(path)!r}: cannot write (no such folder {str(folder)!r})") from None
+        return Path(path)
+    except OSError as exc:
+        raise InputError(f"{option} {str(path)!r}: cannot write ({exc.strerror or exc})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise InputError(f"{option} {str(path)!r}: {_not_regular(st.st_mode)}")
+    return Path(path)
+
+
+def write_files(outputs: Iterable[tuple[str, object, Callable[[BinaryIO], object]]]) -> None:
+    """Write each ``(option, path, write)``: ``write(f)`` writes the file's bytes to the binary file ``f``
+    (or to the path ``f.name``, which it may open anew).
+
+    Every file is written to a temporary file beside its path first, and only once all of them are
+    written are they moved onto their paths (:func:`os.replace`, atomic on one file system).  A failure
+    leaves every path as it was (an existing file keeps its contents, not a fragment) and no temporary
+    file behind; an :class:`OSError` becomes an :class:`InputError` naming the option and the path.
+    A new file gets the permissions an ordinary ``open`` gives it, an existing one keeps its own."""
+    outputs = list(outputs)
+    mask = os.umask(0)
+    os.umask(mask)
+    done = []                                   # (option, path, temporary path), written and closed
+    try:
+        for option, path, write in outputs:
+            path = Path(path)
+            try:
+                mode = stat.S_IMODE(os.stat(path).st_mode)
+            except OSError:
+                mode = 0o666 & ~mask
+            try:
+                fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+            except OSError as exc:
+                raise InputError(f"{option} {str(path)!r}: cannot write (no new file can be made in "
+                                 f"{str(path.parent)!r}: {exc.strerror or exc})") from None
+            done.append((option, path, tmp))
+            os.close(fd)
+            try:
+                with open(tmp, "wb") as f:           # by name, so that f.name is the temporary file's path
+                    write(f)
+                os.chmod(tmp, mode)
+            except OSError as exc:
+                raise InputError(f"{option} {str(path)!r}: cannot write ({exc.strerror or exc})") from None
+        while done:
+            option, path, tmp = done[0]
+            try:
+                os.replace(tmp, path)
+            except OSError as exc:
+                raise InputError(f"{option} {str(path)!r}: cannot write ({exc.strerror or exc})") from None
+            done.pop(0)
+    finally:
+        for _, _, tmp in done:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
+def save_npy(path, array: np.ndarray, option: str) -> None:
+    """Write ``array`` as a ``.npy`` file at exactly ``path`` (:func:`write_files`; ``np.save`` given a
+    name would append ``.npy`` to one that does not end in lower-case ``.npy``)."""
+    write_files([(option, path, lambda f: np.save(f, array, allow_pickle=False))])
+
+
+# -- caches ------------------------------------------------------------------------
+
+def load_cache(path, kind: str, option: str | None = None) -> np.ndarray:
+    """The ``kind`` (``'k'`` or ``'v'``) cache in ``path`` as ``uint16[layers, kv_heads, tokens, head_dim]``.
+
+    ``option``: how errors about the file itself (missing, a directory, a FIFO, unreadable) name it,
+    e.g. ``'--k'``; by default ``'<kind> cache'``."""
+    label = option or f"{kind} cache"
+    path = check_input_file(path, label)
     suffix = path.suffix.lower()
     name = f"{kind} cache {path.name}"
-    if suffix == ".npy":
-        x = _read_npy(path, name)
-    elif suffix == ".safetensors":
-        x = _read_safetensors(path, kind, name)
-    elif suffix == ".pt":
-        x = _read_torch(path, kind, name)
-    else:
-        raise InputError(f"{name}: unknown file type {suffix!r}; expected one of {', '.join(CACHE_SUFFIXES)}")
+    with reading(path, label):
+        if suffix == ".npy":
+            x = _read_npy(path, name)
+        elif suffix == ".safetensors":
+            x = _read_safetensors(path, kind, name)
+        elif suffix == ".pt":
+            x = _read_torch(path, kind, name)
+        else:
+            raise InputError(f"{name}: unknown file type {suffix!r}; expected one of {', '.join(CACHE_SUFFIXES)}")
     return check_cache(x, name)
 
 

@@ -21,6 +21,7 @@ import numpy as np
 
 from .calibration import exponent_histograms
 from .errors import InputError
+from .io import check_output_file, write_files
 
 MAX_LAYERS = 8      # layers per figure (page); by default this many, evenly spaced, are drawn
 MARGIN = 4          # exponents shown beyond the outermost window
@@ -105,10 +106,12 @@ def _windows(caches, calibration, layers) -> tuple[list[_Windows], str]:
 
 
 def check_plot_path(path) -> None:
-    """Raise :class:`InputError` unless matplotlib is installed and can write ``path``'s image type.
+    """Raise :class:`InputError` unless matplotlib is installed and can write ``path``'s image type, and
+    ``path`` is a file that can be written (its folder exists; it is not a directory or a device).
 
     The ``gaac`` command checks its ``--plot`` path with this before any work, so that a
-    misspelt extension costs a second, not a whole measurement and a traceback."""
+    misspelt extension or folder costs a second, not a whole measurement and a traceback."""
+    check_output_file(path, "--plot")
     try:
         import matplotlib
     except ImportError as exc:
@@ -181,7 +184,8 @@ def plot_windows(k: np.ndarray, v: np.ndarray, calibration, path, *, layer_ids=N
         fig.suptitle((title + "\n" if title else "") + f"{element} {shown}; exponent counts per channel "
                      f"(colour); {kinds[0].narrow_width}-wide window: red edges, dark band; "
                      f"{kinds[0].wide_width}-wide window: orange edges, light band", fontsize=10)
-        fig.savefig(out, dpi=90)
+        # through a temporary file (gaac.io.write_files): a failed write leaves no half-written image
+        write_files([("--plot", out, lambda f: fig.savefig(f, dpi=90, format=out.suffix.lstrip(".").lower()))])
         plt.close(fig)
         written.append((out, drawn))
     return written
