@@ -289,13 +289,29 @@ def check_seq_lens(view: LayerView) -> np.ndarray:
     return lens
 
 
+LOG2_E = 1.4426950408889634
+# The largest softmax scale: the kernels scale scores by float32(scale * log2(e)), which must be finite.
+MAX_SCALE = float(np.nextafter(np.float32(np.finfo(np.float32).max / LOG2_E), np.float32(0)))
+
+
 def check_scale(scale, head_dim: int) -> float:
-    """The softmax scale: ``1/sqrt(head_dim)`` for None, else a finite real number (not a bool)."""
+    """The softmax scale: ``1/sqrt(head_dim)`` for None, else a real number (not a bool) that is a
+    positive, finite float32 and stays finite times log2(e), as the kernels use it (0 < scale <=
+    :data:`MAX_SCALE`, about 2.4e38; 1e39 is finite in Python but infinite in float32, and would make
+    every output NaN).  Anything else is an :class:`InputError`.  Every path that takes a scale
+    (:func:`decode_attention`, :class:`AttentionPlan`, a cache's decode plans) checks it here."""
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
-    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
-        raise InputError(f"scale: expected a finite real number (or None for 1/sqrt(head_dim)), got {scale!r}")
-    return float(scale)
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
+        raise InputError(f"scale: expected a real number (or None for 1/sqrt(head_dim)), got {scale!r}")
+    try:
+        value = float(scale)
+    except OverflowError:                   # an int beyond float64 (10**400)
+        value = math.inf
+    if not (math.isfinite(value) and 0 < value <= MAX_SCALE and np.float32(value) > 0):
+        raise InputError(f"scale: {scale!r} is not a positive finite float32 number no larger than "
+                         f"{MAX_SCALE:.4g} (the softmax scale; None for 1/sqrt(head_dim))")
+    return value
 
 
 def status_error(status: int, *, layer: int | None = None, seqs=None) -> FormatError | None:
@@ -327,9 +343,14 @@ def status_error(status: int, *, layer: int | None = None, seqs=None) -> FormatE
                        + "; the output of that launch is unspecified")
 
 
-def _check_q(q, view: LayerView, device):
-    """``q`` BF16 ``[B, Hq, D]`` (torch bfloat16, or uint16/int16 bits) -> (bits as int16, q_heads)."""
-    _check_is_view(view)
+def _check_q(q, view: LayerView, device, q_heads: int | None = None):
+    """``q`` BF16 ``[B, Hq, D]`` (torch bfloat16, or uint16/int16 bits) -> (bits as int16, q_heads).
+
+    ``view`` is a LayerView, or anything else with its ``seq_lens`` (the batch), ``head_dim`` and
+    ``kv_heads`` (a caller that has no view checks ``q`` against its shape so); ``q_heads``, where
+    given, is the number of query heads ``q`` must have (a plan's).  Every error names ``q``."""
+    if not all(hasattr(view, name) for name in ("seq_lens", "head_dim", "kv_heads")):
+        _check_is_view(view)
     if _is_torch(q):
         import torch
 
@@ -348,6 +369,9 @@ def _check_q(q, view: LayerView, device):
     if len(q.shape) != 3 or q.shape[0] != batch or q.shape[2] != view.head_dim:
         raise InputError(f"q: shape {list(q.shape)}, expected [batch={batch}, q_heads, head_dim={view.head_dim}]")
     hq = q.shape[1]
+    if q_heads is not None and hq != q_heads:
+        raise InputError(f"q: shape {list(q.shape)} has {hq} query heads; expected {q_heads} (the plan's "
+                         f"q_heads): [batch={batch}, {q_heads}, head_dim={view.head_dim}]")
     if hq % view.kv_heads or not 1 <= hq // view.kv_heads <= MAX_GROUP:
         raise InputError(f"q: {hq} query heads for {view.kv_heads} KV heads; need 1..{MAX_GROUP} query "
                          "heads per KV head")
@@ -574,9 +598,7 @@ class AttentionPlan:
 
         ``out`` (int16 ``[B, Hq, D]``) and ``lse`` (float32 ``[B, Hq]``) may be given to reuse buffers
         (and to capture the call in a CUDA graph)."""
-        qb, hq = _check_q(q, self.view, None if self._K.SIMULATOR else "cuda")
-        if hq != self.q_heads:
-            raise InputError(f"q has {hq} query heads; this plan was made for {self.q_heads}")
+        qb, hq = _check_q(q, self.view, None if self._K.SIMULATOR else "cuda", self.q_heads)
         d = self.view.head_dim
         out = self._alloc((self.batch, hq, d), "int16") if out is None else out
         lse = self._alloc((self.batch, hq), "float32") if lse is None else lse
@@ -668,8 +690,31 @@ def _zero_record(pool, alloc):
 # ----------------------------------------------------------------------------------------------
 # The public entry point and the CPU path.
 
+def check_outputs(q, out, lse, shape: tuple) -> None:
+    """:class:`InputError` unless ``out`` and ``lse`` (each None, or a buffer to write) can receive the
+    output ``[batch, q_heads, head_dim]`` (``shape``) and the LSE ``[batch, q_heads]`` of attention
+    for ``q``: of ``q``'s kind (torch tensors on ``q``'s device, or NumPy arrays), ``out`` BF16 (torch
+    bfloat16 or int16 bits; NumPy uint16 or int16 bits) and ``lse`` float32, of exactly those shapes,
+    writable.  A buffer of another dtype would receive the bits of the wrong number format."""
+    torch_q = _is_torch(q)
+    for name, buf, dtypes, want in (("out", out, ("bfloat16", "int16") if torch_q else ("uint16", "int16"), shape),
+                                    ("lse", lse, ("float32",), shape[:2])):
+        if buf is None:
+            continue
+        if not (_is_torch(buf) if torch_q else isinstance(buf, np.ndarray)):
+            raise InputError(f"{name}: expected a {'torch tensor' if torch_q else 'NumPy array'} (as q is) "
+                             f"{' or '.join(dtypes)} {list(want)}, got {type(buf).__name__}")
+        if _dtype_name(buf) not in dtypes or tuple(buf.shape) != tuple(want):
+            raise InputError(f"{name}: expected {' or '.join(dtypes)} {list(want)}, got {_dtype_name(buf)} "
+                             f"{list(buf.shape)}")
+        if torch_q and buf.device != q.device:
+            raise InputError(f"{name}: on {buf.device}, expected q's device {q.device}")
+        if not torch_q and not buf.flags.writeable:
+            raise InputError(f"{name}: a read-only array")
+
+
 def decode_attention(q, view: LayerView, *, scale: float | None = None, return_lse: bool = False,
-                     plain: bool = False, backend: str = "auto"):
+                     plain: bool = False, backend: str = "auto", q_heads: int | None = None, out=None, lse=None):
     """Attention of one new query token per sequence over the cache ``view`` (one layer).
 
     ``q`` BF16 ``[batch, q_heads, head_dim]`` (torch ``bfloat16``, or uint16 bits as NumPy);
@@ -682,6 +727,11 @@ def decode_attention(q, view: LayerView, *, scale: float | None = None, return_l
     arrays).  ``plain=True`` runs the BF16 baseline kernel on a view of raw tiles only.
     For repeated calls build an :class:`AttentionPlan` once and call its ``run``.
 
+    ``q_heads``: where given, the number of query heads ``q`` must have (a caller's plan).  ``out`` and
+    ``lse``: buffers to write the output and the LSE into, which are then what is returned (``out``
+    seen as ``q``'s kind); on the CPU path :func:`check_outputs` says what they may be, on the CUDA path
+    :meth:`AttentionPlan.run`.
+
     Both paths check the view's arrays and ``seq_lens`` first (:class:`InputError`).  A corrupt
     slot, or a table entry past its pool, is a :class:`FormatError`: the CPU path finds it while
     decoding; on CUDA the kernel flags it in its status word and reads nothing outside the view,
@@ -693,27 +743,39 @@ def decode_attention(q, view: LayerView, *, scale: float | None = None, return_l
     if backend == "auto":
         backend = "cuda" if _on_cuda(q) else "cpu"
     if backend == "cuda":
-        _check_q(q, view, None)
+        _check_q(q, view, None, q_heads)
         plan = AttentionPlan(view, q.shape[1], scale=scale, plain=plain)
-        result = plan.run(q, return_lse=return_lse)
+        result = plan.run(q, out=out, lse=lse, return_lse=return_lse)
         plan.check_status()
         return result
     _check_view(view, None)
     if _on_cuda(q):
         raise InputError("q is on a CUDA device; backend='cpu' takes host arrays")
-    qb, hq = _check_q(q, view, "cpu")
+    qb, hq = _check_q(q, view, "cpu", q_heads)
+    check_outputs(q, out, lse, (qb.shape[0], hq, view.head_dim))
     scale = check_scale(scale, view.head_dim)
     check_seq_lens(view)
     dense = gather_dense(view)
     qf = bf16_to_float(_host(qb))
     ks = [bf16_to_float(x) for x in dense.k]
     vs = [bf16_to_float(x) for x in dense.v]
-    out, lse = reference_attention(qf, ks, vs, scale, dtype=np.float32)
-    bits = float_to_bf16(out)
+    result, lse_result = reference_attention(qf, ks, vs, scale, dtype=np.float32)
+    res, lse_res = float_to_bf16(result), lse_result.astype(np.float32)
     if _is_torch(q):
         import torch
 
-        res = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)
-        lse_t = torch.from_numpy(lse.astype(np.float32))
-        return (res, lse_t) if return_lse else res
-    return (bits, lse.astype(np.float32)) if return_lse else bits
+        res, lse_res = torch.from_numpy(res.view(np.int16)).view(torch.bfloat16), torch.from_numpy(lse_res)
+        if out is not None:
+            out.copy_(res.view(out.dtype))
+            res = out.view(torch.bfloat16)
+        if lse is not None:
+            lse.copy_(lse_res)
+            lse_res = lse
+    else:
+        if out is not None:
+            np.copyto(out, res.view(out.dtype))
+            res = out.view(np.uint16)
+        if lse is not None:
+            np.copyto(lse, lse_res)
+            lse_res = lse
+    return (res, lse_res) if return_lse else res
