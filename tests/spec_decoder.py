@@ -1,10 +1,12 @@
-"""An independent GAAC BF16 decoder (versions 1 and 2), written from ``format_spec/FORMAT.md`` alone.
+"""An independent GAAC BF16 decoder (versions 1 and 2) of block and sequence containers, written from
+``format_spec/FORMAT.md`` alone.
 
 Plain Python: no NumPy, no ``gaac`` import, not even ``zlib`` (the CRC-32 is
 built from the parameters of FORMAT.md 7.4).  It exists to prove that the spec
 is enough for a third party to decode the test vectors; it is slow on purpose
 and follows the spec's sections in order.  Every error carries the id of the
-FORMAT.md section 8 rule (``R1`` .. ``R20``, ``R22``, ``R23``) or the calibration rule it enforces.
+FORMAT.md section 8 rule (``R1`` .. ``R20``, ``R22``, ``R23``), section 11.7 rule (``S1`` .. ``S16``,
+``C1`` .. ``C5``) or calibration rule it enforces.
 """
 from __future__ import annotations
 
@@ -344,3 +346,196 @@ def decode_block(data: bytes, cal: Calibration) -> Decoded:
         for n, x in enumerate(tile):              # element n = token * C + channel (section 4)
             result.values[h][n // channels][first + n % channels] = x
     return result
+
+
+# -- section 11: the sequence container -------------------------------------------------------------
+
+def u64(data: bytes, offset: int) -> int:
+    return u32(data, offset) | u32(data, offset + 4) << 32
+
+
+def _align16(n: int) -> int:
+    return -(-n // 16) * 16
+
+
+def calibration_from_canonical_bytes(raw: bytes) -> Calibration:
+    """FORMAT.md 3.3 read back: the calibration whose canonical bytes are ``raw`` (no epochs)."""
+    layers, heads, dim = u32(raw, 8), u32(raw, 12), u32(raw, 16)
+    n = layers * heads * dim
+    tables = []
+    for t in range(2):                                   # b3, then b4
+        at = 20 + 2 * n * t
+        tables.append([[[list(raw[at + ((k * layers + l) * heads + h) * dim:][:dim]) for h in range(heads)]
+                        for l in range(layers)] for k in range(2)])
+    at = 20 + 4 * n
+    capacity = [[u16(raw, at + 2 * (k * layers + l)) for l in range(layers)] for k in range(2)]
+    return Calibration(layers, heads, dim, b3=tables[0], b4=tables[1], capacity=capacity)
+
+
+@dataclass
+class Sequence:
+    """A read sequence container: ``values[kind][layer][head][token][channel]`` BF16 patterns, and its records."""
+
+    values: list
+    epochs: list                 # per section, in body order: [(epoch, bases id)] of its records
+
+
+def read_sequence(data: bytes, cal: Calibration | None = None, keeps_epochs: bool = True) -> Sequence:
+    """FORMAT.md section 11: check a sequence container with every rule of 11.7 in the order it states, and
+    decode its blocks (sections 5-6) and tails.  ``cal``: the calibration it is read with (None: the embedded
+    one); ``keeps_epochs=False`` reads it as an import into a cache that keeps no epochs (C5)."""
+    data = bytes(data)
+    n = len(data)
+    if n < 40:
+        raise FormatError("S1", f"{n} bytes: shorter than the 40-byte header")
+    if data[0:7] != b"GAACSEQ":
+        raise FormatError("S2", f"magic {data[0:7]!r}")
+    version, element, flags = data[7], data[8], data[9]
+    layers, heads, dim, tokens = u16(data, 10), u16(data, 12), u16(data, 14), u32(data, 16)
+    cal_id, n_records, reserved, body_bytes = u32(data, 20), u32(data, 24), u32(data, 28), u64(data, 32)
+    if version != 2:
+        raise FormatError("S3", f"version {version}")
+    if element != 1:
+        raise FormatError("S4", f"element format {element}")
+    if flags & 0xFE or reserved:
+        raise FormatError("S5", f"flags {flags:#x}, reserved {reserved}")
+    if layers == 0 or heads == 0 or dim not in (64, 128, 256):
+        raise FormatError("S6", f"layers {layers}, kv_heads {heads}, head_dim {dim}")
+    channels = min(dim, 128)
+    tiles = heads * dim // channels                       # P, the tiles of a block
+    nb, t = divmod(tokens, 16)
+    at = 40
+    if n < at + 16 * layers:
+        raise FormatError("S1", f"{n} bytes: the section records end at {at + 16 * layers}")
+    records = []
+    for i in range(2 * layers):                            # 11.2
+        capacity, count, n_raw = u16(data, at), u16(data, at + 2), u32(data, at + 4)
+        at += 8
+        if capacity % 16 or n_raw > nb * tiles:
+            raise FormatError("S7", f"section {i}: escape capacity {capacity}, {n_raw} raw tiles of {nb * tiles}")
+        if count > nb:
+            raise FormatError("S16", f"section {i}: {count} epoch records for {nb} blocks")
+        records.append((capacity, count, n_raw))
+    if sum(r[1] for r in records) != n_records:
+        raise FormatError("S8", f"the header says {n_records} epoch records, the sections {sum(r[1] for r in records)}")
+    table = heads * dim
+    if n < at + n_records * (8 + 2 * table):
+        raise FormatError("S1", f"{n} bytes: the epoch records end at {at + n_records * (8 + 2 * table)}")
+    epochs = []
+    for i, (_, count, _) in enumerate(records):           # 11.3
+        section = []
+        for _ in range(count):
+            epoch, zero, bases_id = u16(data, at), u16(data, at + 2), u32(data, at + 4)
+            b3, b4 = data[at + 8:at + 8 + table], data[at + 8 + table:at + 8 + 2 * table]
+            at += 8 + 2 * table
+            if epoch == 0 or zero or (section and epoch <= section[-1][0]):
+                raise FormatError("S11", f"section {i}: epoch record {epoch}, reserved {zero}")
+            section.append((epoch, bases_id, b3, b4))
+        epochs.append(section)
+    fixed, raw_size = 45 * 16 * channels // 32, 2 * 16 * channels
+    parts, size = [], 0
+    for capacity, _, n_raw in records:                     # 11.6
+        start = size
+        block_epochs = start + _align16(4 * nb * tiles)
+        slots = block_epochs + _align16(2 * nb)
+        raws = slots + (nb * tiles - n_raw) * (fixed + capacity)
+        tail = raws + n_raw * raw_size
+        size = tail + 2 * heads * t * dim
+        parts.append((start, block_epochs, slots, raws, tail))
+    if body_bytes != size:
+        raise FormatError("S8", f"the header says a body of {body_bytes} bytes, the records make it {size}")
+    embedded = 20 + 4 * layers * heads * dim + 4 * layers if flags & 1 else 0
+    chunks = -(-body_bytes // (1 << 20))
+    head = at + embedded + 4 * chunks + 4
+    if n < head:
+        raise FormatError("S1", f"{n} bytes: the head ends at {head}")
+    if u32(data, head - 4) != crc32(data[:head - 4]):
+        raise FormatError("S9", "head CRC-32 mismatch")
+    body_at = _align16(head)
+    if n != body_at + body_bytes:
+        raise FormatError("S1", f"{n} bytes; the head and B make it {body_at + body_bytes}")
+    if any(data[head:body_at]):
+        raise FormatError("S10", "padding after the head CRC is not zero")
+    for i, section in enumerate(epochs):
+        layer, kind = divmod(i, 2)
+        for epoch, bases_id, b3, b4 in section:
+            canonical = b"GAACEPCH" + cal_id.to_bytes(4, "little") + layer.to_bytes(2, "little") \
+                + epoch.to_bytes(2, "little") + bytes([kind]) + b3 + b4
+            if crc32(canonical) != bases_id:
+                raise FormatError("S11", f"section {i}: epoch record {epoch}'s bases id {bases_id:08x}")
+    if embedded:                                           # 11.4
+        raw = data[at:at + embedded]
+        if raw[:8] != b"GAACCAL\x01" or (u32(raw, 8), u32(raw, 12), u32(raw, 16)) != (layers, heads, dim) \
+                or crc32(raw) != cal_id:
+            raise FormatError("S12", "the embedded calibration is not the canonical bytes the header names")
+        inside = calibration_from_canonical_bytes(raw)
+        if any(b > 248 for k in inside.b3 for l in k for h in l for b in h) \
+                or any(b > 240 for k in inside.b4 for l in k for h in l for b in h) \
+                or any(c % 16 or c > 65520 for k in inside.capacity for c in k):
+            raise CalibrationError("C4", "the embedded calibration breaks 3.2")
+        cal = cal or inside
+    if cal is None:
+        raise CalibrationError("C1", "no calibration given and none embedded")
+    if cal.id != cal_id:                                   # the C rules
+        raise CalibrationError("C1", f"container calibration id {cal_id:08x}, given {cal.id:08x}")
+    for i, (capacity, _, _) in enumerate(records):
+        if capacity != cal.capacity[i % 2][i // 2]:
+            raise CalibrationError("C2", f"section {i}: escape capacity {capacity}")
+    for section in epochs:
+        for epoch, _, b3, b4 in section:
+            if max(b3, default=0) > 248 or max(b4, default=0) > 240:
+                raise CalibrationError("C3", f"epoch record {epoch}: bases above 248 / 240")
+    if n_records and not keeps_epochs:
+        raise CalibrationError("C5", "epoch records, and the importing cache keeps no epochs")
+    body = data[body_at:]
+    for c in range(chunks):                                # 11.5
+        if u32(data, head - 4 - 4 * chunks + 4 * c) != crc32(body[c << 20:(c + 1) << 20]):
+            raise FormatError("S13", f"chunk {c}: CRC-32 mismatch")
+    block_epochs = []
+    for i, (start, at_epochs, slots, _, _) in enumerate(parts):
+        be = [u16(body, at_epochs + 2 * j) for j in range(nb)]
+        known = {0} | {r[0] for r in epochs[i]}
+        if any(e not in known for e in be) or any(a > b for a, b in zip(be, be[1:])):
+            raise FormatError("S15", f"section {i}: block epochs {be}")
+        if any(r[0] not in be for r in epochs[i]):
+            raise FormatError("S16", f"section {i}: an epoch record no block uses")
+        block_epochs.append(be)
+    for i, (start, at_epochs, slots, _, _) in enumerate(parts):
+        if any(body[start + 4 * nb * tiles:at_epochs]) or any(body[at_epochs + 2 * nb:slots]):
+            raise FormatError("S14", f"section {i}: padding after its block table or block epochs is not zero")
+        counts = [0, 0]
+        for j in range(nb * tiles):
+            entry = u32(body, start + 4 * j)
+            if entry & 0x7FFFFFFF != counts[entry >> 31]:
+                raise FormatError("S14", f"section {i}: block table entry {j}")
+            counts[entry >> 31] += 1
+        if counts[1] != records[i][2]:
+            raise FormatError("S14", f"section {i}: {counts[1]} raw tiles, the record says {records[i][2]}")
+
+    values = [[[[[0] * dim for _ in range(tokens)] for _ in range(heads)] for _ in range(layers)] for _ in range(2)]
+    for i, (start, _, slots, raws, tail) in enumerate(parts):
+        layer, kind = divmod(i, 2)
+        capacity = records[i][0]
+        by_epoch = {e: ([list(b3[h * dim:(h + 1) * dim]) for h in range(heads)],
+                        [list(b4[h * dim:(h + 1) * dim]) for h in range(heads)]) for e, _, b3, b4 in epochs[i]}
+        by_epoch[0] = (cal.b3[kind][layer], cal.b4[kind][layer])
+        for j in range(nb):
+            b3_all, b4_all = by_epoch[block_epochs[i][j]]
+            for tile in range(tiles):
+                entry = u32(body, start + 4 * (j * tiles + tile))
+                h, part = divmod(tile, dim // channels)
+                first = part * channels
+                if entry >> 31:
+                    at = raws + (entry & 0x7FFFFFFF) * raw_size
+                    out = [u16(body, at + 2 * e) for e in range(16 * channels)]
+                else:
+                    at = slots + entry * (fixed + capacity)
+                    out, _, _ = decode_slot(body[at:at + fixed + capacity], b3_all[h][first:first + channels],
+                                            b4_all[h][first:first + channels], capacity, channels, tile)
+                for e, x in enumerate(out):
+                    values[kind][layer][h][16 * j + e // channels][first + e % channels] = x
+        for h in range(heads):                             # the tail: u16, head, token, channel
+            for r in range(t):
+                for c in range(dim):
+                    values[kind][layer][h][16 * nb + r][c] = u16(body, tail + 2 * ((h * t + r) * dim + c))
+    return Sequence(values=values, epochs=[[(e, bases_id) for e, bases_id, _, _ in s] for s in epochs])

@@ -250,3 +250,24 @@ def test_sequence_reject_vectors_cover_every_rule_of_11_7():
         error, phrases = rows[entry["rule"]]
         assert entry["error"] == error and entry["message"] in phrases.split("; "), entry["name"]
         assert (SEQUENCE / f"{entry['name']}.bin").is_file()
+
+
+@pytest.mark.parametrize("entry", SEQUENCE_REJECT, ids=[e["name"] for e in SEQUENCE_REJECT])
+def test_spec_decoder_rejects_sequence_vector(entry):
+    cal = None if entry["calibration"] is None else spec_decoder.load_calibration(SEQUENCE / entry["calibration"])
+    with pytest.raises(getattr(spec_decoder, entry["error"])) as info:
+        spec_decoder.read_sequence((SEQUENCE / f"{entry['name']}.bin").read_bytes(), cal, keeps_epochs=entry["adapt"])
+    assert info.value.rule == entry["rule"]
+
+
+@pytest.mark.parametrize("name", ["seq_epochs", "seq_embedded"])
+def test_spec_decoder_reads_the_sequence_vectors(name):
+    """FORMAT.md section 11 alone: the container's checks, its epoch records and the K and V it holds."""
+    meta = json.loads((SEQUENCE / f"{name}.json").read_text())
+    cal = None if meta["calibration_embedded"] else spec_decoder.load_calibration(SEQUENCE / meta["calibration"])
+    out = spec_decoder.read_sequence((SEQUENCE / f"{name}.bin").read_bytes(), cal)
+    for kind, values in zip("kv", out.values):
+        assert values == [[[[int(row[i:i + 4], 16) for i in range(0, len(row), 4)] for row in head] for head in layer]
+                          for layer in meta["expected"][kind]], kind
+    assert [[f"{b:08x}" for _, b in s] for s in out.epochs] == [[e["bases_id"] for e in s["epochs"]]
+                                                                 for s in meta["sections"]]
