@@ -32,6 +32,7 @@ epoch 0 only; each later epoch has an id of its own (:meth:`Calibration.epoch_id
 from __future__ import annotations
 
 import json
+import numbers
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -240,11 +241,25 @@ class Calibration:
                                    f"{self.model!r}); the cache has {want}")
 
     def check_layer(self, layer: int) -> None:
+        """:class:`InputError` unless ``layer`` is an integer (not a bool); :class:`CalibrationError` unless
+        this calibration has that layer."""
+        if type(layer) is not int and (isinstance(layer, (bool, np.bool_)) or not isinstance(layer, numbers.Integral)):
+            raise InputError(f"layer must be an integer, got {layer!r}")
         if not 0 <= layer < self.layers:
             raise CalibrationError(f"layer {layer} out of range: calibration has {self.layers} layers")
 
+    @staticmethod
+    def check_kind(kind: int) -> None:
+        """:class:`InputError` unless ``kind`` is 0 (K, :data:`gaac.layout.KIND_K`) or 1 (V, ``KIND_V``): an
+        integer, not a bool, a name or anything else (``'k'`` would otherwise look up no epochs)."""
+        if type(kind) is int and 0 <= kind <= 1:
+            return
+        if isinstance(kind, (bool, np.bool_)) or not isinstance(kind, numbers.Integral) or kind not in L.KIND_NAMES:
+            raise InputError(f"kind must be 0 (K, gaac.layout.KIND_K) or 1 (V, KIND_V), got {kind!r}")
+
     def check_block(self, kind: int, layer: int, heads: int, dim: int, capacity: int) -> None:
         """FORMAT.md 8, R15-R17: a block container's shape, layer and escape capacity against this calibration."""
+        self.check_kind(kind)
         self.check_shape(None, heads, dim)
         self.check_layer(layer)
         if capacity != self.capacity[kind, layer]:
@@ -297,10 +312,15 @@ class Calibration:
     # -- epochs (FORMAT.md 3.5) ------------------------------------------------
     def n_epochs(self, layer: int, kind: int) -> int:
         """Epochs of one layer and kind, epoch 0 (the calibration's own bases) included."""
+        self.check_kind(kind)
+        self.check_layer(layer)
         return 1 + len(self.epochs.get((kind, layer), ()))
 
     def check_epoch(self, layer: int, kind: int, epoch: int) -> None:
-        self.check_layer(layer)
+        """:class:`InputError` for a layer, kind or epoch that is not an integer (or a kind other than 0 and
+        1); :class:`CalibrationError` unless this calibration has that layer and epoch."""
+        if type(epoch) is not int and (isinstance(epoch, (bool, np.bool_)) or not isinstance(epoch, numbers.Integral)):
+            raise InputError(f"epoch must be an integer, got {epoch!r}")
         if not 0 <= epoch < self.n_epochs(layer, kind):
             raise CalibrationError(f"unknown epoch {epoch}: the calibration has {self.n_epochs(layer, kind)} "
                                    f"epoch(s) for layer {layer} {L.KIND_NAMES[kind]} (a cache that appended "
@@ -312,6 +332,7 @@ class Calibration:
         They hold the calibration id, the layer, the epoch and the kind, so an
         epoch's id differs from that of any other cache's epoch of the same index.
         """
+        self.check_epoch(layer, kind, epoch)
         if epoch < 1:
             raise CalibrationError(f"epoch {epoch}: only epochs 1 and later have epoch bytes; epoch 0 is "
                                    "identified by the calibration id")
@@ -326,10 +347,7 @@ class Calibration:
         """Append bases ``[kv_heads, head_dim]`` as the newest epoch of one layer and kind; return its index."""
         if not self.format.epochs:
             raise CalibrationError(f"a {self.format.name} calibration has epoch 0 only (its blocks name no epoch)")
-        self.check_layer(layer)
-        if kind not in L.KIND_NAMES:
-            raise CalibrationError(f"kind must be 0 (K) or 1 (V), got {kind!r}")
-        epoch = self.n_epochs(layer, kind)
+        epoch = self.n_epochs(layer, kind)          # checks the layer and kind
         if epoch > MAX_EPOCH:
             raise CalibrationError(f"layer {layer} {L.KIND_NAMES[kind]} already has {epoch} epochs, the most a "
                                    f"block header can name")

@@ -1,11 +1,14 @@
 """Misuse of the Python API is an InputError that names the argument, what it expected and what it got:
 never a bare RuntimeError, TypeError or OverflowError, and never a silently wrong result (BF16 bits in a
-float16 buffer, a NaN output from a scale that overflows float32)."""
+float16 buffer, a NaN output from a scale that overflows float32, a calibration lookup under kind 'k')."""
 import numpy as np
 import pytest
 
+from gaac import layout as L
 from gaac.attention import MAX_SCALE, AttentionPlan, _check_q, check_scale, decode_attention, float_to_bf16
-from gaac.errors import InputError
+from gaac.calibration import calibrate
+from gaac.errors import CalibrationError, InputError
+from gaac.io import load_sample
 from gaac.testing import plain_view
 
 BATCH, KV_HEADS, Q_HEADS, D = 2, 3, 9, 64
@@ -119,3 +122,33 @@ def test_a_bad_q_checked_against_a_shape_names_q():
             _check_q(bad, shape, "cpu")
     with pytest.raises(InputError, match="view: expected a gaac.cachelayout.LayerView"):
         _check_q(np.zeros((BATCH, Q_HEADS, D), np.uint16), object(), "cpu")
+
+
+# -- Calibration's (layer, kind) ----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def cal():
+    k, v, _ = load_sample("code")
+    return calibrate(k[:2, :, :64], v[:2, :, :64])
+
+
+@pytest.mark.parametrize("kind", ["k", "v", True, False, 2, -1, 1.0, None, np.bool_(True)])
+def test_calibration_kinds_are_0_or_1(cal, kind):
+    bases = cal.bases(0, L.KIND_K)
+    for call in (lambda: cal.n_epochs(0, kind), lambda: cal.bases(0, kind), lambda: cal.check_epoch(0, kind, 0),
+                 lambda: cal.epoch_id(0, kind, 0), lambda: cal.epoch_canonical_bytes(0, kind, 1),
+                 lambda: cal.copy().add_epoch(0, kind, *bases), lambda: cal.check_block(kind, 0, 3, 64, 32)):
+        with pytest.raises(InputError, match=r"kind must be 0 \(K, gaac.layout.KIND_K\) or 1 \(V, KIND_V\), got "):
+            call()
+
+
+def test_calibration_layers_and_epochs_are_integers(cal):
+    assert cal.n_epochs(np.int64(1), np.int8(L.KIND_V)) == 1 and cal.epoch_id(0, L.KIND_K, np.int32(0)) == cal.id
+    for layer in ("0", 0.0, True, None):
+        with pytest.raises(InputError, match="layer must be an integer"):
+            cal.n_epochs(layer, L.KIND_K)
+    for epoch in ("0", 0.0, False):
+        with pytest.raises(InputError, match="epoch must be an integer"):
+            cal.bases(0, L.KIND_K, epoch)
+    with pytest.raises(CalibrationError, match="layer 2 out of range"):
+        cal.n_epochs(2, L.KIND_K)
