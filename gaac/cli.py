@@ -159,9 +159,12 @@ def main(argv=None) -> int:
             sys.stdout.flush()             # here, where a closed pipe can still be caught
     except BrokenPipeError:
         # Python flushes stdout again at exit: point it at devnull so that flush has nowhere to fail.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        except (OSError, ValueError):      # a stdout without a file descriptor: nothing to redirect
+            pass
         return EXIT_BROKEN_PIPE
 
 

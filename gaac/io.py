@@ -137,14 +137,15 @@ def write_files(outputs: Iterable[tuple[str, object, Callable[[BinaryIO], object
     written are they moved onto their paths (:func:`os.replace`, atomic on one file system).  A failure
     leaves every path as it was (an existing file keeps its contents, not a fragment) and no temporary
     file behind; an :class:`OSError` becomes an :class:`InputError` naming the option and the path.
-    A new file gets the permissions an ordinary ``open`` gives it, an existing one keeps its own."""
+    A new file gets the permissions an ordinary ``open`` gives it, an existing one keeps its own; a
+    symbolic link is written through (its target is replaced, the link stays)."""
     outputs = list(outputs)
     mask = os.umask(0)
     os.umask(mask)
     done = []                                   # (option, path, temporary path), written and closed
     try:
         for option, path, write in outputs:
-            path = Path(path)
+            path = Path(os.path.realpath(path)) if os.path.islink(path) else Path(path)
             try:
                 mode = stat.S_IMODE(os.stat(path).st_mode)
             except OSError:

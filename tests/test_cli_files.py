@@ -185,3 +185,13 @@ def test_a_closed_output_pipe_ends_the_command_quietly(files):
         os.close(write)
     assert proc.returncode == EXIT_BROKEN_PIPE and proc.stderr == ""
     assert (files / "c.json").is_file()
+
+
+def test_an_output_that_is_a_symbolic_link_is_written_through(packed, capsys):
+    """The link's target gets the new contents; the link stays a link."""
+    good = (packed / "x.gaac").read_bytes()
+    (packed / "x.gaac").write_bytes(b"old")
+    os.symlink("x.gaac", "link.gaac")
+    rc, _, _ = run(capsys, "pack", "--k", "k.npy", "--v", "v.npy", "-o", "link.gaac")
+    assert rc == 0 and os.path.islink("link.gaac") and (packed / "x.gaac").read_bytes() == good
+    assert sorted(os.listdir(packed)) == ["k.npy", "link.gaac", "v.npy", "x.gaac"]
