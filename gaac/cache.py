@@ -1,15 +1,18 @@
 """The paged GAAC KV cache: fill-then-finalize blocks in two fixed-size storage classes.
 
-Per layer and per kind (K, V) the cache holds two pools of fixed-size records:
+The cache holds two storage classes of fixed-size records (:mod:`gaac.pools`):
 
-* a slot pool, uint8 ``[n_slots, slot_bytes]`` -- compressed tiles (FORMAT.md section 6);
-* a raw pool, int16 ``[n_raw, 16, C]`` -- tiles whose escapes overflow their slot, kept as BF16;
+* per layer and kind (K, V), a slot pool, uint8 ``[n_slots, slot_bytes]`` -- compressed tiles
+  (FORMAT.md section 6);
+* one raw-tile arena for every layer and kind, int16 ``[n_raw, 16, C]`` -- tiles whose escapes
+  overflow their slot, kept as BF16; each layer and kind draws from it through a share of its own;
 
-and, per sequence, a row of the block table (FORMAT.md 7.2: a u32 entry per tile,
-bit 31 set = raw pool index, clear = slot index; stored as int32) plus an
+and, per layer, kind and sequence, a row of the block table (FORMAT.md 7.2: a u32 entry per tile,
+bit 31 set = raw-tile index in the arena, clear = slot index; stored as int32) plus an
 uncompressed BF16 tail of at most 15 tokens.  Fixed-size records are why the
 paper's serving system never manages variable-size allocations: a finished
-block costs ``tiles_per_block`` records, each from one of two free lists.
+block costs ``tiles_per_block`` records, each from one of two free lists.  How many
+records the cache allocates follows from a byte budget or the table's size (:mod:`gaac.budget`).
 
 Lifecycle (the paper's fill-then-finalize).  New tokens go to the tail; when a
 block's 16th token arrives, the block -- all KV heads of the layer, K and V --
@@ -57,7 +60,7 @@ from __future__ import annotations
 
 import copy
 import functools
-import itertools
+import math
 import operator
 import sys
 import threading
@@ -71,7 +74,9 @@ from .arrays import as_bits
 from .cachelayout import LayerView
 from .calibration import Calibration
 from .epochs import EPOCH_INDEX_BYTES, Adapter, epoch_table_bytes
+from .budget import Capacity, raw_share, size_cache
 from .errors import CalibrationError, FormatError, InputError, PoolExhaustedError
+from .pools import Arrival, DevicePool, Pool, RawArena, _Share, grown, sync_pools
 from .progress import progress
 from .reference.codec import decode_entries, encode_tiles
 from .tiles import tile_bases
@@ -143,7 +148,7 @@ class CudaCodec:
     """The numba.cuda kernels of :mod:`gaac.cuda.codec` (device tensors; NumPy/CPU tensors in the simulator).
 
     The cache encodes through :class:`gaac.cuda.codec.EncodePlan` straight into its pools, whose free
-    lists live on the device (:class:`_DevicePool`, :meth:`PagedKVCache._encode_on_device`); this class
+    lists live on the device (:class:`gaac.pools.DevicePool`, :meth:`PagedKVCache._encode_on_device`); this class
     decodes, for reading a cache back.
     """
 
@@ -191,208 +196,13 @@ def _runs(epochs: np.ndarray):
 # ----------------------------------------------------------------------------------------------
 # Storage.
 
-class _Pool:
-    """Fixed-size records with a free list: a slot pool or a raw-tile pool of one layer and kind.
-
-    The free list is a stack of record indices in a NumPy array (the lowest free index on top, taken
-    first): a sequence of a long context takes and gives back tens of thousands of records per pool at
-    once (a prefill, an import, a removal), which a list of Python ints would convert one by one.
-    """
-
-    exact = True          # the host's counts are the pool's (a device pool's are a bound: _DevicePool.exact)
-
-    def __init__(self, name: str, n: int, record: tuple, dtype: torch.dtype, device: torch.device):
-        self.name = name
-        self.data = torch.zeros((n, *record), dtype=dtype, device=device)
-        self._stack = np.arange(n - 1, -1, -1, dtype=np.int64)     # [:_top] are free; the top is the end
-        self._top = n
-
-    @property
-    def free(self) -> np.ndarray:
-        """The free record indices, int64, the next one taken last (a view: copy it to keep it)."""
-        return self._stack[:self._top]
-
-    @property
-    def size(self) -> int:
-        return self.data.shape[0]
-
-    @property
-    def used(self) -> int:
-        return self.size - self.n_free()
-
-    def n_free(self) -> int:
-        return self._top
-
-    def free_lower(self) -> int:
-        """Free records, at least: exact for a host free list (see :meth:`_DevicePool.free_lower`)."""
-        return self._top
-
-    def grow_to(self, n: int) -> None:
-        old = self.size
-        extra = torch.zeros((n - old, *self.data.shape[1:]), dtype=self.data.dtype, device=self.data.device)
-        self.data = torch.cat([self.data, extra])
-        self._stack = np.concatenate([np.arange(n - 1, old - 1, -1, dtype=np.int64), self.free,
-                                      np.zeros(old - self._top, dtype=np.int64)])
-        self._top += n - old
-
-    def take(self, k: int) -> np.ndarray:
-        """The ``k`` lowest-placed free records (the top of the stack), removed from the free list."""
-        taken = self._stack[self._top - k:self._top][::-1].copy()
-        self._top -= k
-        return taken
-
-    def give(self, indices) -> None:
-        """Return records to the free list (the lowest of them is taken first)."""
-        back = np.sort(np.asarray(indices, dtype=np.int64).reshape(-1))[::-1]
-        self._stack[self._top:self._top + len(back)] = back
-        self._top += len(back)
-
-    def upcoming(self, k: int) -> torch.Tensor:
-        """The ``k`` records :meth:`take` would hand out next, in its order, as an int64 tensor; none is taken.
-        An import writes into them before it knows whether it keeps them (:meth:`take_upcoming` keeps them)."""
-        return torch.from_numpy(self._stack[self._top - k:self._top][::-1].copy()).to(self.data.device)
-
-    def take_upcoming(self, k: int) -> None:
-        """Take the ``k`` records :meth:`upcoming` named (nothing taken or given since)."""
-        self._top -= k
-
-
-_VERSIONS = itertools.count()
-
-
-class _Arrival:
-    """The event of a copy that many readers share (every pool's counts, every adapter's blocks): queried until
-    it has completed, then known to have, so that a hundred readers cost one query of the device."""
-
-    __slots__ = ("event", "done")
-
-    def __init__(self, event):
-        self.event, self.done = event, False
-
-    def query(self) -> bool:
-        if not self.done:
-            self.done = self.event.query()
-        return self.done
-
-    def synchronize(self) -> None:
-        if not self.done:
-            self.event.synchronize()
-            self.done = True
-
-
-class _DevicePool(_Pool):
-    """A pool whose free list lives on the device, where the CUDA encoder pops records itself.
-
-    ``order`` int32 holds the free records in the order they are taken; ``heads[cls]`` (device) counts
-    the entries the encoder has taken (it pops with atomics, and counts on past the end when the list
-    runs dry).  The host never waits for that count on the serving path: it keeps ``taken``, the count
-    when it last read it, and ``pending``, how many records encodes launched since may have taken --
-    so ``order``'s length minus both is a lower bound of the free records, exact after :meth:`sync`.
-    On a GPU each encode is followed by an asynchronous copy of the counts to the host
-    (:meth:`snapshot`), which the lower bound takes up once it has arrived: the bound stays within an
-    update of the truth without waiting for the device.
-    """
-
-    def __init__(self, name: str, n: int, record: tuple, dtype: torch.dtype, device: torch.device,
-                 heads: torch.Tensor, cls: int):
-        self.name = name
-        # The kernels cannot take an empty array: an empty pool holds one record that no list hands out.
-        self.data = torch.zeros((max(n, 1), *record), dtype=dtype, device=device)
-        self._size = n
-        self.heads, self.cls = heads, cls
-        self._set_order(torch.arange(n, dtype=torch.int32, device=device))
-
-    @property
-    def size(self) -> int:
-        return self._size
-
-    def _set_order(self, order: torch.Tensor) -> None:
-        self.version = next(_VERSIONS)      # a new free list (and perhaps new data): plans made before are stale
-        self.order = order.contiguous()
-        self.heads[self.cls] = 0
-        self.taken = self.pending = 0
-        self._snap = None
-
-    def sync(self) -> None:
-        """Read the device's count of taken records (waits for the encodes in flight)."""
-        self.taken, self.pending, self._snap = int(self.heads[self.cls]), 0, None
-
-    def snapshot(self, counts: tuple) -> None:
-        """Take up, once it has arrived, ``counts``: (pinned copy of ``heads``, its event), started after the
-        encodes that ``pending`` counts now."""
-        host, event = counts
-        self._snap = (host.numpy(), event, self.pending)       # read through NumPy: a torch index costs more
-
-    @property
-    def exact(self) -> bool:
-        """Whether :meth:`free_lower` is exact: no encode launched since the device's count was last read."""
-        return self.pending == 0 and self._snap is None
-
-    def free_lower(self) -> int:
-        """Free records, at least (no synchronisation)."""
-        if self._snap is not None and self._snap[1].query():
-            host, _, counted = self._snap
-            self.taken, self.pending, self._snap = int(host[self.cls]), self.pending - counted, None
-        return self.order.shape[0] - self.taken - self.pending
-
-    def n_free(self) -> int:
-        self.sync()
-        return max(self.order.shape[0] - self.taken, 0)
-
-    def _rest(self) -> torch.Tensor:
-        self.sync()
-        return self.order[min(self.taken, self.order.shape[0]):]
-
-    def grow_to(self, n: int) -> None:
-        old = self.size
-        extra = torch.zeros((n - old, *self.data.shape[1:]), dtype=self.data.dtype, device=self.data.device)
-        self.data = torch.cat([self.data[:old], extra])
-        self._size = n
-        self._set_order(torch.cat([self._rest(), torch.arange(old, n, dtype=torch.int32, device=self.data.device)]))
-
-    def take(self, k: int) -> np.ndarray:
-        rest = self._rest()
-        taken = rest[:k].cpu().numpy().astype(np.int64)
-        self.heads[self.cls] += k
-        self.taken += k
-        return taken
-
-    def give(self, indices) -> None:
-        back = torch.from_numpy(np.sort(np.asarray(indices, dtype=np.int64)).astype(np.int32)).to(self.data.device)
-        self._set_order(torch.cat([self._rest(), back]))
-
-    def upcoming(self, k: int) -> torch.Tensor:
-        """The ``k`` records :meth:`take` would hand out next, as an int64 tensor on the device, none taken and
-        nothing read back: valid right after :func:`sync_pools` (or :meth:`sync`), before anything else takes
-        records."""
-        start = min(self.taken, self.order.shape[0])
-        return self.order[start:start + k].long()
-
-    def take_upcoming(self, k: int) -> None:
-        """Take the ``k`` records :meth:`upcoming` named, on the device's count and the host's, without waiting."""
-        self.heads.narrow(0, self.cls, 1).add_(k)
-        self.taken += k
-
-
-def sync_pools(pools) -> list[int]:
-    """The free records of each pool, exact: the device pools' counts read with one synchronisation for all of
-    them (:meth:`_DevicePool.n_free` waits once per pool)."""
-    device = [p for p in pools if isinstance(p, _DevicePool)]
-    heads = list({id(p.heads): p.heads for p in device}.values())      # one per layer and kind, for both pools
-    if heads:
-        counts = dict(zip(map(id, heads), torch.stack(heads).tolist()))
-        for p in device:
-            p.taken, p.pending, p._snap = counts[id(p.heads)][p.cls], 0, None
-    return [max(p.order.shape[0] - p.taken, 0) if isinstance(p, _DevicePool) else p.n_free() for p in pools]
-
-
 @dataclass
 class _Kind:
     """One layer's storage for K or for V."""
 
     capacity: int
-    slots: _Pool
-    raw: _Pool
+    slots: Pool                  # this layer and kind's slots
+    raw: Pool                    # its share of the cache's raw-tile arena (gaac.pools.RawArena)
     table: torch.Tensor          # int32 [max_seqs, max_blocks, tiles_per_block]
     tail: torch.Tensor           # int16 [max_seqs, kv_heads, 16, head_dim]
     b3: torch.Tensor             # uint8 [n_epochs, kv_heads, head_dim] on the device (for attention)
@@ -534,18 +344,40 @@ class MemoryReport:
         """BF16 bytes per resident byte (above 1: the cache is smaller than BF16)."""
         return self.bf16_bytes / self.resident_bytes if self.resident_bytes else float("nan")
 
+    @property
+    def allocated_ratio(self) -> float:
+        """BF16 bytes per allocated byte: above 1 where the cache's whole allocation is smaller than its
+        tokens in BF16; below 1 where free records (room for more tokens) outweigh the compression."""
+        return self.bf16_bytes / self.allocated_bytes if self.allocated_bytes else float("nan")
+
+    def __str__(self) -> str:
+        mib = 2 ** 20
+        return (f"{self.tokens} tokens: allocated {self.allocated_bytes / mib:.2f} MiB, resident "
+                f"{self.resident_bytes / mib:.2f} MiB, BF16 {self.bf16_bytes / mib:.2f} MiB; BF16/resident "
+                f"{self.ratio:.3f}x, BF16/allocated {self.allocated_ratio:.3f}x")
+
 
 # ----------------------------------------------------------------------------------------------
 
 class PagedKVCache:
     """A paged, compressed KV cache for the layers, heads and head size of ``calibration``.
 
-    ``max_seqs`` sequences (default 1) of up to ``max_blocks`` complete blocks each (default 64:
-    1024 tokens, plus a tail of up to 15); per layer and kind, ``slots`` compressed-tile slots and ``raw_tiles`` BF16 tiles.  ``slots``
-    defaults to one per tile the table can address and ``raw_tiles`` to a quarter of
-    that: how many tiles overflow depends on how well the calibration fits the text,
-    and a calibration from other text can send many to the raw pool.  An update that needs more raises :class:`PoolExhaustedError` (or, with
-    ``grow=True``, enlarges the pool).
+    Size.  ``budget`` (bytes, or a float in (0, 1]: that fraction of the device's free memory) sizes the
+    cache: the pools, the raw-tile arena, the block tables, epoch indices and tails it allocates fit in it
+    (:mod:`gaac.budget`; :attr:`capacity` says how many tokens that is).  Without a budget the cache is
+    sized for the tokens its table promises: ``max_seqs`` sequences (default 1) of ``max_blocks``
+    complete blocks each (default 64: 1024 tokens, plus a tail of up to 15).  Either way each layer and
+    kind gets one compressed-tile slot per tile of that capacity, and the tiles whose escapes overflow
+    their slot go to one raw-tile arena that every layer and kind shares, sized for
+    ``gaac.budget.RAW_SHARE`` (4%) of the tiles, or twice the rate the calibration measured on its own
+    text if that is more.  With content that overflows no more than that the cache holds
+    :attr:`capacity`'s ``expected`` tokens; ``guaranteed`` is what it holds if every tile overflows.
+    ``slots`` (per layer and kind) and ``raw_tiles`` (the arena's records) override the sizes.  An
+    update that needs more than is free raises :class:`PoolExhaustedError` before anything is written
+    (:meth:`free_tokens` and :meth:`fits` ask beforehand; :meth:`export_sequence` and
+    :meth:`import_sequence` swap a sequence out to the host and back), or, with ``grow=True``, enlarges
+    the pool, arena or table by a 32nd (``gaac.pools.GROWTH``) or what it needs; a budget and
+    ``grow=True`` exclude each other.
     ``device`` is any torch device; ``codec`` is ``'reference'`` (CPU), ``'cuda'``
     (gaac.cuda.codec), or None for the device's default.
 
@@ -568,16 +400,16 @@ class PagedKVCache:
     _rule_on_device: bool | None = None    # where an update runs the epoch rule (None: on a GPU, there)
     _unsettled = None                      # a one-step plan whose account of finished blocks is pending (gaac.step)
 
-    def __init__(self, calibration: Calibration, *, max_seqs: int = 1, max_blocks: int = 64,
-                 slots: int | None = None, raw_tiles: int | None = None, device="cpu", grow: bool = False,
-                 codec: str | None = None, adapt: bool = True):
+    def __init__(self, calibration: Calibration, *, budget: int | float | None = None, max_seqs: int = 1,
+                 max_blocks: int | None = None, slots: int | None = None, raw_tiles: int | None = None, device="cpu",
+                 grow: bool = False, codec: str | None = None, adapt: bool = True):
         self._lock = threading.RLock()
         if not isinstance(calibration, Calibration):
             raise InputError(f"calibration: expected a gaac.Calibration, got {type(calibration).__name__}")
         if calibration.format is not L.BF16:
             raise InputError(f"calibration: the paged cache holds BF16; this calibration is for "
                              f"{calibration.format.name}")
-        for name, value in (("max_seqs", max_seqs), ("max_blocks", max_blocks)):
+        for name, value in (("max_seqs", max_seqs), ("max_blocks", 1 if max_blocks is None else max_blocks)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InputError(f"{name} must be a positive integer, got {value!r}")
         if not isinstance(adapt, bool):
@@ -597,15 +429,26 @@ class PagedKVCache:
         self.geometry = L.geometry(self.head_dim)
         self.tiles_per_block = self.kv_heads * L.tiles_per_head(self.head_dim)
         self.device = torch.device(device)
+        if not isinstance(grow, bool):
+            raise InputError(f"grow must be True or False, got {grow!r}")
+        if grow and budget is not None:
+            raise InputError("budget and grow=True exclude each other: a budget fixes what the cache allocates, "
+                             "grow=True enlarges it as needed")
         self.grow = grow
         self.codec = _codec_for(codec, self.device)
-        n_slots = max_seqs * max_blocks * self.tiles_per_block if slots is None else slots
-        n_raw = -(-n_slots // 4) if raw_tiles is None else raw_tiles
+        sizing = size_cache(calibration, budget=budget, max_seqs=max_seqs, max_blocks=max_blocks, adapt=adapt,
+                            device=self.device)
+        max_blocks = sizing.max_blocks
+        n_slots = sizing.blocks * self.tiles_per_block if slots is None else slots
+        n_raw = sizing.raw_tiles if raw_tiles is None else raw_tiles
         for name, value in (("slots", n_slots), ("raw_tiles", n_raw)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise InputError(f"{name} must be a non-negative integer, got {value!r}")
-        self._store = [[self._make_kind(layer, kind, max_seqs, max_blocks, n_slots, n_raw) for kind in KINDS]
+        self._raw_share = raw_share(calibration)
+        self._arena = RawArena(n_raw, self.geometry.channels, self.device)
+        self._store = [[self._make_kind(layer, kind, max_seqs, max_blocks, n_slots) for kind in KINDS]
                        for layer in range(self.layers)]
+        self._arena.cover([(store.raw, self._arena.chunk) for layer_store in self._store for store in layer_store])
         self._lens = np.zeros((self.layers, max_seqs), dtype=np.int64)       # host copy: the cache's logic
         self._seq_lens = torch.zeros((self.layers, max_seqs), dtype=torch.int32, device=self.device)
         self._live = np.zeros(max_seqs, dtype=bool)
@@ -627,7 +470,7 @@ class PagedKVCache:
                 for kind, store in enumerate(layer_store):
                     self._encoder(store, None, 0, layer, kind)
 
-    def _make_kind(self, layer, kind, max_seqs, max_blocks, n_slots, n_raw) -> _Kind:
+    def _make_kind(self, layer, kind, max_seqs, max_blocks, n_slots) -> _Kind:
         geo, dev = self.geometry, self.device
         capacity = int(self._calibration.capacity[kind, layer])
         # Without adaptation only epoch 0 codes blocks; with it, every epoch the calibration holds may.
@@ -638,12 +481,11 @@ class PagedKVCache:
         heads = None
         if self._cuda_codec:                      # the encoder pops records from free lists on the device
             heads = torch.zeros(2, dtype=torch.int32, device=dev)
-            pools = [functools.partial(_DevicePool, heads=heads, cls=cls) for cls in range(2)]
+            slots = DevicePool(f"{name} slot pool", n_slots, (geo.slot_bytes(capacity),), torch.uint8, dev, heads, 0)
         else:
-            pools = [_Pool, _Pool]
-        return _Kind(capacity=capacity, heads=heads,
-                     slots=pools[0](f"{name} slot pool", n_slots, (geo.slot_bytes(capacity),), torch.uint8, dev),
-                     raw=pools[1](f"{name} raw-tile pool", n_raw, (L.BLOCK_TOKENS, geo.channels), torch.int16, dev),
+            slots = Pool(f"{name} slot pool", n_slots, (geo.slot_bytes(capacity),), torch.uint8, dev)
+        return _Kind(capacity=capacity, heads=heads, slots=slots,
+                     raw=self._arena.share(f"{name} raw tiles", heads, 1),
                      table=torch.zeros((max_seqs, max_blocks, self.tiles_per_block), dtype=torch.int32, device=dev),
                      tail=torch.zeros((max_seqs, self.kv_heads, L.BLOCK_TOKENS, self.head_dim), dtype=torch.int16,
                                       device=dev),
@@ -1206,7 +1048,7 @@ class PagedKVCache:
         if self.device.type != "cuda":
             return [self._host_copy(t) for t in tensors]
         host, event = self._host_copy(torch.stack(tensors))
-        arrival = _Arrival(event)
+        arrival = Arrival(event)
         return [(host[i], arrival) for i in range(len(tensors))]
 
     def _flush(self, store: _Kind, layer: int, kind: int) -> None:
@@ -1248,54 +1090,70 @@ class PagedKVCache:
     def _reserve(self, updates: list) -> None:
         """Make room for ``updates`` (growing, where allowed) or raise before anything is written.
 
-        The reference codec has encoded already, so its counts are exact.  The CUDA encoder decides
-        slot or raw tile as it writes: where each pool's free records (a lower bound, read from the
-        device only when the bound is short) cover every tile, the update is certain to fit;
-        otherwise :meth:`_encode_on_device` checks after encoding and undoes the encode if a list ran dry.
+        The reference codec has encoded already, so its counts are exact: each layer and kind's share of
+        the raw-tile arena is lent what its overflowing tiles need.  The CUDA encoder decides slot or raw
+        tile as it writes: each share is lent what its tiles may need at about twice the arena's planned
+        rate (every tile, for a few); where the free records (a lower bound, read from the device only
+        when the bound is short) cover every tile, the update is certain to fit; otherwise
+        :meth:`_encode_on_device` checks after encoding, lends more and encodes again if a list ran dry.
         """
         need_blocks = max(int(self._lens[u.layer, s]) // L.BLOCK_TOKENS + q
                           for u in updates for s, q in zip(u.seqs, u.blocks))
-        short = []
+        short = []               # (pool, records it lacks) or (None, blocks the table must hold)
         if need_blocks > self.max_blocks:
             short.append((None, need_blocks))
+        jobs = [(self._store[u.layer][kind], u.tiles[kind].shape[0], u.fits[kind])
+                for u in updates for kind in KINDS if u.tiles[kind] is not None]
+        exact = [(store.raw, int((~fits).sum())) for store, _, fits in jobs if fits is not None]
+        guess = [(store.raw, self._raw_guess(n)) for store, n, fits in jobs if fits is None]
+        short += self._arena.cover(exact)
+        self._arena.cover(guess)
         # The device's exact counts where the lower bounds fall short: one wait for all such pools.
         # (A count already exact needs no wait: a new cache's, or one read since its last encode.  Waiting
         # here would also wait behind the adaptation rule's kernels, which hold the GPU.)
-        stale = [pool for u in updates for kind in KINDS if u.tiles[kind] is not None and u.fits[kind] is None
-                 for pool in self._pools(u.layer, kind)
-                 if pool.free_lower() < u.tiles[kind].shape[0] and not pool.exact]
+        stale = [pool for store, n, fits in jobs if fits is None for pool in (store.slots, store.raw)
+                 if pool.free_lower() < n and not pool.exact]
         if stale:
             sync_pools(stale)
-        for u in updates:
-            for kind in KINDS:
-                store, tiles = self._store[u.layer][kind], u.tiles[kind]
-                if tiles is None:
-                    continue
-                if u.fits[kind] is None:
-                    n = tiles.shape[0]
-                    if store.slots.free_lower() + store.raw.free_lower() < n:
-                        pool = store.raw if store.raw.free_lower() < n else store.slots
-                        short.append((pool, pool.used + n - (store.slots.free_lower() + store.raw.free_lower()
-                                                             - pool.free_lower())))
-                    continue
-                fits = u.fits[kind]
-                for pool, n in ((store.slots, int(fits.sum())), (store.raw, int((~fits).sum()))):
-                    if n > pool.n_free():
-                        short.append((pool, pool.used + n))
+        for store, n, fits in jobs:
+            if fits is None:
+                room = store.slots.free_lower() + store.raw.free_lower() + self._arena.reserve
+                if room < n:
+                    pool = store.slots if store.slots.free_lower() < n else store.raw
+                    short.append((pool, n - room))
+            elif int(fits.sum()) > store.slots.n_free():
+                short.append((store.slots, int(fits.sum()) - store.slots.n_free()))
         if short and not self.grow:
-            pool, n = short[0]
-            if pool is None:
-                raise PoolExhaustedError(f"a sequence would hold {n} blocks; the block table holds {self.max_blocks} "
-                                         f"({self.max_blocks * L.BLOCK_TOKENS} tokens) per sequence")
-            raise PoolExhaustedError(f"{pool.name} is exhausted: this update needs {n - pool.used} records, "
-                                     f"{pool.n_free()} of {pool.size} are free; remove sequences or make the "
-                                     "pool larger")
+            raise self._exhausted(*short[0], "this update")
         for pool, n in short:
             if pool is None:
-                self._grow_blocks(max(n, 2 * self.max_blocks))
+                self._grow_blocks(grown(self.max_blocks, n - self.max_blocks))
             else:
-                pool.grow_to(max(n, 2 * pool.size))
+                pool.grow_by(n)
                 self._storage_changed()
+
+    def _raw_guess(self, tiles: int) -> int:
+        """Raw records to lend a share before the CUDA encoder codes ``tiles`` of its tiles: every tile for a
+        few (a decode step's blocks), else about twice the arena's planned rate (the encode checks after)."""
+        chunk = self._arena.chunk
+        return tiles if tiles <= chunk else max(chunk, math.ceil(2 * self._raw_share * tiles))
+
+    def _exhausted(self, pool, lack: int, what: str) -> PoolExhaustedError:
+        """The error of ``what`` (an update, a step, an import) that lacks ``lack`` records of ``pool`` (None:
+        blocks of the table): it names the pool or the arena, its size, what is free and what was asked."""
+        if pool is None:
+            return PoolExhaustedError(f"{what}: a sequence would hold {lack} blocks; the block table holds "
+                                      f"{self.max_blocks} ({self.max_blocks * L.BLOCK_TOKENS} tokens) per sequence "
+                                      "(make the cache with a larger max_blocks or budget, or grow=True)")
+        if isinstance(pool, _Share):
+            arena = pool.arena
+            return PoolExhaustedError(f"{what}: {arena.name} is exhausted: {arena.size} records, "
+                                      f"{arena.size - arena.available()} of them holding tiles; {pool.name} need "
+                                      f"{lack} more than it can lend; remove a sequence or swap one out "
+                                      "(export_sequence), or give the cache a larger budget")
+        return PoolExhaustedError(f"{what}: {pool.name} is exhausted: it needs {lack} more records than the "
+                                  f"{pool.n_free()} of {pool.size} free; remove a sequence or swap one out "
+                                  "(export_sequence), or give the cache a larger budget")
 
     def _encode_on_device(self, updates: list, only: set | None = None, guessing: bool = False,
                           before_check=None, ran_dry=None) -> bool:
@@ -1350,16 +1208,22 @@ class PagedKVCache:
                 return True
             if ran_dry is not None:
                 ran_dry()
+            # What each job's share of the arena took (past its list's end where it ran dry): what the same
+            # tiles take when encoded again.
+            stores = [self._store[u.layer][kind] for u, kind in jobs]
+            sync_pools([store.raw for store in stores])
+            took = [(store.raw, store.raw.taken - int(saved[id(store)][store.raw.cls])) for store in stores]
             self._put_back([(u, kind, saved[id(self._store[u.layer][kind])]) for u, kind in jobs])
             if guessing:
                 return False
-            if not self.grow:
-                pool, n = over[0]
-                raise PoolExhaustedError(f"{pool.name} is exhausted: this update needs {n} more records than the "
-                                         f"{pool.n_free()} of {pool.size} free; remove sequences or make the "
-                                         "pool larger")
-            for pool, n in over:
-                pool.grow_to(max(pool.size + n, 2 * pool.size))
+            # Every share is lent what it takes (so that lending to one never leaves another short); a slot
+            # pool, or an arena that cannot lend enough, grows (grow=True) or the update is refused.
+            lack = [(pool, n) for pool, n in over if not isinstance(pool, _Share)]
+            lack += self._arena.cover(took)
+            if lack and not self.grow:
+                raise self._exhausted(*lack[0], "this update")
+            for pool, n in lack:
+                pool.grow_by(n)
             self._storage_changed()
 
     def _put_back(self, undo: list) -> None:
@@ -1613,12 +1477,13 @@ class PagedKVCache:
         """What the live sequences occupy, against BF16 (see :class:`MemoryReport`)."""
         geo, live = self.geometry, self._live
         element_bytes = self.kv_heads * self.head_dim * 2           # one token of one kind in one layer
-        slot = raw = allocated = extra_epochs = 0
+        slot = extra_epochs = 0
+        raw = self._arena.used() * geo.raw_bytes
+        allocated = self._arena.data.nbytes
         for layer_store in self._store:
             for store in layer_store:
                 slot += store.slots.used * geo.slot_bytes(store.capacity)
-                raw += store.raw.used * geo.raw_bytes
-                allocated += sum(t.nbytes for t in (store.slots.data, store.raw.data, store.table, store.tail))
+                allocated += sum(t.nbytes for t in (store.slots.data, store.table, store.tail))
                 if store.epoch is not None:
                     allocated += store.epoch.nbytes
                 extra_epochs += store.b3.shape[0] - 1
@@ -1630,6 +1495,75 @@ class PagedKVCache:
                             tail_bytes=int(live.sum()) * self.layers * len(KINDS) * L.BLOCK_TOKENS * element_bytes,
                             bf16_bytes=int(self._lens[:, live].sum()) * len(KINDS) * element_bytes,
                             allocated_bytes=allocated + tables, epoch_bytes=epoch_bytes)
+
+    # -- room -------------------------------------------------------------------------
+    def _blocks_per_raw(self, expected: bool) -> float:
+        """Arena records one block (every layer and kind) takes: at the arena's planned share of its tiles
+        (``expected``), or every tile."""
+        tiles = self.tiles_per_block * self.layers * len(KINDS)
+        return tiles * (self._raw_share if expected else 1.0)
+
+    def _exact_counts(self) -> None:
+        """Read the device's free-list counts where the host's are only a bound (encodes in flight): one wait."""
+        pools = [p for layer_store in self._store for store in layer_store for p in (store.slots, store.raw)]
+        sync_pools([p for p in pools if not p.exact])
+
+    @property
+    @_locked
+    def capacity(self) -> Capacity:
+        """Tokens the cache holds with no sequence in it, summed over sequences (:class:`gaac.budget.Capacity`):
+        ``expected`` where the content overflows no more tiles than the arena is sized for (content like the
+        calibration's), ``guaranteed`` if every tile overflows its slot."""
+        per = self.tiles_per_block
+        table = self.max_seqs * self.max_blocks
+        slots = min(store.slots.size for layer_store in self._store for store in layer_store) // per
+        arena = self._arena.size
+        expected = min(table, slots, math.floor(arena / self._blocks_per_raw(True)))
+        guaranteed = min(table, math.floor(arena / self._blocks_per_raw(False)))
+        return Capacity(expected=expected * L.BLOCK_TOKENS, guaranteed=guaranteed * L.BLOCK_TOKENS)
+
+    @_locked
+    def free_tokens(self, expected: bool = True) -> int:
+        """Tokens the cache can still take, summed over sequences (and new ones, in its free rows): with
+        ``expected``, at the arena's planned share of overflowing tiles; else if every tile overflows.  On a
+        GPU it reads the device's free-list counts where encodes are in flight (one wait: an admission
+        check, not a step's); an append that overflows more tiles than planned is still refused whole
+        (:class:`PoolExhaustedError`) before anything is written."""
+        per = self.tiles_per_block
+        self._exact_counts()
+        lens = self._lens.max(axis=0)
+        table = int((self.max_blocks - lens[self._live] // L.BLOCK_TOKENS).sum()
+                    + (~self._live).sum() * self.max_blocks)
+        arena = math.floor(self._arena.available() / self._blocks_per_raw(expected))
+        blocks = min(table, arena)
+        if expected:
+            blocks = min(blocks, min(store.slots.free_lower() for layer_store in self._store
+                                     for store in layer_store) // per)
+        return max(blocks, 0) * L.BLOCK_TOKENS
+
+    @_locked
+    def fits(self, tokens: int, seq: int | None = None) -> bool:
+        """Whether ``tokens`` more tokens fit at the arena's planned share of overflowing tiles: appended to
+        sequence ``seq``, or as a new sequence (``seq=None``).  Always True with ``grow=True``.  An admission
+        check for a serving loop; the update itself stays all-or-nothing."""
+        if isinstance(tokens, bool) or not isinstance(tokens, (int, np.integer)) or tokens < 0:
+            raise InputError(f"tokens must be a non-negative integer, got {tokens!r}")
+        if self.grow:
+            return True
+        if seq is None:
+            if self._live.all():
+                return False
+            held = 0
+        else:
+            self._check_seq(seq)
+            held = int(self._lens[:, seq].max())
+        if held + tokens > self.max_blocks * L.BLOCK_TOKENS + L.BLOCK_TOKENS - 1:
+            return False
+        blocks = (held + tokens) // L.BLOCK_TOKENS - held // L.BLOCK_TOKENS
+        self._exact_counts()
+        slots = min(store.slots.free_lower() for layer_store in self._store for store in layer_store)
+        return slots >= blocks * self.tiles_per_block and \
+            self._arena.available() >= math.ceil(blocks * self._blocks_per_raw(True))
 
     # -- transfer (gaac.transfer) --------------------------------------------------
     @_locked

@@ -600,6 +600,8 @@ class Windows:
     b_narrow: np.ndarray     # [layers, heads, head_dim]
     b_wide: np.ndarray
     capacity: np.ndarray     # [layers]
+    raw_tiles: int = 0       # tiles of the sample whose escapes overflow their slot (measured where the
+    tiles: int = 0           # capacity is chosen), and tiles of the sample
 
 
 def fit_windows(x: np.ndarray, modes: L.ModeSet = L.BF16_MODES, capacity: int | None = None,
@@ -614,10 +616,12 @@ def fit_windows(x: np.ndarray, modes: L.ModeSet = L.BF16_MODES, capacity: int | 
     bn = best_windows(hist, modes.narrow_window)
     bw = best_windows(hist, modes.wide_window)
     geo = modes.geometry(x.shape[-1])
-    cap = np.array([capacity if capacity is not None else
-                    best_capacity(tile_escape_bytes(x[layer], bn[layer], bw[layer], modes), geo, slot_line)
-                    for layer in range(x.shape[0])], dtype=np.int64)
-    return Windows(bn, bw, cap)
+    if capacity is not None:
+        return Windows(bn, bw, np.full(x.shape[0], capacity, dtype=np.int64))
+    escapes = [tile_escape_bytes(x[layer], bn[layer], bw[layer], modes) for layer in range(x.shape[0])]
+    cap = np.array([best_capacity(e, geo, slot_line) for e in escapes], dtype=np.int64)
+    return Windows(bn, bw, cap, raw_tiles=int(sum((e > c).sum() for e, c in zip(escapes, cap))),
+                   tiles=int(sum(e.size for e in escapes)))
 
 
 def sample_caches(k, v) -> tuple[np.ndarray, np.ndarray]:
@@ -673,5 +677,8 @@ def calibrate(k, v, *, format="bf16", model: str | None = None, capacity: int | 
         notes = {"scale": scale, **notes}
     parts = [fit_windows(x, modes, capacity, slot_line)
              for x in progress((ks, vs), desc="calibrate", unit="kind", enable=show_progress)]
+    tiles = sum(p.tiles for p in parts)
+    if tiles and modes.fmt is L.BF16:     # what a paged cache sizes its raw-tile arena from (gaac.budget)
+        notes["raw_rate"] = round(sum(p.raw_tiles for p in parts) / tiles, 6)
     return Calibration([p.b_narrow for p in parts], [p.b_wide for p in parts], [p.capacity for p in parts],
                        model=model, notes=notes, format=modes.fmt, scale_log2=scales)

@@ -240,9 +240,11 @@ class GAACCache(Cache):
         return handle.dense()
 
     def _open(self, k: torch.Tensor) -> None:
-        """Start the paged cache: one sequence per batch row, pools that grow as needed."""
+        """Start the paged cache: one sequence per batch row, pools sized for the prompt's blocks and one more,
+        which grow as generation needs by ``gaac.pools.GROWTH`` of their size, so the cache allocates about
+        what its tokens take."""
         batch, _, tokens, _ = k.shape
-        self.store = PagedKVCache(self.calibration, max_seqs=batch, max_blocks=max(4, 2 * tokens // L.BLOCK_TOKENS),
+        self.store = PagedKVCache(self.calibration, max_seqs=batch, max_blocks=tokens // L.BLOCK_TOKENS + 1,
                                   device=k.device, grow=True, codec=self.codec, adapt=self.adapt)
         self.rows = [self.store.add_sequence() for _ in range(batch)]
 

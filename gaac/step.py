@@ -42,7 +42,8 @@ import torch
 from . import layout as L
 from . import attention
 from .attention import MAX_GROUP, _check_q, _pair_base_words, kernel_options, split_work, wave_target
-from .errors import FormatError, InputError, PoolExhaustedError
+from .errors import FormatError, InputError
+from .pools import grown
 
 LOG2_E = 1.4426950408889634
 PLAN_AHEAD = 16 * L.BLOCK_TOKENS   # an eager step's work list covers lengths up to the next multiple of this
@@ -595,34 +596,31 @@ def _c_float(x):
 def reserve_step(cache, before: np.ndarray, after: np.ndarray) -> None:
     """Check (or, with ``grow``, make) room in every layer for the blocks a step from lengths ``before``
     to ``after`` finishes, before anything is written; :class:`PoolExhaustedError` names the first pool
-    short.  A finished tile takes a slot or a raw tile, decided only as it is encoded, so each pool must be
-    able to take every tile the step finishes: then no layer of the step can run out part way.  The
-    device's exact counts are read only when the lower bound of free records falls short."""
+    short.  A finished tile takes a slot or a raw tile, decided only as it is encoded, so each slot pool
+    and each layer and kind's share of the raw-tile arena must be able to take every tile the step
+    finishes: then no layer of the step can run out part way.  The device's exact counts are read only
+    when the lower bound of free records falls short."""
     blocks = after // L.BLOCK_TOKENS - before // L.BLOCK_TOKENS
     need_rows = int((after // L.BLOCK_TOKENS).max(initial=0))
     if need_rows > cache.max_blocks:
         if not cache.grow:
-            raise PoolExhaustedError(f"a sequence would hold {need_rows} blocks; the block table holds "
-                                     f"{cache.max_blocks} ({cache.max_blocks * L.BLOCK_TOKENS} tokens) per sequence "
-                                     "(PagedKVCache(max_blocks=...) or grow=True)")
-        cache._grow_blocks(max(need_rows, 2 * cache.max_blocks))
+            raise cache._exhausted(None, need_rows, "the steps planned")
+        cache._grow_blocks(grown(cache.max_blocks, need_rows - cache.max_blocks))
     n = int(blocks.sum()) * cache.tiles_per_block
     if not n:
         return
-    for layer_store in cache._store:
-        for store in layer_store:
-            for pool in (store.slots, store.raw):
-                if pool.free_lower() >= n:
-                    continue
-                free = pool.n_free()
-                if free >= n:
-                    continue
-                if not cache.grow:
-                    raise PoolExhaustedError(f"{pool.name} is exhausted: the steps planned finish {n} tiles per layer and "
-                                             f"kind, each of which may need a record of it, and {free} of {pool.size} "
-                                             "are free; remove sequences or make the pool larger")
-                pool.grow_to(max(pool.size + n - free, 2 * pool.size))
-                cache._storage_changed()
+    stores = [store for layer_store in cache._store for store in layer_store]
+    short = cache._arena.cover([(store.raw, n) for store in stores])
+    for store in stores:
+        pool = store.slots
+        if pool.free_lower() < n and pool.n_free() < n:
+            short.append((pool, n - pool.n_free()))
+    if short and not cache.grow:
+        raise cache._exhausted(*short[0], f"the steps planned (they finish {n} tiles per layer and kind, each of "
+                                          "which may need a slot or a raw tile)")
+    for pool, lack in short:
+        pool.grow_by(lack)
+        cache._storage_changed()
 
 
 def fused_merge_work(split, batch: int, kv_heads: int) -> tuple:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import layout as L
-from .cuda.launch import DATA_SLOT, ParamBuffer, params, plain
+from .cuda.launch import DATA_SLOT, ParamBuffer, params, plain, simulated
 from .cuda.primitives import SIMULATOR
 
 
@@ -102,7 +102,7 @@ class StepAppend:
             k, v = k.clone(), v.clone()
         if SIMULATOR:
             args = self.args(layer, k, v, epochs)
-            self.launcher._dispatcher[self.launcher._grid, self.launcher._block](*(plain(a) for a in args))
+            self.launcher._dispatcher[self.launcher._grid, self.launcher._block](*simulated(plain(a) for a in args))
             return
         # A layer's parameters hold while its pools keep their free lists and its finished blocks their
         # epoch; the arrays they name (tails, tables, epochs, lengths) are replaced only by growth, which

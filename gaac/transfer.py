@@ -52,7 +52,7 @@ import numpy as np
 import torch
 
 from . import layout as L
-from .cache import sync_pools
+from .pools import grown, sync_pools
 from .calibration import Calibration, canonical_bytes_size, epoch_canonical_bytes
 from .errors import CalibrationError, FormatError, InputError, PoolExhaustedError
 
@@ -596,8 +596,9 @@ class _Writer:
         self.tables = [None] * len(c.layout.sections)
 
     def _shortfalls(self) -> list:
-        """What the cache lacks for the sequence: ``(message, (pool, records) to grow it to, or None)``; the
-        device pools' counts read with one wait."""
+        """What the cache lacks for the sequence: ``(message, (pool, records it lacks), or None)``; each layer
+        and kind's share of the raw-tile arena is lent what the sequence's raw tiles need first; the device
+        pools' counts are read with one wait."""
         cache, lay = self.cache, self.c.layout
         nb, short = lay.blocks, []
         if not (~cache._live).any():
@@ -606,15 +607,14 @@ class _Writer:
             short.append((f"the sequence holds {nb} blocks; the block table holds {cache.max_blocks} "
                           f"({cache.max_blocks * L.BLOCK_TOKENS} tokens) per sequence (max_blocks={nb} or more, or "
                           "grow=True, makes room)", None))
-        pools, need = [], []
-        for s in lay.sections:
-            store = cache._store[s.layer][s.kind]
-            pools += [store.slots, store.raw]
-            need += [s.slot_tiles, s.raw_tiles]
-        for pool, n, free in zip(pools, need, sync_pools(pools)):
-            if n > free:
-                short.append((f"{pool.name} is exhausted: the sequence needs {n} records, {free} of "
-                              f"{pool.size} are free", (pool, pool.size - free + n)))
+        stores = [(cache._store[s.layer][s.kind], s) for s in lay.sections]
+        for pool, lack in cache._arena.cover([(store.raw, s.raw_tiles) for store, s in stores]):
+            short.append((str(cache._exhausted(pool, lack, "the sequence")), (pool, lack)))
+        slots = [store.slots for store, _ in stores]
+        for pool, (_, s), free in zip(slots, stores, sync_pools(slots)):
+            if s.slot_tiles > free:
+                short.append((str(cache._exhausted(pool, s.slot_tiles - free, "the sequence")),
+                              (pool, s.slot_tiles - free)))
         return short
 
     def _records(self) -> list:
@@ -653,16 +653,15 @@ class _Writer:
         nb, t = lay.blocks, lay.tail_tokens
         if self.records is None:
             if not cache.grow:
-                raise PoolExhaustedError(f"{self.short[0][0]}; remove sequences, make the cache larger or with "
-                                         "grow=True")
+                raise PoolExhaustedError(self.short[0][0])
             if not (~cache._live).any():
                 cache._grow_rows(2 * cache.max_seqs)
             if nb > cache.max_blocks:
-                cache._grow_blocks(max(nb, 2 * cache.max_blocks))
+                cache._grow_blocks(grown(cache.max_blocks, nb - cache.max_blocks))
             for _, grow in self.short:
                 if grow is not None:
-                    pool, n = grow
-                    pool.grow_to(max(n, 2 * pool.size))
+                    pool, lack = grow
+                    pool.grow_by(lack)
                     cache._storage_changed()
             self.records = self._records()       # the counts _shortfalls read, or a grown pool's new list
             for i in range(len(lay.sections)):
@@ -876,6 +875,6 @@ def unpack(data, calibration: Calibration | None = None) -> tuple[np.ndarray, np
                                f"the calibration {c.calibration_id:08x} it was made with")
     lay = c.layout
     cache = PagedKVCache(cal, max_blocks=max(1, lay.blocks), slots=max(s.slot_tiles for s in lay.sections),
-                         raw_tiles=max(s.raw_tiles for s in lay.sections))
+                         raw_tiles=sum(s.raw_tiles for s in lay.sections))
     seq = import_sequence(cache, c.data)
     return cache.read(seq)

@@ -74,3 +74,13 @@ def smollm():
     torch.set_num_threads(1)
     yield model, tokenizer
     torch.set_num_threads(threads)
+
+
+def every_tile(cal, max_seqs: int = 1, max_blocks: int = 64) -> dict:
+    """``PagedKVCache`` keyword arguments for ``max_seqs`` sequences of ``max_blocks`` blocks whose raw-tile arena
+    has a record for every tile the tables address: for tests on synthetic content, which overflows far more
+    tiles than the real content the default arena is sized for."""
+    from gaac import layout as L
+
+    per = cal.kv_heads * L.tiles_per_head(cal.head_dim)
+    return dict(max_seqs=max_seqs, max_blocks=max_blocks, raw_tiles=max_seqs * max_blocks * per * 2 * cal.layers)

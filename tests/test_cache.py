@@ -184,6 +184,7 @@ class CacheMachine(RuleBasedStateMachine):
         """Every used slot and raw tile is referenced exactly once by a live table entry."""
         if not hasattr(self, "cache"):
             return
+        raw_records = []         # every layer and kind's raw tiles: records of the one arena
         for layer in range(self.cal.layers):
             view = self.cache.layer_view(layer)
             for kind in range(2):
@@ -191,11 +192,17 @@ class CacheMachine(RuleBasedStateMachine):
                                           for s in self.contents] or [np.zeros(0, np.int32)]).view(np.uint32)
                 is_raw = entries >= L.TABLE_RAW_FLAG
                 index = entries & L.TABLE_INDEX_MASK
-                assert len(set(index[is_raw])) == is_raw.sum() and len(set(index[~is_raw])) == (~is_raw).sum()
+                assert len(set(index[~is_raw])) == (~is_raw).sum()
+                raw_records += index[is_raw].tolist()
                 store = self.cache._store[layer][kind]
                 assert store.raw.used == is_raw.sum() and store.slots.used == (~is_raw).sum()
+                assert view.raw[kind] is self.cache._arena.data
                 if is_raw.any():
                     event("raw tiles in use")
+        arena = self.cache._arena
+        assert len(set(raw_records)) == len(raw_records) == arena.used()
+        assert not set(raw_records) & set(arena.free_records().tolist())
+        assert arena.used() + len(arena.free_records()) == arena.size
 
     @invariant()
     def accounting(self):
@@ -333,7 +340,8 @@ def test_decode_attention_reads_the_view(real):
 
 def snapshot(cache):
     return ({s: cache.read(s) for s in cache.sequences}, cache.memory(), cache.blocks_encoded,
-            [[(st.slots.free.tolist(), st.raw.free.tolist()) for st in layer] for layer in cache._store])
+            [[st.slots.free.tolist() for st in layer] for layer in cache._store],
+            cache._arena.free_records().tolist())
 
 
 def assert_same(a, b):
@@ -370,7 +378,7 @@ def test_raw_pool_exhaustion_in_one_layer_changes_no_layer(real):
     cache = PagedKVCache(with_capacity(cal, cap), max_seqs=1, max_blocks=4, raw_tiles=0)
     seq = cache.add_sequence(k[:, :, :10], v[:, :, :10])
     before = snapshot(cache)
-    with pytest.raises(PoolExhaustedError, match=f"layer {cal.layers - 1} . raw-tile pool"):
+    with pytest.raises(PoolExhaustedError, match=f"raw-tile arena is exhausted.*layer {cal.layers - 1} . raw tiles"):
         cache.append(seq, k[:, :, 10:20], v[:, :, 10:20])
     assert_same(snapshot(cache), before)
     assert cache.seq_len(seq, 0) == 10
@@ -502,7 +510,7 @@ def test_an_update_written_before_its_counts_is_undone_where_a_list_ran_dry(monk
         before = state()
         undone.clear()
         if not grow:
-            with pytest.raises(PoolExhaustedError, match="raw-tile pool"):
+            with pytest.raises(PoolExhaustedError, match="raw-tile arena"):
                 cache.append(seq, k[:, :, 10:45], v[:, :, 10:45])  # two blocks (two raw K tiles, one free), a tail
             assert_same(state(), before)
             assert cache.seq_len(seq) == 10 and cache._seq_lens[0, seq] == 10
@@ -554,13 +562,13 @@ def test_epochs_token_by_token_prefill_and_chunks_match_the_rule(drift):
     ref_cal, ref = reference_epochs(cal, [[cache_blocks(x[layer]) for layer in range(2)] for x in (k, v)])
     assert sum(ref_cal.n_epochs(layer, kind) - 1 for layer in range(2) for kind in (0, 1)) >= 4
 
-    by_token = PagedKVCache(cal, max_blocks=64, raw_tiles=128)
+    by_token = PagedKVCache(cal, max_blocks=64, raw_tiles=128 * 2 * cal.layers)
     seq = by_token.add_sequence(k[:, :, :5], v[:, :, :5])
     for t in range(5, tokens):
         by_token.append(seq, k[:, :, t:t + 1], v[:, :, t:t + 1])
-    prefill = PagedKVCache(cal, max_blocks=64, raw_tiles=128)
+    prefill = PagedKVCache(cal, max_blocks=64, raw_tiles=128 * 2 * cal.layers)
     prefill.add_sequence(k, v)
-    chunked = PagedKVCache(cal, max_blocks=64, raw_tiles=128)   # chunks ending mid-run, mid-block, over checks
+    chunked = PagedKVCache(cal, max_blocks=64, raw_tiles=128 * 2 * cal.layers)   # chunks ending mid-run, mid-block, over checks
     chunked.add_sequence(k[:, :, :37], v[:, :, :37])
     for a, b in ((37, 38), (38, 300), (300, 800), (800, 809), (809, tokens)):
         chunked.append(seq, k[:, :, a:b], v[:, :, a:b])
@@ -586,7 +594,7 @@ def test_epochs_token_by_token_prefill_and_chunks_match_the_rule(drift):
     check_accounting(prefill, {seq: (k, v)})
     appended = sum(ref_cal.n_epochs(layer, kind) - 1 for layer in range(2) for kind in (0, 1))
     assert prefill.memory().epoch_bytes == appended * 2 * 2 * 64 + 64 * 2 * 2 * EPOCH_INDEX_BYTES
-    fixed = PagedKVCache(cal, max_blocks=64, raw_tiles=128, adapt=False)
+    fixed = PagedKVCache(cal, max_blocks=64, raw_tiles=128 * 2 * cal.layers, adapt=False)
     fixed.add_sequence(k, v)
     assert prefill.memory().resident_bytes < fixed.memory().resident_bytes     # adaptation pays for itself here
 
@@ -595,7 +603,7 @@ def test_batched_update_finalizes_in_the_order_of_seqs(drift):
     """update_layer with seqs [b, a]: the adapter sees b's new blocks, then a's, every call."""
     k, v, cal = drift
     half = 32 * B
-    cache = PagedKVCache(cal, max_seqs=2, max_blocks=32, raw_tiles=128)
+    cache = PagedKVCache(cal, max_seqs=2, max_blocks=32, raw_tiles=128 * 2 * cal.layers)
     a, b = cache.add_sequence(), cache.add_sequence()
     rows = {a: (k[:, :, :half], v[:, :, :half]), b: (k[:, :, half:], v[:, :, half:])}
     cuts = (0, 200, 203, 450, half)
@@ -625,7 +633,7 @@ def adapter_state(cache):
 
 def test_exhausted_update_leaves_adapters_and_epochs_unchanged(drift):
     k, v, cal = drift
-    small, big = (PagedKVCache(cal, max_blocks=n, raw_tiles=128) for n in (58, 64))
+    small, big = (PagedKVCache(cal, max_blocks=n, raw_tiles=128 * 2 * cal.layers) for n in (58, 64))
     for cache in (small, big):
         cache.add_sequence(k[:, :, :40 * B + 3], v[:, :, :40 * B + 3])
     before, before_state = snapshot(small), adapter_state(small)
@@ -647,7 +655,7 @@ def test_exhausted_update_leaves_adapters_and_epochs_unchanged(drift):
 
 def test_adapt_false_codes_every_block_with_the_calibrations_bases(drift):
     k, v, cal = drift
-    cache = PagedKVCache(cal, max_blocks=64, raw_tiles=128, adapt=False)
+    cache = PagedKVCache(cal, max_blocks=64, raw_tiles=128 * 2 * cal.layers, adapt=False)
     seq = cache.add_sequence(k[:, :, :700], v[:, :, :700])
     cache.append(seq, k[:, :, 700:], v[:, :, 700:])
     view = cache.layer_view(1)
@@ -662,7 +670,7 @@ def test_decode_attention_reads_epochs(drift):
     """The CPU attention path decodes each block with its epoch's bases, as the cache's own read does."""
     attention = pytest.importorskip("gaac.attention")
     k, v, cal = drift
-    cache = PagedKVCache(cal, max_seqs=2, max_blocks=64, raw_tiles=256)
+    cache = PagedKVCache(cal, max_seqs=2, max_blocks=64, raw_tiles=256 * 2 * cal.layers)
     cache.add_sequence(k, v)
     cache.add_sequence(k[:, :, :40], v[:, :, :40])
     view = cache.layer_view(0)
@@ -683,7 +691,7 @@ def test_cuda_codec_path_with_epochs_in_the_simulator(monkeypatch):
     rng = np.random.default_rng(5)
     k, v = drifting(rng, 1, 1, 13 * B + 7, 64, 10.0), drifting(rng, 1, 1, 13 * B + 7, 64, 0.0)
     cal = calibrate(k[:, :, :64], v[:, :, :64])
-    caches = [PagedKVCache(cal, max_blocks=13, raw_tiles=26, codec=c) for c in ("reference", "cuda")]
+    caches = [PagedKVCache(cal, max_blocks=13, raw_tiles=26 * 2 * cal.layers, codec=c) for c in ("reference", "cuda")]
     for cache in caches:
         seq = cache.add_sequence(k[:, :, :100], v[:, :, :100])
         cache.append(seq, k[:, :, 100:], v[:, :, 100:])
@@ -706,7 +714,8 @@ def test_real_kv_with_epochs_reads_back():
     k = np.concatenate([kv_dump(p, "k")[:2] for p in prompts], axis=2)
     v = np.concatenate([kv_dump(p, "v")[:2] for p in prompts], axis=2)
     cal = calibrate(k[:, :, :256], v[:, :, :256])
-    cache = PagedKVCache(cal, max_blocks=k.shape[2] // B)
+    # Two layers and 256 calibration tokens: later prompts overflow many tiles; the arena has room for every one.
+    cache = PagedKVCache(cal, max_blocks=k.shape[2] // B, raw_tiles=k.shape[2] // B * cal.kv_heads * 2 * cal.layers)
     seq = cache.add_sequence(k[:, :, :300], v[:, :, :300])
     for a in range(300, k.shape[2], 64):
         cache.append(seq, k[:, :, a:a + 64], v[:, :, a:a + 64])

@@ -60,7 +60,7 @@ def test_device_driven_steps_match_the_reference_cache(adapt, monkeypatch):
     k = [drifting(rng, layers, heads, n + steps, dim, 8.0) for n in start]
     v = [synthetic(rng, layers, heads, n + steps, dim) for n in start]
     cal = calibrate(k[0][:, :, :32], v[0][:, :, :32])
-    gpu, ref = (PagedKVCache(cal, max_seqs=2, max_blocks=8, raw_tiles=32, codec=c, adapt=adapt)
+    gpu, ref = (PagedKVCache(cal, max_seqs=2, max_blocks=8, raw_tiles=32 * 2 * cal.layers, codec=c, adapt=adapt)
                 for c in ("cuda", "reference"))
     rows = [[c.add_sequence(k[i][:, :, :start[i]], v[i][:, :, :start[i]]) for i in range(2)] for c in (gpu, ref)]
     pos, pos_ref = list(start), list(start)

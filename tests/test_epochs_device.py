@@ -20,6 +20,7 @@ from gaac.errors import PoolExhaustedError
 from gaac.calibration import calibrate
 from gaac.cuda import epochs as device_epochs
 from gaac.tiles import cache_blocks
+from conftest import every_tile
 from test_cache import assert_same_epochs
 from test_epochs import drifting_cache
 
@@ -63,7 +64,7 @@ def test_a_cache_whose_rule_runs_on_the_device_holds_what_the_host_rule_makes(mo
     cal = calibrate(x[:1, :, :128], x[1:, :, :128])
     caches = []
     for on_device in (True, False):             # the host rule's cache encodes with the reference codec
-        cache = PagedKVCache(cal, max_blocks=40, codec="cuda" if on_device else "reference")
+        cache = PagedKVCache(cal, **every_tile(cal, 1, 40), codec="cuda" if on_device else "reference")
         cache._rule_on_device = on_device
         seq = cache.add_sequence(x[:1, :, :20 * L.BLOCK_TOKENS + 5], x[1:, :, :20 * L.BLOCK_TOKENS + 5])
         k, v = (torch.from_numpy(np.ascontiguousarray(x[i:i + 1, :, 20 * L.BLOCK_TOKENS + 5:]).view(np.int16))
@@ -103,11 +104,11 @@ def test_a_guessed_epoch_that_would_run_a_pool_dry_does_not_refuse_the_update(mo
     x = drifting_cache(64 * L.BLOCK_TOKENS, layers=2)[:, :1]
     x[1] = x[1] ^ 0x8000
     cal = calibrate(x[:1, :, :128], x[1:, :, :128])
-    plain = PagedKVCache(cal, max_blocks=64, raw_tiles=12, codec="reference", adapt=False)
-    with pytest.raises(PoolExhaustedError, match="raw-tile pool is exhausted"):
+    plain = PagedKVCache(cal, max_blocks=64, raw_tiles=12 * 2 * cal.layers, codec="reference", adapt=False)
+    with pytest.raises(PoolExhaustedError, match="raw-tile arena is exhausted"):
         plain.add_sequence(x[:1], x[1:])                    # the calibration's bases alone need more raw tiles
-    host = PagedKVCache(cal, max_blocks=64, raw_tiles=12, codec="reference")
-    gpu = PagedKVCache(cal, max_blocks=64, raw_tiles=12, codec="cuda")
+    host = PagedKVCache(cal, max_blocks=64, raw_tiles=12 * 2 * cal.layers, codec="reference")
+    gpu = PagedKVCache(cal, max_blocks=64, raw_tiles=12 * 2 * cal.layers, codec="cuda")
     gpu._rule_on_device = True
     sh, sg = host.add_sequence(x[:1], x[1:]), gpu.add_sequence(x[:1], x[1:])
     assert_same_epochs(gpu.calibration, host.calibration)

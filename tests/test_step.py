@@ -8,6 +8,7 @@ filled by the reference codec, its attention against the float64 reference, on t
 import numpy as np
 import pytest
 import torch
+from conftest import every_tile
 from test_cache import B, drifting, synthetic, with_capacity
 
 import gaac.epochs as epochs_mod
@@ -16,6 +17,7 @@ from gaac.attention import bf16_to_float, reference_attention
 from gaac.cache import PagedKVCache
 from gaac.calibration import calibrate
 from gaac.errors import InputError, PoolExhaustedError
+from gaac.pools import grown
 
 
 def _q(rng, batch, heads, dim):
@@ -46,8 +48,8 @@ def test_decode_loop_reads_back_and_attends(codec, monkeypatch):
     k = [drifting(rng, layers, heads, n + steps, dim, 8.0) for n in total]
     v = [synthetic(rng, layers, heads, n + steps, dim) for n in total]
     cal = calibrate(k[0][:, :, :32], v[0][:, :, :32])
-    cache = PagedKVCache(cal, max_seqs=3, max_blocks=8, codec=codec)
-    ref = PagedKVCache(cal, max_seqs=3, max_blocks=8, codec="reference")     # updated in full, layer by layer
+    cache = PagedKVCache(cal, **every_tile(cal, 3, 8), codec=codec)
+    ref = PagedKVCache(cal, **every_tile(cal, 3, 8), codec="reference")     # updated in full, layer by layer
     rows = [cache.add_sequence(k[i][:, :, :total[i]], v[i][:, :, :total[i]]) for i in range(2)]
     assert [ref.add_sequence(k[i][:, :, :total[i]], v[i][:, :, :total[i]]) for i in range(2)] == rows
     on_device = 0                 # steps finishing a block whose appends encoded it on the device
@@ -84,7 +86,8 @@ def test_decode_loop_reads_back_and_attends(codec, monkeypatch):
 def test_plan_refuses_a_layer_without_its_token():
     rng = np.random.default_rng(2)
     k, v = synthetic(rng, 2, 1, 20, 64), synthetic(rng, 2, 1, 20, 64)
-    cache = PagedKVCache(calibrate(k, v), max_blocks=4)
+    cal = calibrate(k, v)
+    cache = PagedKVCache(cal, **every_tile(cal, 1, 4))
     seq = cache.add_sequence(k, v)
     plan = cache.decode_plan(2)
     with pytest.raises(InputError, match="append the step's tokens"):
@@ -123,8 +126,9 @@ def test_attention_covers_a_tail_past_the_tables_last_block(codec):
     on one that grows its table at the next finished block."""
     rng = np.random.default_rng(8)
     k, v = synthetic(rng, 1, 1, 3 * B + 2, 64, spread=2.5), synthetic(rng, 1, 1, 3 * B + 2, 64)
+    cal = calibrate(k, v)
     for grow in (False, True):
-        cache = PagedKVCache(calibrate(k, v), max_blocks=2, codec=codec, grow=grow)
+        cache = PagedKVCache(cal, **every_tile(cal, 1, 2), codec=codec, grow=grow)
         seq = cache.add_sequence(k[:, :, :2 * B - 1], v[:, :, :2 * B - 1])
         steps = B + 3 if grow else B
         for step in range(steps):              # the table fills, then the tail holds up to B - 1 tokens past it
@@ -135,7 +139,7 @@ def test_attention_covers_a_tail_past_the_tables_last_block(codec):
             if step in (2, B - 1, steps - 1):
                 q = _q(rng, 1, 2, 64)
                 _check_attention(plan.run(q, 0), q, {seq: (k[:, :, :n + 1], v[:, :, :n + 1])}, 0, [seq])
-        assert cache.max_blocks == (4 if grow else 2)
+        assert cache.max_blocks == (grown(2, 1) if grow else 2)           # a growth step past the third block
         np.testing.assert_array_equal(cache.read(seq)[0], k[:, :, :2 * B - 1 + steps])
 
 
@@ -152,8 +156,8 @@ def test_a_step_accounts_its_finished_blocks_once_and_a_call_part_way_settles_th
     layers, n = 3, 2 * B - 1
     k, v = drifting(rng, layers, 1, n + 2, 64, 8.0), synthetic(rng, layers, 1, n + 2, 64)
     cal = calibrate(k[:, :, :B], v[:, :, :B])
-    cache = PagedKVCache(cal, max_blocks=4, codec="cuda")
-    ref = PagedKVCache(cal, max_blocks=4, codec="reference")
+    cache = PagedKVCache(cal, **every_tile(cal, 1, 4), codec="cuda")
+    ref = PagedKVCache(cal, **every_tile(cal, 1, 4), codec="reference")
     seq = cache.add_sequence(k[:, :, :n], v[:, :, :n])
     ref.add_sequence(k[:, :, :n], v[:, :, :n])
     accounts = []
@@ -201,7 +205,8 @@ def test_a_plan_follows_the_previous_step_where_only_the_lengths_advanced(monkey
     rng = np.random.default_rng(14)
     layers, n = 2, B + 8
     k, v = synthetic(rng, layers, 1, n + 8, 64), synthetic(rng, layers, 1, n + 8, 64)
-    cache = PagedKVCache(calibrate(k, v), max_seqs=2, max_blocks=4, codec="cuda")
+    cal = calibrate(k, v)
+    cache = PagedKVCache(cal, **every_tile(cal, 2, 4), codec="cuda")
     seq = cache.add_sequence(k[:, :, :n], v[:, :, :n])
     full = []
     plan_kernel = StepPlan._plan_kernel
@@ -275,7 +280,8 @@ def test_an_eager_step_merges_in_the_kernel_over_groups_and_empty_rows(fused, mo
     lens = [9 * B + 5, 3 * B]
     k = [synthetic(rng, 1, 1, n + 1, 64) for n in lens]
     v = [synthetic(rng, 1, 1, n + 1, 64) for n in lens]
-    cache = PagedKVCache(calibrate(k[0], v[0]), max_seqs=3, max_blocks=16, codec="cuda")
+    cal = calibrate(k[0], v[0])
+    cache = PagedKVCache(cal, **every_tile(cal, 3, 16), codec="cuda")
     a = cache.add_sequence(k[0][:, :, :lens[0]], v[0][:, :, :lens[0]])
     gap = cache.add_sequence()
     c = cache.add_sequence(k[1][:, :, :lens[1]], v[1][:, :, :lens[1]])
@@ -300,7 +306,8 @@ def test_an_eager_step_merges_in_the_kernel_over_groups_and_empty_rows(fused, mo
 def test_block_table_limit_names_max_blocks():
     rng = np.random.default_rng(6)
     k, v = synthetic(rng, 1, 1, B, 64), synthetic(rng, 1, 1, B, 64)
-    cache = PagedKVCache(calibrate(k, v), max_blocks=1)
+    cal = calibrate(k, v)
+    cache = PagedKVCache(cal, **every_tile(cal, 1, 1))
     cache.add_sequence(k, v)
     with pytest.raises(PoolExhaustedError, match="max_blocks"):
         cache.decode_plan(1, append=B)
@@ -313,7 +320,8 @@ def test_step_status_names_the_faulty_layer():
 
     rng = np.random.default_rng(8)
     k, v = synthetic(rng, 2, 1, 2 * B + 3, 64), synthetic(rng, 2, 1, 2 * B + 3, 64)
-    cache = PagedKVCache(calibrate(k, v), max_blocks=4, codec="cuda")
+    cal = calibrate(k, v)
+    cache = PagedKVCache(cal, **every_tile(cal, 1, 4), codec="cuda")
     seq = cache.add_sequence(k, v)
     store = cache._store[1][0]
     store.table[seq, 1, 0] = store.slots.data.shape[0] + 3          # past the slot pool
@@ -333,7 +341,8 @@ def test_counts_and_blocks_asked_for_in_one_copy_reach_their_own_stores(monkeypa
     that arrives when the test says so."""
     rng = np.random.default_rng(9)
     k, v = synthetic(rng, 2, 1, 3 * B, 64), synthetic(rng, 2, 1, 3 * B, 64)
-    cache = PagedKVCache(calibrate(k, v), max_blocks=4, codec="cuda")
+    cal = calibrate(k, v)
+    cache = PagedKVCache(cal, **every_tile(cal, 1, 4), codec="cuda")
     cache.add_sequence(k, v)
 
     class Arrival:

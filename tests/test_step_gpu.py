@@ -25,6 +25,7 @@ from gaac.attention import bf16_to_float, reference_attention  # noqa: E402
 from gaac.cache import PagedKVCache  # noqa: E402
 from gaac.calibration import calibrate  # noqa: E402
 from gaac.errors import InputError, PoolExhaustedError  # noqa: E402
+from gaac.pools import grown  # noqa: E402
 
 
 def assert_same_caches(caches, seqs, k, v, adapt: bool):
@@ -56,7 +57,8 @@ def test_gpu_loop_matches_the_reference_cache(monkeypatch):
     k = [drifting(rng, layers, heads, n, dim, 12.0) for n in n_tok]
     v = [synthetic(rng, layers, heads, n, dim) for n in n_tok]
     cal = calibrate(k[0][:, :, :256], v[0][:, :, :256])
-    caches = [PagedKVCache(cal, max_seqs=3, max_blocks=64, raw_tiles=3 * 64 * 4, device=d) for d in ("cuda", "cpu")]
+    caches = [PagedKVCache(cal, max_seqs=3, max_blocks=64, raw_tiles=3 * 64 * 4 * 2 * cal.layers, device=d)
+              for d in ("cuda", "cpu")]
     rows = [[c.add_sequence(k[i][:, :, :start[i]], v[i][:, :, :start[i]]) if start[i] else c.add_sequence()
              for i in range(3)] for c in caches]
     assert rows[0] == rows[1]
@@ -102,7 +104,8 @@ def test_gpu_eager_calls_take_the_fast_path_and_fall_back_where_they_must():
     k = [synthetic(rng, layers, heads, start + steps, dim) for _ in range(2)]
     v = [synthetic(rng, layers, heads, start + steps, dim) for _ in range(2)]
     cal = calibrate(k[0][:, :, :64], v[0][:, :, :64])
-    caches = [PagedKVCache(cal, max_seqs=2, max_blocks=8, raw_tiles=2 * 8 * heads, device=d) for d in ("cuda", "cpu")]
+    caches = [PagedKVCache(cal, max_seqs=2, max_blocks=8, raw_tiles=2 * 8 * heads * 2 * cal.layers, device=d)
+              for d in ("cuda", "cpu")]
     seqs = [[c.add_sequence(k[i][:, :, :start], v[i][:, :, :start]) for i in range(2)] for c in caches][0]
     fast_appends = 0
     for step in range(steps):
@@ -168,7 +171,7 @@ def test_gpu_attention_covers_a_tail_past_the_tables_last_block():
     heads, dim = 2, 128
     k, v = synthetic(rng, 1, heads, 3 * B + 2, dim), synthetic(rng, 1, heads, 3 * B + 2, dim)
     for grow in (False, True):
-        caches = [PagedKVCache(calibrate(k, v), max_blocks=2, raw_tiles=4 * heads, grow=grow, device=d)
+        caches = [PagedKVCache(calibrate(k, v), max_blocks=2, raw_tiles=4 * heads * 2, grow=grow, device=d)
                   for d in ("cuda", "cpu")]
         seq = [c.add_sequence(k[:, :, :2 * B - 1], v[:, :, :2 * B - 1]) for c in caches][0]
         steps = B + 3 if grow else B
@@ -183,7 +186,7 @@ def test_gpu_attention_covers_a_tail_past_the_tables_last_block():
             got = plans[0].run(q.cuda(), 0).float().cpu().numpy()
             assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want), (grow, step)
             plans[0].check_status()
-        assert caches[0].max_blocks == (4 if grow else 2)
+        assert caches[0].max_blocks == (grown(2, 1) if grow else 2)
         np.testing.assert_array_equal(caches[0].read(seq)[0], k[:, :, :2 * B - 1 + steps])
 
 
@@ -202,7 +205,7 @@ def test_captured_graph_steps_match_the_reference_cache(adapt, monkeypatch):
     k = [drifting(rng, layers, heads, n, dim, 12.0) for n in n_tok]
     v = [synthetic(rng, layers, heads, n, dim) for n in n_tok]
     cal = calibrate(k[0][:, :, :256], v[0][:, :, :256])
-    caches = [PagedKVCache(cal, max_seqs=3, max_blocks=48, raw_tiles=3 * 48 * 4, device=d, adapt=adapt)
+    caches = [PagedKVCache(cal, max_seqs=3, max_blocks=48, raw_tiles=3 * 48 * 4 * 2 * cal.layers, device=d, adapt=adapt)
               for d in ("cuda", "cpu")]
     seqs = [[c.add_sequence(k[i][:, :, :start[i]], v[i][:, :, :start[i]]) for i in range(3)] for c in caches][0]
     kbuf = torch.zeros((layers, 3, heads, 1, dim), dtype=torch.int16, device="cuda")
@@ -275,7 +278,7 @@ def test_step_graph_runs_a_loop_through_plans_checks_and_eager_steps(monkeypatch
     k = [drifting(rng, layers, heads, s + steps, dim, 12.0) for s in start]
     v = [synthetic(rng, layers, heads, s + steps, dim) for s in start]
     cal = calibrate(k[0][:, :, :256], v[0][:, :, :256])
-    caches = [PagedKVCache(cal, max_seqs=2, max_blocks=32, raw_tiles=2 * 32 * 4, device=d) for d in ("cuda", "cpu")]
+    caches = [PagedKVCache(cal, max_seqs=2, max_blocks=32, raw_tiles=2 * 32 * 4 * 2 * cal.layers, device=d) for d in ("cuda", "cpu")]
     seqs = [[c.add_sequence(k[i][:, :, :start[i]], v[i][:, :, :start[i]]) for i in range(2)] for c in caches][0]
     kbuf = torch.zeros((layers, 2, heads, 1, dim), dtype=torch.int16, device="cuda")
     vbuf = torch.zeros_like(kbuf)

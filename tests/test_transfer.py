@@ -66,13 +66,14 @@ def assert_unchanged(cache, before):
 @pytest.mark.parametrize("adapt", [True, False])
 def test_roundtrip_is_bit_exact_and_needs_no_encoding(real, tokens, adapt):
     k, v, cal = real
-    source = PagedKVCache(cal, max_seqs=2, max_blocks=48, adapt=adapt)
+    # A calibration from another prompt's 256 tokens overflows many tiles: room for every one in the arena.
+    source = PagedKVCache(cal, max_seqs=2, max_blocks=48, adapt=adapt, raw_tiles=2 * 48 * cal.kv_heads * 2 * cal.layers)
     source.add_sequence(k[:, :, :7], v[:, :, :7])                   # another sequence: other pool positions
     seq = source.add_sequence(k[:, :, :tokens], v[:, :, :tokens])
     data = source.export_sequence(seq)
     assert isinstance(data, memoryview) and data.readonly
 
-    target = PagedKVCache(cal, max_blocks=48, raw_tiles=200, adapt=adapt)
+    target = PagedKVCache(cal, max_blocks=48, raw_tiles=200 * 2 * cal.layers, adapt=adapt)
     got = target.import_sequence(data)
     assert target.blocks_encoded == 0                              # copied, never encoded
     for a, b, want in zip(target.read(got), source.read(seq), (k[:, :, :tokens], v[:, :, :tokens])):

@@ -18,6 +18,7 @@ import torch
 if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" or not torch.cuda.is_available():
     pytest.skip("needs a CUDA device and NUMBA_ENABLE_CUDASIM=0", allow_module_level=True)
 
+from conftest import every_tile  # noqa: E402
 from test_transfer import assert_unchanged, drifting, mutate, snapshot  # noqa: E402
 
 from gaac import layout as L  # noqa: E402
@@ -32,12 +33,12 @@ def test_gpu_transfers_in_pieces_keep_the_bytes(monkeypatch):
     rng = np.random.default_rng(5)
     k, v = drifting(rng, 2, 8, 1100, 128, 0.0), drifting(rng, 2, 8, 1100, 128, 0.0)
     cal = calibrate(k, v)
-    cpu = PagedKVCache(cal, max_blocks=70)
+    cpu = PagedKVCache(cal, **every_tile(cal, 1, 70))          # synthetic content: room for every tile raw
     data = bytes(cpu.export_sequence(cpu.add_sequence(k, v)))
     lay = transfer.read_head(data).layout
     ends = transfer._piece_ends(lay)
     assert len(ends) >= 3 and lay.body_bytes % L.SEQUENCE_CHUNK_BYTES
-    gpu = PagedKVCache(cal, max_seqs=3, max_blocks=70, device="cuda")
+    gpu = PagedKVCache(cal, **every_tile(cal, 3, 70), device="cuda")
     first = gpu.import_sequence(data)
     assert bytes(gpu.export_sequence(first)) == data
     out = torch.empty(len(data), dtype=torch.uint8, pin_memory=True)

@@ -78,6 +78,15 @@ def plain(x):
     return x.numpy() if SIMULATOR and is_torch(x) else x
 
 
+def simulated(args) -> list:
+    """Launch arguments for numba's simulator: each NumPy array wrapped as the simulator's device array over the
+    same memory.  A bare array is copied in and out of every launch, so two arguments that are one array (K's
+    and V's raw tiles, both the cache's one arena) would each write their copy back over the other's writes."""
+    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+    return [FakeCUDAArray(a) if isinstance(a, np.ndarray) and a.ndim > 0 else a for a in args]
+
+
 def allocators(x):
     """(zeros, arange) allocating like ``x``: torch on its device, or NumPy."""
     if is_torch(x):
@@ -175,7 +184,7 @@ class TileLauncher:
         """Launch over ``n`` tiles, with ``args`` or, on the fast path, the ``packed`` parameters."""
         grid = -(-n // self._tiles)
         if SIMULATOR:
-            self._dispatcher[grid, self._threads](*args)
+            self._dispatcher[grid, self._threads](*simulated(args))
             return
         handle = stream.cuda_stream if stream is not None else current_stream()
         if not fast:

@@ -1,0 +1,423 @@
+"""Fixed-size records and their free lists: the storage a :class:`gaac.PagedKVCache` is made of.
+
+Per layer and kind the cache holds a slot pool (compressed tiles, FORMAT.md 6) and draws raw tiles (tiles
+whose escapes overflow their slot, kept as BF16) from one :class:`RawArena` that every layer and kind
+shares: how many tiles overflow differs from layer to layer and drifts as a context grows, so one arena
+sized for the whole cache absorbs a layer whose rate spikes with what the others leave.
+
+A pool's free list is on the host (:class:`Pool`, the reference codec) or on the device, where the CUDA
+encoder pops records itself (:class:`DevicePool`).  A layer and kind's share of the arena is a pool of the
+same kind whose records the arena lends it (:class:`HostShare`, :class:`DeviceShare`).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import torch
+
+from . import layout as L
+
+# Growth step of a pool, table or arena of a cache made with ``grow=True``: a 32nd of its size (or what is
+# asked, if more), so that a growing cache allocates at most about 3% more than it holds, at the cost of a
+# copy of the grown array every 32nd part of its size.
+GROWTH = 1 / 32
+
+
+def grown(size: int, extra: int) -> int:
+    """The size a pool of ``size`` records grows to when it lacks ``extra`` records (``grow=True``)."""
+    return size + max(extra, math.ceil(size * GROWTH), 1)
+
+
+class Pool:
+    """Fixed-size records with a free list on the host: a slot pool of one layer and kind.
+
+    The free list is a stack of record indices in a NumPy array (the lowest free index on top, taken
+    first): a sequence of a long context takes and gives back tens of thousands of records per pool at
+    once (a prefill, an import, a removal), which a list of Python ints would convert one by one.
+    """
+
+    exact = True          # the host's counts are the pool's (a device pool's are a bound: DevicePool.exact)
+
+    def __init__(self, name: str, n: int, record: tuple, dtype: torch.dtype, device: torch.device):
+        self.name = name
+        self.data = torch.zeros((n, *record), dtype=dtype, device=device)
+        self._stack = np.arange(n - 1, -1, -1, dtype=np.int64)     # [:_top] are free; the top is the end
+        self._top = n
+
+    @property
+    def free(self) -> np.ndarray:
+        """The free record indices, int64, the next one taken last (a view: copy it to keep it)."""
+        return self._stack[:self._top]
+
+    @property
+    def size(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def used(self) -> int:
+        return self.size - self.n_free()
+
+    def n_free(self) -> int:
+        return self._top
+
+    def free_lower(self) -> int:
+        """Free records, at least: exact for a host free list (see :meth:`DevicePool.free_lower`)."""
+        return self._top
+
+    def grow_to(self, n: int) -> None:
+        old = self.size
+        extra = torch.zeros((n - old, *self.data.shape[1:]), dtype=self.data.dtype, device=self.data.device)
+        self.data = torch.cat([self.data, extra])
+        self._stack = np.concatenate([np.arange(n - 1, old - 1, -1, dtype=np.int64), self.free,
+                                      np.zeros(old - self._top, dtype=np.int64)])
+        self._top += n - old
+
+    def grow_by(self, extra: int) -> None:
+        """Make room for ``extra`` more records than are free (``grow=True``): a growth step of :func:`grown`."""
+        self.grow_to(grown(self.size, extra))
+
+    def take(self, k: int) -> np.ndarray:
+        """The ``k`` lowest-placed free records (the top of the stack), removed from the free list."""
+        taken = self._stack[self._top - k:self._top][::-1].copy()
+        self._top -= k
+        return taken
+
+    def give(self, indices) -> None:
+        """Return records to the free list (the lowest of them is taken first)."""
+        back = np.sort(np.asarray(indices, dtype=np.int64).reshape(-1))[::-1]
+        self._stack[self._top:self._top + len(back)] = back
+        self._top += len(back)
+
+    def upcoming(self, k: int) -> torch.Tensor:
+        """The ``k`` records :meth:`take` would hand out next, in its order, as an int64 tensor; none is taken.
+        An import writes into them before it knows whether it keeps them (:meth:`take_upcoming` keeps them)."""
+        return torch.from_numpy(self._stack[self._top - k:self._top][::-1].copy()).to(self.data.device)
+
+    def take_upcoming(self, k: int) -> None:
+        """Take the ``k`` records :meth:`upcoming` named (nothing taken or given since)."""
+        self._top -= k
+
+
+_VERSIONS = itertools.count()
+
+
+class Arrival:
+    """The event of a copy that many readers share (every pool's counts, every adapter's blocks): queried until
+    it has completed, then known to have, so that a hundred readers cost one query of the device."""
+
+    __slots__ = ("event", "done")
+
+    def __init__(self, event):
+        self.event, self.done = event, False
+
+    def query(self) -> bool:
+        if not self.done:
+            self.done = self.event.query()
+        return self.done
+
+    def synchronize(self) -> None:
+        if not self.done:
+            self.event.synchronize()
+            self.done = True
+
+
+class DevicePool(Pool):
+    """A pool whose free list lives on the device, where the CUDA encoder pops records itself.
+
+    ``order`` int32 holds the free records in the order they are taken; ``heads[cls]`` (device) counts
+    the entries the encoder has taken (it pops with atomics, and counts on past the end when the list
+    runs dry).  The host never waits for that count on the serving path: it keeps ``taken``, the count
+    when it last read it, and ``pending``, how many records encodes launched since may have taken --
+    so ``order``'s length minus both is a lower bound of the free records, exact after :meth:`sync`.
+    On a GPU each encode is followed by an asynchronous copy of the counts to the host
+    (:meth:`snapshot`), which the lower bound takes up once it has arrived: the bound stays within an
+    update of the truth without waiting for the device.
+    """
+
+    def __init__(self, name: str, n: int, record: tuple, dtype: torch.dtype, device: torch.device,
+                 heads: torch.Tensor, cls: int):
+        self.name = name
+        # The kernels cannot take an empty array: an empty pool holds one record that no list hands out.
+        self.data = torch.zeros((max(n, 1), *record), dtype=dtype, device=device)
+        self._size = n
+        self.heads, self.cls = heads, cls
+        self._set_order(torch.arange(n, dtype=torch.int32, device=device))
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def _set_order(self, order: torch.Tensor) -> None:
+        self.version = next(_VERSIONS)      # a new free list (and perhaps new data): plans made before are stale
+        self.order = order.contiguous()
+        self.heads[self.cls] = 0
+        self.taken = self.pending = 0
+        self._snap = None
+
+    def sync(self) -> None:
+        """Read the device's count of taken records (waits for the encodes in flight)."""
+        self.taken, self.pending, self._snap = int(self.heads[self.cls]), 0, None
+
+    def snapshot(self, counts: tuple) -> None:
+        """Take up, once it has arrived, ``counts``: (pinned copy of ``heads``, its event), started after the
+        encodes that ``pending`` counts now."""
+        host, event = counts
+        self._snap = (host.numpy(), event, self.pending)       # read through NumPy: a torch index costs more
+
+    @property
+    def exact(self) -> bool:
+        """Whether :meth:`free_lower` is exact: no encode launched since the device's count was last read."""
+        return self.pending == 0 and self._snap is None
+
+    def free_lower(self) -> int:
+        """Free records, at least (no synchronisation)."""
+        if self._snap is not None and self._snap[1].query():
+            host, _, counted = self._snap
+            self.taken, self.pending, self._snap = int(host[self.cls]), self.pending - counted, None
+        return self.order.shape[0] - self.taken - self.pending
+
+    def n_free(self) -> int:
+        self.sync()
+        return max(self.order.shape[0] - self.taken, 0)
+
+    def _rest(self) -> torch.Tensor:
+        self.sync()
+        return self.order[min(self.taken, self.order.shape[0]):]
+
+    def grow_to(self, n: int) -> None:
+        old = self.size
+        extra = torch.zeros((n - old, *self.data.shape[1:]), dtype=self.data.dtype, device=self.data.device)
+        self.data = torch.cat([self.data[:old], extra])
+        self._size = n
+        self._set_order(torch.cat([self._rest(), torch.arange(old, n, dtype=torch.int32, device=self.data.device)]))
+
+    def take(self, k: int) -> np.ndarray:
+        rest = self._rest()
+        taken = rest[:k].cpu().numpy().astype(np.int64)
+        self.heads[self.cls] += k
+        self.taken += k
+        return taken
+
+    def give(self, indices) -> None:
+        back = torch.from_numpy(np.sort(np.asarray(indices, dtype=np.int64)).astype(np.int32)).to(self.data.device)
+        self._set_order(torch.cat([self._rest(), back]))
+
+    def upcoming(self, k: int) -> torch.Tensor:
+        """The ``k`` records :meth:`take` would hand out next, as an int64 tensor on the device, none taken and
+        nothing read back: valid right after :func:`sync_pools` (or :meth:`sync`), before anything else takes
+        records."""
+        start = min(self.taken, self.order.shape[0])
+        return self.order[start:start + k].long()
+
+    def take_upcoming(self, k: int) -> None:
+        """Take the ``k`` records :meth:`upcoming` named, on the device's count and the host's, without waiting."""
+        self.heads.narrow(0, self.cls, 1).add_(k)
+        self.taken += k
+
+
+def sync_pools(pools) -> list[int]:
+    """The free records of each pool, exact: the device pools' counts read with one synchronisation for all of
+    them (:meth:`DevicePool.n_free` waits once per pool)."""
+    device = [p for p in pools if isinstance(p, DevicePool)]
+    heads = list({id(p.heads): p.heads for p in device}.values())      # one per layer and kind, for both pools
+    if heads:
+        counts = dict(zip(map(id, heads), torch.stack(heads).tolist()))
+        for p in device:
+            p.taken, p.pending, p._snap = counts[id(p.heads)][p.cls], 0, None
+    return [max(p.order.shape[0] - p.taken, 0) if isinstance(p, DevicePool) else p.n_free() for p in pools]
+
+
+
+
+# ----------------------------------------------------------------------------------------------
+# The raw-tile arena and its shares.
+
+class _Share:
+    """What a layer and kind's raw pool adds to a pool: its records are lent by a :class:`RawArena`.
+
+    ``size`` is the records the share holds (its sequences' raw tiles and its free ones); records given
+    back by a removed sequence return to the arena, where any layer may take them."""
+
+    arena: "RawArena"
+    granted: int
+
+    @property
+    def size(self) -> int:
+        return self.granted
+
+    def give(self, indices) -> None:
+        self.arena.release(self, indices)
+
+    def grow_to(self, n: int) -> None:
+        self.arena.lend_growing(self, n - self.size)
+
+    def grow_by(self, extra: int) -> None:
+        self.arena.lend_growing(self, extra)
+
+
+class HostShare(_Share, Pool):
+    """A layer and kind's raw pool on the host (the reference codec): arena records on a free-list stack."""
+
+    def __init__(self, name: str, arena: "RawArena"):
+        self.name, self.arena, self.data = name, arena, arena.data
+        self._stack = np.zeros(0, np.int64)
+        self._top = self.granted = 0
+
+    def extend(self, indices: np.ndarray) -> None:
+        """Records lent by the arena join the free list, below the free records already there."""
+        self._stack = np.concatenate([np.sort(indices)[::-1], self.free])
+        self._top = len(self._stack)
+        self.granted += len(indices)
+
+    def surrender(self) -> np.ndarray:
+        """Every free record, out of the free list, for the arena to lend elsewhere."""
+        out = self.free.copy()
+        self._top = 0
+        self.granted -= len(out)
+        return out
+
+
+class DeviceShare(_Share, DevicePool):
+    """A layer and kind's raw pool whose free list lives on the device (the CUDA encoder pops from it)."""
+
+    def __init__(self, name: str, arena: "RawArena", heads: torch.Tensor, cls: int):
+        self.name, self.arena, self.data = name, arena, arena.data
+        self.heads, self.cls = heads, cls
+        self.granted = 0
+        self._set_order(torch.zeros(0, dtype=torch.int32, device=arena.data.device))
+
+    def extend(self, indices: np.ndarray) -> None:
+        """Records lent by the arena join the end of the free list (a new list: the device's count is read)."""
+        new = torch.from_numpy(np.sort(indices).astype(np.int32)).to(self.data.device)
+        self._set_order(torch.cat([self._rest(), new]))
+        self.granted += len(indices)
+
+    def surrender(self) -> np.ndarray:
+        """Every free record, out of the free list (the device's count is read), for the arena to lend elsewhere."""
+        rest = self._rest()
+        out = rest.cpu().numpy().astype(np.int64)
+        self._set_order(rest[:0])
+        self.granted -= len(out)
+        return out
+
+
+class RawArena:
+    """The raw tiles of every layer and kind of a cache: one int16 ``[n, 16, C]`` array (FORMAT.md 7.2's raw
+    pool: a table entry with bit 31 set names a record of it), whose records are lent to the layers' shares.
+
+    A share (one per layer and kind, :meth:`share`) holds the records its sequences' raw tiles occupy and
+    a few free ones for the blocks it finishes next; the records no share holds are the arena's
+    ``reserve``.  A share short of free records is lent more (:meth:`cover`), at least ``chunk`` at a time
+    so that a decode loop asks rarely; when the reserve cannot cover a shortfall, every share's free records
+    return to it first (one read of the device's counts) and each share asked is lent what it needs.  A removed sequence's raw tiles return to
+    the reserve, where any layer may take them.  Lending changes a share's free list, so plans that baked
+    the old one are made again; it happens only where a share runs short, never inside a captured step.
+    """
+
+    def __init__(self, n: int, channels: int, device: torch.device):
+        self.name = "the raw-tile arena"
+        # The kernels cannot take an empty array: an empty arena holds one record that is never lent.
+        self.data = torch.zeros((max(n, 1), L.BLOCK_TOKENS, channels), dtype=torch.int16, device=device)
+        self.size = n
+        self._stack = np.arange(n - 1, -1, -1, dtype=np.int64)     # the reserve: [:_top], lowest on top
+        self._top = n
+        self.shares = []
+
+    def share(self, name: str, heads: torch.Tensor | None = None, cls: int = 1):
+        """A new share of the arena: on the device (popped by the CUDA encoder, counted in ``heads[cls]``)
+        where ``heads`` is given, else on the host."""
+        s = HostShare(name, self) if heads is None else DeviceShare(name, self, heads, cls)
+        self.shares.append(s)
+        return s
+
+    @property
+    def reserve(self) -> int:
+        """Records no share holds."""
+        return self._top
+
+    @property
+    def chunk(self) -> int:
+        """The fewest records a share is lent at once: a quarter of an even split of the arena."""
+        return max(1, self.size // (4 * max(len(self.shares), 1)))
+
+    def available(self) -> int:
+        """Records any one share could be lent now, at least: the reserve and every share's free records."""
+        return self._top + sum(max(s.free_lower(), 0) for s in self.shares)
+
+    def used(self) -> int:
+        """Records that hold a tile (exact: reads the device's counts)."""
+        return self.size - self._top - sum(sync_pools(self.shares))
+
+    def free_records(self) -> np.ndarray:
+        """Every record that holds no tile, sorted: the reserve's and every share's free ones (which share
+        holds a free record is lending, not content)."""
+        parts = [self._stack[:self._top]]
+        parts += [s.free if isinstance(s, HostShare) else s._rest().cpu().numpy() for s in self.shares]
+        return np.sort(np.concatenate(parts).astype(np.int64))
+
+    def _lend(self, share, k: int) -> int:
+        k = min(k, self._top)
+        if k:
+            share.extend(self._stack[self._top - k:self._top].copy())
+            self._top -= k
+        return k
+
+    def _put(self, indices: np.ndarray) -> None:
+        back = np.sort(np.asarray(indices, dtype=np.int64).reshape(-1))[::-1]
+        self._stack = np.concatenate([self._stack[:self._top], back])
+        self._top = len(self._stack)
+
+    def release(self, share, indices) -> None:
+        """Records of ``share`` that held a removed sequence's raw tiles return to the reserve."""
+        indices = np.asarray(indices, dtype=np.int64).reshape(-1)
+        if len(indices):
+            share.granted -= len(indices)
+            self._put(indices)
+
+    def reclaim(self) -> None:
+        """Every share's free records return to the reserve (the device's counts read once)."""
+        for s, free in zip(self.shares, sync_pools(self.shares)):
+            if free:
+                self._put(s.surrender())
+
+    def cover(self, needs) -> list:
+        """Lend each ``(share, n)`` of ``needs`` records until it holds ``n`` free ones (at least ``chunk``
+        at a time while the reserve allows).  Returns ``(share, records it still lacks)`` where the arena
+        cannot cover them (nothing is taken back from what was lent)."""
+        asked = [(s, n) for s, n in needs if n > 0]
+        needs = [(s, n) for s, n in asked if s.free_lower() < n]
+        if not needs:
+            return []
+        free = dict(zip(map(id, (s for s, _ in needs)), sync_pools([s for s, _ in needs])))
+        lack = [(s, n - free[id(s)]) for s, n in needs if free[id(s)] < n]
+        if sum(d for _, d in lack) > self._top:
+            # Every free record back to the reserve, then each share asked is lent all it needs.
+            self.reclaim()
+            lack = asked
+        short = []
+        for i, (s, d) in enumerate(lack):
+            later = sum(x for _, x in lack[i + 1:])
+            lent = self._lend(s, max(d, min(self.chunk, self._top - later)))
+            if lent < d:
+                short.append((s, d - lent))
+        return short
+
+    def grow_to(self, n: int) -> None:
+        """Enlarge the arena to ``n`` records (``grow=True``); every share sees the new array."""
+        old = self.size
+        extra = torch.zeros((n - old, *self.data.shape[1:]), dtype=self.data.dtype, device=self.data.device)
+        self.data = torch.cat([self.data[:old], extra])
+        self.size = n
+        self._put(np.arange(old, n, dtype=np.int64))
+        for s in self.shares:
+            s.data = self.data
+            s.version = next(_VERSIONS)      # plans made with the old array are stale
+
+    def lend_growing(self, share, extra: int) -> None:
+        """Lend ``share`` ``extra`` more records from the reserve, growing the arena by a step of :func:`grown`
+        where the reserve lacks them (no other share gives any back: they may need theirs for the same update)."""
+        if self._top < extra:
+            self.grow_to(grown(self.size, extra - self._top))
+        self._lend(share, extra)
