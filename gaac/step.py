@@ -142,11 +142,8 @@ class StepPlan:
             raise InputError(f"q_heads {q_heads!r}: need 1..{MAX_GROUP} query heads per KV head ({hk} KV heads)")
         if isinstance(append, bool) or not isinstance(append, (int, np.integer)) or append < 0:
             raise InputError(f"append must be a non-negative number of tokens, got {append!r}")
-        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating))
-                                  or not math.isfinite(scale)):
-            raise InputError(f"scale must be a finite real number, got {scale!r}")
         self.cache, self.q_heads, self.g = cache, int(q_heads), int(q_heads) // hk
-        self.scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+        self.scale = attention.check_scale(scale, d)
         if steps is None and append == 1 and self._follow(cache._eager_plan, seqs):
             return
         lens = cache._lens
@@ -329,18 +326,14 @@ class StepPlan:
             raise InputError(f"layer {layer} holds {cache._lens[layer].tolist()} tokens per sequence; this plan is "
                              f"for {self.lens.tolist()}: append the step's tokens to the layer before its attention")
         if not self.kernel_path:
-            res = attention.decode_attention(q, cache.layer_view(layer), scale=self.scale, return_lse=True,
-                                             backend="cpu")
-            for buf, val in ((out, res[0]), (lse, res[1])):
-                if buf is not None:
-                    buf.copy_(val.view(buf.dtype)) if hasattr(buf, "copy_") else np.copyto(buf, val)
-            return res if return_lse else res[0]
+            return attention.decode_attention(q, cache.layer_view(layer), scale=self.scale, return_lse=return_lse,
+                                              backend="cpu", q_heads=self.q_heads, out=out, lse=lse)
         from .cuda import attention as K
 
         shape = (self.batch, self.q_heads, cache.head_dim)
         if not (isinstance(q, torch.Tensor) and q.dtype in (torch.bfloat16, torch.int16) and q.shape == shape
                 and q.device.type == cache.device.type and q.is_contiguous()):
-            _check_q(q, _Shape(self.batch, cache.head_dim, cache.kv_heads), cache.device.type)
+            _check_q(q, _Shape(self.batch, cache.head_dim, cache.kv_heads), cache.device.type, self.q_heads)
             raise InputError(f"q: expected a contiguous BF16 tensor {list(shape)} on {cache.device}, got "
                              f"{getattr(q, 'dtype', type(q).__name__)} {list(getattr(q, 'shape', []))}")
         state = layer_launch(cache, layer, self.g, self._fused)

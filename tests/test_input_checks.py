@@ -152,3 +152,37 @@ def test_calibration_layers_and_epochs_are_integers(cal):
             cal.bases(0, L.KIND_K, epoch)
     with pytest.raises(CalibrationError, match="layer 2 out of range"):
         cal.n_epochs(2, L.KIND_K)
+
+
+# -- a cache's decode plan on the CPU path (gaac.step.StepPlan without the kernel) ------------------
+
+def test_a_cpu_decode_plan_refuses_what_its_kernel_path_refuses():
+    """Scale, q's head count and the out/lse buffers are checked as on the kernel path: InputErrors that
+    name the argument, never a buffer filled with the bits of another number format."""
+    torch = pytest.importorskip("torch")
+    from gaac.cache import PagedKVCache
+
+    k, v, _ = load_sample("code")
+    k, v = np.ascontiguousarray(k[:1, :, :40]), np.ascontiguousarray(v[:1, :, :40])
+    cache = PagedKVCache(calibrate(k, v), max_seqs=2, max_blocks=4, codec="reference")
+    seq = cache.add_sequence(k[:, :, :39], v[:, :, :39])
+    for scale in (10 ** 400, 1e39):
+        with pytest.raises(InputError, match="scale"):
+            cache.decode_plan(Q_HEADS, scale=scale)
+    plan = cache.decode_plan(Q_HEADS)
+    cache.update_layer(0, [seq], *(torch.from_numpy(x[None, 0, :, 39:40].view(np.int16)) for x in (k, v)))
+    rows = cache.max_seqs
+    q = torch.zeros(rows, Q_HEADS, D, dtype=torch.bfloat16)
+    with pytest.raises(InputError, match=r"q: shape \[2, 6, 64\] has 6 query heads; expected 9"):
+        plan.run(q[:, :6].contiguous(), 0)
+    for name, buffer, message in (
+            ("out", torch.zeros(rows, Q_HEADS, D, dtype=torch.float16), r"out: expected bfloat16 or int16 \[2, 9, 64\]"),
+            ("out", torch.zeros(rows, Q_HEADS, 32, dtype=torch.bfloat16), r"got bfloat16 \[2, 9, 32\]"),
+            ("lse", torch.zeros(rows, Q_HEADS, dtype=torch.int32), r"lse: expected float32 \[2, 9\], got int32"),
+            ("lse", np.zeros((rows, Q_HEADS), np.float32), r"lse: expected a torch tensor")):
+        with pytest.raises(InputError, match=message):
+            plan.run(q, 0, **{name: buffer})
+    out, lse = torch.zeros(rows, Q_HEADS, D, dtype=torch.int16), torch.zeros(rows, Q_HEADS)
+    got_out, got_lse = plan.run(q, 0, out=out, lse=lse, return_lse=True)
+    assert got_out.data_ptr() == out.data_ptr() and got_out.dtype == torch.bfloat16 and got_lse is lse
+    assert torch.isfinite(lse[seq]).all() and (lse[1 - seq] == -torch.inf).all()
