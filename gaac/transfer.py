@@ -184,26 +184,37 @@ class Container:
                 "epoch_records": sum(len(s.epochs) for s in lay.sections)}
 
 
-def _as_array(data) -> np.ndarray:
-    """A bytes-like object, NumPy uint8 array or torch CPU uint8 tensor as a 1-D uint8 array (no copy)."""
+def _as_array(data, name: str = "data") -> np.ndarray:
+    """A bytes-like object, NumPy uint8 array or torch CPU uint8 tensor as a 1-D uint8 array (no copy).
+
+    A strided array or buffer (a view with steps) is an :class:`InputError` naming the argument ``name``, as is
+    anything else that is not bytes."""
     if isinstance(data, torch.Tensor):
         if data.device.type != "cpu" or data.dtype != torch.uint8:
-            raise InputError(f"a container as a tensor must be uint8 on the CPU, got {data.dtype} on {data.device}")
+            raise InputError(f"{name}: a container as a tensor must be uint8 on the CPU, got {data.dtype} on "
+                             f"{data.device}")
         data = data.contiguous().reshape(-1).numpy()
     if isinstance(data, np.ndarray):
         if data.dtype != np.uint8:
-            raise InputError(f"a container as an array must be uint8, got {data.dtype}")
+            raise InputError(f"{name}: a container as an array must be uint8, got {data.dtype}")
+        if not data.flags.c_contiguous:
+            raise InputError(f"{name}: the array is strided (a view with steps, strides {data.strides}); pass a "
+                             "contiguous one (np.ascontiguousarray)")
         return data.reshape(-1)
     try:
         return np.frombuffer(data, dtype=np.uint8)
     except TypeError:
-        raise InputError(f"expected the container's bytes (bytes, memoryview, a uint8 array or tensor), got "
-                         f"{type(data).__name__}") from None
+        raise InputError(f"{name}: expected the container's bytes (bytes, memoryview, a uint8 array or tensor), "
+                         f"got {type(data).__name__}") from None
+    except (BufferError, ValueError) as exc:          # a strided memoryview, or a buffer NumPy cannot view
+        raise InputError(f"{name}: the buffer is not one contiguous run of bytes ({exc}); pass a contiguous "
+                         "copy (bytes(...))") from None
 
 
 def read_head(data) -> Container:
-    """Check a container's head (FORMAT.md 11.7, S1-S12) and return what it says; the body is checked
-    where it is used (:func:`import_sequence`)."""
+    """Check a container's head (FORMAT.md 11.7, S1-S12, C4, and S16's count: no more records than blocks) and
+    return what it says; the body is checked where it is used (:func:`import_sequence`).  Each count the header
+    and records state is checked against the bytes there are before anything is read or looped over by it."""
     a = _as_array(data)
     n = len(a)
     if n < L.SEQUENCE_HEADER.size:
@@ -771,7 +782,7 @@ def export_sequence(cache, seq: int, *, calibration: bool = False, out=None) -> 
         host = torch.empty(lay.nbytes, dtype=torch.uint8, pin_memory=cuda)
     else:
         if not isinstance(out, torch.Tensor):
-            array = _as_array(out)
+            array = _as_array(out, "out")
             if not array.flags.writeable:
                 raise InputError("out: the buffer is read-only; pass a writable one (bytearray, NumPy array, tensor)")
             out = torch.from_numpy(array)
@@ -779,6 +790,8 @@ def export_sequence(cache, seq: int, *, calibration: bool = False, out=None) -> 
         if host.dtype != torch.uint8 or host.device.type != "cpu" or host.dim() != 1 or host.shape[0] < lay.nbytes:
             raise InputError(f"out: expected a writable 1-D uint8 host buffer of at least {lay.nbytes} bytes, got "
                              f"{host.dtype} {list(host.shape)} on {host.device}")
+        if not host.is_contiguous():
+            raise InputError(f"out: the buffer is strided (strides {host.stride()}); pass a contiguous one")
         host = host[:lay.nbytes]
     body = torch.empty(lay.body_bytes, dtype=torch.uint8, device=cache.device) if cuda else host[lay.body_offset:]
     epochs = _upload(np.stack([st.epochs for st in stored]).astype(np.int16), body.device)
@@ -851,6 +864,9 @@ def pack(k, v, calibration: Calibration | None = None, *, show_progress: bool | 
     from .calibration import calibrate
     from .io import check_cache
 
+    if calibration is not None and not isinstance(calibration, Calibration):
+        raise InputError(f"calibration: expected a gaac.Calibration (Calibration.load or Calibration.from_dict "
+                         f"reads a file), got {type(calibration).__name__}")
     k, v = check_cache(k, "k"), check_cache(v, "v")
     if k.shape != v.shape:
         raise InputError(f"k {list(k.shape)} and v {list(v.shape)} must have one shape")
