@@ -53,10 +53,14 @@ import torch
 
 from . import layout as L
 from .pools import grown, sync_pools
-from .calibration import Calibration, canonical_bytes_size, epoch_canonical_bytes
+from .cache import MAX_INDEXED_EPOCHS
+from .calibration import (BF16_FILE, CALIBRATION_VERSION, CANONICAL_HEAD_BYTES, Calibration, canonical_bytes_size,
+                          epoch_canonical_bytes)
 from .errors import CalibrationError, FormatError, InputError, PoolExhaustedError
+from .tiles import tile_bases
 
 KINDS = (L.KIND_K, L.KIND_V)
+_CANONICAL_MAGIC = BF16_FILE.magic + bytes([CALIBRATION_VERSION])   # FORMAT.md 3.3: the first 8 canonical bytes
 _RAW_ENTRY_BIAS = L.TABLE_RAW_FLAG - (1 << 32)   # raw index + this = its table entry as a (negative) int32
 
 
@@ -166,7 +170,7 @@ class Container:
     calibration_id: int
     calibration: Calibration | None   # the embedded calibration (flags bit 0), else None
     chunk_crcs: np.ndarray            # uint32 [chunks]
-    data: np.ndarray                  # the whole container, uint8 (a view of the caller's buffer)
+    data: np.ndarray                  # the whole container, uint8 (a view of the buffer read_head was given)
 
     @property
     def body(self) -> np.ndarray:
@@ -245,6 +249,9 @@ def read_head(data) -> Container:
         if capacity % L.SLOT_ALIGN or n_raw > nb * per:
             raise FormatError(f"bad section record {i} (layer {i // 2} {L.KIND_NAMES[KINDS[i % 2]]}): escape capacity "
                               f"{capacity}, {n_raw} raw tiles of {nb * per}")
+        if count > nb:               # S16 before the records are read: each record needs a block of its own
+            raise FormatError(f"section record {i} (layer {i // 2} {L.KIND_NAMES[KINDS[i % 2]]}) lists {count} epoch "
+                              f"records for {nb} blocks: a record no block uses (FORMAT.md 11.3)")
         records.append((capacity, count, n_raw))
     if sum(r[1] for r in records) != n_records:
         raise FormatError(f"bad header: {n_records} epoch records, the section records list "
@@ -259,8 +266,8 @@ def read_head(data) -> Container:
         for _ in range(count):
             epoch, zero, bases_id = L.SEQUENCE_EPOCH.unpack_from(a, at)
             at += L.SEQUENCE_EPOCH.size
-            b3 = a[at:at + table].reshape(heads, dim)
-            b4 = a[at + table:at + 2 * table].reshape(heads, dim)
+            b3 = a[at:at + table].reshape(heads, dim).copy()
+            b4 = a[at + table:at + 2 * table].reshape(heads, dim).copy()
             at += 2 * table
             if zero or epoch == 0 or (section and epoch <= section[-1].epoch):
                 raise FormatError(f"bad epoch record of section {i}: epoch {epoch} (reserved {zero}); epochs 1 and "
@@ -296,10 +303,19 @@ def read_head(data) -> Container:
         size = canonical_bytes_size(layers, heads, dim)
         start = crc_at - 4 * layout.chunks - size
         raw = a[start:start + size].tobytes()
+        head = raw[:CANONICAL_HEAD_BYTES]
+        dims = tuple(int(x) for x in np.frombuffer(head, "<u4", 3, 8))
+        if head[:8] != _CANONICAL_MAGIC or dims != (layers, heads, dim):
+            raise FormatError(f"the embedded calibration starts {head[:8]!r} for (layers, kv_heads, head_dim) "
+                              f"{dims}; the header's {(layers, heads, dim)} need canonical bytes that start "
+                              f"{_CANONICAL_MAGIC!r} and name them (FORMAT.md 11.4)")
         if zlib.crc32(raw) != cal_id:
             raise FormatError(f"the embedded calibration's CRC-32 is {zlib.crc32(raw):08x}, the header names "
                               f"{cal_id:08x}")
-        calibration = Calibration.from_canonical_bytes(raw)
+        try:
+            calibration = Calibration.from_canonical_bytes(raw)
+        except CalibrationError as exc:
+            raise CalibrationError(f"the embedded calibration breaks FORMAT.md 3.2: {exc}") from None
     crcs = np.frombuffer(a, "<u4", layout.chunks, crc_at - 4 * layout.chunks).astype(np.uint32)
     return Container(layout=layout, calibration_id=cal_id, calibration=calibration, chunk_crcs=crcs, data=a)
 
@@ -470,10 +486,10 @@ def _fill_section(st, s: Section, lay: Layout, body: torch.Tensor, epochs: torch
 
 
 class _BodyCheck:
-    """FORMAT.md 11.7 on the body (S13-S15) as it arrives, piece by piece, where it is, with one wait for the
+    """FORMAT.md 11.7 on the body (S13-S16) as it arrives, piece by piece, where it is, with one wait for the
     verdict (:meth:`verdict`): the chunk CRCs (:meth:`chunks`) and each section's zero padding and block table
-    numbering (:meth:`section`) on the body's device; the block epochs, and on CUDA the partial last chunk's
-    CRC, on the host, where the container is."""
+    numbering (:meth:`section`) on the body's device; after the wait, the block epochs and on CUDA the partial
+    last chunk, brought to the host from the body as it arrived, so that what is checked is what is used."""
 
     def __init__(self, c: Container, body: torch.Tensor):
         self.c, self.body = c, body
@@ -511,45 +527,49 @@ class _BodyCheck:
             return np.concatenate(self.crcs)
         return np.concatenate([torch.cat(self.crcs).cpu().numpy().view(np.uint32), partial]).astype(np.uint32)
 
-    def _epochs(self) -> str | None:
-        """The message for the first section whose block epochs break S15, or None."""
-        for s in self.c.layout.sections:
-            epochs = _block_epochs(self.c, s)
-            allowed = np.array([0, *(r.epoch for r in s.epochs)])
+    def _epochs(self, block_epochs: list) -> str | None:
+        """The message for the first section whose block epochs break S15 or leave a record unused (S16), or
+        None."""
+        for s, epochs in zip(self.c.layout.sections, block_epochs):
+            records = np.array([r.epoch for r in s.epochs], dtype=np.int64)
+            allowed = np.array([0, *records])
+            where = f"layer {s.layer} {L.KIND_NAMES[s.kind]}"
             if (np.diff(epochs) < 0).any() or not np.isin(epochs, allowed).all():
-                return (f"layer {s.layer} {L.KIND_NAMES[s.kind]}: block epochs {sorted(set(epochs.tolist()))} must "
-                        f"be non-decreasing and among the section's epochs {allowed.tolist()}")
+                return (f"{where}: block epochs {sorted(set(epochs.tolist()))} must be non-decreasing and among the "
+                        f"section's epochs {allowed.tolist()}")
+            unused = records[~np.isin(records, epochs)]
+            if unused.size:
+                return (f"{where}: no block uses epoch record(s) {unused.tolist()}; a section holds a record only for "
+                        "an epoch its blocks use (FORMAT.md 11.3)")
         return None
 
-    def verdict(self) -> None:
+    def verdict(self) -> list:
         """Raise :class:`FormatError` for the first rule the body breaks: a chunk CRC (S13), then the block epochs
-        (S15), then padding and tables (S14).  The host's share (the block epochs; on CUDA the partial last
-        chunk's CRC) runs while the device still works; then one wait, for one small array of flags."""
-        c = self.c
+        (S15, S16), then padding and tables (S14); else return each section's block epochs (int64 ``[blocks]``)
+        as checked, for the commit.  One wait, for one small array of flags; then the block epochs (and on CUDA
+        the partial last chunk) come to the host from the body."""
+        c, body = self.c, self.body
         lay = c.layout
-        partial = [np.uint32(zlib.crc32(c.body[self.whole * L.SEQUENCE_CHUNK_BYTES:]))] \
-            if self.whole < lay.chunks else []
-        epochs = self._epochs()
         if self.cuda:
             crc_ok = (torch.cat(self.crcs) == self.expected).all()
         else:
-            crc_ok = torch.tensor(bool(np.array_equal(self._computed(partial), c.chunk_crcs)))
+            crc_ok = torch.tensor(bool(np.array_equal(self._computed([]), c.chunk_crcs)))
         ok = torch.stack([crc_ok, *self.flags]).cpu().numpy()
+        partial = [np.uint32(zlib.crc32(body[self.whole * L.SEQUENCE_CHUNK_BYTES:].cpu().numpy()))] \
+            if self.whole < lay.chunks else []
         if not ok[0] or any(p != want for p, want in zip(partial, c.chunk_crcs[self.whole:])):
             crcs = self._computed(partial)
             i = int(np.flatnonzero(crcs != c.chunk_crcs)[0])
             raise FormatError(f"chunk {i} of the body: CRC-32 mismatch (stored {int(c.chunk_crcs[i]):08x}, "
                               f"computed {int(crcs[i]):08x}): the container is corrupt")
-        if epochs is not None:
-            raise FormatError(epochs)
+        block_epochs = [_view(body, s.block_epochs, lay.blocks, torch.int16).cpu().numpy().astype(np.int64) & 0xFFFF
+                        for s in lay.sections]
+        message = self._epochs(block_epochs)
+        if message is not None:
+            raise FormatError(message)
         if not ok.all():
             raise FormatError(self.messages[int(np.flatnonzero(~ok[1:])[0])])
-
-
-def _block_epochs(c: Container, s: Section) -> np.ndarray:
-    """Section ``s``'s block epochs, read from the host copy of the container (int64 ``[blocks]``)."""
-    nb = c.layout.blocks
-    return np.frombuffer(c.body, "<u2", nb, s.block_epochs).astype(np.int64)
+        return block_epochs
 
 
 # ----------------------------------------------------------------------------------------------
@@ -656,9 +676,10 @@ class _Writer:
             position.clamp_(0, lut.numel() - 1)
         self.tables[i] = lut.index_select(0, position).to(torch.int32).view(lay.blocks, lay.tiles_per_block)
 
-    def commit(self, body: torch.Tensor, appended: list, maps: list) -> int:
+    def commit(self, body: torch.Tensor, appended: list, maps: list, block_epochs: list) -> int:
         """The sequence into the cache, with the epochs ``appended`` (per section: (b3, b4) to append, in
-        order) and ``maps`` (per section: container epoch -> cache epoch); returns its id."""
+        order), ``maps`` (per section: container epoch -> cache epoch) and ``block_epochs`` (per section: its
+        blocks' epochs as the checks read them); returns its id."""
         cache, c = self.cache, self.c
         lay = c.layout
         nb, t = lay.blocks, lay.tail_tokens
@@ -678,13 +699,14 @@ class _Writer:
             for i in range(len(lay.sections)):
                 self.scatter(i, body)
         seq = int(np.flatnonzero(~cache._live)[0])
-        epochs = [to_cache[_block_epochs(c, s)].astype(np.int16) for s, to_cache in zip(lay.sections, maps)]
+        epochs = [to_cache[e].astype(np.int16) for e, to_cache in zip(block_epochs, maps)]
         on_device = _upload(np.stack(epochs), cache.device) if cache.adapt else None
         for i, (s, tables) in enumerate(zip(lay.sections, appended)):
             store = cache._store[s.layer][s.kind]
             for b3, b4 in tables:
                 cache.calibration.add_epoch(s.layer, s.kind, b3, b4)
-                store.add_epoch(b3, b4)
+            if tables:
+                _append_epochs(store, tables)
                 cache._drop_layer_state(s.layer)
             store.slots.take_upcoming(s.slot_tiles)
             store.raw.take_upcoming(s.raw_tiles)
@@ -700,6 +722,17 @@ class _Writer:
         cache._seq_lens[:, seq] = lay.tokens
         cache._lengths_changed()
         return seq
+
+
+def _append_epochs(store, tables: list) -> None:
+    """Append epochs ``tables`` ((b3, b4) ``[kv_heads, head_dim]`` each, in order) to the device tables of
+    ``store`` (a cache's layer and kind) with one concatenation per table: appending them one by one would copy
+    each table once per epoch."""
+    tiles = [tile_bases(b3, b4) for b3, b4 in tables]
+    for name, new in (("b3", [t[0] for t in tables]), ("b4", [t[1] for t in tables]),
+                      ("tb3", [t[0] for t in tiles]), ("tb4", [t[1] for t in tiles])):
+        old = getattr(store, name)
+        setattr(store, name, torch.cat([old, torch.from_numpy(np.stack(new).astype(np.uint8)).to(old.device)]))
 
 
 def _epoch_map(c: Container, cal: Calibration) -> tuple[list, list]:
@@ -722,9 +755,10 @@ def _epoch_map(c: Container, cal: Calibration) -> tuple[list, list]:
                 new.append((r.b3.copy(), r.b4.copy()))
                 match = have + len(new) - 1
             to_cache[r.epoch] = last = match
-        if have + len(new) - 1 > 0xFFFF:
-            raise CalibrationError(f"layer {s.layer} {L.KIND_NAMES[s.kind]} would hold {have + len(new)} epochs, "
-                                   "more than a block header can name")
+        if have + len(new) > MAX_INDEXED_EPOCHS:
+            raise PoolExhaustedError(f"layer {s.layer} {L.KIND_NAMES[s.kind]} would hold {have + len(new)} epochs: "
+                                     "a cache names a block's epoch in an int16 index, at most MAX_INDEXED_EPOCHS = "
+                                     f"{MAX_INDEXED_EPOCHS} epochs (gaac.cache); nothing was imported")
         appended.append(new)
         maps.append(to_cache)
     return appended, maps
@@ -829,9 +863,17 @@ def import_sequence(cache, data) -> int:
     records may hold the container's bytes, which nothing reads).  The slots are copied, not decoded:
     decoding them (reading the sequence, attention) checks them as it checks a block's.  On a CUDA cache the
     host waits once, for the checks' verdict; the writes after it run on the current stream.
+
+    ``data`` is read once: on the CPU into a private copy, on CUDA into the device's copy (the head into host
+    memory of its own); the checks and the cache's writes read that copy, so a caller's buffer that changes
+    during the call changes nothing that was checked.  An import that would give a layer and kind more epochs
+    than the cache's block-epoch index names (``gaac.cache.MAX_INDEXED_EPOCHS``) raises
+    :class:`PoolExhaustedError` before any of the body moves.
     """
-    c = read_head(data)
+    a = _as_array(data)
+    c = read_head(a if cache.device.type == "cuda" else a.copy())
     _check_calibration(c, cache.calibration, cache.adapt)
+    appended, maps = _epoch_map(c, cache.calibration)
     with warnings.catch_warnings():                  # read-only bytes: torch warns, and nothing writes to them
         warnings.simplefilter("ignore", UserWarning)
         host = torch.from_numpy(c.body)
@@ -849,9 +891,8 @@ def import_sequence(cache, data) -> int:
                 writer.scatter(i, body)
 
     _pipeline(lay, body, host, work, to_host=False)
-    check.verdict()
-    appended, maps = _epoch_map(c, cache.calibration)
-    return writer.commit(body, appended, maps)
+    block_epochs = check.verdict()
+    return writer.commit(body, appended, maps, block_epochs)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -880,17 +921,24 @@ def pack(k, v, calibration: Calibration | None = None, *, show_progress: bool | 
 def unpack(data, calibration: Calibration | None = None) -> tuple[np.ndarray, np.ndarray]:
     """A sequence container back to K and V, uint16 ``[layers, kv_heads, tokens, head_dim]``, bit for bit.
 
-    ``calibration``: the container's own (embedded) when not given; one of them is needed.
+    ``calibration``: the container's own (embedded) when not given; one of them is needed.  It is checked
+    against the container (FORMAT.md 11.7, C1-C5) before a cache is sized from it, and the cache keeps
+    epochs (a histogram per layer and kind) only when the container has epoch records, so that what unpack
+    allocates follows the container's data, not the counts its header states.
     """
     from .cache import PagedKVCache
 
+    if calibration is not None and not isinstance(calibration, Calibration):
+        raise InputError(f"calibration: expected a gaac.Calibration or None, got {type(calibration).__name__}")
     c = read_head(data)
     cal = calibration if calibration is not None else c.calibration
     if cal is None:
         raise CalibrationError("the container carries no calibration (exported without calibration=True): pass "
                                f"the calibration {c.calibration_id:08x} it was made with")
     lay = c.layout
+    adapt = any(s.epochs for s in lay.sections)
+    _check_calibration(c, cal, adapt)
     cache = PagedKVCache(cal, max_blocks=max(1, lay.blocks), slots=max(s.slot_tiles for s in lay.sections),
-                         raw_tiles=sum(s.raw_tiles for s in lay.sections))
+                         raw_tiles=sum(s.raw_tiles for s in lay.sections), adapt=adapt)
     seq = import_sequence(cache, c.data)
     return cache.read(seq)

@@ -253,6 +253,26 @@ def test_sequence_reject_vectors_cover_every_rule_of_11_7():
 
 
 @pytest.mark.parametrize("entry", SEQUENCE_REJECT, ids=[e["name"] for e in SEQUENCE_REJECT])
+def test_reference_rejects_sequence_vector(entry):
+    """gaac.transfer refuses each with the class and phrase of its rule: an import leaves the cache empty, and a
+    container with its calibration embedded is refused by unpack without one."""
+    from gaac import transfer
+    from gaac.cache import PagedKVCache
+
+    data = (SEQUENCE / f"{entry['name']}.bin").read_bytes()
+    with pytest.raises(getattr(gaac, entry["error"]), match=re.escape(entry["message"])):
+        if entry["calibration"] is None:
+            transfer.unpack(data)
+        else:
+            cache = PagedKVCache(gaac.Calibration.load(SEQUENCE / entry["calibration"]), max_blocks=2,
+                                 adapt=entry["adapt"])
+            try:
+                cache.import_sequence(data)
+            finally:
+                assert cache.sequences == []
+
+
+@pytest.mark.parametrize("entry", SEQUENCE_REJECT, ids=[e["name"] for e in SEQUENCE_REJECT])
 def test_spec_decoder_rejects_sequence_vector(entry):
     cal = None if entry["calibration"] is None else spec_decoder.load_calibration(SEQUENCE / entry["calibration"])
     with pytest.raises(getattr(spec_decoder, entry["error"])) as info:
