@@ -321,7 +321,7 @@ def read_head(data) -> Container:
 
 
 def _check_calibration(c: Container, cal: Calibration, adapt: bool) -> None:
-    """FORMAT.md 11.7, C1-C3: the container against the calibration (and epochs) of the cache it goes into."""
+    """FORMAT.md 11.7, C1-C3 and C5: the container against the calibration (and epochs) of the cache it goes into."""
     lay = c.layout
     if c.calibration_id != cal.id:
         raise CalibrationError(f"the sequence was exported from a cache with calibration {c.calibration_id:08x}; "
