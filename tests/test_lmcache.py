@@ -301,3 +301,46 @@ def test_lmcache_registry_and_async_processor(prose, code_calibration, with_file
         assert torch.equal(out.tensor.view(torch.int16), chunk.view(torch.int16))
     finally:
         processor.close()
+
+
+@pytest.mark.xfail(strict=True, reason="LMCache's fs adapter loads a key only when the file fills the whole "
+                   "buffer, which a serde sizes by its estimate; a compressed chunk is shorter, so it loads as a miss")
+def test_lmcache_fs_adapter_serves_a_compressed_chunk(prose, tmp_path):
+    serde = pytest.importorskip("lmcache.v1.distributed.serde")
+    from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
+    from lmcache.v1.distributed.l2_adapters.fs_l2_adapter import FSL2Adapter, FSL2AdapterConfig
+    from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
+
+    import gaac.lmcache as plugin
+
+    def memory_obj(shape, dtype, fmt):
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        meta = MemoryObjMetadata(shape=torch.Size(shape), dtype=dtype, address=0, phy_size=nbytes, ref_count=1,
+                                 fmt=fmt, shapes=[torch.Size(shape)], dtypes=[dtype])
+        return TensorMemoryObj(torch.zeros(nbytes, dtype=torch.uint8), meta, None)
+
+    k, v = prose
+    chunk = lmcache_chunk(k[:, :, :256], v[:, :, :256])
+    ser = plugin.GaacSerializer(head_dim=64)
+    src = memory_obj(chunk.shape, torch.bfloat16, MemoryFormat.KV_2LTD)
+    src.tensor.copy_(chunk)
+    layout = serde.serialized_layout_desc(MemoryLayoutDesc(shapes=[chunk.shape], dtypes=[chunk.dtype]),
+                                          serde.AsyncSerdeProcessor(ser, plugin.GaacDeserializer(head_dim=64)))
+    temp = memory_obj(layout.shapes[0], torch.uint8, MemoryFormat.BINARY_BUFFER)
+    temp.set_used_size(ser.serialize(src, temp, None))          # as AsyncSerdeProcessor does
+    key = ObjectKey(chunk_hash=b"\x02" * 32, model_name="m", kv_rank=0)
+    fs = FSL2Adapter(FSL2AdapterConfig(base_path=str(tmp_path)))
+    try:
+        fs.submit_store_task([key], [temp])
+        stored = {}
+        for _ in range(400):
+            stored.update(fs.pop_completed_store_tasks())
+            if stored:
+                break
+            time.sleep(0.005)
+        assert list(stored.values()) == [temp.get_size()]        # the compressed bytes are what is stored
+        loaded = memory_obj(layout.shapes[0], torch.uint8, MemoryFormat.BINARY_BUFFER)
+        bitmap = _wait(fs.query_load_result, fs.submit_load_task([key], [loaded]))
+        assert bitmap.get_indices_list() == [0]
+    finally:
+        fs.close()
