@@ -45,6 +45,14 @@ and is read by other processes, which never saw that first chunk.  It costs
 0.4% of a 256-token chunk; a calibration file saves it and also picks windows from more
 data than one chunk.
 
+What LMCache's adapters do with the bytes.  ``AsyncSerdeProcessor`` narrows the buffer to the
+bytes :meth:`GaacSerializer.serialize` wrote, so an adapter stores the compressed chunk; LMCache
+0.5.6's ``fs`` and ``fs_native`` adapters then load a key only into a buffer of the estimate's size
+and count a file shorter than that buffer as a miss, so a chunk they stored compressed is not
+served back (tests/test_lmcache.py keeps that case as an expected failure).  The serde's bytes
+are right either way: a container is cut from the start of whatever buffer it arrives in
+(:func:`container_nbytes`).
+
 The size bound.  :func:`worst_case_bytes` is the largest container FORMAT.md section 11
 allows for given dimensions, capacities and epoch records: every tile in whichever of a
 slot or a raw tile is larger, every section's tail, table and block epochs, the epoch
