@@ -104,7 +104,7 @@ def test_worst_case_bytes_counts_each_part():
     head += sections * 2 * (L.SEQUENCE_EPOCH.size + 2 * 2 * 128)
     assert worst_case_bytes(2, 2, 128, 40) == worst_case_bytes(2, 2, 128, 40, epoch_records=5) \
         == -(-head // 16) * 16 + body
-    calibrated = head + gaac.calibration.canonical_bytes_size(2, 2, 128)
+    calibrated = head + canonical_bytes_size(2, 2, 128)
     assert worst_case_bytes(2, 2, 128, 40, calibration=True) == -(-calibrated // 16) * 16 + body
     with pytest.raises(InputError):
         worst_case_bytes(0, 2, 128, 40)
