@@ -46,9 +46,29 @@ Limits, worked out when the plan is made (``plan.steps`` may come out below the 
 
 Anything else that changes the cache (another update, a removal, growth) ends the plan: ``replayed``
 raises :class:`InputError`, since the graph's launches name arrays that may be gone.
+
+What the host checks of a recording and of its account, since a graph replays whatever was recorded and
+the host's lengths must follow the device's:
+
+* a recorded step appends every layer once (``cache.update_layer`` of a layer appended already is refused
+  before it launches; a layer left out is refused as the ``with`` block ends), and runs a layer's
+  attention only after that layer's append (attention over the old tokens is refused);
+* ``plan.replayed()`` is called once per step that ran: a step run eagerly (a recording outside a CUDA graph
+  capture runs its launches) is accounted by one call before the next recording, and a second call, or a
+  call before any step ran or inside the recording, is refused.  The plan does not see ``graph.replay()`` (torch's), and reading the device's lengths would
+  wait for it, so after a captured recording it takes each call for one replay: more calls than the
+  graph's replays go unnoticed until ``plan.steps`` calls, past which it refuses;
+* a refused recording leaves the cache as it was: under a capture nothing ran; run eagerly, the layers it
+  appended are taken back (the device's lengths return to the host's, the records their finished blocks
+  took go back to the pools) and the plan ends, so that the next plan starts from the host's lengths.
+
+A change to another cache while a step is recorded would be replayed on every step and accounted once:
+:func:`check_not_recording` refuses it, for a cache that records no plan of its own, where the cache's
+``update_layer`` and ``append`` call it (:data:`RECORDING` names the plans this thread records).
 """
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 
 import numpy as np
@@ -80,6 +100,9 @@ class CapturedSteps:
         self.end = before.copy()
         self.end[rows] += self.steps
         self.step = 0
+        self._appended = None       # the layers the recording in progress appended (None: no recording)
+        self._ran = False           # a step ran eagerly (recorded outside a capture), not yet accounted by replayed()
+        self._captured = False      # whether a recording was captured: its replays are torch's, unseen by the plan
         self.cuts = set()
         if not self.steps:
             return
@@ -131,16 +154,44 @@ class CapturedSteps:
         if cache._recording is not None:
             raise InputError("another plan's step is being recorded")
         self.check_current()
+        if self._ran:
+            raise InputError("the step this plan last ran eagerly is not accounted: call plan.replayed() before "
+                             "recording the next")
+        capturing = _capturing(cache)
         cache._recording = self
+        self._appended = set()
+        RECORDING.plans.append(self)
+        recorded = False
         try:
             yield self.plan
+            missing = [layer for layer in range(cache.layers) if layer not in self._appended]
+            if missing:
+                raise InputError(f"the recorded step appends no token to layer(s) {missing}: a plan of steps "
+                                 f"advances every layer's lengths a step, so each of the {cache.layers} layers takes "
+                                 "its token (cache.update_layer) once")
+            recorded = True
         finally:
             cache._recording = None
+            RECORDING.plans.remove(self)
+            appended, self._appended = self._appended, None
+            if not recorded and appended and not capturing:
+                self._take_back(appended)
+        if capturing:
+            self._captured = True
+        else:
+            self._ran = True
 
     def check_recording(self, what: str) -> None:
         if self.cache._recording is not self:
             raise InputError(f"{what}: a plan of steps runs inside `with plan.device_driven():` (captured in a "
                              "CUDA graph, or run eagerly there), its host account kept by plan.replayed()")
+
+    def check_run(self, layer: int) -> None:
+        """``plan.run(q, layer)``: inside the recording, after the step's append to ``layer``."""
+        self.check_recording("run")
+        if layer not in self._appended:
+            raise InputError(f"run(q, {layer}): layer {layer} has not taken this step's token; append it "
+                             f"(cache.update_layer) before its attention, which would otherwise leave it out")
 
     def check_current(self) -> None:
         if self.cache._generation != self._generation:
@@ -153,26 +204,98 @@ class CapturedSteps:
     def record_append(self, layer: int, seqs: list, k, v) -> None:
         """``cache.update_layer`` while recording (it has checked the layer, the sequences and the bits): one
         launch appends the token to both tails, advances the lengths and encodes the blocks it completes
-        (:func:`gaac.cuda.codec.step_append_kernel`)."""
+        (:func:`gaac.cuda.codec.step_append_kernel`).  A layer takes one token a step: a second append is
+        refused before it launches."""
         cache = self.cache
         if seqs != self.plan.seqs:
             raise InputError(f"sequences {seqs}: this plan of steps appends to {self.plan.seqs}, in that order")
         if k.shape[2] != 1:
             raise InputError(f"k {list(k.shape)} and v {list(v.shape)}: a plan of steps appends one token, "
                              f"[{len(seqs)}, {cache.kv_heads}, 1, {cache.head_dim}] each")
+        layer = int(layer)
+        if layer in self._appended:
+            raise InputError(f"layer {layer} already took this step's token: a plan of steps appends one token per "
+                             "layer a step (the host accounts one)")
         self.appender.launch(layer, k, v, tuple(self.epochs[layer]))
+        self._appended.add(layer)
+
+    def _take_back(self, layers) -> None:
+        """Undo the appends of a refused recording that ran eagerly (outside a capture): ``layers`` took a token
+        the host does not account.  Their device lengths return to the host's, and the records that the
+        encodes of the blocks they finished took (read from the block table: a refused step waits for the
+        device) go back to the pools, as a removal gives them back.  The plan ends (the pools' free lists
+        are new): the next plan starts from the host's lengths."""
+        cache, rows = self.cache, self.rows
+        with cache.lock:
+            cache._seq_lens[:, cache._to_device(rows)] = cache._to_device(cache._lens[:, rows].astype(np.int32))
+            after = cache._lens[0, rows] + 1
+            done = after % L.BLOCK_TOKENS == 0
+            if done.any():
+                at = (cache._to_device(rows[done]), cache._to_device(after[done] // L.BLOCK_TOKENS - 1))
+                for layer in sorted(layers):
+                    for store in cache._store[layer]:
+                        e = store.table[at].reshape(-1).cpu().numpy().view(np.uint32).astype(np.int64)
+                        is_raw = (e & L.TABLE_RAW_FLAG) != 0
+                        store.slots.give(e[~is_raw])
+                        store.raw.give(e[is_raw] & L.TABLE_INDEX_MASK)
+                        store.table[at] = 0
+                        if store.epoch is not None:
+                            store.epoch[at] = 0
+            cache._lengths_changed()
 
     # -- after each replay -------------------------------------------------------------------------
     def replayed(self) -> None:
-        """The host's account of one replayed (or eagerly run) step: lengths, the blocks it finished."""
+        """The host's account of one replayed (or eagerly run) step: lengths, the blocks it finished.
+
+        Once per step that ran (module docstring): a step run eagerly is accounted once; after a captured
+        recording each call stands for one ``graph.replay()``, which the plan cannot see without waiting for
+        the device, so only calls past ``plan.steps`` are refused there."""
         cache = self.cache
+        if cache._recording is self:
+            raise InputError("replayed(): the step is being recorded; account it after the `with "
+                             "plan.device_driven():` block (and, for a captured graph, after each graph.replay())")
         self.check_current()
+        if self._ran:
+            self._ran = False
+        elif not self._captured:
+            raise InputError("replayed(): no step of this plan ran since its last account: record the step (`with "
+                             "plan.device_driven():`), and call plan.replayed() once per graph.replay() or eager run")
         rows = self.rows
         after = cache._lens[0, rows] + 1
         done = after % L.BLOCK_TOKENS == 0
         cache._lens[:, rows] += 1
         self.step += 1
         self.appender.account(range(cache.layers), rows[done], after[done] // L.BLOCK_TOKENS - 1, self.epochs)
+
+
+class _Recordings(threading.local):
+    """The plans whose device-driven steps this thread records now, innermost last."""
+
+    def __init__(self):
+        self.plans = []
+
+
+RECORDING = _Recordings()
+
+
+def _capturing(cache) -> bool:
+    """Whether the current CUDA stream is being captured in a graph (then a recording's launches do not run)."""
+    if cache.device.type != "cuda":
+        return False
+    import torch
+
+    return torch.cuda.is_current_stream_capturing()
+
+
+def check_not_recording(cache, what: str = "update") -> None:
+    """Refuse a change to ``cache`` while this thread records a device-driven step of another cache (one
+    not recording a plan of its own): a CUDA graph would replay it on every step, and nothing would account
+    for it on the host."""
+    plans = RECORDING.plans
+    if plans and cache._recording is None:
+        raise InputError(f"{what} of a cache that records no plan, inside another cache's `with "
+                         "plan.device_driven():`: a graph replays it every step and nothing accounts for it; change "
+                         "it outside the recording, or record a plan of its own for it")
 
 
 def merge_signature() -> tuple:

@@ -321,7 +321,7 @@ class StepPlan:
         cache = self.cache
         cache._check_layer(layer)
         if self.steps is not None:
-            self.captured.check_recording("run")
+            self.captured.check_run(layer)
         elif not np.array_equal(cache._lens[layer], self.lens):
             raise InputError(f"layer {layer} holds {cache._lens[layer].tolist()} tokens per sequence; this plan is "
                              f"for {self.lens.tolist()}: append the step's tokens to the layer before its attention")
@@ -530,13 +530,16 @@ class StepPlan:
     def device_driven(self):
         """A plan of ``steps``: the context in which ``cache.update_layer`` (one token) and :meth:`run` launch
         the device-driven step, for a CUDA graph to capture (:mod:`gaac.captured`).  Run eagerly, it is
-        one step."""
+        one step.  Every layer takes one token, before its attention; a step that does otherwise is refused
+        (:class:`InputError`) and leaves the cache as it was."""
         self._need_steps("device_driven")
         return self.captured.device_driven()
 
     def replayed(self) -> None:
         """A plan of ``steps``: the host's account of one replay of the captured step (no synchronisation):
-        its copy of the lengths and of the blocks the step finished."""
+        its copy of the lengths and of the blocks the step finished.  Call it once per ``graph.replay()``
+        (or eager run of the step); a call with no step run since the last is refused where the host can
+        tell without waiting for the device (:meth:`CapturedSteps.replayed <gaac.captured.CapturedSteps.replayed>`)."""
         self._need_steps("replayed")
         self.captured.replayed()
 
