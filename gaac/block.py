@@ -177,7 +177,7 @@ def decode_block(block, calibration: Calibration) -> np.ndarray:
                                f"{fmt.element} ({fmt.name})")
     calibration.check_block(kind, layer, heads, dim, capacity)                # R15-R17
     if epoch:
-        calibration.check_epoch(layer, kind, epoch)                         # R21: "unknown epoch"
+        calibration.check_epoch(layer, kind, epoch)                         # R23: "unknown epoch"
         if cal_id != calibration.epoch_id(layer, kind, epoch):              # R22
             raise CalibrationError(f"stream epoch {epoch} has id {cal_id:08x}, but epoch {epoch} of this "
                                    f"calibration (layer {layer} {L.KIND_NAMES[kind]}) has id "

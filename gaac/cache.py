@@ -219,10 +219,16 @@ class _Kind:
 
     def add_epoch(self, b3: np.ndarray, b4: np.ndarray) -> None:
         """Append one epoch's bases ``[kv_heads, head_dim]`` to the device tables."""
-        tb3, tb4 = tile_bases(b3, b4)
-        for name, table in (("b3", b3), ("b4", b4), ("tb3", tb3), ("tb4", tb4)):
+        self.add_epochs([(b3, b4)])
+
+    def add_epochs(self, tables: list) -> None:
+        """Append epochs ``tables`` ((b3, b4) ``[kv_heads, head_dim]`` each, in order) to the device tables with
+        one concatenation per table: appending them one by one would copy each table once per epoch."""
+        tiles = [tile_bases(b3, b4) for b3, b4 in tables]
+        for name, new in (("b3", [t[0] for t in tables]), ("b4", [t[1] for t in tables]),
+                          ("tb3", [t[0] for t in tiles]), ("tb4", [t[1] for t in tiles])):
             old = getattr(self, name)
-            setattr(self, name, torch.cat([old, torch.from_numpy(np.ascontiguousarray(table)).to(old.device)[None]]))
+            setattr(self, name, torch.cat([old, torch.from_numpy(np.stack(new).astype(np.uint8)).to(old.device)]))
 
     def pools_key(self) -> tuple:
         """What an EncodePlan bakes in: the versions of the pools' arrays and free lists."""

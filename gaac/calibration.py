@@ -217,6 +217,10 @@ class Calibration:
         if min(bn.shape[1:3]) < 1:
             raise CalibrationError(f"a calibration needs at least one layer and one KV head, got "
                                    f"{bn.shape[1]} layers x {bn.shape[2]} KV heads")
+        if bn.shape[1] > L.MAX_LAYERS or bn.shape[2] > L.MAX_KV_HEADS:
+            raise CalibrationError(f"calibration of {bn.shape[1]} layers x {bn.shape[2]} KV heads: block and "
+                                   f"sequence headers hold at most {L.MAX_LAYERS} layers and {L.MAX_KV_HEADS} KV "
+                                   "heads (u16)")
         if bw.shape != bn.shape:
             raise CalibrationError(f"{names[1]} shape {list(bw.shape)} differs from {names[0]} shape "
                                    f"{list(bn.shape)}")
@@ -452,16 +456,12 @@ class Calibration:
 
     def check_header(self, d: dict) -> None:
         """FORMAT.md 3.4: the file's ``layers``, ``kv_heads`` and ``head_dim`` are JSON integers (``1.0`` and
-        ``true`` are not) equal to its tables' shape, ``layers`` and ``kv_heads`` fit the containers' u16
-        fields, and ``id``, when present, is the tables' id as 8 lowercase hex digits."""
+        ``true`` are not) equal to its tables' shape (which :meth:`validate` holds to the containers' u16
+        fields), and ``id``, when present, is the tables' id as 8 lowercase hex digits."""
         dims = (d.get("layers"), d.get("kv_heads"), d.get("head_dim"))
         if any(type(n) is not int for n in dims) or dims != (self.layers, self.kv_heads, self.head_dim):
             raise CalibrationError(f"calibration header says {dims} but its tables are "
                                    f"{(self.layers, self.kv_heads, self.head_dim)} (integers)")
-        if self.layers > L.MAX_LAYERS or self.kv_heads > L.MAX_KV_HEADS:
-            raise CalibrationError(f"calibration of {self.layers} layers x {self.kv_heads} KV heads: block and "
-                                   f"sequence headers hold at most {L.MAX_LAYERS} layers and {L.MAX_KV_HEADS} KV "
-                                   "heads (u16)")
         given = d.get("id", f"{self.id:08x}")
         if not (isinstance(given, str) and len(given) == 8 and set(given) <= set("0123456789abcdef")):
             raise CalibrationError(f"calibration id {given!r} is not 8 lowercase hex digits")

@@ -57,7 +57,6 @@ from .cache import MAX_INDEXED_EPOCHS
 from .calibration import (BF16_FILE, CALIBRATION_VERSION, CANONICAL_HEAD_BYTES, Calibration, canonical_bytes_size,
                           epoch_canonical_bytes)
 from .errors import CalibrationError, FormatError, InputError, PoolExhaustedError
-from .tiles import tile_bases
 
 KINDS = (L.KIND_K, L.KIND_V)
 _CANONICAL_MAGIC = BF16_FILE.magic + bytes([CALIBRATION_VERSION])   # FORMAT.md 3.3: the first 8 canonical bytes
@@ -706,7 +705,7 @@ class _Writer:
             for b3, b4 in tables:
                 cache.calibration.add_epoch(s.layer, s.kind, b3, b4)
             if tables:
-                _append_epochs(store, tables)
+                store.add_epochs(tables)
                 cache._drop_layer_state(s.layer)
             store.slots.take_upcoming(s.slot_tiles)
             store.raw.take_upcoming(s.raw_tiles)
@@ -722,17 +721,6 @@ class _Writer:
         cache._seq_lens[:, seq] = lay.tokens
         cache._lengths_changed()
         return seq
-
-
-def _append_epochs(store, tables: list) -> None:
-    """Append epochs ``tables`` ((b3, b4) ``[kv_heads, head_dim]`` each, in order) to the device tables of
-    ``store`` (a cache's layer and kind) with one concatenation per table: appending them one by one would copy
-    each table once per epoch."""
-    tiles = [tile_bases(b3, b4) for b3, b4 in tables]
-    for name, new in (("b3", [t[0] for t in tables]), ("b4", [t[1] for t in tables]),
-                      ("tb3", [t[0] for t in tiles]), ("tb4", [t[1] for t in tiles])):
-        old = getattr(store, name)
-        setattr(store, name, torch.cat([old, torch.from_numpy(np.stack(new).astype(np.uint8)).to(old.device)]))
 
 
 def _epoch_map(c: Container, cal: Calibration) -> tuple[list, list]:
