@@ -73,6 +73,7 @@ from . import layout as L
 from .arrays import as_bits
 from .cachelayout import LayerView
 from .calibration import Calibration
+from .captured import RECORDING, check_not_recording
 from .epochs import EPOCH_INDEX_BYTES, Adapter, epoch_table_bytes
 from .budget import Capacity, raw_share, size_cache
 from .errors import CalibrationError, FormatError, InputError, PoolExhaustedError
@@ -653,6 +654,8 @@ class PagedKVCache:
         the layers being encoded (None: on a terminal, for appends of at least ``PROGRESS_TOKENS`` tokens;
         the reference codec on a CPU encodes a few hundred blocks a second).
         """
+        if RECORDING.plans:                # a recording's launches would replay this prefill every step
+            check_not_recording(self, "append")
         self._check_seq(seq)
         k = self._bits(k, "k", 4)
         v = self._bits(v, "v", 4)
@@ -692,6 +695,8 @@ class PagedKVCache:
         the cache's GPU) is one launch whose parameters are written in place.
         """
         with self._lock:
+            if RECORDING.plans:            # another cache's step is being recorded on this thread
+                check_not_recording(self, "update_layer")
             plan = self._eager_plan
             if plan is not None and self._recording is None and plan.append_token(layer, seqs, k, v):
                 return
