@@ -29,7 +29,7 @@ container straight into LMCache's byte buffer.  Deserializing imports the contai
 a cache on the destination's device (:func:`gaac.transfer.import_sequence`: every CRC,
 table and epoch is checked first) and decodes it layer by layer into the destination.
 Without adaptation a container has no epoch records, so its size is bounded by
-:func:`worst_case_bytes` with ``epoch_records=0``: what :meth:`GaacSerializer.estimate_serialized_size`
+:func:`gaac.transfer.worst_case_bytes` with ``epoch_records=0``: what :meth:`GaacSerializer.estimate_serialized_size`
 returns, and what LMCache allocates.  A chunk is at most a few hundred tokens, too few
 blocks for an adaptation epoch to pay for its bases.
 
@@ -51,23 +51,21 @@ bytes :meth:`GaacSerializer.serialize` wrote, so an adapter stores the compresse
 and count a file shorter than that buffer as a miss, so a chunk they stored compressed is not
 served back (tests/test_lmcache.py keeps that case as an expected failure).  The serde's bytes
 are right either way: a container is cut from the start of whatever buffer it arrives in
-(:func:`container_nbytes`).
+(:func:`gaac.transfer.container_nbytes`).
 
-The size bound.  :func:`worst_case_bytes` is the largest container FORMAT.md section 11
+The size bound.  :func:`gaac.transfer.worst_case_bytes` is the largest container FORMAT.md section 11
 allows for given dimensions, capacities and epoch records: every tile in whichever of a
 slot or a raw tile is larger, every section's tail, table and block epochs, the epoch
-records, the embedded calibration, the chunk CRCs and the padding.  It belongs next to
-:func:`gaac.transfer.exported_layout` and is written here from the same layout rules.
+records, the embedded calibration, the chunk CRCs and the padding (FORMAT.md 11.11).
 """
 from __future__ import annotations
 
 import threading
 
-import numpy as np
-
 from . import layout as L
-from .calibration import Calibration, calibrate, canonical_bytes_size
+from .calibration import Calibration, calibrate
 from .errors import CalibrationError, FormatError, InputError
+from .transfer import container_nbytes, worst_case_bytes
 
 SERDE_NAME = "gaac"
 DEFAULT_HEAD_DIM = 128
@@ -77,73 +75,6 @@ try:        # LMCache is optional: without it the classes are plain, and registe
     from lmcache.v1.distributed.serde.base import Serializer as _Serializer
 except ImportError:
     _Serializer = _Deserializer = object
-
-
-def _align(n: int) -> int:
-    return -(-n // L.SEQUENCE_ALIGN) * L.SEQUENCE_ALIGN
-
-
-# ----------------------------------------------------------------------------------------------
-# Sizes of sequence containers.
-
-def worst_case_bytes(layers: int, kv_heads: int, head_dim: int, tokens: int, capacities=None, *,
-                     epoch_records: int | None = None, calibration: bool = False) -> int:
-    """The most bytes a sequence container (FORMAT.md 11) of these dimensions can have.
-
-    ``capacities``: the escape capacities of the sections, an int for all of them or ``[2, layers]``
-    indexed ``[kind, layer]`` as :attr:`gaac.Calibration.capacity`; ``None`` for any calibration made
-    by :func:`gaac.calibrate`, whose capacities never make a slot larger than a raw tile.
-    ``epoch_records``: the most epoch records one section lists; ``None`` for the format's limit,
-    one per block (11.7, S16).  ``calibration``: whether the calibration's canonical bytes are
-    embedded (flags bit 0).
-
-    Each of a section's ``blocks * kv_heads * tiles_per_head`` tiles costs the larger of its slot
-    and a raw tile; the bound is reached by a container whose every tile is raw (and whose slots are
-    no larger than raw tiles) with that many epoch records.
-    """
-    for name, value in (("layers", layers), ("kv_heads", kv_heads), ("tokens", tokens)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < (name != "tokens"):
-            raise InputError(f"{name} must be a {'non-negative' if name == 'tokens' else 'positive'} integer, "
-                             f"got {value!r}")
-    geo = L.geometry(head_dim)
-    if capacities is None:
-        tile = np.full((2, layers), geo.raw_bytes, dtype=np.int64)
-    else:
-        cap = np.broadcast_to(np.asarray(capacities, dtype=np.int64), (2, layers))
-        tile = np.maximum(geo.fixed_bytes + cap, geo.raw_bytes)
-    blocks, tail = divmod(int(tokens), L.BLOCK_TOKENS)
-    tiles = blocks * kv_heads * L.tiles_per_head(head_dim)
-    per_section = (_align(tiles * L.TABLE_ENTRY_BYTES) + _align(blocks * L.SEQUENCE_EPOCH_BYTES)
-                   + 2 * kv_heads * tail * head_dim)
-    body = 2 * layers * per_section + tiles * int(tile.sum())
-    records = blocks if epoch_records is None else min(int(epoch_records), blocks)
-    head = (L.SEQUENCE_HEADER.size + 2 * layers * L.SEQUENCE_SECTION.size
-            + 2 * layers * records * (L.SEQUENCE_EPOCH.size + 2 * kv_heads * head_dim)
-            + (canonical_bytes_size(layers, kv_heads, head_dim) if calibration else 0)
-            + 4 * -(-body // L.SEQUENCE_CHUNK_BYTES) + 4)
-    return _align(head) + body
-
-
-def container_nbytes(data) -> int:
-    """The length of the sequence container that starts ``data`` (bytes-like, uint8 array or CPU tensor),
-    from its header alone: what to cut from a buffer that holds more than the container.  The container
-    itself is checked where it is read (:func:`gaac.transfer.read_head`)."""
-    from .transfer import _as_array
-
-    a = _as_array(data)
-    if len(a) < L.SEQUENCE_HEADER.size:
-        raise FormatError(f"truncated sequence container: {len(a)} bytes, its header alone is "
-                          f"{L.SEQUENCE_HEADER.size}")
-    (magic, _, _, flags, layers, heads, dim, _, _, n_records, _, body_bytes) = L.SEQUENCE_HEADER.unpack_from(a)
-    if magic != L.SEQUENCE_MAGIC:
-        raise FormatError(f"bad magic {magic!r}: not a GAAC sequence container (expected {L.SEQUENCE_MAGIC!r})")
-    if dim not in L.SUPPORTED_HEAD_DIMS:
-        raise FormatError(f"bad header: head_dim={dim}")
-    head = (L.SEQUENCE_HEADER.size + 2 * layers * L.SEQUENCE_SECTION.size
-            + n_records * (L.SEQUENCE_EPOCH.size + 2 * heads * dim)
-            + (canonical_bytes_size(layers, heads, dim) if flags & L.SEQUENCE_FLAG_CALIBRATION else 0)
-            + 4 * -(-body_bytes // L.SEQUENCE_CHUNK_BYTES) + 4)
-    return _align(head) + body_bytes
 
 
 # ----------------------------------------------------------------------------------------------
@@ -257,7 +188,7 @@ class GaacSerializer(_Serializer):
 
     def estimate_serialized_size(self, layout_desc) -> int:
         """The most bytes :meth:`serialize` writes for a memory object of ``layout_desc``: the sum over its KV
-        groups of :func:`worst_case_bytes` (no epoch records; the calibration embedded without a file)."""
+        groups of :func:`gaac.transfer.worst_case_bytes` (no epoch records; the calibration embedded without a file)."""
         total = 0
         for shape, dtype in zip(layout_desc.shapes, layout_desc.dtypes, strict=True):
             layers, heads, dim, tokens = _chunk_dims(shape, dtype, self.head_dim)

@@ -930,3 +930,64 @@ def unpack(data, calibration: Calibration | None = None) -> tuple[np.ndarray, np
                          raw_tiles=sum(s.raw_tiles for s in lay.sections), adapt=adapt)
     seq = import_sequence(cache, c.data)
     return cache.read(seq)
+
+
+# ----------------------------------------------------------------------------------------------
+# The size of a sequence container before it is made (a buffer sized first), and after (a buffer holding more).
+
+def worst_case_bytes(layers: int, kv_heads: int, head_dim: int, tokens: int, capacities=None, *,
+                     epoch_records: int | None = None, calibration: bool = False) -> int:
+    """The most bytes a sequence container (FORMAT.md 11) of these dimensions can have.
+
+    ``capacities``: the escape capacities of the sections, an int for all of them or ``[2, layers]``
+    indexed ``[kind, layer]`` as :attr:`gaac.Calibration.capacity`; ``None`` for any calibration made
+    by :func:`gaac.calibrate`, whose capacities never make a slot larger than a raw tile.
+    ``epoch_records``: the most epoch records one section lists; ``None`` for the format's limit,
+    one per block (11.7, S16).  ``calibration``: whether the calibration's canonical bytes are
+    embedded (flags bit 0).
+
+    Each of a section's ``blocks * kv_heads * tiles_per_head`` tiles costs the larger of its slot
+    and a raw tile; the bound is reached by a container whose every tile is raw (and whose slots are
+    no larger than raw tiles) with that many epoch records.
+    """
+    for name, value in (("layers", layers), ("kv_heads", kv_heads), ("tokens", tokens)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < (name != "tokens"):
+            raise InputError(f"{name} must be a {'non-negative' if name == 'tokens' else 'positive'} integer, "
+                             f"got {value!r}")
+    geo = L.geometry(head_dim)
+    if capacities is None:
+        tile = np.full((2, layers), geo.raw_bytes, dtype=np.int64)
+    else:
+        cap = np.broadcast_to(np.asarray(capacities, dtype=np.int64), (2, layers))
+        tile = np.maximum(geo.fixed_bytes + cap, geo.raw_bytes)
+    blocks, tail = divmod(int(tokens), L.BLOCK_TOKENS)
+    tiles = blocks * kv_heads * L.tiles_per_head(head_dim)
+    per_section = (_align(tiles * L.TABLE_ENTRY_BYTES) + _align(blocks * L.SEQUENCE_EPOCH_BYTES)
+                   + 2 * kv_heads * tail * head_dim)
+    body = 2 * layers * per_section + tiles * int(tile.sum())
+    records = blocks if epoch_records is None else min(int(epoch_records), blocks)
+    head = (L.SEQUENCE_HEADER.size + 2 * layers * L.SEQUENCE_SECTION.size
+            + 2 * layers * records * (L.SEQUENCE_EPOCH.size + 2 * kv_heads * head_dim)
+            + (canonical_bytes_size(layers, kv_heads, head_dim) if calibration else 0)
+            + 4 * -(-body // L.SEQUENCE_CHUNK_BYTES) + 4)
+    return _align(head) + body
+
+
+def container_nbytes(data) -> int:
+    """The length of the sequence container that starts ``data`` (bytes-like, uint8 array or CPU tensor),
+    from its header alone: what to cut from a buffer that holds more than the container.  The container
+    itself is checked where it is read (:func:`gaac.transfer.read_head`)."""
+    a = _as_array(data)
+    if len(a) < L.SEQUENCE_HEADER.size:
+        raise FormatError(f"truncated sequence container: {len(a)} bytes, its header alone is "
+                          f"{L.SEQUENCE_HEADER.size}")
+    (magic, _, _, flags, layers, heads, dim, _, _, n_records, _, body_bytes) = L.SEQUENCE_HEADER.unpack_from(a)
+    if magic != L.SEQUENCE_MAGIC:
+        raise FormatError(f"bad magic {magic!r}: not a GAAC sequence container (expected {L.SEQUENCE_MAGIC!r})")
+    if dim not in L.SUPPORTED_HEAD_DIMS:
+        raise FormatError(f"bad header: head_dim={dim}")
+    head = (L.SEQUENCE_HEADER.size + 2 * layers * L.SEQUENCE_SECTION.size
+            + n_records * (L.SEQUENCE_EPOCH.size + 2 * heads * dim)
+            + (canonical_bytes_size(layers, heads, dim) if flags & L.SEQUENCE_FLAG_CALIBRATION else 0)
+            + 4 * -(-body_bytes // L.SEQUENCE_CHUNK_BYTES) + 4)
+    return _align(head) + body_bytes
