@@ -152,6 +152,8 @@ class StepPlan:
             raise InputError(f"layer {layer} holds other lengths than layer 0 ({lens[layer].tolist()} against "
                              f"{lens[0].tolist()}): finish the step that is under way before planning the next")
         rows = np.asarray(cache.sequences if seqs is None else cache._check_seqs(seqs), np.int64)
+        if len(np.unique(rows)) != len(rows):
+            raise InputError(f"seqs {rows.tolist()}: each sequence may appear once in a step")
         self.seqs = rows.tolist()
         self._rows, self._all_seqs = rows, seqs is None
         before = lens[0].copy()

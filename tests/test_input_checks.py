@@ -186,3 +186,16 @@ def test_a_cpu_decode_plan_refuses_what_its_kernel_path_refuses():
     got_out, got_lse = plan.run(q, 0, out=out, lse=lse, return_lse=True)
     assert got_out.data_ptr() == out.data_ptr() and got_out.dtype == torch.bfloat16 and got_lse is lse
     assert torch.isfinite(lse[seq]).all() and (lse[1 - seq] == -torch.inf).all()
+
+
+def test_a_step_plan_refuses_a_sequence_named_twice():
+    """decode_plan(seqs=[a, a]) would append two tokens to ``a`` in a step planned for one."""
+    from gaac.cache import PagedKVCache
+
+    k, v, _ = load_sample("code")
+    cache = PagedKVCache(calibrate(k, v), max_seqs=2, max_blocks=8, codec="reference")
+    a = cache.add_sequence(k[:, :, :20], v[:, :, :20])
+    for seqs in ([a, a], [a, cache.add_sequence(), a]):
+        with pytest.raises(InputError, match="each sequence may appear once"):
+            cache.decode_plan(Q_HEADS, seqs=seqs)
+    cache.decode_plan(Q_HEADS, seqs=[a])
