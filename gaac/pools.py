@@ -311,9 +311,10 @@ class RawArena:
     a few free ones for the blocks it finishes next; the records no share holds are the arena's
     ``reserve``.  A share short of free records is lent more (:meth:`cover`), at least ``chunk`` at a time
     so that a decode loop asks rarely; when the reserve cannot cover a shortfall, every share's free records
-    return to it first (one read of the device's counts) and each share asked is lent what it needs.  A removed sequence's raw tiles return to
-    the reserve, where any layer may take them.  Lending changes a share's free list, so plans that baked
-    the old one are made again; it happens only where a share runs short, never inside a captured step.
+    return to it first (one read of the device's counts) and each share asked is lent what it needs.  A
+    removed sequence's raw tiles return to the reserve, where any layer may take them.  Lending changes a
+    share's free list, so plans that baked the old one are made again; it happens only where a share runs
+    short, never inside a captured step.
     """
 
     def __init__(self, n: int, channels: int, device: torch.device):
@@ -365,9 +366,10 @@ class RawArena:
         return k
 
     def _put(self, indices: np.ndarray) -> None:
+        """Records back on the reserve's stack, in place (it has room for every record of the arena)."""
         back = np.sort(np.asarray(indices, dtype=np.int64).reshape(-1))[::-1]
-        self._stack = np.concatenate([self._stack[:self._top], back])
-        self._top = len(self._stack)
+        self._stack[self._top:self._top + len(back)] = back
+        self._top += len(back)
 
     def release(self, share, indices) -> None:
         """Records of ``share`` that held a removed sequence's raw tiles return to the reserve."""
@@ -410,6 +412,7 @@ class RawArena:
         extra = torch.zeros((n - old, *self.data.shape[1:]), dtype=self.data.dtype, device=self.data.device)
         self.data = torch.cat([self.data[:old], extra])
         self.size = n
+        self._stack = np.concatenate([self._stack, np.zeros(n - old, dtype=np.int64)])
         self._put(np.arange(old, n, dtype=np.int64))
         for s in self.shares:
             s.data = self.data
