@@ -490,3 +490,36 @@ def test_cache_api_takes_random_calls(first, steps):
         cache.remove_sequence(seq)
     report = cache.memory()
     assert report.slot_bytes == report.raw_bytes == report.tokens == 0
+
+
+# -- sequence containers ---------------------------------------------------------------------------
+
+SEQUENCE = Path(__file__).resolve().parents[1] / "format_spec" / "vectors" / "sequence"
+
+
+@FUZZ
+@given(name=st.sampled_from(("seq_epochs", "seq_embedded")), data=st.data())
+def test_sequence_import_takes_mutated_containers(name, data):
+    """A sequence container with epoch records (or its calibration embedded), mutated: an import refuses it
+    with a GAACError and leaves the cache empty and its pools as they were, or accepts it and reads back
+    what the independent spec decoder reads from the same bytes."""
+    meta = json.loads((SEQUENCE / f"{name}.json").read_text())
+    buf, _ = data.draw(mutated((SEQUENCE / f"{name}.bin").read_bytes()))
+    if meta["calibration_embedded"]:
+        got = refused_or(lambda: gaac.transfer.unpack(buf))
+        spec_cal = None
+    else:
+        cal = Calibration.load(SEQUENCE / meta["calibration"])
+        cache = gaac.PagedKVCache(cal, max_blocks=8, raw_tiles=8 * cal.kv_heads * 2 * cal.layers)
+        before = cache.memory()
+        seq = refused_or(lambda: cache.import_sequence(buf))
+        if seq is None:
+            assert cache.sequences == [] and cache.memory() == before
+            got = None
+        else:
+            got = cache.read(seq)
+        spec_cal = spec_decoder.load_calibration(SEQUENCE / meta["calibration"])
+    if got is not None:
+        want = spec_decoder.read_sequence(buf, spec_cal).values
+        for kind in range(2):
+            np.testing.assert_array_equal(got[kind], np.array(want[kind], dtype=np.uint16))
