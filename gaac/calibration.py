@@ -313,6 +313,23 @@ class Calibration:
                            epochs={key: list(tables) for key, tables in self.epochs.items()},
                            format=self.format, scale_log2=self.scale_log2)
 
+    def slice_heads(self, start: int, stop: int) -> "Calibration":
+        """The calibration of KV heads ``start .. stop - 1`` of every layer (FORMAT.md 11.12): the bases (and an
+        FP8 calibration's scales) sliced on the heads axis, every epoch's bases likewise, the capacities, model
+        and notes as they are.  A sliced calibration is a calibration: its id is the id of its own canonical
+        bytes (3.3), and its epochs' ids are computed with that id (3.5).  It is the calibration of a cache
+        that holds those heads, as a tensor-parallel worker does, and of the containers
+        ``export_sequence(..., heads=(start, stop))`` writes.  A range that is empty or not within
+        ``0 .. kv_heads`` is an :class:`InputError`."""
+        start, stop = check_heads((start, stop), self.kv_heads)
+        out = Calibration(self.b_narrow[:, :, start:stop], self.b_wide[:, :, start:stop], self.capacity,
+                          model=self.model, notes=dict(self.notes), format=self.format,
+                          scale_log2=None if self.scale_log2 is None else self.scale_log2[:, :, start:stop])
+        # each epoch's bases were checked (3.2 rule 2) when they were added; a slice of them keeps to it
+        out.epochs = {key: [(b3[start:stop].copy(), b4[start:stop].copy()) for b3, b4 in tables]
+                      for key, tables in self.epochs.items()}
+        return out
+
     # -- epochs (FORMAT.md 3.5) ------------------------------------------------
     def n_epochs(self, layer: int, kind: int) -> int:
         """Epochs of one layer and kind, epoch 0 (the calibration's own bases) included."""
@@ -514,6 +531,23 @@ def epoch_canonical_bytes(calibration_id: int, layer: int, kind: int, epoch: int
     return EPOCH_MAGIC + np.array([calibration_id], dtype="<u4").tobytes() \
         + np.array([layer, epoch], dtype="<u2").tobytes() + bytes([kind]) \
         + np.ascontiguousarray(b3, dtype=np.uint8).tobytes() + np.ascontiguousarray(b4, dtype=np.uint8).tobytes()
+
+
+def check_heads(heads, kv_heads: int) -> tuple[int, int]:
+    """``heads`` as ``(start, stop)``: two integers (not bools) with ``0 <= start < stop <= kv_heads``, the KV
+    heads ``start .. stop - 1`` of a slice (FORMAT.md 11.12); anything else is an :class:`InputError`."""
+    try:
+        start, stop = heads
+    except (TypeError, ValueError):
+        raise InputError(f"heads must be (start, stop), two integers, got {heads!r}") from None
+    for value in (start, stop):
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+            raise InputError(f"heads must be (start, stop), two integers, got {heads!r}")
+    start, stop = int(start), int(stop)
+    if not 0 <= start < stop <= kv_heads:
+        raise InputError(f"heads ({start}, {stop}): a slice holds KV heads start .. stop - 1 with 0 <= start < stop "
+                         f"<= {kv_heads} (the calibration's KV heads); an empty slice or one past them is none")
+    return start, stop
 
 
 def _int_array(table, what: str) -> np.ndarray:

@@ -34,6 +34,13 @@ way becomes the newest of its layer and kind and codes the blocks that cache
 finalizes next, as an epoch of its own rule would.  A cache without epochs
 (``adapt=False``) takes only containers whose blocks are all of epoch 0.
 
+Slices by KV head (FORMAT.md 11.12): ``export_sequence(..., heads=(start, stop))`` writes the container of
+KV heads ``start .. stop - 1`` of every layer, for a worker of another tensor-parallel size (prefill at one,
+decode at another).  A tile holds channels of one head, coded with that head's bases and its section's
+capacity, so the slice's tiles are the cache's tiles of those heads as stored; the container names the
+calibration ``cache.calibration.slice_heads(start, stop)`` -- a calibration like any other, with the id of
+its own tables -- and a cache made with it imports the slice as it imports any container.
+
 Coupling: the cache's storage is read in :func:`_read_storage` and written by
 :class:`_Writer`, and nowhere else.
 
@@ -46,7 +53,7 @@ from __future__ import annotations
 import functools
 import warnings
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -55,7 +62,7 @@ from . import layout as L
 from .pools import grown, sync_pools
 from .cache import MAX_INDEXED_EPOCHS
 from .calibration import (BF16_FILE, CALIBRATION_VERSION, CANONICAL_HEAD_BYTES, Calibration, canonical_bytes_size,
-                          epoch_canonical_bytes)
+                          check_heads, epoch_canonical_bytes)
 from .errors import CalibrationError, FormatError, InputError, PoolExhaustedError
 
 KINDS = (L.KIND_K, L.KIND_V)
@@ -773,23 +780,41 @@ def _head(lay: Layout, cal_id: int, calibration: bytes | None, chunk_crcs) -> by
     return head + np.uint32(zlib.crc32(head)).astype("<u4").tobytes()
 
 
-def exported_layout(cache, seq: int, *, calibration: bool = False) -> Layout:
+def exported_layout(cache, seq: int, *, calibration: bool = False, heads=None) -> Layout:
     """The layout of :func:`export_sequence`'s container for ``seq`` (its size: ``.nbytes``)."""
-    return _export_plan(cache, seq, calibration)[0]
+    return _export_plan(cache, seq, calibration, heads)[0]
 
 
-def _export_plan(cache, seq: int, calibration: bool):
+def _export_plan(cache, seq: int, calibration: bool, heads=None):
+    """``(layout, stored, calibration)`` of the container of ``seq``: of KV heads ``heads = (start, stop)`` only
+    when given (FORMAT.md 11.12), with the sliced calibration whose id and epoch ids the container names."""
     tokens, stored = _read_storage(cache, seq)
     cal = cache.calibration
+    if heads is not None:
+        cal, stored = _slice(cache, stored, heads)
     n_raw = torch.stack([(s.entries < 0).sum() for s in stored]).tolist() if stored else []
     epochs = [[EpochRecord(int(e), cal.epoch_id(s.layer, s.kind, int(e)), *cal.bases(s.layer, s.kind, int(e)))
                for e in np.unique(s.epochs) if e > 0] for s in stored]
-    lay = _layout(cache.layers, cache.kv_heads, cache.head_dim, tokens, [s.capacity for s in stored], n_raw,
+    lay = _layout(cal.layers, cal.kv_heads, cal.head_dim, tokens, [s.capacity for s in stored], n_raw,
                   epochs, calibration)
-    return lay, stored
+    return lay, stored, cal
 
 
-def export_sequence(cache, seq: int, *, calibration: bool = False, out=None) -> memoryview:
+def _slice(cache, stored: list, heads) -> tuple[Calibration, list]:
+    """KV heads ``heads = (start, stop)`` of a sequence's storage (FORMAT.md 11.12): the sliced calibration, and
+    per section the table entries of those heads' tiles (each block's tiles ``start * P .. stop * P - 1``, ``P``
+    tiles per head) and their tails.  The entries still name the cache's pool records, so the slots and raw
+    tiles are gathered as stored: a tile's bytes depend on its head's bases and its section's capacity, which
+    the slice keeps."""
+    start, stop = check_heads(heads, cache.kv_heads)
+    per_head = L.tiles_per_head(cache.head_dim)
+    per = cache.kv_heads * per_head
+    out = [replace(st, entries=st.entries.view(-1, per)[:, start * per_head:stop * per_head].reshape(-1),
+                   tail=st.tail[start:stop]) for st in stored]
+    return cache.calibration.slice_heads(start, stop), out
+
+
+def export_sequence(cache, seq: int, *, calibration: bool = False, out=None, heads=None) -> memoryview:
     """Sequence ``seq`` of ``cache`` (a :class:`gaac.PagedKVCache`) as a sequence container (FORMAT.md 11).
 
     Its blocks as stored -- no decoding, no encoding -- with the bases of every epoch they use, the
@@ -797,8 +822,14 @@ def export_sequence(cache, seq: int, *, calibration: bool = False, out=None) -> 
     form).  Returns a read-only memoryview of the container: of ``out`` when given (a writable uint8
     buffer, array or CPU tensor of at least :func:`exported_layout`'s ``nbytes``), else of a new buffer,
     in pinned host memory when the cache is on a CUDA device.  The cache is left as it was.
+
+    ``heads=(start, stop)``: KV heads ``start .. stop - 1`` only, of every layer (FORMAT.md 11.12), for a
+    worker of another tensor-parallel size: the container of the same sequence in a cache made with
+    ``cache.calibration.slice_heads(start, stop)``, whose id it names, and which imports it bit for bit.
+    Its tiles are the cache's tiles of those heads, copied as stored.  An empty range or one past the
+    cache's KV heads is an :class:`InputError`.
     """
-    lay, stored = _export_plan(cache, seq, calibration)
+    lay, stored, cal = _export_plan(cache, seq, calibration, heads)
     cuda = cache.device.type == "cuda"
     if out is None:
         host = torch.empty(lay.nbytes, dtype=torch.uint8, pin_memory=cuda)
@@ -833,7 +864,7 @@ def export_sequence(cache, seq: int, *, calibration: bool = False, out=None) -> 
             crcs = np.append(crcs, zlib.crc32(host[lay.body_offset + len(crcs) * L.SEQUENCE_CHUNK_BYTES:].numpy()))
     else:
         crcs = np.concatenate(crcs)
-    head = _head(lay, cache.calibration.id, cache.calibration.canonical_bytes() if calibration else None, crcs)
+    head = _head(lay, cal.id, cal.canonical_bytes() if calibration else None, crcs)
     array = host.numpy()
     array[:len(head)] = np.frombuffer(head, np.uint8)
     array[len(head):lay.body_offset] = 0
