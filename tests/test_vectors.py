@@ -291,3 +291,75 @@ def test_spec_decoder_reads_the_sequence_vectors(name):
                           for layer in meta["expected"][kind]], kind
     assert [[f"{b:08x}" for _, b in s] for s in out.epochs] == [[e["bases_id"] for e in s["epochs"]]
                                                                  for s in meta["sections"]]
+
+
+# -- slices by KV head (FORMAT.md 11.12, appendix A) ------------------------------------------------------
+
+SLICED = ["seq_heads", "seq_heads_d256"]
+
+
+def spec_slice(cal: spec_decoder.Calibration, start: int, stop: int) -> spec_decoder.Calibration:
+    """FORMAT.md 11.12 alone: the calibration of KV heads start .. stop - 1, every base table (epochs' too) sliced
+    on the heads axis, the capacities and epoch numbers as they are."""
+    return spec_decoder.Calibration(cal.layers, stop - start, cal.head_dim,
+                                    b3=[[layer[start:stop] for layer in kind] for kind in cal.b3],
+                                    b4=[[layer[start:stop] for layer in kind] for kind in cal.b4],
+                                    capacity=cal.capacity,
+                                    epochs=[[[(b3[start:stop], b4[start:stop]) for b3, b4 in layer] for layer in kind]
+                                            for kind in cal.epochs])
+
+
+def sliced_vector(name: str):
+    meta = json.loads((SEQUENCE / f"{name}.json").read_text())
+    return meta, (SEQUENCE / f"{name}.bin").read_bytes(), tuple(meta["sliced_from"]["heads"])
+
+
+@pytest.mark.parametrize("name", SLICED)
+def test_spec_decoder_reads_the_sliced_sequence_vectors(name):
+    """The sliced calibration's id is the id of its own tables, its epochs' ids follow from it, and with it the
+    slice reads as any container: the K and V of the heads it holds."""
+    meta, data, (a, b) = sliced_vector(name)
+    source = spec_decoder.load_calibration(SEQUENCE / meta["sliced_from"]["calibration"])
+    sliced = spec_slice(source, a, b)
+    given = spec_decoder.load_calibration(SEQUENCE / meta["calibration"])     # checks every id the file names
+    assert (given.canonical_bytes(), given.epochs) == (sliced.canonical_bytes(), sliced.epochs)
+    assert f"{sliced.id:08x}" == meta["calibration_id"] != f"{source.id:08x}"
+    for cal in [sliced] + ([None] if meta["calibration_embedded"] else []):
+        out = spec_decoder.read_sequence(data, cal)
+        for kind, values in zip("kv", out.values):
+            assert values == [[[[int(row[i:i + 4], 16) for i in range(0, len(row), 4)] for row in head]
+                               for head in layer] for layer in meta["expected"][kind]], kind
+        assert [[f"{b:08x}" for _, b in s] for s in out.epochs] == [[e["bases_id"] for e in s["epochs"]]
+                                                                     for s in meta["sections"]]
+        assert [[bases_id for _, bases_id in s] for s in out.epochs] == \
+            [[sliced.epoch_id(i % 2, i // 2, e) for e, _ in s] for i, s in enumerate(out.epochs)]
+    with pytest.raises(spec_decoder.CalibrationError) as info:
+        spec_decoder.read_sequence(data, source)
+    assert info.value.rule == "C1"
+
+
+@pytest.mark.parametrize("name", SLICED)
+def test_reference_reads_the_sliced_sequence_vectors(name):
+    """gaac's slice_heads gives the vector's calibration file; a cache made with it imports the slice to the
+    expected K and V, and one made with the unsliced calibration refuses it (C1).  The slice of a sequence
+    imported from the whole vector is the vector, byte for byte."""
+    from gaac import transfer
+    from gaac.cache import PagedKVCache
+
+    meta, data, (a, b) = sliced_vector(name)
+    source = gaac.Calibration.load(SEQUENCE / meta["sliced_from"]["calibration"])
+    sliced = source.slice_heads(a, b)
+    assert sliced.to_dict() == gaac.Calibration.load(SEQUENCE / meta["calibration"]).to_dict()
+    cache = PagedKVCache(sliced, max_blocks=4, grow=True)
+    k, v = cache.read(cache.import_sequence(data))
+    for kind, x in zip("kv", (k, v)):
+        np.testing.assert_array_equal(x, np.array([[[[int(row[i:i + 4], 16) for i in range(0, len(row), 4)]
+                                                      for row in head] for head in layer]
+                                                    for layer in meta["expected"][kind]], dtype=np.uint16))
+    with pytest.raises(gaac.CalibrationError, match="exported from a cache with calibration"):
+        PagedKVCache(source, max_blocks=4, grow=True).import_sequence(data)
+    if meta["sliced_from"]["vector"] is not None:
+        whole = PagedKVCache(source, max_blocks=4, grow=True)
+        seq = whole.import_sequence((SEQUENCE / f"{meta['sliced_from']['vector']}.bin").read_bytes())
+        assert bytes(transfer.export_sequence(whole, seq, heads=(a, b),
+                                              calibration=meta["calibration_embedded"])) == data

@@ -20,6 +20,15 @@ format_spec/make_vectors.py, so the bytes never depend on library versions:
 * ``seq_embedded``: the same shape, 37 tokens, ``cal_d64.json`` embedded
   (flag bit 0): the file form, which unpacks without a calibration.
 
+Slices by KV head (FORMAT.md 11.12), each with the sliced calibration it is
+read with, ``cal_*_head1.json`` (``Calibration.slice_heads``):
+
+* ``seq_heads``: KV head 1 of ``seq_epochs``'s sequence (the same data, the
+  same cache), exported with ``heads=(1, 2)``: the epoch records of the
+  slice carry head 1's bases and the epoch ids of the sliced calibration.
+* ``seq_heads_d256``: KV head 1 of a sequence of ``cal_d256.json`` (head_dim
+  256: two tiles per head), 37 tokens, the sliced calibration embedded.
+
 And the must-reject containers ``reject_*.bin``, indexed by ``reject.json``
 (FORMAT.md 11.7, appendix A): each breaks one rule S1-S16 or C1-C5 of a small
 valid container -- ``cal_one_head.json``, 17 tokens (a block and a tail
@@ -96,20 +105,57 @@ def generate(out: Path) -> list[str]:
         k, v = bf16_data(rand, cal, tokens, L.KIND_K), bf16_data(rand, cal, tokens, L.KIND_V)
         cache = PagedKVCache(cal, max_blocks=max(1, tokens // L.BLOCK_TOKENS), grow=True)
         data = bytes(cache.export_sequence(cache.add_sequence(k, v), calibration=embed))
-        c = transfer.read_head(data)
-        meta = {"name": name, "covers": covers, "calibration": f"../{cal_file}",
-                "calibration_id": f"{cal.id:08x}", "calibration_embedded": embed, "layers": cal.layers,
-                "kv_heads": cal.kv_heads, "head_dim": cal.head_dim, "tokens": tokens, "bytes": len(data),
-                "body_offset": c.layout.body_offset, "body_bytes": c.layout.body_bytes,
-                "sections": [{"layer": s.layer, "kind": L.KIND_NAMES[s.kind], "escape_capacity": s.capacity,
-                              "slot_tiles": s.slot_tiles, "raw_tiles": s.raw_tiles,
-                              "epochs": [{"epoch": r.epoch, "bases_id": f"{r.bases_id:08x}"} for r in s.epochs]}
-                             for s in c.layout.sections],
-                "expected": {"k": rows(k), "v": rows(v)}}
+        meta = describe(name, covers, f"../{cal_file}", cal, embed, tokens, data, k, v)
         (out / f"{name}.bin").write_bytes(data)
         (out / f"{name}.json").write_text(json.dumps(meta, indent=1) + "\n")
         written += [f"{name}.bin", f"{name}.json"]
-    return written + reject_vectors(out)
+    return written + sliced_vectors(out) + reject_vectors(out)
+
+
+def describe(name: str, covers: str, cal_file: str, cal: Calibration, embed: bool, tokens: int, data: bytes,
+             k: np.ndarray, v: np.ndarray) -> dict:
+    """A valid vector's JSON: what FORMAT.md appendix A lists for ``seq_*``."""
+    c = transfer.read_head(data)
+    return {"name": name, "covers": covers, "calibration": cal_file,
+            "calibration_id": f"{cal.id:08x}", "calibration_embedded": embed, "layers": cal.layers,
+            "kv_heads": cal.kv_heads, "head_dim": cal.head_dim, "tokens": tokens, "bytes": len(data),
+            "body_offset": c.layout.body_offset, "body_bytes": c.layout.body_bytes,
+            "sections": [{"layer": s.layer, "kind": L.KIND_NAMES[s.kind], "escape_capacity": s.capacity,
+                          "slot_tiles": s.slot_tiles, "raw_tiles": s.raw_tiles,
+                          "epochs": [{"epoch": r.epoch, "bases_id": f"{r.bases_id:08x}"} for r in s.epochs]}
+                         for s in c.layout.sections],
+            "expected": {"k": rows(k), "v": rows(v)}}
+
+
+SLICED_SPECS = {    # name: source vector (or None), source calibration, tokens, embedded, seed, heads, the sliced
+    #                calibration's file, covers
+    "seq_heads": ("seq_epochs", "cal_epochs.json", 53, False, 11, (1, 2), "cal_epochs_head1.json",
+                  "KV head 1 of seq_epochs's sequence (FORMAT.md 11.12): epoch records with head 1's bases and the "
+                  "sliced calibration's epoch ids, raw tiles and a tail"),
+    "seq_heads_d256": (None, "cal_d256.json", 37, True, 13, (1, 2), "cal_d256_head1.json",
+                       "KV head 1 of a head_dim 256 sequence (FORMAT.md 11.12: two tiles per head), the sliced "
+                       "calibration embedded"),
+}
+
+
+def sliced_vectors(out: Path) -> list[str]:
+    """The slices by KV head and their sliced calibrations; returns the file names written."""
+    written = []
+    for name, (vector, cal_file, tokens, embed, seed, (a, b), sliced_file, covers) in SLICED_SPECS.items():
+        assert vector is None or VECTOR_SPECS[vector][:2] == (cal_file, tokens) and VECTOR_SPECS[vector][3] == seed
+        cal = Calibration.load(VECTORS / cal_file)
+        rand = Rand(seed)
+        k, v = bf16_data(rand, cal, tokens, L.KIND_K), bf16_data(rand, cal, tokens, L.KIND_V)
+        cache = PagedKVCache(cal, max_blocks=max(1, tokens // L.BLOCK_TOKENS), grow=True)
+        data = bytes(transfer.export_sequence(cache, cache.add_sequence(k, v), calibration=embed, heads=(a, b)))
+        sliced = cache.calibration.slice_heads(a, b)
+        meta = describe(name, covers, sliced_file, sliced, embed, tokens, data, k[:, a:b], v[:, a:b])
+        meta = {**meta, "sliced_from": {"vector": vector, "calibration": f"../{cal_file}", "heads": [a, b]}}
+        sliced.save(out / sliced_file)
+        (out / f"{name}.bin").write_bytes(data)
+        (out / f"{name}.json").write_text(json.dumps(meta, indent=1) + "\n")
+        written += [sliced_file, f"{name}.bin", f"{name}.json"]
+    return written
 
 
 # ----------------------------------------------------------------------------------------------
