@@ -28,6 +28,10 @@ calibration saw (:mod:`gaac.epochs` says when).  ``b3``/``b4`` are epoch 0;
 is decoded with that epoch's bases, so saving a calibration with its epochs
 keeps every stream of the cache decodable.  :attr:`Calibration.id` covers
 epoch 0 only; each later epoch has an id of its own (:meth:`Calibration.epoch_id`).
+
+:meth:`Calibration.slice_heads` gives the calibration of some KV heads of every
+layer (FORMAT.md 11.12), for a tensor-parallel worker that holds only those: a
+calibration like any other, with the id of its own tables.
 """
 from __future__ import annotations
 
@@ -545,8 +549,8 @@ def check_heads(heads, kv_heads: int) -> tuple[int, int]:
             raise InputError(f"heads must be (start, stop), two integers, got {heads!r}")
     start, stop = int(start), int(stop)
     if not 0 <= start < stop <= kv_heads:
-        raise InputError(f"heads ({start}, {stop}): a slice holds KV heads start .. stop - 1 with 0 <= start < stop "
-                         f"<= {kv_heads} (the calibration's KV heads); an empty slice or one past them is none")
+        raise InputError(f"heads ({start}, {stop}): a slice holds KV heads start .. stop - 1, at least one, of the "
+                         f"{kv_heads} there are (0 <= start < stop <= {kv_heads})")
     return start, stop
 
 

@@ -99,6 +99,15 @@ def _tiles(data) -> dict:
     return tiles, rest
 
 
+def test_a_slice_with_its_calibration_embedded_unpacks_on_its_own(prose):
+    cache, seq, k, v = prose
+    data = transfer.export_sequence(cache, seq, heads=(1, 3), calibration=True)
+    assert transfer.read_head(data).calibration.id == cache.calibration.slice_heads(1, 3).id
+    rk, rv = transfer.unpack(data)
+    np.testing.assert_array_equal(rk, k[:, 1:3])
+    np.testing.assert_array_equal(rv, v[:, 1:3])
+
+
 def test_two_halves_hold_what_the_whole_does(prose):
     """Heads 0 and 1-2 of the sample: every tile of the whole, slot or raw, is the tile of one half at its
     head's place, byte for byte (no re-encoding); the block epochs are the whole's and the tails its heads."""
