@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import weakref
 
 import numpy as np
 import torch
@@ -238,10 +239,27 @@ class _Share:
     """What a layer and kind's raw pool adds to a pool: its records are lent by a :class:`RawArena`.
 
     ``size`` is the records the share holds (its sequences' raw tiles and its free ones); records given
-    back by a removed sequence return to the arena, where any layer may take them."""
+    back by a removed sequence return to the arena, where any layer may take them.
 
-    arena: "RawArena"
+    The arena holds its shares and a share names its arena by a weak reference (:attr:`arena`): the cache
+    holds both, so that dropping the cache frees the arena's array at once, without a garbage collection."""
+
+    _arena: "weakref.ref[RawArena]"
     granted: int
+
+    @property
+    def arena(self) -> "RawArena":
+        """The arena that lends this share its records."""
+        return self._arena()
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_arena"] = self.arena        # a copy of the share names the copy of its arena
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._arena = weakref.ref(state["_arena"])
 
     @property
     def size(self) -> int:
@@ -261,7 +279,7 @@ class HostShare(_Share, Pool):
     """A layer and kind's raw pool on the host (the reference codec): arena records on a free-list stack."""
 
     def __init__(self, name: str, arena: "RawArena"):
-        self.name, self.arena, self.data = name, arena, arena.data
+        self.name, self._arena, self.data = name, weakref.ref(arena), arena.data
         self._stack = np.zeros(0, np.int64)
         self._top = self.granted = 0
 
@@ -283,7 +301,7 @@ class DeviceShare(_Share, DevicePool):
     """A layer and kind's raw pool whose free list lives on the device (the CUDA encoder pops from it)."""
 
     def __init__(self, name: str, arena: "RawArena", heads: torch.Tensor, cls: int):
-        self.name, self.arena, self.data = name, arena, arena.data
+        self.name, self._arena, self.data = name, weakref.ref(arena), arena.data
         self.heads, self.cls = heads, cls
         self.granted = 0
         self._set_order(torch.zeros(0, dtype=torch.int32, device=arena.data.device))
