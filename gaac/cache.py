@@ -64,6 +64,7 @@ import math
 import operator
 import sys
 import threading
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -405,7 +406,8 @@ class PagedKVCache:
     """
 
     _rule_on_device: bool | None = None    # where an update runs the epoch rule (None: on a GPU, there)
-    _unsettled = None                      # a one-step plan whose account of finished blocks is pending (gaac.step)
+    _unsettled = None                      # a one-step plan's account of finished blocks, pending (gaac.step._Account)
+    _eager_ref = None                      # a weak reference to the newest one-step plan (_eager_plan)
 
     def __init__(self, calibration: Calibration, *, budget: int | float | None = None, max_seqs: int = 1,
                  max_blocks: int | None = None, slots: int | None = None, raw_tiles: int | None = None, device="cpu",
@@ -469,6 +471,7 @@ class PagedKVCache:
         self._append_params = {}     # layer -> (its tails, lengths, the append kernel's parameter buffer) (GPU)
         self._step_appends = {}      # the sequences' bytes -> their one-token step appends (gaac.step_append)
         self._eager_plan = None      # the newest one-step plan, whose appends take its fast path (gaac.step)
+                                     # while the caller holds it: the cache holds no plan (no cycle)
         self._launchers = {}         # kernel -> its launcher, kept across steps (gaac.step)
         self._work_plans = {}        # the newest one-step plan's work list and launch state, for the next (gaac.step)
         self.blocks_encoded = 0      # (layer, sequence, block) finalizations, each encoding K and V once
@@ -519,13 +522,27 @@ class PagedKVCache:
 
     def _settle(self) -> None:
         """Make the account of an eager step's finished blocks that the step left pending, if any."""
-        if self._unsettled is not None:
-            self._unsettled.settle()
+        account = self._unsettled
+        if account is not None:
+            self._unsettled = None
+            account.settle()
+
+    @property
+    def _eager_plan(self):
+        """The newest one-step plan (gaac.step), while anyone else holds it: the cache names it by a weak
+        reference, since the plan holds the cache."""
+        ref = self._eager_ref
+        return ref() if ref is not None else None
+
+    @_eager_plan.setter
+    def _eager_plan(self, plan) -> None:
+        self._eager_ref = weakref.ref(plan) if plan is not None else None
 
     def __getstate__(self):
         with self._lock:
             self._settle()                           # a copy takes the account of every block written
             state = self.__dict__.copy()
+            state["_eager_ref"] = None   # a weak reference is not copied: no caller holds a plan of the copy
         del state["_lock"]                 # a lock is not copied or pickled: a copy gets a lock of its own
         return state
 

@@ -69,6 +69,7 @@ A change to another cache while a step is recorded would be replayed on every st
 from __future__ import annotations
 
 import threading
+import weakref
 from contextlib import contextmanager
 
 import numpy as np
@@ -78,7 +79,10 @@ from .errors import InputError
 
 
 class CapturedSteps:
-    """The device-driven part of a :class:`gaac.step.StepPlan` made with ``steps`` (module docstring)."""
+    """The device-driven part of a :class:`gaac.step.StepPlan` made with ``steps`` (module docstring).
+
+    The plan holds it; it names the plan by a weak reference (:attr:`plan`), so that the two make no cycle
+    that would keep the cache's storage after the caller drops the plan."""
 
     def __init__(self, plan, steps, rows: np.ndarray, before: np.ndarray):
         from .step import reserve_step
@@ -94,7 +98,7 @@ class CapturedSteps:
                              f"tile per head: head_dim 64 or 128, not {cache.head_dim}")
         if not len(rows):
             raise InputError("a plan of steps needs at least one live sequence")
-        self.plan, self.cache, self.rows = plan, cache, rows
+        self._plan, self.cache, self.rows = weakref.ref(plan), cache, rows
         cache._flush_all()                      # the adapters' counts are current
         self.steps = self._steps_before_check(int(steps), before[rows])
         self.end = before.copy()
@@ -113,6 +117,11 @@ class CapturedSteps:
         if cache.adapt:
             self.cuts = {int(b) for b in before[rows] // L.BLOCK_TOKENS}
         self._generation = None
+
+    @property
+    def plan(self):
+        """The step plan this is the device-driven part of."""
+        return self._plan()
 
     def _steps_before_check(self, steps: int, lens: np.ndarray) -> int:
         """``steps``, or fewer: up to the step whose finished blocks complete an adapter's next check."""
@@ -146,7 +155,8 @@ class CapturedSteps:
 
     # -- recording ---------------------------------------------------------------------------------
     @contextmanager
-    def device_driven(self):
+    def device_driven(self, plan):
+        """The recording of a step of ``plan`` (this one's plan, held until the recording ends)."""
         cache = self.cache
         if not self.steps:
             raise InputError("this plan has no steps to record (plan.steps is 0): run the next step eagerly, "
@@ -163,7 +173,7 @@ class CapturedSteps:
         RECORDING.plans.append(self)
         recorded = False
         try:
-            yield self.plan
+            yield plan
             missing = [layer for layer in range(cache.layers) if layer not in self._appended]
             if missing:
                 raise InputError(f"the recorded step appends no token to layer(s) {missing}: a plan of steps "

@@ -126,6 +126,27 @@ def layer_launch(cache, layer: int, g: int, fused: bool = False) -> _LayerLaunch
     return state
 
 
+class _Account:
+    """The host's account of the blocks an eager step's appends finished (:meth:`StepPlan.settle`): the layers
+    appended since the last account and their blocks' epochs (K, V), and ``fin`` on the device once made.
+
+    The plan holds it, and the cache too while it is pending, so that the cache's next call makes it
+    even where the caller has dropped the plan; it names the cache only through ``appender``'s weak
+    reference, so that the cache holds no plan and no cycle."""
+
+    __slots__ = ("appender", "fin", "blk", "pending", "index")
+
+    def __init__(self, appender, fin: np.ndarray, blk: np.ndarray):
+        self.appender, self.fin, self.blk = appender, fin, blk
+        self.pending = {}               # layer -> the epochs (K, V) of the blocks its append finished
+        self.index = None               # ``fin`` on the device, made by the first account
+
+    def settle(self) -> None:
+        pending, self.pending = self.pending, {}
+        if pending:
+            self.index = self.appender.account(list(pending), self.fin, self.blk, pending, self.index)
+
+
 class StepPlan:
     """Decode attention of one step for every layer of a :class:`gaac.PagedKVCache` (see the module docstring).
 
@@ -133,6 +154,8 @@ class StepPlan:
     ``[cache.max_seqs, q_heads, head_dim]``: row ``i`` is sequence ``i`` of the cache (rows without a
     live sequence give output 0 and LSE -inf).
     """
+
+    _account = None             # the account of the blocks this step's appends finish (_Account)
 
     def __init__(self, cache, q_heads: int, *, append: int = 1, seqs=None, scale: float | None = None,
                  steps: int | None = None):
@@ -210,7 +233,7 @@ class StepPlan:
             if name in prev.__dict__:
                 setattr(self, name, prev.__dict__[name])
         self.status.zero_()
-        self._appender, self._fin, self._blk, self._fin_index = prev._appender, prev._fin, prev._blk, None
+        self._appender, self._fin, self._blk = prev._appender, prev._fin, prev._blk
         self._prepare_fast(rows, before, 1, prev._dev)
         return True
 
@@ -449,7 +472,7 @@ class StepPlan:
             if len(fin) > until:
                 return set()
         self._appender = step_append(cache, rows)
-        self._fin, self._blk, self._fin_index = fin, blk, None
+        self._fin, self._blk = fin, blk
         # A finished block takes its adapter's newest epoch, which may differ from the block before it.
         return {int(b) for b in blk} if cache.adapt else set()
 
@@ -462,7 +485,7 @@ class StepPlan:
         cache = self.cache
         self._appended = [False] * cache.layers
         self._n_appended = 0
-        self._unaccounted = {}          # layer -> the epochs (K, V) of the blocks its append finished, until settle()
+        self._account = _Account(self._appender, self._fin, self._blk) if self._appender is not None else None
         self._token_shape = None
         self._before = before
         self._gen = cache._generation
@@ -504,8 +527,8 @@ class StepPlan:
             epochs = app.epochs(layer)
             app.launch(layer, k, v, epochs, contiguous=True)
             if len(self._fin):
-                self._unaccounted[layer] = epochs
-                cache._unsettled = self
+                self._account.pending[layer] = epochs
+                cache._unsettled = self._account
         else:
             cache._append_token_launch(layer, self._index, shape[0], k.data_ptr(), v.data_ptr())
         cache._lens[layer] = self.lens
@@ -513,7 +536,7 @@ class StepPlan:
         self._gen = cache._generation
         self._appended[layer] = True
         self._n_appended += 1
-        if self._n_appended == cache.layers and self._unaccounted:
+        if self._n_appended == cache.layers and self._account is not None and self._account.pending:
             self.settle()
         return True
 
@@ -522,12 +545,12 @@ class StepPlan:
         <gaac.step_append.StepAppend.account>`), for every layer appended since the last account, in one
         copy of the pools' counts and one of the finished blocks: made when the step's last layer is
         appended, or by the cache's next call if the step stops part way."""
-        cache = self.cache
-        if cache._unsettled is self:
+        cache, account = self.cache, self._account
+        if account is None:
+            return
+        if cache._unsettled is account:
             cache._unsettled = None
-        pending, self._unaccounted = self._unaccounted, {}
-        if pending:
-            self._fin_index = self._appender.account(list(pending), self._fin, self._blk, pending, self._fin_index)
+        account.settle()
 
     def device_driven(self):
         """A plan of ``steps``: the context in which ``cache.update_layer`` (one token) and :meth:`run` launch
@@ -535,7 +558,7 @@ class StepPlan:
         one step.  Every layer takes one token, before its attention; a step that does otherwise is refused
         (:class:`InputError`) and leaves the cache as it was."""
         self._need_steps("device_driven")
-        return self.captured.device_driven()
+        return self.captured.device_driven(self)
 
     def replayed(self) -> None:
         """A plan of ``steps``: the host's account of one replay of the captured step (no synchronisation):

@@ -17,6 +17,8 @@ It needs one tile per head (``head_dim`` 64 or 128): the kernel encodes a head's
 """
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from . import layout as L
@@ -40,7 +42,10 @@ def step_append(cache, rows: np.ndarray) -> "StepAppend":
 
 
 class StepAppend:
-    """One-token appends of the sequences ``rows`` (module docstring)."""
+    """One-token appends of the sequences ``rows`` (module docstring).
+
+    The cache holds it (and the plans that append through it); it names the cache by a weak reference
+    (:attr:`cache`), so that no cycle keeps a dropped cache's storage."""
 
     def __init__(self, cache, rows: np.ndarray):
         import torch
@@ -49,7 +54,7 @@ class StepAppend:
         from .cuda.launch import FastLaunch
         from .cuda.primitives import SIMULATOR, WARP
 
-        self.cache, self.rows = cache, np.asarray(rows, np.int64)
+        self._cache, self.rows = weakref.ref(cache), np.asarray(rows, np.int64)
         dev, n = cache.device, len(self.rows)
         self.rows_dev = cache._to_device(self.rows.astype(np.int32))
         self.arrivals = torch.zeros(cache.max_seqs, dtype=torch.int32, device=dev)
@@ -61,6 +66,20 @@ class StepAppend:
         if not SIMULATOR:
             self.launcher.prepare(STEP_APPEND_SIG)    # compiled once per tile width, before any launch
         self._buffers = {}      # layer -> (pool versions and epochs, ParamBuffer, token slots) (GPU)
+
+    @property
+    def cache(self):
+        """The cache whose sequences this appends to."""
+        return self._cache()
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_cache"] = self.cache        # a copy appends to the copy of its cache
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._cache = weakref.ref(state["_cache"])
 
     def prepare(self, epochs: list) -> None:
         """Make every layer's encoders for the epochs ``epochs[layer]`` (K, V) ahead of the launches: a launch
