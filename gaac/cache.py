@@ -1595,14 +1595,15 @@ class PagedKVCache:
 
     # -- transfer (gaac.transfer) --------------------------------------------------
     @_locked
-    def export_sequence(self, seq: int, *, calibration: bool = False, out=None) -> memoryview:
+    def export_sequence(self, seq: int, *, calibration: bool = False, out=None, heads=None) -> memoryview:
         """Sequence ``seq``, every layer, as a sequence container (FORMAT.md 11): its blocks as stored (no
         re-encoding), the bases of the epochs they use, the tails and the calibration id; ``calibration=True``
         embeds the calibration too.  A read-only memoryview (pinned host memory on CUDA); ``out``: a host buffer
-        to write it into.  See :func:`gaac.transfer.export_sequence`."""
+        to write it into; ``heads=(start, stop)``: those KV heads only (FORMAT.md 11.12), for a cache made with
+        ``calibration.slice_heads(start, stop)``.  See :func:`gaac.transfer.export_sequence`."""
         from .transfer import export_sequence
 
-        return export_sequence(self, seq, calibration=calibration, out=out)
+        return export_sequence(self, seq, calibration=calibration, out=out, heads=heads)
 
     @_locked
     def import_sequence(self, data) -> int:
