@@ -3,6 +3,7 @@ markdown tables, and the markdown + JSON pair a run leaves behind."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -10,7 +11,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def commit() -> str:
-    """HEAD's short hash, or ``unknown`` without git or outside a checkout (a device machine's copy)."""
+    """The commit the numbers come from: ``$GAAC_COMMIT`` where the run sets it (a device machine's copy of the
+    tree carries the git metadata of the checkout it was sent from, not of its last commit), else HEAD's short
+    hash, or ``unknown`` without git."""
+    if os.environ.get("GAAC_COMMIT"):
+        return os.environ["GAAC_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                               timeout=10).stdout.strip() or "unknown"
