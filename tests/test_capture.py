@@ -219,3 +219,50 @@ def test_a_hub_id_is_not_fetched_from_an_unreachable_hub(monkeypatch):
     with pytest.raises(InputError, match="--model does/not-exist: no such folder, not in the local Hugging Face "
                                          "cache, and .* cannot be reached"):
         capture.local_model("does/not-exist")
+
+
+def test_capture_on_a_terminal_writes_what_it_writes_off_one(smollm, tmp_path):
+    """The README's `gaac capture` with its stderr on a terminal (a pty of 100 columns): the progress bar
+    shows, the command succeeds, and its files hold the bits the same capture writes with no terminal."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import subprocess
+    import termios
+    import threading
+
+    run = [sys.executable, "-c", "from gaac.cli import main; raise SystemExit(main())", "capture", "--text", TEXT,
+           "--max-tokens", "9", "--name", "t"]
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    shown = []
+
+    def drain():                              # read the terminal as it is written (a full pty would block)
+        while True:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:
+                return
+            if not chunk:
+                return
+            shown.append(chunk)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    # Every update redraws (tqdm's update() then returns True, which a forward hook must not pass on).
+    on_tty = subprocess.run(run + ["--out", str(tmp_path / "tty")], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=slave, timeout=300, env={**os.environ, "TQDM_MININTERVAL": "0"})
+    os.close(slave)
+    reader.join(timeout=10)
+    os.close(master)
+    err = b"".join(shown).decode(errors="replace")
+    assert on_tty.returncode == 0, err
+    assert "prefill 9 tokens" in err and "layer" in err          # the bar over the decoder layers was drawn
+    plain = subprocess.run(run + ["--out", str(tmp_path / "plain")], stdin=subprocess.DEVNULL, capture_output=True,
+                           timeout=300)
+    assert plain.returncode == 0, plain.stderr.decode(errors="replace")
+    assert b"prefill" not in plain.stderr                         # no terminal, no bar
+    for kind in ("k", "v"):
+        np.testing.assert_array_equal(np.load(tmp_path / "tty" / f"t__{kind}.npy"),
+                                      np.load(tmp_path / "plain" / f"t__{kind}.npy"))
