@@ -1525,7 +1525,7 @@ class PagedKVCache:
                             allocated_bytes=allocated + tables, epoch_bytes=epoch_bytes)
 
     # -- room -------------------------------------------------------------------------
-    def _blocks_per_raw(self, expected: bool) -> float:
+    def _raw_per_block(self, expected: bool) -> float:
         """Arena records one block (every layer and kind) takes: at the arena's planned share of its tiles
         (``expected``), or every tile."""
         tiles = self.tiles_per_block * self.layers * len(KINDS)
@@ -1535,6 +1535,10 @@ class PagedKVCache:
         """Read the device's free-list counts where the host's are only a bound (encodes in flight): one wait."""
         pools = [p for layer_store in self._store for store in layer_store for p in (store.slots, store.raw)]
         sync_pools([p for p in pools if not p.exact])
+
+    def _free_slots(self) -> int:
+        """Free slots of the layer and kind with the fewest (a lower bound: exact after :meth:`_exact_counts`)."""
+        return min(store.slots.free_lower() for layer_store in self._store for store in layer_store)
 
     @property
     @_locked
@@ -1546,8 +1550,8 @@ class PagedKVCache:
         table = self.max_seqs * self.max_blocks
         slots = min(store.slots.size for layer_store in self._store for store in layer_store) // per
         arena = self._arena.size
-        expected = min(table, slots, math.floor(arena / self._blocks_per_raw(True)))
-        guaranteed = min(table, math.floor(arena / self._blocks_per_raw(False)))
+        expected = min(table, slots, math.floor(arena / self._raw_per_block(True)))
+        guaranteed = min(table, math.floor(arena / self._raw_per_block(False)))
         return Capacity(expected=expected * L.BLOCK_TOKENS, guaranteed=guaranteed * L.BLOCK_TOKENS)
 
     @_locked
@@ -1562,11 +1566,10 @@ class PagedKVCache:
         lens = self._lens.max(axis=0)
         table = int((self.max_blocks - lens[self._live] // L.BLOCK_TOKENS).sum()
                     + (~self._live).sum() * self.max_blocks)
-        arena = math.floor(self._arena.available() / self._blocks_per_raw(expected))
+        arena = math.floor(self._arena.available() / self._raw_per_block(expected))
         blocks = min(table, arena)
         if expected:
-            blocks = min(blocks, min(store.slots.free_lower() for layer_store in self._store
-                                     for store in layer_store) // per)
+            blocks = min(blocks, self._free_slots() // per)
         return max(blocks, 0) * L.BLOCK_TOKENS
 
     @_locked
@@ -1589,9 +1592,9 @@ class PagedKVCache:
             return False
         blocks = (held + tokens) // L.BLOCK_TOKENS - held // L.BLOCK_TOKENS
         self._exact_counts()
-        slots = min(store.slots.free_lower() for layer_store in self._store for store in layer_store)
+        slots = self._free_slots()
         return slots >= blocks * self.tiles_per_block and \
-            self._arena.available() >= math.ceil(blocks * self._blocks_per_raw(True))
+            self._arena.available() >= math.ceil(blocks * self._raw_per_block(True))
 
     # -- transfer (gaac.transfer) --------------------------------------------------
     @_locked
