@@ -579,16 +579,36 @@ def _all_ints(table) -> bool:
     return type(table) is int
 
 
+def exponent_fields(x, fmt: L.ElementFormat = L.BF16):
+    """The exponent field of every element of ``x`` (bits of format ``fmt``, NumPy or torch) as ``uint8``."""
+    shifted = x >> fmt.mantissa_bits
+    if not isinstance(shifted, np.ndarray):    # torch: signed bits shift in copies of the sign
+        return (shifted & fmt.max_exponent_field).to(_torch().uint8)
+    if fmt.exponent_bits < 8:                  # an FP8 byte: the sign sits right above the field
+        shifted &= fmt.max_exponent_field
+    # BF16: the field is the low byte of x >> mantissa_bits, and the cast drops the sign above it
+    return shifted.astype(np.uint8)
+
+
+def _histogram(e: np.ndarray, bins: int) -> np.ndarray:
+    """Counts of each exponent field ``e`` ``[heads, tokens, head_dim]`` per (head, channel):
+    ``[heads, head_dim, bins]``."""
+    heads, _, dim = e.shape
+    cells = heads * dim * bins
+    index = np.uint16 if cells <= 1 << 16 else np.int64     # a narrow index costs bincount less to read
+    cell = ((np.arange(heads)[:, None, None] * dim + np.arange(dim)[None, None, :]) * bins).astype(index)
+    idx = e.astype(index)
+    idx += cell
+    return np.bincount(idx.ravel(), minlength=cells).reshape(heads, dim, bins)
+
+
 def exponent_histograms(x: np.ndarray, fmt: L.ElementFormat = L.BF16) -> np.ndarray:
     """Counts of each exponent field per (layer, head, channel) of a cache of format ``fmt``:
     ``[layers, heads, head_dim, 2**exponent_bits]``."""
     layers, heads, tokens, dim = x.shape
-    bins = fmt.exponent_values
-    hist = np.zeros((layers, heads, dim, bins), dtype=np.int64)
-    cell = (np.arange(heads)[:, None, None] * dim + np.arange(dim)[None, None, :]) * bins
+    hist = np.empty((layers, heads, dim, fmt.exponent_values), dtype=np.int64)
     for layer in range(layers):
-        e = ((x[layer] >> fmt.mantissa_bits) & fmt.max_exponent_field).astype(np.int64)
-        hist[layer] = np.bincount((cell + e).ravel(), minlength=heads * dim * bins).reshape(heads, dim, bins)
+        hist[layer] = _histogram(exponent_fields(x[layer], fmt), fmt.exponent_values)
     return hist
 
 
@@ -599,16 +619,74 @@ def best_windows(hist: np.ndarray, width: int) -> np.ndarray:
     return np.argmax(cover, axis=-1)                      # argmax returns the first maximum
 
 
+_GROUP_ONES = np.uint64(int.from_bytes(bytes([1]) * L.GROUP_SIZE, "little"))   # 8 true bytes as one uint64
+
+
+def _in_window(e: np.ndarray, bases: np.ndarray, window: int, values: int) -> np.ndarray:
+    """Whether each exponent field ``e`` ``[heads, tokens, head_dim]`` lies in its channel's window
+    ``bases .. bases + window - 1`` (``bases`` ``[heads, head_dim]``)."""
+    b = np.asarray(bases)
+    if b.size and (b.min() < 0 or b.max() > values - window):      # not a valid base: exact arithmetic
+        d = e.astype(np.int16) - b.astype(np.int16)[:, None, :]
+        return (d >= 0) & (d < window)
+    # e - base modulo 256 is below the window exactly when e lies in it: below the base, the difference
+    # wraps to 256 - (base - e) >= 256 - (values - window) >= window
+    return np.subtract(e, b.astype(np.uint8)[:, None, :]) < window
+
+
+def _group_all(fits: np.ndarray) -> np.ndarray:
+    """``[..., head_dim]`` bools -> ``[..., head_dim / 8]``: whether all 8 channels of each group are true."""
+    return np.ascontiguousarray(fits).view(np.uint64) == _GROUP_ONES
+
+
+def _tile_escapes(e: np.ndarray, b_narrow, b_wide, modes: L.ModeSet) -> np.ndarray:
+    """Escape bytes of every tile of one layer's exponent fields ``e`` ``[heads, tokens, head_dim]`` (whole
+    blocks only), as ``[blocks, heads, tiles per head]``: FORMAT.md 5.2's mode of each group, summed."""
+    from .reference.codec import escape_lengths
+
+    heads, tokens, dim = e.shape
+    blocks, c = tokens // L.BLOCK_TOKENS, L.tile_channels(dim)
+    e = e[:, :blocks * L.BLOCK_TOKENS]
+    values = modes.fmt.exponent_values
+    narrow = _group_all(_in_window(e, b_narrow, modes.narrow_window, values))
+    wide = _group_all(_in_window(e, b_wide, modes.wide_window, values))
+    lengths = escape_lengths(modes)
+    table = np.array([lengths[L.MODE_RAW], lengths[L.MODE_WIDE], lengths[L.MODE_NARROW], lengths[L.MODE_NARROW]],
+                     dtype=np.uint8)       # by 2 * narrow + wide: the narrowest mode that holds the group
+    per_group = table[(narrow.view(np.uint8) << 1) | wide.view(np.uint8)]
+    per_tile = per_group.reshape(heads, blocks, L.BLOCK_TOKENS, dim // c, c // L.GROUP_SIZE).sum(
+        axis=(2, 4), dtype=np.int64)
+    return per_tile.transpose(1, 0, 2)
+
+
 def tile_escape_bytes(x: np.ndarray, b_narrow: np.ndarray, b_wide: np.ndarray,
                       modes: L.ModeSet = L.BF16_MODES) -> np.ndarray:
-    """Escape bytes of every tile of one layer's cache ``[heads, tokens, head_dim]`` (whole blocks only)."""
-    from .reference.codec import choose_modes, escape_bytes, tile_exponents
-    from .tiles import block_tiles, cache_blocks, tile_bases
+    """Escape bytes of every tile of one layer's cache ``[heads, tokens, head_dim]`` (whole blocks only), in
+    tile order (:func:`gaac.tiles.block_tiles` of :func:`gaac.tiles.cache_blocks`)."""
+    return _tile_escapes(exponent_fields(x, modes.fmt), b_narrow, b_wide, modes).reshape(-1)
 
-    blocks = cache_blocks(x)
-    tiles = block_tiles(blocks)
-    tn, tw = (np.tile(t, (blocks.shape[0], 1)) for t in tile_bases(b_narrow, b_wide))
-    return escape_bytes(choose_modes(tile_exponents(tiles, modes.fmt), tn, tw, modes), modes)
+
+def _max_tile_escapes(modes: L.ModeSet, dim: int) -> int:
+    """The most escape bytes one tile of a ``dim``-wide head can need (every group raw)."""
+    return L.BLOCK_TOKENS * L.tile_channels(dim) // L.GROUP_SIZE * modes.escape_bytes[L.MODE_RAW]
+
+
+def _capacities(counts: np.ndarray, geo: L.TileGeometry, slot_line: int | None) -> np.ndarray:
+    """:func:`best_capacity` of each layer from ``counts`` ``[layers, m + 1]``: how many of its tiles need
+    0 .. m escape bytes."""
+    candidates = _capacity_candidates(geo, slot_line)
+    within = np.cumsum(counts, axis=1)                     # tiles needing at most 0 .. m escape bytes
+    fits = within[:, np.minimum(candidates, counts.shape[1] - 1)]          # [layers, candidates]
+    cost = fits * (geo.fixed_bytes + candidates) + (within[:, -1:] - fits) * geo.raw_bytes
+    return candidates[np.argmin(cost, axis=1)].astype(np.int64)            # argmin: the first, smallest
+
+
+def _capacity_candidates(geo: L.TileGeometry, slot_line: int | None) -> np.ndarray:
+    candidates = np.arange(0, geo.max_useful_capacity + 1, L.SLOT_ALIGN)
+    if slot_line:
+        lined = candidates[(geo.fixed_bytes + candidates) % slot_line == 0]
+        candidates = lined if lined.size else candidates
+    return candidates
 
 
 def best_capacity(escapes: np.ndarray, tile, slot_line: int | None = None) -> int:
@@ -620,10 +698,7 @@ def best_capacity(escapes: np.ndarray, tile, slot_line: int | None = None) -> in
     :func:`calibrate`.
     """
     geo = tile if isinstance(tile, L.TileGeometry) else L.geometry(tile)
-    candidates = np.arange(0, geo.max_useful_capacity + 1, L.SLOT_ALIGN)
-    if slot_line:
-        lined = candidates[(geo.fixed_bytes + candidates) % slot_line == 0]
-        candidates = lined if lined.size else candidates
+    candidates = _capacity_candidates(geo, slot_line)
     if escapes.size == 0:
         return int(candidates[0])
     fits = escapes[None, :] <= candidates[:, None]
@@ -642,30 +717,136 @@ class Windows:
     tiles: int = 0           # capacity is chosen), and tiles of the sample
 
 
-def fit_windows(x: np.ndarray, modes: L.ModeSet = L.BF16_MODES, capacity: int | None = None,
+def fit_windows(x, modes: L.ModeSet = L.BF16_MODES, capacity: int | None = None,
                 slot_line: int | None = None) -> Windows:
     """Windows and capacities for one kind of a cache ``[layers, heads, tokens, head_dim]`` of ``modes``' format.
 
     Per (layer, head, channel) the narrow and the wide window covering the most values
     (:func:`best_windows`); per layer the capacity that minimises resident bytes (:func:`best_capacity`),
-    or ``capacity`` everywhere when given.
+    or ``capacity`` everywhere when given.  ``x`` is NumPy bits, or a torch tensor of BF16 bits on a device,
+    fitted there (:func:`_fit_on_device`): the same windows and capacities.
     """
-    hist = exponent_histograms(x, modes.fmt)
-    bn = best_windows(hist, modes.narrow_window)
-    bw = best_windows(hist, modes.wide_window)
-    geo = modes.geometry(x.shape[-1])
+    if not isinstance(x, np.ndarray):
+        return _fit_on_device(x, modes, capacity, slot_line)
+    layers, heads, _, dim = x.shape
+    bins = modes.fmt.exponent_values
+    bn = np.empty((layers, heads, dim), dtype=np.intp)
+    bw = np.empty((layers, heads, dim), dtype=np.intp)
+    counts = np.zeros((layers, _max_tile_escapes(modes, dim) + 1), dtype=np.int64)
+    for layer in range(layers):          # one layer at a time: its exponent fields serve both passes
+        e = exponent_fields(x[layer], modes.fmt)
+        hist = _histogram(e, bins)
+        bn[layer] = best_windows(hist, modes.narrow_window)
+        bw[layer] = best_windows(hist, modes.wide_window)
+        if capacity is None:
+            counts[layer] = np.bincount(_tile_escapes(e, bn[layer], bw[layer], modes).ravel(),
+                                        minlength=counts.shape[1])
+    return _windows(bn, bw, counts, modes.geometry(dim), capacity, slot_line)
+
+
+def _windows(bn, bw, counts: np.ndarray, geo: L.TileGeometry, capacity: int | None, slot_line) -> Windows:
+    """The :class:`Windows` of bases ``bn``, ``bw`` and each layer's tile counts by escape bytes."""
     if capacity is not None:
-        return Windows(bn, bw, np.full(x.shape[0], capacity, dtype=np.int64))
-    escapes = [tile_escape_bytes(x[layer], bn[layer], bw[layer], modes) for layer in range(x.shape[0])]
-    cap = np.array([best_capacity(e, geo, slot_line) for e in escapes], dtype=np.int64)
-    return Windows(bn, bw, cap, raw_tiles=int(sum((e > c).sum() for e, c in zip(escapes, cap))),
-                   tiles=int(sum(e.size for e in escapes)))
+        return Windows(bn, bw, np.full(bn.shape[0], capacity, dtype=np.int64))
+    cap = _capacities(counts, geo, slot_line)
+    tiles = counts.sum(axis=1)
+    fit = np.array([counts[layer, :c + 1].sum() for layer, c in enumerate(cap)], dtype=np.int64)
+    return Windows(bn, bw, cap, raw_tiles=int((tiles - fit).sum()), tiles=int(tiles.sum()))
 
 
-def sample_caches(k, v) -> tuple[np.ndarray, np.ndarray]:
+DEVICE_CHUNK = 1 << 25       # elements a device fit works on at once (its temporaries: about 10 bytes an element)
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def _first_max(x, dim: int = -1):
+    """Index of the first maximum of ``x`` (torch) along ``dim``, whatever the backend's argmax does on ties."""
+    torch = _torch()
+    top = x.amax(dim=dim, keepdim=True)
+    index = torch.arange(x.shape[dim], device=x.device).view(-1, *([1] * (x.dim() - 1 - (dim % x.dim()))))
+    return torch.where(x == top, index, x.shape[dim]).amin(dim=dim)
+
+
+def _fit_on_device(x, modes: L.ModeSet, capacity: int | None, slot_line: int | None) -> Windows:
+    """:func:`fit_windows` of int16 BF16 bits ``x`` ``[layers, heads, tokens, head_dim]`` (a torch tensor) where
+    they are: the histograms, windows and each layer's tiles by escape bytes on the tensor's device, in chunks
+    of at most ``DEVICE_CHUNK`` elements; one copy of the results to the host."""
+    torch = _torch()
+    from .reference.codec import escape_lengths
+
+    layers, heads, tokens, dim = x.shape
+    dev, bins, fmt = x.device, modes.fmt.exponent_values, modes.fmt
+    c = L.tile_channels(dim)
+    blocks = tokens // L.BLOCK_TOKENS
+    step_l = max(1, min(layers, DEVICE_CHUNK // max(1, heads * tokens * dim)))     # whole layers where they fit
+    step_t = max(tokens, 1) if heads * tokens * dim <= DEVICE_CHUNK else \
+        max(L.BLOCK_TOKENS, DEVICE_CHUNK // (heads * dim) // L.BLOCK_TOKENS * L.BLOCK_TOKENS)    # else whole blocks
+    chunks = [(a, min(a + step_l, layers), t, min(t + step_t, tokens))
+              for a in range(0, layers, step_l) for t in range(0, tokens, step_t)]
+    cells = heads * dim * bins                      # histogram bins of one layer
+    cell = (torch.arange(heads * dim, device=dev, dtype=torch.int32) * bins).view(1, heads, 1, dim)
+    hist = torch.zeros(layers * cells, dtype=torch.int64, device=dev)
+    for a, b, t0, t1 in chunks:
+        idx = exponent_fields(x[a:b, :, t0:t1], fmt).to(torch.int32) + cell
+        idx += (torch.arange(b - a, device=dev, dtype=torch.int32) * cells).view(-1, 1, 1, 1)
+        hist[a * cells:b * cells] += torch.bincount(idx.view(-1), minlength=(b - a) * cells)
+        del idx
+    hist = hist.view(layers, heads, dim, bins)
+    cs = torch.nn.functional.pad(hist.cumsum(-1), (1, 0))
+    bases = [_first_max(cs[..., w:] - cs[..., :-w]) for w in (modes.narrow_window, modes.wide_window)]
+    top = _max_tile_escapes(modes, dim)
+    counts = torch.zeros(layers * (top + 1), dtype=torch.int64, device=dev)
+    if capacity is None and blocks:
+        lengths = escape_lengths(modes)
+        ln, lw, lr = (int(lengths[m]) for m in (L.MODE_NARROW, L.MODE_WIDE, L.MODE_RAW))
+        b8 = [b.to(torch.uint8)[:, :, None, :] for b in bases]       # valid bases: the uint8 difference holds
+        for a, b, t0, t1 in chunks:
+            t1 = min(t1, blocks * L.BLOCK_TOKENS)       # whole blocks only
+            if t1 <= t0:
+                continue
+            e = exponent_fields(x[a:b, :, t0:t1], fmt)
+            shape = (b - a, heads, t1 - t0, dim // L.GROUP_SIZE, L.GROUP_SIZE)
+            narrow = ((e - b8[0][a:b]) < modes.narrow_window).view(shape).all(-1)
+            wide = ((e - b8[1][a:b]) < modes.wide_window).view(shape).all(-1)
+            del e
+            per_group = torch.where(narrow, ln, torch.where(wide, lw, lr))
+            per_tile = per_group.view(b - a, heads, (t1 - t0) // L.BLOCK_TOKENS, L.BLOCK_TOKENS, dim // c,
+                                      c // L.GROUP_SIZE).sum((3, 5))
+            per_tile += (torch.arange(b - a, device=dev) * (top + 1)).view(-1, 1, 1, 1)
+            counts[a * (top + 1):b * (top + 1)] += torch.bincount(per_tile.view(-1), minlength=(b - a) * (top + 1))
+    host = torch.cat([bases[0].view(-1), bases[1].view(-1), counts]).cpu().numpy()
+    n = layers * heads * dim
+    bn, bw = (host[i * n:(i + 1) * n].reshape(layers, heads, dim).astype(np.intp) for i in (0, 1))
+    return _windows(bn, bw, host[2 * n:].reshape(layers, top + 1), modes.geometry(dim), capacity, slot_line)
+
+
+def _sample_bits(x, name: str):
+    """``x`` as :func:`gaac.arrays.as_bits` takes it, or, for a torch tensor on a device other than the CPU, its
+    int16 bits there (``[layers, kv_heads, tokens, head_dim]``)."""
+    if type(x).__module__.startswith("torch") and x.device.type != "cpu":
+        torch = _torch()
+        if x.dtype not in (torch.bfloat16, torch.int16, torch.uint16):
+            raise InputError(f"{name}: dtype {x.dtype} is not BF16; pass a torch.bfloat16 tensor "
+                             "or its bits as int16/uint16")
+        if x.dim() != 4:
+            raise InputError(f"{name}: expected 4 dimensions, got shape {list(x.shape)}")
+        return x.detach().contiguous().view(torch.int16)
+    return as_bits(x, name, ndim=4)
+
+
+def sample_caches(k, v):
     """The bits of sample caches ``k``, ``v`` ``[layers, kv_heads, tokens, head_dim]``, checked for a calibration:
-    the same layers, heads and head_dim, at least one layer and one KV head, a supported head_dim."""
-    ks, vs = as_bits(k, "k", ndim=4), as_bits(v, "v", ndim=4)
+    the same layers, heads and head_dim, at least one layer and one KV head, a supported head_dim.  NumPy
+    ``uint16`` arrays, or int16 torch tensors where ``k``, ``v`` are tensors on a device other than the CPU."""
+    ks, vs = _sample_bits(k, "k"), _sample_bits(v, "v")
+    if isinstance(ks, np.ndarray) != isinstance(vs, np.ndarray) or \
+            (not isinstance(ks, np.ndarray) and ks.device != vs.device):
+        raise InputError(f"k and v must be on one device (k: {getattr(k, 'device', 'NumPy')}, "
+                         f"v: {getattr(v, 'device', 'NumPy')})")
     if ks.shape[0] != vs.shape[0] or ks.shape[1] != vs.shape[1] or ks.shape[3] != vs.shape[3]:
         raise CalibrationError(f"k {list(ks.shape)} and v {list(vs.shape)} disagree on layers, heads or head_dim")
     if min(ks.shape[:2]) < 1:
@@ -684,7 +865,8 @@ def calibrate(k, v, *, format="bf16", model: str | None = None, capacity: int | 
     """Calibrate a cache of element format ``format`` on BF16 sample caches ``k``, ``v`` shaped
     ``[layers, kv_heads, tokens, head_dim]``.
 
-    Inputs are torch BF16 tensors or uint16 NumPy arrays of BF16 bit patterns.  For an FP8 format the
+    Inputs are torch BF16 tensors or uint16 NumPy arrays of BF16 bit patterns; BF16 windows of tensors on a
+    GPU are fitted there, with the same result, and only the tables come back to the host.  For an FP8 format the
     samples are first converted with scales chosen by the policy ``scale`` of
     :func:`gaac.fp8.convert.cache_scales` (``'tensor'``: one power of two per layer and kind; ``'head'``:
     per KV head; ``'one'``: no scaling), and the windows are fitted to the converted caches.
@@ -710,6 +892,7 @@ def calibrate(k, v, *, format="bf16", model: str | None = None, capacity: int | 
     if CALIBRATION_FILES[modes.fmt.name].scales:
         from .fp8.convert import cache_scales, cache_to_fp8
 
+        ks, vs = (x if isinstance(x, np.ndarray) else x.cpu().numpy().view(np.uint16) for x in (ks, vs))
         scales = [cache_scales(x, modes.fmt, scale) for x in (ks, vs)]
         ks, vs = (cache_to_fp8(x, modes.fmt, s) for x, s in zip((ks, vs), scales))
         notes = {"scale": scale, **notes}
