@@ -224,19 +224,26 @@ class GAACCache(Cache):
             layer.tokens += k.shape[-2]
             if index < len(self.layers) - 1 or layer.tokens < L.BLOCK_TOKENS:
                 return layer.keys, layer.values
+            keys, values = layer.keys, layer.values
             self._calibrate_and_compress()
-        else:
-            if self.store is None:
-                self._open(k)
-            if index == 0:        # one plan per forward pass, made before its first append, shared by its layers
-                self._plan = (self.store.decode_plan(self.config.num_attention_heads, seqs=self.rows,
-                                                     append=k.shape[-2])
-                              if self.fused and k.shape[-2] == 1 else None)
-            self.store.update_layer(index, self.rows, k, v)
-            layer.tokens += k.shape[-2]
+            if self.fused and k.shape[-2] == 1:
+                handle = PagedLayer(self.store, index, self.rows)
+                return handle, handle
+            return keys, values          # what the layer holds, as the paged cache now holds it (lossless)
+        if self.store is None:
+            self._open(k)
+        if index == 0:        # one plan per forward pass, made before its first append, shared by its layers
+            self._plan = (self.store.decode_plan(self.config.num_attention_heads, seqs=self.rows,
+                                                 append=k.shape[-2])
+                          if self.fused and k.shape[-2] == 1 else None)
+        held = layer.tokens
+        self.store.update_layer(index, self.rows, k, v)
+        layer.tokens += k.shape[-2]
         handle = PagedLayer(self.store, index, self.rows, getattr(self, "_plan", None))
         if self.fused and k.shape[-2] == 1:
             return handle, handle
+        if held == 0:         # the layer holds these tokens alone: they are what it would decode to
+            return k, v
         return handle.dense()
 
     def _open(self, k: torch.Tensor) -> None:
@@ -249,20 +256,27 @@ class GAACCache(Cache):
         self.rows = [self.store.add_sequence() for _ in range(batch)]
 
     def _calibrate_and_compress(self) -> None:
-        """Calibrate on every complete block the layers hold, then move their BF16 into the paged cache."""
+        """Calibrate on every complete block the layers hold, then move their BF16 into the paged cache.
+
+        Both happen where the K/V are: on a GPU the calibration runs there (only its tables come to the
+        host), and each batch row goes in with one append of every layer, which runs the adaptation rule
+        of all layers and kinds at once and encodes the row's blocks where the model left them."""
         full = self.layers[0].tokens // L.BLOCK_TOKENS * L.BLOCK_TOKENS
+        keys = torch.stack([layer.keys for layer in self.layers])          # [layers, batch, kv_heads, tokens, D]
+        values = torch.stack([layer.values for layer in self.layers])
 
-        def sample(name):   # [layers, kv_heads, batch * full, head_dim]: each row's complete blocks, in a row
-            x = torch.stack([getattr(layer, name)[:, :, :full] for layer in self.layers]).transpose(1, 2)
-            return x.reshape(x.shape[0], x.shape[1], -1, x.shape[-1]).cpu()
+        def sample(x):      # [layers, kv_heads, batch * full, head_dim]: each row's complete blocks, in a row
+            x = x[:, :, :, :full].transpose(1, 2)
+            return x.reshape(x.shape[0], x.shape[1], -1, x.shape[-1])
 
-        self.calibration = calibrate(sample("keys"), sample("values"),
+        self.calibration = calibrate(sample(keys), sample(values),
                                      model=getattr(self.config, "name_or_path", None) or None)
         self.calibration.notes["source"] = "gaac.hf.GAACCache: self-calibrated on the first complete blocks"
-        self._open(self.layers[0].keys)
+        self._open(keys[0])
         for layer in self.layers:
-            self.store.update_layer(layer.index, self.rows, layer.keys, layer.values)
             layer.keys = layer.values = None
+        for row, seq in enumerate(self.rows):
+            self.store.append(seq, keys[:, row], values[:, row], show_progress=False)
 
     def memory(self):
         """The paged cache's :class:`gaac.cache.MemoryReport` (None while uncalibrated and still BF16)."""

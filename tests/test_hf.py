@@ -130,6 +130,41 @@ def test_tiny_llama_left_padded_batch(head_dim, prompt):
     assert cache.store.memory().raw_bytes + cache.store.memory().slot_bytes > 0
 
 
+def test_self_calibration_is_calibrate_of_every_rows_complete_blocks(monkeypatch):
+    """calibration=None, a batch of two 37-token prompts: the calibration is gaac.calibrate of each row's two
+    complete blocks (the rows one after the other), the rows enter the paged cache as the default cache holds
+    them, and the prefill's attention reads the model's own K/V: no layer is decoded back."""
+    model = tiny_llama(64, layers=3, seed=5)
+    ids = torch.randint(3, 96, (2, 37), generator=torch.Generator().manual_seed(5))
+    default, cache = DynamicCache(config=model.config), hf.GAACCache(config=model.config)
+    reads = []
+    real = hf.PagedLayer.dense
+    monkeypatch.setattr(hf.PagedLayer, "dense", lambda self: reads.append(self.layer) or real(self))
+    with torch.no_grad():
+        ref = model(input_ids=ids, cache=default).logits
+        out = model(input_ids=ids, cache=cache).logits
+    assert torch.equal(out, ref) and reads == []
+
+    def sample(name):
+        x = torch.stack([getattr(layer, name)[:, :, :32] for layer in default.layers]).transpose(1, 2)
+        return x.reshape(x.shape[0], x.shape[1], -1, x.shape[-1])
+
+    want = calibrate(sample("keys"), sample("values"))
+    assert cache.calibration.id == want.id and cache.calibration.notes["raw_rate"] == want.notes["raw_rate"]
+    for row in cache.rows:
+        k, v = cache.store.read(row)
+        for layer in range(3):
+            np.testing.assert_array_equal(k[layer], bits(default.layers[layer].keys[row]))
+            np.testing.assert_array_equal(v[layer], bits(default.layers[layer].values[row]))
+    # With a calibration, a prefill into empty layers reads none back either; a decode step reads every layer.
+    cache = hf.GAACCache(config=model.config, calibration=want)
+    with torch.no_grad():
+        model(input_ids=ids, cache=cache)
+        assert reads == []
+        model(input_ids=ids[:, :1], cache=cache)
+    assert reads == [0, 1, 2]
+
+
 def test_fused_hook_calls_decode_attention(monkeypatch):
     """fused=True: one-token steps hand attention a PagedLayer and gaac.attention.decode_attention runs on it."""
     attention = pytest.importorskip("gaac.attention")
