@@ -101,7 +101,22 @@ class Pool:
         self._top -= k
 
 
-_VERSIONS = itertools.count()
+_VERSIONS = itertools.count(1)
+_latest = 0             # the newest version any pool took: unchanged, no pool's arrays changed (latest_version)
+
+
+def new_version() -> int:
+    """A version number no pool had before (a pool's arrays or free list were replaced)."""
+    global _latest
+    _latest = next(_VERSIONS)
+    return _latest
+
+
+def latest_version() -> int:
+    """The newest version any pool took: a captured step whose launches name pools' arrays is valid while this
+    is what it was when the step was captured (else it compares its own pools' versions)."""
+    return _latest
+NO_RECORD = -1          # a free list's entry past its end: the CUDA encoder's "ran dry" (gaac.cuda.codec.NO_STORAGE)
 
 
 class Arrival:
@@ -150,9 +165,22 @@ class DevicePool(Pool):
     def size(self) -> int:
         return self._size
 
-    def _set_order(self, order: torch.Tensor) -> None:
-        self.version = next(_VERSIONS)      # a new free list (and perhaps new data): plans made before are stale
-        self.order = order.contiguous()
+    def _set_order(self, order: torch.Tensor, room: int | None = None) -> None:
+        """Make ``order`` the free list, the device's count of taken records zero.  Where it fits the list's
+        array it is written there (entries past it set to :data:`NO_RECORD`, which the encoder takes for a
+        list run dry), so that launches made with the array -- a captured step's -- stay valid; otherwise
+        (``room``: at least that many entries) a new array takes it and :attr:`version` changes."""
+        n = int(order.shape[0])
+        held = getattr(self, "order", None)
+        if held is not None and n <= held.shape[0] and room is None:
+            if n:
+                held[:n] = order.clone()
+            held[n:] = NO_RECORD
+        else:
+            held = torch.full((max(n, room or 0, 1),), NO_RECORD, dtype=torch.int32, device=order.device)
+            held[:n] = order
+            self.version = new_version()      # a new free list (and perhaps new data): plans made before are stale
+        self.order, self.listed = held, n
         self.heads[self.cls] = 0
         self.taken = self.pending = 0
         self._snap = None
@@ -177,22 +205,23 @@ class DevicePool(Pool):
         if self._snap is not None and self._snap[1].query():
             host, _, counted = self._snap
             self.taken, self.pending, self._snap = int(host[self.cls]), self.pending - counted, None
-        return self.order.shape[0] - self.taken - self.pending
+        return self.listed - self.taken - self.pending
 
     def n_free(self) -> int:
         self.sync()
-        return max(self.order.shape[0] - self.taken, 0)
+        return max(self.listed - self.taken, 0)
 
     def _rest(self) -> torch.Tensor:
         self.sync()
-        return self.order[min(self.taken, self.order.shape[0]):]
+        return self.order[min(self.taken, self.listed):self.listed]
 
     def grow_to(self, n: int) -> None:
         old = self.size
         extra = torch.zeros((n - old, *self.data.shape[1:]), dtype=self.data.dtype, device=self.data.device)
         self.data = torch.cat([self.data[:old], extra])
         self._size = n
-        self._set_order(torch.cat([self._rest(), torch.arange(old, n, dtype=torch.int32, device=self.data.device)]))
+        order = torch.cat([self._rest(), torch.arange(old, n, dtype=torch.int32, device=self.data.device)])
+        self._set_order(order, n)           # a new list, as the data is new
 
     def take(self, k: int) -> np.ndarray:
         rest = self._rest()
@@ -209,8 +238,8 @@ class DevicePool(Pool):
         """The ``k`` records :meth:`take` would hand out next, as an int64 tensor on the device, none taken and
         nothing read back: valid right after :func:`sync_pools` (or :meth:`sync`), before anything else takes
         records."""
-        start = min(self.taken, self.order.shape[0])
-        return self.order[start:start + k].long()
+        start = min(self.taken, self.listed)
+        return self.order[start:min(start + k, self.listed)].long()
 
     def take_upcoming(self, k: int) -> None:
         """Take the ``k`` records :meth:`upcoming` named, on the device's count and the host's, without waiting."""
@@ -227,7 +256,7 @@ def sync_pools(pools) -> list[int]:
         counts = dict(zip(map(id, heads), torch.stack(heads).tolist()))
         for p in device:
             p.taken, p.pending, p._snap = counts[id(p.heads)][p.cls], 0, None
-    return [max(p.order.shape[0] - p.taken, 0) if isinstance(p, DevicePool) else p.n_free() for p in pools]
+    return [max(p.listed - p.taken, 0) if isinstance(p, DevicePool) else p.n_free() for p in pools]
 
 
 
@@ -309,7 +338,9 @@ class DeviceShare(_Share, DevicePool):
     def extend(self, indices: np.ndarray) -> None:
         """Records lent by the arena join the end of the free list (a new list: the device's count is read)."""
         new = torch.from_numpy(np.sort(indices).astype(np.int32)).to(self.data.device)
-        self._set_order(torch.cat([self._rest(), new]))
+        order = torch.cat([self._rest(), new])
+        # in place while the list's array has room; else a new one with room to spare
+        self._set_order(order, None if order.shape[0] <= self.order.shape[0] else 2 * order.shape[0])
         self.granted += len(indices)
 
     def surrender(self) -> np.ndarray:
@@ -434,7 +465,7 @@ class RawArena:
         self._put(np.arange(old, n, dtype=np.int64))
         for s in self.shares:
             s.data = self.data
-            s.version = next(_VERSIONS)      # plans made with the old array are stale
+            s.version = new_version()      # plans made with the old array are stale
 
     def lend_growing(self, share, extra: int) -> None:
         """Lend ``share`` ``extra`` more records from the reserve, growing the arena by a step of :func:`grown`
