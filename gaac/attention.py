@@ -521,8 +521,9 @@ class AttentionPlan:
         geo = L.TileGeometry(c)
         self._sizes = (geo.slot_bytes(view.capacity[0]), geo.slot_bytes(view.capacity[1]))
         stage = K.tile_bytes(c) if plain else -(-max(self._sizes) // 16) * 16
-        # Runs of blocks with one K epoch and one V epoch (no split crosses a run's end), per sequence.
-        runs = _epoch_runs(view, lens // L.BLOCK_TOKENS, nblk)
+        # Each sequence's blocks, one run: the kernel loads the bases of each block's epoch.  The studies'
+        # fragment decoders (``build_kernel``) load one epoch a split: their runs end where an epoch changes.
+        runs = _epoch_runs(view, lens // L.BLOCK_TOKENS, nblk, cut=build_kernel is not None)
         self._kernel = (build_kernel or K.attention_kernel)(d, plain, nstage, 0 if plain else stage, overlap,
                                                             max_registers)
         self.resources = None               # what the driver says of the kernel's occupancy (GPU, planned splits)
@@ -655,11 +656,11 @@ class AttentionPlan:
             raise error
 
 
-def _epoch_runs(view: LayerView, nfull: np.ndarray, nblk: np.ndarray) -> list:
-    """``(sequence, start, stop)``: each sequence's blocks ``0 .. nblk`` cut into runs of one K epoch and one
-    V epoch (the tail block joins the last run): the kernel loads one epoch's bases per split, so no split
-    crosses a cut.  Epochs outside the view's bases raise :class:`InputError` (the kernel would only flag
-    them).  Each kind's epoch table is copied to the host once."""
+def _epoch_runs(view: LayerView, nfull: np.ndarray, nblk: np.ndarray, cut: bool = False) -> list:
+    """``(sequence, start, stop)``: each sequence's blocks ``0 .. nblk`` as one run, or with ``cut`` in runs of
+    one K epoch and one V epoch (the tail block joins the last run), for a kernel that loads one epoch's
+    bases per split.  Epochs outside the view's bases raise :class:`InputError` (the kernel would only
+    flag them).  Each kind's epoch table is copied to the host once."""
     tables = [(kind, _host(e).astype(np.int64)) for kind in range(2) if (e := block_epochs(view, kind)) is not None]
     runs = []
     for b in range(len(nblk)):
@@ -670,7 +671,8 @@ def _epoch_runs(view: LayerView, nfull: np.ndarray, nblk: np.ndarray) -> list:
             if bad.size:
                 raise InputError(f"epoch[{'kv'[kind]}][{b}, {bad[0]}] = {e[bad[0]]}: the view holds bases for "
                                  f"epochs 0..{n_epochs(view, kind) - 1}")
-            cuts.update((np.flatnonzero(np.diff(e)) + 1).tolist())
+            if cut:
+                cuts.update((np.flatnonzero(np.diff(e)) + 1).tolist())
         edges = [0, *sorted(cuts), int(nblk[b])]
         runs += [(b, a, z) for a, z in zip(edges[:-1], edges[1:]) if z > a]
     return runs

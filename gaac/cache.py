@@ -87,6 +87,8 @@ KINDS = (L.KIND_K, L.KIND_V)
 PROGRESS_TOKENS = 512        # appends of this many tokens show a progress bar on a terminal (PagedKVCache.append)
 # Epochs a block's epoch index can name: it is stored as int16 (LayerView.epoch), so epochs 0..32767.
 MAX_INDEXED_EPOCHS = int(np.iinfo(np.int16).max) + 1
+ADAPT_LAG = 2                # decode steps between a block's finish and the adaptation rule's look at it
+EPOCH_ROOM = 16              # epochs a layer's attention base table holds at first (PagedKVCache.epoch_table)
 
 
 def _locked(method):
@@ -216,6 +218,8 @@ class _Kind:
     adapter: Adapter | None      # None without adaptation
     heads: torch.Tensor | None = None    # int32 [2]: the device free lists' taken counts (CUDA codec)
     deferred: list = field(default_factory=list)    # finalized blocks on their way to the adapter (GPU)
+    published: int = 0           # the epoch decode appends encode finished blocks with (PagedKVCache._publish)
+    current: torch.Tensor | None = None             # its bases, packed for the CUDA encoder (current_bases)
     encoders: dict = field(default_factory=dict)    # (epoch, pools) -> the CUDA codec's EncodePlan
     packed: dict = field(default_factory=dict)      # epoch -> its per-tile bases packed for the CUDA codec (device)
 
@@ -283,16 +287,24 @@ class _Update:
 
 
 @dataclass
+class _Observed:
+    """Finished blocks of a decode step on their way to an adapter (a host copy in flight), and the step
+    (:attr:`PagedKVCache._step_clock`) that finished them: the rule takes them up :data:`ADAPT_LAG` steps later."""
+
+    blocks: object
+    step: int
+
+
+@dataclass
 class _EarlyWrite:
     """An update committed before its encodes' counts are known (:meth:`PagedKVCache._written_early`), and what
     puts the cache back if a free list ran dry.  Only what later calls read is put back: the host's lengths,
-    the tails that held tokens, the work list's cuts, the adapters and their pending blocks, the block count.
+    the tails that held tokens, the adapters and their pending blocks, the block count.
     Table entries and block epochs past the restored lengths are never read (a later update overwrites them),
     and no epoch was appended (the caller writes early only then)."""
 
     cache: object
     lens: np.ndarray
-    cuts: dict
     adapters: list               # per store written: (layer, kind, its adapter, its deferred blocks' count)
     tails: list                  # (store, sequence, its tail before the write)
     blocks_encoded: int
@@ -300,8 +312,6 @@ class _EarlyWrite:
     def undo(self) -> None:
         cache = self.cache
         cache._lens[...] = self.lens
-        for seq, cuts in self.cuts.items():
-            cache._cuts[seq] = cuts
         for layer, kind, adapter, n in self.adapters:
             store = cache._store[layer][kind]
             store.adapter = adapter
@@ -461,10 +471,14 @@ class PagedKVCache:
         self._lens = np.zeros((self.layers, max_seqs), dtype=np.int64)       # host copy: the cache's logic
         self._seq_lens = torch.zeros((self.layers, max_seqs), dtype=torch.int32, device=self.device)
         self._live = np.zeros(max_seqs, dtype=bool)
-        self._cuts = [set() for _ in range(max_seqs)]      # per sequence: blocks where some layer's epoch changes
         self._layer_state = {}       # (layer, g) -> what a step plan launches attention with (gaac.step)
+        self._epoch_tables = {}      # layer -> [its attention base table, epochs written per kind] (epoch_table)
+        self._epochs_now = None      # int32 [layers, 2] on the device: the published epochs (epochs_now)
+        self._step_clock = 0         # decode steps accounted (gaac.step_append): the rule's lag counts them
+        self._next_due = None        # the earliest step whose finished blocks wait for the rule (_flush_due)
         self._step_index = None      # the device indices of the current one-token step (_append_token)
         self._generation = 0         # counts changes of lengths or storage: a captured step plan checks it (gaac.step)
+        self.storage_version = 0     # counts replacements of arrays that launches name (growth, a full epoch table)
         self._recording = None       # the step plan whose device-driven step is being recorded (gaac.step)
         self._wave = {}              # attention kernel -> warps in one wave (gaac.step)
         self._append_launch = None   # the one-token append kernel's launcher (GPU)
@@ -505,7 +519,8 @@ class PagedKVCache:
                      tb4=torch.from_numpy(np.ascontiguousarray(tb4)).to(dev),
                      epochs=np.zeros((max_seqs, max_blocks), dtype=np.int16),
                      epoch=torch.zeros((max_seqs, max_blocks), dtype=torch.int16, device=dev) if self.adapt else None,
-                     adapter=Adapter(self._calibration, layer, kind) if self.adapt else None)
+                     adapter=Adapter(self._calibration, layer, kind) if self.adapt else None,
+                     published=len(b3) - 1)
 
     @property
     @_locked
@@ -641,7 +656,6 @@ class PagedKVCache:
         self._lens[:, seq] = 0
         self._seq_lens[:, seq] = 0
         self._live[seq] = False
-        self._cuts[seq].clear()
         self._lengths_changed()
 
     def _grow_rows(self, n: int) -> None:
@@ -656,7 +670,6 @@ class PagedKVCache:
         self._lens = np.concatenate([self._lens, np.zeros((self.layers, extra), np.int64)], axis=1)
         self._seq_lens = torch.cat([self._seq_lens, self._seq_lens.new_zeros((self.layers, extra))], dim=1)
         self._live = np.concatenate([self._live, np.zeros(extra, bool)])
-        self._cuts += [set() for _ in range(extra)]
         self._storage_changed()
         self._lengths_changed()
 
@@ -723,6 +736,11 @@ class PagedKVCache:
     def _update_layer(self, layer: int, seqs, k, v) -> None:
         """:meth:`update_layer` checked in full (any call its step plan's fast path does not take)."""
         self._check_layer(layer)
+        if self._recording is not None and self._recording.places:
+            # A step for a batch-size bucket: ``seqs`` is the recording's list of places, which may hold
+            # free places (-1); the recording checks it.
+            self._recording.record_append(layer, seqs, self._bits(k, "k", 4), self._bits(v, "v", 4))
+            return
         seqs = self._check_seqs(seqs)
         if len(set(seqs)) != len(seqs):
             raise InputError(f"sequences {seqs}: each may appear once")
@@ -876,13 +894,11 @@ class PagedKVCache:
         """Commit ``updates`` while their encodes may still run dry: what the write changes that a later
         update could see is kept to be put back (:class:`_EarlyWrite`).  The adapters' observation of the
         new blocks waits for :meth:`_EarlyWrite.settle`."""
-        seqs = sorted({s for u in updates for s in u.seqs})
         tails = [(store, seq, store.tail[seq].clone()) for u in updates for store in self._store[u.layer]
                  for seq in u.seqs if self._lens[u.layer, seq] % L.BLOCK_TOKENS]
         adapters = [(u.layer, kind, store.adapter, len(store.deferred))
                     for u in updates for kind, store in zip(KINDS, self._store[u.layer])]
-        early = _EarlyWrite(self, lens=self._lens.copy(), cuts={s: set(self._cuts[s]) for s in seqs},
-                            adapters=adapters, tails=tails, blocks_encoded=self.blocks_encoded)
+        early = _EarlyWrite(self, lens=self._lens.copy(), adapters=adapters, tails=tails, blocks_encoded=self.blocks_encoded)
         for u in updates:
             self._commit(u, observe=False)
         return early
@@ -1079,30 +1095,143 @@ class PagedKVCache:
         arrival = Arrival(event)
         return [(host[i], arrival) for i in range(len(tensors))]
 
-    def _flush(self, store: _Kind, layer: int, kind: int) -> None:
-        """Let the adapter observe the blocks deferred to it; an epoch it appends joins the device tables."""
+    def _flush(self, store: _Kind, layer: int, kind: int, upto: int | None = None) -> None:
+        """Let the adapter observe the blocks deferred to it, in order (``upto``: only those of decode steps up
+        to that step of :attr:`_step_clock`); an epoch it appends joins the device tables and is published
+        for the blocks finished from then on (:meth:`_epochs_appended`)."""
         while store.deferred:
-            blocks = store.deferred.pop(0)
-            if isinstance(blocks, tuple):
-                host, event = blocks
+            item = store.deferred[0]
+            if upto is not None and isinstance(item, _Observed) and item.step > upto:
+                return
+            store.deferred.pop(0)
+            if isinstance(item, _Observed):
+                item = item.blocks
+            if isinstance(item, tuple):
+                host, event = item
                 event.synchronize()
-                blocks = host.numpy()
-            appended = store.adapter.observe(blocks.view(np.uint16))
-            if appended is not None:
-                store.add_epoch(*self._calibration.bases(layer, kind, appended))
-                self._drop_layer_state(layer)
+                item = host.numpy()
+            blocks = np.asarray(item).view(np.uint16)
+            appended = False
+            while len(blocks):              # a decode step's blocks may pass a check: observed in runs up to it
+                n = min(store.adapter.until_check, len(blocks))
+                epoch = store.adapter.observe(blocks[:n])
+                if epoch is not None:
+                    store.add_epoch(*self._calibration.bases(layer, kind, epoch))
+                    appended = True
+                blocks = blocks[n:]
+            if appended:
+                self._epochs_appended(layer)
+
+    def _flush_due(self) -> None:
+        """The adaptation rule's turn in a decode loop, after each step's account: the adapters observe the
+        blocks finished :data:`ADAPT_LAG` steps ago or earlier, whose copies to the host have arrived by now
+        (the device runs the steps in order and the host is at most a few ahead), so the loop does not
+        wait for the device; an epoch a check appends takes effect from the next step the host launches."""
+        upto = self._step_clock - ADAPT_LAG
+        if self._next_due is None or self._next_due > upto:
+            return
+        self._next_due = None
+        for layer, layer_store in enumerate(self._store):
+            for kind, store in zip(KINDS, layer_store):
+                if store.deferred:
+                    self._flush(store, layer, kind, upto)
+                    for item in store.deferred:
+                        if isinstance(item, _Observed):
+                            self._next_due = item.step if self._next_due is None else min(self._next_due, item.step)
+                            break
+
+    def _defer_observed(self, store: _Kind, blocks) -> None:
+        """Queue a decode step's finished blocks (a host copy in flight) for the adapter, stamped with the step."""
+        store.deferred.append(_Observed(blocks, self._step_clock))
+        if self._next_due is None:
+            self._next_due = self._step_clock
+
+    def _publish(self, layer: int, kind: int, epoch: int) -> None:
+        """Make ``epoch`` the one the device's decode appends encode ``layer``'s finished ``kind`` blocks with:
+        its bases into the appends' bases buffer and its index into :attr:`_epochs_now`, both in place on
+        the current stream, so that steps launched (or replayed) from now on use it and those launched
+        before do not."""
+        store = self._store[layer][kind]
+        store.published = epoch
+        if store.current is not None:
+            words = self._encoder(store, None, epoch, layer, kind)._fixed[0]
+            if isinstance(store.current, np.ndarray):           # the simulator's encoder holds NumPy words
+                store.current[...] = words
+            else:
+                store.current.copy_(words)
+        if self._epochs_now is not None:
+            self._epochs_now[layer, kind] = epoch
+
+    def current_bases(self, layer: int, kind: int) -> torch.Tensor:
+        """The bases (the CUDA encoder's packed words) the decode appends of ``layer`` and ``kind`` encode with:
+        the published epoch's, in a buffer that keeps its place as epochs are published (:meth:`_publish`)."""
+        store = self._store[layer][kind]
+        if store.current is None:
+            words = self._encoder(store, None, store.published, layer, kind)._fixed[0]
+            store.current = words.copy() if isinstance(words, np.ndarray) else words.clone()
+        return store.current
+
+    @property
+    def epochs_now(self) -> torch.Tensor:
+        """int32 ``[layers, 2]`` on the device: the epoch the decode appends record for each layer's finished K
+        and V blocks (the one whose bases :meth:`current_bases` holds)."""
+        if self._epochs_now is None:
+            now = np.array([[store.published for store in layer_store] for layer_store in self._store], np.int32)
+            self._epochs_now = self._to_device(now).clone() if self.device.type == "cuda" else torch.from_numpy(now)
+        return self._epochs_now
 
     def _drop_layer_state(self, layer: int) -> None:
         """Forget what attention launches ``layer`` with: its arrays changed."""
         for key in [key for key in self._layer_state if key[0] == layer]:
             del self._layer_state[key]
         self._generation += 1
+        self.storage_version += 1
+
+    def _epochs_appended(self, layer: int) -> None:
+        """Epochs were appended to ``layer``'s stores: their bases join the layer's attention base table in
+        place (:meth:`epoch_table`), so that plans and captured steps launched with it stay valid (only a
+        table that runs out of room is replaced, which drops what attention launches the layer with), and
+        each store's newest epoch is published for the blocks its decode appends finish (:meth:`_publish`)."""
+        if layer in self._epoch_tables:
+            self.epoch_table(layer)
+        for kind, store in zip(KINDS, self._store[layer]):
+            if store.adapter is not None and store.published != store.adapter.epoch:
+                self._publish(layer, kind, store.adapter.epoch)
+
+    def epoch_table(self, layer: int) -> torch.Tensor:
+        """``layer``'s attention base table: pair words int32 ``[2, room, kv_heads, 3, head_dim / 2]`` of every
+        epoch its K and V stores hold (:func:`gaac.attention._pair_base_words`), rows past an epoch count zero.
+        It lives as long as it has room: an appended epoch is written into it (an asynchronous copy on the
+        current stream, after the launches that read the rows before it); a full table is replaced by one
+        of twice the room (from :data:`EPOCH_ROOM`), which drops the layer's attention launch state."""
+        from .attention import _pair_base_words
+
+        held = [store.b3.shape[0] for store in self._store[layer]]
+        entry = self._epoch_tables.get(layer)
+        if entry is None or entry[0].shape[1] < max(held):
+            room = max(EPOCH_ROOM, 2 * entry[0].shape[1] if entry is not None else 0)
+            while room < max(held):
+                room *= 2
+            table = torch.zeros((2, room, self.kv_heads, 3, self.head_dim // 2), dtype=torch.int32, device=self.device)
+            if entry is not None:
+                table[:, :entry[0].shape[1]] = entry[0]
+                self._drop_layer_state(layer)
+            entry = self._epoch_tables[layer] = [table, entry[1] if entry is not None else [0, 0]]
+        table, written = entry
+        for kind, n in enumerate(held):
+            if written[kind] < n:
+                words = np.stack([_pair_base_words(*self._calibration.bases(layer, kind, e))
+                                  for e in range(written[kind], n)])
+                table[kind, written[kind]:n].copy_(self._to_device(words))
+                written[kind] = n
+        return table
 
     def _storage_changed(self) -> None:
         """Forget what attention launches every layer with: arrays were replaced (growth)."""
         self._layer_state.clear()
         self._step_appends.clear()
         self._generation += 1
+        self.storage_version += 1
 
     def _lengths_changed(self) -> None:
         """Forget the one-token step's device indices (made for the old lengths); a captured plan is stale."""
@@ -1231,7 +1360,7 @@ class PagedKVCache:
                 before_check = None
             checked = [pool for u, kind in unsure for pool in self._pools(u.layer, kind)]
             sync_pools(checked)                  # one wait for the device, for every pool in doubt
-            over = [(pool, pool.taken - pool.order.shape[0]) for pool in checked if pool.taken > pool.order.shape[0]]
+            over = [(pool, pool.taken - pool.listed) for pool in checked if pool.taken > pool.listed]
             if not over:
                 return True
             if ran_dry is not None:
@@ -1359,8 +1488,9 @@ class PagedKVCache:
         plan = u.epochs[kind]
         for b3, b4 in plan.tables:
             self._calibration.add_epoch(u.layer, kind, b3, b4)
-            store.add_epoch(b3, b4)
-            self._drop_layer_state(u.layer)
+        if plan.tables:
+            store.add_epochs(plan.tables)
+            self._epochs_appended(u.layer)
         if plan.after is not None:
             plan.after.calibration = self._calibration
             store.adapter = plan.after
@@ -1374,24 +1504,18 @@ class PagedKVCache:
                 continue
             first = int(self._lens[u.layer, seq]) // L.BLOCK_TOKENS
             new = plan.epochs[start:start + q]
-            before = store.epochs[seq, first - 1] if first else new[0]
-            if (new == new[0]).all():    # one epoch: a cut only where it starts, if at all
-                cuts = np.array([first] if new[0] != before else [], np.int64)
-            else:
-                cuts = np.flatnonzero(np.diff(np.concatenate([[before], new]))) + first
-            self._cuts[seq].update(cuts.tolist())
             store.epochs[seq, first:first + q] = new
             if store.epoch is not None:
-                if len(cuts):
-                    store.epoch[seq, first:first + q] = torch.from_numpy(store.epochs[seq, first:first + q]).to(self.device)
-                else:     # one epoch, as before: a device fill, no copy from the host
+                if (new == new[0]).all():     # one epoch: a device fill, no copy from the host
                     store.epoch[seq, first:first + q] = int(new[0])
+                else:
+                    store.epoch[seq, first:first + q].copy_(self._to_device(new.astype(np.int16)))
             start += q
 
     # -- a decode step -----------------------------------------------------------
     @_locked
     def decode_plan(self, q_heads: int, *, append: int = 1, seqs=None, scale: float | None = None,
-                    steps: int | None = None):
+                    steps: int | None = None, bucket: int | None = None):
         """Plan one decode step for every layer: a :class:`gaac.step.StepPlan` whose ``run(q, layer)``
         launches that layer's attention.
 
@@ -1405,10 +1529,12 @@ class PagedKVCache:
         ``steps=N`` plans the next ``N`` steps (or fewer: ``plan.steps``) for a CUDA graph: the step that
         ``with plan.device_driven():`` records reads its positions and lengths on the device, encodes the
         blocks it finishes there, and is replayed with ``plan.replayed()`` after each replay
-        (:mod:`gaac.captured`)."""
+        (:mod:`gaac.captured`).  ``bucket=size`` plans the device-driven step of a batch-size bucket, which a
+        graph captures once and replays for any batch of up to ``size`` sequences
+        (:class:`gaac.captured.BucketSteps`; :class:`gaac.StepGraph` runs that loop)."""
         from .step import StepPlan
 
-        return StepPlan(self, q_heads, append=append, seqs=seqs, scale=scale, steps=steps)
+        return StepPlan(self, q_heads, append=append, seqs=seqs, scale=scale, steps=steps, bucket=bucket)
 
     @property
     def _device_rule(self) -> bool:

@@ -15,8 +15,8 @@ next ``N`` steps of one token per sequence:
         graph.replay()
         plan.replayed()                              # the host's own account of the step
 
-:class:`StepGraph` runs that loop for a model's step function: it replays, plans and captures again when a
-plan's steps are used, and steps eagerly where no plan can take the next step.
+:class:`StepGraph` runs a serving loop for a model's step function: one graph per batch-size bucket
+(:class:`BucketSteps`), replayed whatever sequences join or leave.
 
 What the device reads instead of the host:
 
@@ -27,8 +27,9 @@ What the device reads instead of the host:
   block-table entry and the block's epoch.
 * **Attention**: the work list covers the lengths of the plan's last step (a length-independent split
   for the plan's steps); the kernel stops each split at the sequence's length now, and the merge skips
-  the splits that are still empty.  The list is cut at the blocks where an epoch changes, and, with
-  adaptation, at the first block the plan finishes, so that every split reads one epoch.
+  the splits that are still empty.  The kernel reads each block's epoch and that epoch's bases.
+* **Epochs**: the appends encode with the published epochs (``cache.epochs_now`` and the bases buffers),
+  which the host changes between steps where the adaptation rule appends an epoch.
 
 What stays with the host, in :meth:`CapturedSteps.replayed` (no synchronisation): its copy of the
 lengths, the blocks it knows finished (pool counts, each block's epoch, the blocks the adaptation rule
@@ -38,14 +39,14 @@ step appends one token to every sequence of the plan.
 Limits, worked out when the plan is made (``plan.steps`` may come out below the ``steps`` asked for):
 
 * every pool can take every tile the plan's steps finish (or grows, with ``grow``), since a tile's slot
-  or raw record is decided only on the device;
-* with adaptation, the plan ends at the step whose blocks complete the rule's next check, so that a new
-  plan picks up the epoch that check may append; a step whose blocks go past a check (several
-  sequences finishing blocks at once) is left out, and ``plan.steps`` is 0 where it is the next step:
-  run that step eagerly (``cache.decode_plan(q_heads)``), then plan again.
+  or raw record is decided only on the device.
 
-Anything else that changes the cache (another update, a removal, growth) ends the plan: ``replayed``
-raises :class:`InputError`, since the graph's launches name arrays that may be gone.
+The adaptation rule's checks do not end a plan: the host looks at the finished blocks a few steps later and
+publishes an epoch it appends through device buffers (:meth:`gaac.PagedKVCache._flush_due`).  Anything else
+that changes the cache (another update, a removal, growth) ends a plan of steps: ``replayed`` raises
+:class:`InputError`, since the graph's launches name arrays that may be gone.  A bucket's step
+(:class:`BucketSteps`, what :class:`StepGraph` runs) lives through joins, removals and changing lengths: it
+refreshes its device buffers before each replay instead.
 
 What the host checks of a recording and of its account, since a graph replays whatever was recorded and
 the host's lengths must follow the device's:
@@ -76,6 +77,7 @@ import numpy as np
 
 from . import layout as L
 from .errors import InputError
+from .pools import latest_version
 
 
 class CapturedSteps:
@@ -83,6 +85,8 @@ class CapturedSteps:
 
     The plan holds it; it names the plan by a weak reference (:attr:`plan`), so that the two make no cycle
     that would keep the cache's storage after the caller drops the plan."""
+
+    places = False              # a plan of the sequences it was made for (BucketSteps: of a bucket's places)
 
     def __init__(self, plan, steps, rows: np.ndarray, before: np.ndarray):
         from .step import reserve_step
@@ -99,42 +103,20 @@ class CapturedSteps:
         if not len(rows):
             raise InputError("a plan of steps needs at least one live sequence")
         self._plan, self.cache, self.rows = weakref.ref(plan), cache, rows
-        cache._flush_all()                      # the adapters' counts are current
-        self.steps = self._steps_before_check(int(steps), before[rows])
+        self.steps = int(steps)
         self.end = before.copy()
         self.end[rows] += self.steps
         self.step = 0
         self._appended = None       # the layers the recording in progress appended (None: no recording)
         self._ran = False           # a step ran eagerly (recorded outside a capture), not yet accounted by replayed()
         self._captured = False      # whether a recording was captured: its replays are torch's, unseen by the plan
-        self.cuts = set()
-        if not self.steps:
-            return
         reserve_step(cache, before, self.end)
-        # Each layer and kind's epoch for the blocks the plan finishes: the adapter's newest (0 without
-        # adaptation).  Where it differs from a sequence's last block, the work list is cut there.
-        self.epochs = [[s.adapter.epoch if s.adapter is not None else 0 for s in layer] for layer in cache._store]
-        if cache.adapt:
-            self.cuts = {int(b) for b in before[rows] // L.BLOCK_TOKENS}
         self._generation = None
 
     @property
     def plan(self):
         """The step plan this is the device-driven part of."""
         return self._plan()
-
-    def _steps_before_check(self, steps: int, lens: np.ndarray) -> int:
-        """``steps``, or fewer: up to the step whose finished blocks complete an adapter's next check."""
-        cache = self.cache
-        if not cache.adapt:
-            return steps
-        until = min(s.adapter.until_check for layer in cache._store for s in layer)
-        done = ((lens[None, :] + np.arange(1, steps + 1)[:, None]) % L.BLOCK_TOKENS == 0).sum(axis=1)
-        total = np.cumsum(done)
-        hit = np.flatnonzero(total >= until)
-        if not len(hit):
-            return steps
-        return int(hit[0]) + (1 if total[hit[0]] == until else 0)
 
     # -- before recording --------------------------------------------------------------------------
     def prepare(self) -> None:
@@ -146,7 +128,7 @@ class CapturedSteps:
 
         cache, plan = self.cache, self.plan
         self.appender = step_append(cache, self.rows)
-        self.appender.prepare(self.epochs)
+        self.appender.prepare()
         if not K.SIMULATOR:
             for layer in range(cache.layers):
                 layer_launch(cache, layer, plan.g).main.prepare(K.kernel_signature())
@@ -226,7 +208,7 @@ class CapturedSteps:
         if layer in self._appended:
             raise InputError(f"layer {layer} already took this step's token: a plan of steps appends one token per "
                              "layer a step (the host accounts one)")
-        self.appender.launch(layer, k, v, tuple(self.epochs[layer]))
+        self.appender.launch(layer, k, v)
         self._appended.add(layer)
 
     def _take_back(self, layers) -> None:
@@ -275,7 +257,197 @@ class CapturedSteps:
         done = after % L.BLOCK_TOKENS == 0
         cache._lens[:, rows] += 1
         self.step += 1
-        self.appender.account(range(cache.layers), rows[done], after[done] // L.BLOCK_TOKENS - 1, self.epochs)
+        app = self.appender
+        app.account(range(cache.layers), rows[done], after[done] // L.BLOCK_TOKENS - 1,
+                    [app.epochs(layer) for layer in range(cache.layers)])
+
+
+class BucketSteps(CapturedSteps):
+    """The device-driven step of a batch-size bucket: the part of a :class:`gaac.step.StepPlan` made with
+    ``bucket=size`` that :class:`StepGraph` captures once and replays for every batch of up to ``size``
+    sequences, step after step, whatever joins, leaves or adaptation checks come between.
+
+    What a replay reads lives in device buffers that keep their place, and the host refreshes them before
+    a replay where they must change (:meth:`advance`):
+
+    * **places** (``plan.seqs``): the bucket's ``size`` places, each a sequence row or -1 (free); the append
+      kernel skips a free place.  A batch that differs rewrites them (one small copy).
+    * **the work list** (``room`` entries, the kernel's grid, and the merge's split index): made for the
+      lengths rounded up to :data:`gaac.step.PLAN_AHEAD` tokens; rewritten where a sequence passes its
+      rounded length or holds another length than the plan expects (a join, a removal).  Entries past the
+      list are free (the kernel leaves them at once).
+    * **epochs**: the appends encode finished blocks with the published epochs (``cache.epochs_now`` and
+      the bases buffers), the attention kernel reads each block's epoch and every epoch's bases from the
+      layer's table: an epoch the adaptation rule appends between steps changes buffers, not launches.
+
+    The arrays the launches name (pools, free lists, tables, epoch tables) stay in place through removals,
+    joins and published epochs; only growth (of pools, the arena's lending arrays, a full epoch table)
+    replaces one, and then :meth:`valid` is False: the plan is made and captured again.  The host's account
+    of a step (:meth:`replayed`) is the one of a plan of steps, for the sequences of the batch."""
+
+    places = True
+
+    def __init__(self, plan, size, rows: np.ndarray, before: np.ndarray):
+        from .step import reserve_step
+        from .step_append import StepAppend
+
+        cache = plan.cache
+        if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
+            raise InputError(f"bucket must be a positive number of sequences, got {size!r}")
+        if not cache._cuda_codec:
+            raise InputError("a bucket's step records the CUDA codec's device-driven step; this cache runs the "
+                             "reference codec (make it on a GPU, or with codec='cuda' in the simulator)")
+        if L.tiles_per_head(cache.head_dim) != 1:
+            raise InputError(f"a captured step encodes finished blocks straight from the tails, which needs one "
+                             f"tile per head: head_dim 64 or 128, not {cache.head_dim}")
+        if not 1 <= len(rows) <= size:
+            raise InputError(f"{len(rows)} sequences for a bucket of {size}: a bucket's step takes 1 to {size}")
+        self._plan, self.cache, self.size = weakref.ref(plan), cache, int(size)
+        self.rows = np.asarray(rows, np.int64)
+        plan.seqs = self._places(self.rows)
+        self.steps, self.step = 1, 0
+        self._appended = None
+        self._ran = False
+        self._captured = False
+        after = before.copy()
+        after[self.rows] += 1
+        reserve_step(cache, before, after)
+        self.appender = StepAppend(cache, np.asarray(plan.seqs, np.int64))
+        self.expect = before.copy()     # the host's lengths the buffers were last made for
+        self.cover = self._cover(after)
+        plan._fused = False                 # a captured step launches the merge kernel
+        plan._plan_kernel(self.cover, room=self._room_for(plan, self.cover))
+        self.prepare()
+        self._ready = True              # the buffers serve the next step
+        self._versions = self._pool_versions()
+        self._latest = latest_version()
+        self._storage = cache.storage_version
+
+    def _places(self, rows: np.ndarray) -> list:
+        return [int(r) for r in rows] + [-1] * (self.size - len(rows))
+
+    def _cover(self, after: np.ndarray) -> np.ndarray:
+        """The lengths the work list is made for: those of the batch's rows after the step, rounded up."""
+        cover = np.zeros_like(after)
+        cover[self.rows] = self.plan._ahead(after)[self.rows]
+        return cover
+
+    def _room_for(self, plan, cover: np.ndarray) -> int:
+        """Entries of the work list's buffers: a quarter more than the batch's list needs now, and a split per
+        place of the bucket more, so that lengths that change and joins rarely need a new capture."""
+        split, _, _ = plan._split(cover)
+        return split.n_work + split.n_work // 4 + self.size
+
+    def _pool_versions(self) -> tuple:
+        return tuple(p.version for layer in self.cache._store for s in layer for p in (s.slots, s.raw))
+
+    def valid(self) -> bool:
+        """Whether the launches recorded for this plan still name the cache's arrays (no growth since)."""
+        cache = self.cache
+        if cache.storage_version != self._storage:
+            return False
+        if latest_version() != self._latest:
+            if self._pool_versions() != self._versions:
+                return False
+            self._latest = latest_version()
+        return True
+
+    def check_current(self) -> None:
+        if not self.valid():
+            raise InputError("the cache's arrays were replaced since this bucket's step was made (growth): its "
+                             "launches name arrays that are gone; make the plan and capture it again")
+
+    def advance(self, rows) -> bool:
+        """Make the device buffers serve the next step for the sequences ``rows`` (an int64 array of cache
+        rows, at most the bucket's size, each live once), and reserve the step.  False where they cannot:
+        the cache's arrays changed (growth), or the batch's work list needs more entries than the room;
+        then the plan is made and captured again.  Raises :class:`PoolExhaustedError` (nothing written)
+        where the pools cannot take the step's finished blocks."""
+        from .step import reserve_step
+
+        cache = self.cache
+        if not self.valid():
+            return False
+        rows = np.asarray(rows, np.int64)
+        if len(rows) > self.size:
+            raise InputError(f"{len(rows)} sequences for a bucket of {self.size}")
+        before = cache._lens[0]
+        refresh = not (len(rows) == len(self.rows) and (rows == self.rows).all())
+        if refresh:
+            places = self._places(rows)
+            self.appender.rows_dev.copy_(cache._to_device(np.asarray(places, np.int32)))
+            self.appender.rows = np.asarray(places, np.int64)
+            self.plan.seqs[:] = places
+            self.rows = rows
+        after = before.copy()
+        after[rows] += 1
+        reserve_step(cache, before, after)
+        if not self.valid():                    # the reservation grew a pool
+            return False
+        if refresh or (after[rows] > self.cover[rows]).any() or (before[rows] != self.expect[rows]).any():
+            cover = self._cover(after)
+            if not self.plan._refresh_work(cover):
+                return False
+            self.cover = cover
+        self.expect = after
+        self._ready = True
+        return True
+
+    def prepare(self) -> None:
+        from .cuda import attention as K
+        from .step import layer_launch
+
+        cache, plan = self.cache, self.plan
+        self.appender.prepare()
+        if not K.SIMULATOR:
+            for layer in range(cache.layers):
+                layer_launch(cache, layer, plan.g).main.prepare(K.kernel_signature())
+            plan._merge_launch.prepare(merge_signature())
+
+    def record_append(self, layer: int, seqs: list, k, v) -> None:
+        """``cache.update_layer(layer, plan.seqs, k, v)`` while recording: the token of each place, ``k``/``v``
+        ``[size, kv_heads, 1, head_dim]`` (a free place's row is ignored)."""
+        cache = self.cache
+        if seqs is not self.plan.seqs and list(seqs) != self.plan.seqs:
+            raise InputError(f"sequences {seqs}: a bucket's step appends to its places, plan.seqs "
+                             f"({self.plan.seqs}: -1 is a free place)")
+        want = (self.size, cache.kv_heads, 1, cache.head_dim)
+        if tuple(k.shape) != want or tuple(v.shape) != want:
+            raise InputError(f"k {list(k.shape)} and v {list(v.shape)}: a bucket's step appends one token a place, "
+                             f"{list(want)} each")
+        layer = int(layer)
+        if layer in self._appended:
+            raise InputError(f"layer {layer} already took this step's token: a step appends one token per layer")
+        self.appender.launch(layer, k, v)
+        self._appended.add(layer)
+
+    def _take_back(self, layers) -> None:
+        super()._take_back(layers)
+        self.expect = np.full_like(self.expect, -1)        # the buffers are made again before the next step
+
+    def replayed(self) -> None:
+        """The host's account of one replayed (or eagerly run) step of the batch (no synchronisation); the
+        next step needs :meth:`advance` first."""
+        cache = self.cache
+        if cache._recording is self:
+            raise InputError("replayed(): the step is being recorded; account it after the `with "
+                             "plan.device_driven():` block (and, for a captured graph, after each graph.replay())")
+        if self._ran:
+            self._ran = False
+        elif not self._captured:
+            raise InputError("replayed(): no step of this plan ran since its last account")
+        if not self._ready:
+            raise InputError("replayed(): the step was not advanced (BucketSteps.advance) since its last account")
+        self._ready = False
+        rows = self.rows
+        after = cache._lens[0, rows] + 1
+        done = after % L.BLOCK_TOKENS == 0
+        cache._lens[:, rows] += 1
+        cache._step_index = None
+        self.step += 1
+        app = self.appender
+        app.account(range(cache.layers), rows[done], after[done] // L.BLOCK_TOKENS - 1,
+                    [app.epochs(layer) for layer in range(cache.layers)])
 
 
 class _Recordings(threading.local):
@@ -319,50 +491,85 @@ def merge_signature() -> tuple:
 
 
 class StepGraph:
-    """A model's decode step over a cache, run as CUDA graphs: each call runs one step.
+    """A model's decode step over a cache, run as CUDA graphs: one graph per batch-size bucket, captured once
+    and replayed for every step of any batch that fits it.
 
-    ``step(plan)`` is the model's step written against fixed buffers (its inputs read from them, its
-    outputs written to them): per layer ``cache.update_layer(layer, seqs, k, v)`` of one token per
-    sequence and ``plan.run(q, layer, out=...)``.  A call replays the captured step; where the plan's
-    steps are used up it plans and captures again (:meth:`PagedKVCache.decode_plan` with ``steps``), and
-    where no plan can take the next step (it passes the adaptation rule's check) it runs that one
-    step eagerly with a one-step plan.  The first call runs eagerly too: it warms the model's kernels
-    (libraries allocate on first use, which a capture must not do).  The graphs share one memory pool.
+    ``step(plan)`` is the model's step written against fixed buffers of ``plan.size`` places (its inputs
+    read from them, its outputs written to them): per layer ``cache.update_layer(layer, plan.seqs, k, v)``
+    with ``k``/``v`` ``[plan.size, kv_heads, 1, head_dim]`` (place ``i``'s token) and ``plan.run(q, layer,
+    out=...)`` with ``q`` and ``out`` ``[cache.max_seqs, q_heads, head_dim]`` (a row per cache sequence, as
+    every step plan takes them).  A call ``runner(seqs)`` runs one step for ``seqs`` (default: the
+    ``seqs`` given here, else every live sequence): place ``i`` is ``seqs[i]``, the places past them free.
 
-    Between calls, change the cache only through the steps: anything else ends the current plan, and
-    the next call raises :class:`InputError` from ``plan.replayed()``; call :meth:`reset` after such a
-    change to plan and capture afresh.
+    Each call refreshes the bucket's device buffers where the step needs it (the places, the work list,
+    published epochs: :meth:`BucketSteps.advance`) and replays its graph, then keeps the host's account.
+    Sequences that join or leave, lengths that pass a work list and the adaptation rule's checks change
+    buffers, not graphs.  A bucket's first step runs eagerly (it warms the model's kernels: libraries
+    allocate on first use, which a capture must not do); a bucket is captured again only where the cache's
+    arrays were replaced (growth) or its work list outgrew its room.  Buckets (``buckets``, default the powers
+    of two up to ``cache.max_seqs``, and ``max_seqs``) share one memory pool.  Without a GPU (numba's
+    simulator) every step runs eagerly through the same recording.
     """
 
-    def __init__(self, cache, q_heads: int, step, *, steps: int = 256, seqs=None):
+    def __init__(self, cache, q_heads: int, step, *, buckets=None, seqs=None):
         if not callable(step):
             raise InputError(f"step must be the model's step, a callable taking the plan; got {type(step).__name__}")
-        self.cache, self.q_heads, self.step, self.steps, self.seqs = cache, q_heads, step, steps, seqs
-        self.plan = self.graph = None
+        if buckets is None:
+            buckets, b = [], 1
+            while b < cache.max_seqs:
+                buckets.append(b)
+                b *= 2
+            buckets.append(cache.max_seqs)
+        buckets = sorted({int(b) for b in buckets})
+        if not buckets or buckets[0] < 1:
+            raise InputError(f"buckets must be positive batch sizes, got {buckets}")
+        self.cache, self.q_heads, self.step, self.seqs, self.buckets = cache, q_heads, step, seqs, buckets
+        self._plans, self._graphs, self._warm = {}, {}, set()
         self._pool = None
-        self._warm = False
         self.captures = self.eager_steps = 0
 
     def reset(self) -> None:
-        """Forget the captured step: the next call plans and captures again."""
-        self.plan = self.graph = None
+        """Forget every bucket's plan and graph: the next call plans and captures again."""
+        self._plans, self._graphs = {}, {}
 
-    def __call__(self) -> None:
+    def bucket(self, n: int) -> int:
+        """The bucket a batch of ``n`` sequences runs in: the smallest that holds it."""
+        for b in self.buckets:
+            if b >= n:
+                return b
+        raise InputError(f"a batch of {n} sequences: the largest bucket holds {self.buckets[-1]}")
+
+    def __call__(self, seqs=None) -> None:
         import torch
 
-        if self.plan is None or self.plan.captured.step >= self.plan.steps:
-            self.plan = self.graph = None
-            plan = self.cache.decode_plan(self.q_heads, steps=self.steps, seqs=self.seqs) if self._warm else None
-            if plan is None or not plan.steps:
-                self.step(self.cache.decode_plan(self.q_heads, seqs=self.seqs))
+        cache = self.cache
+        seqs = self.seqs if seqs is None else seqs
+        rows = np.asarray(cache.sequences if seqs is None else cache._check_seqs(seqs), np.int64)
+        if not len(rows) or len(np.unique(rows)) != len(rows):
+            raise InputError(f"seqs {rows.tolist()}: a step needs at least one sequence, each once")
+        size = self.bucket(len(rows))
+        plan = self._plans.get(size)
+        if plan is not None and not plan.captured.advance(rows):
+            plan = None
+        if plan is None:
+            self._graphs.pop(size, None)
+            plan = self._plans[size] = cache.decode_plan(self.q_heads, seqs=rows.tolist(), bucket=size)
+        graph = self._graphs.get(size)
+        if graph is None:
+            if cache.device.type != "cuda" or size not in self._warm:
+                with plan.device_driven():
+                    self.step(plan)
+                plan.replayed()
+                self._warm.add(size)
                 self.eager_steps += 1
-                self._warm = True
                 return
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool), plan.device_driven():
                 self.step(plan)
             self._pool = graph.pool()
-            self.plan, self.graph = plan, graph
+            self._graphs[size] = graph
             self.captures += 1
-        self.graph.replay()
-        self.plan.replayed()
+        graph.replay()
+        plan.replayed()
+
+

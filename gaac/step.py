@@ -11,13 +11,20 @@ out once, by :meth:`gaac.PagedKVCache.decode_plan` (FlashInfer's plan/run):
         out = plan.run(q, layer)                     # attention (and merge): no synchronisation
 
 The plan reads only what the cache keeps on the host -- its copy of every
-sequence's length and where some layer's calibration epoch changes -- so it
-never waits for the device.  Its split-KV work list (:func:`gaac.attention.split_work`)
-cuts every sequence where any layer's K or V epoch changes, so the one list
-serves every layer (the attention kernel loads one epoch's bases per split).
-What the kernel needs of each layer (its arrays, the pair words of its epochs'
-bases, the packed launch parameters) is built the first time a layer runs and
-kept by the cache until that layer's storage changes (a new epoch, growth).
+sequence's length -- so it never waits for the device.  Its split-KV work list
+(:func:`gaac.attention.split_work`) depends on the lengths only, so the one list
+serves every layer: the attention kernel reads each block's epoch and loads that
+epoch's bases where it changes inside a split, from the layer's table of every
+epoch (:meth:`gaac.PagedKVCache.epoch_table`), which keeps its place as epochs
+are appended.  What the kernel needs of each layer (its arrays, the packed
+launch parameters) is built the first time a layer runs and kept by the cache
+until that layer's storage is replaced (growth, a full epoch table).
+
+The adaptation rule does not hold a step up: the appends encode finished blocks
+with the published epochs (device buffers), the rule looks at a step's finished
+blocks a few steps later (:data:`gaac.cache.ADAPT_LAG`) from a host copy that
+has arrived by then, and an epoch it appends is published for the steps
+launched after (:meth:`gaac.PagedKVCache._flush_due`).
 
 An eager step is bound by the host's time per launch, so its attention is one
 launch a layer: the kernel's last warps merge the splits (``fused_merge`` in
@@ -41,7 +48,7 @@ import torch
 
 from . import layout as L
 from . import attention
-from .attention import MAX_GROUP, _check_q, _pair_base_words, kernel_options, split_work, wave_target
+from .attention import MAX_GROUP, _check_q, kernel_options, split_work, wave_target
 from .errors import FormatError, InputError
 from .pools import grown
 
@@ -82,20 +89,16 @@ def layer_launch(cache, layer: int, g: int, fused: bool = False) -> _LayerLaunch
     from .cuda import attention as K
 
     store_k, store_v = cache._store[layer]
-    d, hk = cache.head_dim, cache.kv_heads
+    d = cache.head_dim
     geo = L.TileGeometry(L.tile_channels(d))
     sizes = (geo.slot_bytes(store_k.capacity), geo.slot_bytes(store_v.capacity))
     overlap, max_registers = kernel_options(d, False, None, -1)
     kernel = K.attention_kernel(d, False, 2, -(-max(sizes) // 16) * 16, overlap, max_registers, fused_merge=fused)
-    cal = cache._calibration
-    words = []
-    for kind, store in enumerate((store_k, store_v)):
-        n = store.b3.shape[0]
-        words.append(np.stack([_pair_base_words(*cal.bases(layer, kind, e)) for e in range(n)]))
-    bases = np.zeros((2, max(len(w) for w in words), *words[0].shape[1:]), np.int32)
-    for kind, w in enumerate(words):
-        bases[kind, :len(w)] = w
-    bases = torch.from_numpy(bases).to(cache.device)
+    # Every epoch's bases, in a table that keeps its place while epochs are appended (the kernel loads
+    # each block's own); its room bounds the epochs the kernel accepts.
+    bases = cache.epoch_table(layer)
+    room = bases.shape[1]
+    hk = cache.kv_heads
     eps = [s.epoch if s.epoch is not None else None for s in (store_k, store_v)]
     if eps[0] is None:
         zeros = torch.zeros((cache.max_seqs, cache.max_blocks), dtype=torch.int16, device=cache.device)
@@ -104,8 +107,8 @@ def layer_launch(cache, layer: int, g: int, fused: bool = False) -> _LayerLaunch
             store_v.raw.data.view(torch.uint8), store_k.table, store_v.table, store_k.tail.view(torch.uint8),
             store_v.tail.view(torch.uint8), bases, eps[0], eps[1], cache._seq_lens[layer]]
     flat = tuple(x.reshape(-1) for x in flat)
-    scalars = (cache.max_blocks, hk, g, *sizes, store_k.capacity, store_v.capacity, store_k.b3.shape[0],
-               store_v.b3.shape[0], store_k.slots.data.shape[0], store_v.slots.data.shape[0],
+    scalars = (cache.max_blocks, hk, g, *sizes, store_k.capacity, store_v.capacity, room, room,
+               store_k.slots.data.shape[0], store_v.slots.data.shape[0],
                store_k.raw.data.shape[0], store_v.raw.data.shape[0])
     state = _LayerLaunch(kernel=kernel, arrays=flat, scalars=tuple(int(s) for s in scalars))
     if not K.SIMULATOR:
@@ -156,9 +159,10 @@ class StepPlan:
     """
 
     _account = None             # the account of the blocks this step's appends finish (_Account)
+    _room = None                # a captured bucket step's work-list room (_plan_kernel), else None
 
     def __init__(self, cache, q_heads: int, *, append: int = 1, seqs=None, scale: float | None = None,
-                 steps: int | None = None):
+                 steps: int | None = None, bucket: int | None = None):
         hk, d = cache.kv_heads, cache.head_dim
         if isinstance(q_heads, bool) or not isinstance(q_heads, (int, np.integer)) or q_heads % hk \
                 or not 1 <= q_heads // hk <= MAX_GROUP:
@@ -167,7 +171,7 @@ class StepPlan:
             raise InputError(f"append must be a non-negative number of tokens, got {append!r}")
         self.cache, self.q_heads, self.g = cache, int(q_heads), int(q_heads) // hk
         self.scale = attention.check_scale(scale, d)
-        if steps is None and append == 1 and self._follow(cache._eager_plan, seqs):
+        if steps is None and bucket is None and append == 1 and self._follow(cache._eager_plan, seqs):
             return
         lens = cache._lens
         if (lens != lens[0]).any():
@@ -187,12 +191,18 @@ class StepPlan:
         self.kernel_path = cache._cuda_codec
         cache._eager_plan = None
         self._fast = False
+        if bucket is not None:
+            from .captured import BucketSteps
+
+            self.captured = BucketSteps(self, bucket, rows, before)
+            self.steps = 1              # a step each time the bucket's plan is advanced (BucketSteps.advance)
+            return
         if steps is None:
             reserve_step(cache, before, self.lens)
             if self.kernel_path:
-                cuts = self._device_appends(rows, before, append)
+                self._device_appends(rows, before, append)
                 self._ahead_lens = self._ahead(self.lens)
-                self._plan_kernel(self._ahead_lens, cuts)
+                self._plan_kernel(self._ahead_lens)
                 self._prepare_fast(rows, before, append)
             return
         from .captured import CapturedSteps
@@ -202,7 +212,7 @@ class StepPlan:
         self.captured = CapturedSteps(self, steps, rows, before)
         self.steps = self.captured.steps
         if self.steps:
-            self._plan_kernel(self.captured.end, self.captured.cuts)
+            self._plan_kernel(self.captured.end)
             self.captured.prepare()
 
     def _follow(self, prev, seqs) -> bool:
@@ -247,34 +257,55 @@ class StepPlan:
         ahead = -(-lens // PLAN_AHEAD) * PLAN_AHEAD
         return np.minimum(ahead, (self.cache.max_blocks + 1) * L.BLOCK_TOKENS - 1)
 
-    def _plan_kernel(self, lens: np.ndarray, more_cuts: set) -> None:
-        """The work list for the lengths ``lens`` (this step's; a captured plan's: its last step's), cut
-        where an epoch changes and at ``more_cuts`` (blocks)."""
-        from .cuda import merge
-        from .cuda.primitives import SIMULATOR
-
-        cache, hk, d = self.cache, self.cache.kv_heads, self.cache.head_dim
-        nfull = lens // L.BLOCK_TOKENS
+    def _split(self, lens: np.ndarray):
+        """The split-KV work of the lengths ``lens``: splits of each sequence's blocks, whatever their epochs
+        (the kernel loads each block's bases), sized for one wave of the layer kernel; and the runs."""
+        cache = self.cache
         nblk = -(-lens // L.BLOCK_TOKENS)
-        runs = []
-        for b in np.flatnonzero(nblk):
-            cuts = sorted(c for c in cache._cuts[b] | more_cuts if 0 < c < nfull[b])
-            edges = [0, *cuts, int(nblk[b])]
-            runs += [(int(b), a, z) for a, z in zip(edges[:-1], edges[1:]) if z > a]
-        self._fused = FUSED_MERGE and self.steps is None and d <= 128
+        runs = [(int(b), 0, int(nblk[b])) for b in np.flatnonzero(nblk)]
         state = layer_launch(cache, 0, self.g, self._fused)
         target = cache._wave.get(id(state.kernel))
         if target is None:
             target = cache._wave[id(state.kernel)] = wave_target(state.kernel, cache._seq_lens)[0]
+        return split_work(runs, self.batch, cache.kv_heads, target), runs, state
+
+    def _refresh_work(self, lens: np.ndarray) -> bool:
+        """A plan with room (:meth:`_plan_kernel`): write the work list of the lengths ``lens`` into its buffers in
+        place (asynchronous copies on the current stream, after the steps launched before), so that the
+        launches recorded with them -- a captured step's -- serve the new lengths.  False (nothing written)
+        where the list needs more entries than the room."""
+        split, _, _ = self._split(lens)
+        if split.n_work > self._room:
+            return False
+        work = np.zeros((self._room, 3), np.int32)          # free entries: no blocks (the kernel leaves at once)
+        work[:split.n_work] = split.work.reshape(-1, 3)
+        self._work.copy_(self.cache._to_device(work.reshape(-1)))
+        self._split0.copy_(self.cache._to_device(split.split0))
+        self.n_work, self.blocks_per_split = split.n_work, split.blocks_per_split
+        return True
+
+    def _plan_kernel(self, lens: np.ndarray, room: int | None = None) -> None:
+        """The work list for the lengths ``lens`` (this step's; a captured plan's: its last step's).  ``room``
+        (a captured step for a batch-size bucket): the list's buffers hold that many entries, the kernel's
+        grid covers them all, and :meth:`_refresh_work` rewrites them in place."""
+        from .cuda import merge
+        from .cuda.primitives import SIMULATOR
+
+        cache, hk, d = self.cache, self.cache.kv_heads, self.cache.head_dim
+        self._fused = FUSED_MERGE and self.steps is None and room is None and d <= 128
+        split, runs, state = self._split(lens)
         key = (tuple(runs), self.batch, self.q_heads, self.scale, id(state.kernel))
-        shared = cache._work_plans.get(key) if self.steps is None else None
+        shared = cache._work_plans.get(key) if self.steps is None and room is None else None
         if shared is not None:
-            # The lengths' blocks and cuts are those of an earlier step: its work list, partials and
-            # launch parameters serve this one (stream order keeps the steps' uses apart).
+            # The lengths' blocks are those of an earlier step: its work list, partials and launch
+            # parameters serve this one (stream order keeps the steps' uses apart).
             self.__dict__.update(shared)
             self.status.zero_()
             return
-        split = split_work(runs, self.batch, hk, target)
+        self._room = room
+        if room is not None:
+            room = max(room, split.n_work)
+            self._room = room
         if self._fused:                 # no merge kernel: its split index, launcher and parameters are not made
             work, mrg, self._group = fused_merge_work(split, self.batch, hk)
             self.n_work = len(work) // 3
@@ -282,14 +313,16 @@ class StepPlan:
             rows = self.n_work + int(mrg[2 * (self.batch + 1) - 1])       # the splits', then the groups'
         else:
             work, self.n_work, self._group = split.work, split.n_work, 0
+            if room is not None:
+                work = np.concatenate([work, np.zeros(3 * (room - self.n_work), np.int32)])
             self._mrg = torch.zeros(1, dtype=torch.int32, device=cache.device)
-            rows = max(self.n_work, 1)
+            rows = max(self.n_work if room is None else room, 1)
             grid, threads, lanes = merge.merge_launch(self.batch, self.q_heads, d, int(split.splits.max(initial=0)))
             self._merge, self._merge_grid = merge.merge_kernel(d, lanes), (tuple(int(x) for x in grid), threads)
             self._split0 = cache._to_device(split.split0)
         self.blocks_per_split = split.blocks_per_split
-        self._grid = (max(self.n_work, 1), hk)
-        self._work = cache._to_device(work if self.n_work else np.zeros(3, np.int32))
+        self._grid = (max(self.n_work if room is None else room, 1), hk)
+        self._work = cache._to_device(work if len(work) else np.zeros(3, np.int32))
         dev = cache.device
         self.o_part = torch.empty(rows * hk * self.g * d, dtype=torch.float32, device=dev)
         self.lse_part = torch.empty(rows * hk * self.g, dtype=torch.float32, device=dev)
@@ -326,7 +359,7 @@ class StepPlan:
                 self._merge_buffer = ParamBuffer(partials + [0, 0, n, 2, 0, n, 2] + [0, 0, m, 4, 0, m, 4]
                                                  + params(cache.kv_heads) + params(self.g))
         self._owner = object()           # what the layers' parameter buffers were last written for
-        if self.steps is None:
+        if self.steps is None and room is None:
             cache._work_plans = {key: {name: getattr(self, name) for name in _SHARED if hasattr(self, name)}}
 
     # -- running --------------------------------------------------------------------------------------
@@ -381,7 +414,7 @@ class StepPlan:
             status = self.status[layer:layer + 1]
             q32 = q.view(torch.int16).view(torch.int32).reshape(-1)
             o, l_ = out.view(torch.int16).reshape(-1), lse.reshape(-1)
-            if self.n_work:
+            if self.n_work or self._room:
                 arrays = tuple(a.numpy() for a in state.arrays)
                 fused = (o, l_) if self._fused else (self._mrg[:1].view(torch.int16), self._mrg.view(torch.float32))
                 state.kernel[self._grid, K.WARP](q32.numpy(), *arrays, self._work.numpy(), self.o_part.numpy(),
@@ -431,7 +464,7 @@ class StepPlan:
         their parameter buffers (GPU): the plan's part of a layer's buffer is written at its first call, a call
         writes only its arrays' addresses."""
         handle = self._current_stream()
-        if self.n_work:
+        if self.n_work or self._room:
             buf = state.buffer
             if buf.owner is not self._owner:
                 n = self.batch * self.q_heads * self.cache.head_dim // 2
@@ -451,30 +484,20 @@ class StepPlan:
         merge.slots[self._merge_out], merge.slots[self._merge_out + 7] = out.data_ptr(), lse.data_ptr()
         self._merge_launch.run(merge, self._merge_grid[0], handle)
 
-    def _device_appends(self, rows: np.ndarray, before: np.ndarray, append: int) -> set:
-        """Whether this step's token appends go through the cache's :class:`gaac.step_append.StepAppend`
-        (one launch a layer, block ends encoded on the device), and the blocks where the work list must be
-        cut for them.  Not where the step's finished blocks pass an adaptation check (the check may append
-        an epoch part way: the full update decides) or the cache cannot (:func:`gaac.step_append.supported`)."""
+    def _device_appends(self, rows: np.ndarray, before: np.ndarray, append: int) -> None:
+        """Whether this step's token appends go through the cache's :class:`gaac.step_append.StepAppend` (one
+        launch a layer, block ends encoded on the device with the published epochs): wherever the cache can
+        (:func:`gaac.step_append.supported`) and the step appends one token."""
         from .step_append import step_append, supported
 
         cache = self.cache
         self._appender = None
         if append != 1 or not len(rows) or not supported(cache):
-            return set()
+            return
         after = before[rows] + 1
         done = after % L.BLOCK_TOKENS == 0
-        fin, blk = rows[done], after[done] // L.BLOCK_TOKENS - 1
-        if len(fin) and cache.adapt:
-            cache._flush_all()                  # the adapters' counts are current
-            until = min((s.adapter.until_check for layer in cache._store for s in layer if s.adapter is not None),
-                        default=len(fin))
-            if len(fin) > until:
-                return set()
         self._appender = step_append(cache, rows)
-        self._fin, self._blk = fin, blk
-        # A finished block takes its adapter's newest epoch, which may differ from the block before it.
-        return {int(b) for b in blk} if cache.adapt else set()
+        self._fin, self._blk = rows[done], after[done] // L.BLOCK_TOKENS - 1
 
     def _prepare_fast(self, rows: np.ndarray, before: np.ndarray, append: int, dev: int | None = None) -> None:
         """Set up the per-call fast paths of an eager plan: ``cache.update_layer`` of the step's token
@@ -524,11 +547,9 @@ class StepPlan:
             return False
         app = self._appender
         if app is not None:
-            epochs = app.epochs(layer)
-            app.launch(layer, k, v, epochs, contiguous=True)
-            if len(self._fin):
-                self._account.pending[layer] = epochs
-                cache._unsettled = self._account
+            app.launch(layer, k, v, contiguous=True)
+            self._account.pending[layer] = app.epochs(layer)
+            cache._unsettled = self._account
         else:
             cache._append_token_launch(layer, self._index, shape[0], k.data_ptr(), v.data_ptr())
         cache._lens[layer] = self.lens
@@ -537,7 +558,7 @@ class StepPlan:
         self._appended[layer] = True
         self._n_appended += 1
         if self._n_appended == cache.layers and self._account is not None and self._account.pending:
-            self.settle()
+            self.settle()       # every step is accounted: the adaptation rule's lag counts steps
         return True
 
     def settle(self) -> None:

@@ -81,56 +81,59 @@ class StepAppend:
         self.__dict__.update(state)
         self._cache = weakref.ref(state["_cache"])
 
-    def prepare(self, epochs: list) -> None:
-        """Make every layer's encoders for the epochs ``epochs[layer]`` (K, V) ahead of the launches: a launch
-        being captured in a CUDA graph must not allocate or copy from the host."""
+    def prepare(self) -> None:
+        """Make every layer's bases buffers and the published epochs' device words ahead of the launches: a
+        launch being captured in a CUDA graph must not allocate or copy from the host."""
         cache = self.cache
-        for layer, layer_store in enumerate(cache._store):
-            for kind, store in enumerate(layer_store):
-                cache._encoder(store, None, epochs[layer][kind], layer, kind)
+        cache.epochs_now
+        for layer in range(cache.layers):
+            for kind in range(2):
+                cache.current_bases(layer, kind)
 
     def epochs(self, layer: int) -> tuple:
-        """The epoch of the blocks this layer's appends finish, K and V: the adapter's newest (0 without)."""
-        return tuple(s.adapter.epoch if s.adapter is not None else 0 for s in self.cache._store[layer])
+        """The epochs this layer's appends encode finished blocks with, K and V: the published ones."""
+        return tuple(s.published for s in self.cache._store[layer])
 
-    def args(self, layer: int, k, v, epochs: tuple) -> tuple:
+    def args(self, layer: int, k, v) -> tuple:
         """The kernel's arguments for ``layer`` with the token ``k``/``v`` (contiguous int16, 16-byte aligned)."""
         from .cuda.launch import words
 
         cache = self.cache
         stores = cache._store[layer]
-        encoders = [cache._encoder(s, None, e, layer, kind) for kind, (s, e) in enumerate(zip(stores, epochs))]
+        # the pools' part of each kind's encoder (capacity, slots, free list, raw, free list, counts); the
+        # bases are the published epoch's buffer, rewritten in place when the rule publishes another
+        fixed = [(cache.current_bases(layer, kind),) + cache._encoder(s, None, 0, layer, kind)._fixed[1:]
+                 for kind, s in enumerate(stores)]
         tiles = cache.max_seqs * cache.kv_heads
-        fixed = [enc._fixed for enc in encoders]      # bases, capacity, slots, free, raw, free, heads
         return (*(words(x.reshape(self.token, cache.head_dim)) for x in (k, v)),
                 *(words(s.tail.reshape(tiles, L.BLOCK_TOKENS, cache.head_dim)) for s in stores),
                 *(x for pair in zip(*fixed) for x in pair), *(s.table.reshape(-1) for s in stores),
                 *(s.epoch.reshape(-1) if s.epoch is not None else self.no_epochs for s in stores),
-                *epochs, int(stores[0].epoch is not None), self.escape_used, self.rows_dev,
+                cache.epochs_now[layer], int(stores[0].epoch is not None), self.escape_used, self.rows_dev,
                 cache._seq_lens[layer], self.arrivals, cache.max_blocks)
 
-    def launch(self, layer: int, k, v, epochs: tuple, contiguous: bool = False) -> None:
+    def launch(self, layer: int, k, v, contiguous: bool = False) -> None:
         """Append the token ``k``/``v`` (int16 or BF16 ``[len(rows), kv_heads, 1, head_dim]``; ``contiguous``:
-        known to be) to ``layer``, its finished blocks in the epochs ``epochs`` (K, V).
+        known to be) to ``layer``; its finished blocks take the published epochs.
 
-        On the GPU the layer's parameters are packed once (until its arrays or pools change) and a call
-        writes the two token addresses; in the simulator numba's dispatcher launches."""
+        On the GPU the layer's parameters are packed once (until its pools change) and a call writes the two
+        token addresses; in the simulator numba's dispatcher launches."""
         if not contiguous:
             k, v = k.contiguous(), v.contiguous()
         if k.data_ptr() % 16 or v.data_ptr() % 16:             # the kernel reads 16-byte rows
             k, v = k.clone(), v.clone()
         if SIMULATOR:
-            args = self.args(layer, k, v, epochs)
+            args = self.args(layer, k, v)
             self.launcher._dispatcher[self.launcher._grid, self.launcher._block](*simulated(plain(a) for a in args))
             return
-        # A layer's parameters hold while its pools keep their free lists and its finished blocks their
-        # epoch; the arrays they name (tails, tables, epochs, lengths) are replaced only by growth, which
-        # drops this object (the cache's _storage_changed).
+        # A layer's parameters hold while its pools keep their free lists; the arrays they name (tails,
+        # tables, epochs, lengths, bases buffers) are replaced only by growth, which drops this object (the
+        # cache's _storage_changed).
         ks, vs = self.cache._store[layer]
-        versions = (ks.slots.version, ks.raw.version, vs.slots.version, vs.raw.version, *epochs)
+        versions = (ks.slots.version, ks.raw.version, vs.slots.version, vs.raw.version)
         entry = self._buffers.get(layer)
         if entry is None or entry[0] != versions:
-            packed = [params(a) for a in self.args(layer, k, v, epochs)]
+            packed = [params(a) for a in self.args(layer, k, v)]
             # the data pointers of the first two arguments, the token's K and V words
             slots = (DATA_SLOT, len(packed[0]) + DATA_SLOT)
             entry = self._buffers[layer] = (versions, ParamBuffer([x for p in packed for x in p]), slots)
@@ -139,18 +142,20 @@ class StepAppend:
         self.launcher.run(buffer)
 
     def account(self, layers, fin: np.ndarray, blk: np.ndarray, epochs, index=None):
-        """The host's account of the blocks a step's appends to ``layers`` (an iterable) finished once launched (no
+        """The host's account of a decode step's appends to ``layers`` (an iterable), once launched (no
         synchronisation; the caller advances its copy of the lengths): the sequences ``fin`` finished
-        block ``blk``, in each layer's K and V epochs ``epochs[layer]``.  The pools count the records
-        the encodes may have taken, and ask for the device's count without waiting for it; the blocks'
-        epochs and the work list's cuts are recorded; with adaptation the finished blocks are copied
-        (pinned, in flight) for the rule.  ``index`` is ``fin`` on the device (made here if needed,
-        returned for the next call)."""
+        block ``blk``, in each layer's K and V epochs ``epochs[layer]`` (those published when the appends
+        were launched).  The pools count the records the encodes may have taken, and ask for the device's
+        count without waiting for it; the blocks' epochs are recorded; with adaptation the finished blocks
+        are copied (pinned, in flight) for the rule, which takes them up a few steps later
+        (:meth:`PagedKVCache._flush_due <gaac.cache.PagedKVCache._flush_due>`).  ``index`` is ``fin`` on the
+        device (made here if needed, returned for the next call)."""
         cache = self.cache
+        cache._step_clock += 1
         if not len(fin):
+            cache._flush_due()
             return index
         tiles = len(fin) * cache.tiles_per_block
-        later = blk > 0
         stores, observing = [], []
         for layer in layers:
             for kind, store in enumerate(cache._store[layer]):
@@ -158,11 +163,7 @@ class StepAppend:
                 stores.append(store)
                 if store.adapter is None:
                     continue
-                e = epochs[layer][kind]
-                prev = store.epochs[fin, np.maximum(blk - 1, 0)]
-                for seq, b in zip(fin[(prev != e) & later], blk[(prev != e) & later]):
-                    cache._cuts[int(seq)].add(int(b))
-                store.epochs[fin, blk] = e
+                store.epochs[fin, blk] = epochs[layer][kind]
                 observing.append(store)
             cache.blocks_encoded += len(fin)
         # one copy for every store's counts, one for every adapter's finished blocks
@@ -172,5 +173,6 @@ class StepAppend:
                 index = cache._to_device(fin)
             blocks = cache._host_copies([store.tail.index_select(0, index) for store in observing])
             for store, copied in zip(observing, blocks):
-                store.deferred.append(copied)
+                cache._defer_observed(store, copied)
+        cache._flush_due()
         return index

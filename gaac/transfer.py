@@ -713,12 +713,11 @@ class _Writer:
                 cache.calibration.add_epoch(s.layer, s.kind, b3, b4)
             if tables:
                 store.add_epochs(tables)
-                cache._drop_layer_state(s.layer)
+                cache._epochs_appended(s.layer)
             store.slots.take_upcoming(s.slot_tiles)
             store.raw.take_upcoming(s.raw_tiles)
             store.table[seq, :nb] = self.tables[i]
             store.epochs[seq, :nb] = epochs[i]
-            cache._cuts[seq].update((np.flatnonzero(np.diff(epochs[i])) + 1).tolist())
             if store.epoch is not None:
                 store.epoch[seq, :nb] = on_device[i]
             store.tail[seq, :, :t] = _view(body, s.tail, lay.kv_heads * t * lay.head_dim, torch.int16,

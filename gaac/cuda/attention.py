@@ -59,7 +59,7 @@ from __future__ import annotations
 import functools
 import math
 
-from numba import cuda, float32, int32, uint32
+from numba import cuda, float32, int32, uint8, uint32
 
 from .. import layout as L
 from .primitives import (SCRATCH_WORDS, SIMULATOR, WARP, col_max, col_sum, cp16, cp_commit, cp_wait_fn, device,
@@ -201,9 +201,12 @@ def attention_kernel(head_dim: int, plain: bool, nstage: int = 3, stage_bytes: i
     ``group`` (splits a group; 0, or a kernel built without ``fused_merge``: :mod:`gaac.cuda.merge` merges):
     see ``fused_merge``, whose group rows follow the splits' in ``o_part`` and ``lse_part``.  Grid ``(W, Hkv)``, one warp per block.
 
-    Epochs: the plan cuts splits where a sequence's K or V epoch changes (``AttentionPlan``), so every
-    split reads one epoch's bases per kind: loaded into shared memory once, from its first block's
-    epoch, and the block loop is the same as without epochs.
+    Epochs: a split's blocks may hold different epochs (splits depend on lengths only).  The kernel
+    marks, with its table entries, the blocks whose K or V epoch differs from the block before (a byte a
+    block in shared memory), loads the first block's bases, and at a marked block loads that block's
+    epochs and bases (rare: an epoch covers many blocks).  ``epochs_k/v`` bound the epochs ``bases`` holds rows for
+    (its room; a larger epoch is flagged, :data:`STATUS_BAD_EPOCH`).  The fragment decoder of the
+    studies (``hooks.fragments``) loads one epoch per split: its plan cuts splits where an epoch changes.
     """
     D = head_dim
     C = L.tile_channels(D)
@@ -688,6 +691,9 @@ def attention_kernel(head_dim: int, plain: bool, nstage: int = 3, stage_bytes: i
                merge_batch, group):
         smem = cuda.shared.array(SMEM_WORDS, uint32, alignment=SMEM_ALIGN)
         ents = cuda.shared.array(NENT, int32)
+        # Where the split's blocks change epoch (a byte a block, 1: its K or V epoch differs from the block
+        # before it): bytes, not the epochs, so that the kernel keeps its occupancy.
+        eps = cuda.shared.array(MAX_BLOCKS_PER_SPLIT, uint8)
         scr = cuda.shared.array(SCRATCH_WORDS, uint32)
         scratch_init(scr)
         # The merge kernel may be scheduled from now on (it waits for this grid before it reads): its
@@ -705,6 +711,10 @@ def attention_kernel(head_dim: int, plain: bool, nstage: int = 3, stage_bytes: i
         b = work[u32(3 * w)]
         blk0 = work[u32(3 * w + 1)]
         blk1w = work[u32(3 * w + 2)]
+        if not FUSED and blk1w <= blk0:
+            # A free entry of a work list with room to spare (a captured step's: gaac.captured.BucketSteps),
+            # which no row's merge reads.
+            return
         seq = seq_lens[u32(b)]
         nfull = i32(seq // L.BLOCK_TOKENS)
         tail_valid = i32(seq - nfull * L.BLOCK_TOKENS)
@@ -741,14 +751,23 @@ def attention_kernel(head_dim: int, plain: bool, nstage: int = 3, stage_bytes: i
                     ents[i] = checked_entry(table_k[row], blk_i < nfull, n_slots_k, n_raw_k, status)
                 else:
                     ents[i] = checked_entry(table_v[row], blk_i < nfull, n_slots_v, n_raw_v, status)
-        # The split's epochs (one per kind: see the plan); a split of only the tail reads epoch 0.
-        # (Loaded before the sequence length is known, like the table entries, and checked after.)
+        # The split's blocks' epochs, K and V in one word each (loaded like the table entries, before the
+        # sequence length is known, and checked where a block is decoded); the first block's bases are loaded
+        # now, and the block loop loads another epoch's where a block's differs.  A split of only the tail
+        # reads epoch 0.
+        if not plain and not FRAG and ntab > 0:
+            last = i32(min(blk1w, max_blocks) - 1)
+            for k in range(MAX_BLOCKS_PER_SPLIT // WARP):
+                j = i32(lane + WARP * k)
+                at = u32(b * max_blocks + min(blk0 + j, last))
+                before = u32(at - 1) if j > 0 else at
+                eps[j] = uint8(1 if (epoch_k[at] != epoch_k[before]) | (epoch_v[at] != epoch_v[before]) else 0)
         ek = i32(epoch_k[u32(b * max_blocks + blk0)]) if not plain and blk0 < max_blocks else i32(0)
         ev_ = i32(epoch_v[u32(b * max_blocks + blk0)]) if not plain and blk0 < max_blocks else i32(0)
         tail_base = (b * kv_heads + h) * (L.BLOCK_TOKENS * D * 2)
         bw0 = cuda.local.array(BASE_REGS, int32)
+        ne = max(epochs_k, epochs_v)
         if not plain:
-            ne = max(epochs_k, epochs_v)
             ek = checked_epoch(ek, epochs_k, status) if blk0 < nfull else i32(0)
             ev_ = checked_epoch(ev_, epochs_v, status) if blk0 < nfull else i32(0)
             if FRAG:
@@ -831,6 +850,18 @@ def attention_kernel(head_dim: int, plain: bool, nstage: int = 3, stage_bytes: i
                 continue
             is_tail = blk >= nfull
             valid = tail_valid if is_tail else i32(L.BLOCK_TOKENS)
+            if not plain and not FRAG and not is_tail:
+                # Where this block's epoch of K or V differs from the bases in shared memory, load its own
+                # (the previous block's decode has finished with them: its last warp_sync).  Uniform in
+                # the warp, and rare: an epoch covers hundreds of blocks.
+                if eps[i] != 0:
+                    at = u32(b * max_blocks + blk)
+                    ek = checked_epoch(i32(epoch_k[at]), epochs_k, status)
+                    ev_ = checked_epoch(i32(epoch_v[at]), epochs_v, status)
+                    load_bases(bases, 0, ek, ne, h, kv_heads, lane, bw0)
+                    load_bases(bases, 1, ev_, ne, h, kv_heads, lane, bw0)
+                    store_bases(smem, bw0, lane)
+                    warp_sync(scr)
             for c in range(8):
                 sc[c] = f32(0)
             if FRAG:

@@ -133,7 +133,7 @@ ENCODE_SIG = ("void(int32[:, ::1], int32[:, ::1], int64, int32[:, ::1], int32[::
 ENCODE_IN_PLACE_SIG = ENCODE_SIG.replace("void(int32[:, ::1], ", "void(int32[:, ::1], int64, ", 1)
 _W2, _W1 = "int32[:, ::1]", "int32[::1]"
 STEP_APPEND_SIG = ("void(" + ", ".join([_W2] * 6 + ["int64"] * 2 + [_W2, _W2, _W1, _W1, _W2, _W2]
-                                      + [_W1] * 6 + ["int16[::1]"] * 2 + ["int64"] * 3 + [_W1] * 4 + ["int64"]) + ")")
+                                      + [_W1] * 6 + ["int16[::1]"] * 2 + [_W1, "int64"] + [_W1] * 4 + ["int64"]) + ")")
 DECODE_SIG = "void(int32[:, ::1], int32[:, ::1], int32[::1], int32[:, ::1], int64, int32[:, ::1], int32[::1])"
 
 
@@ -163,12 +163,15 @@ def step_append_kernel(channels: int):
     KV head, so ``head_dim`` = ``C``).  Warp ``(i, kind)`` writes its head's channels of the new token
     ``new_k/new_v`` (words ``[len(rows) * P, C / 2]``) into the tails ``bits_k/v`` (words
     ``[max_seqs * P, 8 * C]``: a tile a row) at the sequence's length on the device (``seq_lens[rows[i // P]]``
-    mod 16); the last warp of the sequence to read that length advances it (``arrivals`` int32
-    ``[max_seqs]``, zero between launches, counts the readers).  Where the token completes the block, the
-    warp encodes its tile straight from the tail into the pools, as the encode kernel does, writes its entry
-    to the flat block table ``[max_seqs * max_blocks * P]`` and, with ``with_epochs``, the block's epoch
-    (``ek``/``ev``) to ``epoch_k/v`` int16 ``[max_seqs * max_blocks]``.  ``escape_used`` int32
-    ``[2 * len(rows) * P]`` receives each encoded tile's escape bytes (K, then V)."""
+    mod 16); a negative ``rows`` entry is a free place of the batch (nothing is written).  The last warp of
+    the sequence to read that length advances it (``arrivals`` int32 ``[max_seqs]``, zero between launches,
+    counts the readers).  Where the token completes the block, the warp encodes its tile straight from the
+    tail into the pools with the bases ``bases_k/v``, as the encode kernel does, writes its entry to the flat
+    block table ``[max_seqs * max_blocks * P]`` and, with ``with_epochs``, the block's epoch to ``epoch_k/v``
+    int16 ``[max_seqs * max_blocks]``: ``epochs_now[0]`` for K, ``[1]`` for V, the epoch whose bases
+    ``bases_k/v`` hold (both read on the device, so that the host publishes a new epoch between steps
+    without changing the launch).  ``escape_used`` int32 ``[2 * len(rows) * P]`` receives each encoded
+    tile's escape bytes (K, then V)."""
     return cuda.jit(STEP_APPEND_SIG)(encode_source(channels, 1, step_append=True))
 
 
@@ -544,7 +547,7 @@ def encode_source(channels: int, tiles_per_block: int = TILES_PER_BLOCK, step_ap
     if step_append:
         def kernel(new_k, new_v, bits_k, bits_v, bases_k, bases_v, cap_k, cap_v, slots_k, slots_v,
                    slot_free_k, slot_free_v, raw_k, raw_v, raw_free_k, raw_free_v, heads_k, heads_v, table_k, table_v,
-                   epoch_k, epoch_v, ek, ev, with_epochs, escape_used, rows, seq_lens, arrivals, max_blocks):
+                   epoch_k, epoch_v, epochs_now, with_epochs, escape_used, rows, seq_lens, arrivals, max_blocks):
             # One warp a block (TPB 1): blockIdx.x = tile i of the step's sequences (P tiles each: one per KV
             # head), blockIdx.y = kind.  The warp appends its head's channels of the new token to the tail,
             # then, where the token completes the block, encodes the tile from the tail.
@@ -552,6 +555,8 @@ def encode_source(channels: int, tiles_per_block: int = TILES_PER_BLOCK, step_ap
             kind = u(cuda.blockIdx.y)
             lane = u(cuda.threadIdx.x)
             per = u(bases_k.shape[0])                      # tiles (heads) per block of the layer
+            if rows[i // per] < 0:                         # a free place of the batch
+                return
             row = u(rows[i // per])
             j = i % per
             n = u(seq_lens[row])
@@ -576,12 +581,12 @@ def encode_source(channels: int, tiles_per_block: int = TILES_PER_BLOCK, step_ap
             dest = u((row * u(max_blocks) + last) * per + j)
             if kind == _ZERO:
                 if with_epochs and j == _ZERO and lane == _ZERO:
-                    epoch_k[row * u(max_blocks) + last] = ek
+                    epoch_k[row * u(max_blocks) + last] = epochs_now[0]
                 encode_tile(bits_k, bases_k, cap_k, slots_k, slot_free_k, raw_k, raw_free_k, heads_k, table_k,
                             escape_used, i, True, t, dest, _ZERO)
             else:
                 if with_epochs and j == _ZERO and lane == _ZERO:
-                    epoch_v[row * u(max_blocks) + last] = ev
+                    epoch_v[row * u(max_blocks) + last] = epochs_now[1]
                 encode_tile(bits_v, bases_v, cap_v, slots_v, slot_free_v, raw_v, raw_free_v, heads_v, table_v,
                             escape_used, u(i + u(cuda.gridDim.x)), True, t, dest, _ZERO)
         return kernel
