@@ -151,8 +151,9 @@ class StepAttend:
 def run_gaac(model, src, cal, s, seq_lens, budget: int, room: int, rows: int, args) -> dict:
     """``rows``: the cache's sequence rows (a serving engine's max batch), which cost their tables and tails."""
     t0 = time.perf_counter()
+    extra = {"codec": "cuda"} if SMOKE else {}      # the smoke run: the CUDA codec in numba's simulator
     cache = gaac.PagedKVCache(cal, budget=budget, max_seqs=rows,
-                              max_blocks=(max(seq_lens) + room) // L.BLOCK_TOKENS + 1, device=DEV)
+                              max_blocks=(max(seq_lens) + room) // L.BLOCK_TOKENS + 1, device=DEV, **extra)
     res = {"capacity": str(cache.capacity), "capacity_expected": cache.capacity.expected,
            "capacity_guaranteed": cache.capacity.guaranteed, "allocated_empty": cache.memory().allocated_bytes,
            "refused": None}
@@ -183,28 +184,29 @@ def run_gaac(model, src, cal, s, seq_lens, budget: int, room: int, rows: int, ar
     if not b:
         return res
     steps = args.warmup + args.steps + 1
-    nk, nv = new_tokens(src, s, b, max(admitted), steps)
+    # A token for every place of the largest bucket (``StepGraph``'s default buckets end at the cache's rows);
+    # the places past the batch are free and their tokens unread.
+    nk, nv = new_tokens(src, s, rows, max(admitted), steps)
     loop = ds.GraphLoop(ds.Loop(nk, nv, max(admitted)))
     # The step runs every row of the cache (a plan attends over all of them; an empty row's output is zero).
     out = torch.empty((rows, s.q_heads, s.head_dim), dtype=torch.bfloat16, device=DEV)
     ids = torch.randint(0, s.vocab, (rows,), generator=torch.Generator().manual_seed(5)).to(DEV)
 
+    assert seqs == list(range(b))           # place i of the batch is cache row i (q and out are by row)
+
     def step(plan):
         with torch.no_grad():
-            model.step(ids, StepAttend(s, cache, seqs, loop, plan, out))
+            model.step(ids, StepAttend(s, cache, plan.seqs, loop, plan, out))
         loop.end()
 
-    if SMOKE:      # no CUDA graphs on the CPU: the same step with a one-step plan each
-        run = lambda: step(cache.decode_plan(s.q_heads, seqs=seqs))  # noqa: E731
-        graph = None
-    else:
-        graph = gaac.StepGraph(cache, s.q_heads, step, steps=256, seqs=seqs)
-        run = graph
+    # One bucket of every row: the model's step runs the cache's rows (q and out are by row).
+    graph = gaac.StepGraph(cache, s.q_heads, step, seqs=seqs, buckets=(rows,))   # smoke: every step eager
+    run = graph
     timed(run, args.warmup)
-    before = (graph.captures, graph.eager_steps) if graph else (0, 0)
-    res.update(timed(run, args.steps, (lambda: graph.captures) if graph else None))
-    if graph:
-        res["captures"], res["eager_steps"] = graph.captures - before[0], graph.eager_steps - before[1]
+    before = (graph.captures, graph.eager_steps)
+    res.update(timed(run, args.steps, lambda: graph.captures))
+    res["captures"], res["eager_steps"] = graph.captures - before[0], graph.eager_steps - before[1]
+    if not SMOKE:
         res["peak_gib"] = torch.cuda.max_memory_allocated() / GIB
     res["tok_s"] = b / res["ms"] * 1e3
     log(f"GAAC StepGraph, batch {b}: {res['ms']:.3f} ms/step ({res['tok_s']:.0f} tok/s), captures "

@@ -293,6 +293,7 @@ class _Observed:
 
     blocks: object
     step: int
+    device: object = None        # the blocks on the device (for the GPU rule), else None
 
 
 @dataclass
@@ -476,6 +477,7 @@ class PagedKVCache:
         self._epochs_now = None      # int32 [layers, 2] on the device: the published epochs (epochs_now)
         self._step_clock = 0         # decode steps accounted (gaac.step_append): the rule's lag counts them
         self._next_due = None        # the earliest step whose finished blocks wait for the rule (_flush_due)
+        self._rule_batches = []      # (step, GPU rule batch, its jobs) of decode checks in flight (_flush_due)
         self._step_index = None      # the device indices of the current one-token step (_append_token)
         self._generation = 0         # counts changes of lengths or storage: a captured step plan checks it (gaac.step)
         self.storage_version = 0     # counts replacements of arrays that launches name (growth, a full epoch table)
@@ -1099,6 +1101,8 @@ class PagedKVCache:
         """Let the adapter observe the blocks deferred to it, in order (``upto``: only those of decode steps up
         to that step of :attr:`_step_clock`); an epoch it appends joins the device tables and is published
         for the blocks finished from then on (:meth:`_epochs_appended`)."""
+        if upto is None:
+            self._finish_rule_batches()             # the rule's checks in flight come first
         while store.deferred:
             item = store.deferred[0]
             if upto is not None and isinstance(item, _Observed) and item.step > upto:
@@ -1126,23 +1130,96 @@ class PagedKVCache:
         """The adaptation rule's turn in a decode loop, after each step's account: the adapters observe the
         blocks finished :data:`ADAPT_LAG` steps ago or earlier, whose copies to the host have arrived by now
         (the device runs the steps in order and the host is at most a few ahead), so the loop does not
-        wait for the device; an epoch a check appends takes effect from the next step the host launches."""
+        wait for the device; an epoch a check appends takes effect from the next step the host launches.
+
+        On a GPU (:attr:`_device_rule`) the checks those blocks complete run there, every layer and kind in one
+        batch (:class:`gaac.cuda.epochs.Batch`) on the rule's stream, from the blocks' device copies; the
+        batch's decisions are taken up :data:`ADAPT_LAG` steps later, so its checks cost the host a launch,
+        not the milliseconds of the host rule."""
         upto = self._step_clock - ADAPT_LAG
+        if self._rule_batches and self._rule_batches[0][0] <= upto:
+            self._finish_rule_batches(upto)
         if self._next_due is None or self._next_due > upto:
             return
         self._next_due = None
+        jobs = []
+        busy = {id(store) for _, _, items in self._rule_batches for store, *_ in items}
         for layer, layer_store in enumerate(self._store):
             for kind, store in zip(KINDS, layer_store):
-                if store.deferred:
-                    self._flush(store, layer, kind, upto)
-                    for item in store.deferred:
-                        if isinstance(item, _Observed):
-                            self._next_due = item.step if self._next_due is None else min(self._next_due, item.step)
-                            break
+                if store.deferred and id(store) not in busy:
+                    job = self._due_check(store, layer, kind, upto) if self._device_rule else None
+                    if job is not None:
+                        jobs.append(job)
+                    else:
+                        self._flush(store, layer, kind, upto)
+                for item in store.deferred:
+                    if isinstance(item, _Observed):
+                        self._next_due = item.step if self._next_due is None else min(self._next_due, item.step)
+                        break
+        if jobs:
+            from .cuda.epochs import Batch
 
-    def _defer_observed(self, store: _Kind, blocks) -> None:
-        """Queue a decode step's finished blocks (a host copy in flight) for the adapter, stamped with the step."""
-        store.deferred.append(_Observed(blocks, self._step_clock))
+            by_shape = {}
+            for job in jobs:
+                by_shape.setdefault(tuple(job[4].shape), []).append(job)
+            for items in by_shape.values():
+                batch = Batch([(store.adapter, blocks) for store, _, _, _, blocks, _ in items],
+                              stream=self._rule_stream())
+                batch.scan()
+                batch.chain()
+                self._rule_batches.append((self._step_clock, batch, [(store, layer, kind, epoch, rest)
+                                                                     for store, layer, kind, epoch, _, rest in items]))
+
+    def _due_check(self, store: _Kind, layer: int, kind: int, upto: int):
+        """Where the blocks of ``store``'s due decode steps (up to step ``upto``, all with device copies)
+        complete the adapter's next check: take them out of the queue and return the GPU rule's job, ``(store,
+        layer, kind, the epoch before, the check's blocks on the device, the host copies of the blocks after
+        it)``; otherwise None (the host rule observes them: no check, so nothing to compute)."""
+        due = []
+        for item in store.deferred:
+            if not isinstance(item, _Observed) or item.step > upto or item.device is None:
+                break
+            due.append(item)
+        until = store.adapter.until_check
+        if sum(len(item.device) for item in due) < until:
+            return None
+        del store.deferred[:len(due)]
+        blocks = torch.cat([item.device for item in due]) if len(due) > 1 else due[0].device
+        rest = []
+        if len(blocks) > until:                     # the blocks after the check, observed once it is decided
+            host = []
+            for item in due:
+                h = item.blocks
+                if isinstance(h, tuple):                # a pinned copy and its event (GPU)
+                    h[1].synchronize()
+                    h = h[0].numpy()
+                host.append(np.asarray(h))
+            rest = [np.concatenate(host)[until:]]
+        return store, layer, kind, store.adapter.epoch, blocks[:until], rest
+
+    def _finish_rule_batches(self, upto: int | None = None) -> None:
+        """Take up the decisions of the GPU rule's decode checks launched at step ``upto`` or before (None:
+        all, waiting for them): the epochs they append join the device tables and are published, and the
+        blocks after each check are observed."""
+        while self._rule_batches and (upto is None or self._rule_batches[0][0] <= upto):
+            _, batch, items = self._rule_batches.pop(0)
+            batch.finish()
+            layers = set()
+            for store, layer, kind, before, rest in items:
+                if store.adapter.epoch != before:
+                    store.add_epochs([self._calibration.bases(layer, kind, e)
+                                      for e in range(before + 1, store.adapter.epoch + 1)])
+                    layers.add(layer)
+                store.deferred[:0] = rest
+                if rest and upto is not None:       # observed at the next turn
+                    self._next_due = upto if self._next_due is None else min(self._next_due, upto)
+            for layer in sorted(layers):            # once every store holds its new epochs
+                self._epochs_appended(layer)
+
+    def _defer_observed(self, store: _Kind, blocks, device=None) -> None:
+        """Queue a decode step's finished blocks (a host copy in flight; ``device``: the same on the device) for
+        the adapter, stamped with the step."""
+        store.deferred.append(_Observed(blocks, self._step_clock, device if self._device_rule else None))
         if self._next_due is None:
             self._next_due = self._step_clock
 

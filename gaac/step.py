@@ -215,6 +215,11 @@ class StepPlan:
             self._plan_kernel(self.captured.end)
             self.captured.prepare()
 
+    @property
+    def size(self) -> int:
+        """The places of the step's batch, ``len(plan.seqs)``: a bucket's plan counts its free places (-1) too."""
+        return len(self.seqs)
+
     def _follow(self, prev, seqs) -> bool:
         """Make this plan as the successor of ``prev``, the previous eager step's plan, where it can be: ``prev``'s
         token reached every layer through :meth:`append_token` (one launch a layer), nothing else changed the

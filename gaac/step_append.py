@@ -171,8 +171,8 @@ class StepAppend:
         if observing:
             if index is None:
                 index = cache._to_device(fin)
-            blocks = cache._host_copies([store.tail.index_select(0, index) for store in observing])
-            for store, copied in zip(observing, blocks):
-                cache._defer_observed(store, copied)
+            on_device = [store.tail.index_select(0, index) for store in observing]
+            for store, copied, dev in zip(observing, cache._host_copies(on_device), on_device):
+                cache._defer_observed(store, copied, dev)
         cache._flush_due()
         return index

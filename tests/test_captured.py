@@ -120,11 +120,23 @@ def test_a_check_inside_a_plan_publishes_its_epoch_and_a_split_reads_several(mon
     k = [drifting(rng, layers, heads, n, dim, 24.0) for n in total]
     v = [synthetic(rng, layers, heads, n, dim) for n in total]
     cal = calibrate(k[0][:, :, :32], v[0][:, :, :32])
-    cache = PagedKVCache(cal, max_seqs=2, max_blocks=16, raw_tiles=64, codec="cuda", adapt=True)
-    rows = [cache.add_sequence(k[i][:, :, :start[i]], v[i][:, :, :start[i]]) for i in range(2)]
-    before = cache.calibration.n_epochs(0, 0)
-    pos = list(start)
-    assert _steps(cache, rows, k, v, pos, 2 * heads, steps, rng, check_at={start[0] + steps - 1}) == steps
+    caches = [PagedKVCache(cal, max_seqs=2, max_blocks=16, raw_tiles=64, codec="cuda", adapt=True) for _ in range(2)]
+    caches[1]._rule_on_device = True             # the decode checks in GPU rule batches, as on a GPU
+    jobs = []
+    due_check = PagedKVCache._due_check
+    monkeypatch.setattr(PagedKVCache, "_due_check",
+                        lambda self, *a: (lambda job: (jobs.append(job is not None), job)[1])(due_check(self, *a)))
+    for cache in caches:
+        rows = [cache.add_sequence(k[i][:, :, :start[i]], v[i][:, :, :start[i]]) for i in range(2)]
+        before = cache.calibration.n_epochs(0, 0)
+        pos = list(start)
+        assert _steps(cache, rows, k, v, pos, 2 * heads, steps, rng, check_at={start[0] + steps - 1}) == steps
+    assert sum(jobs) >= 4                        # decode checks ran in GPU rule batches
+    assert_same_epochs(caches[0].calibration, caches[1].calibration)
+    for layer_a, layer_b in zip(caches[0]._store, caches[1]._store):
+        for a, b in zip(layer_a, layer_b):
+            np.testing.assert_array_equal(a.epochs, b.epochs)      # the same decisions, published alike
+    cache = caches[1]
     store = cache._store[0][0]
     assert cache.calibration.n_epochs(0, 0) > before + 1           # checks inside the plan appended epochs
     assert store.published == cache.calibration.n_epochs(0, 0) - 1 or store.deferred

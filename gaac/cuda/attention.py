@@ -760,7 +760,7 @@ def attention_kernel(head_dim: int, plain: bool, nstage: int = 3, stage_bytes: i
             for k in range(MAX_BLOCKS_PER_SPLIT // WARP):
                 j = i32(lane + WARP * k)
                 at = u32(b * max_blocks + min(blk0 + j, last))
-                before = u32(at - 1) if j > 0 else at
+                before = u32(at - 1) if j > 0 and blk0 + j <= last else at      # (past the split: unread)
                 eps[j] = uint8(1 if (epoch_k[at] != epoch_k[before]) | (epoch_v[at] != epoch_v[before]) else 0)
         ek = i32(epoch_k[u32(b * max_blocks + blk0)]) if not plain and blk0 < max_blocks else i32(0)
         ev_ = i32(epoch_v[u32(b * max_blocks + blk0)]) if not plain and blk0 < max_blocks else i32(0)

@@ -654,6 +654,7 @@ class Batch:
 
         with self._on_stream():
             accept_h = self.accept.cpu().numpy()          # waits for the batch's stream
+            self._tables(accept_h)                        # the candidates picked, read on the same stream
         if self.stream is not None:
             # the rest runs on the current stream, which reads the batch's tensors after the allocator may
             # have given them back to the batch's stream
@@ -663,18 +664,25 @@ class Batch:
                 t.record_stream(main)
         return self._finish(accept_h)
 
-    def _finish(self, accept_h: np.ndarray) -> list:
+    def _tables(self, accept_h: np.ndarray) -> dict:
+        """The candidate tables of the checks that append one (read once, on the stream this is called on)."""
         import torch
 
-        jobs, n, checks, r0, every = self.jobs, self.n, self.checks, self.r0, self.every
-        kv_heads, head_dim = self.kv_heads, self.head_dim
-        picked_all = [np.flatnonzero(accept_h[i, :checks[i]]) for i in range(len(jobs))]
-        wanted = [(i, j) for i in range(len(jobs)) for j in picked_all[i]]
-        tables = {}
+        if getattr(self, "_picked", None) is not None:
+            return self._picked
+        wanted = [(i, j) for i in range(len(self.jobs)) for j in np.flatnonzero(accept_h[i, :self.checks[i]])]
+        self._picked = {}
         if wanted:
             idx = torch.tensor(wanted, dtype=torch.int64, device=self.device)
             got = self.cand[idx[:, 0], idx[:, 1]].cpu().numpy().astype(np.uint8)
-            tables = {w: got[t] for t, w in enumerate(wanted)}
+            self._picked = {w: got[t] for t, w in enumerate(wanted)}
+        return self._picked
+
+    def _finish(self, accept_h: np.ndarray) -> list:
+        jobs, n, checks, r0, every = self.jobs, self.n, self.checks, self.r0, self.every
+        kv_heads, head_dim = self.kv_heads, self.head_dim
+        picked_all = [np.flatnonzero(accept_h[i, :checks[i]]) for i in range(len(jobs))]
+        tables = self._tables(accept_h)
         out = [None] * len(jobs)
         for i, (a, blocks) in enumerate(jobs):
             picked = picked_all[i]

@@ -1,0 +1,371 @@
+"""The serving loop at the cache's defaults: BF16 + flash against GAAC, graph against graph, eager against eager.
+
+    python benchmarks/serving.py --out $OUT/serving-h200.md                 # on the H200, every scenario
+    python benchmarks/serving.py --smoke --out /tmp/serving-smoke.md        # CPU, numba's simulator
+
+What a user of an inference engine runs, timed as it runs: the Llama-3.1-8B-shaped step of
+``decode_step.py`` (32 layers, 32/8 heads of 128, SwiGLU 14336, random BF16 weights) whose new K/V each step
+are real K/V gathered on the device from a step counter (the SmolLM2 captures tiled to the shape).
+
+* **GAAC**: ``gaac.PagedKVCache(cal, max_seqs=B, max_blocks=...)`` with every default (``adapt=True``, pools
+  as the cache sizes them), calibrated on the first ``--cal-tokens`` (1024) tokens of the content.  Graph:
+  ``gaac.StepGraph(cache, 32, step)``, one call a step; eager: ``plan = cache.decode_plan(32, seqs=...)``
+  and per layer ``cache.update_layer`` + ``plan.run``.
+* **BF16**: a preallocated ``[B, T, 8, 128]`` cache per layer, the token written at its device position,
+  torch flash varlen with ``seqused_k`` (the fastest of ``decode_step.FLASH_MODES``); graph: captured once
+  and replayed; eager: the same calls each step.
+
+Sequence lengths differ (97 tokens apart).  In the join scenario a sequence (never the first) is replaced
+every ``--replace-every`` steps by a ``--prompt``-token prompt: GAAC removes it and prefills the new one into
+the freed row (``remove_sequence``, ``add_sequence`` + ``update_layer`` per layer: calibration epochs
+appended as the rule decides), BF16 copies the prompt into the row and sets its length.  Everything is
+inside the timed window: ``--steps`` (256) steps after ``--warmup`` (16), wall time synchronised at the end,
+and each step's CUDA-event time; captures and eager steps of ``StepGraph`` are counted in the window.
+
+After each GAAC run: the first sequence's first and last layers read back bit-exact against the content
+(prompt and every appended token), and one layer's attention of every sequence against float64 over what
+the cache holds (within BF16's own error).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import decode_step as ds  # noqa: E402  (reads --smoke from sys.argv: the simulator is set before numba loads)
+
+import torch  # noqa: E402
+
+import gaac  # noqa: E402
+from gaac import layout as L  # noqa: E402
+
+DEV, SMOKE, GIB, log = ds.DEV, ds.SMOKE, ds.GIB, ds.log
+GAP = 97                   # tokens between the lengths of a batch's sequences
+
+# name -> (batch, context, replace_every, prompt, targets: graph, eager)
+SCENARIOS = {
+    "b1-64k": (1, 65536, 0, 0, 1.04, 1.04),
+    "b1-128k": (1, 131072, 0, 0, 1.04, 1.04),
+    "b8-32k": (8, 32768, 0, 0, 1.00, 1.00),
+    "b32-8k": (32, 8192, 0, 0, 1.00, 1.00),
+    "b8-16k-join": (8, 16384, 16, 4096, 1.00, 1.00),
+}
+SMOKE_SCENARIOS = {"b2-smoke": (2, 200, 0, 0, 1.0, 1.0), "b2-join-smoke": (2, 160, 3, 40, 1.0, 1.0)}
+
+
+def content(src: ds.Source, layer: int, row: int, start: int, count: int):
+    """Real K, V ``[kv_heads, count, D]`` (int16) of content row ``row`` from token ``start`` on."""
+    idx = (torch.arange(start, start + count, device=DEV) + ds.SHIFT * row) % src.unique
+    return src.k[layer].index_select(1, idx), src.v[layer].index_select(1, idx)
+
+
+def new_tokens(src: ds.Source, s: ds.Shape, rows: int, start: int, count: int):
+    """What the steps append: per layer K, V ``[count, rows, kv_heads, D]`` BF16 (step-major, as Loop reads)."""
+    nk, nv = [], []
+    for layer in range(s.layers):
+        per = [content(src, layer, r, start, count) for r in range(rows)]
+        nk.append(torch.stack([p[0] for p in per]).permute(2, 0, 1, 3).contiguous().view(torch.bfloat16))
+        nv.append(torch.stack([p[1] for p in per]).permute(2, 0, 1, 3).contiguous().view(torch.bfloat16))
+    return nk, nv
+
+
+class Window:
+    """The timed loop: ``run(j)`` is step ``j`` (joins included); wall ms a step over the window
+    (synchronised at the end) and each step's CUDA-event ms."""
+
+    def __init__(self, run, steps: int, counters=None):
+        self.run, self.steps, self.counters = run, steps, counters
+
+    def __call__(self, first: int) -> dict:
+        events = [] if SMOKE else [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                                   for _ in range(self.steps)]
+        before = self.counters() if self.counters else None
+        ds.sync()
+        t = time.perf_counter()
+        for j in range(self.steps):
+            if events:
+                events[j][0].record()
+            self.run(first + j)
+            if events:
+                events[j][1].record()
+        ds.sync()
+        wall = (time.perf_counter() - t) / self.steps * 1e3
+        per = [a.elapsed_time(b) for a, b in events] if events else [wall]
+        res = {"ms": wall, "event_median_ms": statistics.median(per), "event_max_ms": max(per), "steps": self.steps}
+        if self.counters:
+            after = self.counters()
+            res["captures"], res["eager_steps"] = after[0] - before[0], after[1] - before[1]
+        return res
+
+
+def replaced(j: int, every: int, batch: int):
+    """The row replaced before step ``j`` (every ``every`` steps; rows 1.. in turn, never row 0), or None."""
+    if not every or batch < 2 or j % every != every - 1:
+        return None
+    return 1 + (j // every) % (batch - 1)
+
+
+# ------------------------------------------------------------------------------------------------
+# BF16 + flash
+
+def run_bf16(model, src, _cal, s, lens, args, every: int, prompt: int, graph: bool) -> dict:
+    b = len(lens)
+    total = args.warmup + args.steps + 1
+    t_max = max(max(lens), prompt) + total + 1
+    kc, vc = [], []
+    for layer in range(s.layers):
+        k = torch.zeros((b, s.kv_heads, t_max, s.head_dim), dtype=torch.int16, device=DEV)
+        v = torch.zeros_like(k)
+        for r, n in enumerate(lens):
+            k[r, :, :n], v[r, :, :n] = content(src, layer, r, 0, n)
+        kc.append(k.view(torch.bfloat16))
+        vc.append(v.view(torch.bfloat16))
+    nk, nv = new_tokens(src, s, b, max(lens), total)
+    loop = ds.GraphLoop(ds.Loop(nk, nv, max(lens)))
+    q = torch.randn((b, s.q_heads, s.head_dim), device=DEV).to(torch.bfloat16)
+    mode, modes = ds.pick_flash_mode(s, kc, vc, max(lens), loop, q)
+    att = ds.SdpaGraphAttend(s, kc, vc, max(lens), loop, mode, consume=True)
+    att.lens.copy_(torch.tensor(lens, dtype=torch.int32, device=DEV))
+    att.begin()
+    del kc, vc
+    ids = torch.randint(0, s.vocab, (b,), generator=torch.Generator().manual_seed(5)).to(DEV)
+
+    def join(row: int) -> None:             # a new prompt into the row: its tokens and its length
+        for layer in range(s.layers):
+            k, v = content(src, layer, b + row, 0, prompt)
+            att.k[layer][row, :prompt] = k.transpose(0, 1).view(torch.bfloat16)
+            att.v[layer][row, :prompt] = v.transpose(0, 1).view(torch.bfloat16)
+        att.lens[row] = prompt
+
+    with torch.no_grad():
+        model.step(ids, lambda layer, q: att.attend(layer, q, att.lens))    # warm the kernels outside a capture
+        if graph:
+            g, _ = ds.capture(model, ids, att)
+
+            def step():
+                g.replay()
+        else:
+            def step():
+                att.begin()
+                model.step(ids, att)
+                att.end()
+
+    def run(j: int) -> None:
+        row = replaced(j, every, b)
+        if row is not None:
+            join(row)
+        with torch.no_grad():
+            step()
+
+    Window(run, args.warmup)(0)
+    res = Window(run, args.steps)(args.warmup)
+    res.update(flash_mode=mode, flash_modes_us=modes, tok_s=b / res["ms"] * 1e3)
+    log(f"  BF16 {'graph' if graph else 'eager'}: {res['ms']:.3f} ms/step")
+    return res
+
+
+# ------------------------------------------------------------------------------------------------
+# GAAC at the defaults
+
+class StepAttend:
+    """A model step's attention through a plan: per layer the token's ``update_layer`` and ``plan.run``."""
+
+    def __init__(self, cache, seqs, loop, plan, out):
+        self.cache, self.seqs, self.loop, self.plan, self.out = cache, seqs, loop, plan, out
+
+    def __call__(self, layer, q):
+        k, v = self.loop.kv(layer)
+        self.cache.update_layer(layer, self.seqs, k[:, :, None], v[:, :, None])
+        return self.plan.run(q, layer, out=self.out)
+
+
+def run_gaac(model, src, cal, s, lens, args, every: int, prompt: int, graph: bool) -> dict:
+    b = len(lens)
+    total = args.warmup + args.steps + 1
+    t_max = max(max(lens), prompt) + total + 1
+    t0 = time.perf_counter()
+    extra = {"codec": "cuda"} if SMOKE else {}      # the smoke run: the CUDA codec in numba's simulator
+    cache = gaac.PagedKVCache(cal, max_seqs=b, max_blocks=t_max // L.BLOCK_TOKENS + 1, device=DEV, **extra)
+    seqs = []
+    for r, n in enumerate(lens):
+        seq = cache.add_sequence()
+        for layer in range(s.layers):
+            k, v = content(src, layer, r, 0, n)
+            cache.update_layer(layer, [seq], k[None], v[None])
+        seqs.append(seq)
+    ds.sync()
+    res = {"prefill_s": time.perf_counter() - t0, "memory": str(cache.memory())}
+    assert seqs == list(range(b))               # place i of the batch is cache row i (q and out are by row)
+    nk, nv = new_tokens(src, s, b, max(lens), total)
+    loop = ds.GraphLoop(ds.Loop(nk, nv, max(lens)))
+    out = torch.empty((b, s.q_heads, s.head_dim), dtype=torch.bfloat16, device=DEV)
+    ids = torch.randint(0, s.vocab, (b,), generator=torch.Generator().manual_seed(5)).to(DEV)
+    held = {seq: (0, n) for seq, n in zip(seqs, lens)}       # row -> (content row, prompt tokens)
+    appended = {seq: [] for seq in seqs}                      # row -> the steps whose token it took
+
+    def join(row: int) -> None:
+        cache.remove_sequence(row)
+        seq = cache.add_sequence()
+        assert seq == row
+        for layer in range(s.layers):
+            k, v = content(src, layer, b + row, 0, prompt)
+            cache.update_layer(layer, [seq], k[None], v[None])
+        held[row], appended[row] = (b + row, prompt), []
+
+    if graph:
+        def model_step(plan):
+            with torch.no_grad():
+                model.step(ids, StepAttend(cache, plan.seqs, loop, plan, out))
+            loop.end()
+
+        runner = gaac.StepGraph(cache, s.q_heads, model_step)
+
+        def step():
+            runner(seqs)
+        counters = (lambda: (runner.captures, runner.eager_steps))
+    else:
+        def step():
+            plan = cache.decode_plan(s.q_heads, seqs=seqs)
+            with torch.no_grad():
+                model.step(ids, StepAttend(cache, seqs, loop, plan, out))
+            loop.end()
+        counters = None
+
+    def run(j: int) -> None:
+        row = replaced(j, every, b)
+        if row is not None:
+            join(row)
+        step()
+        for seq in seqs:
+            appended[seq].append(j)
+
+    Window(run, args.warmup, counters)(0)
+    res.update(Window(run, args.steps, counters)(args.warmup))
+    res["tok_s"] = b / res["ms"] * 1e3
+    res["epochs_appended"] = int(sum(cache.calibration.n_epochs(layer, kind) - cal.n_epochs(layer, kind)
+                                     for layer in range(s.layers) for kind in (0, 1)))
+    res["memory_after"] = str(cache.memory())
+    log(f"  GAAC {'graph' if graph else 'eager'}: {res['ms']:.3f} ms/step, captures {res.get('captures')}, eager "
+        f"steps {res.get('eager_steps')}, epochs appended {res['epochs_appended']}")
+    res.update(check(cache, src, s, seqs, held, appended, nk, nv))
+    return res
+
+
+def check(cache, src, s, seqs, held, appended, nk, nv) -> dict:
+    """Row 0 read back bit-exact (first and last layer); layer 0's attention of every row against float64."""
+    ok = True
+    for layer in (0, s.layers - 1):
+        row = seqs[0]
+        src_row, n = held[row]
+        k, v = cache.read_layer(layer, [row])
+        ek, ev = content(src, layer, src_row, 0, n)
+        steps = torch.tensor(appended[row], device=DEV)
+        ak = nk[layer].index_select(0, steps)[:, row].permute(1, 0, 2).contiguous().view(torch.int16)
+        av = nv[layer].index_select(0, steps)[:, row].permute(1, 0, 2).contiguous().view(torch.int16)
+        ok &= bool(torch.equal(k[0], torch.cat([ek, ak], dim=1)) and torch.equal(v[0], torch.cat([ev, av], dim=1)))
+    q = torch.randn((cache.max_seqs, s.q_heads, s.head_dim), device=DEV).to(torch.bfloat16)
+    out = cache.decode_plan(s.q_heads, append=0, seqs=seqs).run(q, 0).float()
+    worst = 0.0
+    for row in seqs:
+        k, v = (x[0].view(torch.bfloat16).double() for x in cache.read_layer(0, [row]))   # [kv_heads, T, D]
+        qr = q[row].double().view(s.kv_heads, s.group, s.head_dim)
+        p = torch.softmax(torch.einsum("hgd,htd->hgt", qr, k) / s.head_dim ** 0.5, dim=-1)
+        ref = torch.einsum("hgt,htd->hgd", p, v).reshape(s.q_heads, s.head_dim)
+        worst = max(worst, float((out[row].double() - ref).norm() / ref.norm()))
+    return {"bit_exact": ok, "attention_rel_err": worst}
+
+
+# ------------------------------------------------------------------------------------------------
+
+def render(rep: dict) -> str:
+    lines = ["# The serving loop at the defaults: GAAC against BF16 + flash", "",
+             f"- date: {rep['date']}", f"- device: {rep['device']}", f"- commit: {rep['commit']}",
+             f"- command: `{rep['command']}`",
+             f"- {rep['steps']} timed steps after {rep['warmup']}; GAAC `PagedKVCache` defaults (adapt=True, pools as "
+             f"the cache sizes them), calibration from the first {rep['cal_tokens']} tokens; lengths {GAP} tokens "
+             "apart; every capture, eager step, re-plan and join inside the window", ""]
+    rows = []
+    for name, sc in rep["scenarios"].items():
+        for mode in ("graph", "eager"):
+            b, g = sc.get(f"bf16_{mode}", {}), sc.get(f"gaac_{mode}", {})
+            x = b["ms"] / g["ms"] if b.get("ms") and g.get("ms") else float("nan")
+            target = sc["target_" + mode]
+            rows.append([name, mode, f"{b.get('ms', float('nan')):.2f}", f"{g.get('ms', float('nan')):.2f}",
+                         f"{x:.3f}x", f">= {target:.2f}x", "yes" if x >= target else "NO",
+                         f"{g.get('captures', '-')} / {g.get('eager_steps', '-')}" if mode == "graph" else "-",
+                         g.get("epochs_appended", "-"),
+                         "yes" if g.get("bit_exact") else "NO", f"{g.get('attention_rel_err', float('nan')):.1e}"])
+    lines += ds.table(["scenario", "mode", "BF16 ms/step", "GAAC ms/step", "GAAC speed", "target", "met",
+                       "captures / eager steps", "epochs appended", "read-back bit-exact", "attention rel. err"],
+                      rows)
+    errors = [f"- {name} {k}: {v['error']}" for name, sc in rep["scenarios"].items() for k, v in sc.items()
+              if isinstance(v, dict) and "error" in v]
+    if errors:
+        lines += ["", "Runs that failed:", "", *errors]
+    lines += ["", "Event medians (ms/step, the steps' GPU time) and GAAC's memory:", ""]
+    for name, sc in rep["scenarios"].items():
+        med = {k: f"{v.get('event_median_ms', float('nan')):.2f}" for k, v in sc.items() if isinstance(v, dict)}
+        lines.append(f"- {name}: {sc['batch']} x ~{sc['context']} tokens"
+                     + (f", a sequence replaced by a {sc['prompt']}-token prompt every {sc['every']} steps"
+                        if sc["every"] else "") + f"; event medians {med}; GAAC prefill "
+                     f"{sc.get('gaac_graph', {}).get('prefill_s', float('nan')):.1f} s; "
+                     f"{sc.get('gaac_graph', {}).get('memory', '')}")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="CPU dry run: tiny shapes, kernels in numba's simulator")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--data", default=None, help="SmolLM2 K/V dumps (default .devdata/kv, then ../shared/data/kv)")
+    ap.add_argument("--scenarios", default=None, help=f"comma-separated, of {list(SCENARIOS)} (default all)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps (default 256; smoke 4)")
+    ap.add_argument("--warmup", type=int, default=None, help="steps before timing (default 16; smoke 1)")
+    ap.add_argument("--cal-tokens", type=int, default=1024, help="calibrate on the first N tokens (default 1024)")
+    ap.add_argument("--modes", default="graph,eager", help="graph, eager or both")
+    args = ap.parse_args()
+    s = ds.SMOKE_SHAPE if SMOKE else ds.LLAMA_8B
+    table = SMOKE_SCENARIOS if SMOKE else SCENARIOS
+    names = args.scenarios.split(",") if args.scenarios else list(table)
+    args.steps = args.steps or (4 if SMOKE else 256)
+    args.warmup = args.warmup if args.warmup is not None else (1 if SMOKE else 16)
+    modes = args.modes.split(",")
+    if not SMOKE:
+        torch.backends.cuda.matmul.allow_tf32 = False
+    k_u, v_u = ds.real_source(ds.find_data(args.data), s)
+    cal = gaac.calibrate(k_u[:, :, :args.cal_tokens], v_u[:, :, :args.cal_tokens], show_progress=False)
+    src = ds.Source(k_u, v_u)
+    model = ds.Model(s)
+    rep = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": "CPU (simulator, smoke)" if SMOKE else
+           torch.cuda.get_device_name(), "commit": ds.commit(),
+           "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]), "steps": args.steps,
+           "warmup": args.warmup, "cal_tokens": args.cal_tokens, "scenarios": {}}
+    for mode in modes:                  # every scenario's graphs first: a run cut short keeps the most of them
+        for name in names:
+            batch, context, every, prompt, t_graph, t_eager = table[name]
+            lens = [context - GAP * i for i in range(batch)]
+            sc = rep["scenarios"].setdefault(name, {"batch": batch, "context": context, "every": every,
+                                                    "prompt": prompt, "target_graph": t_graph,
+                                                    "target_eager": t_eager})
+            log(f"{name} ({mode}): batch {batch}, lengths {lens[0]}..{lens[-1]}")
+            graph = mode == "graph"
+            for kind, run in (("bf16", run_bf16), ("gaac", run_gaac)):
+                if kind == "bf16" and SMOKE:           # torch's flash kernel needs a GPU
+                    continue
+                try:
+                    sc[f"{kind}_{mode}"] = run(model, src, cal, s, lens, args, every, prompt, graph)
+                except Exception as exc:          # a failed run is reported, and the others still run
+                    import traceback
+
+                    traceback.print_exc()
+                    sc[f"{kind}_{mode}"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+                ds.free()                  # what a run held goes before the next is made
+                ds.write(rep, args.out, render)
+    print(render(rep))
+
+
+if __name__ == "__main__":
+    main()
