@@ -708,7 +708,7 @@ def main():
     report = {"device": "simulator" if SIM else torch.cuda.get_device_name(), "torch": torch.__version__,
               "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     if args.epochs:
-        shapes = [(16, 1, 64)] if SIM else [(32, 1, 16384), (32, 1, 65536), (32, 1, 131072), (32, 8, 32768)]
+        shapes = [(16, 1, 64)] if SIM else [(32, 1, 65536), (32, 8, 32768), (32, 1, 131072), (32, 1, 16384)]
         cache = BenchCache(real, 8, 128)
         report["epochs"] = []
         for shape in shapes:

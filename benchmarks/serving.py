@@ -29,6 +29,7 @@ the cache holds (within BF16's own error).
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -293,7 +294,8 @@ def render(rep: dict) -> str:
             b, g = sc.get(f"bf16_{mode}", {}), sc.get(f"gaac_{mode}", {})
             x = b["ms"] / g["ms"] if b.get("ms") and g.get("ms") else float("nan")
             target = sc["target_" + mode]
-            rows.append([name, mode, f"{b.get('ms', float('nan')):.2f}", f"{g.get('ms', float('nan')):.2f}",
+            star = "*" if g.get("earlier") else ""
+            rows.append([name + star, mode, f"{b.get('ms', float('nan')):.2f}", f"{g.get('ms', float('nan')):.2f}",
                          f"{x:.3f}x", f">= {target:.2f}x", "yes" if x >= target else "NO",
                          f"{g.get('captures', '-')} / {g.get('eager_steps', '-')}" if mode == "graph" else "-",
                          g.get("epochs_appended", "-"),
@@ -326,6 +328,10 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=None, help="steps before timing (default 16; smoke 1)")
     ap.add_argument("--cal-tokens", type=int, default=1024, help="calibrate on the first N tokens (default 1024)")
     ap.add_argument("--modes", default="graph,eager", help="graph, eager or both")
+    ap.add_argument("--runs", default=None, help="only these scenario:mode pairs (comma-separated)")
+    ap.add_argument("--merge", type=Path, default=None,
+                    help="a results JSON of an earlier run: its runs are kept where this run does not repeat them "
+                         "(the report names both commits)")
     args = ap.parse_args()
     s = ds.SMOKE_SHAPE if SMOKE else ds.LLAMA_8B
     table = SMOKE_SCENARIOS if SMOKE else SCENARIOS
@@ -343,6 +349,15 @@ def main() -> None:
            torch.cuda.get_device_name(), "commit": ds.commit(),
            "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]), "steps": args.steps,
            "warmup": args.warmup, "cal_tokens": args.cal_tokens, "scenarios": {}}
+    only = set(args.runs.split(",")) if args.runs else None
+    if args.merge:
+        old = json.loads(args.merge.read_text())
+        rep["scenarios"] = old["scenarios"]
+        rep["commit"] = f"{rep['commit']} (runs marked *: {old['commit']})"
+        for sc in rep["scenarios"].values():
+            for key, val in sc.items():
+                if isinstance(val, dict):
+                    val["earlier"] = True
     for mode in modes:                  # every scenario's graphs first: a run cut short keeps the most of them
         for name in names:
             batch, context, every, prompt, t_graph, t_eager = table[name]
@@ -352,6 +367,8 @@ def main() -> None:
                                                     "target_eager": t_eager})
             log(f"{name} ({mode}): batch {batch}, lengths {lens[0]}..{lens[-1]}")
             graph = mode == "graph"
+            if only is not None and f"{name}:{mode}" not in only:
+                continue
             for kind, run in (("bf16", run_bf16), ("gaac", run_gaac)):
                 if kind == "bf16" and SMOKE:           # torch's flash kernel needs a GPU
                     continue

@@ -1103,6 +1103,12 @@ class PagedKVCache:
         for the blocks finished from then on (:meth:`_epochs_appended`)."""
         if upto is None:
             self._finish_rule_batches()             # the rule's checks in flight come first
+            if self._device_rule and any(isinstance(item, _Observed) and item.device is not None
+                                         for item in store.deferred):
+                # every layer's decode checks in one GPU batch, waited for once (a prefill needs the
+                # adapters current): the host rule would take milliseconds a check
+                self._launch_decode_checks(self._step_clock)
+                self._finish_rule_batches()
         while store.deferred:
             item = store.deferred[0]
             if upto is not None and isinstance(item, _Observed) and item.step > upto:
@@ -1141,6 +1147,11 @@ class PagedKVCache:
             self._finish_rule_batches(upto)
         if self._next_due is None or self._next_due > upto:
             return
+        self._launch_decode_checks(upto)
+
+    def _launch_decode_checks(self, upto: int) -> None:
+        """:meth:`_flush_due`'s work for the blocks of decode steps up to ``upto``: the checks they complete
+        launched in GPU rule batches (where the rule runs there), the others observed on the host."""
         self._next_due = None
         jobs = []
         busy = {id(store) for _, _, items in self._rule_batches for store, *_ in items}
@@ -1316,6 +1327,7 @@ class PagedKVCache:
         self._generation += 1
 
     def _flush_all(self) -> None:
+        self._finish_rule_batches()
         for layer, layer_store in enumerate(self._store):
             for kind, store in zip(KINDS, layer_store):
                 if store.deferred:

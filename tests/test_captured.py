@@ -204,7 +204,8 @@ def test_step_graph_keeps_a_bucket_through_joins_leaves_and_checks(monkeypatch):
     v = [synthetic(rng, layers, heads, n + steps, dim) for n in start]
     cal = calibrate(k[0][:, :, :32], v[0][:, :, :32])
     cache = PagedKVCache(cal, max_seqs=3, max_blocks=12, raw_tiles=96, codec="cuda", adapt=True)
-    ref = PagedKVCache(cal, max_seqs=3, max_blocks=12, raw_tiles=96, codec="reference", adapt=True)
+    cache._rule_on_device = True                 # the rule's checks in GPU batches, as on a GPU (a join's
+    ref = PagedKVCache(cal, max_seqs=3, max_blocks=12, raw_tiles=96, codec="reference", adapt=True)  # too)
     rows = [cache.add_sequence(k[i][:, :, :start[i]], v[i][:, :, :start[i]]) for i in range(3)]
     ref_rows = [ref.add_sequence(k[i][:, :, :start[i]], v[i][:, :, :start[i]]) for i in range(3)]
     held = {i: start[i] for i in range(3)}                 # content index -> tokens held

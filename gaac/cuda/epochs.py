@@ -629,11 +629,15 @@ class Batch:
         if not self.checks.any():
             return
         if SIMULATOR:
-            kernel[grid, block](*(a.numpy() if isinstance(a, torch.Tensor) else a for a in args))
+            # (the simulator moves whole buffers: a strided view of the blocks, which the kernels only
+            # read, goes as a contiguous copy)
+            kernel[grid, block](*((a.numpy() if a.is_contiguous() else np.ascontiguousarray(a.numpy()))
+                                  if isinstance(a, torch.Tensor) else a for a in args))
         else:
             stream = self.stream if self.stream is not None else torch.cuda.current_stream(self.device)
             if driver() is not None:
-                launch_args(kernel, grid, block, args, stream.cuda_stream)
+                # one compile for a prefill's strided views and a decode loop's contiguous blocks
+                launch_args(kernel, grid, block, args, stream.cuda_stream, any_layout=True)
             else:
                 kernel[grid, block, cuda.external_stream(stream.cuda_stream)](*args)
 

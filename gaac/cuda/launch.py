@@ -327,9 +327,10 @@ def driver():
 _NUMBA_DTYPES = {}
 
 
-def signature_of(args) -> tuple:
+def signature_of(args, any_layout: bool = False) -> tuple:
     """The numba argument types of ``args`` (torch tensors and ints) as numba's launch would infer them, except
-    that a tensor that is not C-contiguous is typed ``'A'`` (any strides) whatever its strides."""
+    that a tensor that is not C-contiguous is typed ``'A'`` (any strides) whatever its strides, and with
+    ``any_layout`` every tensor is (one compiled kernel for inputs that are views or not)."""
     from numba import types
 
     if not _NUMBA_DTYPES:
@@ -338,7 +339,8 @@ def signature_of(args) -> tuple:
         _NUMBA_DTYPES.update({torch.int8: types.int8, torch.uint8: types.uint8, torch.int16: types.int16,
                               torch.int32: types.int32, torch.int64: types.int64, torch.float32: types.float32})
     return tuple(types.int64 if isinstance(a, (int, np.integer)) else
-                 types.Array(_NUMBA_DTYPES[a.dtype], a.dim(), "C" if a.is_contiguous() else "A") for a in args)
+                 types.Array(_NUMBA_DTYPES[a.dtype], a.dim(), "C" if a.is_contiguous() and not any_layout else "A")
+                 for a in args)
 
 
 def packed_params(args) -> list:
@@ -349,12 +351,12 @@ def packed_params(args) -> list:
 _BY_SIGNATURE = {}    # (kernel, block, signature) -> FastLaunch
 
 
-def launch_args(dispatcher, grid, block, args, stream: int) -> None:
+def launch_args(dispatcher, grid, block, args, stream: int, any_layout: bool = False) -> None:
     """Launch ``dispatcher`` over ``grid`` x ``block`` with ``args`` (CUDA tensors and ints) on the raw stream
     ``stream`` through the driver: numba's own launch converts every tensor through the CUDA array interface
     (milliseconds for a kernel of a dozen arrays on a slow host).  Compiled once per signature
-    (:func:`signature_of`); the parameters are packed per call."""
-    sig = signature_of(args)
+    (:func:`signature_of`, ``any_layout`` as there); the parameters are packed per call."""
+    sig = signature_of(args, any_layout)
     key = (id(dispatcher), tuple(_dims(block)), sig)
     entry = _BY_SIGNATURE.get(key)
     if entry is None or entry[0] is not dispatcher:
