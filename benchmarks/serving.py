@@ -299,7 +299,8 @@ def render(rep: dict) -> str:
                          f"{x:.3f}x", f">= {target:.2f}x", "yes" if x >= target else "NO",
                          f"{g.get('captures', '-')} / {g.get('eager_steps', '-')}" if mode == "graph" else "-",
                          g.get("epochs_appended", "-"),
-                         "yes" if g.get("bit_exact") else "NO", f"{g.get('attention_rel_err', float('nan')):.1e}"])
+                         ("yes" if g["bit_exact"] else "NO") if "bit_exact" in g else "-",
+                         f"{g['attention_rel_err']:.1e}" if "attention_rel_err" in g else "-"])
     lines += ds.table(["scenario", "mode", "BF16 ms/step", "GAAC ms/step", "GAAC speed", "target", "met",
                        "captures / eager steps", "epochs appended", "read-back bit-exact", "attention rel. err"],
                       rows)
@@ -307,6 +308,10 @@ def render(rep: dict) -> str:
               if isinstance(v, dict) and "error" in v]
     if errors:
         lines += ["", "Runs that failed:", "", *errors]
+    notes = [f"- {name} {k}: {v['note']}" for name, sc in rep["scenarios"].items() for k, v in sc.items()
+             if isinstance(v, dict) and "note" in v]
+    if notes:
+        lines += ["", "Notes:", "", *notes]
     lines += ["", "Event medians (ms/step, the steps' GPU time) and GAAC's memory:", ""]
     for name, sc in rep["scenarios"].items():
         med = {k: f"{v.get('event_median_ms', float('nan')):.2f}" for k, v in sc.items() if isinstance(v, dict)}
