@@ -190,6 +190,13 @@ class Model:
 # ------------------------------------------------------------------------------------------------
 # Real K/V content and the two caches.
 
+def common_args(ap) -> None:
+    """The options every loop benchmark built on this module takes: ``--smoke``, ``--out``, ``--data``."""
+    ap.add_argument("--smoke", action="store_true", help="CPU dry run: tiny shapes, kernels in numba's simulator")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--data", default=None, help="SmolLM2 K/V dumps (default .devdata/kv, then ../shared/data/kv)")
+
+
 def find_data(arg: str | None) -> Path:
     cands = [Path(arg)] if arg else [ROOT / ".devdata" / "kv", ROOT.parent / "shared" / "data" / "kv",
                                      ROOT / "shared" / "data" / "kv"]

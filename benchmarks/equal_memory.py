@@ -267,9 +267,7 @@ def render(rep: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--smoke", action="store_true", help="CPU dry run: tiny shapes, kernels in numba's simulator")
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--data", default=None, help="SmolLM2 K/V dumps (default .devdata/kv, then ../shared/data/kv)")
+    ds.common_args(ap)
     ap.add_argument("--budget-gib", type=float, default=None, help="KV budget (default 60; smoke: 0.002)")
     ap.add_argument("--context", type=int, default=None, help="sequence length around which lengths vary (64K)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps (default 256; smoke 4)")

@@ -37,6 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import decode_step as ds  # noqa: E402  (reads --smoke from sys.argv: the simulator is set before numba loads)
+from equal_memory import new_tokens, tokens_at as content  # noqa: E402  (real K/V of a content row; the steps')
 
 import torch  # noqa: E402
 
@@ -55,22 +56,6 @@ SCENARIOS = {
     "b8-16k-join": (8, 16384, 16, 4096, 1.00, 1.00),
 }
 SMOKE_SCENARIOS = {"b2-smoke": (2, 200, 0, 0, 1.0, 1.0), "b2-join-smoke": (2, 160, 3, 40, 1.0, 1.0)}
-
-
-def content(src: ds.Source, layer: int, row: int, start: int, count: int):
-    """Real K, V ``[kv_heads, count, D]`` (int16) of content row ``row`` from token ``start`` on."""
-    idx = (torch.arange(start, start + count, device=DEV) + ds.SHIFT * row) % src.unique
-    return src.k[layer].index_select(1, idx), src.v[layer].index_select(1, idx)
-
-
-def new_tokens(src: ds.Source, s: ds.Shape, rows: int, start: int, count: int):
-    """What the steps append: per layer K, V ``[count, rows, kv_heads, D]`` BF16 (step-major, as Loop reads)."""
-    nk, nv = [], []
-    for layer in range(s.layers):
-        per = [content(src, layer, r, start, count) for r in range(rows)]
-        nk.append(torch.stack([p[0] for p in per]).permute(2, 0, 1, 3).contiguous().view(torch.bfloat16))
-        nv.append(torch.stack([p[1] for p in per]).permute(2, 0, 1, 3).contiguous().view(torch.bfloat16))
-    return nk, nv
 
 
 class Window:
@@ -325,9 +310,7 @@ def render(rep: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--smoke", action="store_true", help="CPU dry run: tiny shapes, kernels in numba's simulator")
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--data", default=None, help="SmolLM2 K/V dumps (default .devdata/kv, then ../shared/data/kv)")
+    ds.common_args(ap)
     ap.add_argument("--scenarios", default=None, help=f"comma-separated, of {list(SCENARIOS)} (default all)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps (default 256; smoke 4)")
     ap.add_argument("--warmup", type=int, default=None, help="steps before timing (default 16; smoke 1)")

@@ -80,6 +80,19 @@ from .errors import InputError
 from .pools import latest_version
 
 
+def _check_device_driven(cache, count, name: str, what: str, unit: str) -> None:
+    """Refuse a device-driven step ``what`` that ``cache`` cannot record, or a ``count`` (argument ``name``, a
+    number of ``unit``) that is not positive."""
+    if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 1:
+        raise InputError(f"{name} must be a positive number of {unit}, got {count!r}")
+    if not cache._cuda_codec:
+        raise InputError(f"{what} records the CUDA codec's device-driven step; this cache runs the reference codec "
+                         "(make it on a GPU, or with codec='cuda' in the simulator)")
+    if L.tiles_per_head(cache.head_dim) != 1:
+        raise InputError(f"a captured step encodes finished blocks straight from the tails, which needs one tile per "
+                         f"head: head_dim 64 or 128, not {cache.head_dim}")
+
+
 class CapturedSteps:
     """The device-driven part of a :class:`gaac.step.StepPlan` made with ``steps`` (module docstring).
 
@@ -92,14 +105,7 @@ class CapturedSteps:
         from .step import reserve_step
 
         cache = plan.cache
-        if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
-            raise InputError(f"steps must be a positive number of decode steps, got {steps!r}")
-        if not cache._cuda_codec:
-            raise InputError("a plan of steps records the CUDA codec's device-driven step; this cache runs the "
-                             "reference codec (make it on a GPU, or with codec='cuda' in the simulator)")
-        if L.tiles_per_head(cache.head_dim) != 1:
-            raise InputError(f"a captured step encodes finished blocks straight from the tails, which needs one "
-                             f"tile per head: head_dim 64 or 128, not {cache.head_dim}")
+        _check_device_driven(cache, steps, "steps", "a plan of steps", "decode steps")
         if not len(rows):
             raise InputError("a plan of steps needs at least one live sequence")
         self._plan, self.cache, self.rows = weakref.ref(plan), cache, rows
@@ -292,14 +298,7 @@ class BucketSteps(CapturedSteps):
         from .step_append import StepAppend
 
         cache = plan.cache
-        if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
-            raise InputError(f"bucket must be a positive number of sequences, got {size!r}")
-        if not cache._cuda_codec:
-            raise InputError("a bucket's step records the CUDA codec's device-driven step; this cache runs the "
-                             "reference codec (make it on a GPU, or with codec='cuda' in the simulator)")
-        if L.tiles_per_head(cache.head_dim) != 1:
-            raise InputError(f"a captured step encodes finished blocks straight from the tails, which needs one "
-                             f"tile per head: head_dim 64 or 128, not {cache.head_dim}")
+        _check_device_driven(cache, size, "bucket", "a bucket's step", "sequences")
         if not 1 <= len(rows) <= size:
             raise InputError(f"{len(rows)} sequences for a bucket of {size}: a bucket's step takes 1 to {size}")
         self._plan, self.cache, self.size = weakref.ref(plan), cache, int(size)
