@@ -264,8 +264,9 @@ class CapturedSteps:
         cache._lens[:, rows] += 1
         self.step += 1
         app = self.appender
-        app.account(range(cache.layers), rows[done], after[done] // L.BLOCK_TOKENS - 1,
-                    [app.epochs(layer) for layer in range(cache.layers)])
+        # the published epochs, which a step's finished blocks took (read only where some block finished)
+        epochs = [app.epochs(layer) for layer in range(cache.layers)] if done.any() else None
+        app.account(range(cache.layers), rows[done], after[done] // L.BLOCK_TOKENS - 1, epochs)
 
 
 class BucketSteps(CapturedSteps):
@@ -445,8 +446,9 @@ class BucketSteps(CapturedSteps):
         cache._step_index = None
         self.step += 1
         app = self.appender
-        app.account(range(cache.layers), rows[done], after[done] // L.BLOCK_TOKENS - 1,
-                    [app.epochs(layer) for layer in range(cache.layers)])
+        # the published epochs, which a step's finished blocks took (read only where some block finished)
+        epochs = [app.epochs(layer) for layer in range(cache.layers)] if done.any() else None
+        app.account(range(cache.layers), rows[done], after[done] // L.BLOCK_TOKENS - 1, epochs)
 
 
 class _Recordings(threading.local):
