@@ -115,7 +115,7 @@ def test_a_check_inside_a_plan_publishes_its_epoch_and_a_split_reads_several(mon
         monkeypatch.setattr(epochs_mod, name, 2)
     rng = np.random.default_rng(7)
     layers, heads, dim = 1, 1, 64
-    start, steps = [3 * B, 3 * B + 8], 6 * B
+    start, steps = [3 * B, 3 * B + 8], 4 * B
     total = [n + steps for n in start]
     k = [drifting(rng, layers, heads, n, dim, 24.0) for n in total]
     v = [synthetic(rng, layers, heads, n, dim) for n in total]
@@ -198,7 +198,7 @@ def test_step_graph_keeps_a_bucket_through_joins_leaves_and_checks(monkeypatch):
     for name in ("WARMUP_BLOCKS", "ADAPT_EVERY"):
         monkeypatch.setattr(epochs_mod, name, 2)
     rng = np.random.default_rng(31)
-    layers, heads, dim, steps = 2, 1, 64, 34
+    layers, heads, dim, steps = 1, 1, 64, 34
     start = [2 * B + 5, B + 11, 3 * B + 2, B - 3]          # the last one joins later, in the row that leaves
     k = [drifting(rng, layers, heads, n + steps, dim, 16.0) for n in start]
     v = [synthetic(rng, layers, heads, n + steps, dim) for n in start]
