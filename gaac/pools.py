@@ -361,9 +361,9 @@ class RawArena:
     ``reserve``.  A share short of free records is lent more (:meth:`cover`), at least ``chunk`` at a time
     so that a decode loop asks rarely; when the reserve cannot cover a shortfall, every share's free records
     return to it first (one read of the device's counts) and each share asked is lent what it needs.  A
-    removed sequence's raw tiles return to the reserve, where any layer may take them.  Lending changes a
-    share's free list, so plans that baked the old one are made again; it happens only where a share runs
-    short, never inside a captured step.
+    removed sequence's raw tiles return to the reserve, where any layer may take them.  Lending writes a
+    share's free list in place where the list's array has room (else a new array, with room to spare, which
+    launches made before must follow); it happens only where a share runs short, never inside a captured step.
     """
 
     def __init__(self, n: int, channels: int, device: torch.device):
