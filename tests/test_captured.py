@@ -115,7 +115,7 @@ def test_a_check_inside_a_plan_publishes_its_epoch_and_a_split_reads_several(mon
         monkeypatch.setattr(epochs_mod, name, 2)
     rng = np.random.default_rng(7)
     layers, heads, dim = 1, 1, 64
-    start, steps = [3 * B, 3 * B + 8], 4 * B
+    start, steps = [3 * B, 3 * B + 8], 3 * B
     total = [n + steps for n in start]
     k = [drifting(rng, layers, heads, n, dim, 24.0) for n in total]
     v = [synthetic(rng, layers, heads, n, dim) for n in total]
@@ -198,7 +198,7 @@ def test_step_graph_keeps_a_bucket_through_joins_leaves_and_checks(monkeypatch):
     for name in ("WARMUP_BLOCKS", "ADAPT_EVERY"):
         monkeypatch.setattr(epochs_mod, name, 2)
     rng = np.random.default_rng(31)
-    layers, heads, dim, steps = 1, 1, 64, 34
+    layers, heads, dim, steps = 1, 1, 64, 26
     start = [2 * B + 5, B + 11, 3 * B + 2, B - 3]          # the last one joins later, in the row that leaves
     k = [drifting(rng, layers, heads, n + steps, dim, 16.0) for n in start]
     v = [synthetic(rng, layers, heads, n + steps, dim) for n in start]
@@ -227,7 +227,7 @@ def test_step_graph_keeps_a_bucket_through_joins_leaves_and_checks(monkeypatch):
     runner = gaac.StepGraph(cache, 2 * heads, step, buckets=(2, 4))
     batch = [0, 1, 2]
     for t in range(steps):
-        if t == 12:                                       # content 1 leaves; content 3's prompt takes its row
+        if t == 8:                                       # content 1 leaves; content 3's prompt takes its row
             cache.remove_sequence(where[1])
             ref.remove_sequence(ref_rows[1])
             where[3] = cache.add_sequence(k[3][:, :, :start[3]], v[3][:, :, :start[3]])
@@ -236,15 +236,15 @@ def test_step_graph_keeps_a_bucket_through_joins_leaves_and_checks(monkeypatch):
             held[3] = start[3]
             del held[1]
             batch = [0, 3, 2]
-        if t == 20:
+        if t == 14:
             batch = [2, 3]                                # into the bucket of 2
-        if t == 28:
+        if t == 20:
             batch = [3, 0, 2]                             # back into the bucket of 4, in another order
         for i, c in enumerate(batch):
             for layer in range(layers):
                 kbuf[layer, i, :, 0] = torch.from_numpy(k[c][layer, :, held[c]].view(np.int16))
                 vbuf[layer, i, :, 0] = torch.from_numpy(v[c][layer, :, held[c]].view(np.int16))
-        attend[0] = t in (13, 21, steps - 1)
+        attend[0] = t in (9, 15, steps - 1)
         runner([where[c] for c in batch])
         if attend[0]:
             for layer in range(layers):
