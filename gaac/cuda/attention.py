@@ -89,7 +89,7 @@ _LOG2E = 1.4426950408889634
 
 # Status bits the kernel sets (``status[0]``, OR-ed in), above the tile decoder's (gaac.cuda.tile_decoder:
 # STATUS_BAD_TAG = 1, STATUS_BAD_ESCAPES = 2).
-STATUS_BAD_EPOCH = 4         # a block's epoch is not below the view's epoch count (its bases: epoch 0's)
+STATUS_BAD_EPOCH = 4         # a block's epoch is past the epochs its bases table holds (its bases: epoch 0's)
 STATUS_BAD_ENTRY = 8         # a finalized block's table entry points past its slot or raw-tile pool (read: entry 0)
 
 
