@@ -286,6 +286,16 @@ class _Update:
                                                                        # encode: the free lists' heads before it
 
 
+def _arrived(blocks) -> np.ndarray:
+    """Blocks on their way to an adapter, on the host: a pinned copy and its event (GPU; waited for), or an
+    array."""
+    if isinstance(blocks, tuple):
+        host, event = blocks
+        event.synchronize()
+        return host.numpy()
+    return np.asarray(blocks)
+
+
 @dataclass
 class _Observed:
     """Finished blocks of a decode step on their way to an adapter (a host copy in flight), and the step
@@ -1114,13 +1124,7 @@ class PagedKVCache:
             if upto is not None and isinstance(item, _Observed) and item.step > upto:
                 return
             store.deferred.pop(0)
-            if isinstance(item, _Observed):
-                item = item.blocks
-            if isinstance(item, tuple):
-                host, event = item
-                event.synchronize()
-                item = host.numpy()
-            blocks = np.asarray(item).view(np.uint16)
+            blocks = _arrived(item.blocks if isinstance(item, _Observed) else item).view(np.uint16)
             appended = False
             while len(blocks):              # a decode step's blocks may pass a check: observed in runs up to it
                 n = min(store.adapter.until_check, len(blocks))
@@ -1165,7 +1169,7 @@ class PagedKVCache:
                         self._flush(store, layer, kind, upto)
                 for item in store.deferred:
                     if isinstance(item, _Observed):
-                        self._next_due = item.step if self._next_due is None else min(self._next_due, item.step)
+                        self._due_at(item.step)
                         break
         if jobs:
             from .cuda.epochs import Batch
@@ -1198,14 +1202,7 @@ class PagedKVCache:
         blocks = torch.cat([item.device for item in due]) if len(due) > 1 else due[0].device
         rest = []
         if len(blocks) > until:                     # the blocks after the check, observed once it is decided
-            host = []
-            for item in due:
-                h = item.blocks
-                if isinstance(h, tuple):                # a pinned copy and its event (GPU)
-                    h[1].synchronize()
-                    h = h[0].numpy()
-                host.append(np.asarray(h))
-            rest = [np.concatenate(host)[until:]]
+            rest = [np.concatenate([_arrived(item.blocks) for item in due])[until:]]
         return store, layer, kind, store.adapter.epoch, blocks[:until], rest
 
     def _finish_rule_batches(self, upto: int | None = None) -> None:
@@ -1223,7 +1220,7 @@ class PagedKVCache:
                     layers.add(layer)
                 store.deferred[:0] = rest
                 if rest and upto is not None:       # observed at the next turn
-                    self._next_due = upto if self._next_due is None else min(self._next_due, upto)
+                    self._due_at(upto)
             for layer in sorted(layers):            # once every store holds its new epochs
                 self._epochs_appended(layer)
 
@@ -1231,8 +1228,11 @@ class PagedKVCache:
         """Queue a decode step's finished blocks (a host copy in flight; ``device``: the same on the device) for
         the adapter, stamped with the step."""
         store.deferred.append(_Observed(blocks, self._step_clock, device if self._device_rule else None))
-        if self._next_due is None:
-            self._next_due = self._step_clock
+        self._due_at(self._step_clock)
+
+    def _due_at(self, step: int) -> None:
+        """Blocks of decode step ``step`` wait for the rule: :meth:`_flush_due` takes them up from then on."""
+        self._next_due = step if self._next_due is None else min(self._next_due, step)
 
     def _publish(self, layer: int, kind: int, epoch: int) -> None:
         """Make ``epoch`` the one the device's decode appends encode ``layer``'s finished ``kind`` blocks with:

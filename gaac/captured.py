@@ -248,17 +248,24 @@ class CapturedSteps:
         Once per step that ran (module docstring): a step run eagerly is accounted once; after a captured
         recording each call stands for one ``graph.replay()``, which the plan cannot see without waiting for
         the device, so only calls past ``plan.steps`` are refused there."""
-        cache = self.cache
-        if cache._recording is self:
-            raise InputError("replayed(): the step is being recorded; account it after the `with "
-                             "plan.device_driven():` block (and, for a captured graph, after each graph.replay())")
+        self._refuse_while_recording()
         self.check_current()
         if self._ran:
             self._ran = False
         elif not self._captured:
             raise InputError("replayed(): no step of this plan ran since its last account: record the step (`with "
                              "plan.device_driven():`), and call plan.replayed() once per graph.replay() or eager run")
-        rows = self.rows
+        self._account_step()
+
+    def _refuse_while_recording(self) -> None:
+        if self.cache._recording is self:
+            raise InputError("replayed(): the step is being recorded; account it after the `with "
+                             "plan.device_driven():` block (and, for a captured graph, after each graph.replay())")
+
+    def _account_step(self) -> None:
+        """The host's account of a step that ran: the rows' lengths advance, the blocks they finished are
+        accounted (pools, block epochs, the rule's copies) without reading the device."""
+        cache, rows = self.cache, self.rows
         after = cache._lens[0, rows] + 1
         done = after % L.BLOCK_TOKENS == 0
         cache._lens[:, rows] += 1
@@ -429,9 +436,7 @@ class BucketSteps(CapturedSteps):
         """The host's account of one replayed (or eagerly run) step of the batch (no synchronisation); the
         next step needs :meth:`advance` first."""
         cache = self.cache
-        if cache._recording is self:
-            raise InputError("replayed(): the step is being recorded; account it after the `with "
-                             "plan.device_driven():` block (and, for a captured graph, after each graph.replay())")
+        self._refuse_while_recording()
         if self._ran:
             self._ran = False
         elif not self._captured:
@@ -439,16 +444,8 @@ class BucketSteps(CapturedSteps):
         if not self._ready:
             raise InputError("replayed(): the step was not advanced (BucketSteps.advance) since its last account")
         self._ready = False
-        rows = self.rows
-        after = cache._lens[0, rows] + 1
-        done = after % L.BLOCK_TOKENS == 0
-        cache._lens[:, rows] += 1
         cache._step_index = None
-        self.step += 1
-        app = self.appender
-        # the published epochs, which a step's finished blocks took (read only where some block finished)
-        epochs = [app.epochs(layer) for layer in range(cache.layers)] if done.any() else None
-        app.account(range(cache.layers), rows[done], after[done] // L.BLOCK_TOKENS - 1, epochs)
+        self._account_step()
 
 
 class _Recordings(threading.local):
