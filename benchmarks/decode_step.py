@@ -939,6 +939,45 @@ def render(rep: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def kernel_profile(run, first: int, steps: int) -> list:
+    """``steps`` more steps under torch's profiler: each kernel (and copy) the GPU ran, by name, as
+    ``[name, launches a step, us a step]``, the largest first; and the steps' GPU time not inside any of them
+    (``"(idle between kernels)"``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        ev[0].record()
+        for j in range(steps):
+            run(first + j)
+        ev[1].record()
+        sync()
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None)
+        if us is None:
+            us = getattr(e, "self_cuda_time_total", 0.0)
+        if us > 0:
+            rows.append([e.key[:90], e.count / steps, us / steps])
+    rows.sort(key=lambda r: -r[2])
+    busy = sum(r[2] for r in rows)
+    rows.append(["(idle between kernels)", 0, ev[0].elapsed_time(ev[1]) * 1e3 / steps - busy])
+    return rows
+
+
+def profile_lines(profiles: list) -> list:
+    """Report lines for ``[(run name, kernel_profile rows)]``: each run's step time in its kernels, the largest."""
+    if not profiles:
+        return []
+    lines = ["", "The kernels of a step (torch's profiler, steps after the window): us a step (launches a step):", ""]
+    for name, prof in profiles:
+        total = sum(r[2] for r in prof)
+        lines.append(f"- {name}: {total:.0f} us a step: "
+                     + "; ".join(f"{r[0]} {r[2]:.0f} ({r[1]:g})" for r in prof[:14]))
+    return lines
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="CPU dry run: tiny shapes, kernels in numba's simulator")

@@ -114,7 +114,7 @@ def run_bf16(model, src, s, seq_lens, budget: int, room: int, args) -> dict:
             k[r, :, :n], v[r, :, :n] = tokens_at(src, layer, r, 0, n)
         kc.append(k.view(torch.bfloat16))
         vc.append(v.view(torch.bfloat16))
-    nk, nv = new_tokens(src, s, b, t_max, args.warmup + args.steps + 1)
+    nk, nv = new_tokens(src, s, b, t_max, args.warmup + args.steps + args.profile + 1)
     loop = ds.GraphLoop(ds.Loop(nk, nv, t_max))
     q = torch.randn((b, s.q_heads, s.head_dim), device=DEV).to(torch.bfloat16)
     mode, res["flash_modes_us"] = ds.pick_flash_mode(s, kc, vc, t_max, loop, q)
@@ -130,6 +130,8 @@ def run_bf16(model, src, s, seq_lens, budget: int, room: int, args) -> dict:
     timed(graph.replay, args.warmup)
     res.update(timed(graph.replay, args.steps), flash_mode=mode, peak_gib=torch.cuda.max_memory_allocated() / GIB)
     res["tok_s"] = b / res["ms"] * 1e3
+    if args.profile:
+        res["profile"] = ds.kernel_profile(lambda j: graph.replay(), 0, args.profile)
     log(f"BF16 graph, batch {b}: {res['ms']:.3f} ms/step ({res['tok_s']:.0f} tok/s)")
     del graph, att, loop, nk, nv
     ds.free()
@@ -183,7 +185,7 @@ def run_gaac(model, src, cal, s, seq_lens, budget: int, room: int, rows: int, ar
     b = len(seqs)
     if not b:
         return res
-    steps = args.warmup + args.steps + 1
+    steps = args.warmup + args.steps + args.profile + 1
     # A token for every place of the largest bucket (``StepGraph``'s default buckets end at the cache's rows);
     # the places past the batch are free and their tokens unread.
     nk, nv = new_tokens(src, s, rows, max(admitted), steps)
@@ -209,11 +211,13 @@ def run_gaac(model, src, cal, s, seq_lens, budget: int, room: int, rows: int, ar
     if not SMOKE:
         res["peak_gib"] = torch.cuda.max_memory_allocated() / GIB
     res["tok_s"] = b / res["ms"] * 1e3
+    if args.profile and not SMOKE:
+        res["profile"] = ds.kernel_profile(lambda j: run(), 0, args.profile)
     log(f"GAAC StepGraph, batch {b}: {res['ms']:.3f} ms/step ({res['tok_s']:.0f} tok/s), captures "
         f"{res.get('captures')}, eager steps {res.get('eager_steps')}")
     # Read-back: the first sequence's first and last layer, bit for bit (prefill + every appended token).
     ok = True
-    done = args.warmup + args.steps
+    done = args.warmup + args.steps + (args.profile if not SMOKE else 0)
     for layer in (0, s.layers - 1):
         k, v = cache.read_layer(layer, [seqs[0]])
         ek, ev = tokens_at(src, layer, 0, 0, admitted[0])
@@ -262,6 +266,7 @@ def render(rep: dict) -> str:
               f"- GAAC refused: {g.get('refused')}", f"- BF16 flash mode: {b.get('flash_mode')}",
               f"- peak GPU memory: BF16 run {b.get('peak_gib', float('nan')):.1f} GiB, GAAC run "
               f"{g.get('peak_gib', float('nan')):.1f} GiB (the weights: {rep['params'] * 2 / GIB:.1f} GiB)"]
+    lines += ds.profile_lines([(k, x["profile"]) for k, x in (("BF16", b), ("GAAC", g)) if x.get("profile")])
     return "\n".join(lines) + "\n"
 
 
@@ -272,6 +277,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=None, help="sequence length around which lengths vary (64K)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps (default 256; smoke 4)")
     ap.add_argument("--warmup", type=int, default=None, help="steps before timing (default 16; smoke 1)")
+    ap.add_argument("--profile", type=int, default=0,
+                    help="after the window, N steps more under torch's profiler: the kernels of a step (GPU only)")
     ap.add_argument("--cal-tokens", type=int, default=1024, help="calibrate on the first N tokens (default 1024)")
     args = ap.parse_args()
     s = ds.SMOKE_SHAPE if SMOKE else ds.LLAMA_8B

@@ -99,7 +99,7 @@ def replaced(j: int, every: int, batch: int):
 
 def run_bf16(model, src, _cal, s, lens, args, every: int, prompt: int, graph: bool) -> dict:
     b = len(lens)
-    total = args.warmup + args.steps + 1
+    total = args.warmup + args.steps + args.profile + 1
     t_max = max(max(lens), prompt) + total + 1
     kc, vc = [], []
     for layer in range(s.layers):
@@ -149,6 +149,8 @@ def run_bf16(model, src, _cal, s, lens, args, every: int, prompt: int, graph: bo
     Window(run, args.warmup)(0)
     res = Window(run, args.steps)(args.warmup)
     res.update(flash_mode=mode, flash_modes_us=modes, tok_s=b / res["ms"] * 1e3)
+    if args.profile:
+        res["profile"] = ds.kernel_profile(run, args.warmup + args.steps, args.profile)
     log(f"  BF16 {'graph' if graph else 'eager'}: {res['ms']:.3f} ms/step")
     return res
 
@@ -170,7 +172,7 @@ class StepAttend:
 
 def run_gaac(model, src, cal, s, lens, args, every: int, prompt: int, graph: bool) -> dict:
     b = len(lens)
-    total = args.warmup + args.steps + 1
+    total = args.warmup + args.steps + args.profile + 1
     t_max = max(max(lens), prompt) + total + 1
     t0 = time.perf_counter()
     extra = {"codec": "cuda"} if SMOKE else {}      # the smoke run: the CUDA codec in numba's simulator
@@ -231,6 +233,8 @@ def run_gaac(model, src, cal, s, lens, args, every: int, prompt: int, graph: boo
     Window(run, args.warmup, counters)(0)
     res.update(Window(run, args.steps, counters)(args.warmup))
     res["tok_s"] = b / res["ms"] * 1e3
+    if args.profile:
+        res["profile"] = ds.kernel_profile(run, args.warmup + args.steps, args.profile)
     res["epochs_appended"] = int(sum(cache.calibration.n_epochs(layer, kind) - cal.n_epochs(layer, kind)
                                      for layer in range(s.layers) for kind in (0, 1)))
     res["memory_after"] = str(cache.memory())
@@ -305,6 +309,9 @@ def render(rep: dict) -> str:
                         if sc["every"] else "") + f"; event medians {med}; GAAC prefill "
                      f"{sc.get('gaac_graph', {}).get('prefill_s', float('nan')):.1f} s; "
                      f"{sc.get('gaac_graph', {}).get('memory', '')}")
+    lines += ds.profile_lines([(f"{name} {k}", v["profile"]) for name, sc in rep["scenarios"].items()
+                               for k, v in sc.items()
+                               if isinstance(v, dict) and v.get("profile") and not v.get("earlier")])
     return "\n".join(lines) + "\n"
 
 
@@ -317,6 +324,8 @@ def main() -> None:
     ap.add_argument("--cal-tokens", type=int, default=1024, help="calibrate on the first N tokens (default 1024)")
     ap.add_argument("--modes", default="graph,eager", help="graph, eager or both")
     ap.add_argument("--runs", default=None, help="only these scenario:mode pairs (comma-separated)")
+    ap.add_argument("--profile", type=int, default=0,
+                    help="after the window, N steps more under torch's profiler: the kernels of a step (GPU only)")
     ap.add_argument("--merge", type=Path, default=None,
                     help="a results JSON of an earlier run: its runs are kept where this run does not repeat them "
                          "(the report names both commits)")
