@@ -10,20 +10,25 @@ whose layer ``i`` receives the model's layer-``i`` K/V (K after RoPE) one
 forward pass at a time: new tokens go to the BF16 tail, finished blocks are
 encoded once.  Each HF batch row is one sequence of the paged cache.
 
-What attention reads.  The CPU path decodes the layer's whole cache from its
-slots, raw tiles and tail with the reference codec on every step and hands the
-BF16 tensors to the model's own attention, so outputs are bit-identical to
-``DynamicCache``'s (the codec is lossless).  The fused path (``fused=True``,
-the default on CUDA with ``attn_implementation="gaac"``) returns, for a
-one-token decode step, a :class:`PagedLayer` handle instead of tensors; the
-``"gaac"`` attention registered here runs the forward pass's step plan on it
+What attention reads.  Each layer's :meth:`GAACLayer.update` returns what
+the model's attention reads, as transformers' ``QuantizedLayer`` does: the
+layer's cached past followed by the model's own new K/V.  A prefill into a
+layer that holds nothing gets the model's K/V back as they are; one into a
+layer that holds tokens gets the past decoded from its slots, raw tiles and
+tail with the codec, then the new K/V, never decoded again after they are
+encoded, so outputs are bit-identical to ``DynamicCache``'s (the codec is
+lossless).  The fused path (``fused=True``, the default on CUDA with
+``attn_implementation="gaac"``) returns, for a one-token decode step, a
+:class:`PagedLayer` handle instead of tensors; the ``"gaac"`` attention
+registered here runs the forward pass's step plan on it
 (:meth:`gaac.PagedKVCache.decode_plan`, made once per forward pass before its
-first append), which reads the compressed slots directly.  Prefill (more than one new token) always takes the decoded path and
-the model's standard attention, as in the paper.  The decoded path is what a
-CPU always runs: decoding every layer's whole cache at every step makes a
-generation several times slower than with ``DynamicCache`` there (3-16x on
-SmolLM2-135M), so on a CPU this cache is for checking outputs and measuring
-memory; its speed is the fused kernel's, on CUDA.
+first append), which reads the compressed slots directly.  Prefill (more than
+one new token) always takes the decoded path and the model's standard
+attention, as in the paper.  The decoded path is what a CPU always runs:
+decoding every layer's whole past at every step makes a generation several
+times slower than with ``DynamicCache`` there (3-16x on SmolLM2-135M), so on a
+CPU this cache is for checking outputs and measuring memory; its speed is the
+fused kernel's, on CUDA.
 
 Calibration epochs (``adapt=True``, the default; :mod:`gaac.epochs`).  The
 paged cache appends new bases as a long generation drifts from the
@@ -119,15 +124,23 @@ AttentionMaskInterface.register(ATTENTION, sdpa_mask)
 
 
 class GAACLayer(CacheLayerMixin):
-    """One decoder layer's view of a :class:`GAACCache`: its storage is the shared paged cache's layer."""
+    """One decoder layer of a :class:`GAACCache`, built as transformers' ``QuantizedLayer``: :meth:`update`
+    stores the layer's new K/V and returns what its attention reads.
+
+    The layers of one cache share its paged cache (``cache.store``, layer ``index``), its batch rows and the
+    forward pass's step plan.  Until the cache is calibrated a layer holds its K/V in BF16 (``keys`` and
+    ``values``, as ``DynamicLayer`` does); the update of the last layer that leaves a complete block in every
+    layer calibrates the cache and moves every layer into the paged cache
+    (:meth:`GAACCache._calibrate_and_compress`).
+    """
 
     is_compileable = False
     is_croppable = False
     is_sliding = False
 
-    def __init__(self, owner: "GAACCache", index: int):
+    def __init__(self, cache: "GAACCache", index: int):
         super().__init__()
-        self.owner, self.index = owner, index
+        self.cache, self.index = cache, index
         self.tokens = 0          # tokens this layer holds; ``keys``/``values`` hold them only while uncalibrated
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -135,9 +148,47 @@ class GAACLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Store ``key_states``/``value_states`` ``[batch, kv_heads, new, head_dim]`` (BF16, K after RoPE) and
+        return the layer's K and V for attention: the cached past, then the model's own new K/V (the new K/V
+        alone where the layer held nothing), or a :class:`PagedLayer` for a fused one-token step."""
+        if key_states.dtype != torch.bfloat16 or value_states.dtype != torch.bfloat16:
+            raise InputError(f"GAACCache codes BF16 K/V; layer {self.index} gave {key_states.dtype} (load the model "
+                             "with dtype=torch.bfloat16)")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        return self.owner._update(self.index, key_states, value_states)
+        cache, new = self.cache, key_states.shape[-2]
+        if cache.store is None and cache.calibration is None:
+            return self._hold(key_states, value_states)
+        if cache.store is None:
+            cache._open(key_states)
+        step = cache.fused and new == 1
+        if self.index == 0:       # one plan per forward pass, made before its first append, shared by its layers
+            cache._plan = (cache.store.decode_plan(cache.config.num_attention_heads, seqs=cache.rows, append=new)
+                           if step else None)
+        handle = PagedLayer(cache.store, self.index, cache.rows, cache._plan)
+        past = handle.dense() if self.tokens and not step else None      # decoded before the new tokens go in
+        cache.store.update_layer(self.index, cache.rows, key_states, value_states)
+        self.tokens += new
+        if step:
+            return handle, handle
+        if past is None:
+            return key_states, value_states
+        return torch.cat([past[0], key_states], dim=-2), torch.cat([past[1], value_states], dim=-2)
+
+    def _hold(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """The update of an uncalibrated cache: the layer holds its K/V in BF16; the last layer's calibrates the
+        cache once every layer holds a complete block."""
+        self.keys = key_states if self.keys is None else torch.cat([self.keys, key_states], dim=-2)
+        self.values = value_states if self.values is None else torch.cat([self.values, value_states], dim=-2)
+        self.tokens += key_states.shape[-2]
+        keys, values, cache = self.keys, self.values, self.cache
+        if self.index < len(cache.layers) - 1 or self.tokens < L.BLOCK_TOKENS:
+            return keys, values
+        cache._calibrate_and_compress()
+        if cache.fused and key_states.shape[-2] == 1:
+            handle = PagedLayer(cache.store, self.index, cache.rows)
+            return handle, handle
+        return keys, values          # what the layer holds, as the paged cache now holds it (lossless)
 
     def get_seq_length(self) -> int:
         return self.tokens
@@ -212,39 +263,6 @@ class GAACCache(Cache):
             return self._fused
         return self.store is not None and self.store.device.type == "cuda" \
             and self.config._attn_implementation == ATTENTION
-
-    def _update(self, index: int, k: torch.Tensor, v: torch.Tensor):
-        if k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
-            raise InputError(f"GAACCache codes BF16 K/V; layer {index} gave {k.dtype} (load the model with "
-                             "dtype=torch.bfloat16)")
-        layer = self.layers[index]
-        if self.store is None and self.calibration is None:
-            layer.keys = k if layer.keys is None else torch.cat([layer.keys, k], dim=-2)
-            layer.values = v if layer.values is None else torch.cat([layer.values, v], dim=-2)
-            layer.tokens += k.shape[-2]
-            if index < len(self.layers) - 1 or layer.tokens < L.BLOCK_TOKENS:
-                return layer.keys, layer.values
-            keys, values = layer.keys, layer.values
-            self._calibrate_and_compress()
-            if self.fused and k.shape[-2] == 1:
-                handle = PagedLayer(self.store, index, self.rows)
-                return handle, handle
-            return keys, values          # what the layer holds, as the paged cache now holds it (lossless)
-        if self.store is None:
-            self._open(k)
-        if index == 0:        # one plan per forward pass, made before its first append, shared by its layers
-            self._plan = (self.store.decode_plan(self.config.num_attention_heads, seqs=self.rows,
-                                                 append=k.shape[-2])
-                          if self.fused and k.shape[-2] == 1 else None)
-        held = layer.tokens
-        self.store.update_layer(index, self.rows, k, v)
-        layer.tokens += k.shape[-2]
-        handle = PagedLayer(self.store, index, self.rows, getattr(self, "_plan", None))
-        if self.fused and k.shape[-2] == 1:
-            return handle, handle
-        if held == 0:         # the layer holds these tokens alone: they are what it would decode to
-            return k, v
-        return handle.dense()
 
     def _open(self, k: torch.Tensor) -> None:
         """Start the paged cache: one sequence per batch row, pools sized for the prompt's blocks and one more,

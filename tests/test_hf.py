@@ -165,6 +165,65 @@ def test_self_calibration_is_calibrate_of_every_rows_complete_blocks(monkeypatch
     assert reads == [0, 1, 2]
 
 
+@pytest.mark.parametrize("given", [False, True], ids=["self-calibrated", "calibrated"])
+def test_a_prefill_returns_the_decoded_past_then_the_models_own_new_kv(monkeypatch, given):
+    """A prompt in two chunks, then a decode step: each layer's update returns the model's own K/V tensors for
+    the first chunk; for the second chunk and the step, the past decoded from the paged cache (only the tokens
+    the layer held before the update: the new ones are never decoded back) followed by the model's own new
+    K/V.  Logits are the default cache's, and the cache reads back bit-exact."""
+    model = tiny_llama(64, layers=3, seed=7)
+    ids = torch.randint(3, 96, (2, 45), generator=torch.Generator().manual_seed(7))
+    first = 21                                        # one block and a tail of 5; the second chunk ends 2 blocks on
+    default = DynamicCache(config=model.config)
+    with torch.no_grad():
+        ref = [model(input_ids=x, cache=default).logits for x in (ids[:, :first], ids[:, first:], ids[:, :1])]
+    cal = None
+    if given:
+        x = [torch.stack([getattr(layer, name)[0] for layer in default.layers]) for name in ("keys", "values")]
+        cal = calibrate(*(t[:, :, :32] for t in x))
+    seen, reads = [], []
+    update, dense = hf.GAACLayer.update, hf.PagedLayer.dense
+
+    def spy_update(self, k, v, *args, **kwargs):
+        out = update(self, k, v, *args, **kwargs)
+        seen.append((self.index, k, v, out))
+        return out
+
+    def spy_dense(self):
+        out = dense(self)
+        reads.append((self.layer, out[0].shape[-2]))
+        return out
+
+    monkeypatch.setattr(hf.GAACLayer, "update", spy_update)
+    monkeypatch.setattr(hf.PagedLayer, "dense", spy_dense)
+    cache = hf.GAACCache(config=model.config, calibration=cal)
+    held = 0
+    for x, want in zip((ids[:, :first], ids[:, first:], ids[:, :1]), ref):
+        seen.clear()
+        reads.clear()
+        with torch.no_grad():
+            assert torch.equal(model(input_ids=x, cache=cache).logits, want)
+        assert [s[0] for s in seen] == [0, 1, 2]
+        if held == 0:                                 # the layers held nothing: the model's own tensors
+            assert reads == [] and all(out[0] is k and out[1] is v for _, k, v, out in seen)
+        else:
+            assert reads == [(layer, held) for layer in range(3)]      # the past only, once per layer
+            for layer, k, v, (out_k, out_v) in seen:
+                for out, new, name in ((out_k, k, "keys"), (out_v, v, "values")):
+                    assert out.shape[-2] == held + x.shape[1]
+                    assert torch.equal(out[..., held:, :], new)            # the model's own new K/V ...
+                    past = getattr(default.layers[layer], name)[..., :held, :]
+                    assert torch.equal(out[..., :held, :].view(torch.int16), past.view(torch.int16))  # ... after the past
+        held += x.shape[1]
+    assert cache.get_seq_length() == held == first + (45 - first) + 1
+    assert cache.store.blocks_encoded == 2 * 3 * (held // L.BLOCK_TOKENS)
+    for row in cache.rows:
+        k, v = cache.store.read(row)
+        for layer in range(3):
+            np.testing.assert_array_equal(k[layer], bits(default.layers[layer].keys[row]))
+            np.testing.assert_array_equal(v[layer], bits(default.layers[layer].values[row]))
+
+
 def test_fused_hook_calls_decode_attention(monkeypatch):
     """fused=True: one-token steps hand attention a PagedLayer and gaac.attention.decode_attention runs on it."""
     attention = pytest.importorskip("gaac.attention")
