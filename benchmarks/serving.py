@@ -241,6 +241,37 @@ def run_gaac(model, src, cal, s, lens, args, every: int, prompt: int, graph: boo
     log(f"  GAAC {'graph' if graph else 'eager'}: {res['ms']:.3f} ms/step, captures {res.get('captures')}, eager "
         f"steps {res.get('eager_steps')}, epochs appended {res['epochs_appended']}")
     res.update(check(cache, src, s, seqs, held, appended, nk, nv))
+    if args.isolate and not SMOKE:
+        res["isolate"] = isolate(cache, seqs, s, runner if graph else None)
+    return res
+
+
+def isolate(cache, seqs, s, runner) -> dict:
+    """Attention over what the run's cache holds, apart from the step, every layer in turn (a graph per layer,
+    replays rotating): through ``AttentionPlan`` (the attention benchmark's way) whole, its kernel alone and its
+    merge alone, and through a one-step plan of the same lengths (``decode_plan(append=0)``: the fused merge);
+    with each plan's splits, and those of the bucket's captured plan."""
+    from timing import graph_time_us
+
+    from gaac.attention import AttentionPlan
+
+    n = cache.max_seqs
+    q = torch.randn((n, s.q_heads, s.head_dim), device=DEV).to(torch.bfloat16)
+    out = torch.empty((n, s.q_heads, s.head_dim), dtype=torch.int16, device=DEV)
+    lse = torch.empty((n, s.q_heads), dtype=torch.float32, device=DEV)
+    plans = [AttentionPlan(cache.layer_view(layer), s.q_heads) for layer in range(s.layers)]
+    step = cache.decode_plan(s.q_heads, append=0, seqs=seqs)
+    res = {"plan_us": graph_time_us(lambda i: plans[i].run(q, out=out, lse=lse), s.layers, 5),
+           "plan_kernel_us": graph_time_us(lambda i: plans[i]._launch_attention(q), s.layers, 5),
+           "plan_merge_us": graph_time_us(lambda i: plans[i]._launch_merge(out, lse), s.layers, 5),
+           "step_fused_us": graph_time_us(lambda i: step.run(q, i, out=out.view(torch.bfloat16)), s.layers, 5),
+           "plan_splits": [plans[0].n_work, plans[0].blocks_per_split],
+           "step_splits": [step.n_work, step.blocks_per_split]}
+    if runner is not None:
+        for size, bp in runner._plans.items():
+            res[f"bucket{size}"] = {"n_work": bp.n_work, "blocks_per_split": bp.blocks_per_split,
+                                    "room": bp._room, "grid": list(bp._grid), "merge_grid": str(bp._merge_grid)}
+    log(f"  isolated: {res}")
     return res
 
 
@@ -326,6 +357,8 @@ def main() -> None:
     ap.add_argument("--runs", default=None, help="only these scenario:mode pairs (comma-separated)")
     ap.add_argument("--profile", type=int, default=0,
                     help="after the window, N steps more under torch's profiler: the kernels of a step (GPU only)")
+    ap.add_argument("--isolate", action="store_true",
+                    help="after each GAAC run, time its cache's attention apart from the step (GPU only)")
     ap.add_argument("--merge", type=Path, default=None,
                     help="a results JSON of an earlier run: its runs are kept where this run does not repeat them "
                          "(the report names both commits)")
