@@ -267,6 +267,8 @@ def isolate(cache, seqs, s, runner) -> dict:
            "step_fused_us": graph_time_us(lambda i: step.run(q, i, out=out.view(torch.bfloat16)), s.layers, 5),
            "plan_splits": [plans[0].n_work, plans[0].blocks_per_split],
            "step_splits": [step.n_work, step.blocks_per_split]}
+    blocks = int(sum(cache.seq_len(r) for r in seqs)) // L.BLOCK_TOKENS
+    res["raw_tiles_share"] = cache._arena.used() / max(blocks * cache.tiles_per_block * cache.layers * 2, 1)
     if runner is not None:
         for size, bp in runner._plans.items():
             res[f"bucket{size}"] = {"n_work": bp.n_work, "blocks_per_split": bp.blocks_per_split,
