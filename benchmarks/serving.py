@@ -270,6 +270,13 @@ def isolate(cache, seqs, s, runner) -> dict:
     blocks = int(sum(cache.seq_len(r) for r in seqs)) // L.BLOCK_TOKENS
     res["raw_tiles_share"] = cache._arena.used() / max(blocks * cache.tiles_per_block * cache.layers * 2, 1)
     if runner is not None:
+        from gaac.step import layer_launch
+
+        lse_b = torch.empty((n, s.q_heads), dtype=torch.float32, device=DEV)
+        outb = out.view(torch.bfloat16)
+        for size, bp in runner._plans.items():      # the bucket's launches (kernel, merge), without the model
+            res[f"bucket{size}_us"] = graph_time_us(
+                lambda i: bp._launch(layer_launch(cache, i, bp.g, False), i, q, outb, lse_b), s.layers, 5)
         for size, bp in runner._plans.items():
             res[f"bucket{size}"] = {"n_work": bp.n_work, "blocks_per_split": bp.blocks_per_split,
                                     "room": bp._room, "grid": list(bp._grid), "merge_grid": str(bp._merge_grid)}
