@@ -22,12 +22,19 @@ K and V ``[layers, kv_heads, tokens, head_dim]``; ``head_dim`` comes from the ca
 or from the ``"head_dim"`` key of the config (default 128).  Only BF16 chunks are taken:
 the codec is lossless, so it converts nothing.
 
-The codec.  A chunk goes through a :class:`gaac.PagedKVCache` of its own on the chunk's
-device, made with ``adapt=False``: on a CPU tensor the reference codec encodes its blocks,
-on a CUDA tensor the CUDA codec; :func:`gaac.transfer.export_sequence` then writes the
-container straight into LMCache's byte buffer.  Deserializing imports the container into
-a cache on the destination's device (:func:`gaac.transfer.import_sequence`: every CRC,
-table and epoch is checked first) and decodes it layer by layer into the destination.
+The codec.  A chunk goes through a :class:`gaac.PagedKVCache` made with ``adapt=False`` on the
+coding device: the ``"device"`` key of the config (``"cuda"``: the chunk is copied there, and
+the container written back into LMCache's host buffer), else the chunk's own device.  On the
+CPU the reference codec encodes its blocks, on a CUDA device the CUDA codec;
+:func:`gaac.transfer.export_sequence` then writes the container straight into LMCache's byte
+buffer.  LMCache's L1 buffers are host memory, so on a GPU server ``"device": "cuda"`` is what
+puts the GPU codec to work.  Deserializing imports the container into a cache on the coding
+device (:func:`gaac.transfer.import_sequence`: every CRC, table and epoch is checked first)
+and decodes it layer by layer into the destination (through one buffer on the coding device
+when the destination is elsewhere).  Each serializer and deserializer keeps its caches, one
+per thread, calibration and device, and adds, moves and removes one chunk at a time, so that
+pools, tables and encoders are made once, not per chunk (a container with epoch records is
+imported into a cache of its own: the epochs join that cache's calibration).
 Without adaptation a container has no epoch records, so its size is bounded by
 :func:`gaac.transfer.worst_case_bytes` with ``epoch_records=0``: what :meth:`GaacSerializer.estimate_serialized_size`
 returns, and what LMCache allocates.  A chunk is at most a few hundred tokens, too few
@@ -61,6 +68,7 @@ records, the embedded calibration, the chunk CRCs and the padding (FORMAT.md 11.
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 
 from . import layout as L
 from .calibration import Calibration, calibrate
@@ -124,6 +132,58 @@ def _as_kv(x, head_dim: int):
 
 
 # ----------------------------------------------------------------------------------------------
+# Where chunks are coded, and the caches that code them.
+
+def _check_device(device):
+    """``device`` as a torch device (None: each chunk's own)."""
+    if device is None:
+        return None
+    import torch
+
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise InputError(f"device {device!r}: not a torch device ({exc})") from None
+    if device.type not in ("cpu", "cuda"):
+        raise InputError(f"device {device}: gaac codes on the CPU or a CUDA device")
+    return device
+
+
+def _coding_device(device, x):
+    """The device that codes chunk ``x``: the serde's (a CUDA device with its index), else the chunk's."""
+    import torch
+
+    if device is None:
+        return x.device
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+class _Caches:
+    """The paged caches a serializer or deserializer codes chunks with, one per thread and (calibration,
+    device, codec), each holding one chunk at a time: a chunk is added, moved and removed, and the pools,
+    tables and encoders stay for the next.  A cache that raised is dropped."""
+
+    def __init__(self):
+        self._local = threading.local()
+
+    @contextmanager
+    def lend(self, cal: Calibration, device, codec, *, blocks: int, slots: int | None = None,
+             raw_tiles: int | None = None):
+        from .cache import PagedKVCache
+
+        caches = self._local.__dict__.setdefault("caches", {})
+        key = (cal.id, str(device), codec)
+        cache = caches.pop(key, None)
+        if cache is None:
+            cache = PagedKVCache(cal, max_blocks=max(1, blocks), slots=slots, raw_tiles=raw_tiles, grow=True,
+                                 device=device, codec=codec, adapt=False)
+        yield cache                                      # an exception leaves it out of the dict
+        caches[key] = cache
+
+
+# ----------------------------------------------------------------------------------------------
 # The serializer and deserializer.
 
 class GaacSerializer(_Serializer):
@@ -132,10 +192,12 @@ class GaacSerializer(_Serializer):
     ``calibration``: a :class:`gaac.Calibration` for every chunk (not embedded), or None to calibrate on
     the first chunk of each shape (embedded).  ``head_dim``: the head width of the chunks, the
     calibration's when it is given.  ``codec``: as :class:`gaac.PagedKVCache` takes it (None: the
-    device's).
+    device's).  ``device``: where chunks are coded (a torch device, e.g. ``"cuda"``), None for each
+    chunk's own device.
     """
 
-    def __init__(self, calibration: Calibration | None = None, head_dim: int | None = None, codec: str | None = None):
+    def __init__(self, calibration: Calibration | None = None, head_dim: int | None = None, codec: str | None = None,
+                 device=None):
         if calibration is not None and not isinstance(calibration, Calibration):
             raise InputError(f"calibration: expected a gaac.Calibration, got {type(calibration).__name__}")
         if calibration is not None and head_dim not in (None, calibration.head_dim):
@@ -144,8 +206,10 @@ class GaacSerializer(_Serializer):
         self.head_dim = calibration.head_dim if calibration is not None else int(head_dim or DEFAULT_HEAD_DIM)
         L.geometry(self.head_dim)                        # a head width the format has
         self.codec = codec
+        self.device = _check_device(device)
         self._made = {}                                  # (layers, kv_heads, head_dim) -> its first chunk's calibration
         self._lock = threading.Lock()
+        self._caches = _Caches()
 
     def _calibration_for(self, k, v) -> Calibration:
         if self.calibration is not None:
@@ -169,22 +233,27 @@ class GaacSerializer(_Serializer):
         return at
 
     def _export(self, x, out) -> int:
-        from .cache import PagedKVCache
-        from .transfer import export_sequence
-
-        k, v = _as_kv(x, self.head_dim)
-        cal = self._calibration_for(k, v)
-        cache = PagedKVCache(cal, max_blocks=max(1, k.shape[2] // L.BLOCK_TOKENS), grow=True, device=x.device,
-                             codec=self.codec, adapt=False)
-        seq = cache.add_sequence(k, v)
-        embed = self.calibration is None
-        if out.device.type == "cpu":
-            return len(export_sequence(cache, seq, calibration=embed, out=out))
-        data = export_sequence(cache, seq, calibration=embed)          # pinned host memory on a CUDA cache
         import torch
 
-        out[:len(data)].copy_(torch.frombuffer(data, dtype=torch.uint8), non_blocking=False)
-        return len(data)
+        from .transfer import export_sequence
+
+        device = _coding_device(self.device, x)
+        _chunk_dims(x.shape, x.dtype, self.head_dim)
+        if x.device != device:
+            x = x.to(device)                             # the chunk's one copy to the coding device
+        k, v = _as_kv(x, self.head_dim)
+        cal = self._calibration_for(k, v)
+        embed = self.calibration is None
+        with self._caches.lend(cal, device, self.codec, blocks=k.shape[2] // L.BLOCK_TOKENS) as cache:
+            seq = cache.add_sequence(k, v)
+            try:
+                if out.device.type == "cpu":
+                    return len(export_sequence(cache, seq, calibration=embed, out=out))
+                data = export_sequence(cache, seq, calibration=embed)      # pinned host memory on a CUDA cache
+                out[:len(data)].copy_(torch.frombuffer(data, dtype=torch.uint8), non_blocking=False)
+                return len(data)
+            finally:
+                cache.remove_sequence(seq)
 
     def estimate_serialized_size(self, layout_desc) -> int:
         """The most bytes :meth:`serialize` writes for a memory object of ``layout_desc``: the sum over its KV
@@ -205,15 +274,18 @@ class GaacDeserializer(_Deserializer):
     """LMCache ``Deserializer``: sequence containers back into a KV chunk, bit for bit.
 
     A container's embedded calibration decodes it; one without (written with a calibration file) needs
-    ``calibration``, the same one.  ``head_dim`` and ``codec`` as :class:`GaacSerializer` takes them.
+    ``calibration``, the same one.  ``head_dim``, ``codec`` and ``device`` as :class:`GaacSerializer` takes them.
     """
 
-    def __init__(self, calibration: Calibration | None = None, head_dim: int | None = None, codec: str | None = None):
+    def __init__(self, calibration: Calibration | None = None, head_dim: int | None = None, codec: str | None = None,
+                 device=None):
         if calibration is not None and not isinstance(calibration, Calibration):
             raise InputError(f"calibration: expected a gaac.Calibration, got {type(calibration).__name__}")
         self.calibration = calibration
         self.head_dim = calibration.head_dim if calibration is not None else int(head_dim or DEFAULT_HEAD_DIM)
         self.codec = codec
+        self.device = _check_device(device)
+        self._caches = _Caches()
 
     def deserialize(self, src, dst, key=None) -> None:
         """The containers at the start of ``src``'s bytes (it may hold more) into ``dst``'s KV groups."""
@@ -227,8 +299,6 @@ class GaacDeserializer(_Deserializer):
             at += n
 
     def _import(self, data, x) -> None:
-        import torch
-
         from .cache import PagedKVCache
         from .transfer import import_sequence, read_head
 
@@ -242,15 +312,39 @@ class GaacDeserializer(_Deserializer):
         if cal is None:
             raise CalibrationError(f"the container carries no calibration: configure the serde with the "
                                    f"calibration {c.calibration_id:08x} it was written with")
-        cache = PagedKVCache(cal, max_blocks=max(1, lay.blocks), slots=max(s.slot_tiles for s in lay.sections),
-                             raw_tiles=sum(s.raw_tiles for s in lay.sections),
-                             adapt=any(s.epochs for s in lay.sections), device=x.device, codec=self.codec)
-        seq = import_sequence(cache, c.data)
-        bits = x.view(torch.int16).view(2, layers, tokens, heads, dim)
+        device = _coding_device(self.device, x)
+        if any(s.epochs for s in lay.sections):          # epochs join the cache's calibration: a cache of its own
+            cache = PagedKVCache(cal, max_blocks=max(1, lay.blocks), slots=max(s.slot_tiles for s in lay.sections),
+                                 raw_tiles=sum(s.raw_tiles for s in lay.sections), adapt=True, device=device,
+                                 codec=self.codec)
+            self._read(cache, import_sequence(cache, c.data), x)
+            return
+        with self._caches.lend(cal, device, self.codec, blocks=lay.blocks,
+                               slots=max(s.slot_tiles for s in lay.sections),
+                               raw_tiles=sum(s.raw_tiles for s in lay.sections)) as cache:
+            seq = import_sequence(cache, c.data)
+            try:
+                self._read(cache, seq, x)
+            finally:
+                cache.remove_sequence(seq)
+
+    @staticmethod
+    def _read(cache, seq: int, x) -> None:
+        """Sequence ``seq`` of ``cache`` decoded into chunk ``x``: in place on the cache's device, else through
+        one buffer there and one copy."""
+        import torch
+
+        layers, tokens = x.shape[1], x.shape[2]
+        heads, dim = cache.kv_heads, cache.head_dim
+        here = x.device == cache.device
+        bits = x.view(torch.int16).view(2, layers, tokens, heads, dim) if here else \
+            torch.empty((2, layers, tokens, heads, dim), dtype=torch.int16, device=cache.device)
         for layer in range(layers):
             k, v = cache.read_layer(layer, [seq])                  # int16 [1, kv_heads, tokens, head_dim]
             bits[0, layer].copy_(k[0].transpose(0, 1))
             bits[1, layer].copy_(v[0].transpose(0, 1))
+        if not here:
+            x.view(torch.int16).view(2, layers, tokens, heads, dim).copy_(bits)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -258,11 +352,12 @@ class GaacDeserializer(_Deserializer):
 
 def make_serde(kwargs: dict):
     """LMCache's serde factory for ``{"type": "gaac", ...}``: ``calibration`` (a calibration file's path,
-    optional), ``head_dim`` (without a file; default 128), ``codec`` and ``max_workers`` (the thread pool
-    of ``AsyncSerdeProcessor``, default 1)."""
+    optional), ``head_dim`` (without a file; default 128), ``device`` (where chunks are coded, e.g.
+    ``"cuda"``; default: where each chunk is), ``codec`` and ``max_workers`` (the thread pool of
+    ``AsyncSerdeProcessor``, default 1)."""
     from lmcache.v1.distributed.serde.async_processor import AsyncSerdeProcessor
 
-    known = {"calibration", "head_dim", "codec", "max_workers"}
+    known = {"calibration", "head_dim", "device", "codec", "max_workers"}
     unknown = sorted(set(kwargs) - known)
     if unknown:
         raise InputError(f"gaac serde: unknown config keys {unknown}; it takes {sorted(known)}")
@@ -270,8 +365,9 @@ def make_serde(kwargs: dict):
     cal = Calibration.load(path) if path else None
     head_dim = kwargs.get("head_dim")
     head_dim = None if head_dim is None else int(head_dim)
-    codec = kwargs.get("codec")
-    return AsyncSerdeProcessor(GaacSerializer(cal, head_dim, codec), GaacDeserializer(cal, head_dim, codec),
+    codec, device = kwargs.get("codec"), kwargs.get("device")
+    return AsyncSerdeProcessor(GaacSerializer(cal, head_dim, codec, device),
+                               GaacDeserializer(cal, head_dim, codec, device),
                                max_workers=int(kwargs.get("max_workers", 1)))
 
 

@@ -2,8 +2,9 @@
 the size it promises; worst_case_bytes bounds every sequence container.
 
 The serde's own tests run on stand-ins of LMCache's memory objects (the attributes the serde uses); the tests
-marked ``lmcache`` run through LMCache's own classes (its registry, ``TensorMemoryObj``, ``AsyncSerdeProcessor``)
-where the ``lmcache`` package is installed."""
+named ``test_lmcache_*`` run through LMCache's own classes (its registry, ``TensorMemoryObj``,
+``AsyncSerdeProcessor``, ``L1Manager``, the fs adapter and ``SerdeL2AdapterWrapper``) where the ``lmcache``
+package is installed, and are skipped where it is not."""
 import time
 
 import numpy as np
@@ -239,6 +240,21 @@ def test_the_serde_refuses_what_it_cannot_store_or_read(prose, code_calibration)
         GaacDeserializer(Calibration.load(code_calibration)).deserialize(src, shorter, None)
 
 
+def test_a_serde_codes_chunk_after_chunk_with_one_cache_each_as_a_fresh_one_would(prose, code_calibration):
+    """The caches a serde keeps between chunks leave nothing behind: a chunk's bytes are those of a new serde."""
+    k, v = prose
+    cal = Calibration.load(code_calibration)
+    chunks = [lmcache_chunk(k[:, :, a:b], v[:, :, a:b]) for a, b in ((0, 256), (256, 300), (300, 556), (760, 765))]
+    kept = GaacSerializer(cal, device="cpu")
+    for chunk in chunks:
+        assert roundtrip(kept, GaacDeserializer(cal, device="cpu"), [chunk]) == \
+            roundtrip(GaacSerializer(cal), GaacDeserializer(cal), [chunk])
+    with pytest.raises(InputError, match="device"):
+        GaacSerializer(cal, device="tpu")
+    with pytest.raises(InputError, match="device"):
+        GaacDeserializer(cal, device="not a device")
+
+
 # ----------------------------------------------------------------------------------------------
 # Through LMCache's own classes, where it is installed.
 
@@ -301,6 +317,85 @@ def test_lmcache_registry_and_async_processor(prose, code_calibration, with_file
         assert torch.equal(out.tensor.view(torch.int16), chunk.view(torch.int16))
     finally:
         processor.close()
+
+
+def test_lmcache_fs_adapter_stores_through_the_serde_and_a_narrowed_load_reads_it_back(prose, code_calibration,
+                                                                                      tmp_path):
+    """The fs adapter of a JSON spec with ``"serde": {"type": "gaac", ...}``, made and wrapped in
+    ``SerdeL2AdapterWrapper`` as LMCache's StorageManager makes it, over a chunk in LMCache's ``L1Manager``: the
+    store writes the container (and reports its size); the load chain with its temp buffer narrowed to that size
+    (the inner fs adapter's read, then the serde processor's deserialize) gives the chunk back bit for bit."""
+    serde = pytest.importorskip("lmcache.v1.distributed.serde")
+    import argparse
+    import json
+
+    from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
+    from lmcache.v1.distributed.config import L1ManagerConfig, L1MemoryManagerConfig
+    from lmcache.v1.distributed.internal_api import L2AdapterListener
+    from lmcache.v1.distributed.l1_manager import L1Manager
+    from lmcache.v1.distributed.l2_adapters import create_l2_adapter
+    from lmcache.v1.distributed.l2_adapters.config import parse_args_to_l2_adapters_config
+    from lmcache.v1.distributed.l2_adapters.serde_wrapper import SerdeL2AdapterWrapper
+
+    import gaac.lmcache  # noqa: F401  (registers "gaac")
+
+    spec = {"type": "fs", "base_path": str(tmp_path / "l2"),
+            "serde": {"type": "gaac", "calibration": str(code_calibration)}}
+    config = parse_args_to_l2_adapters_config(argparse.Namespace(l2_adapter=[json.dumps(spec)])).adapters[0]
+    assert config.serde_config.type == "gaac"
+    l1 = L1Manager(L1ManagerConfig(memory_config=L1MemoryManagerConfig(size_in_bytes=32 << 20, use_lazy=False,
+                                                                       shm_name="")))
+    processor = serde.create_serde_processor(config.serde_config)
+    adapter = SerdeL2AdapterWrapper(inner=create_l2_adapter(config, l1.get_l1_memory_desc()), serde=processor,
+                                    l1_manager=l1)
+    sizes = {}
+
+    class Sizes(L2AdapterListener):
+        def on_l2_keys_stored(self, keys, nbytes):
+            sizes.update(zip(keys, nbytes))
+
+        def on_l2_keys_accessed(self, keys):
+            pass
+
+        def on_l2_keys_deleted(self, keys):
+            pass
+
+    adapter.register_listener(Sizes())
+
+    def reserve(key, layout, temporary=True):
+        return l1.reserve_write([key], [temporary], layout, tag="test")[key][1]
+
+    k, v = prose
+    chunk = lmcache_chunk(k[:, :, 256:512], v[:, :, 256:512])
+    layout = MemoryLayoutDesc(shapes=[chunk.shape], dtypes=[chunk.dtype])
+    key = ObjectKey(chunk_hash=b"\x03" * 32, model_name="smollm2", kv_rank=0)
+    try:
+        src = reserve(key, layout, temporary=False)
+        src.tensor.copy_(chunk)
+        l1.finish_write([key], tag="test")
+        l1.reserve_read([key])                                   # as a store controller holds what it stores
+        task = adapter.submit_store_task([key], [src])
+        popped = {}
+        assert _wait(lambda t: popped.update(adapter.pop_completed_store_tasks()) or popped.get(t), task)\
+            .is_successful()
+        files = list((tmp_path / "l2").glob("*.data"))
+        assert len(files) == 1 and files[0].stat().st_size == sizes[key] < chunk.numel() * 2
+        stored = files[0].read_bytes()
+        assert transfer.read_head(stored).calibration_id == Calibration.load(code_calibration).id
+
+        temp_key, dst_key = ObjectKey(b"\x04" * 32, "smollm2", 0), ObjectKey(b"\x05" * 32, "smollm2", 0)
+        temp = reserve(temp_key, serde.serialized_layout_desc(layout, processor))
+        temp.set_used_size(sizes[key])                          # the load's temp, narrowed to the bytes stored
+        inner = adapter.inner_adapter
+        assert _wait(inner.query_load_result, inner.submit_load_task([key], [temp])).get_indices_list() == [0]
+        dst = reserve(dst_key, layout)
+        assert _wait(processor.query_deserialize_result, processor.submit_deserialize([temp], [dst], [key]))
+        assert torch.equal(dst.tensor.view(torch.int16), chunk.view(torch.int16))
+        l1.finish_write_and_delete([temp_key, dst_key], tag="test")
+        l1.finish_read([key])
+        l1.delete([key])
+    finally:
+        adapter.close()                                          # and the serde processor
 
 
 @pytest.mark.xfail(strict=True, reason="LMCache's fs adapter loads a key only when the file fills the whole "
