@@ -340,10 +340,15 @@ class BucketSteps(CapturedSteps):
         return cover
 
     def _room_for(self, plan, cover: np.ndarray) -> int:
-        """Entries of the work list's buffers: a quarter more than the batch's list needs now, and a split per
-        place of the bucket more, so that lengths that change and joins rarely need a new capture."""
-        split, _, _ = plan._split(cover)
-        return split.n_work + split.n_work // 4 + self.size
+        """Entries of the work list's buffers: the batch's list (at least a split per place of the bucket)
+        rounded up to whole waves of the attention kernel.  The grid walks entries within each KV head, so a
+        free entry is dispatched among the splits; entries that end the wave the list ends in cost nothing,
+        while entries past it push real splits into a second wave (benchmarks/DESIGN-serving.md).  Splits are
+        sized to fit the waves they fill (:func:`gaac.attention.split_work`), so lengths that grow and joins
+        keep the list in that room; a list that outgrows it is planned and captured again."""
+        split, _, state = plan._split(cover)
+        per_wave = max(self.cache._wave[id(state.kernel)] // self.cache.kv_heads, 1)
+        return -(-max(split.n_work, self.size, 1) // per_wave) * per_wave
 
     def _pool_versions(self) -> tuple:
         return tuple(p.version for layer in self.cache._store for s in layer for p in (s.slots, s.raw))
