@@ -360,10 +360,13 @@ class RawArena:
     a few free ones for the blocks it finishes next; the records no share holds are the arena's
     ``reserve``.  A share short of free records is lent more (:meth:`cover`), at least ``chunk`` at a time
     so that a decode loop asks rarely; when the reserve cannot cover a shortfall, every share's free records
-    return to it first (one read of the device's counts) and each share asked is lent what it needs.  A
-    removed sequence's raw tiles return to the reserve, where any layer may take them.  Lending writes a
-    share's free list in place where the list's array has room (else a new array, with room to spare, which
-    launches made before must follow); it happens only where a share runs short, never inside a captured step.
+    return to it first (one read of the device's counts) and each share asked is lent what it needs.  Where
+    even every free record cannot cover every ask -- a prompt for which each layer and kind asks for more than
+    its part of the arena -- no record moves between shares and the reserve is spread over the shares short in
+    proportion to what each lacks, so that every share holds a part.  A removed sequence's raw tiles return to
+    the reserve, where any layer may take them.  Lending writes a share's free list in place where the list's
+    array has room (else a new array, with room for at least twice an even split of the arena, which launches
+    made before must follow); it happens only where a share runs short, never inside a captured step.
     """
 
     def __init__(self, n: int, channels: int, device: torch.device):
@@ -410,9 +413,21 @@ class RawArena:
     def _lend(self, share, k: int) -> int:
         k = min(k, self._top)
         if k:
+            self._make_room(share, k)
             share.extend(self._stack[self._top - k:self._top].copy())
             self._top -= k
         return k
+
+    def _make_room(self, share, k: int) -> None:
+        """Before a loan of ``k`` records that a device share's free-list array cannot hold (so that the loan
+        would replace the array), give the share an array with room for at least twice an even split of the
+        arena: the loans that follow, a prompt's after the cache's first, then write the list in place and
+        the encoder plans made with the array stay valid."""
+        room = 2 * (self.size // max(len(self.shares), 1))
+        if isinstance(share, DeviceShare) and share.order.shape[0] < room:
+            rest = share.order[:0] if share.listed == 0 else share._rest()     # an empty list is read without a wait
+            if rest.shape[0] + k > share.order.shape[0]:
+                share._set_order(rest, max(room, rest.shape[0] + k))
 
     def _put(self, indices: np.ndarray) -> None:
         """Records back on the reserve's stack, in place (it has room for every record of the arena)."""
@@ -429,14 +444,21 @@ class RawArena:
 
     def reclaim(self) -> None:
         """Every share's free records return to the reserve (the device's counts read once)."""
-        for s, free in zip(self.shares, sync_pools(self.shares)):
-            if free:
+        self._reclaim(sync_pools(self.shares))
+
+    def _reclaim(self, free: list) -> None:
+        """:meth:`reclaim`, with ``free``: each share's free records, as :func:`sync_pools` just read them."""
+        for s, n in zip(self.shares, free):
+            if n:
                 self._put(s.surrender())
 
     def cover(self, needs) -> list:
         """Lend each ``(share, n)`` of ``needs`` records until it holds ``n`` free ones (at least ``chunk``
-        at a time while the reserve allows).  Returns ``(share, records it still lacks)`` where the arena
-        cannot cover them (nothing is taken back from what was lent)."""
+        at a time while the reserve allows).  Where the reserve cannot cover what the shares lack, every
+        share's free records return to it first if the arena can then lend each share asked all it asks;
+        if it cannot, no record moves between shares and the reserve is spread over the shares short, in
+        proportion to what each lacks, so that no share is left with nothing.  Returns ``(share, records it
+        still lacks)`` where the arena cannot cover them (nothing is taken back from what was lent)."""
         asked = [(s, n) for s, n in needs if n > 0]
         needs = [(s, n) for s, n in asked if s.free_lower() < n]
         if not needs:
@@ -444,13 +466,32 @@ class RawArena:
         free = dict(zip(map(id, (s for s, _ in needs)), sync_pools([s for s, _ in needs])))
         lack = [(s, n - free[id(s)]) for s, n in needs if free[id(s)] < n]
         if sum(d for _, d in lack) > self._top:
+            every = sync_pools(self.shares)
+            if self._top + sum(every) < sum(n for _, n in asked):
+                return self._spread(lack)
             # Every free record back to the reserve, then each share asked is lent all it needs.
-            self.reclaim()
+            self._reclaim(every)
             lack = asked
         short = []
         for i, (s, d) in enumerate(lack):
             later = sum(x for _, x in lack[i + 1:])
             lent = self._lend(s, max(d, min(self.chunk, self._top - later)))
+            if lent < d:
+                short.append((s, d - lent))
+        return short
+
+    def _spread(self, lack: list) -> list:
+        """Lend the whole reserve to the shares of ``lack`` (``(share, records it lacks)``, more in all than the
+        reserve holds), to each in proportion to what it lacks (the records left by rounding down go one each
+        to the largest remainders, the first of equal ones first); return ``(share, records it still lacks)``."""
+        top, total = self._top, sum(d for _, d in lack)
+        give = [d * top // total for _, d in lack]
+        left = top - sum(give)
+        for i in sorted(range(len(lack)), key=lambda i: -(lack[i][1] * top % total))[:left]:
+            give[i] += 1
+        short = []
+        for (s, d), g in zip(lack, give):
+            lent = self._lend(s, g)
             if lent < d:
                 short.append((s, d - lent))
         return short
