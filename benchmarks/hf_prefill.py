@@ -28,8 +28,9 @@ time (a DynamicCache prefill of 4K tokens at 21-25 ms or at 40-45 ms, host-bound
 the same host, and the report gives the ratio of the medians and of the minimums.  Then ``BREAKDOWN_RUNS`` more GAAC
 runs with each of their stages timed on its own, synchronised before and after (``breakdown``, medians: a stage's
 time includes the device work it waits for); the last-position logits of the two caches are compared bit for bit,
-and GAACCache's calibration with ``gaac.calibrate`` of the same K/V on the host.  ``--profile FILE`` writes a
-cProfile of one more GAAC run.
+and GAACCache's calibration with ``gaac.calibrate`` of the same K/V on the host; the CUDA encoder's launches in one
+of them are counted (tiles encoded against the prompt's tiles: 1.00x where each is encoded once; encoder plans made).
+``--profile FILE`` writes a cProfile of one more GAAC run.
 
 ``--cpu-profile`` times, on the CPU, what the GAAC prefill does on the host whatever the device: ``gaac.calibrate``
 of real SmolLM2 K/V ``[30, 3, tokens, 64]`` (``.devdata/long`` or ``../shared/data/kv``, tiled to ``--tokens``), as
@@ -214,6 +215,39 @@ def stage_timers(device: str, times: dict):
             setattr(owner, name, real)
 
 
+@contextlib.contextmanager
+def encoder_counts(counts: dict):
+    """Count, while the block runs, the tiles the CUDA encoder is launched on (``tiles``: a tile encoded twice
+    counts twice) and the encoder plans made (``plans``); nothing on a machine without the CUDA codec."""
+    try:
+        from gaac.cuda import codec
+    except Exception:                                      # noqa: BLE001 -- no numba-cuda: the reference codec
+        yield
+        return
+    plan = codec.EncodePlan
+    real = {name: getattr(plan, name) for name in ("__init__", "in_place", "__call__")}
+    counts.update(tiles=0, plans=0)
+
+    def init(self, *a, **kw):
+        counts["plans"] += 1
+        return real["__init__"](self, *a, **kw)
+
+    def in_place(self, bits, first, entries, *a, **kw):
+        counts["tiles"] += int(entries.shape[0])
+        return real["in_place"](self, bits, first, entries, *a, **kw)
+
+    def call(self, bits, entries, *a, **kw):
+        counts["tiles"] += int(entries.shape[0])
+        return real["__call__"](self, bits, entries, *a, **kw)
+
+    plan.__init__, plan.in_place, plan.__call__ = init, in_place, call
+    try:
+        yield
+    finally:
+        for name, fn in real.items():
+            setattr(plan, name, fn)
+
+
 def gaac_summary(cache) -> dict:
     store = cache.store
     if store is None:
@@ -280,9 +314,16 @@ def run_prefill(args, rep: dict) -> None:
     runs = []                                              # each stage's median over BREAKDOWN_RUNS runs
     for _ in range(BREAKDOWN_RUNS):
         stages: dict = {}
-        with stage_timers(device, stages):
-            stages["whole run"] = prefill(model, ids, "gaac", device)["ms"]
+        counts: dict = {}
+        with stage_timers(device, stages), encoder_counts(counts):
+            r = prefill(model, ids, "gaac", device)
+        stages["whole run"] = r["ms"]
         runs.append(stages)
+        store = r["cache"].store
+        if counts.get("tiles") and store is not None:      # the tiles of the blocks the prompt finished, K and V
+            counts["prompt_tiles"] = 2 * store.blocks_encoded * store.tiles_per_block
+            rep["encoder"] = counts
+        del r
     stages = {k: statistics.median(r.get(k, 0.0) for r in runs) for k in runs[0] if k != "whole run"}
     rep["breakdown"] = {"total_ms": statistics.median(r["whole run"] for r in runs), "stages": stages,
                         "runs": len(runs)}
@@ -301,6 +342,8 @@ def run_prefill(args, rep: dict) -> None:
         f"{rep['ratio']:.2f}x (target <= {TARGET}x); logits identical {rep['logits_identical']}")
     log("breakdown: " + ", ".join(f"{k} {t:.1f} ms" for k, t in stages.items())
         + f" (run {rep['breakdown']['total_ms']:.1f} ms)")
+    if rep.get("encoder"):
+        log(f"encoder: {rep['encoder']}")
 
 
 def real_kv(tokens: int):
@@ -385,6 +428,12 @@ def render(rep: dict) -> str:
                   *table(("stage", "ms"), [*((k, f"{t:.2f}") for k, t in b["stages"].items()),
                                           ("the model's forward pass and the rest", f"{b['total_ms'] - staged:.2f}"),
                                           ("whole run", f"{b['total_ms']:.2f}")]), ""]
+        enc = rep.get("encoder")
+        if enc:
+            lines += [f"CUDA encoder in one of these runs: launched on {enc['tiles']} tiles for the prompt's "
+                      f"{enc['prompt_tiles']} ({enc['tiles'] / enc['prompt_tiles']:.2f}x: 1.00 is every tile encoded "
+                      f"once; more where a guessed epoch or a raw-tile free list made the cache encode again), "
+                      f"{enc['plans']} encoder plans made.", ""]
         if rep.get("profile_top"):
             lines += ["## cProfile of one GAAC run (cumulative)", "", "```", rep["profile_top"].strip(), "```", ""]
     if rep.get("cpu_profile"):
