@@ -31,7 +31,7 @@ def test_readme_starts_with_the_two_setup_commands():
     commands = fenced("sh")[0].strip().splitlines()
     assert len(commands) == 2
     assert commands[0].startswith("pip install ") and commands[0].endswith("&& gaac stats")
-    assert commands[1] == "python -m pytest -q tests"
+    assert commands[1] == "python -m pytest -q -n auto tests"
     assert commands[1] in (ROOT / ".ci" / "run").read_text()     # CI runs the README's test command
 
 
