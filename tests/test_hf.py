@@ -212,8 +212,8 @@ def test_a_prefill_returns_the_decoded_past_then_the_models_own_new_kv(monkeypat
                 for out, new, name in ((out_k, k, "keys"), (out_v, v, "values")):
                     assert out.shape[-2] == held + x.shape[1]
                     assert torch.equal(out[..., held:, :], new)            # the model's own new K/V ...
-                    past = getattr(default.layers[layer], name)[..., :held, :]
-                    assert torch.equal(out[..., :held, :].view(torch.int16), past.view(torch.int16))  # ... after the past
+                    past = getattr(default.layers[layer], name)[..., :held, :].view(torch.int16)
+                    assert torch.equal(out[..., :held, :].view(torch.int16), past)      # ... after the past
         held += x.shape[1]
     assert cache.get_seq_length() == held == first + (45 - first) + 1
     assert cache.store.blocks_encoded == 2 * 3 * (held // L.BLOCK_TOKENS)
