@@ -15,10 +15,8 @@
              group folded into the query length) and the floor = bytes the GAAC kernel must read /
              copy bandwidth.  Times are GPU times (CUDA events around back-to-back launches queued
              behind a sleep kernel; median of repeats) of the attention + merge kernels; inputs
-             rotate over >= 3x the L2.  Also: the Table-5-style breakdown (variants that skip or
-             repeat a stage), host launch overhead, and CUDA-graph replay of a 32-layer decode step.
-``--timeline``  when each split of one launch starts and ends, on which SM, and which hold raw tiles (the
-             kernel's ``timeline`` variant): how the wave's splits finish (results/attention-timeline-h200.md).
+             rotate over >= 3x the L2.  Also: the kernel's configurations and calibration epochs at 64K,
+             host launch overhead, and CUDA-graph replay of a 32-layer decode step.
 
 Benchmark caches are built from the real K/V: a d=128 "head" is the channels of two real 64-wide
 heads side by side (d=256: four), so every exponent statistic is the real model's; the 84
@@ -48,7 +46,6 @@ if SIM:
 import torch  # noqa: E402
 
 import gaac  # noqa: E402
-from benchmarks.attention_variants import plan_options  # noqa: E402
 from benchmarks.report import table  # noqa: E402
 from gaac import layout as L  # noqa: E402
 from gaac.attention import (AttentionPlan, bf16_to_float, float_to_bf16, kernel_options,  # noqa: E402
@@ -247,7 +244,7 @@ def check_case(name, ks, vs, b3, b4, cap, g, rng, results, blocks_per_split=None
     for name_, view, cfg in runs + [("plain", plain_view(ks, vs), {})]:
         dv = view_to(view, DEV)
         plan = AttentionPlan(dv, hk * g, plain=name_ == "plain", blocks_per_split=blocks_per_split,
-                             **plan_options(cfg))
+                             **cfg)
         out = torch.full((batch, hk * g, d), NAN_BITS, dtype=torch.int16, device=DEV)
         lse = torch.full((batch, hk * g), float("nan"), device=DEV)
         if SIM:
@@ -425,11 +422,11 @@ def rotation(nbytes):
 
 def label(cfg: dict, plain: bool = False) -> str:
     """Short name of a kernel configuration (AttentionPlan options, defaults resolved for head_dim 128):
-    variant, stages, overlapped V decode, register cap, planned blocks per SM, blocks per split, whole waves
-    (``_waves`` forced, ``_partial`` forced off; neither: the plan's choice), merge without PDL (``_nopdl``)."""
-    variant = cfg.get("variant", "full")
-    overlap, regs = kernel_options(128, plain, plan_options(cfg).get("overlap"), cfg.get("max_registers", -1))
-    return (f"{variant}_ns{cfg.get('nstage', 2)}" + ("_overlap" if overlap else "") + (f"_r{regs}" if regs else "")
+    kernel, stages, overlapped V decode, register cap, planned blocks per SM, blocks per split, whole waves
+    (``_waves`` forced, ``_partial`` forced off; neither: the plan's choice), merge without PDL (``_nopdl``).
+    The kernel's name is ``full`` (the whole kernel), as in the results' keys."""
+    overlap, regs = kernel_options(128, plain, cfg.get("overlap"), cfg.get("max_registers", -1))
+    return (f"full_ns{cfg.get('nstage', 2)}" + ("_overlap" if overlap else "") + (f"_r{regs}" if regs else "")
             + (f"_b{cfg['blocks_per_sm']}" if cfg.get("blocks_per_sm") else "")
             + (f"_s{cfg['blocks_per_split']}" if cfg.get("blocks_per_split") else "")
             + {True: "_waves", False: "_partial"}.get(cfg.get("whole_waves"), "")
@@ -456,8 +453,8 @@ def epoch_timing(views, plans, hq, cfg, q, out, lse):
     same."""
     res = {}
     for n in (16, 256):
-        eplans = [AttentionPlan(with_epochs_view(v, n), hq, **plan_options(cfg)) for v in views]
-        ref_plans = [AttentionPlan(v, hq, **plan_options(cfg)) for v in views]
+        eplans = [AttentionPlan(with_epochs_view(v, n), hq, **cfg) for v in views]
+        ref_plans = [AttentionPlan(v, hq, **cfg) for v in views]
         ref_plans[0].run(q, out=out, lse=lse)
         ref = out.clone() if not SIM else out.copy()
         eplans[0].run(q, out=out, lse=lse)
@@ -507,7 +504,7 @@ def bench_config(cache, hq, batch, ctx, configs=({},), with_torch=True, plain_co
         out, lse = out.numpy(), lse.numpy()
     qb = q if SIM else q.view(torch.int16)
     for n, cfg in enumerate(configs):
-        plans = [AttentionPlan(v, hq, **plan_options(cfg)) for v in views]
+        plans = [AttentionPlan(v, hq, **cfg) for v in views]
         res[f"gaac_{label(cfg)}_us"] = graph_time([lambda p=p: p.run(q, out=out, lse=lse) for p in plans])
         res[f"gaac_{label(cfg)}_splits"] = plans[0].n_work
         res[f"gaac_{label(cfg)}_resources"] = plans[0].resources
@@ -531,7 +528,7 @@ def bench_config(cache, hq, batch, ctx, configs=({},), with_torch=True, plain_co
         rb = 1 if SIM else rotation(bf16_bytes)
         dense = [cache.dense(batch, ctx) for _ in range(rb)]
         for n, cfg in enumerate(plain_configs):
-            pplans = [AttentionPlan(cache.plain(k, v), hq, plain=True, **plan_options(cfg)) for k, v in dense]
+            pplans = [AttentionPlan(cache.plain(k, v), hq, plain=True, **cfg) for k, v in dense]
             res[f"plain_{label(cfg, True)}_us"] = graph_time([lambda p=p: p.run(q, out=out, lse=lse) for p in pplans])
             res[f"plain_{label(cfg, True)}_resources"] = pplans[0].resources
             if n == 0:
@@ -558,61 +555,11 @@ def bench_config(cache, hq, batch, ctx, configs=({},), with_torch=True, plain_co
 def ncu_target(cache, cfg):
     """A few launches of the attention kernel alone (64K, batch 1, 32/8 heads), for ncu."""
     view = cache.view(1, 65536)
-    plan = AttentionPlan(view, 32, **plan_options(cfg))
+    plan = AttentionPlan(view, 32, **cfg)
     q = torch.zeros((1, 32, cache.d), dtype=torch.int16, device=DEV)
     for _ in range(4):
         plan._launch_attention(q)
     torch.cuda.synchronize()
-
-
-def timeline(cache, hq, batch, ctx, cfg, runs=5):
-    """When each split starts and ends inside one launch of the attention kernel (variant ``timeline``: the
-    full kernel writing ``%globaltimer`` at its start and end over its partial output), and which splits
-    hold raw tiles: how much of the kernel's time is its last splits' (the wave's tail).  Times in us from
-    the launch's first start; medians over ``runs`` launches."""
-    view = cache.view(batch, ctx)
-    plan = AttentionPlan(view, hq, **plan_options({**cfg, "variant": "timeline"}))
-    q = torch.zeros((batch, hq, cache.d), dtype=torch.int16, device=DEV)
-    work = plan._work.cpu().numpy().reshape(-1, 3) if not SIM else plan._work.reshape(-1, 3)
-    hk, g, d = cache.kv_heads, plan.g, cache.d
-    nraw = np.zeros((len(work), hk), np.int64)            # raw tiles of each split (K and V)
-    for kind in range(2):
-        tab = view.table[kind].cpu().numpy()
-        for w, (b, a, z) in enumerate(work):
-            z = min(z, tab.shape[1])
-            nraw[w] += (tab[b, a:z, :].reshape(z - a, hk, -1) < 0).any(axis=2).sum(axis=0)
-    per_run = []
-    for _ in range(runs + 1):
-        plan._launch_attention(q)
-        sync()
-        o = plan.o_part.cpu().numpy() if not SIM else plan.o_part
-        rec = o.reshape(len(work), hk, g * d)[:, :, :5].astype(np.int64)
-        t0 = rec[..., 0] + (rec[..., 1] << 16)
-        t1 = rec[..., 2] + (rec[..., 3] << 16)
-        t1 = np.where(t1 < t0, t1 + (1 << 32), t1)
-        origin = t0.min()
-        start, end = (t0 - origin) / 1e3, (t1 - origin) / 1e3
-        per_run.append((start, end, rec[..., 4]))
-    per_run = per_run[1:]                          # the first launch compiles and warms up
-
-    def med(f):
-        return float(np.median([f(*r) for r in per_run]))
-    res = {"hq": hq, "batch": batch, "ctx": ctx, "config": cfg, "splits": int(plan.n_work * hk),
-           "blocks_per_split": plan.blocks_per_split, "runs": runs,
-           "start_spread_us": med(lambda s, e, sm: s.max()),
-           "span_us": med(lambda s, e, sm: e.max()),
-           **{f"end_p{p}_us": med(lambda s, e, sm, p=p: np.percentile(e, p)) for p in (0, 10, 50, 90, 99)},
-           "duration_median_us": med(lambda s, e, sm: np.median(e - s)),
-           "sm_last_end_spread_us": med(lambda s, e, sm: np.ptp([e[sm == x].max() for x in np.unique(sm)])),
-           "splits_with_raw": {int(n): int((nraw == n).sum()) for n in np.unique(nraw)},
-           "duration_by_raw_us": {int(n): med(lambda s, e, sm, n=n: np.median((e - s)[nraw == n]))
-                                  for n in np.unique(nraw)},
-           "end_by_raw_us": {int(n): med(lambda s, e, sm, n=n: np.median(e[nraw == n])) for n in np.unique(nraw)}}
-    s, e, sm = per_run[-1]
-    res["detail"] = {"columns": ["split", "kv_head", "sm", "raw_tiles", "start_us", "end_us"],
-                     "rows": [[int(i // hk), int(i % hk), int(sm.flat[i]), int(nraw.flat[i]), round(float(s.flat[i]), 3),
-                               round(float(e.flat[i]), 3)] for i in range(e.size)]}
-    return res
 
 
 def render(report: dict) -> str:
@@ -632,15 +579,18 @@ def render(report: dict) -> str:
         us = lambda k: f"{first.get(k) or float('nan'):.1f}"  # noqa: E731
 
         def variant(prefix):
-            """The time of the first configuration of a variant (key names hold the configuration)."""
+            """The time of the first configuration of a timing variant (key names hold the configuration), in
+            the results that hold them (benchmarks/DESIGN-attention.md: the breakdown)."""
             return us(next((k for k in first if k.startswith(prefix) and k.endswith("_us")), ""))
-        if any(k.startswith("gaac_load_only_") for k in first):      # the 64K study (not with --shapes)
-            stages = [("KV loading (variant that only stages the tiles)", variant("gaac_load_only_"),
-                       variant("plain_load_only_")),
-                      ("+ ldmatrix, MMAs, softmax on the undecoded bytes", variant("gaac_no_decode_"), "-"),
+        variants = any(k.startswith("gaac_load_only_") for k in first)
+        if variants or "epochs16_us" in first:                       # the 64K study (not with --shapes)
+            stages = [*([("KV loading (variant that only stages the tiles)", variant("gaac_load_only_"),
+                          variant("plain_load_only_")),
+                         ("+ ldmatrix, MMAs, softmax on the undecoded bytes", variant("gaac_no_decode_"), "-")]
+                        if variants else []),
                       (f"full kernel + merge (the configuration the sweep uses: {first.get('gaac_config')})",
                        us("gaac_us"), us("plain_us")),
-                      ("decode done twice", variant("gaac_decode_twice_"), "-"),
+                      *([("decode done twice", variant("gaac_decode_twice_"), "-")] if variants else []),
                       ("of which the merge kernel", us("merge_us"), "-"),
                       *[(f"full kernel with {n} calibration epochs (a change every "
                          f"{first.get(f'epochs{n}_blocks_per_change', 0):.0f} blocks; {first.get(f'epochs{n}_splits')} "
@@ -690,9 +640,6 @@ def main():
     ap.add_argument("--slot-line", type=int, default=None,
                     help="--bench: calibrate the benchmark caches with gaac.calibrate(slot_line=...) (128: K and V "
                          "slots of whole 128-byte lines)")
-    ap.add_argument("--timeline", action="store_true",
-                    help="when each split starts and ends in one launch (variant 'timeline'), at --shapes (default "
-                         "32:1:65536), for each of --configs")
     ap.add_argument("--kv", type=Path, default=Path(__file__).resolve().parents[1] / ".devdata" / "kv")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -718,19 +665,6 @@ def main():
             if args.out:
                 args.out.mkdir(parents=True, exist_ok=True)
                 (args.out / "attention-epochs.json").write_text(json.dumps(report, indent=1, default=str))
-    if args.timeline:
-        shapes = args.shapes or ("16:1:64" if SIM else "32:1:65536")
-        cache = BenchCache(real, 8, 128)
-        report["capacity"], report["slot_line"] = list(cache.capacity), args.slot_line
-        report["timeline"] = [timeline(cache, *(int(x) for x in shape.split(":")), cfg, runs=1 if SIM else 5)
-                              for shape in shapes.split(",") for cfg in (args.configs or [{}])]
-        for r in report["timeline"]:
-            log(json.dumps({k: v for k, v in r.items() if k != "detail"}))
-        if args.out:
-            args.out.mkdir(parents=True, exist_ok=True)
-            (args.out / "timeline.json").write_text(json.dumps(report, indent=1, default=str))
-        if not (args.check or args.bench):
-            return
     if args.check:
         t = time.time()
         if args.configs:
@@ -743,13 +677,11 @@ def main():
         log(f"== timings (capacity K/V {cache.capacity}) ==")
         report["capacity"], report["slot_line"] = list(cache.capacity), args.slot_line
         candidates = args.configs or [{}, {"nstage": 3, "max_registers": None}, {"overlap": False}]
-        breakdown = candidates + [{"variant": v} for v in ("load_only", "no_decode", "decode_twice")]
         # The BF16 twin runs every candidate too (its own options: overlap is for the compressed kernel).
-        plain_breakdown = twin_configs([{}, {"variant": "load_only"}],
-                                       candidates[1:] + [{"nstage": 3, "max_registers": None}])
+        plain_candidates = twin_configs([{}], candidates[1:] + [{"nstage": 3, "max_registers": None}])
         if SIM:
-            candidates = breakdown = [{}, {"overlap": False}]
-            plain_breakdown = [{}]
+            candidates = [{}, {"overlap": False}]
+            plain_candidates = [{}]
             first = (16, 1, 32)
         else:
             first = (32, 1, 65536)
@@ -758,7 +690,7 @@ def main():
             configs = [tuple(int(x) for x in shape.split(":")) for shape in args.shapes.split(",")]
         else:
             # The configuration study at 64K, batch 1; the sweep then uses the fastest full configuration.
-            res = bench_config(cache, *first, breakdown, plain_configs=plain_breakdown, rng=rng, with_epochs=True)
+            res = bench_config(cache, *first, candidates, plain_configs=plain_candidates, rng=rng, with_epochs=True)
             rows.append(res)
             log(json.dumps(res))
             best = min(candidates, key=lambda c: res[f"gaac_{label(c)}_us"])
@@ -785,12 +717,6 @@ def main():
                 (args.out / "attention.json").write_text(json.dumps({**report, "bench": rows}, indent=1, default=str))
         report["bench"] = rows
         first = rows[0]
-        bd = {k: first.get(f"gaac_{label({'variant': k})}_us") for k in ("load_only", "no_decode", "decode_twice")}
-        if None not in bd.values():
-            log("\nbreakdown (64K, batch 1, default configuration, GAAC / BF16 twin): load only "
-                f"{bd['load_only']:.1f} / {first.get('plain_' + label({'variant': 'load_only'}, True) + '_us', 0):.1f} "
-                f"us; + MMA and softmax on the undecoded bytes {bd['no_decode']:.1f}; full {first['gaac_us']:.1f} / "
-                f"{first.get('plain_us', 0):.1f}; decode twice {bd['decode_twice']:.1f}")
         log("\nconfigurations at " + f"{first['hq']}/{first['hk']} heads, batch {first['batch']}, {first['ctx'] // 1024}K:")
         for k, v in first.items():
             if k.endswith("_us") and v is not None:

@@ -42,7 +42,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from numba import cuda  # noqa: E402
 
-from benchmarks.attention_variants import VARIANTS  # noqa: E402
 from gaac import layout as L  # noqa: E402
 from gaac.cuda import attention as K  # noqa: E402
 from gaac.cuda import codec as C  # noqa: E402
@@ -51,8 +50,7 @@ from gaac.layout import FP8_FORMATS as FORMATS, mode_set  # noqa: E402
 
 DEFAULT_VARIANTS = ("{'overlap': True, 'nstage': 2, 'max_registers': 168}", "{'nstage': 2, 'max_registers': 168}",
                     "{'overlap': True}", "{'overlap': True, 'nstage': 1, 'max_registers': 128}",
-                    "{'plain': True, 'nstage': 2, 'max_registers': 168}",
-                    "{'variant': 'load_only', 'nstage': 2}")
+                    "{'plain': True, 'nstage': 2, 'max_registers': 168}")
 HEAD_DIM = 128
 
 
@@ -85,8 +83,7 @@ def attention_kernel(options: dict):
     plain = options.pop("plain", False)
     geo = L.TileGeometry(L.tile_channels(HEAD_DIM))
     stage = 0 if plain else -(-geo.slot_bytes(64) // 16) * 16
-    hooks = VARIANTS[options.pop("variant", "full")]
-    kernel = K.attention_kernel(HEAD_DIM, plain, options.pop("nstage", 3), stage, hooks=hooks, **options)
+    kernel = K.attention_kernel(HEAD_DIM, plain, options.pop("nstage", 3), stage, **options)
     return kernel.py_func, K.kernel_signature()
 
 

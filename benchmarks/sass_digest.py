@@ -2,7 +2,7 @@
 machine code alone proves it by unchanged digests.
 
     python benchmarks/sass_digest.py                  # one line per kernel: sha256 of its SASS, then a total
-    python benchmarks/sass_digest.py --timing         # and the benchmarks' timing variants and the check kernel
+    python benchmarks/sass_digest.py --check-kernel   # and the tile decoder's check kernel (tests/decode_check.py)
     python benchmarks/sass_digest.py --only merge     # the kernels whose name contains a word
 
 Each kernel is compiled as gaac builds it (numba's ``cuda.compile_ptx`` for sm_90, ``ptxas`` with the
@@ -35,7 +35,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from numba import cuda, types  # noqa: E402
 
-from benchmarks.attention_variants import plan_options  # noqa: E402
 from benchmarks.kernel_resources import _ptxas_version, _tool, codec_kernels  # noqa: E402
 from gaac import layout as L  # noqa: E402
 from gaac.attention import kernel_options  # noqa: E402
@@ -54,15 +53,12 @@ def _stages(head_dim: int) -> tuple[int, int]:
     return -(-slot // 128) * 128, -(-slot // 16) * 16
 
 
-def attention(head_dim: int, plain: bool, nstage: int = 2, stage: int = 0, variant: str = "full",
-              max_registers: int | None = -1, overlap: bool | None = None):
-    """(Python function, signature, register cap) of the attention kernel as AttentionPlan builds it (a timing
-    variant as benchmarks/attention.py's plans build it)."""
-    options = plan_options({"variant": variant, "overlap": overlap})
-    overlap, max_registers = kernel_options(head_dim, plain, options["overlap"], max_registers)
+def attention(head_dim: int, plain: bool, nstage: int = 2, stage: int = 0, max_registers: int | None = -1,
+              overlap: bool | None = None):
+    """(Python function, signature, register cap) of the attention kernel as AttentionPlan builds it."""
+    overlap, max_registers = kernel_options(head_dim, plain, overlap, max_registers)
     stage = tile_bytes(L.tile_channels(head_dim)) if plain else stage
-    build = options.get("build_kernel", K.attention_kernel)
-    kernel = build(head_dim, plain, nstage, 0 if plain else stage, overlap, max_registers)
+    kernel = K.attention_kernel(head_dim, plain, nstage, 0 if plain else stage, overlap, max_registers)
     return kernel.py_func, K.kernel_signature(), max_registers
 
 
@@ -74,7 +70,7 @@ def merge(head_dim: int, lanes: int):
     return M.merge_kernel(head_dim, lanes).py_func, signature, None
 
 
-def kernels(timing: bool):
+def kernels(check_kernel: bool):
     """(name, thunk giving (Python function, signature, register cap)) of every kernel to digest."""
     for d in HEAD_DIMS:
         for stage in _stages(d):
@@ -91,10 +87,7 @@ def kernels(timing: bool):
     for channels in (64, 128):
         for name, fn, signature in codec_kernels(channels):
             yield name, lambda f=fn, s=signature: (f, s, None)
-    if timing:
-        for variant in ("load_only", "no_decode", "decode_twice", "timeline"):
-            yield f"timing {variant} D=128", lambda v=variant: attention(128, False, stage=_stages(128)[0], variant=v)
-        yield "timing load_only plain D=128", lambda: attention(128, True, variant="load_only")
+    if check_kernel:
         for c in (64, 128):
             geo = L.TileGeometry(c)
             yield f"check decode C={c}", lambda c=c, geo=geo: (
@@ -132,16 +125,15 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="\n\n".join(__doc__.split("\n\n")[1:]))
-    parser.add_argument("--timing", action="store_true",
-                        help="also the timing variants (benchmarks/attention_variants.py) and the decoder's check "
-                             "kernel (tests/decode_check.py), neither shipped")
+    parser.add_argument("--check-kernel", action="store_true",
+                        help="also the tile decoder's check kernel (tests/decode_check.py, not shipped)")
     parser.add_argument("--only", default="", help="only the kernels whose name contains this")
     args = parser.parse_args()
     ptxas, cuobjdump = _tool("ptxas"), _tool("cuobjdump")
     isa = _ptxas_version(ptxas)
     total = hashlib.sha256()
     with tempfile.TemporaryDirectory() as tmp:
-        for name, build in kernels(args.timing):
+        for name, build in kernels(args.check_kernel):
             if args.only not in name:
                 continue
             lines = sass_lines(*build(), Path(tmp), ptxas, cuobjdump, isa)

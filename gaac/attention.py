@@ -491,14 +491,12 @@ class AttentionPlan:
     (benchmarks/DESIGN-attention.md has the comparison).  ``pdl`` launches the
     merge kernel as a programmatic dependent of the split kernel, so that its launch and first loads
     overlap the split kernel's last blocks (the merge waits for that grid before reading the partials).
-    ``build_kernel`` builds the split kernel in place of :func:`gaac.cuda.attention.attention_kernel`, with
-    its arguments (benchmarks/attention_variants.py: the variants that time the kernel's stages).
     """
 
     def __init__(self, view: LayerView, q_heads: int, *, scale: float | None = None, plain: bool = False,
                  nstage: int = 2, blocks_per_split: int | None = None, overlap: bool | None = None,
                  max_registers: int | None = -1, blocks_per_sm: int | None = None, whole_waves: bool | None = None,
-                 pdl: bool = True, build_kernel=None):
+                 pdl: bool = True):
         from .cuda import attention as K
         from .cuda import merge
 
@@ -521,11 +519,9 @@ class AttentionPlan:
         geo = L.TileGeometry(c)
         self._sizes = (geo.slot_bytes(view.capacity[0]), geo.slot_bytes(view.capacity[1]))
         stage = K.tile_bytes(c) if plain else -(-max(self._sizes) // 16) * 16
-        # Each sequence's blocks, one run: the kernel loads the bases of each block's epoch.  The studies'
-        # fragment decoders (``build_kernel``) load one epoch a split: their runs end where an epoch changes.
-        runs = _epoch_runs(view, lens // L.BLOCK_TOKENS, nblk, cut=build_kernel is not None)
-        self._kernel = (build_kernel or K.attention_kernel)(d, plain, nstage, 0 if plain else stage, overlap,
-                                                            max_registers)
+        # Each sequence's blocks, one run: the kernel loads the bases of each block's epoch.
+        runs = _epoch_runs(view, lens // L.BLOCK_TOKENS, nblk)
+        self._kernel = K.attention_kernel(d, plain, nstage, 0 if plain else stage, overlap, max_registers)
         self.resources = None               # what the driver says of the kernel's occupancy (GPU, planned splits)
         if blocks_per_split is None:
             target, self.resources = wave_target(self._kernel, view.slots[0], blocks_per_sm)
@@ -656,26 +652,19 @@ class AttentionPlan:
             raise error
 
 
-def _epoch_runs(view: LayerView, nfull: np.ndarray, nblk: np.ndarray, cut: bool = False) -> list:
-    """``(sequence, start, stop)``: each sequence's blocks ``0 .. nblk`` as one run, or with ``cut`` in runs of
-    one K epoch and one V epoch (the tail block joins the last run), for a kernel that loads one epoch's
-    bases per split.  Epochs outside the view's bases raise :class:`InputError` (the kernel would only
-    flag them).  Each kind's epoch table is copied to the host once."""
+def _epoch_runs(view: LayerView, nfull: np.ndarray, nblk: np.ndarray) -> list:
+    """``(sequence, 0, nblk)``: each sequence's blocks as one run (a sequence without blocks has none), once
+    its finalized blocks' epochs are checked: epochs outside the view's bases raise :class:`InputError` (the
+    kernel would only flag them).  Each kind's epoch table is copied to the host once."""
     tables = [(kind, _host(e).astype(np.int64)) for kind in range(2) if (e := block_epochs(view, kind)) is not None]
-    runs = []
     for b in range(len(nblk)):
-        cuts = set()
         for kind, table in tables:
             e = table[b, :nfull[b]]
             bad = np.flatnonzero((e < 0) | (e >= n_epochs(view, kind)))
             if bad.size:
                 raise InputError(f"epoch[{'kv'[kind]}][{b}, {bad[0]}] = {e[bad[0]]}: the view holds bases for "
                                  f"epochs 0..{n_epochs(view, kind) - 1}")
-            if cut:
-                cuts.update((np.flatnonzero(np.diff(e)) + 1).tolist())
-        edges = [0, *sorted(cuts), int(nblk[b])]
-        runs += [(b, a, z) for a, z in zip(edges[:-1], edges[1:]) if z > a]
-    return runs
+    return [(b, 0, int(nblk[b])) for b in range(len(nblk)) if nblk[b] > 0]
 
 
 def _host(x) -> np.ndarray:

@@ -50,9 +50,6 @@ benchmarks/results/attention-h200.md the measurements.
 
 The kernel's device primitives (PTX on the GPU, Python twins in the simulator) are
 :mod:`gaac.cuda.primitives`; the decode of a staged slot is :mod:`gaac.cuda.tile_decoder`.
-:class:`KernelHooks` are the kernel's compile-time extension points (as FlashInfer's attention
-variants are): the shipped kernel's add nothing to it, and benchmarks/attention_variants.py derives
-from them the variants that time the kernel's stages apart.
 """
 from __future__ import annotations
 
@@ -64,8 +61,8 @@ from numba import cuda, float32, int32, uint8, uint32
 from .. import layout as L
 from .primitives import (SCRATCH_WORDS, SIMULATOR, WARP, col_max, col_sum, cp16, cp_commit, cp_wait_fn, device,
                          escape_scan, ex2, f32, gaddr, grid_launch_dependents, i32, lane_id, ldcg4f, ldcgf, ldg4_at,
-                         ldsm_cols, ldsm_rows, lg2, mma, pack_bf16x2, prefetch_l2, prmt, rcp, scratch_init, smem_base,
-                         sts4, transpose8, u32, u64, warp_any, warp_sync)
+                         ldsm_cols, ldsm_rows, lg2, mma, pack_bf16x2, prefetch_l2, rcp, scratch_init, smem_base,
+                         sts4, transpose8, u32, warp_any, warp_sync)
 from .merge import as_int16
 from .tile_decoder import (BASE_ROWS, base_row_words, decode_tile_fn, escape_scan2, row_bytes, stage_slot_fn,
                            tile_bytes)
@@ -110,50 +107,6 @@ def smem_bytes(channels: int, tph: int, nstage: int, plain: bool, stage_bytes: i
 
 
 # ----------------------------------------------------------------------------------------------
-# Compile-time extension points.
-
-@device
-def _no_start():
-    return u64(0)
-
-
-@device
-def _no_finish(o_part, at, t_start, lane, scr):
-    pass
-
-
-class KernelHooks:
-    """What :func:`attention_kernel` runs at its extension points, read when the kernel is built.  The shipped
-    kernel is built with this class: the tile decoder of :mod:`gaac.cuda.tile_decoder`, every stage, and a
-    ``start`` and ``finish`` that compile to nothing.  A subclass overrides them to build another kernel of the
-    same structure (benchmarks/attention_variants.py: variants that skip or repeat a stage, or time each split):
-
-    * ``decoder(channels)``: the tile decoder's device functions, as :func:`decode_tile_fn` returns them
-      (the ``overlap`` path calls its stages directly; the others call its ``decode``);
-    * ``decodes``: whether a staged slot is decoded before its MMAs (``False``: they read the staged bytes);
-    * ``stage_only``: whether the block loop only stages the tiles (no decode, MMAs or softmax);
-    * ``start()``: a device function every split runs first, its uint64 result passed to ``finish``;
-    * ``finish(o_part, at, t_start, lane, scr)``: a device function every lane of a split runs last, after the
-      split's partial output is stored (``o_part[at]``: the first element of its first head's);
-    * ``fragments``: ``None``, or a decoder of another in-slot byte order whose lanes decode straight into MMA
-      fragments (no decode tile, no ``ldmatrix``; the ``overlap`` path, ``head_dim`` 128, ``nstage >= 2``).  Its
-      attributes: ``tags(smem, src) -> (tags, plane-3 bytes, escape run bytes)``; ``decode_k(smem, src, table, tags,
-      n3, off, cap, kf, status, scr)`` and ``decode_v`` (same arguments, ``vf``); ``k_words`` and ``v_words`` (the
-      K and V base tables' uint32 words, which the kernel copies from ``bases`` laid out as ``[E, Hkv,
-      table_words]``: the K table of K's epoch-e bases, then the V table of V's, ``table_words`` a multiple of 4).
-      K's fragments pair query channels ``32q + 4kk + {0, 1}`` (``qb0[kk]``) and ``+{2, 3}`` (``qb1[kk]``); V's
-      accumulator ``acc[4 mt + i + 2h]`` is output channel ``16r + 8h + mt`` (benchmarks/v3_attention.py).
-    """
-
-    decoder = staticmethod(decode_tile_fn)
-    decodes = True
-    stage_only = False
-    start = staticmethod(_no_start)
-    finish = staticmethod(_no_finish)
-    fragments = None
-
-
-# ----------------------------------------------------------------------------------------------
 # The attention kernel.
 
 def kernel_signature() -> tuple:
@@ -171,14 +124,13 @@ def kernel_signature() -> tuple:
 
 @functools.lru_cache(maxsize=None)
 def attention_kernel(head_dim: int, plain: bool, nstage: int = 3, stage_bytes: int = 0, overlap: bool = False,
-                     max_registers: int | None = None, hooks: type = KernelHooks, fused_merge: bool = False):
+                     max_registers: int | None = None, fused_merge: bool = False):
     """The split-KV decode kernel for ``head_dim``; ``plain`` = every tile is BF16 (the baseline).
 
     ``overlap`` (compressed, head_dim <= 128): when both tiles of a block are slots, one escape scan
     serves K and V, and the V tile's reads, then its decode, sit in one straight-line region with the
     q.k MMAs and the softmax, so that the compiler overlaps their latencies.  ``max_registers``
-    caps registers per thread (more resident warps, possibly spills).  ``hooks``: :class:`KernelHooks`, or a
-    subclass of it that builds another kernel of the same structure.  ``fused_merge`` (compressed,
+    caps registers per thread (more resident warps, possibly spills).  ``fused_merge`` (compressed,
     head_dim <= 128) compiles the fused merge in; the kernel without it has the same parameters and leaves
     them unread, and its block loop is not changed by the merge's code (which costs the loop a few
     instructions in register allocation).
@@ -205,8 +157,7 @@ def attention_kernel(head_dim: int, plain: bool, nstage: int = 3, stage_bytes: i
     marks, with its table entries, the blocks whose K or V epoch differs from the block before (a byte a
     block in shared memory), loads the first block's bases, and at a marked block loads that block's
     epochs and bases (rare: an epoch covers many blocks).  ``epochs_k/v`` bound the epochs ``bases`` holds rows for
-    (its room; a larger epoch is flagged, :data:`STATUS_BAD_EPOCH`).  The fragment decoder of the
-    studies (``hooks.fragments``) loads one epoch per split: its plan cuts splits where an epoch changes.
+    (its room; a larger epoch is flagged, :data:`STATUS_BAD_EPOCH`).
     """
     D = head_dim
     C = L.tile_channels(D)
@@ -225,24 +176,12 @@ def attention_kernel(head_dim: int, plain: bool, nstage: int = 3, stage_bytes: i
     RAW_WORDS = 4 * RAW_PER_LANE        # a lane's words of a BF16 tile loaded through registers
     if overlap and (T != 1 or plain):
         raise ValueError("overlap is for the compressed kernel with head_dim <= 128")
-    FR = hooks.fragments
-    FRAG = FR is not None
-    if FRAG and (plain or not overlap or D != 128 or NS < 2):
-        raise ValueError("a fragment decoder is for the overlap path, head_dim 128 and nstage >= 2")
     BASES = 0                           # byte offsets in the shared array: the bases, the stages, the decode tile
     STG = 0 if plain else bases_bytes(D)
-    if FRAG:                            # the K and V base tables, then the stages: no decode tile
-        STG = -(-4 * (FR.k_words + FR.v_words) // LINE) * LINE
     DEC = STG + NS * 2 * T * SB
     PAIRS = D // 2                      # base pair words per row of one kind
     RS = base_row_words(D)              # words per base row in shared memory
-    # (a fragment decoder reads its escape run in whole words: up to 12 bytes past the last stage's slot)
-    SMEM_WORDS = (DEC + 16 if FRAG else smem_bytes(C, T, NS, plain, SB)) // 4
-    if FRAG:
-        fr_tags, fr_decode_k, fr_decode_v = FR.tags, FR.decode_k, FR.decode_v
-        TW, KW = FR.table_words, FR.k_words
-        KCH, TCH = FR.k_words // 4, (FR.k_words + FR.v_words) // 4     # 16-byte chunks of the tables
-        TCH_LANE = -(-TCH // WARP)
+    SMEM_WORDS = smem_bytes(C, T, NS, plain, SB) // 4
     NENT = MAX_BLOCKS_PER_SPLIT * 2 * T
     KIND_BASE = BASE_ROWS * PAIRS       # base words of one kind, one head, one epoch
     KIND_PER_LANE = 0 if plain else KIND_BASE // WARP
@@ -250,14 +189,11 @@ def attention_kernel(head_dim: int, plain: bool, nstage: int = 3, stage_bytes: i
     TILE_BYTES = L.BLOCK_TOKENS * C * 2
     ROW_LINES = 2 * C // LINE           # 128-byte lines of a BF16 tile row (the tail's rows are 2D bytes apart)
     TILE_LINES = L.BLOCK_TOKENS * ROW_LINES
-    decode, decode_tags, decode_loads, decode_compute, decode_fix, SIZES = hooks.decoder(C)
+    decode, decode_tags, decode_loads, decode_compute, decode_fix, SIZES = decode_tile_fn(C)
     SM_WORDS, CODE_ARRAY, GPL, BASE_WORDS = SIZES
     stage_slot = stage_slot_fn(C, SB)
     REFILL = NS == 1                    # one area per kind, refilled as soon as it is read (see refill_fn)
     cp_wait = cp_wait_fn(1 if REFILL else NS - 1)
-    do_decode = not plain and hooks.decodes
-    do_math = not hooks.stage_only
-    start, finish = hooks.start, hooks.finish
 
     @device
     def copy_bf16_tile(smem, dst, is_tail, entry, raw, tail, tail_byte, valid, lane, wait):
@@ -360,11 +296,9 @@ def attention_kernel(head_dim: int, plain: bool, nstage: int = 3, stage_bytes: i
         dec = u32(sb + DEC)
         if is_tail or e < 0:
             copy_bf16_tile(smem, dec, is_tail, e, raw, tail, tail_byte, tail_valid, lane_id(), True)
-        elif do_decode:
+        else:
             base = u32(sb + BASES + 4 * (kind * BASE_ROWS * RS + j * (C // 2)) + C * (lane_id() >> 4))
             decode(smem, src, dec, base, 4 * RS, cap, status, scr)
-        else:
-            return src
         if sync:
             warp_sync(scr)
         return dec
@@ -435,16 +369,10 @@ def attention_kernel(head_dim: int, plain: bool, nstage: int = 3, stage_bytes: i
         """The normalised output of partial row ``row`` (this lane's head ``2q + i``: channels ``16 t + r``
         and ``+ 8`` from ``acc[4 t + i]``, ``acc[4 t + i + 2]``) and, from lane r = 0, its log2-sum-exp."""
         inv = rcp(l_) if l_ > 0 else f32(0)
-        if FRAG:                            # channels 16 r + t and 16 r + 8 + t
-            o = u32(row * D + 16 * r)
-            for t in range(NACC // 4):
-                o_part[u32(o + t)] = acc[4 * t + i] * inv
-                o_part[u32(o + 8 + t)] = acc[4 * t + i + 2] * inv
-        else:
-            o = u32(row * D + r)                # unsigned indices: no negative-index fix-up a store
-            for t in range(NACC // 4):
-                o_part[u32(o + 16 * t)] = acc[4 * t + i] * inv
-                o_part[u32(o + 16 * t + 8)] = acc[4 * t + i + 2] * inv
+        o = u32(row * D + r)                    # unsigned indices: no negative-index fix-up a store
+        for t in range(NACC // 4):
+            o_part[u32(o + 16 * t)] = acc[4 * t + i] * inv
+            o_part[u32(o + 16 * t + 8)] = acc[4 * t + i + 2] * inv
         if r == 0:
             lse_part[u32(row)] = m + lg2(l_) if l_ > 0 else m
 
@@ -463,69 +391,6 @@ def attention_kernel(head_dim: int, plain: bool, nstage: int = 3, stage_bytes: i
             for k in range(KIND_PER_LANE):
                 i = lane + WARP * k
                 smem[BASES // 4 + (kind * BASE_ROWS + i // PAIRS) * RS + i % PAIRS] = words[kind * KIND_PER_LANE + k]
-
-    @device
-    def copy_tables(smem, sb, bases, ek, ev, h, kv_heads, lane):
-        """Fragment decoder: start the copies of the split's K table (K's epoch ``ek``) and V table (V's epoch
-        ``ev``) into shared memory; they complete with the first stage's copy group."""
-        kb = u32(4 * (ek * kv_heads + h) * TW)
-        vb = u32(4 * ((ev * kv_heads + h) * TW + KW) - 16 * KCH)
-        for k in range(TCH_LANE):
-            c = u32(lane + WARP * k)
-            if c < KCH:
-                cp16(smem, u32(sb + BASES + 16 * c), bases, gaddr(bases, kb + 16 * c))
-            elif c < TCH:
-                cp16(smem, u32(sb + BASES + 16 * c), bases, gaddr(bases, vb + 16 * c))
-
-    @device
-    def frags_of(smem, src, kind, is_tail, e, raw, tail, tail_base, valid, cap, frag, status, lane, scr):
-        """Fragment decoder, a block whose K and V tiles are not both slots: this kind's fragments from its
-        slot (an escape scan of its own), or from its raw tile or the tail (BF16 rows read from L2, where the
-        copies of the block ahead prefetched them; tail rows at or after ``valid`` read as zeros)."""
-        if not is_tail and e >= 0:
-            t, n3, run = fr_tags(smem, src)
-            off = escape_scan(run, scr)
-            if kind == 0:
-                fr_decode_k(smem, src, u32(smem_base(smem) + BASES), t, n3, off, cap, frag, status, scr)
-            else:
-                fr_decode_v(smem, src, u32(smem_base(smem) + BASES + 4 * KW), t, n3, off, cap, frag, status, scr)
-            return
-        g0 = gaddr(tail, tail_base) if is_tail else gaddr(raw, (e & 0x7FFFFFFF) * TILE_BYTES)
-        rstride = 2 * D if is_tail else 2 * C
-        arr = tail if is_tail else raw
-        r = lane >> 2
-        q = lane & 3
-        if kind == 0:                       # group G: token r + 8 (G >> 2), channels 32 q + 8 (G & 3) .. + 7
-            for G in range(8):
-                tok = r + 8 * (G >> 2)
-                keep = u32(0xFFFFFFFF) if tok < valid else u32(0)
-                w0, w1, w2, w3 = ldg4_at(arr, g0 + i32(tok * rstride + 2 * (32 * q + 8 * (G & 3))))
-                gg = G & 3
-                i = G >> 2
-                frag[4 * (2 * gg) + i] = u32(w0 & keep)
-                frag[4 * (2 * gg) + 2 + i] = u32(w1 & keep)
-                frag[4 * (2 * gg + 1) + i] = u32(w2 & keep)
-                frag[4 * (2 * gg + 1) + 2 + i] = u32(w3 & keep)
-        else:                               # word 4 mt + 2 jh + cg: channel 16 r + 8 cg + mt, tokens t0, t0 + 1
-            for jh in range(2):
-                t0 = 2 * q + 8 * jh
-                k0 = u32(0xFFFFFFFF) if t0 < valid else u32(0)
-                k1 = u32(0xFFFFFFFF) if t0 + 1 < valid else u32(0)
-                for cg in range(2):
-                    ch = 16 * r + 8 * cg
-                    a0, a1, a2, a3 = ldg4_at(arr, g0 + i32(t0 * rstride + 2 * ch))
-                    b0, b1, b2, b3 = ldg4_at(arr, g0 + i32((t0 + 1) * rstride + 2 * ch))
-                    a0, a1, a2, a3 = u32(a0 & k0), u32(a1 & k0), u32(a2 & k0), u32(a3 & k0)
-                    b0, b1, b2, b3 = u32(b0 & k1), u32(b1 & k1), u32(b2 & k1), u32(b3 & k1)
-                    f = 2 * jh + cg
-                    frag[f] = prmt(a0, b0, 0x5410)
-                    frag[4 + f] = prmt(a0, b0, 0x7632)
-                    frag[8 + f] = prmt(a1, b1, 0x5410)
-                    frag[12 + f] = prmt(a1, b1, 0x7632)
-                    frag[16 + f] = prmt(a2, b2, 0x5410)
-                    frag[20 + f] = prmt(a2, b2, 0x7632)
-                    frag[24 + f] = prmt(a3, b3, 0x5410)
-                    frag[28 + f] = prmt(a3, b3, 0x7632)
 
     @device
     def checked_epoch(e, n, status):
@@ -699,7 +564,6 @@ def attention_kernel(head_dim: int, plain: bool, nstage: int = 3, stage_bytes: i
         # The merge kernel may be scheduled from now on (it waits for this grid before it reads): its
         # launch and its first loads overlap this grid's last blocks.
         grid_launch_dependents()
-        t_start = start()
         sb = smem_base(smem)
         w = i32(cuda.blockIdx.x)
         h = i32(cuda.blockIdx.y)
@@ -728,12 +592,8 @@ def attention_kernel(head_dim: int, plain: bool, nstage: int = 3, stage_bytes: i
         qb1 = cuda.local.array(NCHUNK, uint32)
         qrow = u32((b * hq + h * g + r) * (D // 2))
         for kk in range(NCHUNK):
-            if FRAG:
-                qb0[kk] = u32(q32[u32(qrow + 16 * q + 2 * kk)]) if r < g else u32(0)
-                qb1[kk] = u32(q32[u32(qrow + 16 * q + 2 * kk + 1)]) if r < g else u32(0)
-            else:
-                qb0[kk] = u32(q32[u32(qrow + 8 * kk + q)]) if r < g else u32(0)
-                qb1[kk] = u32(q32[u32(qrow + 8 * kk + 4 + q)]) if r < g else u32(0)
+            qb0[kk] = u32(q32[u32(qrow + 8 * kk + q)]) if r < g else u32(0)
+            qb1[kk] = u32(q32[u32(qrow + 8 * kk + 4 + q)]) if r < g else u32(0)
 
         # Block-table entries of this split (K then V, T tiles each).  The loads depend on the work item
         # only (not on the sequence length, which would put a second round trip to memory before them)
@@ -755,7 +615,7 @@ def attention_kernel(head_dim: int, plain: bool, nstage: int = 3, stage_bytes: i
         # sequence length is known, and checked where a block is decoded); the first block's bases are loaded
         # now, and the block loop loads another epoch's where a block's differs.  A split of only the tail
         # reads epoch 0.
-        if not plain and not FRAG and ntab > 0:
+        if not plain and ntab > 0:
             last = i32(min(blk1w, max_blocks) - 1)
             for k in range(MAX_BLOCKS_PER_SPLIT // WARP):
                 j = i32(lane + WARP * k)
@@ -770,11 +630,8 @@ def attention_kernel(head_dim: int, plain: bool, nstage: int = 3, stage_bytes: i
         if not plain:
             ek = checked_epoch(ek, epochs_k, status) if blk0 < nfull else i32(0)
             ev_ = checked_epoch(ev_, epochs_v, status) if blk0 < nfull else i32(0)
-            if FRAG:
-                copy_tables(smem, sb, bases, ek, ev_, h, kv_heads, lane)
-            else:
-                load_bases(bases, 0, ek, ne, h, kv_heads, lane, bw0)
-                load_bases(bases, 1, ev_, ne, h, kv_heads, lane, bw0)
+            load_bases(bases, 0, ek, ne, h, kv_heads, lane, bw0)
+            load_bases(bases, 1, ev_, ne, h, kv_heads, lane, bw0)
         warp_sync(scr)
         # The first stages' copies start as soon as the entries are in shared memory, right behind the
         # bases' loads above (the first decode waits for both; the bases are stored after the copies).
@@ -794,7 +651,7 @@ def attention_kernel(head_dim: int, plain: bool, nstage: int = 3, stage_bytes: i
                 issue_v(smem, sb, ents, s, s, blk0 + s, nfull, slots_v, slot_bytes_v, raw_v, tail_v, tail_base,
                         tail_valid, lane, entry(ents, s, 1))
             cp_commit()
-        if not plain and not FRAG:
+        if not plain:
             store_bases(smem, bw0, lane)
         acc = cuda.local.array(NACC, float32)
         for i in range(NACC):
@@ -805,7 +662,6 @@ def attention_kernel(head_dim: int, plain: bool, nstage: int = 3, stage_bytes: i
         l1 = f32(0)
         sc = cuda.local.array(8, float32)           # score accumulators (see qk_mma)
         kf = cuda.local.array(KF_WORDS, uint32)      # K fragments of one tile
-        vf = cuda.local.array(KF_WORDS, uint32)      # V fragments of one tile (fragment decoder)
         smw = cuda.local.array(SM_WORDS, uint32)     # decoder state (overlap path)
         cw = cuda.local.array(CODE_ARRAY, uint32)
         ev = cuda.local.array(GPL, uint32)
@@ -839,18 +695,9 @@ def attention_kernel(head_dim: int, plain: bool, nstage: int = 3, stage_bytes: i
                 cp_commit()
             cp_wait()                           # REFILL: block i's K (its V may still be in flight)
             warp_sync(scr)
-            if not do_math:
-                if REFILL:
-                    refill_k(smem, sb, ents, i, blk, blk1, nfull, slots_k, slot_bytes_k, raw_k, tail_k, tail_base,
-                             tail_valid, lane)
-                    cp_wait()
-                    warp_sync(scr)
-                    refill_v(smem, sb, ents, i, blk, blk1, nfull, slots_v, slot_bytes_v, raw_v, tail_v, tail_base,
-                             tail_valid, lane)
-                continue
             is_tail = blk >= nfull
             valid = tail_valid if is_tail else i32(L.BLOCK_TOKENS)
-            if not plain and not FRAG and not is_tail:
+            if not plain and not is_tail:
                 # Where this block's epoch of K or V differs from the bases in shared memory, load its own
                 # (the previous block's decode has finished with them: its last warp_sync).  Uniform in
                 # the warp, and rare: an epoch covers hundreds of blocks.
@@ -864,32 +711,6 @@ def attention_kernel(head_dim: int, plain: bool, nstage: int = 3, stage_bytes: i
                     warp_sync(scr)
             for c in range(8):
                 sc[c] = f32(0)
-            if FRAG:
-                # Slots decode straight into fragments; a raw tile or the tail is read into them from L2.
-                src_k = u32(sb + STG + 2 * st * SB)
-                src_v = u32(src_k + SB)
-                if not is_tail and ek_c >= 0 and ev_c >= 0:
-                    tk, nk, rk = fr_tags(smem, src_k)
-                    tv, nv, rv = fr_tags(smem, src_v)
-                    ok, ov = escape_scan2(rk, rv, scr)
-                    fr_decode_k(smem, src_k, u32(sb + BASES), tk, nk, ok, cap_k, kf, status, scr)
-                else:
-                    frags_of(smem, src_k, 0, is_tail, ek_c, raw_k, tail_k, tail_base, valid, cap_k, kf, status,
-                             lane, scr)
-                qk_mma(kf, 0, qb0, qb1, sc, scr)
-                m0, m1, l0, l1, pb0, pb1, al0, al1 = softmax_update(sc, valid, r, m0, m1, l0, l1, scale_log2, scr)
-                if not is_tail and ek_c >= 0 and ev_c >= 0:
-                    fr_decode_v(smem, src_v, u32(sb + BASES + 4 * KW), tv, nv, ov, cap_v, vf, status, scr)
-                else:
-                    frags_of(smem, src_v, 1, is_tail, ev_c, raw_v, tail_v, tail_base, valid, cap_v, vf, status,
-                             lane, scr)
-                rescale(acc, al0, al1, scr)
-                for mt in range(C // 16):
-                    acc[4 * mt], acc[4 * mt + 1], acc[4 * mt + 2], acc[4 * mt + 3] = mma(
-                        vf[4 * mt], vf[4 * mt + 1], vf[4 * mt + 2], vf[4 * mt + 3], pb0, pb1, acc[4 * mt],
-                        acc[4 * mt + 1], acc[4 * mt + 2], acc[4 * mt + 3], scr)
-                warp_sync(scr)                  # the stage is refilled by a later iteration's copies
-                continue
             if overlap and not is_tail and ek_c >= 0 and ev_c >= 0:
                 # Both tiles compressed: one escape scan; K decoded; then the V tile's reads, the q.k
                 # MMAs, the softmax and the V decode in one straight-line region.
@@ -962,7 +783,6 @@ def attention_kernel(head_dim: int, plain: bool, nstage: int = 3, stage_bytes: i
             store_head(o_part, lse_part, acc, 0, row, r, m0, l0)
         if 2 * q + 1 < g:
             store_head(o_part, lse_part, acc, 1, row + 1, r, m1, l1)
-        finish(o_part, u32((w * kv_heads + h) * g * D), t_start, lane, scr)
         if FUSED and group > 0:
             fused_merge(o_part, lse_part, mrg, out, lse_out, merge_batch, group, b, w, h, kv_heads, g, lane, ents, scr)
     return kernel

@@ -2,13 +2,13 @@
 the attention kernel's decoder builds the ``mma.sync m16n8k16`` A fragments of K and V in registers, with no
 decoded BF16 tile and no ``ldmatrix``.  Nothing here ships; benchmarks/results/v3-layout-offline.md has the results.
 
-    python benchmarks/v3_layout.py check       # simulator (NUMBA_ENABLE_CUDASIM=1): v3 and v3r decodes == the tile
-    python benchmarks/v3_layout.py sass        # SASS opcode classes per block (K+V), v2 (today) and v3
-    python benchmarks/v3_layout.py smem        # shared-memory wavefronts per tile from the address patterns
-    python benchmarks/v3_layout.py sass-loop   # registers, spills and a pass's SASS of the loop harness' variants
-    python benchmarks/v3_layout.py gpu --out DIR     # device: bit-exact check, then decode throughput of v2 and v3
+    python studies/v3_layout.py check       # simulator (NUMBA_ENABLE_CUDASIM=1): v3 and v3r decodes == the tile
+    python studies/v3_layout.py sass        # SASS opcode classes per block (K+V), v2 (today) and v3
+    python studies/v3_layout.py smem        # shared-memory wavefronts per tile from the address patterns
+    python studies/v3_layout.py sass-loop   # registers, spills and a pass's SASS of the loop harness' variants
+    python studies/v3_layout.py gpu --out DIR     # device: bit-exact check, then decode throughput of v2 and v3
                                                      # (CUDA events; ncu counts if ncu is there): DIR/v3-gpu.md, .json
-    python benchmarks/v3_layout.py gpu --sim-check   # simulator: the loop kernels on 2 blocks, reps 1 and 3
+    python studies/v3_layout.py gpu --sim-check   # simulator: the loop kernels on 2 blocks, reps 1 and 3
 
 The layout (C = 128; lane ``l = 4r + q``, the MMA's groupID ``r`` and thread-in-group ``q``):
 
@@ -1433,7 +1433,7 @@ def sim_check(args) -> None:
             run.args[4] = cuda.to_device(np.zeros(1, np.int32))
             run.launch(reps)
             err = run.check()
-            say(f"sim-check {key:9s} reps {reps}: " + (err or f"2 blocks x 2048 words as expected, status 0"))
+            say(f"sim-check {key:9s} reps {reps}: " + (err or "2 blocks x 2048 words as expected, status 0"))
             if err:
                 failed.append(err)
     if failed:
@@ -1533,9 +1533,9 @@ def git_commit() -> str:
                               timeout=10)
         if head.returncode:
             return "unknown (no git metadata)"
-        diff = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "benchmarks/v3_layout.py"], cwd=root,
+        diff = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "studies/v3_layout.py"], cwd=root,
                               timeout=10)
-        return head.stdout.strip() + (" (benchmarks/v3_layout.py modified)" if diff.returncode else "")
+        return head.stdout.strip() + (" (studies/v3_layout.py modified)" if diff.returncode else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown (git not run)"
 
@@ -1545,7 +1545,7 @@ def report(meta: dict, rows: list[dict], ncu: dict | None) -> str:
     def fmt(x, spec=".1f"):
         return format(x, spec) if isinstance(x, (int, float)) else ("-" if x is None else str(x))
 
-    lines = ["# v3 layout: decode throughput on the GPU (benchmarks/v3_layout.py gpu)", ""]
+    lines = ["# v3 layout: decode throughput on the GPU (studies/v3_layout.py gpu)", ""]
     lines += [f"- {k}: {v}" for k, v in meta.items()]
     lines += ["", "Per block-decode = one warp decoding one block's K and V tiles (2 tiles) in the loop harness; "
               "GPU ns = kernel time / (blocks x reps); SM ns = GPU ns x SMs (one SM's time per decode, "
@@ -1655,7 +1655,7 @@ def gpu(argv: list[str]) -> None:
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "device": f"{name}, {sms} SMs, cc {dev.compute_capability[0]}.{dev.compute_capability[1]}",
         "commit": git_commit(),
-        "command": "python " + " ".join(["benchmarks/v3_layout.py", "gpu"] + argv),
+        "command": "python " + " ".join(["studies/v3_layout.py", "gpu"] + argv),
         "versions": f"numba {numba.__version__}, numba-cuda {getattr(numba_cuda, '__version__', '?')}, "
                     f"numpy {np.__version__}, Python {sys.version.split()[0]}",
         "launch": f"{blocks} one-warp blocks ({BLOCKS_PER_SM} x {sms} SMs), reps {args.reps} a block, "

@@ -1,6 +1,6 @@
 """What a warp-wide shared-memory load costs for the access patterns of the attention kernel's decoder.
 
-    python benchmarks/smem_patterns.py [--out benchmarks/results/smem-patterns-h200.md]
+    python studies/smem_patterns.py [--out benchmarks/results/smem-patterns-h200.md]
 
 Every SM runs many warps that repeat one load of one pattern (a byte offset per lane) as fast as the
 shared-memory pipe allows; the time per warp-instruction, relative to a conflict-free 16-byte load of
