@@ -91,7 +91,7 @@ def test_the_readme_says_what_a_first_hour_needs():
     # what the CPU path costs
     assert "past_key_values=GAACCache" not in README and "cache=cache)" in README
     assert "import gaac.hf" in README and 'attn_implementation="gaac"' in README
-    assert "decodes every layer's\nwhole cache at every step" in README
+    assert "decodes each layer's\npast at every step" in README
     # the paged cache: its default size, and how to grow it
     assert "max_blocks (default 64)" in README and "grow=True" in README
     # capture's first run
