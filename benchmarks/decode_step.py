@@ -60,6 +60,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import gaac  # noqa: E402
+from benchmarks.real_kv import tile_heads  # noqa: E402
 from benchmarks.report import commit, table, write  # noqa: E402
 from gaac import layout as L  # noqa: E402
 from gaac.capture import package_version  # noqa: E402
@@ -216,19 +217,8 @@ def real_source(data: Path, s: Shape):
     real = {}
     for kind in KINDS:
         real[kind] = tuple(np.load(data / f"{MODEL}__{kind}__{w}.npy") for w in "kv")
-    rl, rh, _, rd = real[KINDS[0]][0].shape
-    per = s.head_dim // rd
     cat = [np.concatenate([real[kind][w] for kind in KINDS], axis=2) for w in range(2)]    # [30, 3, 1344, 64]
-    out = []
-    for w in range(2):
-        x = np.empty((s.layers, s.kv_heads, cat[w].shape[2], s.head_dim), np.uint16)
-        for layer in range(s.layers):
-            for h in range(s.kv_heads):
-                for j in range(per):
-                    a, b = divmod(((layer * s.kv_heads + h) * per + j) % (rl * rh), rh)
-                    x[layer, h, :, j * rd:(j + 1) * rd] = cat[w][a, b]
-        out.append(x)
-    return out[0], out[1]
+    return tuple(tile_heads(c, s.layers, s.kv_heads, s.head_dim) for c in cat)
 
 
 class Source:

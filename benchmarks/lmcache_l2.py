@@ -77,6 +77,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import gaac  # noqa: E402
+from benchmarks.real_kv import tile_heads  # noqa: E402
 from benchmarks.report import commit, table, write  # noqa: E402
 from gaac.capture import package_version  # noqa: E402
 
@@ -108,21 +109,6 @@ def load_dump(data: Path, kind: str) -> tuple[np.ndarray, np.ndarray]:
     return tuple(np.load(data / f"{MODEL}__{kind}__{w}.npy") for w in "kv")
 
 
-def tile(x: np.ndarray, layers: int, heads: int, dim: int) -> np.ndarray:
-    """Real ``[30, 3, T, 64]`` K or V as ``[layers, heads, T, dim]``: head ``h`` of layer ``l`` is ``dim / 64`` real
-    (layer, head) slices side by side, slice ``j`` the real pair ``divmod(((l * heads + h) * per + j) % 90, 3)``
-    (the model's own shape is the dump itself)."""
-    rl, rh, tokens, rd = x.shape
-    per = dim // rd
-    out = np.empty((layers, heads, tokens, dim), np.uint16)
-    for layer in range(layers):
-        for h in range(heads):
-            for j in range(per):
-                a, b = divmod(((layer * heads + h) * per + j) % (rl * rh), rh)
-                out[layer, h, :, j * rd:(j + 1) * rd] = x[a, b]
-    return out
-
-
 def chunks_of(k: np.ndarray, v: np.ndarray, tokens: int) -> list[torch.Tensor]:
     """Every complete ``tokens``-token chunk of K, V ``[layers, heads, T, dim]`` as LMCache holds one: BF16
     ``[2, layers, tokens, heads * dim]``."""
@@ -141,8 +127,8 @@ def make_calibrations(data: Path, folder: Path, kind: str) -> None:
     k, v = load_dump(data, kind)
     folder.mkdir(parents=True, exist_ok=True)
     for shape, (layers, heads, dim) in SHAPES.items():
-        cal = gaac.calibrate(tile(k, layers, heads, dim), tile(v, layers, heads, dim), model=f"SmolLM2-135M ({kind}) "
-                             f"as {shape}", show_progress=False)
+        cal = gaac.calibrate(tile_heads(k, layers, heads, dim), tile_heads(v, layers, heads, dim),
+                             model=f"SmolLM2-135M ({kind}) as {shape}", show_progress=False)
         cal.save(calibration_path(folder, shape))
         log(f"calibration {calibration_path(folder, shape)}: {shape}, made on the {kind} prompt")
 
@@ -523,8 +509,8 @@ def main():
     try:
         for shape in shapes:
             layers, heads, dim = SHAPES[shape]
-            chunks = [c for k, v in real for c in chunks_of(tile(k, layers, heads, dim), tile(v, layers, heads, dim),
-                                                             tokens)]
+            chunks = [c for k, v in real
+                      for c in chunks_of(tile_heads(k, layers, heads, dim), tile_heads(v, layers, heads, dim), tokens)]
             if not chunks:
                 raise SystemExit(f"no complete {tokens}-token chunk in {kinds}")
             n = args.chunks or (4 if smoke else 96 if shape == "smollm2" else 24)

@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import gaac  # noqa: E402
+from benchmarks.real_kv import tile_heads  # noqa: E402
 from benchmarks.report import commit_with_changes, table, write  # noqa: E402
 from gaac import layout as L  # noqa: E402
 from gaac import transfer  # noqa: E402
@@ -67,19 +68,8 @@ def find_data(arg: str | None) -> Path | None:
 def real_unique(data: Path, layers: int, heads: int, dim: int) -> tuple[np.ndarray, np.ndarray]:
     """uint16 ``[layers, heads, 1344, dim]`` K and V: each (layer, head) the channels of ``dim / 64`` real
     (layer, head) slices of the four SmolLM2 prompts side by side (as benchmarks/decode_step.py)."""
-    out = []
-    for w in "kv":
-        cat = np.concatenate([np.load(data / f"{MODEL}__{p}__{w}.npy") for p in PROMPTS], axis=2)
-        rl, rh, tokens, rd = cat.shape
-        per = dim // rd
-        x = np.empty((layers, heads, tokens, dim), np.uint16)
-        for layer in range(layers):
-            for h in range(heads):
-                for j in range(per):
-                    a, b = divmod(((layer * heads + h) * per + j) % (rl * rh), rh)
-                    x[layer, h, :, j * rd:(j + 1) * rd] = cat[a, b]
-        out.append(x)
-    return out[0], out[1]
+    return tuple(tile_heads(np.concatenate([np.load(data / f"{MODEL}__{p}__{w}.npy") for p in PROMPTS], axis=2),
+                            layers, heads, dim) for w in "kv")
 
 
 def synthetic_unique(layers: int, heads: int, dim: int, tokens: int = 1344, seed: int = 0):
