@@ -580,7 +580,7 @@ def render(report: dict) -> str:
 
         def variant(prefix):
             """The time of the first configuration of a timing variant (key names hold the configuration), in
-            the results that hold them (benchmarks/DESIGN-attention.md: the breakdown)."""
+            the results that hold them (docs/design/attention.md: the breakdown)."""
             return us(next((k for k in first if k.startswith(prefix) and k.endswith("_us")), ""))
         variants = any(k.startswith("gaac_load_only_") for k in first)
         if variants or "epochs16_us" in first:                       # the 64K study (not with --shapes)

@@ -382,7 +382,7 @@ def _check_q(q, view: LayerView, device, q_heads: int | None = None):
 # ----------------------------------------------------------------------------------------------
 # The CUDA path: plan once, run per step.
 
-# The default configuration, the fastest of those compared in benchmarks/DESIGN-attention.md: two stages and at
+# The default configuration, the fastest of those compared in docs/design/attention.md: two stages and at
 # most 168 registers a thread, so that 12 one-warp blocks fit an SM (3 warps per scheduler: each
 # scheduler has a quarter of the register file, 16384 registers), and the overlapped V decode.
 DEFAULT_MAX_REGISTERS = 168
@@ -480,7 +480,7 @@ class AttentionPlan:
     defaults).  Defaults:
     ``nstage=2`` (``nstage`` K+V staging areas in a ring; ``1``: one area per kind, refilled as soon as
     it is read, for 16 warps per SM with ``max_registers=128``: measured slower, see
-    benchmarks/DESIGN-attention.md), ``overlap`` and ``max_registers`` as :func:`kernel_options` resolves them.  The
+    docs/design/attention.md), ``overlap`` and ``max_registers`` as :func:`kernel_options` resolves them.  The
     wave is sized by the driver's occupancy of the compiled kernel (``resources``); ``blocks_per_sm``
     overrides it, for experiments only (a wrong value costs a second wave, not correctness).
     Where one wave of splits of ``MAX_BLOCKS_PER_SPLIT`` blocks cannot hold the work (batch 8 at 32K),
@@ -488,7 +488,7 @@ class AttentionPlan:
     a partial last wave.  The default (``None``) plans whole waves where that last wave would be less
     than half full: a last wave filled less than that leaves much of the memory bandwidth unused, while a
     fuller one already draws most of it, and the extra splits of whole waves each pay their prologue
-    (benchmarks/DESIGN-attention.md has the comparison).  ``pdl`` launches the
+    (docs/design/attention.md has the comparison).  ``pdl`` launches the
     merge kernel as a programmatic dependent of the split kernel, so that its launch and first loads
     overlap the split kernel's last blocks (the merge waits for that grid before reading the partials).
     """

@@ -874,7 +874,7 @@ def calibrate(k, v, *, format="bf16", model: str | None = None, capacity: int | 
     chooses the capacity among those whose slots fill whole 128-byte lines (the one with the fewest
     resident bytes among them): a paged pool of such slots keeps every slot on a line, and the fused
     attention kernel's copies of a slot that straddles lines cost it more shared-memory wavefronts
-    (benchmarks/DESIGN-attention.md).  It costs up to 112 bytes a
+    (docs/design/attention.md).  It costs up to 112 bytes a
     slot: on the real SmolLM2 caches at head_dim 128, K's capacity 48 becomes 64 (+0.55% of K's
     bytes); at head_dim 64 the smallest lined capacity is 96.
     """

@@ -343,7 +343,7 @@ class BucketSteps(CapturedSteps):
         """Entries of the work list's buffers: the batch's list (at least a split per place of the bucket)
         rounded up to whole waves of the attention kernel.  The grid walks entries within each KV head, so a
         free entry is dispatched among the splits; entries that end the wave the list ends in cost nothing,
-        while entries past it push real splits into a second wave (benchmarks/DESIGN-serving.md).  Splits are
+        while entries past it push real splits into a second wave (docs/design/serving.md).  Splits are
         sized to fit the waves they fill (:func:`gaac.attention.split_work`), so lengths that grow and joins
         keep the list in that room; a list that outgrows it is planned and captured again."""
         split, _, state = plan._split(cover)

@@ -5,7 +5,7 @@
 Every SM runs many warps that repeat one load of one pattern (a byte offset per lane) as fast as the
 shared-memory pipe allows; the time per warp-instruction, relative to a conflict-free 16-byte load of
 32 distinct chunks (4 wavefronts by the hardware's rule), gives the wavefronts a pattern costs.  It is
-meant to decide a layout before the kernel is changed (not yet run; benchmarks/DESIGN-attention.md, "Open
+meant to decide a layout before the kernel is changed (not yet run; docs/design/attention.md, "Open
 leads"): ncu counts wavefronts per instruction, but only of the layout a kernel already has,
 and Nsight's "ideal" column does not say whether broadcast reads of a few distinct 16-byte chunks merge.
 

@@ -45,7 +45,7 @@ instructions (the ALU pipe), at 12 one-warp blocks per SM (168 registers and
 18 KB of shared memory each).  A split's prologue and epilogue run in every warp
 at once with nothing to overlap them, so their instruction counts and round trips
 to memory are kept short; the staging areas start on 128-byte lines
-(:data:`LINE`).  benchmarks/DESIGN-attention.md has the analysis, and
+(:data:`LINE`).  docs/design/attention.md has the analysis, and
 benchmarks/results/attention-h200.md the measurements.
 
 The kernel's device primitives (PTX on the GPU, Python twins in the simulator) are
@@ -71,7 +71,7 @@ from .tile_decoder import (BASE_ROWS, base_row_words, decode_tile_fn, escape_sca
 # The staging areas start on 128-byte lines of shared memory: a cp.async copy's 16-byte chunks are written a
 # line at a time, and a group of 8 lanes whose destinations straddle two lines costs two wavefronts of the L1
 # data pipe instead of one, and the copies are a large share of the kernel's shared-memory wavefronts
-# (benchmarks/DESIGN-attention.md).  A slot's source is best on a line too: gaac.calibrate's slot_line
+# (docs/design/attention.md).  A slot's source is best on a line too: gaac.calibrate's slot_line
 # chooses a capacity whose slots are whole lines.  Every area is on a line when the stage size is a multiple
 # of 128 bytes (the real caches' 2944); the plan does not round it up, which would cost shared memory, so
 # occupancy.

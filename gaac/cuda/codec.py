@@ -39,7 +39,7 @@ more escape bytes than ``capacity``); a bad tile's output is unspecified.
 The escape area's zero padding is not checked here (the block container's
 decoder checks it, and its CRC covers it).
 
-Kernel shape (benchmarks/DESIGN-codec.md has the shapes tried and the measurements): **one
+Kernel shape (docs/design/codec.md has the shapes tried and the measurements): **one
 warp per tile**, ``TILES_PER_BLOCK`` tiles per thread block.  Lane ``l`` owns the
 groups ``32j + l`` (``j < G/32``), so every chunk ``j`` of a warp reads or writes
 one contiguous run of the tile with 16-byte (BF16) or 8-byte (sign+mantissa)
@@ -84,7 +84,7 @@ BAD_TAG = 1                                      # decode status: a group has th
 BAD_ESCAPES = 2                                  # decode status: the tags need more escape bytes than the slot has
 _RAW_ENTRY_BIAS = L.TABLE_RAW_FLAG - (1 << 32)   # raw index + this = the entry as a (negative) int32
 
-# Warps (one tile each) per thread block, both kernels.  One is fastest (benchmarks/DESIGN-codec.md): the
+# Warps (one tile each) per thread block, both kernels.  One is fastest (docs/design/codec.md): the
 # encoder's block barriers, which make a block's warps wait for the slowest, cost more than the atomic pops
 # that larger blocks share.
 TILES_PER_BLOCK = 1
