@@ -54,11 +54,13 @@ def _stages(head_dim: int) -> tuple[int, int]:
 
 
 def attention(head_dim: int, plain: bool, nstage: int = 2, stage: int = 0, max_registers: int | None = -1,
-              overlap: bool | None = None):
-    """(Python function, signature, register cap) of the attention kernel as AttentionPlan builds it."""
+              overlap: bool | None = None, fused_merge: bool = False):
+    """(Python function, signature, register cap) of the attention kernel as AttentionPlan builds it (``fused_merge``:
+    as an eager step plan builds it, gaac.step.layer_launch)."""
     overlap, max_registers = kernel_options(head_dim, plain, overlap, max_registers)
     stage = tile_bytes(L.tile_channels(head_dim)) if plain else stage
-    kernel = K.attention_kernel(head_dim, plain, nstage, 0 if plain else stage, overlap, max_registers)
+    kernel = K.attention_kernel(head_dim, plain, nstage, 0 if plain else stage, overlap, max_registers,
+                                fused_merge=fused_merge)
     return kernel.py_func, K.kernel_signature(), max_registers
 
 
@@ -81,6 +83,10 @@ def kernels(check_kernel: bool):
             lambda d=d, s=s: attention(d, False, nstage=1, stage=s, max_registers=128)
         yield f"attention D={d} stage={s} nstage=3", lambda d=d, s=s: attention(d, False, nstage=3, stage=s)
         yield f"attention plain D={d} nstage=1", lambda d=d: attention(d, True, nstage=1)
+        if d <= 128:                    # an eager step's kernel merges its splits (gaac.step.FUSED_MERGE)
+            for stage in _stages(d):
+                yield f"attention D={d} stage={stage} fused merge", \
+                    lambda d=d, s=stage: attention(d, False, stage=s, fused_merge=True)
     for d in HEAD_DIMS:
         for lanes in MERGE_LANES:
             yield f"merge D={d} lanes={lanes}", lambda d=d, n=lanes: merge(d, n)
