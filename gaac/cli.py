@@ -38,7 +38,8 @@ from .calibration import Calibration, calibrate
 from .errors import GAACError, InputError
 from .io import check_input_file, check_output_file, load_cache, load_sample, parse_token_range, reading, \
     write_files
-from .stats import CacheStats, measure
+from .stats import measure
+from .tally import CacheStats
 
 EXIT_USAGE = 2
 EXIT_BROKEN_PIPE = 128 + 13       # what a shell reports for a program that SIGPIPE ended

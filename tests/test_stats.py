@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-import gaac.stats
+import gaac.tally
 from gaac import layout as L
 from gaac.calibration import Calibration, calibrate
 from gaac.errors import CalibrationError, InputError
@@ -109,14 +109,14 @@ def test_a_layer_with_no_slot_tile():
 
 def test_a_wrong_decode_is_reported(monkeypatch):
     x, _ = constructed_cache(4, layers=1, heads=1, blocks=1, tail=0)
-    real = gaac.stats.decode_tiles
+    real = gaac.tally.decode_tiles
 
     def flip_one_bit(*args, **kw):
         out = real(*args, **kw)
         out[0, 0, 0] ^= 1
         return out
 
-    monkeypatch.setattr(gaac.stats, "decode_tiles", flip_one_bit)
+    monkeypatch.setattr(gaac.tally, "decode_tiles", flip_one_bit)
     d = measure(x, x, flat_calibration(1, 1, capacity=L.geometry(HEAD_DIM).max_useful_capacity)).as_dict()
     assert d["k"]["roundtrip"] is False and d["v"]["roundtrip"] is False
 

@@ -3,7 +3,7 @@
 :func:`measure_fp8` converts a BF16 cache to FP8 with the calibration's scales
 (:mod:`gaac.fp8.convert`), codes every complete 16-token block the way a paged
 cache holds it, decodes it again and compares the FP8 bytes bit for bit.  The
-fields mean what they mean for BF16 (gaac/stats.py), with FP8 as the
+fields mean what they mean for BF16 (gaac/tally.py), with FP8 as the
 uncompressed reference:
 
 * ``ratio_stream``   = FP8 bytes / payload bytes (sign+mantissa fields, low codes,
@@ -32,7 +32,7 @@ import numpy as np
 from .. import layout as L
 from ..errors import InputError
 from ..layout import MODE_SETS, ModeSet, fp8_format
-from ..stats import CacheStats, KindStats, TileTally, measure_layer, measured_cache
+from ..tally import CacheStats, KindStats, TileTally, measure_layer, measured_cache
 from ..calibration import Calibration, calibrate
 from .convert import bf16_to_float, cache_to_fp8, fp8_to_float
 
@@ -41,7 +41,7 @@ BF16_BYTES_PER_FP8_BYTE = 2
 
 @dataclass
 class FP8Tally(TileTally):
-    """A :class:`gaac.stats.TileTally` of an FP8 cache whose summary adds the ratio over FP8 and the total
+    """A :class:`gaac.tally.TileTally` of an FP8 cache whose summary adds the ratio over FP8 and the total
     over BF16."""
 
     def summary(self) -> dict:
@@ -78,7 +78,7 @@ def conversion_counts(bits: np.ndarray, fp8: np.ndarray, modes: ModeSet, scale_l
 
 @dataclass
 class FP8KindStats(KindStats):
-    """The :class:`gaac.stats.KindStats` of one kind of an FP8 cache, with what its conversion changed
+    """The :class:`gaac.tally.KindStats` of one kind of an FP8 cache, with what its conversion changed
     (GAAC-FP8 has no epochs to adapt, so its summary has no ``adapt``)."""
 
     scale_log2: list = field(default_factory=list)      # [kv_heads] per layer
