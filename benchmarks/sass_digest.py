@@ -56,7 +56,7 @@ def _stages(head_dim: int) -> tuple[int, int]:
 def attention(head_dim: int, plain: bool, nstage: int = 2, stage: int = 0, max_registers: int | None = -1,
               overlap: bool | None = None, fused_merge: bool = False):
     """(Python function, signature, register cap) of the attention kernel as AttentionPlan builds it (``fused_merge``:
-    as an eager step plan builds it, gaac.step.layer_launch)."""
+    as an eager step plan builds it, gaac.attention_launch.layer_launch)."""
     overlap, max_registers = kernel_options(head_dim, plain, overlap, max_registers)
     stage = tile_bytes(L.tile_channels(head_dim)) if plain else stage
     kernel = K.attention_kernel(head_dim, plain, nstage, 0 if plain else stage, overlap, max_registers,

@@ -270,7 +270,7 @@ def isolate(cache, seqs, s, runner) -> dict:
     blocks = int(sum(cache.seq_len(r) for r in seqs)) // L.BLOCK_TOKENS
     res["raw_tiles_share"] = cache._arena.used() / max(blocks * cache.tiles_per_block * cache.layers * 2, 1)
     if runner is not None:
-        from gaac.step import layer_launch
+        from gaac.attention_launch import layer_launch
 
         lse_b = torch.empty((n, s.q_heads), dtype=torch.float32, device=DEV)
         outb = out.view(torch.bfloat16)

@@ -77,7 +77,7 @@ import numpy as np
 
 from . import layout as L
 from .errors import InputError
-from .pools import latest_version
+from .pools import latest_version, reserve_step
 
 
 def _check_device_driven(cache, count, name: str, what: str, unit: str) -> None:
@@ -102,7 +102,6 @@ class CapturedSteps:
     places = False              # a plan of the sequences it was made for (BucketSteps: of a bucket's places)
 
     def __init__(self, plan, steps, rows: np.ndarray, before: np.ndarray):
-        from .step import reserve_step
 
         cache = plan.cache
         _check_device_driven(cache, steps, "steps", "a plan of steps", "decode steps")
@@ -129,7 +128,8 @@ class CapturedSteps:
         """Compile every kernel the step launches (a launch being captured must not compile) and make the
         step's device arrays and each layer's encoders."""
         from .cuda import attention as K
-        from .step import layer_launch
+        from .attention_launch import layer_launch
+        from .cuda.merge import merge_signature
         from .step_append import step_append
 
         cache, plan = self.cache, self.plan
@@ -302,7 +302,6 @@ class BucketSteps(CapturedSteps):
     places = True
 
     def __init__(self, plan, size, rows: np.ndarray, before: np.ndarray):
-        from .step import reserve_step
         from .step_append import StepAppend
 
         cache = plan.cache
@@ -375,7 +374,6 @@ class BucketSteps(CapturedSteps):
         the cache's arrays changed (growth), or the batch's work list needs more entries than the room;
         then the plan is made and captured again.  Raises :class:`PoolExhaustedError` (nothing written)
         where the pools cannot take the step's finished blocks."""
-        from .step import reserve_step
 
         cache = self.cache
         if not self.valid():
@@ -407,7 +405,8 @@ class BucketSteps(CapturedSteps):
 
     def prepare(self) -> None:
         from .cuda import attention as K
-        from .step import layer_launch
+        from .attention_launch import layer_launch
+        from .cuda.merge import merge_signature
 
         cache, plan = self.cache, self.plan
         self.appender.prepare()
@@ -481,16 +480,6 @@ def check_not_recording(cache, what: str = "update") -> None:
         raise InputError(f"{what} of a cache that records no plan, inside another cache's `with "
                          "plan.device_driven():`: a graph replays it every step and nothing accounts for it; change "
                          "it outside the recording, or record a plan of its own for it")
-
-
-def merge_signature() -> tuple:
-    """The argument types the merge kernel is launched with (:mod:`gaac.cuda.merge`)."""
-    from numba import types
-
-    def array(dtype):
-        return types.Array(dtype, 1, "C")
-    return (array(types.float32), array(types.float32), array(types.int32), array(types.int16),
-            array(types.float32), types.int64, types.int64)
 
 
 class StepGraph:

@@ -48,85 +48,18 @@ import torch
 
 from . import layout as L
 from . import attention
-from .attention import MAX_GROUP, _check_q, kernel_options, split_work, wave_target
+from .attention import MAX_GROUP, _check_q, split_work, wave_target
 from .errors import FormatError, InputError
-from .pools import grown
+from .attention_launch import c_float, layer_launch
+from .pools import reserve_step
 
 LOG2_E = 1.4426950408889634
 PLAN_AHEAD = 16 * L.BLOCK_TOKENS   # an eager step's work list covers lengths up to the next multiple of this
-_STEP_PARAMS = ("work", "o_part", "lse_part")      # the plan's arrays in the attention kernel's parameters
 FUSED_MERGE = True          # an eager step's attention merges in the kernel (head_dim <= 128): one launch a layer
-_MERGE_PARAMS = 3 * 7 + 2   # the kernel's fused-merge parameters: mrg, out, lse (7 slots each), batch, group
 # What a one-step plan shares with the next one whose work list is the same (StepPlan._plan_kernel).
 _SHARED = ("blocks_per_split", "n_work", "_merge", "_merge_grid", "_grid", "_work", "_split0", "o_part", "lse_part",
            "status", "_lse", "_scale_log2", "_status_params", "_scale_param", "_merge_launch", "_step_params",
            "_merge_buffer", "_merge_out", "_owner", "_current_stream", "_fused", "_mrg", "_group", "_merge_params")
-
-
-@dataclass
-class _LayerLaunch:
-    """What the attention kernel reads of one layer, packed once (kept by the cache per layer)."""
-
-    kernel: object
-    arrays: tuple                 # the kernel's per-layer array arguments, flat
-    scalars: tuple                # max_blocks, kv_heads, g, slot bytes, capacities, epochs, slot and raw records
-    main: object = None           # FastLaunch of the kernel (GPU)
-    fixed: list = None            # packed parameters of ``arrays`` (GPU)
-    fixed_scalars: list = None    # packed parameters of ``scalars`` (GPU)
-    buffer: object = None         # the launch's ParamBuffer (GPU)
-    scale_at: int = 0             # the buffer's slot of the scale; the fused merge's parameters follow it
-    out_slots: tuple = ()         # the buffer's slots of the data pointers of the fused merge's out and lse
-
-
-def layer_launch(cache, layer: int, g: int, fused: bool = False) -> _LayerLaunch:
-    """The attention kernel's per-layer state for ``g`` query heads per KV head (``fused``: the kernel with
-    the fused merge), made once per layer and storage version (the cache drops it when the layer's arrays
-    change)."""
-    key = (layer, g, fused)
-    state = cache._layer_state.get(key)
-    if state is not None:
-        return state
-    from .cuda import attention as K
-
-    store_k, store_v = cache._store[layer]
-    d = cache.head_dim
-    geo = L.TileGeometry(L.tile_channels(d))
-    sizes = (geo.slot_bytes(store_k.capacity), geo.slot_bytes(store_v.capacity))
-    overlap, max_registers = kernel_options(d, False, None, -1)
-    kernel = K.attention_kernel(d, False, 2, -(-max(sizes) // 16) * 16, overlap, max_registers, fused_merge=fused)
-    # Every epoch's bases, in a table that keeps its place while epochs are appended (the kernel loads
-    # each block's own); its room bounds the epochs the kernel accepts.
-    bases = cache.epoch_table(layer)
-    room = bases.shape[1]
-    hk = cache.kv_heads
-    eps = [s.epoch if s.epoch is not None else None for s in (store_k, store_v)]
-    if eps[0] is None:
-        zeros = torch.zeros((cache.max_seqs, cache.max_blocks), dtype=torch.int16, device=cache.device)
-        eps = [zeros, zeros]
-    flat = [store_k.slots.data, store_v.slots.data, store_k.raw.data.view(torch.uint8),
-            store_v.raw.data.view(torch.uint8), store_k.table, store_v.table, store_k.tail.view(torch.uint8),
-            store_v.tail.view(torch.uint8), bases, eps[0], eps[1], cache._seq_lens[layer]]
-    flat = tuple(x.reshape(-1) for x in flat)
-    scalars = (cache.max_blocks, hk, g, *sizes, store_k.capacity, store_v.capacity, room, room,
-               store_k.slots.data.shape[0], store_v.slots.data.shape[0],
-               store_k.raw.data.shape[0], store_v.raw.data.shape[0])
-    state = _LayerLaunch(kernel=kernel, arrays=flat, scalars=tuple(int(s) for s in scalars))
-    if not K.SIMULATOR:
-        from .cuda.launch import DATA_SLOT, FastLaunch, ParamBuffer, packed_params
-
-        state.main = FastLaunch(kernel, None, K.WARP)
-        state.main.prepare(K.kernel_signature())
-        state.fixed = packed_params(flat)
-        state.fixed_scalars = packed_params(state.scalars)
-        # q, the layer's arrays, the plan's work list and partials, the status word, scalars, the scale:
-        # a plan writes its part once per layer (StepPlan._launch), a call writes q's address.
-        state.buffer = ParamBuffer([0] * 7 + state.fixed + [0] * (len(_STEP_PARAMS) * 7 + 7) + state.fixed_scalars
-                                   + [_c_float(0.0)] + [0] * _MERGE_PARAMS)
-        state.scale_at = len(state.buffer) - _MERGE_PARAMS - 1
-        state.out_slots = (state.scale_at + 1 + 7 + DATA_SLOT, state.scale_at + 1 + 14 + DATA_SLOT)  # after mrg
-    state.bases = bases            # kept alive with the state
-    cache._layer_state[key] = state
-    return state
 
 
 class _Account:
@@ -335,15 +268,15 @@ class StepPlan:
         self._lse = torch.empty((self.batch, self.q_heads), dtype=torch.float32, device=dev)
         self._scale_log2 = np.float32(self.scale * LOG2_E)
         if not SIMULATOR:
-            from .captured import merge_signature
             from .cuda.launch import DATA_SLOT, FastLaunch, ParamBuffer, current_stream, packed_params, params
+            from .cuda.merge import merge_signature
 
             self._current_stream = current_stream
 
             # Each layer's status word, and the scale, packed once: a call packs only q, out and lse.
             base = self.status.data_ptr()
             self._status_params = [[0, 0, 1, 4, base + 4 * i, 1, 4] for i in range(cache.layers)]
-            self._scale_param = [_c_float(self._scale_log2)]
+            self._scale_param = [c_float(self._scale_log2)]
             self._step_params = packed_params((self._work, self.o_part, self.lse_part))
             # mrg, then out and lse (a call writes their data pointers; without the fused merge, this one-word
             # array stands in for both: the kernel does not read them), the batch and the group size
@@ -632,42 +565,6 @@ def _on_gpu(x, shape: tuple, device: int | None, dtypes: tuple = _BITS) -> bool:
     return (type(x) is torch.Tensor and x.dtype in dtypes and x.shape == shape
             and (x.is_cuda and x.get_device() == device if device is not None else not x.is_cuda)
             and x.is_contiguous())
-
-
-def _c_float(x):
-    import ctypes
-
-    return ctypes.c_float(x)
-
-
-def reserve_step(cache, before: np.ndarray, after: np.ndarray) -> None:
-    """Check (or, with ``grow``, make) room in every layer for the blocks a step from lengths ``before``
-    to ``after`` finishes, before anything is written; :class:`PoolExhaustedError` names the first pool
-    short.  A finished tile takes a slot or a raw tile, decided only as it is encoded, so each slot pool
-    and each layer and kind's share of the raw-tile arena must be able to take every tile the step
-    finishes: then no layer of the step can run out part way.  The device's exact counts are read only
-    when the lower bound of free records falls short."""
-    blocks = after // L.BLOCK_TOKENS - before // L.BLOCK_TOKENS
-    need_rows = int((after // L.BLOCK_TOKENS).max(initial=0))
-    if need_rows > cache.max_blocks:
-        if not cache.grow:
-            raise cache._exhausted(None, need_rows, "the steps planned")
-        cache._grow_blocks(grown(cache.max_blocks, need_rows - cache.max_blocks))
-    n = int(blocks.sum()) * cache.tiles_per_block
-    if not n:
-        return
-    stores = [store for layer_store in cache._store for store in layer_store]
-    short = cache._arena.cover([(store.raw, n) for store in stores])
-    for store in stores:
-        pool = store.slots
-        if pool.free_lower() < n and pool.n_free() < n:
-            short.append((pool, n - pool.n_free()))
-    if short and not cache.grow:
-        raise cache._exhausted(*short[0], f"the steps planned (they finish {n} tiles per layer and kind, each of "
-                                          "which may need a slot or a raw tile)")
-    for pool, lack in short:
-        pool.grow_by(lack)
-        cache._storage_changed()
 
 
 def fused_merge_work(split, batch: int, kv_heads: int) -> tuple:

@@ -176,3 +176,13 @@ def merge_kernel(head_dim: int, lanes: int):
                 lse[b * kv_heads * g + hq] = ((m + math.log2(den)) * f32(1 / _LOG2E) if den > 0
                                               else f32(_NEG_INF))
     return kernel
+
+
+def merge_signature() -> tuple:
+    """The argument types the merge kernel is launched with (:mod:`gaac.cuda.merge`)."""
+    from numba import types
+
+    def array(dtype):
+        return types.Array(dtype, 1, "C")
+    return (array(types.float32), array(types.float32), array(types.int32), array(types.int16),
+            array(types.float32), types.int64, types.int64)
