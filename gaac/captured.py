@@ -102,7 +102,6 @@ class CapturedSteps:
     places = False              # a plan of the sequences it was made for (BucketSteps: of a bucket's places)
 
     def __init__(self, plan, steps, rows: np.ndarray, before: np.ndarray):
-
         cache = plan.cache
         _check_device_driven(cache, steps, "steps", "a plan of steps", "decode steps")
         if not len(rows):
@@ -374,7 +373,6 @@ class BucketSteps(CapturedSteps):
         the cache's arrays changed (growth), or the batch's work list needs more entries than the room;
         then the plan is made and captured again.  Raises :class:`PoolExhaustedError` (nothing written)
         where the pools cannot take the step's finished blocks."""
-
         cache = self.cache
         if not self.valid():
             return False
