@@ -100,7 +100,7 @@ class CountCalls:
 
     def __init__(self):
         import gaac.attention as attention
-        import gaac.step as step
+        import gaac.serving.plan as step
 
         self.targets = [(attention, "decode_attention"), (step.StepPlan, "run")]
         self.real = [getattr(o, n) for o, n in self.targets]

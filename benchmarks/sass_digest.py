@@ -83,7 +83,7 @@ def kernels(check_kernel: bool):
             lambda d=d, s=s: attention(d, False, nstage=1, stage=s, max_registers=128)
         yield f"attention D={d} stage={s} nstage=3", lambda d=d, s=s: attention(d, False, nstage=3, stage=s)
         yield f"attention plain D={d} nstage=1", lambda d=d: attention(d, True, nstage=1)
-        if d <= 128:                    # an eager step's kernel merges its splits (gaac.step.FUSED_MERGE)
+        if d <= 128:                    # an eager step's kernel merges its splits (gaac.serving.plan.FUSED_MERGE)
             for stage in _stages(d):
                 yield f"attention D={d} stage={stage} fused merge", \
                     lambda d=d, s=stage: attention(d, False, stage=s, fused_merge=True)

@@ -16,8 +16,8 @@ _LAZY = {
     "PagedKVCache": ("gaac.cache", "PagedKVCache"),
     "decode_attention": ("gaac.attention", "decode_attention"),
     "AttentionPlan": ("gaac.attention", "AttentionPlan"),
-    "StepPlan": ("gaac.step", "StepPlan"),
-    "StepGraph": ("gaac.captured", "StepGraph"),
+    "StepPlan": ("gaac.serving.plan", "StepPlan"),
+    "StepGraph": ("gaac.serving.graph", "StepGraph"),
     "measure": ("gaac.stats", "measure"),
 }
 

@@ -1,6 +1,6 @@
 """What the attention kernel reads of one layer of a paged cache, packed once: the kernel, the layer's arrays
 and scalars, and (GPU) a parameter buffer in which a step plan writes its own part and a call its tensors'
-addresses.  Step plans (:mod:`gaac.step`) and captured steps (:mod:`gaac.captured`) launch through it."""
+addresses.  Step plans (:mod:`gaac.serving.plan`) and captured steps (:mod:`gaac.serving.graph`) launch through it."""
 from __future__ import annotations
 
 import ctypes
@@ -37,15 +37,16 @@ class _LayerLaunch:
 
 def layer_launch(cache, layer: int, g: int, fused: bool = False) -> _LayerLaunch:
     """The attention kernel's per-layer state for ``g`` query heads per KV head (``fused``: the kernel with
-    the fused merge), made once per layer and storage version (the cache drops it when the layer's arrays
-    change)."""
+    the fused merge), made once per layer and storage version and kept in the cache's serving state (which
+    drops it when the layer's arrays change)."""
     key = (layer, g, fused)
-    state = cache._layer_state.get(key)
+    states = cache.serving.layer_launch
+    state = states.get(key)
     if state is not None:
         return state
     from .cuda import attention as K
 
-    store_k, store_v = cache._store[layer]
+    store_k, store_v = cache.stores(layer)
     d = cache.head_dim
     geo = L.TileGeometry(L.tile_channels(d))
     sizes = (geo.slot_bytes(store_k.capacity), geo.slot_bytes(store_v.capacity))
@@ -62,7 +63,7 @@ def layer_launch(cache, layer: int, g: int, fused: bool = False) -> _LayerLaunch
         eps = [zeros, zeros]
     flat = [store_k.slots.data, store_v.slots.data, store_k.raw.data.view(torch.uint8),
             store_v.raw.data.view(torch.uint8), store_k.table, store_v.table, store_k.tail.view(torch.uint8),
-            store_v.tail.view(torch.uint8), bases, eps[0], eps[1], cache._seq_lens[layer]]
+            store_v.tail.view(torch.uint8), bases, eps[0], eps[1], cache.device_lengths[layer]]
     flat = tuple(x.reshape(-1) for x in flat)
     scalars = (cache.max_blocks, hk, g, *sizes, store_k.capacity, store_v.capacity, room, room,
                store_k.slots.data.shape[0], store_v.slots.data.shape[0],
@@ -82,5 +83,5 @@ def layer_launch(cache, layer: int, g: int, fused: bool = False) -> _LayerLaunch
         state.scale_at = len(state.buffer) - MERGE_PARAMS - 1
         state.out_slots = (state.scale_at + 1 + 7 + DATA_SLOT, state.scale_at + 1 + 14 + DATA_SLOT)  # after mrg
     state.bases = bases            # kept alive with the state
-    cache._layer_state[key] = state
+    states[key] = state
     return state

@@ -64,7 +64,6 @@ import math
 import operator
 import sys
 import threading
-import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -74,13 +73,15 @@ from . import layout as L
 from .arrays import as_bits
 from .cachelayout import LayerView
 from .calibration import Calibration
-from .captured import RECORDING, check_not_recording
 from .epochs import EPOCH_INDEX_BYTES, Adapter, epoch_table_bytes
 from .budget import Capacity, raw_share, size_cache
 from .errors import CalibrationError, FormatError, InputError, PoolExhaustedError
 from .pools import Arrival, DevicePool, Pool, RawArena, _Share, grown, sync_pools
 from .progress import progress
 from .reference.codec import decode_entries, encode_tiles
+from .serving.append import append_token
+from .serving.graph import RECORDING, check_not_recording
+from .serving.state import ServingState
 from .tiles import tile_bases
 
 KINDS = (L.KIND_K, L.KIND_V)
@@ -94,11 +95,11 @@ EPOCH_ROOM = 16              # epochs a layer's attention base table holds at fi
 def _locked(method):
     """Run a :class:`PagedKVCache` method holding the cache's lock (a re-entrant lock: methods call each other),
     after the host's account of an eager step's finished blocks where the step left it pending
-    (:meth:`gaac.step.StepPlan.settle`: a step accounts once, at its last layer)."""
+    (:meth:`gaac.serving.plan.StepPlan.settle`: a step accounts once, at its last layer)."""
     @functools.wraps(method)
     def locked(self, *args, **kwargs):
         with self._lock:
-            self._settle()
+            self.serving.settle()
             return method(self, *args, **kwargs)
     return locked
 
@@ -427,8 +428,6 @@ class PagedKVCache:
     """
 
     _rule_on_device: bool | None = None    # where an update runs the epoch rule (None: on a GPU, there)
-    _unsettled = None                      # a one-step plan's account of finished blocks, pending (gaac.step._Account)
-    _eager_ref = None                      # a weak reference to the newest one-step plan (_eager_plan)
 
     def __init__(self, calibration: Calibration, *, budget: int | float | None = None, max_seqs: int = 1,
                  max_blocks: int | None = None, slots: int | None = None, raw_tiles: int | None = None, device="cpu",
@@ -482,24 +481,13 @@ class PagedKVCache:
         self._lens = np.zeros((self.layers, max_seqs), dtype=np.int64)       # host copy: the cache's logic
         self._seq_lens = torch.zeros((self.layers, max_seqs), dtype=torch.int32, device=self.device)
         self._live = np.zeros(max_seqs, dtype=bool)
-        self._layer_state = {}       # (layer, g) -> what a step plan launches attention with (gaac.step)
         self._epoch_tables = {}      # layer -> [its attention base table, epochs written per kind] (epoch_table)
         self._epochs_now = None      # int32 [layers, 2] on the device: the published epochs (epochs_now)
-        self._step_clock = 0         # decode steps accounted (gaac.step_append): the rule's lag counts them
+        self._step_clock = 0         # decode steps accounted (account_decode_step): the rule's lag counts them
         self._next_due = None        # the earliest step whose finished blocks wait for the rule (_flush_due)
         self._rule_batches = []      # (step, GPU rule batch, its jobs) of decode checks in flight (_flush_due)
-        self._step_index = None      # the device indices of the current one-token step (_append_token)
-        self._generation = 0         # counts changes of lengths or storage: a captured step plan checks it (gaac.step)
         self.storage_version = 0     # counts replacements of arrays that launches name (growth, a full epoch table)
-        self._recording = None       # the step plan whose device-driven step is being recorded (gaac.step)
-        self._wave = {}              # attention kernel -> warps in one wave (gaac.step)
-        self._append_launch = None   # the one-token append kernel's launcher (GPU)
-        self._append_params = {}     # layer -> (its tails, lengths, the append kernel's parameter buffer) (GPU)
-        self._step_appends = {}      # the sequences' bytes -> their one-token step appends (gaac.step_append)
-        self._eager_plan = None      # the newest one-step plan, whose appends take its fast path (gaac.step)
-                                     # while the caller holds it: the cache holds no plan (no cycle)
-        self._launchers = {}         # kernel -> its launcher, kept across steps (gaac.step)
-        self._work_plans = {}        # the newest one-step plan's work list and launch state, for the next (gaac.step)
+        self.serving = ServingState()    # the decode steps' state: plans, launch states, appends (gaac.serving)
         self.blocks_encoded = 0      # (layer, sequence, block) finalizations, each encoding K and V once
         if self._cuda_codec:         # every layer's encoders for the calibration's bases, made with the pools
             for layer, layer_store in enumerate(self._store):
@@ -547,29 +535,10 @@ class PagedKVCache:
         """The re-entrant lock every public method holds (see the class docstring on threads)."""
         return self._lock
 
-    def _settle(self) -> None:
-        """Make the account of an eager step's finished blocks that the step left pending, if any."""
-        account = self._unsettled
-        if account is not None:
-            self._unsettled = None
-            account.settle()
-
-    @property
-    def _eager_plan(self):
-        """The newest one-step plan (gaac.step), while anyone else holds it: the cache names it by a weak
-        reference, since the plan holds the cache."""
-        ref = self._eager_ref
-        return ref() if ref is not None else None
-
-    @_eager_plan.setter
-    def _eager_plan(self, plan) -> None:
-        self._eager_ref = weakref.ref(plan) if plan is not None else None
-
     def __getstate__(self):
         with self._lock:
-            self._settle()                           # a copy takes the account of every block written
+            self.serving.settle()                    # a copy takes the account of every block written
             state = self.__dict__.copy()
-            state["_eager_ref"] = None   # a weak reference is not copied: no caller holds a plan of the copy
         del state["_lock"]                 # a lock is not copied or pickled: a copy gets a lock of its own
         return state
 
@@ -641,7 +610,7 @@ class PagedKVCache:
             free = np.flatnonzero(~self._live)
         seq = int(free[0])
         self._live[seq] = True
-        self._generation += 1                    # a plan for every live sequence is stale
+        self.serving.lengths_changed()           # a plan for every live sequence is stale
         if k is not None or v is not None:
             try:
                 self.append(seq, k, v, show_progress=show_progress)
@@ -739,8 +708,9 @@ class PagedKVCache:
         with self._lock:
             if RECORDING.plans:            # another cache's step is being recorded on this thread
                 check_not_recording(self, "update_layer")
-            plan = self._eager_plan
-            if plan is not None and self._recording is None and plan.append_token(layer, seqs, k, v):
+            serving = self.serving
+            plan = serving.eager_plan
+            if plan is not None and serving.recording is None and plan.append_token(layer, seqs, k, v):
                 return
             self._update_layer(layer, seqs, k, v)
 
@@ -748,10 +718,11 @@ class PagedKVCache:
     def _update_layer(self, layer: int, seqs, k, v) -> None:
         """:meth:`update_layer` checked in full (any call its step plan's fast path does not take)."""
         self._check_layer(layer)
-        if self._recording is not None and self._recording.places:
+        recording = self.serving.recording
+        if recording is not None and recording.places:
             # A step for a batch-size bucket: ``seqs`` is the recording's list of places, which may hold
             # free places (-1); the recording checks it.
-            self._recording.record_append(layer, seqs, self._bits(k, "k", 4), self._bits(v, "v", 4))
+            recording.record_append(layer, seqs, self._bits(k, "k", 4), self._bits(v, "v", 4))
             return
         seqs = self._check_seqs(seqs)
         if len(set(seqs)) != len(seqs):
@@ -760,83 +731,12 @@ class PagedKVCache:
         if k.shape != v.shape or k.shape[0] != len(seqs):
             raise InputError(f"k {list(k.shape)} and v {list(v.shape)} must both be [{len(seqs)} sequences, "
                              f"kv_heads, tokens, head_dim]")
-        if self._recording is not None:
-            self._recording.record_append(layer, seqs, k, v)
+        if recording is not None:
+            recording.record_append(layer, seqs, k, v)
             return
-        if k.shape[2] == 1 and self._append_token(layer, seqs, k, v):
+        if k.shape[2] == 1 and append_token(self, layer, seqs, k, v):
             return
         self._apply([self._prepare(layer, seqs, k, v)])
-
-    def _append_token(self, layer: int, seqs: list, k: torch.Tensor, v: torch.Tensor) -> bool:
-        """One new token per sequence that finishes no block: written on the device, no host sync.
-
-        Returns False (nothing written) where a block finishes.  The index arrays are made once per
-        step -- every layer of a step appends at the same positions -- and the lengths the kernel reads
-        are the host's, which the host advances itself.  With the CUDA codec one launch writes both
-        tails and the lengths (:mod:`gaac.cuda.append`); on the CPU, tensor indexing does."""
-        rows = np.asarray(seqs, dtype=np.int64)
-        lens = self._lens[layer, rows]
-        r = lens % L.BLOCK_TOKENS
-        if (r == L.BLOCK_TOKENS - 1).any():
-            return False
-        key = (rows.tobytes(), lens.tobytes())
-        if self._step_index is None or self._step_index[0] != key:
-            index = np.stack([rows, r, lens + 1]).astype(np.int32)
-            dev = self._to_device(index)
-            self._step_index = (key, dev, dev.long() if not self._cuda_codec else None)
-        _, index, long_index = self._step_index
-        k_store, v_store = self._store[layer]
-        if self._cuda_codec:
-            self._launch_append(layer, k, v, index, k_store, v_store)
-        else:
-            rows_t, r_t, after_t = long_index
-            k_store.tail[rows_t, :, r_t] = k[:, :, 0]
-            v_store.tail[rows_t, :, r_t] = v[:, :, 0]
-            self._seq_lens[layer, rows_t] = after_t.to(torch.int32)
-        self._lens[layer, rows] += 1
-        self._generation += 1
-        return True
-
-    def _launch_append(self, layer, k, v, index, k_store, v_store) -> None:
-        from .cuda.append import append_kernel
-        from .cuda.primitives import SIMULATOR
-
-        if SIMULATOR:
-            args = (k.reshape(-1), v.reshape(-1), k_store.tail.reshape(-1), v_store.tail.reshape(-1), index[0],
-                    index[1], index[2], self._seq_lens[layer])
-            append_kernel()[(k.shape[0], self.kv_heads), self.head_dim](*(a.numpy() for a in args), self.kv_heads,
-                                                                         self.head_dim)
-            return
-        k, v = k.contiguous(), v.contiguous()
-        self._append_token_launch(layer, index, k.shape[0], k.data_ptr(), v.data_ptr())
-
-    def _append_token_launch(self, layer: int, index: torch.Tensor, n: int, k_ptr: int, v_ptr: int) -> None:
-        """Launch the one-token append of ``layer`` (GPU): ``n`` sequences' tokens at ``k_ptr``/``v_ptr``
-        (contiguous int16 ``[n, kv_heads, 1, head_dim]``), to the rows and positions of ``index``.
-
-        The kernel's parameters live in one buffer per layer, written when the layer's arrays change
-        (its tails and lengths) or the step's index does; a call writes the two token pointers."""
-        from .cuda.append import APPEND_SIG, append_kernel
-        from .cuda.launch import DATA_SLOT, FastLaunch, ParamBuffer, params
-
-        if self._append_launch is None:
-            self._append_launch = FastLaunch(append_kernel(), None, self.head_dim)
-            self._append_launch.prepare(APPEND_SIG)
-        k_store, v_store = self._store[layer]
-        entry = self._append_params.get(layer)
-        if entry is None or entry[0] is not k_store.tail or entry[1] is not self._seq_lens:
-            arrays = [x for a in (k_store.tail.reshape(-1), v_store.tail.reshape(-1)) for x in params(a)]
-            entry = self._append_params[layer] = (k_store.tail, self._seq_lens, ParamBuffer(
-                [0] * 14 + arrays + [0] * 21 + params(self._seq_lens[layer]) + params(self.kv_heads)
-                + params(self.head_dim)))
-        buf = entry[2]
-        if buf.owner is not index or buf.slots[2] != n * self.kv_heads * self.head_dim:
-            m = n * self.kv_heads * self.head_dim
-            buf.write(0, [0, 0, m, 2, 0, m, 2] * 2)
-            buf.write(28, [x for i in range(3) for x in params(index[i])])
-            buf.owner = index
-        buf.slots[DATA_SLOT], buf.slots[7 + DATA_SLOT] = k_ptr, v_ptr     # the first two arguments' data
-        self._append_launch.run(buf, (n, self.kv_heads))
 
     def _to_device(self, a: np.ndarray) -> torch.Tensor:
         """A host array on the cache's device without waiting for the device (pinned, asynchronous copy)."""
@@ -1270,10 +1170,8 @@ class PagedKVCache:
 
     def _drop_layer_state(self, layer: int) -> None:
         """Forget what attention launches ``layer`` with: its arrays changed."""
-        for key in [key for key in self._layer_state if key[0] == layer]:
-            del self._layer_state[key]
-        self._generation += 1
         self.storage_version += 1
+        self.serving.storage_changed(layer)
 
     def _epochs_appended(self, layer: int) -> None:
         """Epochs were appended to ``layer``'s stores: their bases join the layer's attention base table in
@@ -1316,15 +1214,12 @@ class PagedKVCache:
 
     def _storage_changed(self) -> None:
         """Forget what attention launches every layer with: arrays were replaced (growth)."""
-        self._layer_state.clear()
-        self._step_appends.clear()
-        self._generation += 1
         self.storage_version += 1
+        self.serving.storage_changed()
 
     def _lengths_changed(self) -> None:
         """Forget the one-token step's device indices (made for the old lengths); a captured plan is stale."""
-        self._step_index = None
-        self._generation += 1
+        self.serving.lengths_changed()
 
     def _flush_all(self) -> None:
         self._finish_rule_batches()
@@ -1601,11 +1496,143 @@ class PagedKVCache:
                     store.epoch[seq, first:first + q].copy_(self._to_device(new.astype(np.int16)))
             start += q
 
+    # -- the storage interface of the serving loop (gaac.serving) --------------------------------------
+    # What the decode-step machinery reads and writes of the cache; the contract is in the class docstring.
+    @property
+    def host_lengths(self) -> np.ndarray:
+        """int64 ``[layers, max_seqs]``: the host's copy of every sequence's length per layer, the one the cache's
+        logic reads (no device synchronisation).  The live array: a serving loop advances the entries of the
+        tokens its device appends wrote.  Growth of the rows replaces it (:attr:`serving`'s generation changes)."""
+        return self._lens
+
+    @property
+    def device_lengths(self) -> torch.Tensor:
+        """int32 ``[layers, max_seqs]`` on the cache's device: the lengths the kernels read (and the device
+        appends advance).  Growth of the rows replaces it (:attr:`storage_version` changes)."""
+        return self._seq_lens
+
+    def stores(self, layer: int) -> list:
+        """Layer ``layer``'s storage records, K then V: per kind its pools (``slots``, ``raw``: ``data``,
+        ``order``, ``version``), block ``table``, ``tail``, block epochs (``epoch`` on the device, ``epochs`` on
+        the host), ``capacity`` and ``published`` epoch.  The records live as long as the cache; growth
+        replaces the arrays they hold (:attr:`storage_version` changes)."""
+        return self._store[layer]
+
+    @property
+    def cuda_codec(self) -> bool:
+        """Whether the cache runs the CUDA codec (a GPU, or numba's simulator): free lists on the device, the
+        append kernels, and the attention kernel in step plans."""
+        return self._cuda_codec
+
+    def to_device(self, a: np.ndarray) -> torch.Tensor:
+        """A host array on the cache's device without waiting for the device (pinned, asynchronous copy)."""
+        return self._to_device(a)
+
+    def check_seqs(self, seqs) -> list[int]:
+        """Live sequence ids from an iterable of them, each checked (:class:`InputError` otherwise)."""
+        return self._check_seqs(seqs)
+
+    def check_layer(self, layer) -> None:
+        """:class:`InputError` unless ``layer`` is a layer index of the cache."""
+        self._check_layer(layer)
+
+    def encoder_pools(self, layer: int, kind: int) -> tuple:
+        """The CUDA encoder's arguments after the bases for ``layer`` and ``kind``: capacity, slots, their free
+        list, raw tiles, their free list, the lists' taken counts (what a device append that encodes a finished
+        block passes the encoder; they change with the pools' versions)."""
+        return self._encoder(self._store[layer][kind], None, 0, layer, kind)._fixed[1:]
+
+    def reserve_step(self, before: np.ndarray, after: np.ndarray) -> None:
+        """Check (or, with ``grow``, make) room in every layer for the blocks a step from lengths ``before``
+        to ``after`` finishes, before anything is written; :class:`PoolExhaustedError` names the first pool
+        short.  A finished tile takes a slot or a raw tile, decided only as it is encoded, so each slot pool
+        and each layer and kind's share of the raw-tile arena must be able to take every tile the step
+        finishes: then no layer of the step can run out part way.  The device's exact counts are read only
+        when the lower bound of free records falls short."""
+        blocks = after // L.BLOCK_TOKENS - before // L.BLOCK_TOKENS
+        need_rows = int((after // L.BLOCK_TOKENS).max(initial=0))
+        if need_rows > self.max_blocks:
+            if not self.grow:
+                raise self._exhausted(None, need_rows, "the steps planned")
+            self._grow_blocks(grown(self.max_blocks, need_rows - self.max_blocks))
+        n = int(blocks.sum()) * self.tiles_per_block
+        if not n:
+            return
+        stores = [store for layer_store in self._store for store in layer_store]
+        short = self._arena.cover([(store.raw, n) for store in stores])
+        for store in stores:
+            pool = store.slots
+            if pool.free_lower() < n and pool.n_free() < n:
+                short.append((pool, n - pool.n_free()))
+        if short and not self.grow:
+            raise self._exhausted(*short[0], f"the steps planned (they finish {n} tiles per layer and kind, each of "
+                                             "which may need a slot or a raw tile)")
+        for pool, lack in short:
+            pool.grow_by(lack)
+            self._storage_changed()
+
+    def account_decode_step(self, layers, fin: np.ndarray, blk: np.ndarray, epochs, index=None):
+        """The host's account of a decode step whose one-token appends to ``layers`` (an iterable) ran on the
+        device, once launched (no synchronisation; the caller advances :attr:`host_lengths`): the sequences
+        ``fin`` finished block ``blk``, in each layer's K and V epochs ``epochs[layer]`` (those published when
+        the appends were launched).  The pools count the records the encodes may have taken, and ask for the
+        device's count without waiting for it; the blocks' epochs are recorded; with adaptation the finished
+        blocks are copied (pinned, in flight) for the rule, which takes them up a few steps later
+        (:data:`ADAPT_LAG`).  ``index`` is ``fin`` on the device (made here if needed, returned for the next
+        call)."""
+        self._step_clock += 1
+        if not len(fin):
+            self._flush_due()
+            return index
+        tiles = len(fin) * self.tiles_per_block
+        stores, observing = [], []
+        for layer in layers:
+            for kind, store in enumerate(self._store[layer]):
+                self._encodes_launched(store, tiles)
+                stores.append(store)
+                if store.adapter is None:
+                    continue
+                store.epochs[fin, blk] = epochs[layer][kind]
+                observing.append(store)
+            self.blocks_encoded += len(fin)
+        # one copy for every store's counts, one for every adapter's finished blocks
+        self._ask_counts(stores)
+        if observing:
+            if index is None:
+                index = self._to_device(fin)
+            on_device = [store.tail.index_select(0, index) for store in observing]
+            for store, copied, dev in zip(observing, self._host_copies(on_device), on_device):
+                self._defer_observed(store, copied, dev)
+        self._flush_due()
+        return index
+
+    def undo_device_appends(self, rows: np.ndarray, layers) -> None:
+        """Undo one-token appends to the sequences ``rows`` that ran on the device in ``layers`` and that the
+        host does not account (a refused recording run eagerly): their device lengths return to the host's,
+        and the records that the encodes of the blocks they finished took (read from the block table: this
+        waits for the device) go back to the pools, as a removal gives them back."""
+        with self._lock:
+            self._seq_lens[:, self._to_device(rows)] = self._to_device(self._lens[:, rows].astype(np.int32))
+            after = self._lens[0, rows] + 1
+            done = after % L.BLOCK_TOKENS == 0
+            if done.any():
+                at = (self._to_device(rows[done]), self._to_device(after[done] // L.BLOCK_TOKENS - 1))
+                for layer in sorted(layers):
+                    for store in self._store[layer]:
+                        e = store.table[at].reshape(-1).cpu().numpy().view(np.uint32).astype(np.int64)
+                        is_raw = (e & L.TABLE_RAW_FLAG) != 0
+                        store.slots.give(e[~is_raw])
+                        store.raw.give(e[is_raw] & L.TABLE_INDEX_MASK)
+                        store.table[at] = 0
+                        if store.epoch is not None:
+                            store.epoch[at] = 0
+            self._lengths_changed()
+
     # -- a decode step -----------------------------------------------------------
     @_locked
     def decode_plan(self, q_heads: int, *, append: int = 1, seqs=None, scale: float | None = None,
                     steps: int | None = None, bucket: int | None = None):
-        """Plan one decode step for every layer: a :class:`gaac.step.StepPlan` whose ``run(q, layer)``
+        """Plan one decode step for every layer: a :class:`gaac.serving.plan.StepPlan` whose ``run(q, layer)``
         launches that layer's attention.
 
         ``append`` tokens (the step's new token) are added to each of ``seqs`` (default: every live
@@ -1618,10 +1645,10 @@ class PagedKVCache:
         ``steps=N`` plans the next ``N`` steps (or fewer: ``plan.steps``) for a CUDA graph: the step that
         ``with plan.device_driven():`` records reads its positions and lengths on the device, encodes the
         blocks it finishes there, and is replayed with ``plan.replayed()`` after each replay
-        (:mod:`gaac.captured`).  ``bucket=size`` plans the device-driven step of a batch-size bucket, which a
+        (:mod:`gaac.serving.graph`).  ``bucket=size`` plans the device-driven step of a batch-size bucket, which a
         graph captures once and replays for any batch of up to ``size`` sequences
-        (:class:`gaac.captured.BucketSteps`; :class:`gaac.StepGraph` runs that loop)."""
-        from .step import StepPlan
+        (:class:`gaac.serving.graph.BucketSteps`; :class:`gaac.StepGraph` runs that loop)."""
+        from .serving.plan import StepPlan
 
         return StepPlan(self, q_heads, append=append, seqs=seqs, scale=scale, steps=steps, bucket=bucket)
 

@@ -515,32 +515,3 @@ class RawArena:
             self.grow_to(grown(self.size, extra - self._top))
         self._lend(share, extra)
 
-
-def reserve_step(cache, before: np.ndarray, after: np.ndarray) -> None:
-    """Check (or, with ``grow``, make) room in every layer for the blocks a step from lengths ``before``
-    to ``after`` finishes, before anything is written; :class:`PoolExhaustedError` names the first pool
-    short.  A finished tile takes a slot or a raw tile, decided only as it is encoded, so each slot pool
-    and each layer and kind's share of the raw-tile arena must be able to take every tile the step
-    finishes: then no layer of the step can run out part way.  The device's exact counts are read only
-    when the lower bound of free records falls short."""
-    blocks = after // L.BLOCK_TOKENS - before // L.BLOCK_TOKENS
-    need_rows = int((after // L.BLOCK_TOKENS).max(initial=0))
-    if need_rows > cache.max_blocks:
-        if not cache.grow:
-            raise cache._exhausted(None, need_rows, "the steps planned")
-        cache._grow_blocks(grown(cache.max_blocks, need_rows - cache.max_blocks))
-    n = int(blocks.sum()) * cache.tiles_per_block
-    if not n:
-        return
-    stores = [store for layer_store in cache._store for store in layer_store]
-    short = cache._arena.cover([(store.raw, n) for store in stores])
-    for store in stores:
-        pool = store.slots
-        if pool.free_lower() < n and pool.n_free() < n:
-            short.append((pool, n - pool.n_free()))
-    if short and not cache.grow:
-        raise cache._exhausted(*short[0], f"the steps planned (they finish {n} tiles per layer and kind, each of "
-                                          "which may need a slot or a raw tile)")
-    for pool, lack in short:
-        pool.grow_by(lack)
-        cache._storage_changed()

@@ -1,5 +1,5 @@
 """A plan of device-driven steps refuses a recording or an account that would part the host's lengths from
-the device's (:mod:`gaac.captured`), and a refused recording leaves the cache as it was.
+the device's (:mod:`gaac.serving.graph`), and a refused recording leaves the cache as it was.
 
 In the simulator a recording runs its launches eagerly, so a refused one has appended to the layers it
 reached: the plan takes them back.  The sequence starts one token short of a block end, so that a first
@@ -105,7 +105,7 @@ def test_replayed_once_per_step_run():
 
 def test_another_cache_is_not_changed_inside_a_recording():
     """:func:`check_not_recording` refuses a cache that records no plan while this thread records one."""
-    from gaac.captured import RECORDING, check_not_recording
+    from gaac.serving.graph import RECORDING, check_not_recording
 
     cache, seq = _cache()
     other, _ = _cache()

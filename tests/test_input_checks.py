@@ -112,7 +112,7 @@ def test_q_with_another_head_count_than_planned_is_refused(view, q):
 def test_a_bad_q_checked_against_a_shape_names_q():
     """A caller without a view (a cache's decode plan) checks q against its batch, head size and KV heads."""
     pytest.importorskip("torch")
-    from gaac.step import _Shape
+    from gaac.serving.plan import _Shape
 
     shape = _Shape(BATCH, D, KV_HEADS)
     for bad, message in ((np.zeros((BATCH, Q_HEADS, D), np.float32), "q: dtype float32 is not BF16"),
@@ -154,7 +154,7 @@ def test_calibration_layers_and_epochs_are_integers(cal):
         cal.n_epochs(2, L.KIND_K)
 
 
-# -- a cache's decode plan on the CPU path (gaac.step.StepPlan without the kernel) ------------------
+# -- a cache's decode plan on the CPU path (gaac.serving.plan.StepPlan without the kernel) ------------------
 
 def test_a_cpu_decode_plan_refuses_what_its_kernel_path_refuses():
     """Scale, q's head count and the out/lse buffers are checked as on the kernel path: InputErrors that

@@ -139,7 +139,7 @@ def test_a_cuda_codec_cache_is_freed_at_del(data, adapt):
         cache = _cache(cal, "cuda", adapt)
         seq = cache.add_sequence(k[:, :, :START], v[:, :, :START])
         plan, pos = _eager_steps(cache, seq, k, v, START, 3, rng, attention=False)
-        assert plan._appender is not None and cache._eager_plan is plan
+        assert plan._appender is not None and cache.serving.eager_plan is plan
         plan.run(_q(rng), LAYERS - 1)
         refs = _watch(cache)
         refs["plan"] = weakref.ref(plan)
@@ -160,12 +160,12 @@ def test_a_step_left_part_way_is_accounted_and_freed(data):
         pos = _eager_steps(cache, seq, k, v, START, 1, rng, attention=False)[1]
         plan = cache.decode_plan(2, seqs=[seq])              # this step's token finishes block 0
         cache.update_layer(0, [seq], _token(k, 0, pos), _token(v, 0, pos))
-        assert cache._unsettled is not None
+        assert cache.serving.unsettled is not None
         refs = {"plan": weakref.ref(plan)}
         del plan
         assert not _alive(refs), "the cache holds the plan"
         cache.update_layer(1, [seq], _token(k, 1, pos), _token(v, 1, pos))    # settles the account first
-        assert cache._unsettled is None
+        assert cache.serving.unsettled is None
         got_k, got_v = cache.read(seq)
         np.testing.assert_array_equal(got_k, k[:, :, :pos + 1])
         np.testing.assert_array_equal(got_v, v[:, :, :pos + 1])
@@ -232,7 +232,7 @@ def test_a_step_graph_frees_its_cache_at_del():
     buffers returns the memory allocated since before the cache was made, with the garbage collector off.
     (torch collects garbage as a capture begins; the last capture's plan is made before that, so a cycle
     through it would still show here.)"""
-    from gaac.captured import StepGraph
+    from gaac.serving.graph import StepGraph
 
     steps = 10
     rng = np.random.default_rng(12)

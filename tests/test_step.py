@@ -148,7 +148,7 @@ def test_a_step_accounts_its_finished_blocks_once_and_a_call_part_way_settles_th
     copies) is made once a step, at its last layer; a step stopped part way is accounted by the cache's next
     call, and the layers appended after it by the step's last layer.  Epochs and contents then match a
     cache updated in full, layer by layer."""
-    from gaac.step_append import StepAppend
+    from gaac.serving.append import StepAppend
 
     for name in ("WARMUP_BLOCKS", "ADAPT_EVERY"):
         monkeypatch.setattr(epochs_mod, name, 1)
@@ -200,7 +200,7 @@ def test_a_plan_follows_the_previous_step_where_only_the_lengths_advanced(monkey
     fast path, nothing else changed the cache and neither step finishes a block; otherwise (a layer appended
     through the full path, a new sequence, a finished block) the plan is made in full.  Either way the cache
     holds the same bits and attends over what it holds."""
-    from gaac.step import StepPlan
+    from gaac.serving.plan import StepPlan
 
     rng = np.random.default_rng(14)
     layers, n = 2, B + 8
@@ -253,7 +253,7 @@ def test_a_plan_follows_the_previous_step_where_only_the_lengths_advanced(monkey
 
 def test_fused_merge_work_gives_every_row_a_split_and_groups_the_splits():
     from gaac.attention import split_work
-    from gaac.step import fused_merge_work
+    from gaac.serving.plan import fused_merge_work
 
     split = split_work([(0, 0, 20), (2, 0, 3)], 4, 2, None, blocks_per_split=1)     # rows 1 and 3 hold nothing
     work, mrg, group = fused_merge_work(split, 4, 2)
@@ -271,7 +271,7 @@ def test_an_eager_step_merges_in_the_kernel_over_groups_and_empty_rows(fused, mo
     """The eager step's attention merges its splits in the kernel (two levels where a sequence has more splits
     than a group): each live row matches float64, and a row without a sequence gives 0 and LSE -inf.  The same
     with the merge kernel (``FUSED_MERGE`` off, as a captured step runs)."""
-    import gaac.step as step_mod
+    import gaac.serving.plan as step_mod
 
     monkeypatch.setattr(step_mod, "FUSED_MERGE", fused)
     monkeypatch.setattr(step_mod, "wave_target", lambda kernel, like: (256, None))   # a split a block

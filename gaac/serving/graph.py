@@ -1,6 +1,6 @@
-"""A decode step the device drives by itself, for CUDA graphs: the captured plan of :mod:`gaac.step`.
+"""A decode step the device drives by itself, for CUDA graphs: the captured plan of :mod:`gaac.serving.plan`.
 
-An eager step is planned by the host from the lengths it keeps (:class:`gaac.step.StepPlan`); a CUDA
+An eager step is planned by the host from the lengths it keeps (:class:`gaac.serving.plan.StepPlan`); a CUDA
 graph replays the same launches step after step, so its kernels must find on the device what changes
 between steps.  A plan made with ``steps=N`` (``cache.decode_plan(q_heads, steps=N)``) does that for the
 next ``N`` steps of one token per sequence:
@@ -75,9 +75,10 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from . import layout as L
-from .errors import InputError
-from .pools import latest_version, reserve_step
+from .. import layout as L
+from ..errors import InputError
+from ..pools import latest_version
+from .append import StepAppend, step_append
 
 
 def _check_device_driven(cache, count, name: str, what: str, unit: str) -> None:
@@ -85,7 +86,7 @@ def _check_device_driven(cache, count, name: str, what: str, unit: str) -> None:
     number of ``unit``) that is not positive."""
     if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 1:
         raise InputError(f"{name} must be a positive number of {unit}, got {count!r}")
-    if not cache._cuda_codec:
+    if not cache.cuda_codec:
         raise InputError(f"{what} records the CUDA codec's device-driven step; this cache runs the reference codec "
                          "(make it on a GPU, or with codec='cuda' in the simulator)")
     if L.tiles_per_head(cache.head_dim) != 1:
@@ -94,7 +95,7 @@ def _check_device_driven(cache, count, name: str, what: str, unit: str) -> None:
 
 
 class CapturedSteps:
-    """The device-driven part of a :class:`gaac.step.StepPlan` made with ``steps`` (module docstring).
+    """The device-driven part of a :class:`gaac.serving.plan.StepPlan` made with ``steps`` (module docstring).
 
     The plan holds it; it names the plan by a weak reference (:attr:`plan`), so that the two make no cycle
     that would keep the cache's storage after the caller drops the plan."""
@@ -114,7 +115,7 @@ class CapturedSteps:
         self._appended = None       # the layers the recording in progress appended (None: no recording)
         self._ran = False           # a step ran eagerly (recorded outside a capture), not yet accounted by replayed()
         self._captured = False      # whether a recording was captured: its replays are torch's, unseen by the plan
-        reserve_step(cache, before, self.end)
+        cache.reserve_step(before, self.end)
         self._generation = None
 
     @property
@@ -126,10 +127,9 @@ class CapturedSteps:
     def prepare(self) -> None:
         """Compile every kernel the step launches (a launch being captured must not compile) and make the
         step's device arrays and each layer's encoders."""
-        from .cuda import attention as K
-        from .attention_launch import layer_launch
-        from .cuda.merge import merge_signature
-        from .step_append import step_append
+        from ..attention_launch import layer_launch
+        from ..cuda import attention as K
+        from ..cuda.merge import merge_signature
 
         cache, plan = self.cache, self.plan
         self.appender = step_append(cache, self.rows)
@@ -138,7 +138,7 @@ class CapturedSteps:
             for layer in range(cache.layers):
                 layer_launch(cache, layer, plan.g).main.prepare(K.kernel_signature())
             plan._merge_launch.prepare(merge_signature())
-        self._generation = cache._generation
+        self._generation = cache.serving.generation
 
     # -- recording ---------------------------------------------------------------------------------
     @contextmanager
@@ -148,14 +148,15 @@ class CapturedSteps:
         if not self.steps:
             raise InputError("this plan has no steps to record (plan.steps is 0): run the next step eagerly, "
                              "then plan again")
-        if cache._recording is not None:
+        serving = cache.serving
+        if serving.recording is not None:
             raise InputError("another plan's step is being recorded")
         self.check_current()
         if self._ran:
             raise InputError("the step this plan last ran eagerly is not accounted: call plan.replayed() before "
                              "recording the next")
         capturing = _capturing(cache)
-        cache._recording = self
+        serving.recording = self
         self._appended = set()
         RECORDING.plans.append(self)
         recorded = False
@@ -168,7 +169,7 @@ class CapturedSteps:
                                  "its token (cache.update_layer) once")
             recorded = True
         finally:
-            cache._recording = None
+            serving.recording = None
             RECORDING.plans.remove(self)
             appended, self._appended = self._appended, None
             if not recorded and appended and not capturing:
@@ -179,7 +180,7 @@ class CapturedSteps:
             self._ran = True
 
     def check_recording(self, what: str) -> None:
-        if self.cache._recording is not self:
+        if self.cache.serving.recording is not self:
             raise InputError(f"{what}: a plan of steps runs inside `with plan.device_driven():` (captured in a "
                              "CUDA graph, or run eagerly there), its host account kept by plan.replayed()")
 
@@ -191,7 +192,7 @@ class CapturedSteps:
                              f"(cache.update_layer) before its attention, which would otherwise leave it out")
 
     def check_current(self) -> None:
-        if self.cache._generation != self._generation:
+        if self.cache.serving.generation != self._generation:
             raise InputError("the cache changed since this plan of steps was made (another update, a removal, "
                              "growth): its launches may name arrays that are gone; make a new plan and capture "
                              "it again")
@@ -222,23 +223,7 @@ class CapturedSteps:
         encodes of the blocks they finished took (read from the block table: a refused step waits for the
         device) go back to the pools, as a removal gives them back.  The plan ends (the pools' free lists
         are new): the next plan starts from the host's lengths."""
-        cache, rows = self.cache, self.rows
-        with cache.lock:
-            cache._seq_lens[:, cache._to_device(rows)] = cache._to_device(cache._lens[:, rows].astype(np.int32))
-            after = cache._lens[0, rows] + 1
-            done = after % L.BLOCK_TOKENS == 0
-            if done.any():
-                at = (cache._to_device(rows[done]), cache._to_device(after[done] // L.BLOCK_TOKENS - 1))
-                for layer in sorted(layers):
-                    for store in cache._store[layer]:
-                        e = store.table[at].reshape(-1).cpu().numpy().view(np.uint32).astype(np.int64)
-                        is_raw = (e & L.TABLE_RAW_FLAG) != 0
-                        store.slots.give(e[~is_raw])
-                        store.raw.give(e[is_raw] & L.TABLE_INDEX_MASK)
-                        store.table[at] = 0
-                        if store.epoch is not None:
-                            store.epoch[at] = 0
-            cache._lengths_changed()
+        self.cache.undo_device_appends(self.rows, layers)
 
     # -- after each replay -------------------------------------------------------------------------
     def replayed(self) -> None:
@@ -257,7 +242,7 @@ class CapturedSteps:
         self._account_step()
 
     def _refuse_while_recording(self) -> None:
-        if self.cache._recording is self:
+        if self.cache.serving.recording is self:
             raise InputError("replayed(): the step is being recorded; account it after the `with "
                              "plan.device_driven():` block (and, for a captured graph, after each graph.replay())")
 
@@ -265,9 +250,10 @@ class CapturedSteps:
         """The host's account of a step that ran: the rows' lengths advance, the blocks they finished are
         accounted (pools, block epochs, the rule's copies) without reading the device."""
         cache, rows = self.cache, self.rows
-        after = cache._lens[0, rows] + 1
+        lens = cache.host_lengths
+        after = lens[0, rows] + 1
         done = after % L.BLOCK_TOKENS == 0
-        cache._lens[:, rows] += 1
+        lens[:, rows] += 1
         self.step += 1
         app = self.appender
         # the published epochs, which a step's finished blocks took (read only where some block finished)
@@ -276,7 +262,7 @@ class CapturedSteps:
 
 
 class BucketSteps(CapturedSteps):
-    """The device-driven step of a batch-size bucket: the part of a :class:`gaac.step.StepPlan` made with
+    """The device-driven step of a batch-size bucket: the part of a :class:`gaac.serving.plan.StepPlan` made with
     ``bucket=size`` that :class:`StepGraph` captures once and replays for every batch of up to ``size``
     sequences, step after step, whatever joins, leaves or adaptation checks come between.
 
@@ -286,7 +272,7 @@ class BucketSteps(CapturedSteps):
     * **places** (``plan.seqs``): the bucket's ``size`` places, each a sequence row or -1 (free); the append
       kernel skips a free place.  A batch that differs rewrites them (one small copy).
     * **the work list** (``room`` entries, the kernel's grid, and the merge's split index): made for the
-      lengths rounded up to :data:`gaac.step.PLAN_AHEAD` tokens; rewritten where a sequence passes its
+      lengths rounded up to :data:`gaac.serving.plan.PLAN_AHEAD` tokens; rewritten where a sequence passes its
       rounded length or holds another length than the plan expects (a join, a removal).  Entries past the
       list are free (the kernel leaves them at once).
     * **epochs**: the appends encode finished blocks with the published epochs (``cache.epochs_now`` and
@@ -301,8 +287,6 @@ class BucketSteps(CapturedSteps):
     places = True
 
     def __init__(self, plan, size, rows: np.ndarray, before: np.ndarray):
-        from .step_append import StepAppend
-
         cache = plan.cache
         _check_device_driven(cache, size, "bucket", "a bucket's step", "sequences")
         if not 1 <= len(rows) <= size:
@@ -316,7 +300,7 @@ class BucketSteps(CapturedSteps):
         self._captured = False
         after = before.copy()
         after[self.rows] += 1
-        reserve_step(cache, before, after)
+        cache.reserve_step(before, after)
         self.appender = StepAppend(cache, np.asarray(plan.seqs, np.int64))
         self.expect = before.copy()     # the host's lengths the buffers were last made for
         self.cover = self._cover(after)
@@ -345,11 +329,13 @@ class BucketSteps(CapturedSteps):
         sized to fit the waves they fill (:func:`gaac.attention.split_work`), so lengths that grow and joins
         keep the list in that room; a list that outgrows it is planned and captured again."""
         split, _, state = plan._split(cover)
-        per_wave = max(self.cache._wave[id(state.kernel)] // self.cache.kv_heads, 1)
+        per_wave = max(self.cache.serving.wave[id(state.kernel)] // self.cache.kv_heads, 1)
         return -(-max(split.n_work, self.size, 1) // per_wave) * per_wave
 
     def _pool_versions(self) -> tuple:
-        return tuple(p.version for layer in self.cache._store for s in layer for p in (s.slots, s.raw))
+        cache = self.cache
+        return tuple(p.version for layer in range(cache.layers) for s in cache.stores(layer)
+                     for p in (s.slots, s.raw))
 
     def valid(self) -> bool:
         """Whether the launches recorded for this plan still name the cache's arrays (no growth since)."""
@@ -379,17 +365,17 @@ class BucketSteps(CapturedSteps):
         rows = np.asarray(rows, np.int64)
         if len(rows) > self.size:
             raise InputError(f"{len(rows)} sequences for a bucket of {self.size}")
-        before = cache._lens[0]
+        before = cache.host_lengths[0]
         refresh = not (len(rows) == len(self.rows) and (rows == self.rows).all())
         if refresh:
             places = self._places(rows)
-            self.appender.rows_dev.copy_(cache._to_device(np.asarray(places, np.int32)))
+            self.appender.rows_dev.copy_(cache.to_device(np.asarray(places, np.int32)))
             self.appender.rows = np.asarray(places, np.int64)
             self.plan.seqs[:] = places
             self.rows = rows
         after = before.copy()
         after[rows] += 1
-        reserve_step(cache, before, after)
+        cache.reserve_step(before, after)
         if not self.valid():                    # the reservation grew a pool
             return False
         if refresh or (after[rows] > self.cover[rows]).any() or (before[rows] != self.expect[rows]).any():
@@ -402,9 +388,9 @@ class BucketSteps(CapturedSteps):
         return True
 
     def prepare(self) -> None:
-        from .cuda import attention as K
-        from .attention_launch import layer_launch
-        from .cuda.merge import merge_signature
+        from ..attention_launch import layer_launch
+        from ..cuda import attention as K
+        from ..cuda.merge import merge_signature
 
         cache, plan = self.cache, self.plan
         self.appender.prepare()
@@ -446,7 +432,7 @@ class BucketSteps(CapturedSteps):
         if not self._ready:
             raise InputError("replayed(): the step was not advanced (BucketSteps.advance) since its last account")
         self._ready = False
-        cache._step_index = None
+        cache.serving.step_index = None
         self._account_step()
 
 
@@ -474,7 +460,7 @@ def check_not_recording(cache, what: str = "update") -> None:
     not recording a plan of its own): a CUDA graph would replay it on every step, and nothing would account
     for it on the host."""
     plans = RECORDING.plans
-    if plans and cache._recording is None:
+    if plans and cache.serving.recording is None:
         raise InputError(f"{what} of a cache that records no plan, inside another cache's `with "
                          "plan.device_driven():`: a graph replays it every step and nothing accounts for it; change "
                          "it outside the recording, or record a plan of its own for it")
@@ -534,7 +520,7 @@ class StepGraph:
 
         cache = self.cache
         seqs = self.seqs if seqs is None else seqs
-        rows = np.asarray(cache.sequences if seqs is None else cache._check_seqs(seqs), np.int64)
+        rows = np.asarray(cache.sequences if seqs is None else cache.check_seqs(seqs), np.int64)
         if not len(rows) or len(np.unique(rows)) != len(rows):
             raise InputError(f"seqs {rows.tolist()}: a step needs at least one sequence, each once")
         size = self.bucket(len(rows))

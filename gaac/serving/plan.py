@@ -17,14 +17,15 @@ serves every layer: the attention kernel reads each block's epoch and loads that
 epoch's bases where it changes inside a split, from the layer's table of every
 epoch (:meth:`gaac.PagedKVCache.epoch_table`), which keeps its place as epochs
 are appended.  What the kernel needs of each layer (its arrays, the packed
-launch parameters) is built the first time a layer runs and kept by the cache
-until that layer's storage is replaced (growth, a full epoch table).
+launch parameters) is built the first time a layer runs and kept in the cache's
+serving state (:class:`gaac.serving.state.ServingState`) until that layer's storage
+is replaced (growth, a full epoch table).
 
 The adaptation rule does not hold a step up: the appends encode finished blocks
 with the published epochs (device buffers), the rule looks at a step's finished
 blocks a few steps later (:data:`gaac.cache.ADAPT_LAG`) from a host copy that
 has arrived by then, and an epoch it appends is published for the steps
-launched after (:meth:`gaac.PagedKVCache._flush_due`).
+launched after (:meth:`gaac.PagedKVCache.account_decode_step`).
 
 An eager step is bound by the host's time per launch, so its attention is one
 launch a layer: the kernel's last warps merge the splits (``fused_merge`` in
@@ -37,6 +38,10 @@ every layer's pools can take the blocks this step's appends finish
 (:class:`gaac.errors.PoolExhaustedError` otherwise, or growth with
 ``grow=True``).  On the CPU (the reference codec) ``run`` is the reference
 path of :func:`gaac.decode_attention`, so tests and CPU users write the same loop.
+
+The plan reads and writes the cache only through its storage interface (the
+:class:`gaac.PagedKVCache` docstring): lengths on the host and the device, the
+layers' storage records, the epoch tables, ``reserve_step``.
 """
 from __future__ import annotations
 
@@ -46,12 +51,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import layout as L
-from . import attention
-from .attention import MAX_GROUP, _check_q, split_work, wave_target
-from .errors import FormatError, InputError
-from .attention_launch import c_float, layer_launch
-from .pools import reserve_step
+from .. import layout as L
+from .. import attention
+from ..attention import MAX_GROUP, _check_q, split_work, wave_target
+from ..errors import FormatError, InputError
+from ..attention_launch import c_float, layer_launch
+from .append import append_token_launch, step_append, supported
 
 LOG2_E = 1.4426950408889634
 PLAN_AHEAD = 16 * L.BLOCK_TOKENS   # an eager step's work list covers lengths up to the next multiple of this
@@ -104,14 +109,14 @@ class StepPlan:
             raise InputError(f"append must be a non-negative number of tokens, got {append!r}")
         self.cache, self.q_heads, self.g = cache, int(q_heads), int(q_heads) // hk
         self.scale = attention.check_scale(scale, d)
-        if steps is None and bucket is None and append == 1 and self._follow(cache._eager_plan, seqs):
+        if steps is None and bucket is None and append == 1 and self._follow(cache.serving.eager_plan, seqs):
             return
-        lens = cache._lens
+        lens = cache.host_lengths
         if (lens != lens[0]).any():
             layer = int(np.flatnonzero((lens != lens[0]).any(axis=1))[0])
             raise InputError(f"layer {layer} holds other lengths than layer 0 ({lens[layer].tolist()} against "
                              f"{lens[0].tolist()}): finish the step that is under way before planning the next")
-        rows = np.asarray(cache.sequences if seqs is None else cache._check_seqs(seqs), np.int64)
+        rows = np.asarray(cache.sequences if seqs is None else cache.check_seqs(seqs), np.int64)
         if len(np.unique(rows)) != len(rows):
             raise InputError(f"seqs {rows.tolist()}: each sequence may appear once in a step")
         self.seqs = rows.tolist()
@@ -121,24 +126,24 @@ class StepPlan:
         self.lens[rows] += append
         self.batch = len(self.lens)
         self.steps = None
-        self.kernel_path = cache._cuda_codec
-        cache._eager_plan = None
+        self.kernel_path = cache.cuda_codec
+        cache.serving.eager_plan = None
         self._fast = False
         if bucket is not None:
-            from .captured import BucketSteps
+            from .graph import BucketSteps
 
             self.captured = BucketSteps(self, bucket, rows, before)
             self.steps = 1              # a step each time the bucket's plan is advanced (BucketSteps.advance)
             return
         if steps is None:
-            reserve_step(cache, before, self.lens)
+            cache.reserve_step(before, self.lens)
             if self.kernel_path:
                 self._device_appends(rows, before, append)
                 self._ahead_lens = self._ahead(self.lens)
                 self._plan_kernel(self._ahead_lens)
                 self._prepare_fast(rows, before, append)
             return
-        from .captured import CapturedSteps
+        from .graph import CapturedSteps
 
         if append != 1:
             raise InputError(f"a plan of steps appends one token per sequence a step; got append={append!r}")
@@ -161,7 +166,8 @@ class StepPlan:
         lengths stay within the work list's rounded ones) the work list carry over.  False, nothing set,
         otherwise: the full plan follows."""
         cache = self.cache
-        if (prev is None or prev._appender is None or prev._n_appended != cache.layers or cache._generation != prev._gen
+        if (prev is None or prev._appender is None or prev._n_appended != cache.layers
+                or cache.serving.generation != prev._gen
                 or len(prev._fin) or prev.q_heads != self.q_heads or prev.scale != self.scale
                 or not (prev._all_seqs if seqs is None else type(seqs) is list and seqs == prev.seqs)):
             return False
@@ -176,7 +182,7 @@ class StepPlan:
             return False
         self.seqs, self._rows, self._all_seqs, self.lens, self.batch = prev.seqs, rows, prev._all_seqs, lens, prev.batch
         self.steps, self.kernel_path, self._fast, self._ahead_lens = None, True, False, ahead
-        cache._eager_plan = None
+        cache.serving.eager_plan = None
         for name in _SHARED:
             if name in prev.__dict__:
                 setattr(self, name, prev.__dict__[name])
@@ -190,7 +196,7 @@ class StepPlan:
         """The lengths an eager step's work list is made for: ``lens`` rounded up to ``PLAN_AHEAD`` tokens, at
         most what a sequence can hold (a full block table and a tail of ``BLOCK_TOKENS - 1`` tokens after it).
         The kernel stops each split at the length it reads on the device, so the list serves every step until
-        a sequence passes the rounded length, and the steps in between reuse it (``cache._work_plans``)
+        a sequence passes the rounded length, and the steps in between reuse it (the cache's ``serving.work_plans``)
         instead of building one a block."""
         ahead = -(-lens // PLAN_AHEAD) * PLAN_AHEAD
         return np.minimum(ahead, (self.cache.max_blocks + 1) * L.BLOCK_TOKENS - 1)
@@ -202,9 +208,10 @@ class StepPlan:
         nblk = -(-lens // L.BLOCK_TOKENS)
         runs = [(int(b), 0, int(nblk[b])) for b in np.flatnonzero(nblk)]
         state = layer_launch(cache, 0, self.g, self._fused)
-        target = cache._wave.get(id(state.kernel))
+        waves = cache.serving.wave
+        target = waves.get(id(state.kernel))
         if target is None:
-            target = cache._wave[id(state.kernel)] = wave_target(state.kernel, cache._seq_lens)[0]
+            target = waves[id(state.kernel)] = wave_target(state.kernel, cache.device_lengths)[0]
         return split_work(runs, self.batch, cache.kv_heads, target), runs, state
 
     def _refresh_work(self, lens: np.ndarray) -> bool:
@@ -217,8 +224,8 @@ class StepPlan:
             return False
         work = np.zeros((self._room, 3), np.int32)          # free entries: no blocks (the kernel leaves at once)
         work[:split.n_work] = split.work.reshape(-1, 3)
-        self._work.copy_(self.cache._to_device(work.reshape(-1)))
-        self._split0.copy_(self.cache._to_device(split.split0))
+        self._work.copy_(self.cache.to_device(work.reshape(-1)))
+        self._split0.copy_(self.cache.to_device(split.split0))
         self.n_work, self.blocks_per_split = split.n_work, split.blocks_per_split
         return True
 
@@ -226,14 +233,14 @@ class StepPlan:
         """The work list for the lengths ``lens`` (this step's; a captured plan's: its last step's).  ``room``
         (a captured step for a batch-size bucket): the list's buffers hold that many entries, the kernel's
         grid covers them all, and :meth:`_refresh_work` rewrites them in place."""
-        from .cuda import merge
-        from .cuda.primitives import SIMULATOR
+        from ..cuda import merge
+        from ..cuda.primitives import SIMULATOR
 
         cache, hk, d = self.cache, self.cache.kv_heads, self.cache.head_dim
         self._fused = FUSED_MERGE and self.steps is None and room is None and d <= 128
         split, runs, state = self._split(lens)
         key = (tuple(runs), self.batch, self.q_heads, self.scale, id(state.kernel))
-        shared = cache._work_plans.get(key) if self.steps is None and room is None else None
+        shared = cache.serving.work_plans.get(key) if self.steps is None and room is None else None
         if shared is not None:
             # The lengths' blocks are those of an earlier step: its work list, partials and launch
             # parameters serve this one (stream order keeps the steps' uses apart).
@@ -247,7 +254,7 @@ class StepPlan:
         if self._fused:                 # no merge kernel: its split index, launcher and parameters are not made
             work, mrg, self._group = fused_merge_work(split, self.batch, hk)
             self.n_work = len(work) // 3
-            self._mrg = cache._to_device(mrg)
+            self._mrg = cache.to_device(mrg)
             rows = self.n_work + int(mrg[2 * (self.batch + 1) - 1])       # the splits', then the groups'
         else:
             work, self.n_work, self._group = split.work, split.n_work, 0
@@ -257,10 +264,10 @@ class StepPlan:
             rows = max(self.n_work if room is None else room, 1)
             grid, threads, lanes = merge.merge_launch(self.batch, self.q_heads, d, int(split.splits.max(initial=0)))
             self._merge, self._merge_grid = merge.merge_kernel(d, lanes), (tuple(int(x) for x in grid), threads)
-            self._split0 = cache._to_device(split.split0)
+            self._split0 = cache.to_device(split.split0)
         self.blocks_per_split = split.blocks_per_split
         self._grid = (max(self.n_work if room is None else room, 1), hk)
-        self._work = cache._to_device(work if len(work) else np.zeros(3, np.int32))
+        self._work = cache.to_device(work if len(work) else np.zeros(3, np.int32))
         dev = cache.device
         self.o_part = torch.empty(rows * hk * self.g * d, dtype=torch.float32, device=dev)
         self.lse_part = torch.empty(rows * hk * self.g, dtype=torch.float32, device=dev)
@@ -268,8 +275,8 @@ class StepPlan:
         self._lse = torch.empty((self.batch, self.q_heads), dtype=torch.float32, device=dev)
         self._scale_log2 = np.float32(self.scale * LOG2_E)
         if not SIMULATOR:
-            from .cuda.launch import DATA_SLOT, FastLaunch, ParamBuffer, current_stream, packed_params, params
-            from .cuda.merge import merge_signature
+            from ..cuda.launch import DATA_SLOT, FastLaunch, ParamBuffer, current_stream, packed_params, params
+            from ..cuda.merge import merge_signature
 
             self._current_stream = current_stream
 
@@ -285,9 +292,10 @@ class StepPlan:
                                   + [self.batch, self._group])
             if not self._fused:
                 # One launcher per merge kernel for the cache's life: its first call compiles through numba.
-                self._merge_launch = cache._launchers.get(id(self._merge))
+                launchers = cache.serving.launchers
+                self._merge_launch = launchers.get(id(self._merge))
                 if self._merge_launch is None:
-                    self._merge_launch = cache._launchers[id(self._merge)] = FastLaunch(
+                    self._merge_launch = launchers[id(self._merge)] = FastLaunch(
                         self._merge, None, self._merge_grid[1], pdl=True)
                 self._merge_launch.prepare(merge_signature())
                 n, m = self.batch * self.q_heads * d, self.batch * self.q_heads
@@ -298,7 +306,7 @@ class StepPlan:
                                                  + params(cache.kv_heads) + params(self.g))
         self._owner = object()           # what the layers' parameter buffers were last written for
         if self.steps is None and room is None:
-            cache._work_plans = {key: {name: getattr(self, name) for name in _SHARED if hasattr(self, name)}}
+            cache.serving.work_plans = {key: {name: getattr(self, name) for name in _SHARED if hasattr(self, name)}}
 
     # -- running --------------------------------------------------------------------------------------
     def run(self, q, layer: int, *, out=None, lse=None, return_lse: bool = False):
@@ -315,16 +323,16 @@ class StepPlan:
             if res is not None:
                 return res
         cache = self.cache
-        cache._check_layer(layer)
+        cache.check_layer(layer)
         if self.steps is not None:
             self.captured.check_run(layer)
-        elif not np.array_equal(cache._lens[layer], self.lens):
-            raise InputError(f"layer {layer} holds {cache._lens[layer].tolist()} tokens per sequence; this plan is "
+        elif not np.array_equal(cache.host_lengths[layer], self.lens):
+            raise InputError(f"layer {layer} holds {cache.host_lengths[layer].tolist()} tokens per sequence; this plan is "
                              f"for {self.lens.tolist()}: append the step's tokens to the layer before its attention")
         if not self.kernel_path:
             return attention.decode_attention(q, cache.layer_view(layer), scale=self.scale, return_lse=return_lse,
                                               backend="cpu", q_heads=self.q_heads, out=out, lse=lse)
-        from .cuda import attention as K
+        from ..cuda import attention as K
 
         shape = (self.batch, self.q_heads, cache.head_dim)
         if not (isinstance(q, torch.Tensor) and q.dtype in (torch.bfloat16, torch.int16) and q.shape == shape
@@ -379,8 +387,8 @@ class StepPlan:
         cache = self.cache
         if type(layer) is not int or not 0 <= layer < cache.layers:
             return None
-        if not (self._appended[layer] and cache._generation == self._gen) \
-                and not np.array_equal(cache._lens[layer], self.lens):
+        if not (self._appended[layer] and self._state.generation == self._gen) \
+                and not np.array_equal(cache.host_lengths[layer], self.lens):
             return None
         shape, dev = self._q_shape, self._dev
         if not _on_gpu(q, shape, dev):
@@ -423,11 +431,9 @@ class StepPlan:
         self._merge_launch.run(merge, self._merge_grid[0], handle)
 
     def _device_appends(self, rows: np.ndarray, before: np.ndarray, append: int) -> None:
-        """Whether this step's token appends go through the cache's :class:`gaac.step_append.StepAppend` (one
+        """Whether this step's token appends go through the cache's :class:`gaac.serving.append.StepAppend` (one
         launch a layer, block ends encoded on the device with the published epochs): wherever the cache can
-        (:func:`gaac.step_append.supported`) and the step appends one token."""
-        from .step_append import step_append, supported
-
+        (:func:`gaac.serving.append.supported`) and the step appends one token."""
         cache = self.cache
         self._appender = None
         if append != 1 or not len(rows) or not supported(cache):
@@ -440,8 +446,8 @@ class StepPlan:
     def _prepare_fast(self, rows: np.ndarray, before: np.ndarray, append: int, dev: int | None = None) -> None:
         """Set up the per-call fast paths of an eager plan: ``cache.update_layer`` of the step's token
         (:meth:`append_token`), and on the GPU :meth:`run` (``dev``: the cache's device index, if known)."""
-        from .cuda.launch import device_index
-        from .cuda.primitives import SIMULATOR
+        from ..cuda.launch import device_index
+        from ..cuda.primitives import SIMULATOR
 
         cache = self.cache
         self._appended = [False] * cache.layers
@@ -449,7 +455,9 @@ class StepPlan:
         self._account = _Account(self._appender, self._fin, self._blk) if self._appender is not None else None
         self._token_shape = None
         self._before = before
-        self._gen = cache._generation
+        self._state = cache.serving
+        self._gen = self._state.generation
+        self._host_lens = cache.host_lengths     # the live array while the generation holds (growth replaces it)
         if SIMULATOR:
             self._dev = None
         else:
@@ -458,13 +466,13 @@ class StepPlan:
             self._q_shape = (self.batch, self.q_heads, cache.head_dim)
         if self._appender is not None:
             self._token_shape = (len(rows), cache.kv_heads, 1, cache.head_dim)
-            cache._eager_plan = self
+            self._state.eager_plan = self
         elif not SIMULATOR and append == 1 and len(rows) \
                 and not (before[rows] % L.BLOCK_TOKENS == L.BLOCK_TOKENS - 1).any():
             self._token_shape = (len(rows), cache.kv_heads, 1, cache.head_dim)
-            self._index = cache._to_device(np.stack([rows, before[rows] % L.BLOCK_TOKENS, before[rows] + 1])
+            self._index = cache.to_device(np.stack([rows, before[rows] % L.BLOCK_TOKENS, before[rows] + 1])
                                            .astype(np.int32))
-            cache._eager_plan = self
+            self._state.eager_plan = self
 
     def append_token(self, layer, seqs, k, v) -> bool:
         """``cache.update_layer(layer, seqs, k, v)`` of this step's token where the call is exactly what the
@@ -480,19 +488,23 @@ class StepPlan:
                 or not _on_gpu(k, shape, self._dev) or not _on_gpu(v, shape, self._dev)):
             return False
         # The step's positions hold while the layer holds the lengths the plan was made from: certain while
-        # nothing but this plan's appends changed the cache, else compared.
-        if cache._generation != self._gen and not np.array_equal(cache._lens[layer], self._before):
-            return False
+        # nothing but this plan's appends changed the cache, else compared (in the host's lengths of now:
+        # growth of the rows replaces the array).
+        state = self._state
+        if state.generation != self._gen:
+            self._host_lens = cache.host_lengths
+            if not np.array_equal(self._host_lens[layer], self._before):
+                return False
         app = self._appender
         if app is not None:
             app.launch(layer, k, v, contiguous=True)
             self._account.pending[layer] = app.epochs(layer)
-            cache._unsettled = self._account
+            state.unsettled = self._account
         else:
-            cache._append_token_launch(layer, self._index, shape[0], k.data_ptr(), v.data_ptr())
-        cache._lens[layer] = self.lens
-        cache._generation += 1
-        self._gen = cache._generation
+            append_token_launch(cache, layer, self._index, shape[0], k.data_ptr(), v.data_ptr())
+        self._host_lens[layer] = self.lens
+        state.generation += 1
+        self._gen = state.generation
         self._appended[layer] = True
         self._n_appended += 1
         if self._n_appended == cache.layers and self._account is not None and self._account.pending:
@@ -501,19 +513,19 @@ class StepPlan:
 
     def settle(self) -> None:
         """The host's account of the blocks this step's appends finished (:meth:`StepAppend.account
-        <gaac.step_append.StepAppend.account>`), for every layer appended since the last account, in one
+        <gaac.serving.append.StepAppend.account>`), for every layer appended since the last account, in one
         copy of the pools' counts and one of the finished blocks: made when the step's last layer is
         appended, or by the cache's next call if the step stops part way."""
         cache, account = self.cache, self._account
         if account is None:
             return
-        if cache._unsettled is account:
-            cache._unsettled = None
+        if cache.serving.unsettled is account:
+            cache.serving.unsettled = None
         account.settle()
 
     def device_driven(self):
         """A plan of ``steps``: the context in which ``cache.update_layer`` (one token) and :meth:`run` launch
-        the device-driven step, for a CUDA graph to capture (:mod:`gaac.captured`).  Run eagerly, it is
+        the device-driven step, for a CUDA graph to capture (:mod:`gaac.serving.graph`).  Run eagerly, it is
         one step.  Every layer takes one token, before its attention; a step that does otherwise is refused
         (:class:`InputError`) and leaves the cache as it was."""
         self._need_steps("device_driven")
@@ -523,7 +535,7 @@ class StepPlan:
         """A plan of ``steps``: the host's account of one replay of the captured step (no synchronisation):
         its copy of the lengths and of the blocks the step finished.  Call it once per ``graph.replay()``
         (or eager run of the step); a call with no step run since the last is refused where the host can
-        tell without waiting for the device (:meth:`CapturedSteps.replayed <gaac.captured.CapturedSteps.replayed>`)."""
+        tell without waiting for the device (:meth:`CapturedSteps.replayed <gaac.serving.graph.CapturedSteps.replayed>`)."""
         self._need_steps("replayed")
         self.captured.replayed()
 
