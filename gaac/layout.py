@@ -106,8 +106,8 @@ SEQUENCE_EPOCH = struct.Struct("<HHI")     # epoch, reserved (must be 0), bases 
 SEQUENCE_CHUNK_BYTES = 1 << 20             # the body's CRC-32s cover chunks of 1 MiB (the last may be shorter)
 SEQUENCE_ALIGN = 16                        # the body, and each part of a section in it, starts on a multiple of 16
 SEQUENCE_EPOCH_BYTES = 2                   # a block's epoch in the body: u16
-MAX_INDEXED_EPOCHS = 1 << 15              # the most epochs of one layer and kind a paged cache holds: it names a
-                                          # block's epoch in an int16 index (FORMAT.md 11.8)
+MAX_INDEXED_EPOCHS = 1 << 15               # the most epochs of one layer and kind a paged cache holds: it names a
+                                           # block's epoch in an int16 index (FORMAT.md 11.8)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import gaac
 from strategies import drifting
 from test_spec import _struct_fields, table as spec_table
 from gaac import layout as L
-from gaac import transfer
+from gaac import cache_transfer, transfer
 from gaac.cache import PagedKVCache
 from gaac.calibration import Calibration, calibrate
 from gaac.errors import CalibrationError, FormatError, InputError, PoolExhaustedError
@@ -397,9 +397,9 @@ def test_the_body_moves_in_pieces(chunked, monkeypatch):
     refused after the earlier pieces were scattered, and takes no record."""
     cal, cache, seq, whole = chunked
     lay = transfer.read_head(whole).layout
-    assert transfer._piece_ends(lay) == [lay.body_bytes]
-    monkeypatch.setattr(transfer, "PIECE_BYTES", L.SEQUENCE_CHUNK_BYTES)
-    ends = transfer._piece_ends(lay)
+    assert cache_transfer._piece_ends(lay) == [lay.body_bytes]
+    monkeypatch.setattr(cache_transfer, "PIECE_BYTES", L.SEQUENCE_CHUNK_BYTES)
+    ends = cache_transfer._piece_ends(lay)
     assert len(ends) >= 3 and ends[-1] == lay.body_bytes and ends == sorted(set(ends))
     assert all(e % L.SEQUENCE_CHUNK_BYTES == 0 for e in ends[:-1])
     assert bytes(cache.export_sequence(seq)) == whole

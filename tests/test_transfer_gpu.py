@@ -22,21 +22,21 @@ from conftest import every_tile  # noqa: E402
 from test_transfer import assert_unchanged, drifting, mutate, snapshot  # noqa: E402
 
 from gaac import layout as L  # noqa: E402
-from gaac import transfer  # noqa: E402
+from gaac import cache_transfer, transfer  # noqa: E402
 from gaac.cache import PagedKVCache  # noqa: E402
 from gaac.calibration import calibrate  # noqa: E402
 from gaac.errors import FormatError  # noqa: E402
 
 
 def test_gpu_transfers_in_pieces_keep_the_bytes(monkeypatch):
-    monkeypatch.setattr(transfer, "PIECE_BYTES", L.SEQUENCE_CHUNK_BYTES)
+    monkeypatch.setattr(cache_transfer, "PIECE_BYTES", L.SEQUENCE_CHUNK_BYTES)
     rng = np.random.default_rng(5)
     k, v = drifting(rng, 2, 8, 1100, 128, 0.0), drifting(rng, 2, 8, 1100, 128, 0.0)
     cal = calibrate(k, v)
     cpu = PagedKVCache(cal, **every_tile(cal, 1, 70))          # synthetic content: room for every tile raw
     data = bytes(cpu.export_sequence(cpu.add_sequence(k, v)))
     lay = transfer.read_head(data).layout
-    ends = transfer._piece_ends(lay)
+    ends = cache_transfer._piece_ends(lay)
     assert len(ends) >= 3 and lay.body_bytes % L.SEQUENCE_CHUNK_BYTES
     gpu = PagedKVCache(cal, **every_tile(cal, 3, 70), device="cuda")
     first = gpu.import_sequence(data)

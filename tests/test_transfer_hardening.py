@@ -19,11 +19,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from gaac import cache_transfer, transfer
 from gaac import layout as L
-from gaac import transfer
 from gaac.cache import MAX_INDEXED_EPOCHS, PagedKVCache
 from gaac.calibration import Calibration, epoch_canonical_bytes
 from gaac.errors import CalibrationError, FormatError, InputError, PoolExhaustedError
+from gaac.format.sequence import sequence_layout, write_head
 
 ROOT = Path(__file__).resolve().parents[1]
 B3, B4 = 120, 116
@@ -108,14 +109,14 @@ def test_a_buffer_changed_after_the_checks_does_not_change_the_import(monkeypatc
     buffer = bytearray(data)
     c = transfer.read_head(data)
     tail = c.layout.body_offset + c.layout.sections[0].tail
-    verdict = transfer._BodyCheck.verdict
+    verdict = cache_transfer._BodyCheck.verdict
 
     def verdict_then_change(self):
         checked = verdict(self)
         buffer[tail:tail + 64] = bytes(64)         # the caller's buffer changes once the checks passed
         return checked
 
-    monkeypatch.setattr(transfer._BodyCheck, "verdict", verdict_then_change)
+    monkeypatch.setattr(cache_transfer._BodyCheck, "verdict", verdict_then_change)
     cache = PagedKVCache(calibration(), max_blocks=4)
     seq = cache.import_sequence(buffer)
     got = cache.read(seq)
@@ -151,8 +152,8 @@ def test_unpack_of_many_layers_and_no_tokens_allocates_in_proportion(tmp_path):
     container has no epoch records), so its memory stays small."""
     layers = 4096
     cal = calibration(layers)
-    lay = transfer._layout(layers, 1, 64, 0, [32] * 2 * layers, [0] * 2 * layers, [[]] * 2 * layers, True)
-    head = transfer._head(lay, cal.id, cal.canonical_bytes(), [])
+    lay = sequence_layout(layers, 1, 64, 0, [32] * 2 * layers, [0] * 2 * layers, [[]] * 2 * layers, True)
+    head = write_head(lay, cal.id, cal.canonical_bytes(), [])
     path = tmp_path / "layers.gaac"
     path.write_bytes(head + bytes(lay.nbytes - len(head)))
     script = textwrap.dedent(f"""
