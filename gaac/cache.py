@@ -87,7 +87,7 @@ from .tiles import tile_bases
 KINDS = (L.KIND_K, L.KIND_V)
 PROGRESS_TOKENS = 512        # appends of this many tokens show a progress bar on a terminal (PagedKVCache.append)
 # Epochs a block's epoch index can name: it is stored as int16 (LayerView.epoch), so epochs 0..32767.
-MAX_INDEXED_EPOCHS = int(np.iinfo(np.int16).max) + 1
+MAX_INDEXED_EPOCHS = L.MAX_INDEXED_EPOCHS
 ADAPT_LAG = 2                # decode steps between a block's finish and the adaptation rule's look at it
 EPOCH_ROOM = 16              # epochs a layer's attention base table holds at first (PagedKVCache.epoch_table)
 
@@ -1846,7 +1846,7 @@ class PagedKVCache:
         embeds the calibration too.  A read-only memoryview (pinned host memory on CUDA); ``out``: a host buffer
         to write it into; ``heads=(start, stop)``: those KV heads only (FORMAT.md 11.12), for a cache made with
         ``calibration.slice_heads(start, stop)``.  See :func:`gaac.transfer.export_sequence`."""
-        from .transfer import export_sequence
+        from .cache_transfer import export_sequence
 
         return export_sequence(self, seq, calibration=calibration, out=out, heads=heads)
 
@@ -1854,6 +1854,6 @@ class PagedKVCache:
     def import_sequence(self, data) -> int:
         """A sequence container (from :meth:`export_sequence` of a cache with the same calibration id) as a new
         sequence of this cache, bit for bit; returns its id.  See :func:`gaac.transfer.import_sequence`."""
-        from .transfer import import_sequence
+        from .cache_transfer import import_sequence
 
         return import_sequence(self, data)
