@@ -290,3 +290,15 @@ def test_bit_helpers_against_numpy():
         assert byte == bit_planes(vals, b, 1)[0]
         lo, hi = fc._spread_plane(np.uint32(byte), b)
         np.testing.assert_array_equal(np.array([lo, hi], "<u4").view(np.uint8), vals & (1 << b))
+
+
+def test_the_fp8_kernels_register_with_the_device_codec(monkeypatch):
+    """gaac.fp8.cuda registers its kernels for both FP8 formats when it is imported (gaac.cuda.codec does not
+    import it); a format with no registered kernels is an InputError that says what to import."""
+    for fmt in L.FP8_FORMATS.values():
+        ms = L.mode_set(fmt)
+        assert gc.device_codec(fmt) == fc.fp8_codec(ms) and gc.device_codec(fmt.name).modes == ms
+    monkeypatch.setattr(gc.codec, "_CODECS", {})
+    with pytest.raises(InputError, match="import gaac.fp8.cuda"):
+        gc.device_codec("fp8_e4m3")
+    assert gc.device_codec(L.BF16).modes == L.BF16_MODES

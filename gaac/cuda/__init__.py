@@ -2,7 +2,7 @@
 
 ``gaac.cuda.codec`` encodes and decodes tiles of any element format (the paged
 cache's finalize step and the decompress-first path; FP8's kernels are
-``gaac.fp8.cuda``'s, picked by the format); ``gaac.cuda.attention`` is the fused
+``gaac.fp8.cuda``'s, picked by the format once that module is imported); ``gaac.cuda.attention`` is the fused
 decode attention kernel (its slot decoder ``gaac.cuda.tile_decoder``, its split
 merge ``gaac.cuda.merge``); ``gaac.cuda.epochs`` runs the epoch adaptation rule
 of a prefill; ``gaac.cuda.primitives`` holds the device primitives the kernels

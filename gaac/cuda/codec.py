@@ -725,10 +725,23 @@ class DeviceCodec:
 
 BF16_CODEC = DeviceCodec(L.BF16_MODES, "int16", "int16", encode_kernel, decode_kernel)
 
+_CODECS: dict = {}
+"""Element format name -> the factory ``mode set -> DeviceCodec`` of its kernels, for the formats other than
+BF16 (:func:`register_codec`)."""
+
+
+def register_codec(fmt: L.ElementFormat, factory: Callable[[L.ModeSet], DeviceCodec]) -> None:
+    """Make ``factory`` (``mode set -> DeviceCodec``) the device codec of element format ``fmt``'s mode sets.
+    The kernels of a format other than BF16 live in a module above this one, which registers them when it is
+    imported (:mod:`gaac.fp8.cuda` registers E4M3's and E5M2's), so that the plans, :func:`pack_bases` and
+    the one-shot helpers run them by element format without this module importing that one."""
+    _CODECS[fmt.name] = factory
+
 
 def device_codec(fmt=L.BF16) -> DeviceCodec:
     """The device codec of ``fmt``: an element format, its name, or a mode set.  BF16's kernels implement
-    its mode set 3/4/raw8; the FP8 kernels (:mod:`gaac.fp8.cuda`) are built for any FP8 mode set."""
+    its mode set 3/4/raw8; the FP8 kernels (:mod:`gaac.fp8.cuda`, registered when it is imported:
+    :func:`register_codec`) are built for any FP8 mode set."""
     try:
         modes = fmt if isinstance(fmt, L.ModeSet) else L.mode_set(fmt)
     except (ValueError, TypeError) as exc:
@@ -737,9 +750,11 @@ def device_codec(fmt=L.BF16) -> DeviceCodec:
         if modes != L.BF16_MODES:
             raise InputError(f"the BF16 kernels implement mode set {L.BF16_MODES.label}, not {modes.label}")
         return BF16_CODEC
-    from ..fp8.cuda import fp8_codec
-
-    return fp8_codec(modes)
+    factory = _CODECS.get(modes.fmt.name)
+    if factory is None:
+        raise InputError(f"no device kernels are registered for {modes.fmt.name}: import gaac.fp8.cuda, which "
+                         "registers the FP8 kernels (gaac.cuda.codec.register_codec)")
+    return factory(modes)
 
 
 def check_capacity(capacity) -> int:

@@ -6,7 +6,8 @@ The contract of :mod:`gaac.cuda.codec` (read its docstring), with FP8 elements: 
 :class:`~gaac.cuda.codec.EncodePlan` and :class:`~gaac.cuda.codec.DecodePlan`,
 :func:`~gaac.cuda.codec.pack_bases` and one-shot helpers take an FP8 format (a name such as
 ``"fp8_e4m3"``, an :class:`~gaac.layout.ElementFormat`, or any FP8
-:class:`~gaac.layout.ModeSet`) and run this module's kernels (:func:`fp8_codec`).
+:class:`~gaac.layout.ModeSet`) and run this module's kernels (:func:`fp8_codec`), which importing this
+module registers with :func:`gaac.cuda.codec.register_codec`.
 ``C = min(head_dim, 128)``, ``N = 16*C``, ``G = N/8``;
 ``slot_bytes = TileGeometry(C, modes).slot_bytes(capacity)`` (FORMAT-FP8.md 5.1).  What differs from
 BF16's arrays: ``bits``, ``raw`` and ``out`` are uint8 ``[*, 16, C]`` -- FP8 bit patterns
@@ -41,12 +42,12 @@ from numba import cuda, int32, uint8, uint32
 
 from .. import layout as L
 from ..cuda.codec import (DECODE_SIG, ENCODE_SIG, TILES_PER_BLOCK, DeviceCodec, _copy_raw, _free_list_position,
-                          _group_escapes, _staged_offset, _stream_field, _tag_words, _take_storage, _write_status,
+                          _group_escapes, register_codec, _staged_offset, _stream_field, _tag_words, _take_storage, _write_status,
                           _write_stream, _write_tags_escapes)
 from ..cuda.launch import WORD
 from ..cuda.primitives import WARP, device, ldg2, mul32, stg2, syncwarp
 from ..errors import InputError
-from ..layout import MODE_NARROW, MODE_RAW, MODE_WIDE, TILE_WIDTHS, ModeSet, TileGeometry
+from ..layout import FP8_FORMATS, MODE_NARROW, MODE_RAW, MODE_WIDE, TILE_WIDTHS, ModeSet, TileGeometry
 
 __all__ = ["decode_kernel", "decode_source", "encode_kernel", "encode_source", "fp8_codec"]
 
@@ -350,6 +351,11 @@ def decode_kernel(modes: ModeSet, channels: int, tiles_per_block: int = TILES_PE
 @functools.lru_cache(maxsize=None)
 def fp8_codec(modes: ModeSet) -> DeviceCodec:
     """The device codec of an FP8 mode set: uint8 elements and bases, this module's kernels.  The plans,
-    :func:`gaac.cuda.codec.pack_bases` and the one-shot helpers take it through the element format."""
+    :func:`gaac.cuda.codec.pack_bases` and the one-shot helpers take it through the element format, once
+    this module is imported (it registers itself below)."""
     return DeviceCodec(modes, "uint8", "uint8", functools.partial(encode_kernel, modes),
                        functools.partial(decode_kernel, modes))
+
+
+for _fmt in FP8_FORMATS.values():
+    register_codec(_fmt, fp8_codec)
