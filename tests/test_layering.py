@@ -3,7 +3,7 @@
 The graph is read from the source with :mod:`ast`, not by importing: a node per module under gaac/ (a
 package is its ``__init__``), an arrow per module another one imports -- at the top of the file or inside a
 function, relative imports resolved, ``from package import submodule`` counted as an arrow to the
-submodule.  A lazy import inside a function is an arrow like any other: it is still a dependency, and
+submodule, ``importlib.import_module("gaac.x")`` with a literal name counted as an import.  A lazy import inside a function is an arrow like any other: it is still a dependency, and
 two modules that reach each other that way are a cycle.
 
 Run as a script it prints the graph's numbers (modules, import levels, arrows, cycles)::
@@ -17,9 +17,16 @@ import ast
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "gaac"
 FORBIDDEN = ("benchmarks", "studies")      # research code: gaac and its tests never import it
+IMPORT_CALLS = ("importlib.import_module", "import_module", "__import__")   # with a literal name: an arrow too
+KNOWN_CYCLES = [["gaac.capture", "gaac.cli"]]
+"""Cycles the rule tolerates until they are broken, each with a test that fails once it is (strict xfail):
+``gaac.cli`` imports ``gaac.capture`` by name (``importlib.import_module``, for ``gaac capture``) and
+``gaac.capture`` imports ``gaac.cli``'s parser class and ``main``."""
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:
@@ -46,7 +53,17 @@ def imported_names(tree: ast.AST, name: str, is_package: bool, modules=frozenset
             else:
                 base = node.module
             out.update(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names)
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
+                and isinstance(node.args[0].value, str) and _call_name(node.func) in IMPORT_CALLS:
+            out.add(node.args[0].value)       # importlib.import_module("gaac.x"): an import by another name
     return out
+
+
+def _call_name(func: ast.expr) -> str:
+    """``importlib.import_module`` / ``import_module`` / ``__import__`` as called, else ''."""
+    if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+        return f"{func.value.id}.{func.attr}"
+    return func.id if isinstance(func, ast.Name) else ""
 
 
 def import_graph(root: Path = ROOT, package: str = PACKAGE) -> dict[str, set[str]]:
@@ -159,8 +176,15 @@ def forbidden_imports(root: Path = ROOT) -> list[str]:
 
 def test_gaac_has_no_import_cycles():
     graph = import_graph()
-    found = [" -> ".join(cycle_path(graph, c)) for c in cycles(graph)]
+    found = [" -> ".join(cycle_path(graph, c)) for c in cycles(graph) if c not in KNOWN_CYCLES]
     assert not found, "import cycles among gaac's modules (lazy imports count):\n  " + "\n  ".join(found)
+
+
+@pytest.mark.xfail(strict=True, reason="a known cycle (KNOWN_CYCLES) is not broken yet")
+@pytest.mark.parametrize("known", KNOWN_CYCLES, ids=[" ".join(c) for c in KNOWN_CYCLES])
+def test_known_cycle_is_broken(known):
+    """Passes -- and so fails, strictly -- once the cycle is gone: then its entry leaves KNOWN_CYCLES."""
+    assert known not in cycles(import_graph())
 
 
 def test_gaac_and_its_tests_do_not_import_benchmarks_or_studies():
@@ -195,9 +219,10 @@ def test_graph_reads_lazy_and_relative_imports(tmp_path):
     (pkg / "high.py").write_text("from . import low\nfrom .sub import deep\n")
     (pkg / "sub" / "__init__.py").write_text("")
     (pkg / "sub" / "deep.py").write_text("import pkg.low\nfrom ..high import z\n")
+    (pkg / "sub" / "named.py").write_text("import importlib\ndef f():\n    return importlib.import_module('pkg')\n")
     graph = import_graph(tmp_path, "pkg")
     assert graph == {"pkg": {"pkg.low"}, "pkg.low": {"pkg.high"}, "pkg.high": {"pkg.low", "pkg.sub.deep"},
-                     "pkg.sub": set(), "pkg.sub.deep": {"pkg.low", "pkg.high"}}
+                     "pkg.sub": set(), "pkg.sub.deep": {"pkg.low", "pkg.high"}, "pkg.sub.named": {"pkg"}}
     assert cycles(graph) == [["pkg.high", "pkg.low", "pkg.sub.deep"]]
 
 
