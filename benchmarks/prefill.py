@@ -92,7 +92,7 @@ def check(k, v, k_u, v_u, tokens: int, layers: int) -> dict:
                       and all(np.array_equal(a, b) for e in range(1, cd.calibration.n_epochs(l, kind))
                               for a, b in zip(cd.calibration.bases(l, kind, e), ch.calibration.bases(l, kind, e)))
                       for l, kind in kinds)
-    same_blocks = all(np.array_equal(cd._store[l][kind].epochs[sd], ch._store[l][kind].epochs[sh])
+    same_blocks = all(np.array_equal(cd.stores(l)[kind].epochs[sd], ch.stores(l)[kind].epochs[sh])
                       for l, kind in kinds)
     exact = True
     for l in range(layers):

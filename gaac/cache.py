@@ -425,6 +425,27 @@ class PagedKVCache:
     :meth:`layer_view` returns is the live storage, read after the method returns: a
     thread that runs attention on a view while others append holds :attr:`lock` around
     taking the view and using it.
+
+    Serving.  The decode loop (:mod:`gaac.serving`: :meth:`decode_plan`'s plans, the one-token appends,
+    :class:`gaac.StepGraph`) keeps its own state in :attr:`serving` (a
+    :class:`gaac.serving.state.ServingState`) and reaches the cache only through this storage interface:
+
+    * :attr:`host_lengths` (the host's lengths, int64 ``[layers, max_seqs]``; the loop advances the entries
+      of tokens its device appends wrote) and :attr:`device_lengths` (int32 on the device, what kernels read);
+    * :meth:`stores` (a layer's K and V records: pools, table, tail, block epochs, capacity, published
+      epoch), :meth:`epoch_table`, :meth:`current_bases`, :attr:`epochs_now`, :meth:`encoder_pools`,
+      :meth:`layer_view`;
+    * :attr:`storage_version` (advances whenever an array a launch names is replaced: growth, a full epoch
+      table), :attr:`cuda_codec`, :meth:`to_device`, :meth:`check_seqs`, :meth:`check_layer`, :attr:`lock`;
+    * the step's storage work: :meth:`reserve_step` (room for a step's finished blocks, before anything is
+      written), :meth:`account_decode_step` (the host's account of blocks the device appends finished),
+      :meth:`undo_device_appends` (appends that ran but are not accounted).
+
+    In return the cache calls :attr:`serving`'s hooks where its storage changes behind the loop:
+    ``storage_changed(layer=None)`` when arrays are replaced (launch states naming them are dropped) and
+    ``lengths_changed()`` when lengths or sequences change other than through the loop's appends; both
+    advance ``serving.generation``, which plans compare to tell that they are stale.  Before each public
+    method the cache makes the account an eager step left pending (``serving.settle()``).
     """
 
     _rule_on_device: bool | None = None    # where an update runs the epoch rule (None: on a GPU, there)

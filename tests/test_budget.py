@@ -42,8 +42,8 @@ def test_a_budget_bounds_what_the_cache_allocates(seed, budget, max_seqs, adapt,
     assert m.allocated_bytes <= budget
     cap = cache.capacity
     per = cal.kv_heads                               # head_dim 64: one tile a head
-    blocks = cache._store[0][0].slots.size // per
-    assert all(st.slots.size == blocks * per for layer in cache._store for st in layer)
+    blocks = cache.stores(0)[0].slots.size // per
+    assert all(st.slots.size == blocks * per for layer in map(cache.stores, range(cache.layers)) for st in layer)
     assert cache._arena.size == np.ceil(budget_mod.raw_share(cal) * blocks * per * 2 * cal.layers)
     assert cap.expected == B * min(blocks, cache.max_seqs * cache.max_blocks,
                                    int(cache._arena.size / (budget_mod.raw_share(cal) * per * 2 * cal.layers)))

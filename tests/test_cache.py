@@ -194,7 +194,7 @@ class CacheMachine(RuleBasedStateMachine):
                 index = entries & L.TABLE_INDEX_MASK
                 assert len(set(index[~is_raw])) == (~is_raw).sum()
                 raw_records += index[is_raw].tolist()
-                store = self.cache._store[layer][kind]
+                store = self.cache.stores(layer)[kind]
                 assert store.raw.used == is_raw.sum() and store.slots.used == (~is_raw).sum()
                 assert view.raw[kind] is self.cache._arena.data
                 if is_raw.any():
@@ -340,7 +340,7 @@ def test_decode_attention_reads_the_view(real):
 
 def snapshot(cache):
     return ({s: cache.read(s) for s in cache.sequences}, cache.memory(), cache.blocks_encoded,
-            [[st.slots.free.tolist() for st in layer] for layer in cache._store],
+            [[st.slots.free.tolist() for st in layer] for layer in map(cache.stores, range(cache.layers))],
             cache._arena.free_records().tolist())
 
 
@@ -504,16 +504,16 @@ def test_an_update_written_before_its_counts_is_undone_where_a_list_ran_dry(monk
         def state():        # contents, memory, blocks, each device pool's free records, what the adapters saw
             return ({seq: cache.read(seq)}, cache.memory(), cache.blocks_encoded,
                     [[(p.n_free(), p._rest().tolist()) for st in layer for p in (st.slots, st.raw)]
-                     for layer in cache._store],
+                     for layer in map(cache.stores, range(cache.layers))],
                     [(st.adapter is not None and st.adapter.finalized, len(st.deferred))
-                     for layer in cache._store for st in layer])
+                     for layer in map(cache.stores, range(cache.layers)) for st in layer])
         before = state()
         undone.clear()
         if not grow:
             with pytest.raises(PoolExhaustedError, match="raw-tile arena"):
                 cache.append(seq, k[:, :, 10:45], v[:, :, 10:45])  # two blocks (two raw K tiles, one free), a tail
             assert_same(state(), before)
-            assert cache.seq_len(seq) == 10 and cache._seq_lens[0, seq] == 10
+            assert cache.seq_len(seq) == 10 and cache.device_lengths[0, seq] == 10
         else:
             cache.append(seq, k[:, :, 10:45], v[:, :, 10:45])
             np.testing.assert_array_equal(cache.read(seq)[0], k[:, :, :45])
@@ -626,7 +626,7 @@ def test_batched_update_finalizes_in_the_order_of_seqs(drift):
 def adapter_state(cache):
     """What a failed update must not change, epochs included (beyond :func:`snapshot`)."""
     return [[(st.adapter.finalized, st.adapter.until_check, st.adapter.hist.copy(), st.b3.clone(), st.epochs.copy())
-             for st in layer] for layer in cache._store], \
+             for st in layer] for layer in map(cache.stores, range(cache.layers))], \
         [[cache.calibration.n_epochs(layer, kind) for kind in (0, 1)] for layer in range(cache.layers)]
 
 

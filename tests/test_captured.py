@@ -54,11 +54,11 @@ def assert_lagged_epochs(cache, ref, row, ref_row, layers):
     sequence and never run ahead of the reference's; they are the reference's before the decode began."""
     for layer in range(layers):
         for kind in (0, 1):
-            a, b = cache._store[layer][kind], ref._store[layer][kind]
+            a, b = cache.stores(layer)[kind], ref.stores(layer)[kind]
             if a.epoch is None:
                 continue
-            n = int(cache._lens[layer, row]) // B
-            assert n == int(ref._lens[layer, ref_row]) // B
+            n = int(cache.host_lengths[layer, row]) // B
+            assert n == int(ref.host_lengths[layer, ref_row]) // B
             got, want = a.epochs[row, :n], b.epochs[ref_row, :n]
             np.testing.assert_array_equal(a.epoch[row, :n].numpy(), got)
             assert (np.diff(got) >= 0).all() and (got <= want).all()
@@ -137,7 +137,7 @@ def test_a_check_inside_a_plan_publishes_its_epoch_and_a_split_reads_several(mon
         for a, b in zip(layer_a, layer_b):
             np.testing.assert_array_equal(a.epochs, b.epochs)      # the same decisions, published alike
     cache = caches[1]
-    store = cache._store[0][0]
+    store = cache.stores(0)[0]
     assert cache.calibration.n_epochs(0, 0) > before + 1           # checks inside the plan appended epochs
     assert store.published == cache.calibration.n_epochs(0, 0) - 1 or store.deferred
     seen = set()

@@ -45,8 +45,8 @@ def _step(cache, seq, plan, pos):
 
 def _holds(cache, seq, n):
     """The cache holds the first ``n`` tokens, on the host and the device alike."""
-    assert cache._lens[:, seq].tolist() == [n] * LAYERS
-    assert cache._seq_lens[:, seq].tolist() == [n] * LAYERS
+    assert cache.host_lengths[:, seq].tolist() == [n] * LAYERS
+    assert cache.device_lengths[:, seq].tolist() == [n] * LAYERS
     got_k, got_v = cache.read(seq)
     np.testing.assert_array_equal(got_k, K[:, :, :n])
     np.testing.assert_array_equal(got_v, V[:, :, :n])
@@ -226,7 +226,7 @@ def test_any_call_order_is_refused_or_appends_exactly(steps):
             if accounted:
                 done, ran = done + 1, False
                 event("a step accounted")
-    assert cache._lens[:, seq].tolist() == [START + done] * LAYERS
-    assert cache._seq_lens[:, seq].tolist() == [START + done + ran] * LAYERS
+    assert cache.host_lengths[:, seq].tolist() == [START + done] * LAYERS
+    assert cache.device_lengths[:, seq].tolist() == [START + done + ran] * LAYERS
     got_k, _ = cache.read(seq)
     np.testing.assert_array_equal(got_k, K[:, :, :START + done])

@@ -75,8 +75,8 @@ def test_a_cache_whose_rule_runs_on_the_device_holds_what_the_host_rule_makes(mo
     assert gpu.calibration.n_epochs(0, L.KIND_K) > 1
     assert_same_epochs(gpu.calibration, host.calibration)
     for kind in (L.KIND_K, L.KIND_V):
-        assert np.array_equal(gpu._store[0][kind].epochs[sg], host._store[0][kind].epochs[sh])
-        _same_adapter(gpu._store[0][kind].adapter, host._store[0][kind].adapter)
+        assert np.array_equal(gpu.stores(0)[kind].epochs[sg], host.stores(0)[kind].epochs[sh])
+        _same_adapter(gpu.stores(0)[kind].adapter, host.stores(0)[kind].adapter)
     rk, rv = gpu.read_layer(0, [sg])
     assert np.array_equal(rk[0].numpy().view(np.uint16), x[0])
     assert np.array_equal(rv[0].numpy().view(np.uint16), x[1])
@@ -113,8 +113,8 @@ def test_a_guessed_epoch_that_would_run_a_pool_dry_does_not_refuse_the_update(mo
     sh, sg = host.add_sequence(x[:1], x[1:]), gpu.add_sequence(x[:1], x[1:])
     assert_same_epochs(gpu.calibration, host.calibration)
     for kind in (L.KIND_K, L.KIND_V):
-        assert np.array_equal(gpu._store[0][kind].epochs[sg], host._store[0][kind].epochs[sh])
-        assert gpu._store[0][kind].raw.used == host._store[0][kind].raw.used
+        assert np.array_equal(gpu.stores(0)[kind].epochs[sg], host.stores(0)[kind].epochs[sh])
+        assert gpu.stores(0)[kind].raw.used == host.stores(0)[kind].raw.used
     rk, rv = gpu.read_layer(0, [sg])
     assert np.array_equal(rk[0].numpy().view(np.uint16), x[0])
     assert np.array_equal(rv[0].numpy().view(np.uint16), x[1])

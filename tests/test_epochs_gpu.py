@@ -82,7 +82,7 @@ def test_a_gpu_prefill_matches_the_reference_cache():
     assert sum(gpu.calibration.n_epochs(l, kind) - 1 for l in range(layers) for kind in (0, 1)) >= 4
     for layer in range(layers):
         for kind in (0, 1):
-            assert np.array_equal(gpu._store[layer][kind].epochs, cpu._store[layer][kind].epochs)
+            assert np.array_equal(gpu.stores(layer)[kind].epochs, cpu.stores(layer)[kind].epochs)
     for i, row in enumerate(rows):
         for layer in range(layers):
             gk, gv = gpu.read_layer(layer, [row[0]])

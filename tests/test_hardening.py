@@ -436,7 +436,7 @@ def test_four_threads_on_one_cache(sample):
         cache.remove_sequence(seq)
     report = cache.memory()
     assert report.slot_bytes == 0 and report.raw_bytes == 0 and report.tokens == 0
-    free = [len(p.free) == p.size for layer in cache._store for store in layer for p in (store.slots, store.raw)]
+    free = [len(p.free) == p.size for layer in map(cache.stores, range(cache.layers)) for store in layer for p in (store.slots, store.raw)]
     assert all(free)
 
 

@@ -60,7 +60,7 @@ def _q(rng):
 
 def _watch(cache) -> dict:
     """Weak references to the cache and to its storage."""
-    store = cache._store[0][0]
+    store = cache.stores(0)[0]
     return {"cache": weakref.ref(cache), "arena": weakref.ref(cache._arena.data),
             "slots": weakref.ref(store.slots.data), "raw share": weakref.ref(store.raw.data),
             "table": weakref.ref(store.table), "tail": weakref.ref(store.tail)}
@@ -116,7 +116,7 @@ def test_the_arena_and_its_shares_make_no_cycle(data):
         cache = _cache(cal, "reference", adapt=False)
         cache.add_sequence(k[:, :, :START], v[:, :, :START])
         twin = copy.deepcopy(cache)
-        share = twin._store[0][0].raw
+        share = twin.stores(0)[0].raw
         assert share.arena is twin._arena and share.arena is not cache._arena
         assert all(s.arena is twin._arena for s in twin._arena.shares)
         refs, twin_refs = _watch(cache), _watch(twin)

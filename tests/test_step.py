@@ -75,7 +75,7 @@ def test_decode_loop_reads_back_and_attends(codec, monkeypatch):
     for layer in range(layers):                             # the same epochs, appended after the same blocks
         for kind in range(2):
             assert cache.calibration.n_epochs(layer, kind) == ref.calibration.n_epochs(layer, kind)
-            np.testing.assert_array_equal(cache._store[layer][kind].epochs, ref._store[layer][kind].epochs)
+            np.testing.assert_array_equal(cache.stores(layer)[kind].epochs, ref.stores(layer)[kind].epochs)
     assert cache.memory() == ref.memory()
     for i, r in enumerate(rows):
         got_k, got_v = cache.read(r)
@@ -188,7 +188,7 @@ def test_a_step_accounts_its_finished_blocks_once_and_a_call_part_way_settles_th
     for layer in range(layers):
         for kind in range(2):
             assert cache.calibration.n_epochs(layer, kind) == ref.calibration.n_epochs(layer, kind)
-            np.testing.assert_array_equal(cache._store[layer][kind].epochs, ref._store[layer][kind].epochs)
+            np.testing.assert_array_equal(cache.stores(layer)[kind].epochs, ref.stores(layer)[kind].epochs)
     assert cache.memory() == ref.memory()
     got_k, got_v = cache.read(seq)
     np.testing.assert_array_equal(got_k, k[:, :, :n + 1])
@@ -323,7 +323,7 @@ def test_step_status_names_the_faulty_layer():
     cal = calibrate(k, v)
     cache = PagedKVCache(cal, **every_tile(cal, 1, 4), codec="cuda")
     seq = cache.add_sequence(k, v)
-    store = cache._store[1][0]
+    store = cache.stores(1)[0]
     store.table[seq, 1, 0] = store.slots.data.shape[0] + 3          # past the slot pool
     plan = cache.decode_plan(2, append=0)
     q = _q(rng, 1, 2, 64)
@@ -361,7 +361,7 @@ def test_counts_and_blocks_asked_for_in_one_copy_reach_their_own_stores(monkeypa
         return x.clone(), arrival
     monkeypatch.setattr(cache, "_host_copy", one_copy)
     monkeypatch.setattr(cache, "device", torch.device("cuda"))
-    stores = [store for layer in cache._store for store in layer]
+    stores = [store for layer in map(cache.stores, range(cache.layers)) for store in layer]
     for i, store in enumerate(stores):                     # counts the device would hold after new encodes
         store.heads.copy_(torch.tensor([i + 1, 2 * i], dtype=torch.int32))
         cache._encodes_launched(store, 3)
