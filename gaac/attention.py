@@ -24,7 +24,6 @@ Two paths, one contract:
 """
 from __future__ import annotations
 
-import ctypes
 import math
 import numbers
 from dataclasses import dataclass
@@ -470,6 +469,46 @@ def split_work(runs, batch: int, kv_heads: int, target: int | None, blocks_per_s
     return SplitWork(blocks_per_split=bps, work=work, split0=split0, splits=splits)
 
 
+# The attention kernel's arguments of one layer (gaac.cuda.attention.attention_kernel), by its argument names.
+LAYER_ARRAYS = ("slots_k", "slots_v", "raw_k", "raw_v", "table_k", "table_v", "tail_k", "tail_v", "bases", "epoch_k",
+                "epoch_v", "seq_lens")
+LAYER_SCALARS = ("max_blocks", "kv_heads", "g", "slot_bytes_k", "slot_bytes_v", "cap_k", "cap_v", "epochs_k",
+                 "epochs_v", "n_slots_k", "n_slots_v", "n_raw_k", "n_raw_v")
+
+
+def layer_arguments(*, slots, raw, table, tails, bases, epoch, seq_lens, max_blocks: int, kv_heads: int, g: int,
+                    slot_bytes, capacity, epochs, records, flat) -> dict:
+    """The attention kernel's arguments of one layer, by name: its arrays (:data:`LAYER_ARRAYS`) flat as the
+    kernel reads them, and its scalars (:data:`LAYER_SCALARS`).  The one builder of a layer's launch, for
+    :class:`AttentionPlan` (from a :class:`LayerView`) and a cache's step plans
+    (:func:`gaac.attention_launch.layer_launch`, from its storage).
+
+    ``slots``, ``raw``, ``table``, ``tails``, ``epoch``, ``slot_bytes``, ``capacity`` and ``epochs`` (the
+    epoch counts the kernel accepts) are (K, V) pairs; ``bases`` the pair-word table ``[2, E, Hkv, 3, D/2]``;
+    ``records`` the pools' record counts (slots K, V, raw K, V); ``flat(x, dtype=None)`` views an array flat
+    (as ``dtype``, where given)."""
+    arrays = (flat(slots[0]), flat(slots[1]), flat(raw[0], "uint8"), flat(raw[1], "uint8"), flat(table[0]),
+              flat(table[1]), flat(tails[0], "uint8"), flat(tails[1], "uint8"), flat(bases), flat(epoch[0]),
+              flat(epoch[1]), flat(seq_lens))
+    scalars = (max_blocks, kv_heads, g, *slot_bytes, *capacity, *epochs, *records)
+    return {**dict(zip(LAYER_ARRAYS, arrays)), **dict(zip(LAYER_SCALARS, (int(x) for x in scalars)))}
+
+
+def kernel_arguments(kernel, values: dict) -> tuple:
+    """The positional arguments of ``kernel`` (a numba kernel) from ``values``, by its argument names."""
+    from .cuda.launch import kernel_arg_names
+
+    return tuple(values[name] for name in kernel_arg_names(kernel))
+
+
+def attention_layout(kernel):
+    """The :class:`gaac.cuda.launch.ParamLayout` of the attention kernel ``kernel`` (its signature, its names)."""
+    from .cuda import attention as K
+    from .cuda.launch import ParamLayout, kernel_arg_names
+
+    return ParamLayout(K.kernel_signature(), kernel_arg_names(kernel))
+
+
 class AttentionPlan:
     """Launch plan of decode attention for one LayerView shape and one set of sequence lengths.
 
@@ -564,31 +603,42 @@ class AttentionPlan:
         self.status[0] = 0
         # The kernel reads entry 0 in place of an entry past its pool: an empty pool gets one zero record.
         pools = [p if p.shape[0] else _zero_record(p, alloc) for p in (*view.slots, *view.raw)]
-        self._arrays = (flat(pools[0]), flat(pools[1]), flat(pools[2], "uint8"),
-                        flat(pools[3], "uint8"), flat(view.table[0]), flat(view.table[1]),
-                        flat(view.tail_k, "uint8"), flat(view.tail_v, "uint8"), flat(self._bases),
-                        flat(eps[0]), flat(eps[1]), flat(view.seq_lens), flat(self._work))
         self._alloc = alloc
-        self._scalars = (mb, hk, self.g, *self._sizes, *view.capacity, *self.n_epochs,
-                         *(p.shape[0] for p in (*view.slots, *view.raw)))
         self._scale_log2 = np.float32(self.scale * 1.4426950408889634)
-        # The merge kernel merges the splits; the kernel's fused merge (a decode step's) is off: group 0.
-        self._no_fused = (alloc((1,), "int32"), alloc((1,), "int16"), alloc((1,), "float32"), 0, 0)
+        # Every argument but q, by name: the layer's, the split list and outputs, the scale, and the fused
+        # merge's, off (the merge kernel merges the splits; group 0).
+        self._values = layer_arguments(
+            slots=pools[:2], raw=pools[2:], table=view.table, tails=(view.tail_k, view.tail_v), bases=self._bases,
+            epoch=eps, seq_lens=view.seq_lens, max_blocks=mb, kv_heads=hk, g=self.g, slot_bytes=self._sizes,
+            capacity=view.capacity, epochs=self.n_epochs, records=(p.shape[0] for p in (*view.slots, *view.raw)),
+            flat=flat)
+        self._values.update(work=flat(self._work), o_part=self.o_part, lse_part=self.lse_part, status=self.status,
+                            scale_log2=self._scale_log2, mrg=alloc((1,), "int32"), out=alloc((1,), "int16"),
+                            lse_out=alloc((1,), "float32"), merge_batch=0, group=0)
         if not K.SIMULATOR:
-            from .cuda.launch import FastLaunch, packed_params
+            from .cuda.launch import FastLaunch, ParamLayout, kernel_arg_names
+            from .cuda.merge import merge_signature
 
             self._main = FastLaunch(self._kernel, (self.n_work, hk), K.WARP)
             self._pack_main()
             self._merge_launch = FastLaunch(self._merge, *self._merge_grid, pdl=pdl)
-            self._merge_fixed = packed_params((self.o_part, self.lse_part, self._split0))
+            # the merge's parameters, by name; a call writes the addresses of out and lse
+            merge = ParamLayout(merge_signature(), kernel_arg_names(self._merge))
+            self._merge_args = merge.packed(dict(o_part=self.o_part, lse_part=self.lse_part, split0=self._split0,
+                                                 kv_heads=hk, g=self.g))
+            for name, n in (("out", self.batch * q_heads * d), ("lse", self.batch * q_heads)):
+                at, packed = merge.vector(name, n)
+                self._merge_args[at:at + len(packed)] = packed
+            self._merge_data = (merge.data_slot("out"), merge.data_slot("lse"))
 
     def _pack_main(self) -> None:
-        """The split kernel's parameters after ``q``, packed once (its arrays, outputs and scalars)."""
-        from .cuda.launch import packed_params
-
-        self._main_fixed = (packed_params((*self._arrays, self.o_part, self.lse_part, self.status))
-                            + packed_params(self._scalars)
-                            + [ctypes.c_float(self._scale_log2)] + packed_params(self._no_fused))
+        """The split kernel's parameters, packed once by name (its arrays, outputs and scalars; ``q32`` a vector
+        of the plan's shape whose address a call writes)."""
+        layout = attention_layout(self._kernel)
+        self._main_args = layout.packed({name: v for name, v in self._values.items()})
+        at, packed = layout.vector("q32", self.batch * self.q_heads * self.view.head_dim // 2)
+        self._main_args[at:at + len(packed)] = packed
+        self._q_data = layout.data_slot("q32")
 
     def run(self, q, *, out=None, lse=None, return_lse: bool = False):
         """Attention output ``[B, Hq, D]``: torch bfloat16 on the GPU, int16 BF16 bits in the simulator.
@@ -615,15 +665,15 @@ class AttentionPlan:
         K = self._K
         if K.SIMULATOR:
             q32 = _host(qb).view(np.int32).reshape(-1)
-            self._kernel[(self.n_work, self.view.kv_heads), K.WARP](
-                q32, *self._arrays, self.o_part, self.lse_part, self.status, *self._scalars, self._scale_log2,
-                *self._no_fused)
+            self._kernel[(self.n_work, self.view.kv_heads), K.WARP](*kernel_arguments(self._kernel,
+                                                                                     {**self._values, "q32": q32}))
             return
         import torch
 
         q32 = qb.view(torch.int16).view(torch.int32).reshape(-1)
-        self._main((q32, *self._arrays, self.o_part, self.lse_part, self.status, *self._scalars, self._scale_log2,
-                    *self._no_fused), lambda params: params(q32) + self._main_fixed)
+        args = self._main_args
+        args[self._q_data] = q32.data_ptr()
+        self._main(kernel_arguments(self._kernel, {**self._values, "q32": q32}), lambda params: args)
 
     def _launch_merge(self, out, lse) -> None:
         """The merge kernel: splits -> BF16 output and natural-log LSE."""
@@ -636,8 +686,9 @@ class AttentionPlan:
         import torch
 
         o, l_ = out.view(torch.int16).reshape(-1), lse.reshape(-1)
-        self._merge_launch((self.o_part, self.lse_part, self._split0, o, l_, hk, self.g),
-                           lambda params: self._merge_fixed + params(o) + params(l_) + params(hk) + params(self.g))
+        args = self._merge_args
+        args[self._merge_data[0]], args[self._merge_data[1]] = o.data_ptr(), l_.data_ptr()
+        self._merge_launch((self.o_part, self.lse_part, self._split0, o, l_, hk, self.g), lambda params: args)
 
     def check_status(self, *, layer: int | None = None, seqs=None) -> None:
         """Raise :class:`FormatError` if a kernel found a malformed slot, a block epoch without bases or a

@@ -1,37 +1,28 @@
-"""What the attention kernel reads of one layer of a paged cache, packed once: the kernel, the layer's arrays
-and scalars, and (GPU) a parameter buffer in which a step plan writes its own part and a call its tensors'
-addresses.  Step plans (:mod:`gaac.serving.plan`) and captured steps (:mod:`gaac.serving.graph`) launch through it."""
+"""What the attention kernel reads of one layer of a paged cache, packed once: the kernel, the layer's arguments
+by name, and (GPU) a parameter buffer in which a step plan writes its own part and a call its tensors'
+addresses.  Step plans (:mod:`gaac.serving.plan`) and captured steps (:mod:`gaac.serving.graph`) launch through it;
+the layer's arguments come from the one builder :class:`gaac.attention.AttentionPlan` uses too
+(:func:`gaac.attention.layer_arguments`)."""
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 
 import torch
 
 from . import layout as L
-from .attention import kernel_options
-
-STEP_PARAMS = ("work", "o_part", "lse_part")      # the plan's arrays in the attention kernel's parameters
-MERGE_PARAMS = 3 * 7 + 2   # the kernel's fused-merge parameters: mrg, out, lse (7 slots each), batch, group
-
-
-def c_float(x):
-    """``x`` as a packed float32 kernel parameter."""
-    return ctypes.c_float(x)
+from .attention import attention_layout, kernel_options, layer_arguments
 
 
 @dataclass
 class _LayerLaunch:
-    """What the attention kernel reads of one layer, packed once (kept by the cache per layer)."""
+    """What the attention kernel reads of one layer, packed once (kept in the cache's serving state per layer)."""
 
     kernel: object
-    arrays: tuple                 # the kernel's per-layer array arguments, flat
-    scalars: tuple                # max_blocks, kv_heads, g, slot bytes, capacities, epochs, slot and raw records
+    values: dict                  # the kernel's per-layer arguments by name (gaac.attention.layer_arguments)
+    layout: object = None         # the kernel's ParamLayout (GPU)
     main: object = None           # FastLaunch of the kernel (GPU)
-    fixed: list = None            # packed parameters of ``arrays`` (GPU)
-    fixed_scalars: list = None    # packed parameters of ``scalars`` (GPU)
-    buffer: object = None         # the launch's ParamBuffer (GPU)
-    scale_at: int = 0             # the buffer's slot of the scale; the fused merge's parameters follow it
+    buffer: object = None         # the launch's ParamBuffer, the layer's arguments packed in (GPU)
+    q_slot: int = 0               # the buffer's slot of q's data pointer (a call writes it)
     out_slots: tuple = ()         # the buffer's slots of the data pointers of the fused merge's out and lse
 
 
@@ -61,27 +52,27 @@ def layer_launch(cache, layer: int, g: int, fused: bool = False) -> _LayerLaunch
     if eps[0] is None:
         zeros = torch.zeros((cache.max_seqs, cache.max_blocks), dtype=torch.int16, device=cache.device)
         eps = [zeros, zeros]
-    flat = [store_k.slots.data, store_v.slots.data, store_k.raw.data.view(torch.uint8),
-            store_v.raw.data.view(torch.uint8), store_k.table, store_v.table, store_k.tail.view(torch.uint8),
-            store_v.tail.view(torch.uint8), bases, eps[0], eps[1], cache.device_lengths[layer]]
-    flat = tuple(x.reshape(-1) for x in flat)
-    scalars = (cache.max_blocks, hk, g, *sizes, store_k.capacity, store_v.capacity, room, room,
-               store_k.slots.data.shape[0], store_v.slots.data.shape[0],
-               store_k.raw.data.shape[0], store_v.raw.data.shape[0])
-    state = _LayerLaunch(kernel=kernel, arrays=flat, scalars=tuple(int(s) for s in scalars))
+    values = layer_arguments(
+        slots=(store_k.slots.data, store_v.slots.data), raw=(store_k.raw.data, store_v.raw.data),
+        table=(store_k.table, store_v.table), tails=(store_k.tail, store_v.tail), bases=bases, epoch=eps,
+        seq_lens=cache.device_lengths[layer], max_blocks=cache.max_blocks, kv_heads=hk, g=g, slot_bytes=sizes,
+        capacity=(store_k.capacity, store_v.capacity), epochs=(room, room),
+        records=(store_k.slots.data.shape[0], store_v.slots.data.shape[0], store_k.raw.data.shape[0],
+                 store_v.raw.data.shape[0]),
+        flat=lambda x, dt=None: (x if dt is None else x.view(getattr(torch, dt))).reshape(-1))
+    state = _LayerLaunch(kernel=kernel, values=values)
     if not K.SIMULATOR:
-        from .cuda.launch import DATA_SLOT, FastLaunch, ParamBuffer, packed_params
+        from .cuda.launch import FastLaunch
 
         state.main = FastLaunch(kernel, None, K.WARP)
         state.main.prepare(K.kernel_signature())
-        state.fixed = packed_params(flat)
-        state.fixed_scalars = packed_params(state.scalars)
-        # q, the layer's arrays, the plan's work list and partials, the status word, scalars, the scale:
-        # a plan writes its part once per layer (StepPlan._launch), a call writes q's address.
-        state.buffer = ParamBuffer([0] * 7 + state.fixed + [0] * (len(STEP_PARAMS) * 7 + 7) + state.fixed_scalars
-                                   + [c_float(0.0)] + [0] * MERGE_PARAMS)
-        state.scale_at = len(state.buffer) - MERGE_PARAMS - 1
-        state.out_slots = (state.scale_at + 1 + 7 + DATA_SLOT, state.scale_at + 1 + 14 + DATA_SLOT)  # after mrg
+        # The layer's arguments by name, the rest zero: a plan writes its part (q's shape, the work list and
+        # partials, the status word, the scale, the fused merge's) once per layer (StepPlan._launch), a call
+        # writes q's address (and the fused merge's out and lse).
+        state.layout = attention_layout(kernel)
+        state.buffer = state.layout.buffer(values)
+        state.q_slot = state.layout.data_slot("q32")
+        state.out_slots = (state.layout.data_slot("out"), state.layout.data_slot("lse_out"))
     state.bases = bases            # kept alive with the state
     states[key] = state
     return state

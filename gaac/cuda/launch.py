@@ -97,12 +97,13 @@ def allocators(x):
     return (lambda shape, dt: np.zeros(shape, dtype=dt), lambda n: np.arange(n, dtype=np.int32))
 
 
-DATA_SLOT = 4     # an array's data pointer among its parameters (params): meminfo, parent, size, itemsize, data
+# How numba's launch lays out an array argument's parameters: these fields, then its shape and strides.
+ARRAY_FIELDS = ("meminfo", "parent", "nitems", "itemsize", "data")
 
 
 def params(a) -> list:
     """Kernel parameters of one argument (an int64 scalar, Python or NumPy, or a tensor), laid out as
-    numba's own launch lays them out: meminfo, parent, size, itemsize, data, shape, strides."""
+    numba's own launch lays them out: the :data:`ARRAY_FIELDS`, then shape and strides."""
     if isinstance(a, (int, np.integer)):
         return [ctypes.c_int64(int(a))]
     item = a.element_size()
@@ -209,16 +210,144 @@ class TileLauncher:
         launch(s, config, self._cufunc, *(packed if packed is not None else packed_params(args)))
 
 
+_ARG_NAMES = {}      # id(dispatcher) -> (dispatcher, its argument names)
+
+
+def kernel_arg_names(dispatcher) -> tuple:
+    """The names of a numba kernel's arguments, in order (from its Python function), read once per kernel."""
+    known = _ARG_NAMES.get(id(dispatcher))
+    if known is None or known[0] is not dispatcher:
+        import inspect
+
+        known = _ARG_NAMES[id(dispatcher)] = (dispatcher, tuple(inspect.signature(dispatcher.py_func).parameters))
+    return known[1]
+
+
+def _arg_types(signature) -> tuple:
+    """A kernel signature's argument types: numba types, or a signature string (``"void(int32[::1], ...)"``)."""
+    if isinstance(signature, str):
+        from numba.core import sigutils
+
+        return tuple(sigutils.normalize_signature(signature)[0])
+    return tuple(signature)
+
+
+class ParamLayout:
+    """Where each argument of a kernel lies among its packed parameters (:func:`params`), by name.
+
+    Made from the kernel's signature (its argument types) and its argument names
+    (:func:`kernel_arg_names`): an array of ``n`` dimensions takes ``5 + 2n`` slots (:data:`ARRAY_FIELDS`,
+    shape, strides), a scalar one (a float32 in the low half of its slot).  Callers address parameters by
+    the kernel's argument names -- :meth:`pack` an argument, :meth:`data_slot` of an array -- and never count
+    slots; a value whose packing does not fit its argument's slots is refused."""
+
+    _made = {}           # (argument types, names) -> ParamLayout: one per kernel signature
+
+    def __new__(cls, signature, names):
+        types_ = _arg_types(signature)
+        key = (types_, tuple(names))
+        layout = cls._made.get(key)
+        if layout is None:
+            layout = cls._made[key] = super().__new__(cls)
+            layout._init(types_, tuple(names))
+        return layout
+
+    def _init(self, types_: tuple, names: tuple) -> None:
+        from numba import types
+
+        if len(types_) != len(names):
+            raise ValueError(f"{len(names)} argument names for a signature of {len(types_)} arguments")
+        self.names, self.types = names, dict(zip(names, types_))
+        self.at = {}                       # name -> (first slot, slots)
+        floats, n = [], 0
+        for name, t in zip(names, types_):
+            count = len(ARRAY_FIELDS) + 2 * t.ndim if isinstance(t, types.Array) else 1
+            if t == types.float32:
+                floats.append(n)
+            self.at[name] = (n, count)
+            n += count
+        self.size, self.floats = n, frozenset(floats)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def slot(self, name: str, field: str | None = None) -> int:
+        """The first slot of argument ``name`` (``field``: that field of an array's, one of :data:`ARRAY_FIELDS`)."""
+        first, _ = self.at[name]
+        return first if field is None else first + ARRAY_FIELDS.index(field)
+
+    def data_slot(self, name: str) -> int:
+        """The slot of array argument ``name``'s data pointer (what a call rewrites)."""
+        return self.slot(name, "data")
+
+    def pack(self, name: str, value) -> tuple:
+        """``(first slot, packed parameters)`` of ``value`` (an array, an int, or a float for a float32 argument)
+        as argument ``name``."""
+        first, count = self.at[name]
+        if first in self.floats:
+            packed = [value if isinstance(value, ctypes.c_float) else ctypes.c_float(float(value))]
+        else:
+            packed = params(value)
+        if len(packed) != count:
+            raise ValueError(f"{name}: {len(packed)} packed parameters for an argument of {count} slots")
+        return first, packed
+
+    def vector(self, name: str, n: int, data: int = 0) -> tuple:
+        """``(first slot, packed parameters)`` of a C-contiguous 1-D array of ``n`` items at address ``data`` as
+        argument ``name`` (its item size from the signature): for an array whose address a call writes."""
+        first, count = self.at[name]
+        item = self.types[name].dtype.bitwidth // 8
+        packed = [0, 0, n, item, data, n, item]
+        if len(packed) != count:
+            raise ValueError(f"{name}: a vector for an argument of {count} slots")
+        return first, packed
+
+    def packed(self, values: dict) -> list:
+        """Every parameter in order, ``values`` (name -> value) packed into their arguments' slots, zeros (0.0
+        for a float32) elsewhere: what :class:`ParamBuffer` holds, as a list for a launch through ``cuda.core``."""
+        out = [ctypes.c_float(0.0) if i in self.floats else 0 for i in range(self.size)]
+        for name, value in values.items():
+            first, packed = self.pack(name, value)
+            out[first:first + len(packed)] = packed
+        return out
+
+    def buffer(self, values: dict | None = None) -> "ParamBuffer":
+        """A :class:`ParamBuffer` of this layout with ``values`` (name -> value) packed in."""
+        buf = ParamBuffer(self.packed(values or {}))
+        buf.layout = self
+        return buf
+
+
 class ParamBuffer:
     """A kernel's parameters kept in host memory between launches, as ``cuLaunchKernel`` takes them.
 
     One 8-byte slot per packed parameter (:func:`params`: the words of numba's array layout and int64
     scalars; a float32 in the low half of its slot), and the array of pointers to the slots.  A caller
     writes the slots that change (a call's arrays, a step's work list) and launches: the driver copies
-    the values at launch, so a slot may be rewritten as soon as the launch returns.
+    the values at launch, so a slot may be rewritten as soon as the launch returns.  Made for a kernel's
+    signature (:meth:`for_signature`), the buffer is addressed by argument name (:meth:`set`,
+    :meth:`set_data`, :attr:`layout`).
     """
 
-    __slots__ = ("slots", "pointers", "_base", "_floats", "owner")
+    __slots__ = ("slots", "pointers", "_base", "_floats", "owner", "layout")
+
+    @classmethod
+    def for_signature(cls, signature, names, values: dict | None = None) -> "ParamBuffer":
+        """The buffer of a kernel of ``signature`` (numba types or a signature string) whose arguments are
+        ``names`` (:func:`kernel_arg_names`), ``values`` (name -> value) packed in, zeros elsewhere."""
+        return ParamLayout(signature, names).buffer(values)
+
+    def set(self, name: str, value) -> None:
+        """Pack ``value`` into argument ``name``'s slots."""
+        self.write(*self.layout.pack(name, value))
+
+    def set_vector(self, name: str, n: int, data: int = 0) -> None:
+        """Argument ``name`` as a C-contiguous 1-D array of ``n`` items at ``data`` (:meth:`ParamLayout.vector`)."""
+        self.write(*self.layout.vector(name, n, data))
+
+    def set_data(self, name: str, pointer: int) -> None:
+        """Write the data pointer of array argument ``name``."""
+        self.slots[self.layout.data_slot(name)] = pointer
 
     def __init__(self, packed: list):
         n = len(packed)
@@ -227,6 +356,7 @@ class ParamBuffer:
         self.pointers = (ctypes.c_void_p * n)(*(self._base + 8 * i for i in range(n)))
         self._floats = frozenset(i for i, p in enumerate(packed) if isinstance(p, ctypes.c_float))
         self.owner = None                 # what the step-dependent slots were last written for (the caller's)
+        self.layout = None                # the kernel's ParamLayout, where made for its signature
         self.write(0, packed)
 
     def __len__(self) -> int:

@@ -70,6 +70,7 @@ class StepAppend:
         self.launcher = FastLaunch(step_append_kernel(cache.geometry.channels), (n * cache.tiles_per_block, 2),
                                    WARP)
         self._simulated = SIMULATOR
+        self._signature = STEP_APPEND_SIG
         if not SIMULATOR:
             self.launcher.prepare(STEP_APPEND_SIG)    # compiled once per tile width, before any launch
         self._buffers = {}      # layer -> (pool versions and epochs, ParamBuffer, token slots) (GPU)
@@ -141,12 +142,13 @@ class StepAppend:
         versions = (ks.slots.version, ks.raw.version, vs.slots.version, vs.raw.version)
         entry = self._buffers.get(layer)
         if entry is None or entry[0] != versions:
-            from ..cuda.launch import DATA_SLOT, ParamBuffer, params
+            from ..cuda.launch import ParamBuffer, kernel_arg_names
 
-            packed = [params(a) for a in self.args(layer, k, v)]
-            # the data pointers of the first two arguments, the token's K and V words
-            slots = (DATA_SLOT, len(packed[0]) + DATA_SLOT)
-            entry = self._buffers[layer] = (versions, ParamBuffer([x for p in packed for x in p]), slots)
+            names = kernel_arg_names(self.launcher._dispatcher)
+            buffer = ParamBuffer.for_signature(self._signature, names, dict(zip(names, self.args(layer, k, v))))
+            # a call writes the data pointers of the token's K and V words
+            slots = (buffer.layout.data_slot("new_k"), buffer.layout.data_slot("new_v"))
+            entry = self._buffers[layer] = (versions, buffer, slots)
         _, buffer, (k_slot, v_slot) = entry
         buffer.slots[k_slot], buffer.slots[v_slot] = k.data_ptr(), v.data_ptr()
         self.launcher.run(buffer)
@@ -217,26 +219,39 @@ def append_token_launch(cache, layer: int, index: torch.Tensor, n: int, k_ptr: i
 
     The kernel's parameters live in one buffer per layer, written when the layer's arrays change
     (its tails and lengths) or the step's index does; a call writes the two token pointers."""
-    from ..cuda.append import APPEND_SIG, append_kernel
-    from ..cuda.launch import DATA_SLOT, FastLaunch, ParamBuffer, params
-
     state = cache.serving
     if state.append_launch is None:
+        from ..cuda.append import APPEND_SIG, append_kernel
+        from ..cuda.launch import FastLaunch
+
         state.append_launch = FastLaunch(append_kernel(), None, cache.head_dim)
         state.append_launch.prepare(APPEND_SIG)
     k_store, v_store = cache.stores(layer)
     seq_lens = cache.device_lengths
     entry = state.append_params.get(layer)
     if entry is None or entry[0] is not k_store.tail or entry[1] is not seq_lens:
-        arrays = [x for a in (k_store.tail.reshape(-1), v_store.tail.reshape(-1)) for x in params(a)]
-        entry = state.append_params[layer] = (k_store.tail, seq_lens, ParamBuffer(
-            [0] * 14 + arrays + [0] * 21 + params(seq_lens[layer]) + params(cache.kv_heads)
-            + params(cache.head_dim)))
-    buf = entry[2]
-    if buf.owner is not index or buf.slots[2] != n * cache.kv_heads * cache.head_dim:
-        m = n * cache.kv_heads * cache.head_dim
-        buf.write(0, [0, 0, m, 2, 0, m, 2] * 2)
-        buf.write(28, [x for i in range(3) for x in params(index[i])])
+        entry = state.append_params[layer] = (k_store.tail, seq_lens, *append_buffer(
+            k_store.tail, v_store.tail, seq_lens[layer], cache.kv_heads, cache.head_dim))
+    buf, (k_data, v_data, k_items) = entry[2], entry[3]
+    m = n * cache.kv_heads * cache.head_dim
+    if buf.owner is not index or buf.slots[k_items] != m:
+        buf.set_vector("k", m)
+        buf.set_vector("v", m)
+        for name, row in zip(("rows", "rpos", "lens_after"), index):
+            buf.set(name, row)
         buf.owner = index
-    buf.slots[DATA_SLOT], buf.slots[7 + DATA_SLOT] = k_ptr, v_ptr     # the first two arguments' data
+    buf.slots[k_data], buf.slots[v_data] = k_ptr, v_ptr
     state.append_launch.run(buf, (n, cache.kv_heads))
+
+
+def append_buffer(tail_k, tail_v, seq_lens, kv_heads: int, head_dim: int) -> tuple:
+    """The one-token append kernel's parameter buffer of a layer (its tails and lengths, by argument name; the
+    token and the step's index written per step), and the slots a call writes: the data pointers of the
+    token's K and V and the token's item count."""
+    from ..cuda.append import APPEND_SIG, append_kernel
+    from ..cuda.launch import ParamBuffer, kernel_arg_names
+
+    buf = ParamBuffer.for_signature(APPEND_SIG, kernel_arg_names(append_kernel()), dict(
+        tail_k=tail_k.reshape(-1), tail_v=tail_v.reshape(-1), seq_lens=seq_lens, kv_heads=kv_heads, head_dim=head_dim))
+    layout = buf.layout
+    return buf, (layout.data_slot("k"), layout.data_slot("v"), layout.slot("k", "nitems"))

@@ -53,9 +53,9 @@ import torch
 
 from .. import layout as L
 from .. import attention
-from ..attention import MAX_GROUP, _check_q, split_work, wave_target
+from ..attention import MAX_GROUP, _check_q, attention_layout, kernel_arguments, split_work, wave_target
 from ..errors import FormatError, InputError
-from ..attention_launch import c_float, layer_launch
+from ..attention_launch import layer_launch
 from .append import append_token_launch, step_append, supported
 
 LOG2_E = 1.4426950408889634
@@ -63,8 +63,8 @@ PLAN_AHEAD = 16 * L.BLOCK_TOKENS   # an eager step's work list covers lengths up
 FUSED_MERGE = True          # an eager step's attention merges in the kernel (head_dim <= 128): one launch a layer
 # What a one-step plan shares with the next one whose work list is the same (StepPlan._plan_kernel).
 _SHARED = ("blocks_per_split", "n_work", "_merge", "_merge_grid", "_grid", "_work", "_split0", "o_part", "lse_part",
-           "status", "_lse", "_scale_log2", "_status_params", "_scale_param", "_merge_launch", "_step_params",
-           "_merge_buffer", "_merge_out", "_owner", "_current_stream", "_fused", "_mrg", "_group", "_merge_params")
+           "status", "_lse", "_scale_log2", "_status_params", "_plan_params", "_merge_launch", "_merge_buffer",
+           "_merge_out", "_owner", "_current_stream", "_fused", "_mrg", "_group")
 
 
 class _Account:
@@ -275,21 +275,24 @@ class StepPlan:
         self._lse = torch.empty((self.batch, self.q_heads), dtype=torch.float32, device=dev)
         self._scale_log2 = np.float32(self.scale * LOG2_E)
         if not SIMULATOR:
-            from ..cuda.launch import DATA_SLOT, FastLaunch, ParamBuffer, current_stream, packed_params, params
+            from ..cuda.launch import FastLaunch, ParamBuffer, current_stream, kernel_arg_names
             from ..cuda.merge import merge_signature
 
             self._current_stream = current_stream
-
-            # Each layer's status word, and the scale, packed once: a call packs only q, out and lse.
-            base = self.status.data_ptr()
-            self._status_params = [[0, 0, 1, 4, base + 4 * i, 1, 4] for i in range(cache.layers)]
-            self._scale_param = [c_float(self._scale_log2)]
-            self._step_params = packed_params((self._work, self.o_part, self.lse_part))
-            # mrg, then out and lse (a call writes their data pointers; without the fused merge, this one-word
-            # array stands in for both: the kernel does not read them), the batch and the group size
+            # The plan's part of every layer's parameters, packed once by the kernel's argument names (a layer's
+            # buffer takes them at its first call; a call writes only the addresses of q, out and lse): q's
+            # shape, the work list and partials, the scale, the fused merge's mrg, out and lse (without the
+            # fused merge, mrg's one word stands in for both: the kernel does not read them), the batch and the
+            # group size; and each layer's status word.
+            layout = attention_layout(state.kernel)
             n, m = (self.batch * self.q_heads * d, self.batch * self.q_heads) if self._fused else (1, 1)
-            self._merge_params = (packed_params((self._mrg,)) + [0, 0, n, 2, 0, n, 2] + [0, 0, m, 4, 0, m, 4]
-                                  + [self.batch, self._group])
+            self._plan_params = [layout.vector("q32", self.batch * self.q_heads * d // 2),
+                                 layout.pack("work", self._work), layout.pack("o_part", self.o_part),
+                                 layout.pack("lse_part", self.lse_part), layout.pack("scale_log2", self._scale_log2),
+                                 layout.pack("mrg", self._mrg), layout.vector("out", n), layout.vector("lse_out", m),
+                                 layout.pack("merge_batch", self.batch), layout.pack("group", self._group)]
+            base = self.status.data_ptr()
+            self._status_params = [layout.vector("status", 1, base + 4 * i) for i in range(cache.layers)]
             if not self._fused:
                 # One launcher per merge kernel for the cache's life: its first call compiles through numba.
                 launchers = cache.serving.launchers
@@ -298,12 +301,14 @@ class StepPlan:
                     self._merge_launch = launchers[id(self._merge)] = FastLaunch(
                         self._merge, None, self._merge_grid[1], pdl=True)
                 self._merge_launch.prepare(merge_signature())
-                n, m = self.batch * self.q_heads * d, self.batch * self.q_heads
-                partials = packed_params((self.o_part, self.lse_part, self._split0))
-                # out and lse follow the partials, 7 slots each; a call writes their data pointers
-                self._merge_out = len(partials) + DATA_SLOT
-                self._merge_buffer = ParamBuffer(partials + [0, 0, n, 2, 0, n, 2] + [0, 0, m, 4, 0, m, 4]
-                                                 + params(cache.kv_heads) + params(self.g))
+                # the merge's parameters by name; a call writes the data pointers of out and lse
+                merge = self._merge_buffer = ParamBuffer.for_signature(
+                    merge_signature(), kernel_arg_names(self._merge),
+                    dict(o_part=self.o_part, lse_part=self.lse_part, split0=self._split0, kv_heads=cache.kv_heads,
+                         g=self.g))
+                merge.set_vector("out", self.batch * self.q_heads * d)
+                merge.set_vector("lse", self.batch * self.q_heads)
+                self._merge_out = (merge.layout.data_slot("out"), merge.layout.data_slot("lse"))
         self._owner = object()           # what the layers' parameter buffers were last written for
         if self.steps is None and room is None:
             cache.serving.work_plans = {key: {name: getattr(self, name) for name in _SHARED if hasattr(self, name)}}
@@ -361,12 +366,13 @@ class StepPlan:
             q32 = q.view(torch.int16).view(torch.int32).reshape(-1)
             o, l_ = out.view(torch.int16).reshape(-1), lse.reshape(-1)
             if self.n_work or self._room:
-                arrays = tuple(a.numpy() for a in state.arrays)
                 fused = (o, l_) if self._fused else (self._mrg[:1].view(torch.int16), self._mrg.view(torch.float32))
-                state.kernel[self._grid, K.WARP](q32.numpy(), *arrays, self._work.numpy(), self.o_part.numpy(),
-                                                 self.lse_part.numpy(), status.numpy(), *state.scalars,
-                                                 self._scale_log2, self._mrg.numpy(), *(x.numpy() for x in fused),
-                                                 self.batch, self._group)
+                values = {name: v.numpy() if isinstance(v, torch.Tensor) else v for name, v in state.values.items()}
+                values.update(q32=q32.numpy(), work=self._work.numpy(), o_part=self.o_part.numpy(),
+                              lse_part=self.lse_part.numpy(), status=status.numpy(), scale_log2=self._scale_log2,
+                              mrg=self._mrg.numpy(), out=fused[0].numpy(), lse_out=fused[1].numpy(),
+                              merge_batch=self.batch, group=self._group)
+                state.kernel[self._grid, K.WARP](*kernel_arguments(state.kernel, values))
             if not self._fused:
                 self._merge[self._merge_grid](self.o_part.numpy(), self.lse_part.numpy(), self._split0.numpy(),
                                               o.numpy(), l_.numpy(), cache.kv_heads, self.g)
@@ -413,13 +419,12 @@ class StepPlan:
         if self.n_work or self._room:
             buf = state.buffer
             if buf.owner is not self._owner:
-                n = self.batch * self.q_heads * self.cache.head_dim // 2
-                buf.write(0, [0, 0, n, 4, 0, n, 4])
-                buf.write(7 + len(state.fixed), self._step_params + self._status_params[layer])
-                buf.write(state.scale_at, self._scale_param + self._merge_params)
+                for at, packed in self._plan_params:
+                    buf.write(at, packed)
+                buf.write(*self._status_params[layer])
                 buf.owner = self._owner
             slots = buf.slots
-            slots[4] = q.data_ptr()         # q is the kernel's first argument: its data (launch.DATA_SLOT)
+            slots[state.q_slot] = q.data_ptr()
             if self._fused:                 # the kernel merges
                 o, l_ = state.out_slots
                 slots[o], slots[l_] = out.data_ptr(), lse.data_ptr()
@@ -427,7 +432,8 @@ class StepPlan:
             if self._fused:
                 return
         merge = self._merge_buffer
-        merge.slots[self._merge_out], merge.slots[self._merge_out + 7] = out.data_ptr(), lse.data_ptr()
+        o, l_ = self._merge_out
+        merge.slots[o], merge.slots[l_] = out.data_ptr(), lse.data_ptr()
         self._merge_launch.run(merge, self._merge_grid[0], handle)
 
     def _device_appends(self, rows: np.ndarray, before: np.ndarray, append: int) -> None:
