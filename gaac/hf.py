@@ -83,7 +83,7 @@ class PagedLayer:
     store: PagedKVCache
     layer: int
     rows: list
-    plan: object = None          # the forward pass's gaac.step.StepPlan, shared by its layers
+    plan: object = None          # the forward pass's gaac.serving.plan.StepPlan, shared by its layers
 
     @property
     def view(self):

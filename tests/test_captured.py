@@ -133,7 +133,8 @@ def test_a_check_inside_a_plan_publishes_its_epoch_and_a_split_reads_several(mon
         assert _steps(cache, rows, k, v, pos, 2 * heads, steps, rng, check_at={start[0] + steps - 1}) == steps
     assert sum(jobs) >= 4                        # decode checks ran in GPU rule batches
     assert_same_epochs(caches[0].calibration, caches[1].calibration)
-    for layer_a, layer_b in zip(caches[0]._store, caches[1]._store):
+    for layer in range(caches[0].layers):
+        layer_a, layer_b = caches[0].stores(layer), caches[1].stores(layer)
         for a, b in zip(layer_a, layer_b):
             np.testing.assert_array_equal(a.epochs, b.epochs)      # the same decisions, published alike
     cache = caches[1]

@@ -164,7 +164,8 @@ def test_the_step_append_and_merge_buffers_are_the_hand_packed_ones():
     buf.set_vector("lse", 8)
     partials = packed_params((o_part, lse_part, split0))
     _same(buf, partials + [0, 0, 512, 2, 0, 512, 2] + [0, 0, 8, 4, 0, 8, 4] + params(4) + params(2))
-    assert (buf.layout.data_slot("out"), buf.layout.data_slot("lse")) == (len(partials) + DATA, len(partials) + 7 + DATA)
+    out_at = len(partials)
+    assert (buf.layout.data_slot("out"), buf.layout.data_slot("lse")) == (out_at + DATA, out_at + 7 + DATA)
 
 
 def test_a_value_that_does_not_fit_its_argument_is_refused():
@@ -177,3 +178,16 @@ def test_a_value_that_does_not_fit_its_argument_is_refused():
         layout.pack("no_such_argument", 1)
     with pytest.raises(ValueError, match="argument names for a signature"):
         ParamLayout(merge.merge_signature(), ("o_part",))
+
+
+def test_a_layout_is_one_per_signature_and_copies_as_itself():
+    import copy
+    import pickle
+
+    from gaac.cuda import merge
+
+    layout = ParamLayout(merge.merge_signature(), kernel_arg_names(merge.merge_kernel(64, 4)))
+    assert ParamLayout(merge.merge_signature(), layout.names) is layout
+    assert copy.deepcopy(layout) is layout and pickle.loads(pickle.dumps(layout)) is layout
+    buf = layout.buffer({"kv_heads": 3})
+    assert buf.layout is layout and buf.slots[layout.slot("kv_heads")] == 3

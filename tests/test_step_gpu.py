@@ -149,7 +149,7 @@ def test_gpu_eager_calls_take_the_fast_path_and_fall_back_where_they_must():
         c._flush_all()
     for layer in range(layers):
         for kind in range(2):
-            np.testing.assert_array_equal(caches[0]._store[layer][kind].epochs, caches[1]._store[layer][kind].epochs)
+            np.testing.assert_array_equal(caches[0].stores(layer)[kind].epochs, caches[1].stores(layer)[kind].epochs)
     assert caches[0].memory() == caches[1].memory()
     for i, s in enumerate(seqs):
         for c in caches:

@@ -271,6 +271,13 @@ class ParamLayout:
     def __len__(self) -> int:
         return self.size
 
+    def __reduce__(self):
+        # one layout per signature: a copy (or an unpickled one) is the process's own
+        return ParamLayout, (tuple(self.types[name] for name in self.names), self.names)
+
+    def __deepcopy__(self, memo):
+        return self
+
     def slot(self, name: str, field: str | None = None) -> int:
         """The first slot of argument ``name`` (``field``: that field of an array's, one of :data:`ARRAY_FIELDS`)."""
         first, _ = self.at[name]
@@ -469,8 +476,22 @@ def signature_of(args, any_layout: bool = False) -> tuple:
         _NUMBA_DTYPES.update({torch.int8: types.int8, torch.uint8: types.uint8, torch.int16: types.int16,
                               torch.int32: types.int32, torch.int64: types.int64, torch.float32: types.float32})
     return tuple(types.int64 if isinstance(a, (int, np.integer)) else
-                 types.Array(_NUMBA_DTYPES[a.dtype], a.dim(), "C" if a.is_contiguous() and not any_layout else "A")
+                 _array_type(a.dtype, a.dim(), "C" if a.is_contiguous() and not any_layout else "A")
                  for a in args)
+
+
+_ARRAY_TYPES = {}     # (torch dtype, dimensions, layout) -> numba array type
+
+
+def _array_type(dtype, ndim: int, layout: str):
+    """numba's array type, made once per kind of array: making one costs more than a launch's packing."""
+    key = (dtype, ndim, layout)
+    t = _ARRAY_TYPES.get(key)
+    if t is None:
+        from numba import types
+
+        t = _ARRAY_TYPES[key] = types.Array(_NUMBA_DTYPES[dtype], ndim, layout)
+    return t
 
 
 def packed_params(args) -> list:

@@ -42,7 +42,7 @@ Limits, worked out when the plan is made (``plan.steps`` may come out below the 
   or raw record is decided only on the device.
 
 The adaptation rule's checks do not end a plan: the host looks at the finished blocks a few steps later and
-publishes an epoch it appends through device buffers (:meth:`gaac.PagedKVCache._flush_due`).  Anything else
+publishes an epoch it appends through device buffers (:meth:`gaac.PagedKVCache.account_decode_step`).  Anything else
 that changes the cache (another update, a removal, growth) ends a plan of steps: ``replayed`` raises
 :class:`InputError`, since the graph's launches name arrays that may be gone.  A bucket's step
 (:class:`BucketSteps`, what :class:`StepGraph` runs) lives through joins, removals and changing lengths: it

@@ -332,8 +332,8 @@ class StepPlan:
         if self.steps is not None:
             self.captured.check_run(layer)
         elif not np.array_equal(cache.host_lengths[layer], self.lens):
-            raise InputError(f"layer {layer} holds {cache.host_lengths[layer].tolist()} tokens per sequence; this plan is "
-                             f"for {self.lens.tolist()}: append the step's tokens to the layer before its attention")
+            raise InputError(f"layer {layer} holds {cache.host_lengths[layer].tolist()} tokens per sequence; this plan "
+                             f"is for {self.lens.tolist()}: append the step's tokens to the layer before its attention")
         if not self.kernel_path:
             return attention.decode_attention(q, cache.layer_view(layer), scale=self.scale, return_lse=return_lse,
                                               backend="cpu", q_heads=self.q_heads, out=out, lse=lse)
@@ -541,7 +541,8 @@ class StepPlan:
         """A plan of ``steps``: the host's account of one replay of the captured step (no synchronisation):
         its copy of the lengths and of the blocks the step finished.  Call it once per ``graph.replay()``
         (or eager run of the step); a call with no step run since the last is refused where the host can
-        tell without waiting for the device (:meth:`CapturedSteps.replayed <gaac.serving.graph.CapturedSteps.replayed>`)."""
+        tell without waiting for the device
+        (:meth:`CapturedSteps.replayed <gaac.serving.graph.CapturedSteps.replayed>`)."""
         self._need_steps("replayed")
         self.captured.replayed()
 

@@ -23,10 +23,10 @@ class ServingState:
 
     def __init__(self):
         self.generation = 0          # counts changes of lengths or storage: a plan made before compares it
-        self.layer_launch = {}       # (layer, g, fused) -> the attention launch state of that layer (gaac.attention_launch)
+        self.layer_launch = {}       # (layer, g, fused) -> that layer's attention launch state (gaac.attention_launch)
         self.wave = {}               # id(attention kernel) -> warps in one wave (gaac.serving.plan)
         self.launchers = {}          # id(kernel) -> its launcher, kept across steps (gaac.serving.plan)
-        self.work_plans = {}         # the newest eager plan's work list and launch state, for the next (gaac.serving.plan)
+        self.work_plans = {}         # the newest eager plan's work list and launch state, for the next plan
         self.step_appends = {}       # the sequences' bytes -> their one-token step appends (gaac.serving.append)
         self.step_index = None       # the device indices of the current one-token append (gaac.serving.append)
         self.append_launch = None    # the one-token append kernel's launcher (GPU)
