@@ -644,17 +644,23 @@ class PagedKVCache:
     def remove_sequence(self, seq: int) -> None:
         """Drop a sequence: its slots and raw tiles go back to the free lists, its row is reusable."""
         self._check_seq(seq)
-        for layer in range(self.layers):
-            nblocks = int(self._lens[layer, seq]) // L.BLOCK_TOKENS
-            for store in self._store[layer]:
-                e = store.table[seq, :nblocks].reshape(-1).cpu().numpy().view(np.uint32).astype(np.int64)
-                is_raw = (e & L.TABLE_RAW_FLAG) != 0
-                store.slots.give(e[~is_raw])
-                store.raw.give(e[is_raw] & L.TABLE_INDEX_MASK)
-                store.table[seq] = 0
-                store.epochs[seq] = 0
-                if store.epoch is not None:
-                    store.epoch[seq] = 0
+        stores = [store for layer_store in self._store for store in layer_store]
+        rows = [store.table[seq, :int(self._lens[layer, seq]) // L.BLOCK_TOKENS].reshape(-1)
+                for layer, layer_store in enumerate(self._store) for store in layer_store]
+        # every store's entries in one copy to the host, every free list's count in one wait
+        entries = torch.cat(rows).cpu().numpy().view(np.uint32).astype(np.int64)
+        sync_pools([pool for store in stores for pool in (store.slots, store.raw) if not pool.exact])
+        at = 0
+        for store, row in zip(stores, rows):
+            e = entries[at:at + row.numel()]
+            at += row.numel()
+            is_raw = (e & L.TABLE_RAW_FLAG) != 0
+            store.slots.give(e[~is_raw])
+            store.raw.give(e[is_raw] & L.TABLE_INDEX_MASK)
+            store.table[seq] = 0
+            store.epochs[seq] = 0
+            if store.epoch is not None:
+                store.epoch[seq] = 0
         self._lens[:, seq] = 0
         self._seq_lens[:, seq] = 0
         self._live[seq] = False
@@ -935,7 +941,7 @@ class PagedKVCache:
                            pending=self._host_copy(finished))
         if self._device_rule:
             return _Epochs(epochs=None, tables=[], after=adapter, pending=None, blocks=finished)
-        after = copy.deepcopy(adapter, {id(adapter.calibration): self._calibration.copy()})
+        after = copy.deepcopy(adapter, {id(adapter.calibration): self._calibration.copy(share_tables=True)})
         host = finished.cpu().numpy().view(np.uint16)
         epochs = after.assign(host)
         tables = [after.calibration.bases(layer, kind, e) for e in range(adapter.epoch + 1, after.epoch + 1)]
@@ -955,7 +961,7 @@ class PagedKVCache:
         # The rule runs on copies: of each adapter (a shallow one: the GPU rule replaces its histogram and
         # pending blocks rather than changing them) and of the calibration (one for the batch: each job
         # appends to its own layer and kind), so that the cache is unchanged until commit.
-        calibration = self._calibration.copy()
+        calibration = self._calibration.copy(share_tables=True)
         for _, _, plan in waiting:
             plan.first_new = plan.after.epoch + 1
             plan.epochs = np.full(len(plan.blocks), plan.after.epoch, np.int64)

@@ -311,11 +311,22 @@ class Calibration:
             return self.b_narrow[kind, layer], self.b_wide[kind, layer]
         return self.epochs[(kind, layer)][epoch - 1]
 
-    def copy(self) -> "Calibration":
-        """An independent calibration with the same tables and epochs (appending to it leaves this one alone)."""
-        return Calibration(self.b_narrow, self.b_wide, self.capacity, model=self.model, notes=dict(self.notes),
-                           epochs={key: list(tables) for key, tables in self.epochs.items()},
-                           format=self.format, scale_log2=self.scale_log2)
+    def copy(self, *, share_tables: bool = False) -> "Calibration":
+        """An independent calibration with the same tables and epochs (appending to it leaves this one alone).
+
+        ``share_tables``: the copy shares this calibration's arrays instead of checking and copying them (they
+        were checked when made, an epoch's when added), so that it costs a list per layer and kind: for a copy
+        that only appends epochs, as the adaptation rule's trial copies do, once per prefill layer.  Changing
+        an array of either in place then changes both."""
+        if not share_tables:
+            return Calibration(self.b_narrow, self.b_wide, self.capacity, model=self.model, notes=dict(self.notes),
+                               epochs={key: list(tables) for key, tables in self.epochs.items()},
+                               format=self.format, scale_log2=self.scale_log2)
+        out = object.__new__(Calibration)
+        out.__dict__.update(self.__dict__)
+        out.notes = dict(self.notes)
+        out.epochs = {key: list(tables) for key, tables in self.epochs.items()}
+        return out
 
     def slice_heads(self, start: int, stop: int) -> "Calibration":
         """The calibration of KV heads ``start .. stop - 1`` of every layer (FORMAT.md 11.12): the bases (and an

@@ -159,7 +159,8 @@ class DevicePool(Pool):
         self.data = torch.zeros((max(n, 1), *record), dtype=dtype, device=device)
         self._size = n
         self.heads, self.cls = heads, cls
-        self._set_order(torch.arange(n, dtype=torch.int32, device=device))
+        # room for as many entries again: records given back are written past the list's end (give)
+        self._set_order(torch.arange(n, dtype=torch.int32, device=device), 2 * n)
 
     @property
     def size(self) -> int:
@@ -212,7 +213,8 @@ class DevicePool(Pool):
         return max(self.listed - self.taken, 0)
 
     def _rest(self) -> torch.Tensor:
-        self.sync()
+        if not self.exact:
+            self.sync()
         return self.order[min(self.taken, self.listed):self.listed]
 
     def grow_to(self, n: int) -> None:
@@ -231,8 +233,21 @@ class DevicePool(Pool):
         return taken
 
     def give(self, indices) -> None:
-        back = torch.from_numpy(np.sort(np.asarray(indices, dtype=np.int64)).astype(np.int32)).to(self.data.device)
-        self._set_order(torch.cat([self._rest(), back]))
+        """Return records to the free list, after the free ones (the lowest of them first).  Where the list's
+        array has room past its end they are written there: the list's records are then the same, with no
+        count reset and no copy of the records already listed (a removed sequence gives back to every
+        layer's pools)."""
+        back = np.sort(np.asarray(indices, dtype=np.int64).reshape(-1)).astype(np.int32)
+        if not len(back):
+            return
+        if not self.exact:
+            self.sync()
+        m, end = len(back), self.listed
+        if self.taken <= end and end + m <= self.order.shape[0]:
+            self.order[end:end + m].copy_(torch.from_numpy(back))
+            self.listed = end + m
+            return
+        self._set_order(torch.cat([self._rest(), torch.from_numpy(back).to(self.data.device)]))
 
     def upcoming(self, k: int) -> torch.Tensor:
         """The ``k`` records :meth:`take` would hand out next, as an int64 tensor on the device, none taken and

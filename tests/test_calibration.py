@@ -292,3 +292,19 @@ def test_forced_capacity_is_used_and_validated():
     x = np.zeros((1, 1, 4, 64), np.uint16)            # fewer than 16 tokens is fine when capacity is given
     assert gaac.calibrate(x, x, capacity=48, show_progress=False).capacity.tolist() == [[48], [48]]
     raises(CalibrationError, gaac.calibrate, x, x, capacity=40, show_progress=False, match="multiples")
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_a_copy_takes_epochs_of_its_own_and_leaves_the_original_alone(share):
+    """``copy()`` checks and copies the tables; ``copy(share_tables=True)`` shares them (the adaptation
+    rule's trial copies): either way epochs appended to the copy are the copy's alone, and the copy has
+    the original's id, tables and epochs."""
+    cal = Calibration(np.full((2, 2, 2, 64), 120, np.uint8), np.full((2, 2, 2, 64), 118, np.uint8),
+                      np.full((2, 2), 64, np.uint16))
+    cal.add_epoch(1, 0, np.full((2, 64), 121, np.uint8), np.full((2, 64), 119, np.uint8))
+    twin = cal.copy(share_tables=share)
+    assert twin.id == cal.id and twin.n_epochs(1, 0) == 2 and (twin.b_narrow is cal.b_narrow) == share
+    twin.add_epoch(1, 0, np.full((2, 64), 122, np.uint8), np.full((2, 64), 120, np.uint8))
+    twin.add_epoch(0, 1, np.full((2, 64), 122, np.uint8), np.full((2, 64), 120, np.uint8))
+    assert (cal.n_epochs(1, 0), cal.n_epochs(0, 1)) == (2, 1) and (twin.n_epochs(1, 0), twin.n_epochs(0, 1)) == (3, 2)
+    np.testing.assert_array_equal(twin.bases(1, 0, 1)[0], cal.bases(1, 0, 1)[0])
