@@ -115,6 +115,16 @@ def test_the_attention_kernels_layer_buffer_is_the_hand_counted_one():
     old.write(scale_at, [ctypes.c_float(np.float32(0.25))] + packed_params((mrg,)) + [0, 0, 512, 2, 0, 512, 2]
               + [0, 0, 8, 4, 0, 8, 4] + [2, 8])
     assert list(buf.slots) == list(old.slots)
+    # AttentionPlan's list for a launch through cuda.core: the same parameters, of the same ctypes kinds, as the
+    # list it packed by hand (q's, the arrays', the outputs', the scalars, the scale, the fused merge's off)
+    q32, out, lse = _t(256), _t(1, dtype=torch.int16), _t(1, dtype=torch.float32)
+    got = layout.packed({**values, "q32": q32, "work": work, "o_part": o_part, "lse_part": lse_part,
+                         "status": status, "scale_log2": np.float32(0.25), "mrg": mrg, "out": out, "lse_out": lse,
+                         "merge_batch": 0, "group": 0})
+    hand = (params(q32) + fixed + packed_params((work, o_part, lse_part, status)) + scalars
+            + [ctypes.c_float(np.float32(0.25))] + packed_params((mrg, out, lse, 0, 0)))
+    kind = lambda p: (type(p), p.value if isinstance(p, (ctypes.c_int64, ctypes.c_float)) else p)  # noqa: E731
+    assert [kind(p) for p in got] == [kind(p) for p in hand]
 
 
 def test_the_one_token_append_buffer_is_the_hand_counted_one():
