@@ -372,8 +372,8 @@ def test_counts_and_blocks_asked_for_in_one_copy_reach_their_own_stores(monkeypa
         assert [pool.free_lower() for pool in (store.slots, store.raw)] == lower
     arrival.done = True
     for i, store in enumerate(stores):
-        assert store.slots.free_lower() == store.slots.order.shape[0] - (i + 1)
-        assert store.raw.free_lower() == store.raw.order.shape[0] - 2 * i
+        assert store.slots.free_lower() == store.slots.listed - (i + 1)
+        assert store.raw.free_lower() == store.raw.listed - 2 * i
     assert arrival.queries_after == 1
     blocks = [torch.full((2, 3), i, dtype=torch.int16) for i in range(len(stores))]
     got = cache._host_copies(blocks)
