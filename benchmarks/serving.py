@@ -139,15 +139,20 @@ def run_bf16(model, src, _cal, s, lens, args, every: int, prompt: int, graph: bo
                 model.step(ids, att)
                 att.end()
 
+    joins = []
+
     def run(j: int) -> None:
         row = replaced(j, every, b)
         if row is not None:
+            t = time.perf_counter()
             join(row)
+            joins.append((j, 1e3 * (time.perf_counter() - t)))
         with torch.no_grad():
             step()
 
     Window(run, args.warmup)(0)
     res = Window(run, args.steps)(args.warmup)
+    res["join_ms"] = [ms for j, ms in joins if j >= args.warmup]
     res.update(flash_mode=mode, flash_modes_us=modes, tok_s=b / res["ms"] * 1e3)
     if args.profile:
         res["profile"] = ds.kernel_profile(run, args.warmup + args.steps, args.profile)
@@ -222,16 +227,21 @@ def run_gaac(model, src, cal, s, lens, args, every: int, prompt: int, graph: boo
             loop.end()
         counters = None
 
+    joins = []
+
     def run(j: int) -> None:
         row = replaced(j, every, b)
         if row is not None:
+            t = time.perf_counter()
             join(row)
+            joins.append((j, 1e3 * (time.perf_counter() - t)))
         step()
         for seq in seqs:
             appended[seq].append(j)
 
     Window(run, args.warmup, counters)(0)
     res.update(Window(run, args.steps, counters)(args.warmup))
+    res["join_ms"] = [ms for j, ms in joins if j >= args.warmup]
     res["tok_s"] = b / res["ms"] * 1e3
     if args.profile:
         res["profile"] = ds.kernel_profile(run, args.warmup + args.steps, args.profile)
@@ -341,6 +351,13 @@ def render(rep: dict) -> str:
              if isinstance(v, dict) and "note" in v]
     if notes:
         lines += ["", "Notes:", "", *notes]
+    joined = [f"- {name} {k}: {len(v['join_ms'])} joins in the window, host wall of each (the row's removal, the "
+              f"new sequence and its prompt through `update_layer`, every layer; it waits for the GPU where the "
+              f"cache does) median {statistics.median(v['join_ms']):.1f} ms, max {max(v['join_ms']):.1f} ms"
+              for name, sc in rep["scenarios"].items() for k, v in sc.items()
+              if isinstance(v, dict) and v.get("join_ms") and not v.get("earlier")]
+    if joined:
+        lines += ["", "Joins:", "", *joined]
     lines += ["", "Event medians (ms/step, the steps' GPU time) and GAAC's memory:", ""]
     for name, sc in rep["scenarios"].items():
         med = {k: f"{v.get('event_median_ms', float('nan')):.2f}" for k, v in sc.items() if isinstance(v, dict)}
