@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from . import layout as L
+from .command import CommandParser, run
 from .errors import InputError
 from .io import check_input_file, reading, write_files
 from .progress import bar
@@ -407,9 +408,7 @@ def _prompts(args, tokenizer, context: int | None) -> list[dict]:
 
 
 def build_parser():
-    from .cli import _Parser
-
-    p = _Parser(prog="gaac capture", description="Capture a transformers model's K/V cache after one prefill "
+    p = CommandParser(prog="gaac capture", description="Capture a transformers model's K/V cache after one prefill "
                 "and write it as uint16 .npy files [layers, kv_heads, tokens, head_dim] plus a JSON sidecar. "
                 "The default model's first use dequantises its GGUF once into a dense BF16 copy of about "
                 f"{DENSE_COPY_MB} MB under {cache_root() / 'models'} ($GAAC_CACHE_DIR, else $XDG_CACHE_HOME/gaac "
@@ -494,6 +493,4 @@ def _fractions(values) -> str:
 
 
 if __name__ == "__main__":
-    from .cli import main as cli_main
-
-    sys.exit(cli_main(["capture", *sys.argv[1:]]))
+    sys.exit(run(main))

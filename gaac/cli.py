@@ -29,34 +29,23 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import os
 import sys
 
 import numpy as np
 
 from .calibration import Calibration, calibrate
-from .errors import GAACError, InputError
+from .command import CommandParser, run
+from .errors import InputError
 from .io import check_input_file, check_output_file, load_cache, load_sample, parse_token_range, reading, \
     write_files
 from .stats import measure
 from .tally import CacheStats
 
-EXIT_USAGE = 2
-EXIT_BROKEN_PIPE = 128 + 13       # what a shell reports for a program that SIGPIPE ended
 FORMATS = ("bf16", "fp8_e4m3", "fp8_e5m2")
 MAX_PLOT_LAYERS = 8          # gaac.plot.MAX_LAYERS (not imported here: gaac.plot is only loaded for --plot)
 
 # `gaac stats` with no files: calibrate on one shipped prompt, measure another (a cross-task transfer).
 SAMPLE_CALIBRATION, SAMPLE_MEASURED = "prose", "code"
-
-
-class UsageError(GAACError):
-    """A command line argparse refused."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):          # one line and exit 2, like every other user error
-        raise UsageError(f"{message} (see `{self.prog} --help`)")
 
 
 def version_line() -> str:
@@ -68,9 +57,9 @@ def version_line() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="gaac", description="Lossless GAAC compression of BF16 KV caches.")
+    parser = CommandParser(prog="gaac", description="Lossless GAAC compression of BF16 KV caches.")
     parser.add_argument("--version", action="version", version=version_line())
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser)
 
     cal = sub.add_parser("calibrate", help="choose exponent windows and slot capacities from sample caches",
                          description="Calibrate on K/V caches [layers, kv_heads, tokens, head_dim] and write "
@@ -143,56 +132,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# The optional packages a command may need, and the extra that installs each (setup.cfg).
-EXTRAS = {"torch": "torch", "transformers": "hf", "gguf": "hf", "safetensors": "hf", "accelerate": "hf",
-          "matplotlib": "plot", "numba": "cuda", "llvmlite": "cuda"}
-
-
 def main(argv=None) -> int:
     """Run the command ``argv`` (default: ``sys.argv[1:]``); its exit status.
 
-    A reader that closes the output early (``gaac stats --json | head``) ends the command quietly
-    with status 141, as a program killed by SIGPIPE ends: no error, no traceback."""
-    try:
-        try:
-            return _main(argv)
-        finally:
-            sys.stdout.flush()             # here, where a closed pipe can still be caught
-    except BrokenPipeError:
-        # Python flushes stdout again at exit: point it at devnull so that flush has nowhere to fail.
-        try:
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
-            os.close(devnull)
-        except (OSError, ValueError):      # a stdout without a file descriptor: nothing to redirect
-            pass
-        return EXIT_BROKEN_PIPE
+    A user error ends the command with one line on stderr and status 2; a reader that closes the output
+    early (``gaac stats --json | head``) ends it quietly with status 141 (:func:`gaac.command.run`)."""
+    return run(_command, argv)
 
 
-def _main(argv) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    try:
-        if argv[:1] == ["capture"]:
-            return run_capture(argv[1:])
-        args = build_parser().parse_args(argv)
-        return args.func(args)
-    except BrokenPipeError:
-        raise
-    except (GAACError, OSError) as exc:
-        return _fail(exc)
-    except ImportError as exc:
-        extra = EXTRAS.get((exc.name or "").partition(".")[0])
-        if extra is None:              # not an optional package: a broken installation or a bug
-            raise
-        return _fail(f"this command needs {exc.name.partition('.')[0]}, which is not installed: "
-                     f"pip install 'gaac[{extra}]'")
-
-
-def _fail(error) -> int:
-    """Report a user error on one line of stderr; the exit status of every user error."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    print(f"gaac: error: {' '.join(lines)}", file=sys.stderr)
-    return EXIT_USAGE
+def _command(argv: list[str]) -> int:
+    """The command ``argv`` names, run: ``gaac capture`` by :func:`run_capture`, every other one by the
+    function its parser sets."""
+    if argv[:1] == ["capture"]:
+        return run_capture(argv[1:])
+    args = build_parser().parse_args(argv)
+    return args.func(args)
 
 
 def run_capture(argv: list[str]) -> int:

@@ -10,7 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from gaac.cli import EXIT_BROKEN_PIPE, main
+from gaac.cli import main
+from gaac.command import EXIT_BROKEN_PIPE
 from gaac.io import load_sample, write_files
 from gaac.errors import InputError
 

@@ -17,16 +17,10 @@ import ast
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "gaac"
 FORBIDDEN = ("benchmarks", "studies")      # research code: gaac and its tests never import it
 IMPORT_CALLS = ("importlib.import_module", "import_module", "__import__")   # with a literal name: an arrow too
-KNOWN_CYCLES = [["gaac.capture", "gaac.cli"]]
-"""Cycles the rule tolerates until they are broken, each with a test that fails once it is (strict xfail):
-``gaac.cli`` imports ``gaac.capture`` by name (``importlib.import_module``, for ``gaac capture``) and
-``gaac.capture`` imports ``gaac.cli``'s parser class and ``main``."""
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:
@@ -176,15 +170,8 @@ def forbidden_imports(root: Path = ROOT) -> list[str]:
 
 def test_gaac_has_no_import_cycles():
     graph = import_graph()
-    found = [" -> ".join(cycle_path(graph, c)) for c in cycles(graph) if c not in KNOWN_CYCLES]
+    found = [" -> ".join(cycle_path(graph, c)) for c in cycles(graph)]
     assert not found, "import cycles among gaac's modules (lazy imports count):\n  " + "\n  ".join(found)
-
-
-@pytest.mark.xfail(strict=True, reason="a known cycle (KNOWN_CYCLES) is not broken yet")
-@pytest.mark.parametrize("known", KNOWN_CYCLES, ids=[" ".join(c) for c in KNOWN_CYCLES])
-def test_known_cycle_is_broken(known):
-    """Passes -- and so fails, strictly -- once the cycle is gone: then its entry leaves KNOWN_CYCLES."""
-    assert known not in cycles(import_graph())
 
 
 def test_gaac_and_its_tests_do_not_import_benchmarks_or_studies():
