@@ -50,7 +50,7 @@ from benchmarks.report import table  # noqa: E402
 from gaac import layout as L  # noqa: E402
 from gaac.attention import (AttentionPlan, bf16_to_float, float_to_bf16, kernel_options,  # noqa: E402
                             reference_attention)
-from gaac.cachelayout import LayerView  # noqa: E402
+from gaac.cache.view import LayerView  # noqa: E402
 from gaac.testing import plain_view, view_from_dense, view_to  # noqa: E402
 
 KINDS = ("prose", "code", "math", "list")

@@ -13,7 +13,7 @@ from .io import sample
 from .layout import FORMAT_VERSION
 
 _LAZY = {
-    "PagedKVCache": ("gaac.cache", "PagedKVCache"),
+    "PagedKVCache": ("gaac.cache.paged", "PagedKVCache"),
     "decode_attention": ("gaac.attention", "decode_attention"),
     "AttentionPlan": ("gaac.attention", "AttentionPlan"),
     "StepPlan": ("gaac.serving.plan", "StepPlan"),

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import layout as L
-from .cachelayout import LayerView
+from .cache.view import LayerView
 from .errors import FormatError, InputError
 from .reference.codec import decode_entries
 from .tiles import tile_bases, untile
@@ -238,7 +238,7 @@ def _check(x, name: str, dtype: str, shape: tuple, device) -> None:
 
 def _check_is_view(view) -> None:
     if not isinstance(view, LayerView):
-        raise InputError(f"view: expected a gaac.cachelayout.LayerView (e.g. PagedKVCache.layer_view), got "
+        raise InputError(f"view: expected a gaac.cache.view.LayerView (e.g. PagedKVCache.layer_view), got "
                          f"{type(view).__name__}")
 
 

@@ -3,7 +3,7 @@
 A cache is sized for a number of blocks (16 tokens of one sequence, every layer, K and V), its
 *expected capacity*.  Each layer and kind gets one slot per tile of that capacity, so a layer whose
 tiles all fit their slots never runs short; tiles whose escapes overflow their slot (FORMAT.md 6.4)
-go to one raw-tile arena that every layer and kind shares (:class:`gaac.pools.RawArena`), sized for
+go to one raw-tile arena that every layer and kind shares (:class:`gaac.cache.pools.RawArena`), sized for
 ``raw_share`` of the capacity's tiles:
 
     raw_share = max(RAW_SHARE, RAW_MARGIN * the rate the calibration measured on its own text)

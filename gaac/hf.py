@@ -57,7 +57,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from . import layout as L
-from .cache import PagedKVCache
+from .cache.paged import PagedKVCache
 from .calibration import Calibration, calibrate
 from .errors import InputError
 
@@ -266,7 +266,7 @@ class GAACCache(Cache):
 
     def _open(self, k: torch.Tensor) -> None:
         """Start the paged cache: one sequence per batch row, pools sized for the prompt's blocks and one more,
-        which grow as generation needs by ``gaac.pools.GROWTH`` of their size, so the cache allocates about
+        which grow as generation needs by ``gaac.cache.pools.GROWTH`` of their size, so the cache allocates about
         what its tokens take."""
         batch, _, tokens, _ = k.shape
         self.store = PagedKVCache(self.calibration, max_seqs=batch, max_blocks=tokens // L.BLOCK_TOKENS + 1,

@@ -171,7 +171,7 @@ class _Caches:
     @contextmanager
     def lend(self, cal: Calibration, device, codec, *, blocks: int, slots: int | None = None,
              raw_tiles: int | None = None):
-        from .cache import PagedKVCache
+        from .cache.paged import PagedKVCache
 
         caches = self._local.__dict__.setdefault("caches", {})
         key = (cal.id, str(device), codec)
@@ -299,7 +299,7 @@ class GaacDeserializer(_Deserializer):
             at += n
 
     def _import(self, data, x) -> None:
-        from .cache import PagedKVCache
+        from .cache.paged import PagedKVCache
         from .transfer import import_sequence, read_head
 
         layers, heads, dim, tokens = _chunk_dims(x.shape, x.dtype, self.head_dim)

@@ -1,7 +1,7 @@
 """LayerViews built from dense caches, for tests and benchmarks (as ``numpy.testing`` is to NumPy).
 
 :func:`view_from_dense` encodes dense BF16 caches with the reference codec into a compressed
-:class:`~gaac.cachelayout.LayerView`, :func:`plain_view` lays the same caches out as a plain BF16 paged
+:class:`~gaac.cache.view.LayerView`, :func:`plain_view` lays the same caches out as a plain BF16 paged
 cache (every tile raw: the baseline kernel's input), and :func:`view_to` moves a view's arrays to a torch
 device.  The serving path builds its views through ``gaac.PagedKVCache``; :func:`gaac.attention.gather_dense`
 rebuilds the dense caches of any view.
@@ -12,7 +12,7 @@ import numpy as np
 
 from . import layout as L
 from .attention import _block_tile_bases, _is_torch
-from .cachelayout import LayerView
+from .cache.view import LayerView
 from .errors import InputError
 from .reference.codec import encode_tiles
 from .tiles import block_tiles

@@ -12,7 +12,7 @@ bytes (about 1.39x fewer than BF16 on real caches) plus a small head.
 
 This module is the public face of three layers: the container's bytes
 (:mod:`gaac.format.sequence`: layout, head, the reader's rules, NumPy only),
-the cache's side (:mod:`gaac.cache_transfer`: gathering a sequence from a
+the cache's side (:mod:`gaac.cache.transfer`: gathering a sequence from a
 cache's pools and scattering one into them, on the cache's device, with the
 chunk CRCs on the GPU), and, here, the file form: :func:`pack` and
 :func:`unpack` (``gaac pack`` / ``gaac unpack``), the same container with the
@@ -23,8 +23,8 @@ from __future__ import annotations
 import numpy as np
 
 from . import layout as L
-from .cache import PagedKVCache
-from .cache_transfer import container_nbytes, export_sequence, exported_layout, import_sequence, read_head
+from .cache.paged import PagedKVCache
+from .cache.transfer import container_nbytes, export_sequence, exported_layout, import_sequence, read_head
 from .calibration import Calibration, calibrate
 from .errors import CalibrationError, InputError
 from .format.sequence import Container, EpochRecord, Layout, Section, check_calibration, worst_case_bytes

@@ -1,5 +1,5 @@
 """A cache sized by a byte budget, one raw-tile arena for every layer and kind, running dry without loss,
-swapping sequences out and in, and what a cache with its defaults allocates (gaac.budget, gaac.pools)."""
+swapping sequences out and in, and what a cache with its defaults allocates (gaac.budget, gaac.cache.pools)."""
 import numpy as np
 import pytest
 import torch

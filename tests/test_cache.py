@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from strategies import bf16_bits, drifting
 
-import gaac.cache as cache_mod
+import gaac.cache.paged as cache_mod
 from gaac import layout as L
 from gaac.block import encode_block
 from gaac.cache import PagedKVCache, PoolExhaustedError, blocks_to_tiles, tiles_to_tokens

@@ -19,7 +19,7 @@ from strategies import bases, block_cases
 import gaac
 import gaac.epochs as epochs
 from gaac import layout as L
-from gaac.cachelayout import LayerView
+from gaac.cache.view import LayerView
 from gaac.calibration import Calibration, calibrate
 from gaac.errors import CalibrationError, FormatError, InputError
 from gaac.reference.bits import join_bf16

@@ -120,7 +120,7 @@ def test_a_bad_q_checked_against_a_shape_names_q():
                          ([1, 2], "q: expected a torch tensor or NumPy array, got list")):
         with pytest.raises(InputError, match=message):
             _check_q(bad, shape, "cpu")
-    with pytest.raises(InputError, match="view: expected a gaac.cachelayout.LayerView"):
+    with pytest.raises(InputError, match="view: expected a gaac.cache.view.LayerView"):
         _check_q(np.zeros((BATCH, Q_HEADS, D), np.uint16), object(), "cpu")
 
 

@@ -1,4 +1,4 @@
-"""The raw-tile arena's lending (gaac.pools.RawArena): what each share is lent where the arena can and cannot
+"""The raw-tile arena's lending (gaac.cache.pools.RawArena): what each share is lent where the arena can and cannot
 cover every share's ask, device shares' free lists written in place, and a prompt that every layer and kind
 asks more of than the arena holds encoded once."""
 import numpy as np
@@ -8,7 +8,7 @@ torch = pytest.importorskip("torch")
 
 from gaac import layout as L  # noqa: E402
 from gaac.calibration import Calibration, calibrate  # noqa: E402
-from gaac.pools import RawArena  # noqa: E402
+from gaac.cache.pools import RawArena  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -145,7 +145,7 @@ def test_records_given_back_to_a_device_pool_join_its_list_in_place_and_in_order
     """A slot pool's free list on the device: records given back follow the free ones, lowest first, written
     past the list's end while the array has room (no new array, the taken count kept), and the list is
     rebuilt (taken count reset) only when it has none; either way ``take`` hands out the same records."""
-    from gaac.pools import DevicePool
+    from gaac.cache.pools import DevicePool
 
     heads = torch.zeros(2, dtype=torch.int32)
     pool = DevicePool("slots", 6, (4,), torch.uint8, CPU, heads, 0)

@@ -17,7 +17,7 @@ from gaac.attention import bf16_to_float, reference_attention
 from gaac.cache import PagedKVCache
 from gaac.calibration import calibrate
 from gaac.errors import InputError, PoolExhaustedError
-from gaac.pools import grown
+from gaac.cache.pools import grown
 
 
 def _q(rng, batch, heads, dim):

@@ -25,7 +25,7 @@ from gaac.attention import bf16_to_float, reference_attention  # noqa: E402
 from gaac.cache import PagedKVCache  # noqa: E402
 from gaac.calibration import calibrate  # noqa: E402
 from gaac.errors import InputError, PoolExhaustedError  # noqa: E402
-from gaac.pools import grown  # noqa: E402
+from gaac.cache.pools import grown  # noqa: E402
 
 
 def assert_same_caches(caches, seqs, k, v, adapt: bool):

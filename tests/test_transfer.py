@@ -15,7 +15,8 @@ import gaac
 from strategies import drifting
 from test_spec import _struct_fields, table as spec_table
 from gaac import layout as L
-from gaac import cache_transfer, transfer
+from gaac import transfer
+from gaac.cache import transfer as cache_transfer
 from gaac.cache import PagedKVCache
 from gaac.calibration import Calibration, calibrate
 from gaac.errors import CalibrationError, FormatError, InputError, PoolExhaustedError

@@ -22,7 +22,8 @@ from conftest import every_tile  # noqa: E402
 from test_transfer import assert_unchanged, drifting, mutate, snapshot  # noqa: E402
 
 from gaac import layout as L  # noqa: E402
-from gaac import cache_transfer, transfer  # noqa: E402
+from gaac import transfer  # noqa: E402
+from gaac.cache import transfer as cache_transfer  # noqa: E402
 from gaac.cache import PagedKVCache  # noqa: E402
 from gaac.calibration import calibrate  # noqa: E402
 from gaac.errors import FormatError  # noqa: E402

@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gaac import cache_transfer, transfer
+from gaac import transfer
+from gaac.cache import transfer as cache_transfer
 from gaac import layout as L
 from gaac.cache import MAX_INDEXED_EPOCHS, PagedKVCache
 from gaac.calibration import Calibration, epoch_canonical_bytes

@@ -77,7 +77,7 @@ import numpy as np
 
 from .. import layout as L
 from ..errors import InputError
-from ..pools import latest_version
+from ..cache.pools import latest_version
 from .append import StepAppend, step_append
 
 

@@ -1,6 +1,6 @@
 """The paged GAAC KV cache: fill-then-finalize blocks in two fixed-size storage classes.
 
-The cache holds two storage classes of fixed-size records (:mod:`gaac.pools`):
+The cache holds two storage classes of fixed-size records (:mod:`gaac.cache.pools`):
 
 * per layer and kind (K, V), a slot pool, uint8 ``[n_slots, slot_bytes]`` -- compressed tiles
   (FORMAT.md section 6);
@@ -52,7 +52,7 @@ planned with :meth:`PagedKVCache.decode_plan` is reserved for every layer at onc
 such as ``gaac.hf.GAACCache`` wants).
 
 Arrays are torch tensors on the cache's device, in the dtypes of
-:class:`gaac.cachelayout.LayerView`, so :meth:`PagedKVCache.layer_view` hands
+:class:`gaac.cache.view.LayerView`, so :meth:`PagedKVCache.layer_view` hands
 attention the live storage without a copy.  The tile codec is the NumPy
 reference on the CPU; on a CUDA device it is :mod:`gaac.cuda.codec`.
 """
@@ -69,20 +69,20 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from . import layout as L
-from .arrays import as_bits
-from .cachelayout import LayerView
-from .calibration import Calibration
-from .epochs import EPOCH_INDEX_BYTES, Adapter, epoch_table_bytes
-from .budget import Capacity, raw_share, size_cache
-from .errors import CalibrationError, FormatError, InputError, PoolExhaustedError
+from .. import layout as L
+from ..arrays import as_bits
+from .view import LayerView
+from ..calibration import Calibration
+from ..epochs import EPOCH_INDEX_BYTES, Adapter, epoch_table_bytes
+from ..budget import Capacity, raw_share, size_cache
+from ..errors import CalibrationError, FormatError, InputError, PoolExhaustedError
 from .pools import Arrival, DevicePool, Pool, RawArena, _Share, grown, sync_pools
-from .progress import progress
-from .reference.codec import decode_entries, encode_tiles
-from .serving.append import append_token
-from .serving.graph import RECORDING, check_not_recording
-from .serving.state import ServingState
-from .tiles import tile_bases
+from ..progress import progress
+from ..reference.codec import decode_entries, encode_tiles
+from ..serving.append import append_token
+from ..serving.graph import RECORDING, check_not_recording
+from ..serving.state import ServingState
+from ..tiles import tile_bases
 
 KINDS = (L.KIND_K, L.KIND_V)
 PROGRESS_TOKENS = 512        # appends of this many tokens show a progress bar on a terminal (PagedKVCache.append)
@@ -153,12 +153,12 @@ class CudaCodec:
     """The numba.cuda kernels of :mod:`gaac.cuda.codec` (device tensors; NumPy/CPU tensors in the simulator).
 
     The cache encodes through :class:`gaac.cuda.codec.EncodePlan` straight into its pools, whose free
-    lists live on the device (:class:`gaac.pools.DevicePool`, :meth:`PagedKVCache._encode_on_device`); this class
+    lists live on the device (:class:`gaac.cache.pools.DevicePool`, :meth:`PagedKVCache._encode_on_device`); this class
     decodes, for reading a cache back.
     """
 
     def __init__(self):
-        from .cuda import codec
+        from ..cuda import codec
 
         self._codec = codec
 
@@ -207,7 +207,7 @@ class _Kind:
 
     capacity: int
     slots: Pool                  # this layer and kind's slots
-    raw: Pool                    # its share of the cache's raw-tile arena (gaac.pools.RawArena)
+    raw: Pool                    # its share of the cache's raw-tile arena (gaac.cache.pools.RawArena)
     table: torch.Tensor          # int32 [max_seqs, max_blocks, tiles_per_block]
     tail: torch.Tensor           # int16 [max_seqs, kv_heads, 16, head_dim]
     b3: torch.Tensor             # uint8 [n_epochs, kv_heads, head_dim] on the device (for attention)
@@ -406,7 +406,7 @@ class PagedKVCache:
     update that needs more than is free raises :class:`PoolExhaustedError` before anything is written
     (:meth:`free_tokens` and :meth:`fits` ask beforehand; :meth:`export_sequence` and
     :meth:`import_sequence` swap a sequence out to the host and back), or, with ``grow=True``, enlarges
-    the pool, arena or table by a 32nd (``gaac.pools.GROWTH``) or what it needs; a budget and
+    the pool, arena or table by a 32nd (``gaac.cache.pools.GROWTH``) or what it needs; a budget and
     ``grow=True`` exclude each other.
     ``device`` is any torch device; ``codec`` is ``'reference'`` (CPU), ``'cuda'``
     (gaac.cuda.codec), or None for the device's default.
@@ -956,7 +956,7 @@ class PagedKVCache:
                    if u.epochs[kind] is not None and u.epochs[kind].blocks is not None]
         if not waiting:
             return []
-        from .cuda.epochs import Batch
+        from ..cuda.epochs import Batch
 
         # The rule runs on copies: of each adapter (a shallow one: the GPU rule replaces its histogram and
         # pending blocks rather than changing them) and of the calibration (one for the batch: each job
@@ -986,7 +986,7 @@ class PagedKVCache:
         allocator keeps freed memory per stream, so a stream per cache would strand the rule's buffers."""
         if self.device.type != "cuda":
             return None
-        from .cuda.launch import device_index
+        from ..cuda.launch import device_index
 
         key = device_index(self.device)
         stream = _RULE_STREAMS.get(key)
@@ -1099,7 +1099,7 @@ class PagedKVCache:
                         self._due_at(item.step)
                         break
         if jobs:
-            from .cuda.epochs import Batch
+            from ..cuda.epochs import Batch
 
             by_shape = {}
             for job in jobs:
@@ -1217,7 +1217,7 @@ class PagedKVCache:
         It lives as long as it has room: an appended epoch is written into it (an asynchronous copy on the
         current stream, after the launches that read the rows before it); a full table is replaced by one
         of twice the room (from :data:`EPOCH_ROOM`), which drops the layer's attention launch state."""
-        from .attention import _pair_base_words
+        from ..attention import _pair_base_words
 
         held = [store.b3.shape[0] for store in self._store[layer]]
         entry = self._epoch_tables.get(layer)
@@ -1428,7 +1428,7 @@ class PagedKVCache:
         key = (epoch, store.pools_key())
         enc = store.encoders.get(key)
         if enc is None:
-            from .cuda.codec import EncodePlan, pack_bases
+            from ..cuda.codec import EncodePlan, pack_bases
 
             # An epoch's bases outlive the pools' versions (growth, removals make new free lists).
             bases = store.packed.get(epoch)
@@ -1675,7 +1675,7 @@ class PagedKVCache:
         (:mod:`gaac.serving.graph`).  ``bucket=size`` plans the device-driven step of a batch-size bucket, which a
         graph captures once and replays for any batch of up to ``size`` sequences
         (:class:`gaac.serving.graph.BucketSteps`; :class:`gaac.StepGraph` runs that loop)."""
-        from .serving.plan import StepPlan
+        from ..serving.plan import StepPlan
 
         return StepPlan(self, q_heads, append=append, seqs=seqs, scale=scale, steps=steps, bucket=bucket)
 
@@ -1686,7 +1686,7 @@ class PagedKVCache:
         on = self._rule_on_device
         if not self._cuda_codec or not (self.device.type == "cuda" if on is None else on):
             return False
-        from .cuda.epochs import supported
+        from ..cuda.epochs import supported
 
         return supported(self.kv_heads, self.head_dim)
 
@@ -1873,7 +1873,7 @@ class PagedKVCache:
         embeds the calibration too.  A read-only memoryview (pinned host memory on CUDA); ``out``: a host buffer
         to write it into; ``heads=(start, stop)``: those KV heads only (FORMAT.md 11.12), for a cache made with
         ``calibration.slice_heads(start, stop)``.  See :func:`gaac.transfer.export_sequence`."""
-        from .cache_transfer import export_sequence
+        from .transfer import export_sequence
 
         return export_sequence(self, seq, calibration=calibration, out=out, heads=heads)
 
@@ -1881,6 +1881,6 @@ class PagedKVCache:
     def import_sequence(self, data) -> int:
         """A sequence container (from :meth:`export_sequence` of a cache with the same calibration id) as a new
         sequence of this cache, bit for bit; returns its id.  See :func:`gaac.transfer.import_sequence`."""
-        from .cache_transfer import import_sequence
+        from .transfer import import_sequence
 
         return import_sequence(self, data)

@@ -1,6 +1,6 @@
 """The arrays a paged GAAC cache holds for one layer: the contract between the cache and attention.
 
-``gaac.PagedKVCache`` (gaac/cache.py) fills these; ``gaac.decode_attention``
+``gaac.PagedKVCache`` (gaac/cache/paged.py) fills these; ``gaac.decode_attention``
 (gaac/attention.py) and the CUDA kernels read them.  Arrays are torch tensors
 (CUDA for the fused kernel, CPU for the reference path) or NumPy arrays on the
 CPU.  BF16 data is always carried as its bits (int16), never as a float dtype,
@@ -35,8 +35,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from . import layout as L
-from .errors import InputError
+from .. import layout as L
+from ..errors import InputError
 
 
 @dataclass

@@ -18,7 +18,7 @@ import weakref
 import numpy as np
 import torch
 
-from . import layout as L
+from .. import layout as L
 
 # Growth step of a pool, table or arena of a cache made with ``grow=True``: a 32nd of its size (or what is
 # asked, if more), so that a growing cache allocates at most about 3% more than it holds, at the cost of a

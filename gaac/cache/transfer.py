@@ -61,12 +61,12 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from . import layout as L
+from .. import layout as L
 from .pools import grown, sync_pools
-from .calibration import Calibration, check_heads
-from .errors import FormatError, InputError, PoolExhaustedError
-from .format import sequence as F
-from .format.sequence import (KINDS, RAW_ENTRY_BIAS, Container, EpochRecord, Layout, Section, check_calibration,
+from ..calibration import Calibration, check_heads
+from ..errors import FormatError, InputError, PoolExhaustedError
+from ..format import sequence as F
+from ..format.sequence import (KINDS, RAW_ENTRY_BIAS, Container, EpochRecord, Layout, Section, check_calibration,
                               sequence_layout)
 
 
@@ -134,7 +134,7 @@ def _chunk_crcs(body: torch.Tensor):
     asynchronously on the current stream) -- the partial last chunk is the caller's, on the host, where its bytes
     are (or will be)."""
     if body.device.type == "cuda":
-        from .cuda.crc import chunk_crcs
+        from ..cuda.crc import chunk_crcs
 
         return chunk_crcs(body, L.SEQUENCE_CHUNK_BYTES)
     return F.chunk_crcs(body.numpy())
