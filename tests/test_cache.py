@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from strategies import bf16_bits, drifting
 
-import gaac.cache.paged as cache_mod
+import gaac.cache.codec as codec_mod
+import gaac.cache.update as update_mod
 from gaac import layout as L
 from gaac.block import encode_block
 from gaac.cache import PagedKVCache, PoolExhaustedError, blocks_to_tiles, tiles_to_tokens
@@ -245,8 +246,8 @@ def test_prefill_then_decode_reads_back_and_encodes_each_block_once(real, monkey
         encoded.append(tiles.copy())
         return encode_tiles(tiles, *args)
 
-    encode_tiles = cache_mod.encode_tiles
-    monkeypatch.setattr(cache_mod, "encode_tiles", counting)
+    encode_tiles = codec_mod.encode_tiles
+    monkeypatch.setattr(codec_mod, "encode_tiles", counting)
     cache = PagedKVCache(cal, max_seqs=2, max_blocks=8)
     prompt = 37
     seq = cache.add_sequence(k[:, :, :prompt], v[:, :, :prompt])
@@ -495,8 +496,8 @@ def test_an_update_written_before_its_counts_is_undone_where_a_list_ran_dry(monk
     k, v = synthetic(rng, 1, 1, 3 * B, 64, spread=2.5), synthetic(rng, 1, 1, 3 * B, 64, spread=2.5)
     cal = with_capacity(calibrate(k, v), [[0], [L.geometry(64).max_useful_capacity]])    # K's escapes go raw
     undone = []
-    undo = cache_mod._EarlyWrite.undo
-    monkeypatch.setattr(cache_mod._EarlyWrite, "undo", lambda self: (undone.append(True), undo(self)))
+    undo = update_mod._EarlyWrite.undo
+    monkeypatch.setattr(update_mod._EarlyWrite, "undo", lambda self: (undone.append(True), undo(self)))
     for grow in (False, True):
         cache = PagedKVCache(cal, max_seqs=1, max_blocks=4, raw_tiles=1, codec="cuda", grow=grow)
         seq = cache.add_sequence(k[:, :, :10], v[:, :, :10])       # a tail of 10 tokens, no block
@@ -753,3 +754,36 @@ def test_a_long_prefill_shows_progress(real, capsys):
     assert "encode 40 tokens" in err and "layer" in err
     cache.add_sequence(k[:, :, :40], v[:, :, :40])          # not a terminal: no bar
     assert capsys.readouterr().err == ""
+
+
+def test_both_codecs_implement_the_tile_codec_protocol():
+    """The reference and CUDA codecs are TileCodecs that encode one block's tiles to the same slots and fits
+    (K with no escape room, so that some tiles go raw) and decode pools built from them to the same tiles."""
+    pytest.importorskip("numba")
+    from gaac.cache.codec import CudaCodec, ReferenceCodec, TileCodec
+    from gaac.tiles import tile_bases
+
+    rng = np.random.default_rng(11)
+    k, v = synthetic(rng, 1, 2, B, 64, spread=2.5), synthetic(rng, 1, 2, B, 64, spread=2.5)
+    cal = with_capacity(calibrate(k, v), [[0], [L.geometry(64).max_useful_capacity]])
+    reference, cuda = ReferenceCodec(), CudaCodec()
+    assert isinstance(reference, TileCodec) and isinstance(cuda, TileCodec)
+    assert (reference.pools_on_device, cuda.pools_on_device) == (False, True)
+    for kind, x in enumerate((k, v)):
+        block = torch.from_numpy(x[0].view(np.int16))[None]                      # [1, heads, 16, 64]
+        tiles = blocks_to_tiles(block)
+        tb3, tb4 = (torch.from_numpy(np.ascontiguousarray(t)) for t in tile_bases(*cal.bases(0, kind)))
+        capacity = int(cal.capacity[kind, 0])
+        slots, fits = reference.encode(tiles, tb3, tb4, capacity)
+        cuda_slots, cuda_fits = cuda.encode(tiles, tb3, tb4, capacity)
+        assert isinstance(fits, np.ndarray) and isinstance(cuda_fits, np.ndarray)
+        assert np.array_equal(fits, cuda_fits) and torch.equal(slots, cuda_slots)
+        if kind == 0:
+            assert not fits.all()
+        entries = np.empty(len(fits), np.int64)
+        entries[fits] = np.arange(int(fits.sum()))
+        entries[~fits] = np.arange(int((~fits).sum())) | L.TABLE_RAW_FLAG
+        entries = torch.from_numpy(entries.astype(np.uint32).view(np.int32))
+        raw = tiles[torch.from_numpy(~fits)].contiguous()
+        for codec in (reference, cuda):
+            assert torch.equal(codec.decode(slots, raw, entries, tb3, tb4, capacity), tiles)

@@ -70,6 +70,8 @@ def test_the_cache_has_private_names_to_guard():
     private = cache_private_names(cache_sources())
     # names the serving loop once read, and ones it must keep away from
     assert {"_store", "_lens", "_seq_lens", "_to_device", "_check_seqs", "_flush_due", "_encoder"} <= private
+    # the update transaction's, which the cache derives from gaac/cache/update.py
+    assert {"_apply", "_prepare", "_reserve", "_commit", "_publish"} <= private
     assert "stores" not in private and "host_lengths" not in private
 
 

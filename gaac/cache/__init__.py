@@ -1,7 +1,13 @@
 """The paged GAAC KV cache, by responsibility.
 
-* :mod:`gaac.cache.paged` -- :class:`PagedKVCache`: sequences, updates, reading, memory and capacity, and the
-  storage interface the serving loop (:mod:`gaac.serving`) uses;
+* :mod:`gaac.cache.paged` -- :class:`PagedKVCache`, the facade: sequences, ``append`` and ``update_layer``,
+  reading, memory and capacity, and the storage interface the serving loop (:mod:`gaac.serving`) uses;
+* :mod:`gaac.cache.update` -- the all-or-nothing update transaction and the bookkeeping of calibration epochs
+  and the adaptation rule, methods the cache derives from :class:`~gaac.cache.update.UpdateTransaction`;
+* :mod:`gaac.cache.codec` -- the codec protocol (:class:`~gaac.cache.codec.TileCodec`) and its reference and
+  CUDA implementations;
+* :mod:`gaac.cache.store` -- one layer and kind's storage record (what ``PagedKVCache.stores`` hands out);
+* :mod:`gaac.cache.memory` -- :class:`~gaac.cache.memory.MemoryReport`;
 * :mod:`gaac.cache.pools` -- the fixed-size records the cache is made of and their free lists;
 * :mod:`gaac.cache.view` -- :class:`~gaac.cache.view.LayerView`, one layer's arrays as attention reads them;
 * :mod:`gaac.cache.transfer` -- a sequence gathered from the cache into container bytes and scattered back.
@@ -15,16 +21,18 @@ from __future__ import annotations
 _NAMES = {
     "PagedKVCache": "paged",
     "MAX_INDEXED_EPOCHS": "paged",
-    "ADAPT_LAG": "paged",
     "EPOCH_ROOM": "paged",
-    "KINDS": "paged",
     "PROGRESS_TOKENS": "paged",
-    "MemoryReport": "paged",
-    "ReferenceCodec": "paged",
-    "CudaCodec": "paged",
-    "blocks_to_tiles": "paged",
-    "tiles_to_tokens": "paged",
     "PoolExhaustedError": "paged",
+    "ADAPT_LAG": "update",
+    "UpdateTransaction": "update",
+    "KINDS": "store",
+    "MemoryReport": "memory",
+    "TileCodec": "codec",
+    "ReferenceCodec": "codec",
+    "CudaCodec": "codec",
+    "blocks_to_tiles": "codec",
+    "tiles_to_tokens": "codec",
     "LayerView": "view",
 }
 

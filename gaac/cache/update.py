@@ -1,0 +1,819 @@
+"""The all-or-nothing update of a paged cache, and the bookkeeping of its calibration epochs.
+
+:class:`UpdateTransaction` holds the methods a :class:`~gaac.cache.paged.PagedKVCache` runs an update with:
+
+* ``_prepare`` cuts the blocks the new tokens finish and decides their epochs (``_plan_epochs``: the adapter on
+  copies of its state; on a GPU the rule is launched there, ``_launch_rule`` / ``_finish_rule``); with the
+  reference codec it also encodes them.  Nothing in the cache changes.
+* ``_apply`` reserves (``_reserve``: room in the pools and the table, or an error before anything is written),
+  encodes on the device (``_encode_on_device``: the CUDA encoder takes its records from free lists on the
+  device; where a list runs dry the counts are put back, ``_put_back``) and commits (``_commit``,
+  ``_commit_epochs``): every update of a call, or none and an error.  Where the rule keeps every guess the
+  host writes before the encodes' counts are in, and undoes the write if a list ran dry (``_written_early``).
+* The adapters observe finished blocks (``_flush``, and in a decode loop ``_flush_due`` :data:`ADAPT_LAG`
+  steps later); an epoch they append joins the device tables and is published for the blocks the device
+  appends finish (``_epochs_appended``, ``_publish``).
+
+The module docstring of :mod:`gaac.cache.paged` states what an update promises.
+"""
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .. import layout as L
+from ..epochs import Adapter
+from ..errors import InputError, PoolExhaustedError
+from ..tiles import tile_bases
+from .codec import blocks_to_tiles
+from .pools import Arrival, _Share, grown, sync_pools
+from .store import KINDS, _Kind
+
+ADAPT_LAG = 2                # decode steps between a block's finish and the adaptation rule's look at it
+
+_RULE_STREAMS = {}       # CUDA device index -> the stream the adaptation rule runs on (PagedKVCache._rule_stream)
+
+
+def _runs(epochs: np.ndarray):
+    """``(epoch, start, stop)`` of each run of equal values in ``epochs``: one codec call each."""
+    if not len(epochs):
+        return []
+    if (epochs == epochs[0]).all():     # one run (a pass, cheaper than finding cuts)
+        return [(int(epochs[0]), 0, len(epochs))]
+    cuts = np.flatnonzero(np.diff(epochs)) + 1
+    bounds = [0, *cuts.tolist(), len(epochs)]
+    return [(int(epochs[a]), a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+# ----------------------------------------------------------------------------------------------
+# An update on its way: prepared, reserved, encoded, then committed.
+
+@dataclass
+class _Epochs:
+    """The epochs of one layer and kind's blocks in an update: what its adapter decided, not yet applied."""
+
+    epochs: np.ndarray           # int64 [n]: each finalized block's epoch, in finalized order (non-decreasing)
+    tables: list                 # the epochs it appends: (b3, b4) [kv_heads, head_dim] each, in order
+    after: Adapter | None        # a check ran: the adapter after the blocks (on a copy of the calibration)
+    pending: object              # no check was due: the blocks the live adapter observes after commit
+                                 # (NumPy, or a pinned host copy and its event on a GPU)
+    blocks: object = None        # the rule runs on the GPU: the blocks, until the update's batch is decided
+                                 # (``after`` is the live adapter until then)
+    first_new: int = 0           # the rule runs on the GPU: the index of the first epoch it may append
+
+
+@dataclass
+class _InPlace:
+    """One sequence's finished blocks where its input holds them: ``bits`` int16 ``[heads, tokens, head_dim]``
+    (C-contiguous, ``head_dim`` one tile wide), ``shape[0]`` tiles from its first token on, which the CUDA
+    encoder reads there (:meth:`gaac.cuda.codec.EncodePlan.in_place`) instead of from a copy cut into tiles."""
+
+    bits: torch.Tensor
+    n_tiles: int
+
+    @property
+    def shape(self) -> tuple:
+        return (self.n_tiles,)
+
+
+@dataclass
+class _Update:
+    """One layer's update, encoded but not yet written: what :meth:`PagedKVCache._commit` applies."""
+
+    layer: int
+    seqs: list
+    new: tuple                   # (K, V) int16 [b, heads, t, D] on the device
+    blocks: list                 # per sequence: how many blocks the new tokens finish
+    tiles: tuple                 # per kind: the finished blocks' tiles int16 [n_tiles, 16, C] (or _InPlace), or None
+    slots: tuple                 # per kind: slot bytes of the fitting tiles uint8 [n_fit, slot_bytes], tile order
+    fits: tuple                  # per kind: bool [n_tiles] (None: the CUDA encoder decides as it writes)
+    epochs: tuple                # per kind: _Epochs, or None where no block finishes
+    entries: list = field(default_factory=lambda: [None, None])   # per kind: table entries int32 [n_tiles] (GPU)
+    heads_before: list = field(default_factory=lambda: [None, None])   # per kind, where the rule may undo the
+                                                                       # encode: the free lists' heads before it
+
+
+def _arrived(blocks) -> np.ndarray:
+    """Blocks on their way to an adapter, on the host: a pinned copy and its event (GPU; waited for), or an
+    array."""
+    if isinstance(blocks, tuple):
+        host, event = blocks
+        event.synchronize()
+        return host.numpy()
+    return np.asarray(blocks)
+
+
+@dataclass
+class _Observed:
+    """Finished blocks of a decode step on their way to an adapter (a host copy in flight), and the step
+    (:attr:`PagedKVCache._step_clock`) that finished them: the rule takes them up :data:`ADAPT_LAG` steps later."""
+
+    blocks: object
+    step: int
+    device: object = None        # the blocks on the device (for the GPU rule), else None
+
+
+@dataclass
+class _EarlyWrite:
+    """An update committed before its encodes' counts are known (:meth:`PagedKVCache._written_early`), and what
+    puts the cache back if a free list ran dry.  Only what later calls read is put back: the host's lengths,
+    the tails that held tokens, the adapters and their pending blocks, the block count.
+    Table entries and block epochs past the restored lengths are never read (a later update overwrites them),
+    and no epoch was appended (the caller writes early only then)."""
+
+    cache: object
+    lens: np.ndarray
+    adapters: list               # per store written: (layer, kind, its adapter, its deferred blocks' count)
+    tails: list                  # (store, sequence, its tail before the write)
+    blocks_encoded: int
+
+    def undo(self) -> None:
+        cache = self.cache
+        cache._lens[...] = self.lens
+        for layer, kind, adapter, n in self.adapters:
+            store = cache._store[layer][kind]
+            store.adapter = adapter
+            del store.deferred[n:]
+        for store, seq, tail in self.tails:
+            store.tail[seq].copy_(tail)
+        cache.blocks_encoded = self.blocks_encoded
+
+    def settle(self) -> None:
+        """The write stands: a CPU cache's adapters observe the new blocks now."""
+        cache = self.cache
+        if cache.device.type != "cuda":
+            for layer, kind, _, _ in self.adapters:
+                cache._flush(cache._store[layer][kind], layer, kind)
+
+
+class UpdateTransaction:
+    """The update transaction and the epochs bookkeeping of a :class:`~gaac.cache.paged.PagedKVCache`, which
+    derives from this class: ``self`` is the cache, whose storage (``_store``, ``_lens``, ``_arena``) these
+    methods read and write and whose helpers (``_to_device``, ``_grow_blocks``, ``_storage_changed``,
+    ``_device_rule``, ``_cuda_codec``) they call.  A base class rather than an object that holds the cache: a
+    cache keeps no reference cycle (its memory returns when the last reference goes), copies and pickles as
+    one object, and a method replaced on a cache or its class is the one every call reaches."""
+
+    def _apply(self, updates: list) -> None:
+        """Reserve, encode (GPU) and commit prepared updates: all of them, or nothing and an error.
+
+        On a GPU the adaptation rule runs while the host reserves and launches the encodes: the blocks a
+        rule still decides are encoded with their layer's newest epoch, which is what the rule keeps unless
+        it appends an epoch; where it does, that layer and kind is encoded again once the decision is in (every
+        one, where a guessed epoch ran a free list dry).  The host takes the rule's decisions while the
+        encodes run.  Where the rule keeps every guess and appends no epoch, the host also writes the update
+        (tables, tails, lengths, block epochs, adapters) before it waits for the encodes' counts, and undoes
+        that write if a free list ran dry (:meth:`_written_early`)."""
+        rule = self._launch_rule(updates)
+        encoded, redo, done, early = True, [], False, None
+
+        def decided():          # the rule's decisions, taken once: before the encodes are checked, or on an error
+            nonlocal redo, done
+            if not done:
+                done = True
+                redo = self._finish_rule(rule)
+
+        def before_check():
+            nonlocal early
+            decided()
+            if not redo and not any(u.epochs[kind] is not None and u.epochs[kind].tables
+                                    for u in updates for kind in KINDS):
+                early = self._written_early(updates)
+
+        def ran_dry():
+            nonlocal early
+            if early is not None:
+                early.undo()
+                early = None
+
+        try:
+            self._reserve(updates)
+            if self._cuda_codec:
+                encoded = self._encode_on_device(updates, guessing=bool(rule), before_check=before_check,
+                                                 ran_dry=ran_dry)
+        finally:
+            decided()
+        if not encoded:                 # a guessed epoch ran a free list dry: encode with the rule's epochs
+            self._encode_on_device(updates)
+        elif redo:
+            self._encode_again(redo)
+        if early is None:
+            for u in updates:
+                self._commit(u)
+        else:
+            early.settle()
+        # the device's lengths of every layer the updates changed, in one copy
+        layers = sorted({u.layer for u in updates})
+        if len(layers) == self.layers:
+            self._seq_lens.copy_(self._to_device(self._lens.astype(np.int32)), non_blocking=True)
+        else:
+            for layer in layers:
+                self._seq_lens[layer].copy_(self._to_device(self._lens[layer].astype(np.int32)), non_blocking=True)
+        self._lengths_changed()
+
+    def _written_early(self, updates: list) -> "_EarlyWrite":
+        """Commit ``updates`` while their encodes may still run dry: what the write changes that a later
+        update could see is kept to be put back (:class:`_EarlyWrite`).  The adapters' observation of the
+        new blocks waits for :meth:`_EarlyWrite.settle`."""
+        tails = [(store, seq, store.tail[seq].clone()) for u in updates for store in self._store[u.layer]
+                 for seq in u.seqs if self._lens[u.layer, seq] % L.BLOCK_TOKENS]
+        adapters = [(u.layer, kind, store.adapter, len(store.deferred))
+                    for u in updates for kind, store in zip(KINDS, self._store[u.layer])]
+        early = _EarlyWrite(self, lens=self._lens.copy(), adapters=adapters, tails=tails, blocks_encoded=self.blocks_encoded)
+        for u in updates:
+            self._commit(u, observe=False)
+        return early
+
+    def _prepare(self, layer: int, seqs: list, k: torch.Tensor, v: torch.Tensor) -> _Update:
+        """Cut the blocks the new tokens complete and decide their epochs; with the reference codec also
+        encode them (the CUDA encoder writes into the pools, after :meth:`_reserve`).  Nothing in the
+        cache changes."""
+        if k.shape != v.shape or k.shape[0] != len(seqs):
+            raise InputError(f"k {list(k.shape)} and v {list(v.shape)} must both be [{len(seqs)} sequences, "
+                             f"kv_heads, tokens, head_dim]")
+        t = k.shape[2]
+        blocks, cut = [], ([], [])
+        # One sequence's blocks from its first new token on, head_dim one tile wide: the CUDA encoder reads
+        # them where the input holds them, so that a prefill copies nothing before encoding.
+        in_place = (self._cuda_codec and len(seqs) == 1 and int(self._lens[layer, seqs[0]]) % L.BLOCK_TOKENS == 0
+                    and self.head_dim == self.geometry.channels and k[0].is_contiguous() and v[0].is_contiguous())
+        for i, seq in enumerate(seqs):
+            r = int(self._lens[layer, seq]) % L.BLOCK_TOKENS
+            q = (r + t) // L.BLOCK_TOKENS
+            blocks.append(q)
+            if q == 0:
+                continue
+            for kind, new in zip(KINDS, (k, v)):
+                head = new[i, :, :q * L.BLOCK_TOKENS - r]
+                if r:          # the tail's tokens start the first finished block
+                    head = torch.cat([self._store[layer][kind].tail[seq, :, :r], head], dim=1)
+                cut[kind].append(head.reshape(self.kv_heads, q, L.BLOCK_TOKENS, self.head_dim).transpose(0, 1))
+        tiles, slots, fits, epochs = [], [], [], []
+        per = self.tiles_per_block
+        on_device = self._cuda_codec
+        for kind in KINDS:
+            store = self._store[layer][kind]
+            if not cut[kind]:
+                tiles.append(None)
+                slots.append(None)
+                fits.append(np.zeros(0, bool))
+                epochs.append(None)
+                continue
+            # [n, heads, 16, D] in finalized order; a single sequence's blocks stay a view of its input.
+            finished = cut[kind][0] if len(cut[kind]) == 1 else torch.cat(cut[kind])
+            plan = self._plan_epochs(store, layer, kind, finished)
+            tiles.append(_InPlace((k, v)[kind][0], len(finished) * per) if in_place else blocks_to_tiles(finished))
+            epochs.append(plan)
+            if on_device:
+                slots.append(None)
+                fits.append(None)
+                continue
+            parts = []
+            for epoch, start, stop in _runs(plan.epochs):
+                tb3, tb4 = (torch.from_numpy(t) for t in self._tile_bases(store, plan, epoch, layer, kind))
+                parts.append(self.codec.encode(tiles[-1][start * per:stop * per], tb3, tb4, store.capacity))
+            slots.append(torch.cat([p[0] for p in parts]))
+            fits.append(np.concatenate([p[1] for p in parts]))
+        return _Update(layer=layer, seqs=seqs, new=(k, v), blocks=blocks, tiles=tuple(tiles), slots=tuple(slots),
+                       fits=tuple(fits), epochs=tuple(epochs))
+
+    def _tile_bases(self, store: _Kind, plan: _Epochs, epoch: int, layer: int, kind: int):
+        """One block's per-tile bases ``(tb3, tb4)`` of ``epoch`` (NumPy): from the host's calibration, which
+        holds every epoch the store does, or one the update appends -- never read back from the device."""
+        held = store.tb3.shape[0]
+        b3, b4 = self._calibration.bases(layer, kind, epoch) if epoch < held else plan.tables[epoch - held]
+        return tuple(np.ascontiguousarray(t) for t in tile_bases(b3, b4))
+
+    def _plan_epochs(self, store: _Kind, layer: int, kind: int, finished: torch.Tensor) -> _Epochs:
+        """The epoch each of ``finished`` ``[n, heads, 16, D]`` is coded with; the cache's adapter stays as it is.
+
+        Where the blocks reach no check before their last one, the newest epoch codes them all and
+        the adapter only has to observe them, after commit; on a GPU their copy to the host is
+        started here and waited for only when the adapter next needs them (:meth:`_flush`), which in
+        a decode loop is a block later.  Otherwise the rule runs now, on a copy of the adapter and of
+        the calibration, in runs of at most ``until_check`` blocks (:meth:`gaac.epochs.Adapter.assign`).
+        """
+        n = len(finished)
+        adapter = store.adapter
+        if adapter is None:
+            return _Epochs(epochs=np.zeros(n, np.int64), tables=[], after=None, pending=None)
+        self._flush(store, layer, kind)
+        if n <= adapter.until_check:
+            return _Epochs(epochs=np.full(n, adapter.epoch, np.int64), tables=[], after=None,
+                           pending=self._host_copy(finished))
+        if self._device_rule:
+            return _Epochs(epochs=None, tables=[], after=adapter, pending=None, blocks=finished)
+        after = copy.deepcopy(adapter, {id(adapter.calibration): self._calibration.copy(share_tables=True)})
+        host = finished.cpu().numpy().view(np.uint16)
+        epochs = after.assign(host)
+        tables = [after.calibration.bases(layer, kind, e) for e in range(adapter.epoch + 1, after.epoch + 1)]
+        return _Epochs(epochs=epochs, tables=tables, after=after, pending=None)
+
+    def _launch_rule(self, updates: list) -> list:
+        """Launch the adaptation rule on the GPU for every (layer, kind) of ``updates`` that reaches a check:
+        one batch per shape of finished blocks (:class:`gaac.cuda.epochs.Batch`).  Until
+        :meth:`_finish_rule`, each such plan's epochs are its adapter's newest epoch for every block (the
+        encode's guess)."""
+        waiting = [(u, kind, u.epochs[kind]) for u in updates for kind in KINDS
+                   if u.epochs[kind] is not None and u.epochs[kind].blocks is not None]
+        if not waiting:
+            return []
+        from ..cuda.epochs import Batch
+
+        # The rule runs on copies: of each adapter (a shallow one: the GPU rule replaces its histogram and
+        # pending blocks rather than changing them) and of the calibration (one for the batch: each job
+        # appends to its own layer and kind), so that the cache is unchanged until commit.
+        calibration = self._calibration.copy(share_tables=True)
+        for _, _, plan in waiting:
+            plan.first_new = plan.after.epoch + 1
+            plan.epochs = np.full(len(plan.blocks), plan.after.epoch, np.int64)
+            after = copy.copy(plan.after)
+            after.calibration, after._recent = calibration, list(after._recent)
+            plan.after = after
+        by_shape = {}
+        for item in waiting:
+            by_shape.setdefault(tuple(item[2].blocks.shape), []).append(item)
+        launched = []
+        for items in by_shape.values():
+            batch = Batch([(plan.after, plan.blocks) for _, _, plan in items], stream=self._rule_stream())
+            batch.scan()
+            batch.chain()
+            launched.append((batch, items))
+        return launched
+
+    def _rule_stream(self):
+        """The CUDA stream the adaptation rule runs on, beside the encodes (None on the CPU): of a higher
+        priority, so that the GPU schedules the rule's blocks first -- the host waits for its decisions,
+        while the encodes are waited for only later, if at all.  One per device for the process: torch's
+        allocator keeps freed memory per stream, so a stream per cache would strand the rule's buffers."""
+        if self.device.type != "cuda":
+            return None
+        from ..cuda.launch import device_index
+
+        key = device_index(self.device)
+        stream = _RULE_STREAMS.get(key)
+        if stream is None:
+            stream = _RULE_STREAMS[key] = torch.cuda.Stream(key, priority=-1)
+        return stream
+
+    def _finish_rule(self, launched: list) -> list:
+        """Wait for the rule's decisions and put them in the plans; return the (update, kind) pairs whose
+        encode guessed an epoch the rule did not keep."""
+        redo = []
+        for batch, items in launched:
+            for (u, kind, plan), epochs in zip(items, batch.finish()):
+                guessed = plan.epochs
+                plan.epochs = epochs
+                plan.tables = [plan.after.calibration.bases(u.layer, kind, e)
+                               for e in range(plan.first_new, plan.after.epoch + 1)]
+                plan.blocks = None
+                if u.entries[kind] is not None and not np.array_equal(guessed, epochs):
+                    redo.append((u, kind))
+        return redo
+
+    def _encode_again(self, redo: list) -> None:
+        """Encode ``redo``'s (update, kind) pairs again with the epochs the rule decided: their stores' free
+        lists go back to where they were before the first encode (nothing else was written)."""
+        self._put_back([(u, kind, u.heads_before[kind]) for u, kind in redo])
+        self._encode_on_device(list({id(u): u for u, _ in redo}.values()), only={(id(u), kind) for u, kind in redo})
+
+    def _host_copy(self, x: torch.Tensor):
+        """``x`` on the host: NumPy on the CPU; on a GPU a pinned copy in flight and its event."""
+        if x.device.type != "cuda":
+            return x.numpy()
+        host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+        host.copy_(x, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
+
+    def _host_copies(self, tensors: list) -> list:
+        """Equal-shaped device tensors on the host, each as :meth:`_host_copy` gives it (a pinned copy in
+        flight and its event), made with one kernel, one pinned buffer and one copy for all of them."""
+        if self.device.type != "cuda":
+            return [self._host_copy(t) for t in tensors]
+        host, event = self._host_copy(torch.stack(tensors))
+        arrival = Arrival(event)
+        return [(host[i], arrival) for i in range(len(tensors))]
+
+    def _flush(self, store: _Kind, layer: int, kind: int, upto: int | None = None) -> None:
+        """Let the adapter observe the blocks deferred to it, in order (``upto``: only those of decode steps up
+        to that step of :attr:`_step_clock`); an epoch it appends joins the device tables and is published
+        for the blocks finished from then on (:meth:`_epochs_appended`)."""
+        if upto is None:
+            self._finish_rule_batches()             # the rule's checks in flight come first
+            if self._device_rule and any(isinstance(item, _Observed) and item.device is not None
+                                         for item in store.deferred):
+                # every layer's decode checks in one GPU batch, waited for once (a prefill needs the
+                # adapters current): the host rule would take milliseconds a check
+                self._launch_decode_checks(self._step_clock)
+                self._finish_rule_batches()
+        while store.deferred:
+            item = store.deferred[0]
+            if upto is not None and isinstance(item, _Observed) and item.step > upto:
+                return
+            store.deferred.pop(0)
+            blocks = _arrived(item.blocks if isinstance(item, _Observed) else item).view(np.uint16)
+            appended = False
+            while len(blocks):              # a decode step's blocks may pass a check: observed in runs up to it
+                n = min(store.adapter.until_check, len(blocks))
+                epoch = store.adapter.observe(blocks[:n])
+                if epoch is not None:
+                    store.add_epoch(*self._calibration.bases(layer, kind, epoch))
+                    appended = True
+                blocks = blocks[n:]
+            if appended:
+                self._epochs_appended(layer)
+
+    def _flush_due(self) -> None:
+        """The adaptation rule's turn in a decode loop, after each step's account: the adapters observe the
+        blocks finished :data:`ADAPT_LAG` steps ago or earlier, whose copies to the host have arrived by now
+        (the device runs the steps in order and the host is at most a few ahead), so the loop does not
+        wait for the device; an epoch a check appends takes effect from the next step the host launches.
+
+        On a GPU (:attr:`_device_rule`) the checks those blocks complete run there, every layer and kind in one
+        batch (:class:`gaac.cuda.epochs.Batch`) on the rule's stream, from the blocks' device copies; the
+        batch's decisions are taken up :data:`ADAPT_LAG` steps later, so its checks cost the host a launch,
+        not the milliseconds of the host rule."""
+        upto = self._step_clock - ADAPT_LAG
+        if self._rule_batches and self._rule_batches[0][0] <= upto:
+            self._finish_rule_batches(upto)
+        if self._next_due is None or self._next_due > upto:
+            return
+        self._launch_decode_checks(upto)
+
+    def _launch_decode_checks(self, upto: int) -> None:
+        """:meth:`_flush_due`'s work for the blocks of decode steps up to ``upto``: the checks they complete
+        launched in GPU rule batches (where the rule runs there), the others observed on the host."""
+        self._next_due = None
+        jobs = []
+        busy = {id(store) for _, _, items in self._rule_batches for store, *_ in items}
+        for layer, layer_store in enumerate(self._store):
+            for kind, store in zip(KINDS, layer_store):
+                if store.deferred and id(store) not in busy:
+                    job = self._due_check(store, layer, kind, upto) if self._device_rule else None
+                    if job is not None:
+                        jobs.append(job)
+                    else:
+                        self._flush(store, layer, kind, upto)
+                for item in store.deferred:
+                    if isinstance(item, _Observed):
+                        self._due_at(item.step)
+                        break
+        if jobs:
+            from ..cuda.epochs import Batch
+
+            by_shape = {}
+            for job in jobs:
+                by_shape.setdefault(tuple(job[4].shape), []).append(job)
+            for items in by_shape.values():
+                batch = Batch([(store.adapter, blocks) for store, _, _, _, blocks, _ in items],
+                              stream=self._rule_stream())
+                batch.scan()
+                batch.chain()
+                self._rule_batches.append((self._step_clock, batch, [(store, layer, kind, epoch, rest)
+                                                                     for store, layer, kind, epoch, _, rest in items]))
+
+    def _due_check(self, store: _Kind, layer: int, kind: int, upto: int):
+        """Where the blocks of ``store``'s due decode steps (up to step ``upto``, all with device copies)
+        complete the adapter's next check: take them out of the queue and return the GPU rule's job, ``(store,
+        layer, kind, the epoch before, the check's blocks on the device, the host copies of the blocks after
+        it)``; otherwise None (the host rule observes them: no check, so nothing to compute)."""
+        due = []
+        for item in store.deferred:
+            if not isinstance(item, _Observed) or item.step > upto or item.device is None:
+                break
+            due.append(item)
+        until = store.adapter.until_check
+        if sum(len(item.device) for item in due) < until:
+            return None
+        del store.deferred[:len(due)]
+        blocks = torch.cat([item.device for item in due]) if len(due) > 1 else due[0].device
+        rest = []
+        if len(blocks) > until:                     # the blocks after the check, observed once it is decided
+            rest = [np.concatenate([_arrived(item.blocks) for item in due])[until:]]
+        return store, layer, kind, store.adapter.epoch, blocks[:until], rest
+
+    def _finish_rule_batches(self, upto: int | None = None) -> None:
+        """Take up the decisions of the GPU rule's decode checks launched at step ``upto`` or before (None:
+        all, waiting for them): the epochs they append join the device tables and are published, and the
+        blocks after each check are observed."""
+        while self._rule_batches and (upto is None or self._rule_batches[0][0] <= upto):
+            _, batch, items = self._rule_batches.pop(0)
+            batch.finish()
+            layers = set()
+            for store, layer, kind, before, rest in items:
+                if store.adapter.epoch != before:
+                    store.add_epochs([self._calibration.bases(layer, kind, e)
+                                      for e in range(before + 1, store.adapter.epoch + 1)])
+                    layers.add(layer)
+                store.deferred[:0] = rest
+                if rest and upto is not None:       # observed at the next turn
+                    self._due_at(upto)
+            for layer in sorted(layers):            # once every store holds its new epochs
+                self._epochs_appended(layer)
+
+    def _defer_observed(self, store: _Kind, blocks, device=None) -> None:
+        """Queue a decode step's finished blocks (a host copy in flight; ``device``: the same on the device) for
+        the adapter, stamped with the step."""
+        store.deferred.append(_Observed(blocks, self._step_clock, device if self._device_rule else None))
+        self._due_at(self._step_clock)
+
+    def _due_at(self, step: int) -> None:
+        """Blocks of decode step ``step`` wait for the rule: :meth:`_flush_due` takes them up from then on."""
+        self._next_due = step if self._next_due is None else min(self._next_due, step)
+
+    def _publish(self, layer: int, kind: int, epoch: int) -> None:
+        """Make ``epoch`` the one the device's decode appends encode ``layer``'s finished ``kind`` blocks with:
+        its bases into the appends' bases buffer and its index into :attr:`_epochs_now`, both in place on
+        the current stream, so that steps launched (or replayed) from now on use it and those launched
+        before do not."""
+        store = self._store[layer][kind]
+        store.published = epoch
+        if store.current is not None:
+            words = self._encoder(store, None, epoch, layer, kind)._fixed[0]
+            if isinstance(store.current, np.ndarray):           # the simulator's encoder holds NumPy words
+                store.current[...] = words
+            else:
+                store.current.copy_(words)
+        if self._epochs_now is not None:
+            self._epochs_now[layer, kind] = epoch
+
+    def _epochs_appended(self, layer: int) -> None:
+        """Epochs were appended to ``layer``'s stores: their bases join the layer's attention base table in
+        place (:meth:`epoch_table`), so that plans and captured steps launched with it stay valid (only a
+        table that runs out of room is replaced, which drops what attention launches the layer with), and
+        each store's newest epoch is published for the blocks its decode appends finish (:meth:`_publish`)."""
+        if layer in self._epoch_tables:
+            self.epoch_table(layer)
+        for kind, store in zip(KINDS, self._store[layer]):
+            if store.adapter is not None and store.published != store.adapter.epoch:
+                self._publish(layer, kind, store.adapter.epoch)
+
+    def _flush_all(self) -> None:
+        self._finish_rule_batches()
+        for layer, layer_store in enumerate(self._store):
+            for kind, store in zip(KINDS, layer_store):
+                if store.deferred:
+                    self._flush(store, layer, kind)
+
+    def _reserve(self, updates: list) -> None:
+        """Make room for ``updates`` (growing, where allowed) or raise before anything is written.
+
+        The reference codec has encoded already, so its counts are exact: each layer and kind's share of
+        the raw-tile arena is lent what its overflowing tiles need.  The CUDA encoder decides slot or raw
+        tile as it writes: each share is lent what its tiles may need at about twice the arena's planned
+        rate (every tile, for a few); where the free records (a lower bound, read from the device only
+        when the bound is short) cover every tile, the update is certain to fit; otherwise
+        :meth:`_encode_on_device` checks after encoding, lends more and encodes again if a list ran dry.
+        """
+        need_blocks = max(int(self._lens[u.layer, s]) // L.BLOCK_TOKENS + q
+                          for u in updates for s, q in zip(u.seqs, u.blocks))
+        short = []               # (pool, records it lacks) or (None, blocks the table must hold)
+        if need_blocks > self.max_blocks:
+            short.append((None, need_blocks))
+        jobs = [(self._store[u.layer][kind], u.tiles[kind].shape[0], u.fits[kind])
+                for u in updates for kind in KINDS if u.tiles[kind] is not None]
+        exact = [(store.raw, int((~fits).sum())) for store, _, fits in jobs if fits is not None]
+        guess = [(store.raw, self._raw_guess(n)) for store, n, fits in jobs if fits is None]
+        short += self._arena.cover(exact)
+        self._arena.cover(guess)
+        # The device's exact counts where the lower bounds fall short: one wait for all such pools.
+        # (A count already exact needs no wait: a new cache's, or one read since its last encode.  Waiting
+        # here would also wait behind the adaptation rule's kernels, which hold the GPU.)
+        stale = [pool for store, n, fits in jobs if fits is None for pool in (store.slots, store.raw)
+                 if pool.free_lower() < n and not pool.exact]
+        if stale:
+            sync_pools(stale)
+        for store, n, fits in jobs:
+            if fits is None:
+                room = store.slots.free_lower() + store.raw.free_lower() + self._arena.reserve
+                if room < n:
+                    pool = store.slots if store.slots.free_lower() < n else store.raw
+                    short.append((pool, n - room))
+            elif int(fits.sum()) > store.slots.n_free():
+                short.append((store.slots, int(fits.sum()) - store.slots.n_free()))
+        if short and not self.grow:
+            raise self._exhausted(*short[0], "this update")
+        for pool, n in short:
+            if pool is None:
+                self._grow_blocks(grown(self.max_blocks, n - self.max_blocks))
+            else:
+                pool.grow_by(n)
+                self._storage_changed()
+
+    def _raw_guess(self, tiles: int) -> int:
+        """Raw records to lend a share before the CUDA encoder codes ``tiles`` of its tiles: every tile for a
+        few (a decode step's blocks), else about twice the arena's planned rate (the encode checks after)."""
+        chunk = self._arena.chunk
+        return tiles if tiles <= chunk else max(chunk, math.ceil(2 * self._raw_share * tiles))
+
+    def _exhausted(self, pool, lack: int, what: str) -> PoolExhaustedError:
+        """The error of ``what`` (an update, a step, an import) that lacks ``lack`` records of ``pool`` (None:
+        blocks of the table): it names the pool or the arena, its size, what is free and what was asked."""
+        if pool is None:
+            return PoolExhaustedError(f"{what}: a sequence would hold {lack} blocks; the block table holds "
+                                      f"{self.max_blocks} ({self.max_blocks * L.BLOCK_TOKENS} tokens) per sequence "
+                                      "(make the cache with a larger max_blocks or budget, or grow=True)")
+        if isinstance(pool, _Share):
+            arena = pool.arena
+            return PoolExhaustedError(f"{what}: {arena.name} is exhausted: {arena.size} records, "
+                                      f"{arena.size - arena.available()} of them holding tiles; {pool.name} need "
+                                      f"{lack} more than it can lend; remove a sequence or swap one out "
+                                      "(export_sequence), or give the cache a larger budget")
+        return PoolExhaustedError(f"{what}: {pool.name} is exhausted: it needs {lack} more records than the "
+                                  f"{pool.n_free()} of {pool.size} free; remove a sequence or swap one out "
+                                  "(export_sequence), or give the cache a larger budget")
+
+    def _encode_on_device(self, updates: list, only: set | None = None, guessing: bool = False,
+                          before_check=None, ran_dry=None) -> bool:
+        """Encode every finished tile of ``updates`` (of its ``(id(update), kind)`` pairs in ``only``) into its
+        pools with the CUDA encoder (one launch per epoch run and kind), leaving each tile's table entry in
+        ``u.entries``; return True.
+
+        Where :meth:`_reserve` could not prove that the records suffice, the device's counts are read
+        after the launches: if a free list ran dry, every count is put back (the records taken return
+        to their lists; nothing else was written) and the pool grows (``grow``) and the encode is
+        redone, or :class:`PoolExhaustedError` is raised with the cache unchanged.  With ``guessing``
+        (some epochs are the rule's, still being decided) a list that runs dry returns False instead, the
+        counts put back: the epochs the rule decides may need fewer records.  ``before_check`` runs once,
+        after the first launches and before that wait (host work that overlaps the encodes); ``ran_dry``
+        runs where a list ran dry, before the counts are put back."""
+        jobs = [(u, kind) for u in updates for kind in KINDS if u.tiles[kind] is not None
+                and (only is None or (id(u), kind) in only)]
+        while True:
+            unsure = [(u, kind) for u, kind in jobs
+                      if min(p.free_lower() for p in self._pools(u.layer, kind)) < u.tiles[kind].shape[0]]
+            # where a list may run dry, every job's counts, so that all of them can be put back
+            saved = {id(self._store[u.layer][kind]): self._store[u.layer][kind].heads.clone()
+                     for u, kind in jobs} if unsure else {}
+            unsure_ids = {(id(u), kind) for u, kind in unsure}
+            asked = []           # where a list may run dry the counts are read below, after a wait
+            for u, kind in jobs:
+                store = self._store[u.layer][kind]
+                if u.epochs[kind].blocks is not None:     # the rule is still deciding: keep what to go back to
+                    u.heads_before[kind] = saved[id(store)] if saved else store.heads.clone()
+                tiles, plan, per = u.tiles[kind], u.epochs[kind], self.tiles_per_block
+                entries = torch.empty(tiles.shape[0], dtype=torch.int32, device=self.device)
+                used = torch.empty_like(entries)
+                for epoch, start, stop in _runs(plan.epochs):
+                    a, z = start * per, stop * per
+                    encoder = self._encoder(store, plan, epoch, u.layer, kind)
+                    if isinstance(tiles, _InPlace):
+                        encoder.in_place(tiles.bits, start, entries[a:z], used[a:z])
+                    else:
+                        encoder(tiles[a:z], entries[a:z], used[a:z])
+                u.entries[kind] = entries
+                self._encodes_launched(store, tiles.shape[0])
+                if (id(u), kind) not in unsure_ids:
+                    asked.append(store)
+            self._ask_counts(asked)
+            if before_check is not None:
+                before_check()
+                before_check = None
+            checked = [pool for u, kind in unsure for pool in self._pools(u.layer, kind)]
+            sync_pools(checked)                  # one wait for the device, for every pool in doubt
+            over = [(pool, pool.taken - pool.listed) for pool in checked if pool.taken > pool.listed]
+            if not over:
+                return True
+            if ran_dry is not None:
+                ran_dry()
+            # What each job's share of the arena took (past its list's end where it ran dry): what the same
+            # tiles take when encoded again.
+            stores = [self._store[u.layer][kind] for u, kind in jobs]
+            sync_pools([store.raw for store in stores])
+            took = [(store.raw, store.raw.taken - int(saved[id(store)][store.raw.cls])) for store in stores]
+            self._put_back([(u, kind, saved[id(self._store[u.layer][kind])]) for u, kind in jobs])
+            if guessing:
+                return False
+            # Every share is lent what it takes (so that lending to one never leaves another short); a slot
+            # pool, or an arena that cannot lend enough, grows (grow=True) or the update is refused.
+            lack = [(pool, n) for pool, n in over if not isinstance(pool, _Share)]
+            lack += self._arena.cover(took)
+            if lack and not self.grow:
+                raise self._exhausted(*lack[0], "this update")
+            for pool, n in lack:
+                pool.grow_by(n)
+            self._storage_changed()
+
+    def _put_back(self, undo: list) -> None:
+        """Undo encodes: for each ``(update, kind, heads)`` of ``undo`` the store's free lists go back to the
+        counts ``heads`` saved before its encode (the records taken return to their lists; nothing else was
+        written) and its entries are dropped; the pools' counts are then read with one wait for the device."""
+        for u, kind, heads in undo:
+            self._store[u.layer][kind].heads.copy_(heads)
+            u.entries[kind] = None
+        sync_pools([pool for u, kind, _ in undo for pool in self._pools(u.layer, kind)])
+
+    def _encodes_launched(self, store: _Kind, tiles: int) -> None:
+        """``store``'s pools count the records that encodes of ``tiles`` tiles, just launched, may take."""
+        for pool in (store.slots, store.raw):
+            pool.pending += tiles
+
+    def _ask_counts(self, stores: list) -> None:
+        """On a GPU, ask for the device's free-list counts of ``stores`` (after the encodes just launched) in
+        one asynchronous copy; each pool's lower bound of free records takes its count up once it has
+        arrived (no synchronisation)."""
+        if self.device.type != "cuda" or not stores:
+            return
+        for store, counts in zip(stores, self._host_copies([store.heads for store in stores])):
+            for pool in (store.slots, store.raw):
+                pool.snapshot(counts)
+
+    def _pools(self, layer: int, kind: int) -> tuple:
+        store = self._store[layer][kind]
+        return store.slots, store.raw
+
+    def _encoder(self, store: _Kind, plan: _Epochs, epoch: int, layer: int, kind: int):
+        """The CUDA codec's EncodePlan of ``store``'s pools and ``epoch``'s bases, made once; the bases come
+        from the host (:meth:`_tile_bases`), so that making a plan never waits for the device."""
+        key = (epoch, store.pools_key())
+        enc = store.encoders.get(key)
+        if enc is None:
+            from ..cuda.codec import EncodePlan, pack_bases
+
+            # An epoch's bases outlive the pools' versions (growth, removals make new free lists).
+            bases = store.packed.get(epoch)
+            if bases is None:
+                bases = self._to_device(pack_bases(*self._tile_bases(store, plan, epoch, layer, kind)))
+                if epoch < store.tb3.shape[0]:
+                    store.packed[epoch] = bases
+            enc = EncodePlan(self.geometry.channels, store.capacity, bases, store.slots.data, store.slots.order,
+                             store.raw.data, store.raw.order, store.heads)
+            if epoch < store.tb3.shape[0]:          # an epoch this update appends is cached once committed
+                store.encoders = {k: e for k, e in store.encoders.items() if k[1] == key[1]}
+                store.encoders[key] = enc
+        return enc
+
+    def _commit(self, u: _Update, observe: bool = True) -> None:
+        """Write an update prepared and reserved for: slots, raw tiles, table entries, tails, the host's
+        lengths (the caller copies them to the device).  ``observe``: a CPU cache's adapters observe the
+        new blocks now (else the caller has them do it)."""
+        per = self.tiles_per_block
+        for kind in KINDS:
+            store, tiles, fits = self._store[u.layer][kind], u.tiles[kind], u.fits[kind]
+            if tiles is not None:
+                self._commit_epochs(store, u, kind, observe)
+                if u.entries[kind] is not None:
+                    entries = u.entries[kind]
+                else:
+                    slot_at = store.slots.take(int(fits.sum()))
+                    raw_at = store.raw.take(int((~fits).sum()))
+                    store.slots.data[torch.from_numpy(slot_at).to(self.device)] = u.slots[kind].to(self.device)
+                    fits_t = torch.from_numpy(fits).to(self.device)
+                    store.raw.data[torch.from_numpy(raw_at).to(self.device)] = tiles[~fits_t]
+                    entries = np.empty(len(fits), dtype=np.int64)
+                    entries[fits] = slot_at
+                    entries[~fits] = raw_at | L.TABLE_RAW_FLAG
+                    entries = torch.from_numpy(entries.astype(np.uint32).view(np.int32)).to(self.device)
+                start = 0
+                for seq, q in zip(u.seqs, u.blocks):
+                    first = int(self._lens[u.layer, seq]) // L.BLOCK_TOKENS
+                    store.table[seq, first:first + q] = entries[start:start + q * per].reshape(q, per)
+                    start += q * per
+            new = u.new[kind]
+            t = new.shape[2]
+            for i, (seq, q) in enumerate(zip(u.seqs, u.blocks)):
+                r = int(self._lens[u.layer, seq]) % L.BLOCK_TOKENS
+                if q == 0:
+                    store.tail[seq, :, r:r + t] = new[i]
+                else:
+                    rest = r + t - q * L.BLOCK_TOKENS
+                    if rest:
+                        store.tail[seq, :, :rest] = new[i, :, t - rest:]
+        for seq, q in zip(u.seqs, u.blocks):
+            self._lens[u.layer, seq] += u.new[0].shape[2]
+            self.blocks_encoded += q
+
+    def _commit_epochs(self, store: _Kind, u: _Update, kind: int, observe: bool = True) -> None:
+        """Apply an update's epoch decisions: new epochs, the adapter's state, each finished block's epoch."""
+        plan = u.epochs[kind]
+        for b3, b4 in plan.tables:
+            self._calibration.add_epoch(u.layer, kind, b3, b4)
+        if plan.tables:
+            store.add_epochs(plan.tables)
+            self._epochs_appended(u.layer)
+        if plan.after is not None:
+            plan.after.calibration = self._calibration
+            store.adapter = plan.after
+        elif plan.pending is not None:
+            store.deferred.append(plan.pending)
+            if self.device.type != "cuda" and observe:
+                self._flush(store, u.layer, kind)
+        start = 0
+        for seq, q in zip(u.seqs, u.blocks):
+            if not q:
+                continue
+            first = int(self._lens[u.layer, seq]) // L.BLOCK_TOKENS
+            new = plan.epochs[start:start + q]
+            store.epochs[seq, first:first + q] = new
+            if store.epoch is not None:
+                if (new == new[0]).all():     # one epoch: a device fill, no copy from the host
+                    store.epoch[seq, first:first + q] = int(new[0])
+                else:
+                    store.epoch[seq, first:first + q].copy_(self._to_device(new.astype(np.int16)))
+            start += q
