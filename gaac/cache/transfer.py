@@ -1,14 +1,9 @@
 """The cache's side of a transfer: a paged cache's sequence gathered into container bytes, and scattered back in.
 
-Serving engines move KV caches between GPU memory, host memory, disk and
-other workers (offload, prefix reuse, disaggregated prefill and decode).  A
-GAAC cache's blocks are already compressed where they live, so moving one
-needs no codec work: :func:`export_sequence` gathers one sequence's slots,
-raw tiles, block tables, block epochs and tails -- every layer, K and V --
-into the **sequence container** of FORMAT.md section 11, and
-:func:`import_sequence` puts them into the pools of any cache with the same
-calibration, bit for bit.  The bytes moved are the sequence's resident
-bytes (about 1.39x fewer than BF16 on real caches) plus a small head.
+What a transfer is for and what the container holds: :mod:`gaac.transfer` (the public face) and
+FORMAT.md section 11.  This module is the cache's side of it: :func:`export_sequence` gathers one
+sequence's slots, raw tiles, block tables, block epochs and tails from the pools, and
+:func:`import_sequence` puts them into the pools of a cache with the same calibration, bit for bit.
 
 The container's body is what the cache stores, part after part; its head
 (dimensions, per (layer, kind) counts, the bases of the epochs the blocks
