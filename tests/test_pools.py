@@ -142,27 +142,26 @@ def test_a_prompt_whose_guesses_exceed_the_arena_is_encoded_once(monkeypatch):
 
 
 def test_records_given_back_to_a_device_pool_join_its_list_in_place_and_in_order():
-    """A slot pool's free list on the device: records given back follow the free ones, lowest first, written
-    past the list's end while the array has room (no new array, the taken count kept), and the list is
-    rebuilt (taken count reset) only when it has none; either way ``take`` hands out the same records."""
+    """A slot pool's free list on the device: records given back follow the free ones, lowest first.  A list
+    whose array has no room past its end is rebuilt from its start (the taken count reset), which leaves
+    room for every record in use; later gives are written past the list's end in place (no new array, the
+    taken count kept); either way ``take`` hands out the same records."""
     from gaac.cache.pools import DevicePool
 
     heads = torch.zeros(2, dtype=torch.int32)
     pool = DevicePool("slots", 6, (4,), torch.uint8, CPU, heads, 0)
-    order, version = pool.order, pool.version
-    assert order.shape[0] >= 12 and pool.n_free() == 6
-    first = pool.take(4)                                    # records 0..3, the device's count 4
-    assert first.tolist() == [0, 1, 2, 3] and int(heads[0]) == 4
-    pool.give(np.array([3, 1]))
-    pool.give(np.array([], dtype=np.int64))                 # nothing given: nothing changes
-    assert pool.order is order and pool.version == version and int(heads[0]) == 4
+    order = pool.order
+    assert order.shape[0] == 6 and pool.n_free() == 6
+    assert pool.take(4).tolist() == [0, 1, 2, 3] and int(heads[0]) == 4
+    pool.give(np.array([3, 1]))                         # no room past the end: rebuilt
+    assert int(heads[0]) == 0 and pool.taken == 0 and pool.order is order
     assert pool.n_free() == 4 and pool.upcoming(4).tolist() == [4, 5, 1, 3]
-    assert pool.take(3).tolist() == [4, 5, 1]
-    # fill the array's room: the next give finds none and rebuilds the list from what is free
-    for r in range(4):
-        pool.give(np.array([100 + r]))
-    assert pool.listed == pool.order.shape[0] == 12 and int(heads[0]) == 7
-    pool.give(np.array([2, 0]))
-    assert int(heads[0]) == 0 and pool.taken == 0
-    expect = [3, 100, 101, 102, 103, 0, 2]
-    assert pool.n_free() == len(expect) and pool.take(len(expect)).tolist() == expect
+    version = pool.version
+    assert pool.take(3).tolist() == [4, 5, 1] and int(heads[0]) == 3
+    pool.give(np.array([], dtype=np.int64))             # nothing given: nothing changes
+    pool.give(np.array([5]))
+    pool.give(np.array([0]))                            # past the list's end, in place
+    assert pool.order is order and pool.version == version and int(heads[0]) == 3 and pool.listed == 6
+    assert pool.n_free() == 3 and pool.upcoming(3).tolist() == [3, 5, 0]
+    pool.give(np.array([4]))                            # the array is full again: rebuilt
+    assert int(heads[0]) == 0 and pool.take(4).tolist() == [3, 5, 0, 4]

@@ -159,8 +159,7 @@ class DevicePool(Pool):
         self.data = torch.zeros((max(n, 1), *record), dtype=dtype, device=device)
         self._size = n
         self.heads, self.cls = heads, cls
-        # room for as many entries again: records given back are written past the list's end (give)
-        self._set_order(torch.arange(n, dtype=torch.int32, device=device), 2 * n)
+        self._set_order(torch.arange(n, dtype=torch.int32, device=device))
 
     @property
     def size(self) -> int:
@@ -236,7 +235,8 @@ class DevicePool(Pool):
         """Return records to the free list, after the free ones (the lowest of them first).  Where the list's
         array has room past its end they are written there: the list's records are then the same, with no
         count reset and no copy of the records already listed (a removed sequence gives back to every
-        layer's pools)."""
+        layer's pools).  Otherwise the list is rebuilt from its start, which leaves room past its end for
+        as many records as are in use: every record given back until the list is taken to its end again."""
         back = np.sort(np.asarray(indices, dtype=np.int64).reshape(-1)).astype(np.int32)
         if not len(back):
             return
