@@ -11,6 +11,19 @@ from .calibration import Calibration, calibrate
 from .errors import CalibrationError, FormatError, GAACError, InputError, PoolExhaustedError
 from .io import sample
 from .layout import FORMAT_VERSION
+from .cache.hooks import set_loader as _set_loader
+
+
+def _import_serving() -> None:
+    """Import the serving loop (gaac.serving), which registers with the cache the entry points its
+    ``decode_plan`` and ``update_layer`` call (gaac.cache.hooks): the cache runs this the first time it needs
+    one, so that a cache works the same whichever gaac module made it, and never imports gaac.serving itself."""
+    import importlib
+
+    importlib.import_module("gaac.serving")
+
+
+_set_loader(_import_serving)
 
 _LAZY = {
     "PagedKVCache": ("gaac.cache.paged", "PagedKVCache"),

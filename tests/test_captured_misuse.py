@@ -105,7 +105,7 @@ def test_replayed_once_per_step_run():
 
 def test_another_cache_is_not_changed_inside_a_recording():
     """:func:`check_not_recording` refuses a cache that records no plan while this thread records one."""
-    from gaac.serving.graph import RECORDING, check_not_recording
+    from gaac.cache.hooks import RECORDING, check_not_recording
 
     cache, seq = _cache()
     other, _ = _cache()

@@ -11,8 +11,8 @@ where the source breaks it, and each rule's checker is tried on a graph or files
 3. The serving loop sits above the kernels, the container format, the cache and attention: only
    ``gaac.serving``'s own modules and the integrations and command line above it (:data:`SERVING_USERS`:
    the package's ``__init__``, ``gaac.hf``, ``gaac.lmcache``, ``gaac.cli``, ``gaac.capture``) import
-   ``gaac.serving``.  The exceptions (:data:`KNOWN_SERVING_IMPORTERS`) are named with why, each with a
-   strict xfail that fails once the exception is no longer needed, so that its entry leaves the list.
+   ``gaac.serving``.  The cache below it holds the loop's state and calls the entry points the loop
+   registers when it is imported (:mod:`gaac.cache.hooks`), so it imports none of it.
 4. Nothing shipped or tested leans on research code: no module under gaac/ or tests/ imports
    ``benchmarks`` or ``studies``.
 
@@ -34,7 +34,6 @@ import ast
 import sys
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "gaac"
@@ -54,14 +53,6 @@ module of rule 2 may name torch.  An import at module level is never excused."""
 
 SERVING = "gaac.serving"
 SERVING_USERS = ("gaac", "gaac.hf", "gaac.lmcache", "gaac.cli", "gaac.capture")
-KNOWN_SERVING_IMPORTERS = {
-    # The paged cache keeps the decode loop's state (gaac.serving.state.ServingState), appends a decode
-    # step's token through it (gaac.serving.append), refuses storage changes while a step graph records
-    # (gaac.serving.graph) and builds the plan of decode_plan (gaac.serving.plan).
-    "gaac.cache": "the paged cache holds the serving loop's state and builds its plans",
-}
-"""Modules outside :data:`SERVING_USERS` that import ``gaac.serving`` today (a package stands for its
-submodules too), and why: rule 3's exceptions."""
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:
@@ -289,18 +280,9 @@ def test_gaac_format_reaches_no_torch_and_no_numba():
 
 
 def test_only_the_integrations_import_the_serving_loop():
-    found = imports_into(import_graph(), SERVING, SERVING_USERS + tuple(KNOWN_SERVING_IMPORTERS))
+    found = imports_into(import_graph(), SERVING, SERVING_USERS)
     assert not found, (f"{SERVING} imported from below it (only {', '.join(SERVING_USERS)} and its own modules "
                        "import it):\n  " + "\n  ".join(found))
-
-
-@pytest.mark.xfail(strict=True, reason="a known importer of gaac.serving (KNOWN_SERVING_IMPORTERS) still imports it")
-@pytest.mark.parametrize("known", sorted(KNOWN_SERVING_IMPORTERS))
-def test_known_serving_importer_still_imports_it(known):
-    """Passes -- and so fails, strictly -- once ``known`` no longer imports the serving loop: then its entry
-    leaves KNOWN_SERVING_IMPORTERS."""
-    found = imports_into(import_graph(), SERVING, SERVING_USERS)
-    assert not [arrow for arrow in found if covers(known, arrow.split(" -> ")[0])]
 
 
 def test_gaac_and_its_tests_do_not_import_benchmarks_or_studies():

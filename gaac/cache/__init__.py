@@ -10,11 +10,14 @@
 * :mod:`gaac.cache.memory` -- :class:`~gaac.cache.memory.MemoryReport`;
 * :mod:`gaac.cache.pools` -- the fixed-size records the cache is made of and their free lists;
 * :mod:`gaac.cache.view` -- :class:`~gaac.cache.view.LayerView`, one layer's arrays as attention reads them;
-* :mod:`gaac.cache.transfer` -- a sequence gathered from the cache into container bytes and scattered back.
+* :mod:`gaac.cache.transfer` -- a sequence gathered from the cache into container bytes and scattered back;
+* :mod:`gaac.cache.hooks` -- what the cache keeps and calls for the serving loop above it
+  (:class:`~gaac.cache.hooks.ServingState`, the recordings of device-driven steps, the entry points
+  :mod:`gaac.serving` registers), so that the cache imports none of :mod:`gaac.serving`.
 
-The names below are imported on first use (:func:`__getattr__`): the serving package imports
-:mod:`gaac.cache.pools`, and the cache imports the serving package, so importing this package imports
-none of its modules.
+The names below are imported on first use (:func:`__getattr__`): ``import gaac`` imports
+:mod:`gaac.cache.hooks`, which needs neither torch nor numba, so importing this package imports none of its
+modules.
 """
 from __future__ import annotations
 

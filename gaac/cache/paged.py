@@ -77,11 +77,10 @@ from ..calibration import Calibration
 from ..epochs import EPOCH_INDEX_BYTES, Adapter, epoch_table_bytes
 from ..errors import CalibrationError, InputError, PoolExhaustedError
 from ..progress import progress
-from ..serving.append import append_token
-from ..serving.graph import RECORDING, check_not_recording
-from ..serving.state import ServingState
 from ..tiles import tile_bases
+from . import hooks
 from .codec import codec_for, tiles_to_tokens
+from .hooks import RECORDING, ServingState, check_not_recording
 from .memory import MemoryReport
 from .pools import DevicePool, Pool, RawArena, grown, sync_pools
 from .store import KINDS, _Kind
@@ -146,8 +145,9 @@ class PagedKVCache(UpdateTransaction):
     taking the view and using it.
 
     Serving.  The decode loop (:mod:`gaac.serving`: :meth:`decode_plan`'s plans, the one-token appends,
-    :class:`gaac.StepGraph`) keeps its own state in :attr:`serving` (a
-    :class:`gaac.serving.state.ServingState`) and reaches the cache only through this storage interface:
+    :class:`gaac.StepGraph`) sits above the cache, which imports none of it.  The loop keeps its own state
+    in :attr:`serving` (a :class:`gaac.cache.hooks.ServingState`) and reaches the cache only through this
+    storage interface:
 
     * :attr:`host_lengths` (the host's lengths, int64 ``[layers, max_seqs]``; the loop advances the entries
       of tokens its device appends wrote) and :attr:`device_lengths` (int32 on the device, what kernels read);
@@ -164,7 +164,12 @@ class PagedKVCache(UpdateTransaction):
     ``storage_changed(layer=None)`` when arrays are replaced (launch states naming them are dropped) and
     ``lengths_changed()`` when lengths or sequences change other than through the loop's appends; both
     advance ``serving.generation``, which plans compare to tell that they are stale.  Before each public
-    method the cache makes the account an eager step left pending (``serving.settle()``).
+    method the cache makes the account an eager step left pending (``serving.settle()``).  ``update_layer``
+    and ``append`` refuse a change while this thread records another cache's device-driven step
+    (:func:`gaac.cache.hooks.check_not_recording`).  And the cache calls the two entry points the loop
+    registers when it is imported (:mod:`gaac.cache.hooks`): ``update_layer``'s append of one token outside
+    a plan, and the plan :meth:`decode_plan` returns; the package ``gaac`` has the cache import the loop the
+    first time it needs either.
     """
 
     _rule_on_device: bool | None = None    # where an update runs the epoch rule (None: on a GPU, there)
@@ -479,7 +484,7 @@ class PagedKVCache(UpdateTransaction):
         if recording is not None:
             recording.record_append(layer, seqs, k, v)
             return
-        if k.shape[2] == 1 and append_token(self, layer, seqs, k, v):
+        if k.shape[2] == 1 and hooks.append_token(self, layer, seqs, k, v):
             return
         self._apply([self._prepare(layer, seqs, k, v)])
 
@@ -732,10 +737,11 @@ class PagedKVCache(UpdateTransaction):
         blocks it finishes there, and is replayed with ``plan.replayed()`` after each replay
         (:mod:`gaac.serving.graph`).  ``bucket=size`` plans the device-driven step of a batch-size bucket, which a
         graph captures once and replays for any batch of up to ``size`` sequences
-        (:class:`gaac.serving.graph.BucketSteps`; :class:`gaac.StepGraph` runs that loop)."""
-        from ..serving.plan import StepPlan
+        (:class:`gaac.serving.graph.BucketSteps`; :class:`gaac.StepGraph` runs that loop).
 
-        return StepPlan(self, q_heads, append=append, seqs=seqs, scale=scale, steps=steps, bucket=bucket)
+        The plan is the serving loop's, registered with the cache when :mod:`gaac.serving` is imported
+        (:mod:`gaac.cache.hooks`); the package ``gaac`` has the cache import it here if it is not yet."""
+        return hooks.step_plan(self, q_heads, append=append, seqs=seqs, scale=scale, steps=steps, bucket=bucket)
 
     @property
     def _device_rule(self) -> bool:

@@ -64,12 +64,12 @@ the host's lengths must follow the device's:
   took go back to the pools) and the plan ends, so that the next plan starts from the host's lengths.
 
 A change to another cache while a step is recorded would be replayed on every step and accounted once:
-:func:`check_not_recording` refuses it, for a cache that records no plan of its own, where the cache's
-``update_layer`` and ``append`` call it (:data:`RECORDING` names the plans this thread records).
+:func:`gaac.cache.hooks.check_not_recording` refuses it, for a cache that records no plan of its own, where
+the cache's ``update_layer`` and ``append`` call it (:data:`gaac.cache.hooks.RECORDING` names the plans this
+thread records: a recording adds itself there).
 """
 from __future__ import annotations
 
-import threading
 import weakref
 from contextlib import contextmanager
 
@@ -77,6 +77,7 @@ import numpy as np
 
 from .. import layout as L
 from ..errors import InputError
+from ..cache.hooks import RECORDING
 from ..cache.pools import latest_version
 from .append import StepAppend, step_append
 
@@ -436,16 +437,6 @@ class BucketSteps(CapturedSteps):
         self._account_step()
 
 
-class _Recordings(threading.local):
-    """The plans whose device-driven steps this thread records now, innermost last."""
-
-    def __init__(self):
-        self.plans = []
-
-
-RECORDING = _Recordings()
-
-
 def _capturing(cache) -> bool:
     """Whether the current CUDA stream is being captured in a graph (then a recording's launches do not run)."""
     if cache.device.type != "cuda":
@@ -453,17 +444,6 @@ def _capturing(cache) -> bool:
     import torch
 
     return torch.cuda.is_current_stream_capturing()
-
-
-def check_not_recording(cache, what: str = "update") -> None:
-    """Refuse a change to ``cache`` while this thread records a device-driven step of another cache (one
-    not recording a plan of its own): a CUDA graph would replay it on every step, and nothing would account
-    for it on the host."""
-    plans = RECORDING.plans
-    if plans and cache.serving.recording is None:
-        raise InputError(f"{what} of a cache that records no plan, inside another cache's `with "
-                         "plan.device_driven():`: a graph replays it every step and nothing accounts for it; change "
-                         "it outside the recording, or record a plan of its own for it")
 
 
 class StepGraph:
