@@ -212,8 +212,9 @@ class DevicePool(Pool):
         return max(self.listed - self.taken, 0)
 
     def _rest(self) -> torch.Tensor:
-        if not self.exact:
-            self.sync()
+        # the device's count, always: appends the host does not account (a refused recording run eagerly)
+        # take records without making the host's bound inexact
+        self.sync()
         return self.order[min(self.taken, self.listed):self.listed]
 
     def grow_to(self, n: int) -> None:
