@@ -30,7 +30,7 @@ import numpy as np
 
 import gaac
 from gaac import layout as L
-from gaac.block import parse_kind
+from gaac.format.block import parse_kind
 from gaac.tiles import block_tiles, cache_blocks
 
 HERE = Path(__file__).resolve().parent

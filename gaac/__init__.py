@@ -6,7 +6,7 @@ The paged cache and attention need torch; they are imported on first use, so
 """
 __version__ = "0.1.0"     # setup.cfg reads it from here: one place says which gaac this is
 
-from .block import EncodedBlock, decode_block, encode_block
+from .format.block import EncodedBlock, decode_block, encode_block
 from .calibration import Calibration, calibrate
 from .errors import CalibrationError, FormatError, GAACError, InputError, PoolExhaustedError
 from .io import sample

@@ -15,7 +15,7 @@ from strategies import bf16_bits, drifting
 import gaac.cache.codec as codec_mod
 import gaac.cache.update as update_mod
 from gaac import layout as L
-from gaac.block import encode_block
+from gaac.format.block import encode_block
 from gaac.cache import PagedKVCache, PoolExhaustedError, blocks_to_tiles, tiles_to_tokens
 from gaac.calibration import Calibration, calibrate
 import gaac.epochs as epochs_mod

@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import gaac
+import gaac.transfer  # noqa: F401  (gaac.transfer.unpack below; import gaac alone does not load it)
 import spec_decoder
 from gaac import layout as L
 from gaac.calibration import Calibration, calibrate
@@ -171,7 +172,7 @@ def test_fp8_decoder_takes_random_and_mutated_containers(fmt, seed, kind, data):
         np.testing.assert_array_equal(out, x)
         return
     # A re-signed change was accepted: every slot decodes as the spec's FP8 decoder says.
-    c = gaac.block.read_container(stream, mode_set(fmt).fmt)
+    c = gaac.format.block.read_container(stream, mode_set(fmt).fmt)
     if c.kind != block.kind or c.layer != block.layer:
         event("accepted a re-signed header naming another layer or kind (FORMAT.md 8: not detected)")
         return

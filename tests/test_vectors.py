@@ -106,7 +106,7 @@ def test_reference_decodes_valid_vector(name):
     meta = METAS[name]
     cal = gaac_cal(meta)
     assert cal.id == int(meta["calibration_id"], 16)
-    assert cal.epoch_id(meta["layer"], gaac.block.parse_kind(meta["kind"]), meta["epoch"]) == int(meta["bases_id"], 16)
+    assert cal.epoch_id(meta["layer"], gaac.format.block.parse_kind(meta["kind"]), meta["epoch"]) == int(meta["bases_id"], 16)
     np.testing.assert_array_equal(gaac.decode_block(stream(name), cal), expected(meta))
 
 

@@ -1,18 +1,20 @@
-"""The GAAC byte formats apart from the cache: what a container is, read and written with NumPy alone.
+"""The GAAC byte formats apart from the cache: the two containers, read and written with NumPy alone.
 
 Nothing here imports torch or numba: a third party reads, checks, writes and decodes GAAC bytes with
-this package and NumPy.  :mod:`gaac.format.sequence` is the sequence container of FORMAT.md section 11
-(one sequence of a paged cache, every layer, K and V, its blocks as the cache stores them): its layout
-(header, section records, epoch records, chunk CRC table, body parts, each offset and size computed from
-the counts), a reader that applies every reject rule of 11.7 and returns the sections as NumPy arrays,
-a writer from NumPy arrays, and a decoder of the sections back to K and V.  :mod:`gaac.transfer` is the
-cache's side of the same container (gathering a sequence from a cache's pools, scattering one into
-them, the chunk CRCs on the GPU) and takes its layout and its checks from here.
+this package and NumPy.
 
-The rest of the format lives in modules the whole package imports, which move here together in one later
-step: the constants and geometry (:mod:`gaac.layout`), tiles (:mod:`gaac.tiles`), the block container
-(:mod:`gaac.block`), calibrations and their canonical bytes (:mod:`gaac.calibration`) and the reference
-codec (:mod:`gaac.reference`).
+* :mod:`gaac.format.block`: the block container of FORMAT.md section 7, one 16-token block of one layer's K
+  or V as a stream (``encode_block``, ``decode_block``, the container's reader and its reject rules).
+* :mod:`gaac.format.sequence`: the sequence container of FORMAT.md section 11 (one sequence of a paged
+  cache, every layer, K and V, its blocks as the cache stores them): its layout (header, section records,
+  epoch records, chunk CRC table, body parts, each offset and size computed from the counts), a reader
+  that applies every reject rule of 11.7 and returns the sections as NumPy arrays, a writer from NumPy
+  arrays, and a decoder of the sections back to K and V.  :mod:`gaac.cache.transfer` is the cache's side
+  of the same container and takes its layout and its checks from here.
+
+Both stand on the torch-free modules below them that every part of gaac shares: the constants and
+geometry (:mod:`gaac.layout`), tiles (:mod:`gaac.tiles`), calibrations and their canonical bytes
+(:mod:`gaac.calibration`) and the reference codec (:mod:`gaac.reference`).
 """
 from .sequence import (KINDS, MAX_INDEXED_EPOCHS, Container, EpochRecord, Layout, Section, SectionData, Sequence,
                        as_array, check_calibration, chunk_crcs, container_nbytes, read_head, read_sequence,

@@ -3,7 +3,7 @@
 A BF16 cache is converted once to FP8 (round to nearest even, saturating, with a
 power-of-two scale per layer and kind that the calibration records); from then
 on every FP8 byte is kept exactly by the codec of every element format
-(:mod:`gaac.block`, :mod:`gaac.reference.codec`) with E4M3's or E5M2's
+(:mod:`gaac.format.block`, :mod:`gaac.reference.codec`) with E4M3's or E5M2's
 widths (:data:`gaac.layout.MODE_SETS`), calibrated by :func:`gaac.calibrate`
 with an FP8 ``format`` into a :class:`gaac.Calibration` that also records the
 scales.  What is FP8's own is here: the conversion, attention over the
@@ -12,7 +12,7 @@ The functions below are the block API bound to an FP8 calibration.
 """
 import numpy as np
 
-from ..block import EncodedBlock, check_calibration, decode_block, encode_block, parse_kind, parse_layer
+from ..format.block import EncodedBlock, check_calibration, decode_block, encode_block, parse_kind, parse_layer
 from ..calibration import Calibration, calibrate
 from ..errors import CalibrationError
 from ..layout import E4M3, E5M2, FP8_FORMATS, FP8_MODE_SETS, ElementFormat, ModeSet, fp8_format

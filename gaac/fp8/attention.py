@@ -1,7 +1,7 @@
 """Decode attention over one layer of a GAAC-FP8 cache: the CPU reference (FORMAT-FP8.md section 8).
 
 A sequence's layer holds its complete 16-token blocks of K and V as FP8 block
-containers (:mod:`gaac.block`) and its unfinished block as plain FP8 bytes
+containers (:mod:`gaac.format.block`) and its unfinished block as plain FP8 bytes
 (the tail).  Attention decodes every block back to its FP8 bytes, reads them
 as FP8 values, and applies the calibration's power-of-two scales once per KV
 head -- to the scores (``q . k * 2**s_K``) and to the output
@@ -20,7 +20,7 @@ import numpy as np
 from .. import layout as L
 from ..arrays import as_bits
 from ..errors import InputError
-from ..block import decode_block, encode_block
+from ..format.block import decode_block, encode_block
 from ..calibration import Calibration
 from .convert import fp8_values, to_fp8
 

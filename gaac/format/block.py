@@ -24,13 +24,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import layout as L
-from .arrays import as_bits
-from .calibration import Calibration
-from .errors import CalibrationError, FormatError, InputError
-from .reference.bits import element_dtype
-from .reference.codec import decode_entries, encode_tiles
-from .tiles import block_tiles, tile_bases, untile
+from .. import layout as L
+from ..arrays import as_bits
+from ..calibration import Calibration
+from ..errors import CalibrationError, FormatError, InputError
+from ..reference.bits import element_dtype
+from ..reference.codec import decode_entries, encode_tiles
+from ..tiles import block_tiles, tile_bases, untile
 
 
 def parse_kind(kind) -> int:
