@@ -375,11 +375,8 @@ class PagedKVCache(UpdateTransaction):
         sync_pools([pool for store in stores for pool in (store.slots, store.raw) if not pool.exact])
         at = 0
         for store, row in zip(stores, rows):
-            e = entries[at:at + row.numel()]
+            store.give_back(entries[at:at + row.numel()])
             at += row.numel()
-            is_raw = (e & L.TABLE_RAW_FLAG) != 0
-            store.slots.give(e[~is_raw])
-            store.raw.give(e[is_raw] & L.TABLE_INDEX_MASK)
             store.table[seq] = 0
             store.epochs[seq] = 0
             if store.epoch is not None:
@@ -709,10 +706,7 @@ class PagedKVCache(UpdateTransaction):
                 at = (self._to_device(rows[done]), self._to_device(after[done] // L.BLOCK_TOKENS - 1))
                 for layer in sorted(layers):
                     for store in self._store[layer]:
-                        e = store.table[at].reshape(-1).cpu().numpy().view(np.uint32).astype(np.int64)
-                        is_raw = (e & L.TABLE_RAW_FLAG) != 0
-                        store.slots.give(e[~is_raw])
-                        store.raw.give(e[is_raw] & L.TABLE_INDEX_MASK)
+                        store.give_back(store.table[at].reshape(-1).cpu().numpy().view(np.uint32).astype(np.int64))
                         store.table[at] = 0
                         if store.epoch is not None:
                             store.epoch[at] = 0

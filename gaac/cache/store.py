@@ -53,6 +53,13 @@ class _Kind:
             old = getattr(self, name)
             setattr(self, name, torch.cat([old, torch.from_numpy(np.stack(new).astype(np.uint8)).to(old.device)]))
 
+    def give_back(self, entries: np.ndarray) -> None:
+        """Return the records that table ``entries`` (uint32 words as int64) point at: slots to the slot pool,
+        raw tiles (entries with the raw flag, bit 31) to this kind's share of the arena."""
+        is_raw = (entries & L.TABLE_RAW_FLAG) != 0
+        self.slots.give(entries[~is_raw])
+        self.raw.give(entries[is_raw] & L.TABLE_INDEX_MASK)
+
     def pools_key(self) -> tuple:
         """What an EncodePlan bakes in: the versions of the pools' arrays and free lists."""
         return self.slots.version, self.raw.version
