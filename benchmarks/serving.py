@@ -94,6 +94,24 @@ def replaced(j: int, every: int, batch: int):
     return 1 + (j // every) % (batch - 1)
 
 
+class Joins:
+    """A run's joins: called before step ``j``, it replaces the row due then (:func:`replaced`) through
+    ``join(row)`` and keeps the host wall of each join; :meth:`since` gives those from a step on."""
+
+    def __init__(self, join, every: int, batch: int):
+        self.join, self.every, self.batch, self.timed = join, every, batch, []
+
+    def __call__(self, j: int) -> None:
+        row = replaced(j, self.every, self.batch)
+        if row is not None:
+            t = time.perf_counter()
+            self.join(row)
+            self.timed.append((j, 1e3 * (time.perf_counter() - t)))
+
+    def since(self, first: int) -> list:
+        return [ms for j, ms in self.timed if j >= first]
+
+
 # ------------------------------------------------------------------------------------------------
 # BF16 + flash
 
@@ -139,20 +157,16 @@ def run_bf16(model, src, _cal, s, lens, args, every: int, prompt: int, graph: bo
                 model.step(ids, att)
                 att.end()
 
-    joins = []
+    joins = Joins(join, every, b)
 
     def run(j: int) -> None:
-        row = replaced(j, every, b)
-        if row is not None:
-            t = time.perf_counter()
-            join(row)
-            joins.append((j, 1e3 * (time.perf_counter() - t)))
+        joins(j)
         with torch.no_grad():
             step()
 
     Window(run, args.warmup)(0)
     res = Window(run, args.steps)(args.warmup)
-    res["join_ms"] = [ms for j, ms in joins if j >= args.warmup]
+    res["join_ms"] = joins.since(args.warmup)
     res.update(flash_mode=mode, flash_modes_us=modes, tok_s=b / res["ms"] * 1e3)
     if args.profile:
         res["profile"] = ds.kernel_profile(run, args.warmup + args.steps, args.profile)
@@ -227,21 +241,17 @@ def run_gaac(model, src, cal, s, lens, args, every: int, prompt: int, graph: boo
             loop.end()
         counters = None
 
-    joins = []
+    joins = Joins(join, every, b)
 
     def run(j: int) -> None:
-        row = replaced(j, every, b)
-        if row is not None:
-            t = time.perf_counter()
-            join(row)
-            joins.append((j, 1e3 * (time.perf_counter() - t)))
+        joins(j)
         step()
         for seq in seqs:
             appended[seq].append(j)
 
     Window(run, args.warmup, counters)(0)
     res.update(Window(run, args.steps, counters)(args.warmup))
-    res["join_ms"] = [ms for j, ms in joins if j >= args.warmup]
+    res["join_ms"] = joins.since(args.warmup)
     res["tok_s"] = b / res["ms"] * 1e3
     if args.profile:
         res["profile"] = ds.kernel_profile(run, args.warmup + args.steps, args.profile)
