@@ -17,7 +17,16 @@ layer that holds nothing gets the model's K/V back as they are; one into a
 layer that holds tokens gets the past decoded from its slots, raw tiles and
 tail with the codec, then the new K/V, never decoded again after they are
 encoded, so outputs are bit-identical to ``DynamicCache``'s (the codec is
-lossless).  The fused path (``fused=True``, the default on CUDA with
+lossless).
+
+A prompt is one transaction.  The prefill into layers that hold nothing runs
+inside a deferral of the paged cache (:meth:`gaac.PagedKVCache.deferred`): each
+layer's update is checked and queued, and the last layer's update applies them
+all at once, one adaptation-rule batch over every layer and kind, one
+reservation and one commit, as ``PagedKVCache.append`` does (anything that reads
+the paged cache before then applies them first).  Those layers' attention reads
+the model's own K/V, so nothing waits for the encode; until it is applied the
+paged cache holds the prompt's K/V tensors as the model made them.  The fused path (``fused=True``, the default on CUDA with
 ``attn_implementation="gaac"``) returns, for a one-token decode step, a
 :class:`PagedLayer` handle instead of tensors; the ``"gaac"`` attention
 registered here runs the forward pass's step plan on it
@@ -163,12 +172,17 @@ class GAACLayer(CacheLayerMixin):
             cache._open(key_states)
         step = cache.fused and new == 1
         if self.index == 0:       # one plan per forward pass, made before its first append, shared by its layers
+            cache._end_prefill()          # a prefill a forward pass left open (it stopped part way) is applied
             cache._plan = (cache.store.decode_plan(cache.config.num_attention_heads, seqs=cache.rows, append=new)
                            if step else None)
         handle = PagedLayer(cache.store, self.index, cache.rows, cache._plan)
         past = handle.dense() if self.tokens and not step else None      # decoded before the new tokens go in
+        if past is None and new > 1 and cache._prefill is None and not cache.store.deferring:
+            cache._prefill = cache.store.deferred().start()     # the prompt's layers: one transaction
         cache.store.update_layer(self.index, cache.rows, key_states, value_states)
         self.tokens += new
+        if self.index == len(cache.layers) - 1:
+            cache._end_prefill()
         if step:
             return handle, handle
         if past is None:
@@ -255,6 +269,7 @@ class GAACCache(Cache):
         self.store: PagedKVCache | None = None
         self.rows: list = []
         self._plan = None
+        self._prefill = None         # the paged cache's deferral of a prefill's layers (GAACLayer.update)
         super().__init__(layers=[GAACLayer(self, i) for i in range(self.shape[0])])
 
     @property
@@ -296,13 +311,21 @@ class GAACCache(Cache):
         for row, seq in enumerate(self.rows):
             self.store.append(seq, keys[:, row], values[:, row], show_progress=False)
 
+    def _end_prefill(self) -> None:
+        """Apply the prefill's deferred layers, where a deferral is open (:meth:`GAACLayer.update`)."""
+        deferral, self._prefill = self._prefill, None
+        if deferral is not None:
+            deferral.apply()
+
     def memory(self):
         """The paged cache's :class:`gaac.cache.MemoryReport` (None while uncalibrated and still BF16)."""
         return None if self.store is None else self.store.memory()
 
     def reset(self) -> None:
         super().reset()
-        self.store, self.rows, self._plan = None, [], None
+        if self._prefill is not None:         # the old paged cache's queued prompt is dropped with it
+            self._prefill.discard()
+        self.store, self.rows, self._plan, self._prefill = None, [], None, None
         self.calibration = self._given
 
 

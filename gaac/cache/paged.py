@@ -84,7 +84,7 @@ from .hooks import RECORDING, ServingState, check_not_recording
 from .memory import MemoryReport
 from .pools import DevicePool, Pool, RawArena, grown, sync_pools
 from .store import KINDS, _Kind
-from .update import UpdateTransaction, _runs
+from .update import Deferral, UpdateTransaction, _runs
 from .view import LayerView
 
 PROGRESS_TOKENS = 512        # appends of this many tokens show a progress bar on a terminal (PagedKVCache.append)
@@ -101,6 +101,8 @@ def _locked(method):
     def locked(self, *args, **kwargs):
         with self._lock:
             self.serving.settle()
+            if self._queued:            # updates a deferral queued come first (PagedKVCache.deferred)
+                self._apply_deferred()
             return method(self, *args, **kwargs)
     return locked
 
@@ -177,6 +179,8 @@ class PagedKVCache(UpdateTransaction):
                  max_blocks: int | None = None, slots: int | None = None, raw_tiles: int | None = None, device="cpu",
                  grow: bool = False, codec: str | None = None, adapt: bool = True):
         self._lock = threading.RLock()
+        self._deferral = None        # (thread, token) of the open deferral (deferred), else None
+        self._queued = []            # the updates it queued: (layer, seqs, k, v), checked (_defer)
         if not isinstance(calibration, Calibration):
             raise InputError(f"calibration: expected a gaac.Calibration, got {type(calibration).__name__}")
         if calibration.format is not L.BF16:
@@ -282,8 +286,10 @@ class PagedKVCache(UpdateTransaction):
     def __getstate__(self):
         with self._lock:
             self.serving.settle()                    # a copy takes the account of every block written
+            self._apply_deferred()                   # ... and every update a deferral queued
             state = self.__dict__.copy()
         del state["_lock"]                 # a lock is not copied or pickled: a copy gets a lock of its own
+        state["_deferral"], state["_queued"] = None, []      # nor a deferral: it is this cache's caller's
         return state
 
     def __setstate__(self, state):
@@ -303,7 +309,7 @@ class PagedKVCache(UpdateTransaction):
     @_locked
     def sequences(self) -> list[int]:
         """Ids of the live sequences (their rows in every layer's block table)."""
-        return [int(i) for i in np.flatnonzero(self._live)]
+        return self._live_ids()
 
     @_locked
     def seq_len(self, seq: int, layer: int = 0) -> int:
@@ -316,9 +322,12 @@ class PagedKVCache(UpdateTransaction):
         """A live sequence id: an integer (Python or NumPy; never a bool, float or string) of a live row."""
         if isinstance(seq, (bool, np.bool_)) or not isinstance(seq, (int, np.integer)):
             raise InputError(f"sequence id {seq!r} is a {type(seq).__name__}: sequence ids are integers "
-                             f"(live sequences: {self.sequences})")
+                             f"(live sequences: {self._live_ids()})")
         if not 0 <= seq < self.max_seqs or not self._live[seq]:
-            raise InputError(f"sequence {seq!r} is not in the cache (live sequences: {self.sequences})")
+            raise InputError(f"sequence {seq!r} is not in the cache (live sequences: {self._live_ids()})")
+
+    def _live_ids(self) -> list[int]:
+        return [int(i) for i in np.flatnonzero(self._live)]
 
     def _check_seqs(self, seqs) -> list[int]:
         """Live sequence ids from an iterable of them (a list, a NumPy or torch integer array): each checked
@@ -451,8 +460,13 @@ class PagedKVCache(UpdateTransaction):
         lists on the device.  Within a one-step plan (:meth:`decode_plan`), a token given as
         the plan expects it (``seqs`` the plan's list, contiguous BF16 or int16 tensors on
         the cache's GPU) is one launch whose parameters are written in place.
+
+        Inside a deferral (:meth:`deferred`) a call of more than one token is checked here and queued; it
+        is applied with the deferral's other calls, in one transaction.
         """
         with self._lock:
+            if self._deferral is not None and self._defer(layer, seqs, k, v):
+                return
             if RECORDING.plans:            # another cache's step is being recorded on this thread
                 check_not_recording(self, "update_layer")
             serving = self.serving
@@ -471,6 +485,18 @@ class PagedKVCache(UpdateTransaction):
             # free places (-1); the recording checks it.
             recording.record_append(layer, seqs, self._bits(k, "k", 4), self._bits(v, "v", 4))
             return
+        seqs, k, v = self._checked_update(seqs, k, v)
+        if recording is not None:
+            recording.record_append(layer, seqs, k, v)
+            return
+        if k.shape[2] == 1 and hooks.append_token(self, layer, seqs, k, v):
+            return
+        self._apply([self._prepare(layer, seqs, k, v)])
+
+    def _checked_update(self, seqs, k, v) -> tuple:
+        """``update_layer``'s sequences and tokens checked (:class:`InputError` naming what is wrong): the live
+        sequence ids, each once, and K and V as int16 on the cache's device, of one shape ``[len(seqs),
+        kv_heads, t, head_dim]``."""
         seqs = self._check_seqs(seqs)
         if len(set(seqs)) != len(seqs):
             raise InputError(f"sequences {seqs}: each may appear once")
@@ -478,12 +504,71 @@ class PagedKVCache(UpdateTransaction):
         if k.shape != v.shape or k.shape[0] != len(seqs):
             raise InputError(f"k {list(k.shape)} and v {list(v.shape)} must both be [{len(seqs)} sequences, "
                              f"kv_heads, tokens, head_dim]")
-        if recording is not None:
-            recording.record_append(layer, seqs, k, v)
-            return
-        if k.shape[2] == 1 and hooks.append_token(self, layer, seqs, k, v):
-            return
-        self._apply([self._prepare(layer, seqs, k, v)])
+        return seqs, k, v
+
+    # -- a deferral -------------------------------------------------------------
+    def deferred(self) -> Deferral:
+        """A deferral of :meth:`update_layer` calls (:class:`gaac.cache.update.Deferral`), so that a prompt a
+        model hands the cache one layer at a time is encoded as one transaction over its layers, as
+        :meth:`append` encodes it: one adaptation-rule batch for every layer and kind, one reservation, one
+        commit::
+
+            with cache.deferred():
+                for layer in range(cache.layers):
+                    cache.update_layer(layer, [seq], k[layer], v[layer])    # checked, queued
+                    ...                      # the layer's attention, over the prompt's own K/V
+            # applied here: every queued layer, or none and the error
+
+        Inside it, an ``update_layer`` call of the thread that opened it, of more than one token, is checked
+        in full at the call (the errors it raises there are those of an update outside it) and queued; the
+        tensors it is given are read when the queue is applied, so the caller leaves them unchanged until
+        then (the queue holds them).  The queue is applied -- a flush: each layer's blocks cut and their epochs
+        decided, then one transaction for all of them, every layer or none -- when the deferral ends
+        normally, and before anything else touches the cache: any other public method (a read, a plan, an
+        export, :meth:`memory`, :meth:`seq_len`, :meth:`remove_sequence`, ...), a second call for a layer
+        already queued (the first is applied, the second queued), a call of one token (applied, then the
+        token appended as outside a deferral), a call of another thread, a call while this cache records a
+        step, and the storage interface's lengths, sequence checks and step reservations
+        (:attr:`host_lengths`, :meth:`check_seqs`, :meth:`reserve_step`: where a serving loop starts a step).
+        So no path reads lengths, tables or tails that a queued update would change; an attention launch of
+        a plan made before the queued calls reads the cache as the plan saw it, without them (as if the calls
+        came after it).
+
+        What a flush raises (:class:`PoolExhaustedError` where a pool runs dry and the cache cannot grow)
+        the call that flushed raises, with the cache as it was before the queued updates, which are
+        dropped.  A block that raises drops the queue: nothing queued is written (what an earlier flush
+        applied stays).  Deferrals do not nest (:class:`InputError`); :attr:`deferring` says whether one is
+        open."""
+        return Deferral(self)
+
+    @property
+    def deferring(self) -> bool:
+        """Whether a deferral (:meth:`deferred`) is open on the cache."""
+        return self._deferral is not None
+
+    def _defer(self, layer, seqs, k, v) -> bool:
+        """:meth:`update_layer` inside a deferral: checked in full and queued (True), or, where the call is
+        not one to queue (another thread's, one token, a recording's), the queue applied first and False
+        (the caller then runs the call as outside a deferral)."""
+        self.serving.settle()
+        if self._deferral[0] != threading.get_ident() or self.serving.recording is not None:
+            self._apply_deferred()
+            return False
+        if RECORDING.plans:
+            check_not_recording(self, "update_layer")
+        self._check_layer(layer)
+        seqs, k, v = self._checked_update(seqs, k, v)
+        if k.shape[2] == 1:
+            self._apply_deferred()
+            return False
+        if any(queued[0] == layer for queued in self._queued):
+            self._apply_deferred()
+        # the block table's room, as the transaction's reservation checks it: refused at the call
+        need = max((int(self._lens[layer, s]) + k.shape[2]) // L.BLOCK_TOKENS for s in seqs)
+        if need > self.max_blocks and not self.grow:
+            raise self._exhausted(None, need, "this update")
+        self._queued.append((layer, seqs, k, v))
+        return True
 
     def _to_device(self, a: np.ndarray) -> torch.Tensor:
         """A host array on the cache's device without waiting for the device (pinned, asynchronous copy)."""
@@ -589,7 +674,10 @@ class PagedKVCache(UpdateTransaction):
     def host_lengths(self) -> np.ndarray:
         """int64 ``[layers, max_seqs]``: the host's copy of every sequence's length per layer, the one the cache's
         logic reads (no device synchronisation).  The live array: a serving loop advances the entries of the
-        tokens its device appends wrote.  Growth of the rows replaces it (:attr:`serving`'s generation changes)."""
+        tokens its device appends wrote.  Growth of the rows replaces it (:attr:`serving`'s generation changes).
+        Updates a deferral queued are applied first (:meth:`deferred`)."""
+        if self._queued:
+            self._apply_deferred()
         return self._lens
 
     @property
@@ -616,7 +704,10 @@ class PagedKVCache(UpdateTransaction):
         return self._to_device(a)
 
     def check_seqs(self, seqs) -> list[int]:
-        """Live sequence ids from an iterable of them, each checked (:class:`InputError` otherwise)."""
+        """Live sequence ids from an iterable of them, each checked (:class:`InputError` otherwise); updates a
+        deferral queued are applied first (:meth:`deferred`)."""
+        if self._queued:
+            self._apply_deferred()
         return self._check_seqs(seqs)
 
     def check_layer(self, layer) -> None:
@@ -635,7 +726,9 @@ class PagedKVCache(UpdateTransaction):
         short.  A finished tile takes a slot or a raw tile, decided only as it is encoded, so each slot pool
         and each layer and kind's share of the raw-tile arena must be able to take every tile the step
         finishes: then no layer of the step can run out part way.  The device's exact counts are read only
-        when the lower bound of free records falls short."""
+        when the lower bound of free records falls short.  Updates a deferral queued are applied first."""
+        if self._queued:
+            self._apply_deferred()
         blocks = after // L.BLOCK_TOKENS - before // L.BLOCK_TOKENS
         need_rows = int((after // L.BLOCK_TOKENS).max(initial=0))
         if need_rows > self.max_blocks:

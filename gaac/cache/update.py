@@ -10,6 +10,9 @@
   device; where a list runs dry the counts are put back, ``_put_back``) and commits (``_commit``,
   ``_commit_epochs``): every update of a call, or none and an error.  Where the rule keeps every guess the
   host writes before the encodes' counts are in, and undoes the write if a list ran dry (``_written_early``).
+* A deferral (:class:`Deferral`, :meth:`gaac.cache.paged.PagedKVCache.deferred`) queues ``update_layer`` calls
+  and applies them in one ``_apply`` when it ends or when anything else touches the cache
+  (``_apply_deferred``): a prompt given a layer at a time is one transaction, as ``append`` makes it.
 * The adapters observe finished blocks (``_flush``, and in a decode loop ``_flush_due`` :data:`ADAPT_LAG`
   steps later); an epoch they append joins the device tables and is published for the blocks the device
   appends finish (``_epochs_appended``, ``_publish``).
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import math
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -150,6 +154,47 @@ class _EarlyWrite:
                 cache._flush(cache._store[layer][kind], layer, kind)
 
 
+class Deferral:
+    """A deferral of a cache's ``update_layer`` calls (what :meth:`gaac.cache.paged.PagedKVCache.deferred`
+    returns): while it is open, the calls of the thread that opened it are checked at once and queued; they are
+    applied together, one transaction over every queued layer, when it is applied.
+
+    As a context manager (``with cache.deferred(): ...``) it opens on entry and is applied on a normal exit, or
+    discarded (nothing queued is written) where the block raises.  Where the calls span more than one block of
+    code (a model's forward pass that hands the cache one layer per call), :meth:`start`, :meth:`apply` and
+    :meth:`discard` do the same one at a time.  It names the cache but the cache does not name it (the cache
+    keeps only its token), so it makes no reference cycle."""
+
+    def __init__(self, cache):
+        self._cache = cache
+        self._token = object()
+
+    def start(self) -> "Deferral":
+        """Open the deferral: :class:`InputError` where one is open already on the cache (deferrals do not
+        nest)."""
+        self._cache._open_deferral(self._token)
+        return self
+
+    def apply(self) -> None:
+        """Close the deferral and apply what it queued (all of it, or nothing and the error:
+        :class:`PoolExhaustedError` where a pool runs dry)."""
+        self._cache._close_deferral(self._token, apply=True)
+
+    def discard(self) -> None:
+        """Close the deferral and drop what it queued: the cache stays as it was before the queued calls."""
+        self._cache._close_deferral(self._token, apply=False)
+
+    def __enter__(self) -> "Deferral":
+        return self.start()
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is None:
+            self.apply()
+        else:
+            self.discard()
+        return False
+
+
 class UpdateTransaction:
     """The update transaction and the epochs bookkeeping of a :class:`~gaac.cache.paged.PagedKVCache`, which
     derives from this class: ``self`` is the cache, whose storage (``_store``, ``_lens``, ``_arena``) these
@@ -214,6 +259,38 @@ class UpdateTransaction:
             for layer in layers:
                 self._seq_lens[layer].copy_(self._to_device(self._lens[layer].astype(np.int32)), non_blocking=True)
         self._lengths_changed()
+
+    # -- a deferral (Deferral, PagedKVCache.deferred) -------------------------------------------------
+    def _open_deferral(self, token) -> None:
+        """Open a deferral for the calling thread, named by ``token``."""
+        with self._lock:
+            if self._deferral is not None:
+                raise InputError("update_layer calls are already deferred on this cache (a deferral is open); "
+                                 "deferrals do not nest: apply or discard the open one first")
+            self._deferral = (threading.get_ident(), token)
+
+    def _close_deferral(self, token, apply: bool) -> None:
+        """Close the deferral ``token`` names: apply its queued updates (``apply``) or drop them.  Closed either
+        way, also where applying raises (the queued updates are then dropped and nothing of them is written)."""
+        with self._lock:
+            if self._deferral is None or self._deferral[1] is not token:
+                raise InputError("this deferral is not open on the cache (it was applied or discarded already, or "
+                                 "never started)")
+            self._deferral = None
+            if apply:
+                self._apply_deferred()
+            else:
+                self._queued = []
+
+    def _apply_deferred(self) -> None:
+        """Apply the queued updates (a flush): each layer's prepared in the order queued, then one
+        :meth:`_apply` over all of them -- every one, or none and the error.  The queue is emptied first, so
+        an error drops it and what :meth:`_apply` calls never applies it again."""
+        with self._lock:
+            queued, self._queued = self._queued, []
+            if queued:
+                self.serving.settle()
+                self._apply([self._prepare(layer, seqs, k, v) for layer, seqs, k, v in queued])
 
     def _written_early(self, updates: list) -> "_EarlyWrite":
         """Commit ``updates`` while their encodes may still run dry: what the write changes that a later
