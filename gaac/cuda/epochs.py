@@ -1,6 +1,6 @@
 """The epoch adaptation rule on the GPU: what :meth:`gaac.epochs.Adapter.assign` decides, for many blocks at once.
 
-A prefill finalizes thousands of blocks per (kind, layer); the rule looks at them a check (8 blocks) at a
+A prefill finalizes thousands of blocks per (kind, layer); the rule looks at them a check (16 blocks) at a
 time, and on the host each check costs milliseconds.  The rule splits into a part that does not depend on
 its own decisions and a short chain that does:
 
@@ -9,13 +9,15 @@ its own decisions and a short chain that does:
   computes all three, a thread block per group of 8 channels (a warp per channel, a lane per 8 histogram
   bins), looping over the checks;
 * whether a check appends its candidate depends on the epoch current at that check, the last one
-  appended.  :func:`chain_kernel` walks the checks in order, a thread block per (kind, layer), deciding
-  from the scan's savings until the batch appends an epoch, and after that counting itself, over the
-  check's 8 blocks, in the groups of channels where candidate and current epoch differ.
+  appended.  :func:`phase_kernel` finds the checks that append, one per launch (a **phase**): phase 0 from
+  the scan's savings, phase ``p`` by judging, all at once over many thread blocks, every check after the one
+  phase ``p - 1`` found against that check's candidate, counting over each check's 16 blocks in the groups of
+  channels where candidate and current epoch differ.  A batch that appends ``A`` epochs to a job runs ``A + 1``
+  phases; a few are launched with the batch, more only where a job is still appending when the host looks.
 
 Both read the blocks where they lie (a strided view of the input; the adapter's pending blocks from a
 small array); the adapters' histograms stay on the device until the host rule needs one, and one copy to
-the host brings the decisions.  The results are the host rule's, bit for bit (``tests/test_epochs_gpu.py``
+the host brings the decisions (another for each further round of phases).  The results are the host rule's, bit for bit (``tests/test_epochs_gpu.py``
 and, in the simulator, ``tests/test_epochs_device.py`` compare them).
 """
 from __future__ import annotations
@@ -32,11 +34,12 @@ from .primitives import SIMULATOR, WARP, device, gaddr, i32, ldg4_at, popc, sync
 
 BINS = 256                   # exponent values of a BF16 element
 SCAN_REGISTERS = 64          # the scan kernel's register cap: 32 warps an SM, no spills
-MAX_CHANNELS = 8192          # kv_heads * head_dim the chain kernel's shared bases hold
+MAX_CHANNELS = 8192          # kv_heads * head_dim the phase kernel's shared bases hold
 MAX_GROUPS = MAX_CHANNELS // L.GROUP_SIZE
-CHAIN_THREADS = 1024
-# a block of CHAIN_THREADS threads fits an SM only at 64 registers a thread or fewer
-block_jit = cuda.jit if SIMULATOR else cuda.jit(max_registers=65536 // CHAIN_THREADS)
+PHASE_THREADS = 32 if SIMULATOR else 256    # a phase's thread block: one check judged at a time
+PHASE_BLOCKS = 4 if SIMULATOR else 1024     # thread blocks a phase deals its jobs' checks to: ~8 an SM
+PHASES = 4                   # phases launched with a batch (after phase 0); more where a job keeps appending
+NONE = 1 << 30               # in the phases' results: no check appends
 COST_3BIT = L.ESCAPE_BYTES[L.MODE_3BIT]
 COST_4BIT = L.ESCAPE_BYTES[L.MODE_4BIT]
 COST_RAW = L.ESCAPE_BYTES[L.MODE_RAW]
@@ -313,12 +316,9 @@ def group_bytes(out):
 
 
 @cuda.jit(device=True, inline=True)
-def group_saving(src, at, rec, job, r, i, n_groups, j, every, head_dim, c3, c4, n3, n4):
-    """Escape bytes that bases (n3, n4) save against bases (c3, c4) on item ``i`` of check ``j``: one group of
-    8 channels (``i % n_groups``) of one token (``i // n_groups``), read two elements a load from the int32
-    views of the blocks."""
-    g = i % n_groups
-    tok = i // n_groups
+def group_saving(src, at, rec, job, r, g, tok, j, every, head_dim, c3, c4, n3, n4):
+    """Escape bytes that bases (n3, n4) save against bases (c3, c4) on one group of 8 channels (``g``) of one
+    token (``tok``) of check ``j``, read two elements a load from the int32 views of the blocks."""
     b = j * every + tok // L.BLOCK_TOKENS
     t = tok % L.BLOCK_TOKENS
     h = (g * L.GROUP_SIZE) // head_dim
@@ -360,95 +360,104 @@ def block_sum(part, value):
 
 
 @functools.lru_cache(maxsize=None)
-def chain_kernel(every: int):
-    """Per job, in check order (a check every ``every`` blocks): whether it appends its candidate.
+def phase_kernel(every: int):
+    """Phase ``p`` of the chain (a check every ``every`` blocks): per job, the ``p``-th check of the batch that
+    appends its candidate, into ``nxt[p, job]`` (:data:`NONE` where no check does).
 
-    Until the batch appends an epoch, :func:`scan_kernel`'s savings decide.  After that, a check whose
-    candidate equals the current epoch is decided at once; otherwise only the groups of 8 channels in which
-    the two differ can save or cost escape bytes, so only those groups of the check's blocks are read (two
-    elements a load)."""
+    Phase 0 reads :func:`scan_kernel`'s savings against the batch's first epoch.  Phase ``p > 0`` starts from
+    the check phase ``p - 1`` found, ``a = nxt[p - 1, job]``, whose candidate is then the current epoch, and
+    judges every later check against it at once: a job's checks are dealt out to ``gridDim.y`` thread
+    blocks, each taking its checks in order; a check whose candidate equals the current epoch saves nothing;
+    otherwise only the groups of 8 channels in which the two differ can save or cost escape bytes, so only
+    those groups of the check's blocks are read.  The first check that saves enough is the phase's: an
+    atomic minimum, and a block stops at a check past the one found so far (the minimum only shrinks).
+    The host rule's decisions, in as many launches as epochs appended, instead of one thread block walking
+    every check in turn."""
     tokens = every * L.BLOCK_TOKENS
     group = L.GROUP_SIZE
 
-    @block_jit
-    def kernel(xa, xb, ja, rec, r0, checks, cand, cur, finalized, n_epochs, warmup, max_epochs, payback,
-               table_bytes, kv_heads, head_dim, saved0, differs0, accept):
+    @cuda.jit
+    def kernel(xa, xb, ja, rec, r0, checks, cand, finalized, n_epochs, warmup, max_epochs, payback, table_bytes,
+               kv_heads, head_dim, saved0, differs0, nxt, p):
         job = cuda.blockIdx.x
         tid = cuda.threadIdx.x
         nthreads = cuda.blockDim.x
+        blocks = cuda.gridDim.y
+        n_checks = checks[job]
+        if n_epochs[job] + p >= max_epochs:         # the cap: nothing more is appended
+            return
+        if p == 0:                                  # against the batch's first epoch: the scan has decided
+            j = cuda.blockIdx.y * nthreads + tid
+            while j < n_checks:
+                if (finalized[job] + (j + 1) * every >= warmup and differs0[job, j] != 0
+                        and np.int64(saved0[job, j]) * payback >= table_bytes):
+                    cuda.atomic.min(nxt, (0, job), j)
+                    break
+                j += blocks * nthreads
+            return
+        a = nxt[p - 1, job]
+        if a >= n_checks - 1:                       # no epoch appended by the last phase, or no check after it
+            return
         channels = kv_heads * head_dim
-        n_groups = channels // group                          # groups of channels of one token
-        c3 = cuda.shared.array(MAX_CHANNELS, np.uint8)       # the current epoch's bases
+        n_groups = channels // group
+        c3 = cuda.shared.array(MAX_CHANNELS, np.uint8)       # the current epoch's bases: check a's candidate
         c4 = cuda.shared.array(MAX_CHANNELS, np.uint8)
         n3 = cuda.shared.array(MAX_CHANNELS, np.uint8)       # the check's candidate
         n4 = cuda.shared.array(MAX_CHANNELS, np.uint8)
-        differ = cuda.shared.array(MAX_GROUPS, np.uint8)
-        part = cuda.shared.array(CHAIN_THREADS, np.int32)
-        flag = cuda.shared.array(1, np.int32)
+        diffs = cuda.shared.array(MAX_GROUPS, np.int32)      # the groups in which the two differ
+        part = cuda.shared.array(PHASE_THREADS, np.int32)
+        state = cuda.shared.array(3, np.int32)               # [past the check found, groups that differ, appends]
         ch = tid
         while ch < channels:
-            c3[ch] = cur[job, 0, ch]
-            c4[ch] = cur[job, 1, ch]
+            c3[ch] = cand[job, a, 0, ch]
+            c4[ch] = cand[job, a, 1, ch]
             ch += nthreads
-        n_ep = n_epochs[job]
         src = xa if job < ja else xb
         at = job if job < ja else job - ja
         r = r0[job]
-        cuda.syncthreads()
-        first = n_ep
-        for j in range(checks[job]):                 # accept is zeros: only appending checks are written
-            if finalized[job] + (j + 1) * every < warmup or n_ep >= max_epochs:
-                continue
-            if n_ep == first:          # still the batch's first epoch: the scan has decided
-                if differs0[job, j] and np.int64(saved0[job, j]) * payback >= table_bytes:
-                    if tid == 0:
-                        accept[job, j] = 1
-                    n_ep += 1
-                    ch = tid
-                    while ch < channels:
-                        c3[ch] = cand[job, j, 0, ch]
-                        c4[ch] = cand[job, j, 1, ch]
-                        ch += nthreads
-                    cuda.syncthreads()
-                continue
-            any_differs = 0
+        j = a + 1 + cuda.blockIdx.y
+        while j < n_checks:
+            if tid == 0:
+                # an atomic read: the minimum other blocks have written so far, not a cached copy
+                state[0] = 1 if cuda.atomic.add(nxt, (p, job), 0) < j else 0
+                state[1] = 0
+            ch = tid
+            while ch < channels:
+                n3[ch] = cand[job, j, 0, ch]
+                n4[ch] = cand[job, j, 1, ch]
+                ch += nthreads
+            cuda.syncthreads()
+            if state[0] != 0:
+                break
             g = tid
             while g < n_groups:
-                dif = 0
                 for u in range(group):
                     c = g * group + u
-                    x3 = cand[job, j, 0, c]
-                    x4 = cand[job, j, 1, c]
-                    n3[c] = x3
-                    n4[c] = x4
-                    if x3 != c3[c] or x4 != c4[c]:
-                        dif = 1
-                differ[g] = dif
-                any_differs |= dif
+                    if n3[c] != c3[c] or n4[c] != c4[c]:
+                        diffs[cuda.atomic.add(state, 1, 1)] = g
+                        break
                 g += nthreads
-            if cuda.syncthreads_or(any_differs) == 0:
-                continue
-            # escape bytes saved on the check's blocks: the current epoch's minus the candidate's
-            saved = 0
-            i = tid
-            while i < tokens * n_groups:
-                if differ[i % n_groups]:
-                    saved += group_saving(src, at, rec, job, r, i, n_groups, j, every, head_dim, c3, c4, n3, n4)
-                i += nthreads
-            s = block_sum(part, saved)
-            if tid == 0:
-                flag[0] = 1 if np.int64(s) * payback >= table_bytes else 0
             cuda.syncthreads()
-            if flag[0]:
+            nd = state[1]
+            if nd != 0:
+                # escape bytes saved on the check's blocks: the current epoch's minus the candidate's (a sum of
+                # integers: the order the groups were listed in does not matter)
+                saved = 0
+                i = tid
+                while i < tokens * nd:
+                    saved += group_saving(src, at, rec, job, r, diffs[i % nd], i // nd, j, every, head_dim,
+                                          c3, c4, n3, n4)
+                    i += nthreads
+                s = block_sum(part, saved)
                 if tid == 0:
-                    accept[job, j] = 1
-                n_ep += 1
-                ch = tid
-                while ch < channels:
-                    c3[ch] = n3[ch]
-                    c4[ch] = n4[ch]
-                    ch += nthreads
-            cuda.syncthreads()
+                    state[2] = 1 if np.int64(s) * payback >= table_bytes else 0
+                cuda.syncthreads()
+                if state[2] != 0:
+                    if tid == 0:
+                        cuda.atomic.min(nxt, (p, job), j)
+                    break
+            cuda.syncthreads()                      # every thread is done with the state and the candidate
+            j += blocks
 
     return kernel
 
@@ -538,7 +547,8 @@ def assign(jobs: list) -> list:
 
 class Batch:
     """One :func:`assign`, in its three stages (so that a benchmark can time each): the scan kernel,
-    the chain kernel, and :meth:`finish`, which waits for the decisions and applies them to the adapters.
+    the chain (the first phases, :meth:`chain`), and :meth:`finish`, which waits for the decisions, runs
+    the further phases a job still appending needs, and applies the decisions to the adapters.
 
     ``stream`` (a torch CUDA stream; None: the current one): where the batch's copies and kernels run.  It
     first waits for the current stream (which wrote the blocks), so that the rule runs beside the work the
@@ -612,16 +622,18 @@ class Batch:
                      torch.stack([a.hist_on_device(device).reshape(channels, BINS) for a, _ in jobs]))
         self.m = m = max(1, int(checks.max()))
         self.cand = torch.zeros((n_jobs, m, 2, channels), dtype=torch.uint8, device=device)
-        self.accept = torch.zeros((n_jobs, m), dtype=torch.int32, device=device)
+        # nxt[p, job]: the check that appends the job's p-th epoch of the batch (NONE: none); a phase a row
+        self.nxt = torch.full((E.MAX_EPOCHS + 1, n_jobs), NONE, dtype=torch.int32, device=device)
+        self.launched = 0                                         # phases launched
         self.saved0 = torch.zeros((n_jobs, m), dtype=torch.int32, device=device)
         self.differs0 = torch.zeros((n_jobs, m), dtype=torch.int32, device=device)
         self.scan_args = (xa, xb, ja, rec, r0_d, checks_d, self.hist, self.cand, cur, head_dim, self.saved0,
                       self.differs0)
-        words = [x.view(torch.int32) for x in (xa, xb, rec)]      # the chain reads two elements a load
-        self.chain_args = (words[0], words[1], ja, words[2], r0_d, checks_d, self.cand, cur, finalized_d,
-                      n_epochs_d, E.WARMUP_BLOCKS, E.MAX_EPOCHS, E.PAYBACK_CHECKS,
-                      E.epoch_table_bytes(first_adapter.calibration), kv_heads, head_dim, self.saved0,
-                      self.differs0, self.accept)
+        words = [x.view(torch.int32) for x in (xa, xb, rec)]      # the phases read two elements a load
+        self.phase_args = (words[0], words[1], ja, words[2], r0_d, checks_d, self.cand, finalized_d, n_epochs_d,
+                           E.WARMUP_BLOCKS, E.MAX_EPOCHS, E.PAYBACK_CHECKS,
+                           E.epoch_table_bytes(first_adapter.calibration), kv_heads, head_dim, self.saved0,
+                           self.differs0, self.nxt)
 
     def _launch(self, kernel, grid, block, args) -> None:
         import torch
@@ -648,17 +660,34 @@ class Batch:
         self._launch(kernel, (len(self.jobs), self.channels // L.GROUP_SIZE), L.GROUP_SIZE * WARP, self.scan_args)
 
     def chain(self) -> None:
-        """Launch the chain kernel: which checks append their candidate."""
-        threads = 64 if SIMULATOR else CHAIN_THREADS
-        self._launch(chain_kernel(self.every), len(self.jobs), threads, self.chain_args)
+        """Launch the first phases of the chain (:func:`phase_kernel`): which checks append their candidate.
+        A job appends at most one epoch a check, so no more phases than checks are launched."""
+        self._phases(min(PHASES + 1, self.m))
+
+    def _phases(self, count: int) -> None:
+        """Launch the next ``count`` phases (at most one a row of :attr:`nxt`)."""
+        kernel = phase_kernel(self.every)
+        blocks = max(1, min(self.m, PHASE_BLOCKS // len(self.jobs)))
+        for p in range(self.launched, min(self.launched + count, self.nxt.shape[0])):
+            self._launch(kernel, (len(self.jobs), blocks), PHASE_THREADS, self.phase_args + (p,))
+            self.launched = p + 1
+
+    def _appending(self, last: np.ndarray) -> bool:
+        """Whether a further phase can find a check that appends: a job's last phase found one, and checks
+        follow it (the kernel itself stops a job at the epoch cap)."""
+        return self.launched < self.nxt.shape[0] and bool(np.any(last < self.checks - 1))
 
     def finish(self) -> list:
         """Wait for the decisions; append the epochs, update the adapters, return each job's block epochs."""
         import torch
 
         with self._on_stream():
-            accept_h = self.accept.cpu().numpy()          # waits for the batch's stream
-            self._tables(accept_h)                        # the candidates picked, read on the same stream
+            found = self.nxt[:self.launched].cpu().numpy()        # waits for the batch's stream
+            while len(found) and self._appending(found[-1]):
+                self._phases(self.launched)                      # twice as many phases as so far
+                found = self.nxt[:self.launched].cpu().numpy()
+            picked = [found[:, i][found[:, i] != NONE] for i in range(len(self.jobs))]
+            self._tables(picked)                                  # the candidates picked, read on the same stream
         if self.stream is not None:
             # the rest runs on the current stream, which reads the batch's tensors after the allocator may
             # have given them back to the batch's stream
@@ -666,15 +695,15 @@ class Batch:
             main.wait_stream(self.stream)
             for t in (self.hist, self.cand):
                 t.record_stream(main)
-        return self._finish(accept_h)
+        return self._finish(picked)
 
-    def _tables(self, accept_h: np.ndarray) -> dict:
+    def _tables(self, picked: list) -> dict:
         """The candidate tables of the checks that append one (read once, on the stream this is called on)."""
         import torch
 
         if getattr(self, "_picked", None) is not None:
             return self._picked
-        wanted = [(i, j) for i in range(len(self.jobs)) for j in np.flatnonzero(accept_h[i, :self.checks[i]])]
+        wanted = [(i, int(j)) for i, js in enumerate(picked) for j in js]
         self._picked = {}
         if wanted:
             idx = torch.tensor(wanted, dtype=torch.int64, device=self.device)
@@ -682,11 +711,10 @@ class Batch:
             self._picked = {w: got[t] for t, w in enumerate(wanted)}
         return self._picked
 
-    def _finish(self, accept_h: np.ndarray) -> list:
+    def _finish(self, picked_all: list) -> list:
         jobs, n, checks, r0, every = self.jobs, self.n, self.checks, self.r0, self.every
         kv_heads, head_dim = self.kv_heads, self.head_dim
-        picked_all = [np.flatnonzero(accept_h[i, :checks[i]]) for i in range(len(jobs))]
-        tables = self._tables(accept_h)
+        tables = self._tables(picked_all)
         out = [None] * len(jobs)
         for i, (a, blocks) in enumerate(jobs):
             picked = picked_all[i]
@@ -697,7 +725,7 @@ class Batch:
                 check_of = (r0[i] + np.arange(n)) // every
                 epochs = a.epoch + np.searchsorted(picked, check_of, side="left").astype(np.int64)
             for j in picked:
-                b3, b4 = tables[(i, j)]
+                b3, b4 = tables[(i, int(j))]
                 a.calibration.add_epoch(a.layer, a.kind, b3.reshape(kv_heads, head_dim),
                                         b4.reshape(kv_heads, head_dim))
             # a copy of its own, so that copying the adapter (the cache plans on a copy) copies 1 MB, not all jobs'
