@@ -152,14 +152,33 @@ class DevicePool(Pool):
     update of the truth without waiting for the device.
     """
 
+    _unlisted = False     # the free list is an array that is not the pool's own (DeviceShare's first): never written
+
     def __init__(self, name: str, n: int, record: tuple, dtype: torch.dtype, device: torch.device,
-                 heads: torch.Tensor, cls: int):
+                 heads: torch.Tensor, cls: int, *, data: torch.Tensor | None = None,
+                 order: torch.Tensor | None = None):
+        """A pool of ``n`` records, all free, taken in index order.  ``heads[cls]`` must read zero (a new count:
+        the pool does not write it).  ``data`` (``[max(n, 1), *record]``, zeros) and ``order`` (the free list's
+        array: ``0 .. n - 1``, or one :data:`NO_RECORD` where ``n`` is 0) are the arrays to use where the caller
+        made them (views of larger ones, :func:`gaac.cache.store.make_stores`); else the pool allocates them."""
         self.name = name
         # The kernels cannot take an empty array: an empty pool holds one record that no list hands out.
-        self.data = torch.zeros((max(n, 1), *record), dtype=dtype, device=device)
+        self.data = torch.zeros((max(n, 1), *record), dtype=dtype, device=device) if data is None else data
         self._size = n
         self.heads, self.cls = heads, cls
-        self._set_order(torch.arange(n, dtype=torch.int32, device=device))
+        if order is None:
+            order = (torch.arange(n, dtype=torch.int32, device=device) if n
+                     else torch.full((1,), NO_RECORD, dtype=torch.int32, device=device))
+        self._adopt(order, n)
+
+    def _adopt(self, held: torch.Tensor, n: int) -> None:
+        """Make ``held`` the free list's array, its first ``n`` entries listed (the rest :data:`NO_RECORD`), where
+        the device's count already reads zero: nothing is written."""
+        self.order, self.listed = held, n
+        self.version = new_version()
+        self.taken = self.pending = 0
+        self._snap = None
+        self._unlisted = False
 
     @property
     def size(self) -> int:
@@ -171,15 +190,18 @@ class DevicePool(Pool):
         list run dry), so that launches made with the array -- a captured step's -- stay valid; otherwise
         (``room``: at least that many entries) a new array takes it and :attr:`version` changes."""
         n = int(order.shape[0])
-        held = getattr(self, "order", None)
+        held = None if self._unlisted else getattr(self, "order", None)
         if held is not None and n <= held.shape[0] and room is None:
             if n:
-                held[:n] = order.clone()
+                # a copy first where the list is read from the array it is written to (a view of it)
+                same = order.untyped_storage().data_ptr() == held.untyped_storage().data_ptr()
+                held[:n] = order.clone() if same else order
             held[n:] = NO_RECORD
         else:
             held = torch.full((max(n, room or 0, 1),), NO_RECORD, dtype=torch.int32, device=order.device)
             held[:n] = order
             self.version = new_version()      # a new free list (and perhaps new data): plans made before are stale
+            self._unlisted = False
         self.order, self.listed = held, n
         self.heads[self.cls] = 0
         self.taken = self.pending = 0
@@ -213,7 +235,10 @@ class DevicePool(Pool):
 
     def _rest(self) -> torch.Tensor:
         # the device's count, always: appends the host does not account (a refused recording run eagerly)
-        # take records without making the host's bound inexact
+        # take records without making the host's bound inexact.  An empty list has nothing to read, whatever
+        # the count.
+        if self.listed == 0:
+            return self.order[:0]
         self.sync()
         return self.order[min(self.taken, self.listed):self.listed]
 
@@ -328,8 +353,9 @@ class HostShare(_Share, Pool):
         self._stack = np.zeros(0, np.int64)
         self._top = self.granted = 0
 
-    def extend(self, indices: np.ndarray) -> None:
-        """Records lent by the arena join the free list, below the free records already there."""
+    def extend(self, indices: np.ndarray, room: int | None = None) -> None:
+        """Records lent by the arena join the free list, below the free records already there (``room``: a
+        device share's; a stack on the host has room for every record)."""
         self._stack = np.concatenate([np.sort(indices)[::-1], self.free])
         self._top = len(self._stack)
         self.granted += len(indices)
@@ -346,18 +372,46 @@ class DeviceShare(_Share, DevicePool):
     """A layer and kind's raw pool whose free list lives on the device (the CUDA encoder pops from it)."""
 
     def __init__(self, name: str, arena: "RawArena", heads: torch.Tensor, cls: int):
+        """A share with no records.  ``heads[cls]`` must read zero (a new count: the share does not write it); its
+        free list is the arena's empty one (:attr:`RawArena.empty_list`, never written) until its first loan."""
         self.name, self._arena, self.data = name, weakref.ref(arena), arena.data
         self.heads, self.cls = heads, cls
         self.granted = 0
-        self._set_order(torch.zeros(0, dtype=torch.int32, device=arena.data.device))
+        self._adopt(arena.empty_list, 0)
+        self._unlisted = True
 
-    def extend(self, indices: np.ndarray) -> None:
-        """Records lent by the arena join the end of the free list (a new list: the device's count is read)."""
-        new = torch.from_numpy(np.sort(indices).astype(np.int32)).to(self.data.device)
-        order = torch.cat([self._rest(), new])
-        # in place while the list's array has room; else a new one with room to spare
-        self._set_order(order, None if order.shape[0] <= self.order.shape[0] else 2 * order.shape[0])
-        self.granted += len(indices)
+    def extend(self, indices: np.ndarray, room: int | None = None) -> None:
+        """Records lent by the arena join the end of the free list (a new list: the device's count is read, unless
+        the list is empty).  ``room``: the list takes a new array with room for at least that many entries;
+        else it is written in place while its array has room, or takes a new one of twice its length."""
+        indices = np.sort(indices).astype(np.int32)
+        k, device = len(indices), self.data.device
+        if self.listed == 0:
+            if room is None and (self._unlisted or k > self.order.shape[0]):
+                room = 2 * k if k > self.order.shape[0] else self.order.shape[0]
+            if room is None:
+                self._set_order(torch.from_numpy(indices).to(device, non_blocking=True))
+            else:                 # a new array, written on the host: one copy, no wait
+                held = np.full(max(k, room, 1), NO_RECORD, dtype=np.int32)
+                held[:k] = indices
+                self._set_listed(torch.from_numpy(held).to(device, non_blocking=True), k)
+        else:
+            order = torch.cat([self._rest(), torch.from_numpy(indices).to(device, non_blocking=True)])
+            if room is None and order.shape[0] > self.order.shape[0]:
+                room = 2 * order.shape[0]
+            self._set_order(order, room)
+        self.granted += k
+
+    def adopt_loan(self, held: torch.Tensor, n: int) -> None:
+        """The first loan of a share just made (its count reads zero): ``held``, an array the caller wrote, is
+        the free list, its first ``n`` entries listed (:meth:`RawArena.first_loans`).  Nothing is written."""
+        self._adopt(held, n)
+        self.granted += n
+
+    def _set_listed(self, held: torch.Tensor, n: int) -> None:
+        """A new array ``held`` as the free list, its first ``n`` entries listed; the device's count set to zero."""
+        self._adopt(held, n)
+        self.heads[self.cls] = 0
 
     def surrender(self) -> np.ndarray:
         """Every free record, out of the free list (the device's count is read), for the arena to lend elsewhere."""
@@ -393,6 +447,15 @@ class RawArena:
         self._stack = np.arange(n - 1, -1, -1, dtype=np.int64)     # the reserve: [:_top], lowest on top
         self._top = n
         self.shares = []
+        self._empty = None
+
+    @property
+    def empty_list(self) -> torch.Tensor:
+        """The free list of a device share that was never lent records: one :data:`NO_RECORD`, never written,
+        shared by every such share (so that making a share writes nothing on the device)."""
+        if self._empty is None:
+            self._empty = torch.full((1,), NO_RECORD, dtype=torch.int32, device=self.data.device)
+        return self._empty
 
     def share(self, name: str, heads: torch.Tensor | None = None, cls: int = 1):
         """A new share of the arena: on the device (popped by the CUDA encoder, counted in ``heads[cls]``)
@@ -400,6 +463,30 @@ class RawArena:
         s = HostShare(name, self) if heads is None else DeviceShare(name, self, heads, cls)
         self.shares.append(s)
         return s
+
+    def first_loans(self, shares: int) -> list | None:
+        """What :meth:`cover` lends ``shares`` device shares about to be made (an arena with none yet), each
+        asking for :attr:`chunk` records: per share ``(records, length)``, its records and the length of the new
+        free-list array the loan gives it, for the caller to write every list at once
+        (:func:`gaac.cache.store.make_stores`; :meth:`DeviceShare.adopt_loan`, then :meth:`take_first_loans`).
+        None where the reserve cannot lend each its chunk (then :meth:`cover` lends, spreading the reserve)."""
+        if self.shares or shares < 1:
+            return None
+        chunk = max(1, self.size // (4 * shares))
+        if shares * chunk > self._top:
+            return None
+        room = 2 * (self.size // shares)
+        # as _room and DeviceShare.extend size the array of a share whose list is the arena's empty one
+        length = max(room, chunk) if room > 1 and chunk > 1 else (2 * chunk if chunk > 1 else 1)
+        top, loans = self._top, []
+        for _ in range(shares):
+            loans.append((np.sort(self._stack[top - chunk:top]).astype(np.int32), length))
+            top -= chunk
+        return loans
+
+    def take_first_loans(self, loans: list) -> None:
+        """The records of :meth:`first_loans`'s ``loans``, adopted by the shares, leave the reserve."""
+        self._top -= sum(len(records) for records, _ in loans)
 
     @property
     def reserve(self) -> int:
@@ -429,21 +516,25 @@ class RawArena:
     def _lend(self, share, k: int) -> int:
         k = min(k, self._top)
         if k:
-            self._make_room(share, k)
-            share.extend(self._stack[self._top - k:self._top].copy())
+            room = self._room(share, k)
+            if room is None:
+                share.extend(self._stack[self._top - k:self._top].copy())
+            else:
+                share.extend(self._stack[self._top - k:self._top].copy(), room)
             self._top -= k
         return k
 
-    def _make_room(self, share, k: int) -> None:
+    def _room(self, share, k: int) -> int | None:
         """Before a loan of ``k`` records that a device share's free-list array cannot hold (so that the loan
-        would replace the array), give the share an array with room for at least twice an even split of the
-        arena: the loans that follow, a prompt's after the cache's first, then write the list in place and
-        the encoder plans made with the array stay valid."""
+        would replace the array), the room to give the share's new array: at least twice an even split of the
+        arena, so that the loans that follow, a prompt's after the cache's first, write the list in place and
+        the encoder plans made with the array stay valid.  None where the loan needs no such array."""
         room = 2 * (self.size // max(len(self.shares), 1))
         if isinstance(share, DeviceShare) and share.order.shape[0] < room:
-            rest = share.order[:0] if share.listed == 0 else share._rest()     # an empty list is read without a wait
-            if rest.shape[0] + k > share.order.shape[0]:
-                share._set_order(rest, max(room, rest.shape[0] + k))
+            rest = 0 if share.listed == 0 else share._rest().shape[0]     # an empty list is read without a wait
+            if rest + k > share.order.shape[0]:
+                return max(room, rest + k)
+        return None
 
     def _put(self, indices: np.ndarray) -> None:
         """Records back on the reserve's stack, in place (it has room for every record of the arena)."""

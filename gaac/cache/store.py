@@ -12,7 +12,7 @@ import torch
 from .. import layout as L
 from ..epochs import Adapter
 from ..tiles import tile_bases
-from .pools import Pool
+from .pools import DevicePool, Pool, RawArena
 
 KINDS = (L.KIND_K, L.KIND_V)
 
@@ -63,3 +63,132 @@ class _Kind:
     def pools_key(self) -> tuple:
         """What an EncodePlan bakes in: the versions of the pools' arrays and free lists."""
         return self.slots.version, self.raw.version
+
+
+# ----------------------------------------------------------------------------------------------
+# Making every layer and kind's records at once.
+
+ALIGN = 256          # bytes: where each array of a shared allocation starts (as the device's allocator aligns)
+
+
+class _Slab:
+    """Arrays laid out in one byte buffer, each at an :data:`ALIGN`-byte offset: one allocation (or one copy
+    from the host) makes all of them, each a view of it."""
+
+    def __init__(self):
+        self.parts = []              # (offset, shape, dtype, host array or None)
+        self.size = 0
+
+    def add(self, shape, dtype: torch.dtype, host: np.ndarray | None = None) -> int:
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        self.parts.append((self.size, tuple(shape), dtype, host))
+        self.size += -(-nbytes // ALIGN) * ALIGN
+        return len(self.parts) - 1
+
+    def zeros(self, device) -> list:
+        """Every array, zeros, in one allocation on ``device``."""
+        return self._views(torch.zeros(max(self.size, 1), dtype=torch.uint8, device=device))
+
+    def upload(self, device) -> list:
+        """Every array with its host contents, on ``device`` with one copy that does not wait for the device."""
+        buf = np.zeros(max(self.size, 1), dtype=np.uint8)
+        for offset, shape, _, host in self.parts:
+            raw = np.ascontiguousarray(host).view(np.uint8).reshape(-1)
+            buf[offset:offset + raw.size] = raw
+        return self._views(torch.from_numpy(buf).to(device, non_blocking=True))
+
+    def _views(self, flat: torch.Tensor) -> list:
+        out = []
+        for offset, shape, dtype, _ in self.parts:
+            n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            out.append(flat[offset:offset + n].view(dtype).view(shape))
+        return out
+
+
+def make_stores(calibration, arena: RawArena, *, device: torch.device, cuda: bool, adapt: bool, max_seqs: int,
+                max_blocks: int, n_slots: int, grow: bool) -> list:
+    """Every layer and kind's storage record of a cache (``[layer][kind]`` :class:`_Kind`), with what each
+    needs on the device made for all of them at once rather than array by array:
+
+    * one allocation of zeros holds every block table, tail, block-epoch index and (``cuda``) the free lists'
+      taken counts; another every slot pool, unless the cache may ``grow`` (a pool that grows replaces its
+      array, so each has its own, which growth frees);
+    * one copy from the host brings every epoch's bases (``b3``, ``b4``, ``tb3``, ``tb4``), the CUDA encoder's
+      packed bases of every epoch held (``packed``, which the encoder plans then use) and the first free list
+      of each layer and kind's share of ``arena`` (each lent ``arena.chunk`` records, as
+      :meth:`RawArena.cover` lends them: the cache's ``cover`` then finds every share covered);
+    * one array holds every slot pool's first free list (``0 .. n_slots - 1``).
+
+    Each record's arrays are views of those, each exactly its own size, so :meth:`PagedKVCache.memory` counts
+    what the records hold as before; growth of tables and tails replaces every record's at once, which frees
+    the shared allocation.  The records, their contents and the arena's loans are those of making each
+    record on its own; ``calibration`` is the cache's own copy."""
+    layers, heads, dim = calibration.layers, calibration.kv_heads, calibration.head_dim
+    geo = L.geometry(dim)
+    per = heads * L.tiles_per_head(dim)
+    zeros, host, slots = _Slab(), _Slab(), _Slab()
+    plan = []
+    for layer in range(layers):
+        for kind in KINDS:
+            # Without adaptation only epoch 0 codes blocks; with it, every epoch the calibration holds may.
+            epochs = range(calibration.n_epochs(layer, kind)) if adapt else [0]
+            bases = [calibration.bases(layer, kind, e) for e in epochs]
+            b3, b4 = (np.stack(t) for t in zip(*bases))
+            tiles = [tile_bases(x3, x4) for x3, x4 in bases]
+            tb3, tb4 = (np.stack(t) for t in zip(*tiles))
+            capacity = int(calibration.capacity[kind, layer])
+            p = dict(layer=layer, kind=kind, capacity=capacity, n_epochs=len(bases),
+                     b=[host.add(x.shape, torch.uint8, x) for x in (b3, b4, tb3, tb4)],
+                     table=zeros.add((max_seqs, max_blocks, per), torch.int32),
+                     tail=zeros.add((max_seqs, heads, L.BLOCK_TOKENS, dim), torch.int16),
+                     epoch=zeros.add((max_seqs, max_blocks), torch.int16) if adapt else None)
+            if cuda:
+                from ..cuda.codec import pack_bases
+
+                p["packed"] = [host.add(w.shape, torch.int16, w) for w in
+                               (pack_bases(np.ascontiguousarray(t3), np.ascontiguousarray(t4)) for t3, t4 in tiles)]
+                p["heads"] = zeros.add((4,), torch.int32)         # [2] used; 16 bytes apart
+                if not grow:
+                    p["slots"] = slots.add((max(n_slots, 1), geo.slot_bytes(capacity)), torch.uint8)
+            plan.append(p)
+    loans = arena.first_loans(len(plan)) if cuda else None
+    if loans is not None:
+        for p, (records, room) in zip(plan, loans):
+            held = np.full(room, -1, dtype=np.int32)
+            held[:len(records)] = records
+            p["order"] = host.add(held.shape, torch.int32, held)
+    z, h = zeros.zeros(device), host.upload(device)
+    s = slots.zeros(device) if cuda and not grow else None
+    if cuda:
+        stride = -(-max(n_slots, 1) // 64) * 64
+        orders = (torch.arange(stride, dtype=torch.int32, device=device).expand(len(plan), stride).contiguous()
+                  if n_slots else torch.full((len(plan), 1), -1, dtype=torch.int32, device=device))
+    stores = [[None] * len(KINDS) for _ in range(layers)]
+    for i, p in enumerate(plan):
+        layer, kind, capacity = p["layer"], p["kind"], p["capacity"]
+        name = f"layer {layer} {L.KIND_NAMES[kind].upper()}"
+        record = (geo.slot_bytes(capacity),)
+        heads_i = None
+        if cuda:                                 # the encoder pops records from free lists on the device
+            heads_i = z[p["heads"]][:2]
+            pool = DevicePool(f"{name} slot pool", n_slots, record, torch.uint8, device, heads_i, 0,
+                              data=None if grow else s[p["slots"]], order=orders[i, :max(n_slots, 1)]
+                              if n_slots else orders[i])
+            share = arena.share(f"{name} raw tiles", heads_i, 1)
+            if loans is not None:
+                records, room = loans[i]
+                share.adopt_loan(h[p["order"]], len(records))
+        else:
+            pool = Pool(f"{name} slot pool", n_slots, record, torch.uint8, device)
+            share = arena.share(f"{name} raw tiles")
+        b3, b4, tb3, tb4 = (h[j] for j in p["b"])
+        store = _Kind(capacity=capacity, heads=heads_i, slots=pool, raw=share, table=z[p["table"]], tail=z[p["tail"]],
+                      b3=b3, b4=b4, tb3=tb3, tb4=tb4, epochs=np.zeros((max_seqs, max_blocks), dtype=np.int16),
+                      epoch=z[p["epoch"]] if adapt else None,
+                      adapter=Adapter(calibration, layer, kind) if adapt else None, published=p["n_epochs"] - 1)
+        if cuda:
+            store.packed = {e: h[j] for e, j in enumerate(p["packed"])}
+        stores[layer][kind] = store
+    if loans is not None:
+        arena.take_first_loans(loans)
+    return stores

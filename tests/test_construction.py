@@ -1,0 +1,192 @@
+"""Making a paged cache asks the device for a few operations, however many layers it has: every layer and kind's
+arrays are views of a few allocations and one copy from the host brings every base table and first free list
+(gaac.cache.store.make_stores).  On a GPU each device allocation, write or copy costs the host microseconds
+and a pinned allocation or a synchronisation far more, so a count that grows with the layers shows here as a
+failure rather than as a slower time to first token.
+
+The count runs on the CPU with the CUDA codec (numba's simulator), where every tensor is on the CPU: a tensor
+made from host data (torch's ``lift_fresh``: ``torch.from_numpy``, ``torch.tensor``) and what ops on such tensors
+alone make are the host's; every other op that makes or writes a tensor is a device operation, ``.to`` of a host
+tensor a copy to the device, ``.cpu()``/``.tolist()``/``int()`` of a device tensor a copy back, and the cache's
+``_to_device`` (a pinned allocation and a copy on a GPU) two operations.  benchmarks/construction.py counts the
+same by kind and times it.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("numba")
+
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from gaac import layout as L  # noqa: E402
+from gaac.cache.paged import PagedKVCache  # noqa: E402
+from gaac.cache.pools import RawArena  # noqa: E402
+from gaac.cache.store import make_stores  # noqa: E402
+from gaac.calibration import Calibration  # noqa: E402
+
+HOST = "_gaac_test_host"
+MOST = 10            # device operations making a cache that cannot grow may take, whatever its layers
+
+
+def calibration(layers: int, heads: int = 2, dim: int = 64, seed: int = 0) -> Calibration:
+    rng = np.random.default_rng(seed)
+    centre = rng.integers(112, 130, size=(2, layers, heads, dim))
+    return Calibration(b3=centre - 3, b4=centre - 7, capacity=np.full((2, layers), 16), model="synthetic")
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _tensors(y)
+
+
+class DeviceOps(TorchDispatchMode):
+    """Counts device operations (see the module docstring) in ``ops``, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func.overloadpacket.__name__
+        ins = list(_tensors(args)) + list(_tensors(list(kwargs.values())))
+        if name.startswith("lift_fresh") or (ins and all(getattr(t, HOST, False) for t in ins)):
+            for t in _tensors(out):
+                setattr(t, HOST, True)
+        elif name == "_local_scalar_dense":
+            self.ops.append("d2h")
+        else:
+            stored = {t.untyped_storage().data_ptr() for t in ins}
+            outs = list(_tensors(out))
+            if any(t.untyped_storage().data_ptr() not in stored for t in outs) or func._schema.is_mutable:
+                self.ops.append(name)
+        return out
+
+    @property
+    def count(self) -> int:
+        return len(self.ops)
+
+
+@contextlib.contextmanager
+def counting(monkeypatch):
+    ops = DeviceOps()
+    to, cpu, tolist, to_device = torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.tolist, PagedKVCache._to_device
+
+    def device_view(t):
+        out = t.view(t.shape)
+        setattr(out, HOST, False)
+        return out
+
+    def counted_to(t, *args, **kwargs):
+        out = to(t, *args, **kwargs)
+        if getattr(t, HOST, False) and torch._C._nn._parse_to(*args, **kwargs)[0] is not None:
+            ops.ops.append("h2d")
+            out = device_view(out)
+        return out
+
+    def counted_cpu(t, *args, **kwargs):
+        if not getattr(t, HOST, False):
+            ops.ops.append("d2h")
+        return cpu(t, *args, **kwargs)
+
+    def counted_tolist(t):
+        if not getattr(t, HOST, False):
+            ops.ops.append("d2h")
+        return tolist(t)
+
+    def counted_to_device(cache, a):
+        ops.ops += ["pinned", "h2d"]
+        return device_view(to_device(cache, a))
+
+    monkeypatch.setattr(torch.Tensor, "to", counted_to)
+    monkeypatch.setattr(torch.Tensor, "cpu", counted_cpu)
+    monkeypatch.setattr(torch.Tensor, "tolist", counted_tolist)
+    monkeypatch.setattr(PagedKVCache, "_to_device", counted_to_device)
+    with ops:
+        yield ops
+
+
+def make_all(cal: Calibration, grow: bool = False):
+    geo = L.geometry(cal.head_dim)
+    arena = RawArena(4 * cal.layers * 16, geo.channels, torch.device("cpu"))
+    stores = make_stores(cal, arena, device=torch.device("cpu"), cuda=True, adapt=True, max_seqs=2, max_blocks=8,
+                         n_slots=64, grow=grow)
+    return stores, arena
+
+
+def test_the_counter_counts_device_work(monkeypatch):
+    with counting(monkeypatch) as ops:
+        a = torch.zeros(4, dtype=torch.int32)                       # an allocation
+        a[1] = 3                                                    # a write
+        b = torch.from_numpy(np.arange(4, dtype=np.int32)).to("cpu")    # a copy to the device
+        a.copy_(b)                                                  # a write
+        int(a[0])                                                   # a copy back (and a wait)
+        torch.from_numpy(np.ones(3)).long()                         # host work only
+    assert ops.count == 5, ops.ops
+
+
+@pytest.mark.parametrize("grow", [False, True])
+def test_making_every_layers_records_takes_a_few_device_operations(monkeypatch, grow):
+    """make_stores: independent of the layers (one allocation a slot pool where the pools may grow)."""
+    counts = {}
+    for layers in (2, 6):
+        cal = calibration(layers)
+        with counting(monkeypatch) as ops:
+            stores, arena = make_all(cal, grow)
+        counts[layers] = ops.count
+        assert all(s.raw.listed == arena.chunk for layer in stores for s in layer)     # every share lent its chunk
+        assert all(0 in s.packed for layer in stores for s in layer)                    # the encoder's bases
+    if grow:
+        assert counts[6] - counts[2] == 2 * 4, counts          # one allocation per slot pool, nothing else
+    else:
+        assert counts[2] == counts[6] <= MOST, counts
+
+
+def test_records_are_those_made_one_by_one():
+    """The records' arrays hold what making them one at a time gave: zeros, the calibration's bases, the slot
+    pools' lists in index order and the arena's loans in record order, each exactly its own size."""
+    from gaac.tiles import tile_bases
+
+    cal = calibration(3)
+    stores, arena = make_all(cal)
+    per = cal.kv_heads * L.tiles_per_head(cal.head_dim)
+    for layer in range(cal.layers):
+        for kind in (0, 1):
+            s = stores[layer][kind]
+            assert s.table.shape == (2, 8, per) and s.table.dtype == torch.int32 and not s.table.any()
+            assert s.tail.shape == (2, cal.kv_heads, 16, cal.head_dim) and not s.tail.any()
+            b3, b4 = cal.bases(layer, kind, 0)
+            np.testing.assert_array_equal(s.b3[0].numpy(), b3)
+            np.testing.assert_array_equal(s.b4[0].numpy(), b4)
+            np.testing.assert_array_equal(s.tb3[0].numpy(), tile_bases(b3, b4)[0])
+            assert s.slots.order.tolist() == list(range(64)) and s.slots.data.shape[0] == 64
+            assert int(s.heads.abs().sum()) == 0
+            i = 2 * layer + kind
+            assert s.raw.order[:arena.chunk].tolist() == list(range(i * arena.chunk, (i + 1) * arena.chunk))
+    assert arena.reserve == arena.size - 2 * cal.layers * arena.chunk
+
+
+def test_making_a_cache_takes_a_few_device_operations(monkeypatch):
+    """PagedKVCache: the same count for 2 layers as for 6, at most MOST; with grow=True one more a slot pool."""
+    import inspect
+
+    if "make_stores" not in inspect.getsource(PagedKVCache.__init__):
+        pytest.skip("PagedKVCache.__init__ makes its records one by one (it does not call make_stores)")
+    counts = {}
+    for grow in (False, True):
+        for layers in (2, 6):
+            cal = calibration(layers)
+            with counting(monkeypatch) as ops:
+                PagedKVCache(cal, max_seqs=2, max_blocks=8, codec="cuda", grow=grow)
+            counts[grow, layers] = ops.count
+    assert counts[False, 2] == counts[False, 6] <= MOST, counts
+    assert counts[True, 6] - counts[True, 2] == 2 * 4, counts
