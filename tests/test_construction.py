@@ -177,10 +177,6 @@ def test_records_are_those_made_one_by_one():
 
 def test_making_a_cache_takes_a_few_device_operations(monkeypatch):
     """PagedKVCache: the same count for 2 layers as for 6, at most MOST; with grow=True one more a slot pool."""
-    import inspect
-
-    if "make_stores" not in inspect.getsource(PagedKVCache.__init__):
-        pytest.skip("PagedKVCache.__init__ makes its records one by one (it does not call make_stores)")
     counts = {}
     for grow in (False, True):
         for layers in (2, 6):
@@ -190,3 +186,28 @@ def test_making_a_cache_takes_a_few_device_operations(monkeypatch):
             counts[grow, layers] = ops.count
     assert counts[False, 2] == counts[False, 6] <= MOST, counts
     assert counts[True, 6] - counts[True, 2] == 2 * 4, counts
+
+
+@pytest.mark.parametrize("what", ["blocks", "rows"])
+def test_growth_leaves_no_shared_allocation_behind(what):
+    """A cache that grows replaces every array one shared allocation holds, so that allocation goes whole and
+    memory() (which counts the arrays the records hold) counts every byte still allocated."""
+    cal = calibration(2)
+    cache = PagedKVCache(cal, max_seqs=1, max_blocks=2, codec="cuda", grow=True)
+
+    def storages():
+        return {t.untyped_storage().data_ptr() for layer in range(cache.layers) for s in cache.stores(layer)
+                for t in (s.table, s.tail, s.epoch)}
+
+    before = storages()
+    x = np.zeros((cal.layers, cal.kv_heads, 3 * L.BLOCK_TOKENS, cal.head_dim), np.uint16)
+    seq = cache.add_sequence(x, x)
+    if what == "rows":
+        cache.add_sequence()                     # a second row: the tables, tails and epoch indices grow
+    else:
+        cache.append(seq, x, x)                  # past the block table: the tables and epoch indices grow
+    held = {t.untyped_storage().data_ptr() for layer in range(cache.layers) for s in cache.stores(layer)
+            for t in (s.table, s.tail, s.epoch, s.heads, s.slots.data)}
+    stale = before & held - ({s.tail.untyped_storage().data_ptr() for s in cache.stores(0)} if what == "blocks"
+                             else set())
+    assert not stale, "a replaced array's shared allocation is still held by another array"

@@ -74,16 +74,15 @@ from .. import layout as L
 from ..arrays import as_bits
 from ..budget import Capacity, raw_share, size_cache
 from ..calibration import Calibration
-from ..epochs import EPOCH_INDEX_BYTES, Adapter, epoch_table_bytes
+from ..epochs import EPOCH_INDEX_BYTES, epoch_table_bytes
 from ..errors import CalibrationError, InputError, PoolExhaustedError
 from ..progress import progress
-from ..tiles import tile_bases
 from . import hooks
 from .codec import codec_for, tiles_to_tokens
 from .hooks import RECORDING, ServingState, check_not_recording
 from .memory import MemoryReport
-from .pools import DevicePool, Pool, RawArena, grown, sync_pools
-from .store import KINDS, _Kind
+from .pools import RawArena, grown, sync_pools
+from .store import KINDS, make_stores
 from .update import Deferral, UpdateTransaction, _runs
 from .view import LayerView
 
@@ -223,8 +222,8 @@ class PagedKVCache(UpdateTransaction):
                 raise InputError(f"{name} must be a non-negative integer, got {value!r}")
         self._raw_share = raw_share(calibration)
         self._arena = RawArena(n_raw, self.geometry.channels, self.device)
-        self._store = [[self._make_kind(layer, kind, max_seqs, max_blocks, n_slots) for kind in KINDS]
-                       for layer in range(self.layers)]
+        self._store = make_stores(self._calibration, self._arena, device=self.device, cuda=self._cuda_codec,
+                                  adapt=adapt, max_seqs=max_seqs, max_blocks=max_blocks, n_slots=n_slots, grow=grow)
         self._arena.cover([(store.raw, self._arena.chunk) for layer_store in self._store for store in layer_store])
         self._lens = np.zeros((self.layers, max_seqs), dtype=np.int64)       # host copy: the cache's logic
         self._seq_lens = torch.zeros((self.layers, max_seqs), dtype=torch.int32, device=self.device)
@@ -241,34 +240,6 @@ class PagedKVCache(UpdateTransaction):
             for layer, layer_store in enumerate(self._store):
                 for kind, store in enumerate(layer_store):
                     self._encoder(store, None, 0, layer, kind)
-
-    def _make_kind(self, layer, kind, max_seqs, max_blocks, n_slots) -> _Kind:
-        geo, dev = self.geometry, self.device
-        capacity = int(self._calibration.capacity[kind, layer])
-        # Without adaptation only epoch 0 codes blocks; with it, every epoch the calibration holds may.
-        epochs = range(self._calibration.n_epochs(layer, kind)) if self.adapt else [0]
-        b3, b4 = (np.stack(t) for t in zip(*(self._calibration.bases(layer, kind, e) for e in epochs)))
-        tb3, tb4 = (np.stack(t) for t in zip(*(tile_bases(x3, x4) for x3, x4 in zip(b3, b4))))
-        name = f"layer {layer} {L.KIND_NAMES[kind].upper()}"
-        heads = None
-        if self._cuda_codec:                      # the encoder pops records from free lists on the device
-            heads = torch.zeros(2, dtype=torch.int32, device=dev)
-            slots = DevicePool(f"{name} slot pool", n_slots, (geo.slot_bytes(capacity),), torch.uint8, dev, heads, 0)
-        else:
-            slots = Pool(f"{name} slot pool", n_slots, (geo.slot_bytes(capacity),), torch.uint8, dev)
-        return _Kind(capacity=capacity, heads=heads, slots=slots,
-                     raw=self._arena.share(f"{name} raw tiles", heads, 1),
-                     table=torch.zeros((max_seqs, max_blocks, self.tiles_per_block), dtype=torch.int32, device=dev),
-                     tail=torch.zeros((max_seqs, self.kv_heads, L.BLOCK_TOKENS, self.head_dim), dtype=torch.int16,
-                                      device=dev),
-                     b3=torch.from_numpy(np.ascontiguousarray(b3)).to(dev),
-                     b4=torch.from_numpy(np.ascontiguousarray(b4)).to(dev),
-                     tb3=torch.from_numpy(np.ascontiguousarray(tb3)).to(dev),
-                     tb4=torch.from_numpy(np.ascontiguousarray(tb4)).to(dev),
-                     epochs=np.zeros((max_seqs, max_blocks), dtype=np.int16),
-                     epoch=torch.zeros((max_seqs, max_blocks), dtype=torch.int16, device=dev) if self.adapt else None,
-                     adapter=Adapter(self._calibration, layer, kind) if self.adapt else None,
-                     published=len(b3) - 1)
 
     @property
     @_locked

@@ -110,13 +110,16 @@ def make_stores(calibration, arena: RawArena, *, device: torch.device, cuda: boo
     """Every layer and kind's storage record of a cache (``[layer][kind]`` :class:`_Kind`), with what each
     needs on the device made for all of them at once rather than array by array:
 
-    * one allocation of zeros holds every block table, tail, block-epoch index and (``cuda``) the free lists'
-      taken counts; another every slot pool, unless the cache may ``grow`` (a pool that grows replaces its
-      array, so each has its own, which growth frees);
+    * one allocation of zeros holds every block table and block-epoch index, another every tail, another
+      every slot pool, unless the cache may ``grow`` (a pool that grows replaces its array, so each has its
+      own, which growth frees).  Growth of the blocks replaces every table and epoch index, growth of the
+      rows those and every tail: so each allocation is freed whole when growth replaces what it holds, and
+      no stale bytes outlive it uncounted;
     * one copy from the host brings every epoch's bases (``b3``, ``b4``, ``tb3``, ``tb4``), the CUDA encoder's
-      packed bases of every epoch held (``packed``, which the encoder plans then use) and the first free list
-      of each layer and kind's share of ``arena`` (each lent ``arena.chunk`` records, as
-      :meth:`RawArena.cover` lends them: the cache's ``cover`` then finds every share covered);
+      packed bases of every epoch held (``packed``, which the encoder plans then use), (``cuda``) the free
+      lists' taken counts, zeros, and the first free list of each layer and kind's share of ``arena`` (each
+      lent ``arena.chunk`` records, as :meth:`RawArena.cover` lends them: the cache's ``cover`` then finds
+      every share covered);
     * one array holds every slot pool's first free list (``0 .. n_slots - 1``).
 
     Each record's arrays are views of those, each exactly its own size, so :meth:`PagedKVCache.memory` counts
@@ -126,7 +129,7 @@ def make_stores(calibration, arena: RawArena, *, device: torch.device, cuda: boo
     layers, heads, dim = calibration.layers, calibration.kv_heads, calibration.head_dim
     geo = L.geometry(dim)
     per = heads * L.tiles_per_head(dim)
-    zeros, host, slots = _Slab(), _Slab(), _Slab()
+    zeros, tails, host, slots = _Slab(), _Slab(), _Slab(), _Slab()
     plan = []
     for layer in range(layers):
         for kind in KINDS:
@@ -140,14 +143,14 @@ def make_stores(calibration, arena: RawArena, *, device: torch.device, cuda: boo
             p = dict(layer=layer, kind=kind, capacity=capacity, n_epochs=len(bases),
                      b=[host.add(x.shape, torch.uint8, x) for x in (b3, b4, tb3, tb4)],
                      table=zeros.add((max_seqs, max_blocks, per), torch.int32),
-                     tail=zeros.add((max_seqs, heads, L.BLOCK_TOKENS, dim), torch.int16),
+                     tail=tails.add((max_seqs, heads, L.BLOCK_TOKENS, dim), torch.int16),
                      epoch=zeros.add((max_seqs, max_blocks), torch.int16) if adapt else None)
             if cuda:
                 from ..cuda.codec import pack_bases
 
                 p["packed"] = [host.add(w.shape, torch.int16, w) for w in
                                (pack_bases(np.ascontiguousarray(t3), np.ascontiguousarray(t4)) for t3, t4 in tiles)]
-                p["heads"] = zeros.add((4,), torch.int32)         # [2] used; 16 bytes apart
+                p["heads"] = host.add((4,), torch.int32, np.zeros(4, np.int32))   # [2] used; 16 bytes apart
                 if not grow:
                     p["slots"] = slots.add((max(n_slots, 1), geo.slot_bytes(capacity)), torch.uint8)
             plan.append(p)
@@ -157,7 +160,7 @@ def make_stores(calibration, arena: RawArena, *, device: torch.device, cuda: boo
             held = np.full(room, -1, dtype=np.int32)
             held[:len(records)] = records
             p["order"] = host.add(held.shape, torch.int32, held)
-    z, h = zeros.zeros(device), host.upload(device)
+    z, t, h = zeros.zeros(device), tails.zeros(device), host.upload(device)
     s = slots.zeros(device) if cuda and not grow else None
     if cuda:
         stride = -(-max(n_slots, 1) // 64) * 64
@@ -170,7 +173,7 @@ def make_stores(calibration, arena: RawArena, *, device: torch.device, cuda: boo
         record = (geo.slot_bytes(capacity),)
         heads_i = None
         if cuda:                                 # the encoder pops records from free lists on the device
-            heads_i = z[p["heads"]][:2]
+            heads_i = h[p["heads"]][:2]
             pool = DevicePool(f"{name} slot pool", n_slots, record, torch.uint8, device, heads_i, 0,
                               data=None if grow else s[p["slots"]], order=orders[i, :max(n_slots, 1)]
                               if n_slots else orders[i])
@@ -182,7 +185,7 @@ def make_stores(calibration, arena: RawArena, *, device: torch.device, cuda: boo
             pool = Pool(f"{name} slot pool", n_slots, record, torch.uint8, device)
             share = arena.share(f"{name} raw tiles")
         b3, b4, tb3, tb4 = (h[j] for j in p["b"])
-        store = _Kind(capacity=capacity, heads=heads_i, slots=pool, raw=share, table=z[p["table"]], tail=z[p["tail"]],
+        store = _Kind(capacity=capacity, heads=heads_i, slots=pool, raw=share, table=z[p["table"]], tail=t[p["tail"]],
                       b3=b3, b4=b4, tb3=tb3, tb4=tb4, epochs=np.zeros((max_seqs, max_blocks), dtype=np.int16),
                       epoch=z[p["epoch"]] if adapt else None,
                       adapter=Adapter(calibration, layer, kind) if adapt else None, published=p["n_epochs"] - 1)
