@@ -224,6 +224,58 @@ def test_a_prefill_returns_the_decoded_past_then_the_models_own_new_kv(monkeypat
             np.testing.assert_array_equal(v[layer], bits(default.layers[layer].values[row]))
 
 
+def test_a_prefill_is_one_transaction_over_its_layers(monkeypatch):
+    """With a calibration, each layer's update of a prompt is queued in the paged cache's deferral and the last
+    layer's applies them all: one transaction over every layer, as ``PagedKVCache.append`` makes it.  The layers'
+    attention reads the model's own K/V, so the logits are the default cache's, and the cache then holds what the
+    default cache holds; a read of the paged cache during the prefill applies what is queued first."""
+    from gaac.cache import PagedKVCache
+
+    model = tiny_llama(64, layers=3, seed=9)
+    ids = torch.randint(3, 96, (2, 45), generator=torch.Generator().manual_seed(9))
+    default = DynamicCache(config=model.config)
+    with torch.no_grad():
+        ref = [model(input_ids=x, cache=default).logits for x in (ids, ids[:, :1])]
+    x = [torch.stack([getattr(layer, name)[0] for layer in default.layers]) for name in ("keys", "values")]
+    cal = calibrate(*(t[:, :, :32] for t in x))
+    transactions, queued = [], []
+    real_apply, update = PagedKVCache._apply, hf.GAACLayer.update
+
+    def spy_apply(self, updates):
+        transactions.append(sorted({u.layer for u in updates}))
+        return real_apply(self, updates)
+
+    def spy_update(self, k, v, *args, **kwargs):
+        out = update(self, k, v, *args, **kwargs)
+        queued.append(len(self.cache.store._queued))
+        return out
+
+    monkeypatch.setattr(PagedKVCache, "_apply", spy_apply)
+    monkeypatch.setattr(hf.GAACLayer, "update", spy_update)
+    for read_during in (False, True):
+        transactions.clear()
+        queued.clear()
+        cache = hf.GAACCache(config=model.config, calibration=cal)
+        if read_during:              # a look at the paged cache after layer 1's update: layers 0 and 1 go in
+            def spy_read(self, k, v, *args, **kwargs):
+                out = spy_update(self, k, v, *args, **kwargs)
+                if self.index == 1 and k.shape[-2] > 1:
+                    assert self.cache.memory().tokens == 2 * 45
+                return out
+            monkeypatch.setattr(hf.GAACLayer, "update", spy_read)
+        with torch.no_grad():
+            assert torch.equal(model(input_ids=ids, cache=cache).logits, ref[0])
+            assert transactions == ([[0, 1], [2]] if read_during else [[0, 1, 2]])
+            assert queued == [1, 2, 0] and not cache.store.deferring
+            assert torch.equal(model(input_ids=ids[:, :1], cache=cache).logits, ref[1])
+        assert cache.store.blocks_encoded == 2 * 3 * (46 // L.BLOCK_TOKENS)
+        for row in cache.rows:
+            k, v = cache.store.read(row)
+            for layer in range(3):
+                np.testing.assert_array_equal(k[layer], bits(default.layers[layer].keys[row]))
+                np.testing.assert_array_equal(v[layer], bits(default.layers[layer].values[row]))
+
+
 def test_fused_hook_calls_decode_attention(monkeypatch):
     """fused=True: one-token steps hand attention a PagedLayer and gaac.attention.decode_attention runs on it."""
     attention = pytest.importorskip("gaac.attention")
