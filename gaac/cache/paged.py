@@ -47,7 +47,9 @@ tables are checked next, and only then is anything written.  The CUDA encoder ta
 its records from free lists on the device as it writes; where the host cannot prove
 they suffice it reads the device's counts afterwards and, if a list ran dry, puts
 them back (the records return to their lists) before raising.  A decode step
-planned with :meth:`PagedKVCache.decode_plan` is reserved for every layer at once.
+planned with :meth:`PagedKVCache.decode_plan` is reserved for every layer at once, and a
+prompt given a layer at a time is one update over its layers inside
+:meth:`PagedKVCache.deferred`.
 ``grow=True`` instead enlarges a pool or table that runs out (what a dynamic cache
 such as ``gaac.hf.GAACCache`` wants).
 
