@@ -5,15 +5,18 @@
 
 The Llama-3.1-8B KV shape (32 layers, 8 KV heads of 128) and the real SmolLM2 K/V of ``decode_step.py``; the
 cache at its defaults (adaptation on), calibrated on the first ``--cal-tokens`` (1024) tokens of the content,
-as the serving benchmark makes it.  Two cases:
+as the serving benchmark makes it.  The layer-by-layer calls are timed two ways: inside ``cache.deferred()``
+(``deferred``: each call checked and queued, one transaction over every layer when the deferral ends, what a
+serving engine and ``gaac.hf.GAACCache`` do) and without it (``by layer``: a transaction a layer).  Two cases:
 
-* **joins**: a batch of ``--batch`` sequences of about ``--context`` tokens (97 apart), then ``--joins`` times a
-  row removed, a sequence added and its ``--prompt``-token prompt appended layer by layer (what the serving
-  benchmark's join does, here with the device synchronised before each join, so that a join's time is its
-  own and not the queued steps').  Reported: removing and adding, the prompt's ``update_layer`` calls
-  (host time as they return; the device's end), a layer's median and maximum;
-* **a long prompt**: ``--tokens`` tokens into a new cache, layer by layer, against ``add_sequence`` of
-  every layer in one call.
+* **joins**: a batch of ``--batch`` sequences of about ``--context`` tokens (97 apart), then ``--joins`` times
+  each way, alternating, a row removed, a sequence added and its ``--prompt``-token prompt appended layer by
+  layer (what the serving benchmark's join does, here with the device synchronised before each join, so that a
+  join's time is its own and not the queued steps').  Reported: removing and adding, the prompt's
+  ``update_layer`` calls (host time as they return, the deferral's end included; the device's end), a call's
+  median and maximum;
+* **a long prompt**: ``--tokens`` tokens into a new cache, layer by layer both ways, against ``add_sequence``
+  of every layer in one call.
 
 For each, the host time of the cache's phases (each method timed as it returns, summed over the calls):
 cutting the blocks (``_prepare``), the adaptation rule's setup and launches (``_launch_rule``) and the wait
@@ -42,6 +45,7 @@ from equal_memory import tokens_at as content  # noqa: E402
 
 log, free = DS.log, DS.free
 GAP = 97
+WAYS = ("by layer", "deferred")
 PHASES = ("_prepare", "_launch_rule", "_finish_rule", "_encode_on_device", "_encode_again", "_commit",
           "_written_early")
 
@@ -82,19 +86,32 @@ class Phases:
         return out
 
 
+def by_layer(cache, seq: int, kv, deferred: bool) -> list:
+    """The prompt ``kv[layer] = (k, v)`` through ``update_layer`` a layer at a time, inside a deferral or not;
+    the host ms of each call (the deferral's end, where the transaction runs, added to the last)."""
+    per = []
+    deferral = cache.deferred().start() if deferred else None
+    for layer in range(len(kv)):
+        t = time.perf_counter()
+        cache.update_layer(layer, [seq], kv[layer][0][None], kv[layer][1][None])
+        if deferral is not None and layer == len(kv) - 1:
+            deferral.apply()
+        per.append(1e3 * (time.perf_counter() - t))
+    return per
+
+
 def joins(cal, src, s, args, phases) -> dict:
     lens = [args.context - GAP * i for i in range(args.batch)]
     cache = gaac.PagedKVCache(cal, max_seqs=args.batch, max_blocks=(max(lens) + args.prompt) // 16 + 2,
                               device=DS.DEV)
     for r, n in enumerate(lens):
         seq = cache.add_sequence()
-        for layer in range(s.layers):
-            k, v = content(src, layer, r, 0, n)
-            cache.update_layer(layer, [seq], k[None], v[None])
+        by_layer(cache, seq, [content(src, layer, r, 0, n) for layer in range(s.layers)], True)
     sync()
     phases.take()
     runs = []
-    for j in range(args.joins):
+    for j in range(2 * args.joins):
+        way = WAYS[j % 2]
         row = 1 + j % max(args.batch - 1, 1)
         kv = [content(src, layer, args.batch + row + args.batch * j, 0, args.prompt) for layer in range(s.layers)]
         sync()
@@ -102,18 +119,15 @@ def joins(cal, src, s, args, phases) -> dict:
         cache.remove_sequence(row)
         seq = cache.add_sequence()
         t1 = time.perf_counter()
-        per = []
-        for layer in range(s.layers):
-            t = time.perf_counter()
-            cache.update_layer(layer, [seq], kv[layer][0][None], kv[layer][1][None])
-            per.append(1e3 * (time.perf_counter() - t))
+        per = by_layer(cache, seq, kv, way == "deferred")
         t_host = time.perf_counter()
         sync()
         t_end = time.perf_counter()
-        runs.append({"remove_add_ms": 1e3 * (t1 - t0), "update_layer_ms": 1e3 * (t_host - t1),
+        runs.append({"how": way, "remove_add_ms": 1e3 * (t1 - t0), "update_layer_ms": 1e3 * (t_host - t1),
                      "device_done_ms": 1e3 * (t_end - t1), "layer_median_ms": statistics.median(per),
                      "layer_max_ms": max(per), "phases": phases.take()})
-        log(f"  join {j}: remove+add {runs[-1]['remove_add_ms']:.1f} ms, update_layer {runs[-1]['update_layer_ms']:.1f} ms")
+        log(f"  join {j} ({way}): remove+add {runs[-1]['remove_add_ms']:.1f} ms, update_layer "
+            f"{runs[-1]['update_layer_ms']:.1f} ms")
     del cache
     free()
     return {"batch": args.batch, "context": args.context, "prompt": args.prompt, "runs": runs}
@@ -124,22 +138,20 @@ def long_prompt(cal, src, s, args, phases) -> dict:
     blocks = args.tokens // 16 + 2
     out = {"tokens": args.tokens, "by_layer": [], "add_sequence": []}
     for _ in range(args.runs):
-        cache = gaac.PagedKVCache(cal, max_blocks=blocks, device=DS.DEV)
-        seq = cache.add_sequence()
-        sync()
-        phases.take()
-        t0 = time.perf_counter()
-        per = []
-        for layer in range(s.layers):
-            t = time.perf_counter()
-            cache.update_layer(layer, [seq], kk[layer][None], vv[layer][None])
-            per.append(1e3 * (time.perf_counter() - t))
-        sync()
-        out["by_layer"].append({"ms": 1e3 * (time.perf_counter() - t0), "layer_median_ms": statistics.median(per),
-                                "epochs_appended": appended(cache, cal, s), "phases": phases.take()})
-        log(f"  by layer: {out['by_layer'][-1]['ms']:.1f} ms")
-        del cache
-        free()
+        for way in WAYS:
+            cache = gaac.PagedKVCache(cal, max_blocks=blocks, device=DS.DEV)
+            seq = cache.add_sequence()
+            sync()
+            phases.take()
+            t0 = time.perf_counter()
+            per = by_layer(cache, seq, list(zip(kk, vv)), way == "deferred")
+            sync()
+            out["by_layer"].append({"how": way, "ms": 1e3 * (time.perf_counter() - t0),
+                                    "layer_median_ms": statistics.median(per),
+                                    "epochs_appended": appended(cache, cal, s), "phases": phases.take()})
+            log(f"  {way}: {out['by_layer'][-1]['ms']:.1f} ms")
+            del cache
+            free()
     k, v = torch.stack(kk), torch.stack(vv)
     del kk, vv
     for _ in range(args.runs):
@@ -172,19 +184,23 @@ def render(rep: dict) -> str:
              f"x {rep['head_dim']})", "", f"- date: {rep['date']}", f"- device: {rep['device']}",
              f"- commit: {rep['commit']}", f"- command: `{rep['command']}`",
              f"- the cache's defaults (adaptation on), calibration from the first {rep['cal_tokens']} tokens; "
-             "host ms as the calls return, the device synchronised before each join and prompt", "",
+             "host ms as the calls return, the device synchronised before each join and prompt",
+             "- `by layer`: a transaction a call; `deferred`: the calls inside `cache.deferred()`, one transaction "
+             "over the layers when it ends (timed with the last call)", "",
              f"## Joins: a {j['prompt']}-token prompt into a batch of {j['batch']} x ~{j['context']} tokens", ""]
-    lines += table(["join", "remove + add ms", "update_layer ms (all layers)", "device done ms", "a layer: median / max ms",
-                    "host ms by phase (calls)"],
-                   [[i, f"{r['remove_add_ms']:.1f}", f"{r['update_layer_ms']:.1f}", f"{r['device_done_ms']:.1f}",
-                     f"{r['layer_median_ms']:.2f} / {r['layer_max_ms']:.2f}", phase_cell(r["phases"])]
+    lines += table(["join", "how", "remove + add ms", "update_layer ms (all layers)", "device done ms",
+                    "a call: median / max ms", "host ms by phase (calls)"],
+                   [[i, r.get("how", WAYS[0]), f"{r['remove_add_ms']:.1f}", f"{r['update_layer_ms']:.1f}",
+                     f"{r['device_done_ms']:.1f}", f"{r['layer_median_ms']:.2f} / {r['layer_max_ms']:.2f}",
+                     phase_cell(r["phases"])]
                     for i, r in enumerate(j["runs"])])
     lines += ["", f"## A {p['tokens']}-token prompt into a new cache", ""]
-    rows = [["update_layer, a layer at a time", f"{r['ms']:.1f}", f"{r['layer_median_ms']:.2f}", r["epochs_appended"],
+    names = {"by layer": "update_layer, a layer at a time", "deferred": "update_layer, a layer at a time, deferred"}
+    rows = [[names[r.get("how", WAYS[0])], f"{r['ms']:.1f}", f"{r['layer_median_ms']:.2f}", r["epochs_appended"],
              phase_cell(r["phases"])] for r in p["by_layer"]]
     rows += [["add_sequence, every layer in one call", f"{r['ms']:.1f}", "-", r["epochs_appended"], phase_cell(r["phases"])]
              for r in p["add_sequence"]]
-    lines += table(["how", "ms", "a layer (median) ms", "epochs appended", "host ms by phase (calls)"], rows)
+    lines += table(["how", "ms", "a call (median) ms", "epochs appended", "host ms by phase (calls)"], rows)
     return "\n".join(lines) + "\n"
 
 
@@ -194,7 +210,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=None, help="sequences in the joined batch (default 8)")
     ap.add_argument("--context", type=int, default=None, help="their tokens (default 16384)")
     ap.add_argument("--prompt", type=int, default=None, help="a join's prompt tokens (default 4096)")
-    ap.add_argument("--joins", type=int, default=4, help="joins timed (default 4)")
+    ap.add_argument("--joins", type=int, default=4, help="joins timed each way (default 4)")
     ap.add_argument("--tokens", type=int, default=None, help="the long prompt's tokens (default 131072)")
     ap.add_argument("--runs", type=int, default=2, help="runs of each long-prompt way (default 2)")
     ap.add_argument("--cal-tokens", type=int, default=1024, help="calibrate on the first N tokens (default 1024)")

@@ -17,8 +17,10 @@ are real K/V gathered on the device from a step counter (the SmolLM2 captures ti
 
 Sequence lengths differ (97 tokens apart).  In the join scenario a sequence (never the first) is replaced
 every ``--replace-every`` steps by a ``--prompt``-token prompt: GAAC removes it and prefills the new one into
-the freed row (``remove_sequence``, ``add_sequence`` + ``update_layer`` per layer: calibration epochs
-appended as the rule decides), BF16 copies the prompt into the row and sets its length.  Everything is
+the freed row (``remove_sequence``, ``add_sequence`` + ``update_layer`` per layer inside ``cache.deferred()``, as a
+serving engine hands the cache a prompt a layer at a time: one transaction over the layers, calibration epochs
+appended as the rule decides; ``--join-by-layer``: the same calls without the deferral, a transaction a layer),
+BF16 copies the prompt into the row and sets its length.  The batch's own prompts go in the same way.  Everything is
 inside the timed window: ``--steps`` (256) steps after ``--warmup`` (16), wall time synchronised at the end,
 and each step's CUDA-event time; captures and eager steps of ``StepGraph`` are counted in the window.
 
@@ -29,6 +31,7 @@ the cache holds (within BF16's own error).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -96,7 +99,8 @@ def replaced(j: int, every: int, batch: int):
 
 class Joins:
     """A run's joins: called before step ``j``, it replaces the row due then (:func:`replaced`) through
-    ``join(row)`` and keeps the host wall of each join; :meth:`since` gives those from a step on."""
+    ``join(row)`` and keeps the host wall of each join; :meth:`since` gives those from a step on.  GAAC's
+    ``join`` gives the cache the prompt a layer at a time inside a deferral (:func:`prompt_by_layer`)."""
 
     def __init__(self, join, every: int, batch: int):
         self.join, self.every, self.batch, self.timed = join, every, batch, []
@@ -177,6 +181,16 @@ def run_bf16(model, src, _cal, s, lens, args, every: int, prompt: int, graph: bo
 # ------------------------------------------------------------------------------------------------
 # GAAC at the defaults
 
+def prompt_by_layer(cache, seq: int, kv, by_layer: bool) -> None:
+    """A prompt into ``seq`` as a model's prefill hands it to the cache: ``update_layer`` a layer at a time
+    (``kv(layer)`` gives the layer's K and V ``[kv_heads, tokens, head_dim]``), inside ``cache.deferred()`` (one
+    transaction over the layers, applied after the last), or with ``by_layer`` a transaction a layer."""
+    with contextlib.nullcontext() if by_layer else cache.deferred():
+        for layer in range(cache.layers):
+            k, v = kv(layer)
+            cache.update_layer(layer, [seq], k[None], v[None])
+
+
 class StepAttend:
     """A model step's attention through a plan: per layer the token's ``update_layer`` and ``plan.run``."""
 
@@ -199,9 +213,7 @@ def run_gaac(model, src, cal, s, lens, args, every: int, prompt: int, graph: boo
     seqs = []
     for r, n in enumerate(lens):
         seq = cache.add_sequence()
-        for layer in range(s.layers):
-            k, v = content(src, layer, r, 0, n)
-            cache.update_layer(layer, [seq], k[None], v[None])
+        prompt_by_layer(cache, seq, lambda layer: content(src, layer, r, 0, n), args.join_by_layer)
         seqs.append(seq)
     ds.sync()
     res = {"prefill_s": time.perf_counter() - t0, "memory": str(cache.memory())}
@@ -217,9 +229,7 @@ def run_gaac(model, src, cal, s, lens, args, every: int, prompt: int, graph: boo
         cache.remove_sequence(row)
         seq = cache.add_sequence()
         assert seq == row
-        for layer in range(s.layers):
-            k, v = content(src, layer, b + row, 0, prompt)
-            cache.update_layer(layer, [seq], k[None], v[None])
+        prompt_by_layer(cache, seq, lambda layer: content(src, layer, b + row, 0, prompt), args.join_by_layer)
         held[row], appended[row] = (b + row, prompt), []
 
     if graph:
@@ -361,9 +371,11 @@ def render(rep: dict) -> str:
              if isinstance(v, dict) and "note" in v]
     if notes:
         lines += ["", "Notes:", "", *notes]
+    how = ("a transaction a layer" if rep.get("join_by_layer") else
+           "inside `cache.deferred()`: one transaction over the layers")
     joined = [f"- {name} {k}: {len(v['join_ms'])} joins in the window, host wall of each (the row's removal, the "
-              f"new sequence and its prompt through `update_layer`, every layer; it waits for the GPU where the "
-              f"cache does) median {statistics.median(v['join_ms']):.1f} ms, max {max(v['join_ms']):.1f} ms"
+              f"new sequence and its prompt through `update_layer`, every layer, {how}; it waits for the GPU where "
+              f"the cache does) median {statistics.median(v['join_ms']):.1f} ms, max {max(v['join_ms']):.1f} ms"
               for name, sc in rep["scenarios"].items() for k, v in sc.items()
               if isinstance(v, dict) and v.get("join_ms") and not v.get("earlier")]
     if joined:
@@ -395,6 +407,8 @@ def main() -> None:
                     help="after the window, N steps more under torch's profiler: the kernels of a step (GPU only)")
     ap.add_argument("--isolate", action="store_true",
                     help="after each GAAC run, time its cache's attention apart from the step (GPU only)")
+    ap.add_argument("--join-by-layer", action="store_true",
+                    help="GAAC's prompts through update_layer without a deferral: a transaction a layer (the old way)")
     ap.add_argument("--merge", type=Path, default=None,
                     help="a results JSON of an earlier run: its runs are kept where this run does not repeat them "
                          "(the report names both commits)")
@@ -414,7 +428,7 @@ def main() -> None:
     rep = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": "CPU (simulator, smoke)" if SMOKE else
            torch.cuda.get_device_name(), "commit": ds.commit(),
            "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]), "steps": args.steps,
-           "warmup": args.warmup, "cal_tokens": args.cal_tokens, "scenarios": {}}
+           "warmup": args.warmup, "cal_tokens": args.cal_tokens, "join_by_layer": args.join_by_layer, "scenarios": {}}
     only = set(args.runs.split(",")) if args.runs else None
     if args.merge:
         old = json.loads(args.merge.read_text())
