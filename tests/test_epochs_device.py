@@ -68,7 +68,7 @@ def test_the_phases_decide_what_the_host_rule_decides(monkeypatch, payback, max_
     monkeypatch.setattr(epochs, "PAYBACK_CHECKS", payback)
     monkeypatch.setattr(epochs, "MAX_EPOCHS", max_epochs)
     monkeypatch.setattr(device_epochs, "PHASES", phases)
-    x = drifting_cache(48 * L.BLOCK_TOKENS, layers=2)[:, :1]
+    x = drifting_cache(32 * L.BLOCK_TOKENS, layers=2)[:, :1]
     x[1] = x[1] ^ 0x8000
     cal = calibrate(x[:, :, :128], x[:, :, :128])
     jobs, want = [], []
@@ -90,7 +90,7 @@ def test_the_phases_decide_what_the_host_rule_decides(monkeypatch, payback, max_
     if max_epochs < 256:
         assert appended == [max_epochs - 1] * 2               # the cap stopped both jobs
     else:
-        assert min(appended) >= 3
+        assert min(appended) >= 2
     assert batch.launched >= max(appended) + (0 if max_epochs < 256 else 1)
 
 
