@@ -58,7 +58,7 @@ os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1" if "--device" not in sys.argv 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks.construction import DeviceOps  # noqa: E402
+from benchmarks.construction import _HOST, DeviceOps  # noqa: E402
 from benchmarks.report import commit_with_changes, table  # noqa: E402
 
 KINDS = ("alloc", "write", "h2d", "d2h", "pinned", "sync", "numba", "launch", "event", "wait")
@@ -231,7 +231,10 @@ class StepOps(DeviceOps):
                     # queried, long done: no wait)
                     for kind in ("alloc", "h2d", "event"):
                         ops.count(kind, "_upload")
-                    return torch.from_numpy(flat)
+                    out = torch.from_numpy(flat)
+                    out = out.view(out.shape)
+                    setattr(out, _HOST, False)          # the device's tensor
+                    return out
 
                 self._patch(rule, "_staged", staged)
             self._gpu_host_copies(UpdateTransaction)

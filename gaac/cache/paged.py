@@ -94,6 +94,24 @@ MAX_INDEXED_EPOCHS = L.MAX_INDEXED_EPOCHS
 EPOCH_ROOM = 16              # epochs a layer's attention base table holds at first (PagedKVCache.epoch_table)
 
 
+def _strided(tensors: list):
+    """``tensors`` (equal shapes, strides and dtypes) as one view with a leading axis, where they lie at equal
+    distances in one storage (the cache's tails, made as views of one allocation); else None."""
+    first = tensors[0]
+    if len(tensors) == 1:
+        return first[None]
+    size = first.element_size()
+    storage = first.untyped_storage().data_ptr()
+    gap = tensors[1].data_ptr() - first.data_ptr()
+    if gap <= 0 or gap % size:
+        return None
+    for a, b in zip(tensors, tensors[1:]):
+        if (b.data_ptr() - a.data_ptr() != gap or b.shape != first.shape or b.stride() != first.stride()
+                or b.dtype != first.dtype or b.untyped_storage().data_ptr() != storage):
+            return None
+    return torch.as_strided(first, (len(tensors),) + tuple(first.shape), (gap // size,) + tuple(first.stride()))
+
+
 def _locked(method):
     """Run a :class:`PagedKVCache` method holding the cache's lock (a re-entrant lock: methods call each other),
     after the host's account of an eager step's finished blocks where the step left it pending
@@ -753,7 +771,11 @@ class PagedKVCache(UpdateTransaction):
         if observing:
             if index is None:
                 index = self._to_device(fin)
-            on_device = [store.tail.index_select(0, index) for store in observing]
+            # every adapter's finished blocks in one gather where the tails lie at equal distances in one
+            # allocation (as the cache makes them), and one pinned copy of them
+            tails = _strided([store.tail for store in observing])
+            on_device = (tails.index_select(1, index) if tails is not None
+                         else [store.tail.index_select(0, index) for store in observing])
             for store, copied, dev in zip(observing, self._host_copies(on_device), on_device):
                 self._defer_observed(store, copied, dev)
         self._flush_due()

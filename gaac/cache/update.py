@@ -102,11 +102,12 @@ class _Update:
 
 
 def _arrived(blocks) -> np.ndarray:
-    """Blocks on their way to an adapter, on the host: a pinned copy and its event (GPU; waited for), or an
-    array."""
+    """Blocks on their way to an adapter, on the host: a pinned copy and its event (GPU; waited for where it has
+    not arrived), or an array."""
     if isinstance(blocks, tuple):
         host, event = blocks
-        event.synchronize()
+        if not event.query():            # a decode step's copy has arrived by the rule's turn, as a rule
+            event.synchronize()
         return host.numpy()
     return np.asarray(blocks)
 
@@ -468,12 +469,13 @@ class UpdateTransaction:
         event.record()
         return host, event
 
-    def _host_copies(self, tensors: list) -> list:
-        """Equal-shaped device tensors on the host, each as :meth:`_host_copy` gives it (a pinned copy in
-        flight and its event), made with one kernel, one pinned buffer and one copy for all of them."""
+    def _host_copies(self, tensors) -> list:
+        """Equal-shaped device tensors (a list, or one tensor whose rows they are) on the host, each as
+        :meth:`_host_copy` gives it (a pinned copy in flight and its event), made with one kernel (none for a
+        tensor), one pinned buffer and one copy for all of them."""
         if self.device.type != "cuda":
             return [self._host_copy(t) for t in tensors]
-        host, event = self._host_copy(torch.stack(tensors))
+        host, event = self._host_copy(tensors if isinstance(tensors, torch.Tensor) else torch.stack(tensors))
         arrival = Arrival(event)
         return [(host[i], arrival) for i in range(len(tensors))]
 

@@ -502,6 +502,14 @@ def _aligned(x):
 
 
 _STAGING = {}        # device index -> (pinned int32 host buffer, event of the last copy out of it)
+_ALIGN_WORDS = 64    # int32 words: where each part of a batch's zeroed allocation starts (256 bytes)
+
+
+def _staged(a: np.ndarray, device):
+    """Int32 host array ``a`` in a tensor on ``device``: :func:`_upload` on a GPU, ``a`` itself on the CPU."""
+    import torch
+
+    return _upload(a, device) if device.type == "cuda" else torch.from_numpy(a)
 
 
 def _upload(a: np.ndarray, device):
@@ -513,7 +521,7 @@ def _upload(a: np.ndarray, device):
 
     key = device_index(device)
     host, event = _STAGING.get(key, (None, None))
-    if event is not None:
+    if event is not None and not event.query():      # the last copy is long done as a rule: no wait then
         event.synchronize()
     if host is None or host.numel() < a.size:
         host = torch.empty(max(a.size, 2 * (0 if host is None else host.numel())), dtype=torch.int32, pin_memory=True)
@@ -610,23 +618,30 @@ class Batch:
         for i, (a, _) in enumerate(jobs):
             for b, block in enumerate(a._recent):
                 rec_np[i, b] = np.asarray(block).view(np.int16)
-        small = [rec_np.view(np.int32), cur_np, r0, checks.astype(np.int32), finalized, n_epochs]
-        flat = np.concatenate([a.reshape(-1) for a in small])
-        staged = _upload(flat, device) if device.type == "cuda" else torch.from_numpy(flat)
-        ends = np.cumsum([a.size for a in small])
-        rec32, cur, r0_d, checks_d, finalized_d, n_epochs_d = (
-            staged[e - a.size:e].view(a.shape) for a, e in zip(small, ends))
-        rec = (rec32.view(torch.int16).view(rec_shape) if r0.any() else
-               torch.zeros(rec_shape, dtype=torch.int16, device=device))
-        self.hist = (torch.zeros((n_jobs, channels, BINS), dtype=torch.int32, device=device) if fresh else
-                     torch.stack([a.hist_on_device(device).reshape(channels, BINS) for a, _ in jobs]))
         self.m = m = max(1, int(checks.max()))
-        self.cand = torch.zeros((n_jobs, m, 2, channels), dtype=torch.uint8, device=device)
-        # nxt[p, job]: the check that appends the job's p-th epoch of the batch (NONE: none); a phase a row
-        self.nxt = torch.full((E.MAX_EPOCHS + 1, n_jobs), NONE, dtype=torch.int32, device=device)
+        # nxt[p, job]: the check that appends the job's p-th epoch of the batch (NONE: none); a phase a row.
+        # It starts as NONE everywhere and comes with the small inputs.
+        nxt = np.full((E.MAX_EPOCHS + 1, n_jobs), NONE, dtype=np.int32)
+        small = [rec_np.view(np.int32), cur_np, r0, checks.astype(np.int32), finalized, n_epochs, nxt]
+        flat = np.concatenate([a.reshape(-1) for a in small])
+        staged = _staged(flat, device)
+        ends = np.cumsum([a.size for a in small])
+        rec32, cur, r0_d, checks_d, finalized_d, n_epochs_d, self.nxt = (
+            staged[e - a.size:e].view(a.shape) for a, e in zip(small, ends))
+        # what starts at zero, in one allocation: the scan's savings and flags per check (saved0, differs0),
+        # each check's candidate bases (cand, from an ALIGN-word boundary), the blocks not yet checked where
+        # there are none, and a new cache's histograms
+        sizes = [n_jobs * m, n_jobs * m, n_jobs * m * 2 * channels // 4,
+                 0 if r0.any() else int(np.prod(rec_shape)) // 2, n_jobs * channels * BINS if fresh else 0]
+        starts = np.concatenate([[0], np.cumsum([-(-n // _ALIGN_WORDS) * _ALIGN_WORDS for n in sizes])])
+        zeros = torch.zeros(max(1, int(starts[-1])), dtype=torch.int32, device=device)
+        part = [zeros[int(a):int(a) + n] for a, n in zip(starts, sizes)]
+        self.saved0, self.differs0 = part[0].view(n_jobs, m), part[1].view(n_jobs, m)
+        self.cand = part[2].view(torch.uint8).view(n_jobs, m, 2, channels)
+        rec = rec32.view(torch.int16).view(rec_shape) if r0.any() else part[3].view(torch.int16).view(rec_shape)
+        self.hist = (part[4].view(n_jobs, channels, BINS) if fresh else
+                     torch.stack([a.hist_on_device(device).reshape(channels, BINS) for a, _ in jobs]))
         self.launched = 0                                         # phases launched
-        self.saved0 = torch.zeros((n_jobs, m), dtype=torch.int32, device=device)
-        self.differs0 = torch.zeros((n_jobs, m), dtype=torch.int32, device=device)
         self.scan_args = (xa, xb, ja, rec, r0_d, checks_d, self.hist, self.cand, cur, head_dim, self.saved0,
                       self.differs0)
         words = [x.view(torch.int32) for x in (xa, xb, rec)]      # the phases read two elements a load
