@@ -8,12 +8,14 @@ The count runs on the CPU with the CUDA codec (numba's simulator), where every t
 made from host data (torch's ``lift_fresh``: ``torch.from_numpy``, ``torch.tensor``) and what ops on such tensors
 alone make are the host's; every other op that makes or writes a tensor is a device operation, ``.to`` of a host
 tensor a copy to the device, ``.cpu()``/``.tolist()``/``int()`` of a device tensor a copy back, and the cache's
-``_to_device`` (a pinned allocation and a copy on a GPU) two operations.  benchmarks/construction.py counts the
-same by kind and times it.
+``_to_device`` (a pinned allocation and a copy on a GPU) two operations: benchmarks/construction.py's counter, which
+this test uses; that script also times it.
 """
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,7 +23,6 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("numba")
 
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from gaac import layout as L  # noqa: E402
 from gaac.cache.paged import PagedKVCache  # noqa: E402
@@ -29,7 +30,7 @@ from gaac.cache.pools import RawArena  # noqa: E402
 from gaac.cache.store import make_stores  # noqa: E402
 from gaac.calibration import Calibration  # noqa: E402
 
-HOST = "_gaac_test_host"
+ROOT = Path(__file__).resolve().parents[1]
 MOST = 10            # device operations making a cache that cannot grow may take, whatever its layers
 
 
@@ -39,79 +40,18 @@ def calibration(layers: int, heads: int = 2, dim: int = 64, seed: int = 0) -> Ca
     return Calibration(b3=centre - 3, b4=centre - 7, capacity=np.full((2, layers), 16), model="synthetic")
 
 
-def _tensors(x):
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif isinstance(x, (list, tuple)):
-        for y in x:
-            yield from _tensors(y)
-
-
-class DeviceOps(TorchDispatchMode):
-    """Counts device operations (see the module docstring) in ``ops``, by name."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        name = func.overloadpacket.__name__
-        ins = list(_tensors(args)) + list(_tensors(list(kwargs.values())))
-        if name.startswith("lift_fresh") or (ins and all(getattr(t, HOST, False) for t in ins)):
-            for t in _tensors(out):
-                setattr(t, HOST, True)
-        elif name == "_local_scalar_dense":
-            self.ops.append("d2h")
-        else:
-            stored = {t.untyped_storage().data_ptr() for t in ins}
-            outs = list(_tensors(out))
-            if any(t.untyped_storage().data_ptr() not in stored for t in outs) or func._schema.is_mutable:
-                self.ops.append(name)
-        return out
-
-    @property
-    def count(self) -> int:
-        return len(self.ops)
+def _device_ops():
+    """benchmarks/construction.py's counter (the one benchmarks/step_host.py counts with too)."""
+    spec = importlib.util.spec_from_file_location("benchmarks_construction", ROOT / "benchmarks" / "construction.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.DeviceOps
 
 
 @contextlib.contextmanager
-def counting(monkeypatch):
-    ops = DeviceOps()
-    to, cpu, tolist, to_device = torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.tolist, PagedKVCache._to_device
-
-    def device_view(t):
-        out = t.view(t.shape)
-        setattr(out, HOST, False)
-        return out
-
-    def counted_to(t, *args, **kwargs):
-        out = to(t, *args, **kwargs)
-        if getattr(t, HOST, False) and torch._C._nn._parse_to(*args, **kwargs)[0] is not None:
-            ops.ops.append("h2d")
-            out = device_view(out)
-        return out
-
-    def counted_cpu(t, *args, **kwargs):
-        if not getattr(t, HOST, False):
-            ops.ops.append("d2h")
-        return cpu(t, *args, **kwargs)
-
-    def counted_tolist(t):
-        if not getattr(t, HOST, False):
-            ops.ops.append("d2h")
-        return tolist(t)
-
-    def counted_to_device(cache, a):
-        ops.ops += ["pinned", "h2d"]
-        return device_view(to_device(cache, a))
-
-    monkeypatch.setattr(torch.Tensor, "to", counted_to)
-    monkeypatch.setattr(torch.Tensor, "cpu", counted_cpu)
-    monkeypatch.setattr(torch.Tensor, "tolist", counted_tolist)
-    monkeypatch.setattr(PagedKVCache, "_to_device", counted_to_device)
-    with ops:
+def counting():
+    """Count the device operations of the block's code (``ops.total``; ``ops.by_op`` says which)."""
+    with _device_ops()("cpu") as ops:
         yield ops
 
 
@@ -123,26 +63,26 @@ def make_all(cal: Calibration, grow: bool = False):
     return stores, arena
 
 
-def test_the_counter_counts_device_work(monkeypatch):
-    with counting(monkeypatch) as ops:
+def test_the_counter_counts_device_work():
+    with counting() as ops:
         a = torch.zeros(4, dtype=torch.int32)                       # an allocation
         a[1] = 3                                                    # a write
         b = torch.from_numpy(np.arange(4, dtype=np.int32)).to("cpu")    # a copy to the device
         a.copy_(b)                                                  # a write
         int(a[0])                                                   # a copy back (and a wait)
         torch.from_numpy(np.ones(3)).long()                         # host work only
-    assert ops.count == 5, ops.ops
+    assert dict(ops.counts) == {"alloc": 1, "write": 2, "h2d": 1, "d2h": 1, "sync": 2}, ops.by_op    # a wait each way
 
 
 @pytest.mark.parametrize("grow", [False, True])
-def test_making_every_layers_records_takes_a_few_device_operations(monkeypatch, grow):
+def test_making_every_layers_records_takes_a_few_device_operations(grow):
     """make_stores: independent of the layers (one allocation a slot pool where the pools may grow)."""
     counts = {}
     for layers in (2, 6):
         cal = calibration(layers)
-        with counting(monkeypatch) as ops:
+        with counting() as ops:
             stores, arena = make_all(cal, grow)
-        counts[layers] = ops.count
+        counts[layers] = ops.total
         assert all(s.raw.listed == arena.chunk for layer in stores for s in layer)     # every share lent its chunk
         assert all(0 in s.packed for layer in stores for s in layer)                    # the encoder's bases
     if grow:
@@ -175,15 +115,15 @@ def test_records_are_those_made_one_by_one():
     assert arena.reserve == arena.size - 2 * cal.layers * arena.chunk
 
 
-def test_making_a_cache_takes_a_few_device_operations(monkeypatch):
+def test_making_a_cache_takes_a_few_device_operations():
     """PagedKVCache: the same count for 2 layers as for 6, at most MOST; with grow=True one more a slot pool."""
     counts = {}
     for grow in (False, True):
         for layers in (2, 6):
             cal = calibration(layers)
-            with counting(monkeypatch) as ops:
+            with counting() as ops:
                 PagedKVCache(cal, max_seqs=2, max_blocks=8, codec="cuda", grow=grow)
-            counts[grow, layers] = ops.count
+            counts[grow, layers] = ops.total
     assert counts[False, 2] == counts[False, 6] <= MOST, counts
     assert counts[True, 6] - counts[True, 2] == 2 * 4, counts
 
