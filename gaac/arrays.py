@@ -1,4 +1,5 @@
-"""Accepting user arrays: NumPy uint16 bit patterns or torch BF16 tensors, nothing silently converted."""
+"""Accepting user arrays: NumPy uint16 bit patterns or torch BF16 tensors, nothing silently converted; and
+equal tensors that lie at equal distances in one storage seen as one (:func:`stacked_view`)."""
 from __future__ import annotations
 
 import numpy as np
@@ -35,3 +36,24 @@ def as_bits(x, name: str = "input", ndim: int | None = None) -> np.ndarray:
     if ndim is not None and x.ndim != ndim:
         raise InputError(f"{name}: expected {ndim} dimensions, got shape {list(x.shape)}")
     return x
+
+
+def stacked_view(tensors: list):
+    """``tensors`` (torch, equal shapes, strides and dtypes) as one view with a leading axis, where they lie at
+    equal distances in one storage (a prefill's layers, the tails a cache makes as views of one allocation);
+    else None.  One tensor is its own view with an axis of one."""
+    import torch
+
+    first = tensors[0]
+    if len(tensors) == 1:
+        return first[None]
+    size = first.element_size()
+    storage = first.untyped_storage().data_ptr()
+    gap = tensors[1].data_ptr() - first.data_ptr()
+    if gap <= 0 or gap % size:
+        return None
+    for a, b in zip(tensors, tensors[1:]):
+        if (b.data_ptr() - a.data_ptr() != gap or b.shape != first.shape or b.stride() != first.stride()
+                or b.dtype != first.dtype or b.untyped_storage().data_ptr() != storage):
+            return None
+    return torch.as_strided(first, (len(tensors),) + tuple(first.shape), (gap // size,) + tuple(first.stride()))

@@ -73,7 +73,7 @@ import numpy as np
 import torch
 
 from .. import layout as L
-from ..arrays import as_bits
+from ..arrays import as_bits, stacked_view
 from ..budget import Capacity, raw_share, size_cache
 from ..calibration import Calibration
 from ..epochs import EPOCH_INDEX_BYTES, epoch_table_bytes
@@ -92,24 +92,6 @@ PROGRESS_TOKENS = 512        # appends of this many tokens show a progress bar o
 # Epochs a block's epoch index can name: it is stored as int16 (LayerView.epoch), so epochs 0..32767.
 MAX_INDEXED_EPOCHS = L.MAX_INDEXED_EPOCHS
 EPOCH_ROOM = 16              # epochs a layer's attention base table holds at first (PagedKVCache.epoch_table)
-
-
-def _strided(tensors: list):
-    """``tensors`` (equal shapes, strides and dtypes) as one view with a leading axis, where they lie at equal
-    distances in one storage (the cache's tails, made as views of one allocation); else None."""
-    first = tensors[0]
-    if len(tensors) == 1:
-        return first[None]
-    size = first.element_size()
-    storage = first.untyped_storage().data_ptr()
-    gap = tensors[1].data_ptr() - first.data_ptr()
-    if gap <= 0 or gap % size:
-        return None
-    for a, b in zip(tensors, tensors[1:]):
-        if (b.data_ptr() - a.data_ptr() != gap or b.shape != first.shape or b.stride() != first.stride()
-                or b.dtype != first.dtype or b.untyped_storage().data_ptr() != storage):
-            return None
-    return torch.as_strided(first, (len(tensors),) + tuple(first.shape), (gap // size,) + tuple(first.stride()))
 
 
 def _locked(method):
@@ -773,7 +755,7 @@ class PagedKVCache(UpdateTransaction):
                 index = self._to_device(fin)
             # every adapter's finished blocks in one gather where the tails lie at equal distances in one
             # allocation (as the cache makes them), and one pinned copy of them
-            tails = _strided([store.tail for store in observing])
+            tails = stacked_view([store.tail for store in observing])
             on_device = (tails.index_select(1, index) if tails is not None
                          else [store.tail.index_select(0, index) for store in observing])
             for store, copied, dev in zip(observing, self._host_copies(on_device), on_device):

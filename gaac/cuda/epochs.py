@@ -29,6 +29,7 @@ from numba import cuda
 
 from .. import epochs as E
 from .. import layout as L
+from ..arrays import stacked_view
 from .launch import device_index, driver, launch_args
 from .primitives import SIMULATOR, WARP, device, gaddr, i32, ldg4_at, popc, syncwarp, u32, u64
 
@@ -474,19 +475,8 @@ def _stacked(tensors: list):
     storage where they lie at equal distances (a prefill's layers), else a copy."""
     import torch
 
-    first = tensors[0]
-    if len(tensors) > 1:
-        size = first.element_size()
-        gaps = {(b.data_ptr() - a.data_ptr()) for a, b in zip(tensors, tensors[1:])}
-        same = all(t.shape == first.shape and t.stride() == first.stride() and t.dtype == first.dtype
-                   and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() for t in tensors)
-        if same and len(gaps) == 1:
-            gap = gaps.pop()
-            if gap > 0 and gap % size == 0:
-                return torch.as_strided(first, (len(tensors),) + tuple(first.shape),
-                                        (gap // size,) + tuple(first.stride()))
-        return torch.stack(tensors)
-    return first[None]
+    view = stacked_view(tensors)
+    return view if view is not None else torch.stack(tensors)
 
 
 def _aligned(x):
