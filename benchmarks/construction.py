@@ -28,7 +28,7 @@ Counted (:class:`DeviceOps`), for the construction alone:
 A torch op is counted where the tensors it writes are device tensors.  On a GPU that is their device.  On the CPU
 every tensor is on the CPU, so the host's tensors are told apart by where they come from: a tensor made from host
 data (``torch.from_numpy``, ``torch.tensor``; torch's ``lift_fresh``) is a host tensor, as is what ops on host
-tensors alone make; ``.to(device)`` of a host tensor is a host-to-device copy, and ``PagedKVCache._to_device``
+tensors alone make; ``.to(device)`` of a host tensor is a host-to-device copy, and ``gaac.arrays.upload``
 (which on a GPU pins its array and copies it asynchronously) counts a pinned allocation and a copy.  The CPU's
 counts are then the GPU's: the same code runs either way.
 
@@ -139,7 +139,8 @@ class DeviceOps:
             return
         if host_in:
             self.count("h2d", name)
-            if self.cuda and not kwargs.get("non_blocking"):     # torch waits for the stream after a blocking copy
+            blocking = not (kwargs.get("non_blocking") or (name == "copy_" and len(args) > 2 and args[2]))
+            if blocking and (self.cuda or name == "copy_"):     # torch waits for the stream after a blocking copy
                 self.count("sync", name)
         known = {_storage(t) for t in ins}
         if any(_storage(t) not in known or _storage(t) == 0 for t in (dev_out or outs)):
@@ -196,20 +197,22 @@ class DeviceOps:
 
             patch(torch.Tensor, "to", to)
             patch(torch.Tensor, "cpu", cpu)
-            from gaac.cache.paged import PagedKVCache
+            from gaac import arrays
 
-            orig_to_device = PagedKVCache._to_device
+            orig_upload = arrays.upload
 
-            def to_device(cache, a):
-                out = orig_to_device(cache, a)
-                if cache.device.type == "cpu":      # on a GPU: pinned, then an asynchronous copy
-                    counter.count("pinned", "_to_device")
-                    counter.count("h2d", "_to_device")
-                    out = out.view(out.shape)
-                    setattr(out, _HOST, False)
+            def upload(a, device):
+                if device.type != "cpu":
+                    return orig_upload(a, device)
+                # on a GPU: pinned, then an asynchronous copy; here the host's array, as the device's
+                counter.count("pinned", "upload")
+                counter.count("h2d", "upload")
+                out = torch.from_numpy(np.ascontiguousarray(a))
+                out = out.view(out.shape)
+                setattr(out, _HOST, False)
                 return out
 
-            patch(PagedKVCache, "_to_device", to_device)
+            patch(arrays, "upload", upload)
         else:
             for owner, name in ((torch.cuda, "synchronize"), (torch.cuda.Event, "synchronize"),
                                 (torch.cuda.Stream, "synchronize")):

@@ -57,3 +57,16 @@ def stacked_view(tensors: list):
                 or b.dtype != first.dtype or b.untyped_storage().data_ptr() != storage):
             return None
     return torch.as_strided(first, (len(tensors),) + tuple(first.shape), (gap // size,) + tuple(first.stride()))
+
+
+def upload(a: np.ndarray, device):
+    """Host array ``a`` as a torch tensor on ``device`` (a ``torch.device``) without the host waiting for the
+    device: through pinned memory and an asynchronous copy on CUDA, where a copy from pageable memory waits
+    for the stream; ``a`` itself, as a tensor, on the CPU.  The one way the cache and its pools copy host
+    arrays to the device (benchmarks/construction.py counts its calls as one pinned copy each)."""
+    import torch
+
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    if device.type != "cuda" or t.numel() == 0:
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

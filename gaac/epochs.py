@@ -96,14 +96,12 @@ class Adapter:
     def hist(self, value) -> None:
         self._hist, self._hist_device = value, None
 
-    def hist_on_device(self, device):
-        """The histogram as an int32 tensor on ``device`` (the GPU rule's input), without a copy where it is
-        there already."""
-        import torch
-
+    def hist_if_on(self, device):
+        """The histogram as the int32 tensor on ``device`` the GPU rule left it in, or None where it is
+        not there (the GPU rule's batch then brings it over with its other inputs)."""
         if self._hist_device is not None and self._hist_device.device == device:
             return self._hist_device
-        return torch.from_numpy(self.hist.astype(np.int32)).to(device)
+        return None
 
     def keep_hist_on_device(self, hist) -> None:
         """Take the GPU rule's histogram (an int32 tensor ``[kv_heads, head_dim, 256]``) as this adapter's;

@@ -8,7 +8,7 @@ The count runs on the CPU with the CUDA codec (numba's simulator), where every t
 made from host data (torch's ``lift_fresh``: ``torch.from_numpy``, ``torch.tensor``) and what ops on such tensors
 alone make are the host's; every other op that makes or writes a tensor is a device operation, ``.to`` of a host
 tensor a copy to the device, ``.cpu()``/``.tolist()``/``int()`` of a device tensor a copy back, and the cache's
-``_to_device`` (a pinned allocation and a copy on a GPU) two operations: benchmarks/construction.py's counter, which
+``gaac.arrays.upload`` (a pinned allocation and a copy on a GPU) two operations: benchmarks/construction.py's counter, which
 this test uses; that script also times it.
 """
 from __future__ import annotations

@@ -72,6 +72,7 @@ import threading
 import numpy as np
 import torch
 
+from .. import arrays
 from .. import layout as L
 from ..arrays import as_bits, stacked_view
 from ..budget import Capacity, raw_share, size_cache
@@ -83,8 +84,8 @@ from . import hooks
 from .codec import codec_for, tiles_to_tokens
 from .hooks import RECORDING, ServingState, check_not_recording
 from .memory import MemoryReport
-from .pools import RawArena, grown, sync_pools
-from .store import KINDS, make_stores
+from .pools import count_arrays, counts_read, RawArena, grown, sync_pools
+from .store import KINDS, give_back_all, make_stores
 from .update import Deferral, UpdateTransaction, _runs
 from .view import LayerView
 
@@ -352,17 +353,28 @@ class PagedKVCache(UpdateTransaction):
         stores = [store for layer_store in self._store for store in layer_store]
         rows = [store.table[seq, :int(self._lens[layer, seq]) // L.BLOCK_TOKENS].reshape(-1)
                 for layer, layer_store in enumerate(self._store) for store in layer_store]
-        # every store's entries in one copy to the host, every free list's count in one wait
-        entries = torch.cat(rows).cpu().numpy().view(np.uint32).astype(np.int64)
-        sync_pools([pool for store in stores for pool in (store.slots, store.raw) if not pool.exact])
-        at = 0
-        for store, row in zip(stores, rows):
-            store.give_back(entries[at:at + row.numel()])
-            at += row.numel()
-            store.table[seq] = 0
+        # every store's entries and every free list's count in one copy to the host (one wait): giving back
+        # then reads nothing more
+        pools = [pool for store in stores for pool in (store.slots, store.raw)]
+        heads = count_arrays(pools)
+        host = torch.cat(rows + [h.reshape(-1) for h in heads]).cpu().numpy()
+        n = host.shape[0] - 2 * len(heads)
+        entries = host[:n].view(np.uint32).astype(np.int64)
+        counts_read(pools, heads, host[n:].reshape(-1, 2))
+        ends = np.cumsum([row.numel() for row in rows])
+        give_back_all(stores, [entries[e - row.numel():e] for row, e in zip(rows, ends)], read=False)
+        # the row's table entries and block epochs, zeroed in every layer and kind at once where they are views of
+        # one allocation (as a cache makes them)
+        for held in ([store.table for store in stores], [store.epoch for store in stores if store.epoch is not None]):
+            if held:
+                view = stacked_view(held)
+                if view is not None:
+                    view[:, seq] = 0
+                else:
+                    for t in held:
+                        t[seq] = 0
+        for store in stores:
             store.epochs[seq] = 0
-            if store.epoch is not None:
-                store.epoch[seq] = 0
         self._lens[:, seq] = 0
         self._seq_lens[:, seq] = 0
         self._live[seq] = False
@@ -545,10 +557,7 @@ class PagedKVCache(UpdateTransaction):
 
     def _to_device(self, a: np.ndarray) -> torch.Tensor:
         """A host array on the cache's device without waiting for the device (pinned, asynchronous copy)."""
-        t = torch.from_numpy(np.ascontiguousarray(a))
-        if self.device.type != "cuda":
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)
+        return arrays.upload(a, self.device)
 
     def _bits(self, x, name: str, ndim: int) -> torch.Tensor:
         """``x`` (torch BF16/int16/uint16 on any device, or NumPy bits, any strides) as int16 on the cache's device."""

@@ -18,6 +18,7 @@ import weakref
 import numpy as np
 import torch
 
+from .. import arrays
 from .. import layout as L
 
 # Growth step of a pool, table or arena of a cache made with ``grow=True``: a 32nd of its size (or what is
@@ -85,8 +86,8 @@ class Pool:
         self._top -= k
         return taken
 
-    def give(self, indices) -> None:
-        """Return records to the free list (the lowest of them is taken first)."""
+    def give(self, indices, read: bool = True) -> None:
+        """Return records to the free list (the lowest of them is taken first; ``read``: a device pool's)."""
         back = np.sort(np.asarray(indices, dtype=np.int64).reshape(-1))[::-1]
         self._stack[self._top:self._top + len(back)] = back
         self._top += len(back)
@@ -233,13 +234,15 @@ class DevicePool(Pool):
         self.sync()
         return max(self.listed - self.taken, 0)
 
-    def _rest(self) -> torch.Tensor:
-        # the device's count, always: appends the host does not account (a refused recording run eagerly)
-        # take records without making the host's bound inexact.  An empty list has nothing to read, whatever
-        # the count.
+    def _rest(self, read: bool = True) -> torch.Tensor:
+        # the device's count, read (``read``): appends the host does not account (a refused recording run
+        # eagerly) take records without making the host's bound inexact.  ``read=False``: the caller read every
+        # count it relies on (sync_pools) and launched nothing since, so the host's count is the device's.  An
+        # empty list has nothing to read, whatever the count.
         if self.listed == 0:
             return self.order[:0]
-        self.sync()
+        if read or not self.exact:
+            self.sync()
         return self.order[min(self.taken, self.listed):self.listed]
 
     def grow_to(self, n: int) -> None:
@@ -257,8 +260,10 @@ class DevicePool(Pool):
         self.taken += k
         return taken
 
-    def give(self, indices) -> None:
-        """Return records to the free list, after the free ones (the lowest of them first).  Where the list's
+    def give(self, indices, read: bool = True, on_device=None) -> None:
+        """Return records to the free list, after the free ones (the lowest of them first).  ``read`` False: the
+        caller has just read this pool's count from the device (:func:`sync_pools`); ``on_device``: the records,
+        sorted, already on the device (int32; the caller brought several pools' in one copy).  Where the list's
         array has room past its end they are written there: the list's records are then the same, with no
         count reset and no copy of the records already listed (a removed sequence gives back to every
         layer's pools).  Otherwise the list is rebuilt from its start, which leaves room past its end for
@@ -269,11 +274,13 @@ class DevicePool(Pool):
         if not self.exact:
             self.sync()
         m, end = len(back), self.listed
+        if on_device is None:
+            on_device = arrays.upload(back, self.data.device)
         if self.taken <= end and end + m <= self.order.shape[0]:
-            self.order[end:end + m].copy_(torch.from_numpy(back))
+            self.order[end:end + m].copy_(on_device)
             self.listed = end + m
             return
-        self._set_order(torch.cat([self._rest(), torch.from_numpy(back).to(self.data.device)]))
+        self._set_order(torch.cat([self._rest(read), on_device]))
 
     def upcoming(self, k: int) -> torch.Tensor:
         """The ``k`` records :meth:`take` would hand out next, as an int64 tensor on the device, none taken and
@@ -288,15 +295,26 @@ class DevicePool(Pool):
         self.taken += k
 
 
+def count_arrays(pools) -> list:
+    """The device arrays that hold ``pools``' counts of taken records (one per layer and kind, for both its pools),
+    for a caller that reads them in a copy of its own and hands them to :func:`counts_read`."""
+    return list({id(p.heads): p.heads for p in pools if isinstance(p, DevicePool)}.values())
+
+
+def counts_read(pools, heads: list, values) -> None:
+    """``pools``' counts, read: ``values[i]`` holds what ``heads[i]`` (:func:`count_arrays`) held."""
+    counts = dict(zip(map(id, heads), values))
+    for p in pools:
+        if isinstance(p, DevicePool):
+            p.taken, p.pending, p._snap = int(counts[id(p.heads)][p.cls]), 0, None
+
+
 def sync_pools(pools) -> list[int]:
     """The free records of each pool, exact: the device pools' counts read with one synchronisation for all of
     them (:meth:`DevicePool.n_free` waits once per pool)."""
-    device = [p for p in pools if isinstance(p, DevicePool)]
-    heads = list({id(p.heads): p.heads for p in device}.values())      # one per layer and kind, for both pools
+    heads = count_arrays(pools)
     if heads:
-        counts = dict(zip(map(id, heads), torch.stack(heads).tolist()))
-        for p in device:
-            p.taken, p.pending, p._snap = counts[id(p.heads)][p.cls], 0, None
+        counts_read(pools, heads, torch.stack(heads).tolist())
     return [max(p.listed - p.taken, 0) if isinstance(p, DevicePool) else p.n_free() for p in pools]
 
 
@@ -335,7 +353,7 @@ class _Share:
     def size(self) -> int:
         return self.granted
 
-    def give(self, indices) -> None:
+    def give(self, indices, read: bool = True) -> None:
         self.arena.release(self, indices)
 
     def grow_to(self, n: int) -> None:
@@ -353,9 +371,9 @@ class HostShare(_Share, Pool):
         self._stack = np.zeros(0, np.int64)
         self._top = self.granted = 0
 
-    def extend(self, indices: np.ndarray, room: int | None = None) -> None:
-        """Records lent by the arena join the free list, below the free records already there (``room``: a
-        device share's; a stack on the host has room for every record)."""
+    def extend(self, indices: np.ndarray, room: int | None = None, read: bool = True) -> None:
+        """Records lent by the arena join the free list, below the free records already there (``room``,
+        ``read``: a device share's; a stack on the host has room for every record and no count to read)."""
         self._stack = np.concatenate([np.sort(indices)[::-1], self.free])
         self._top = len(self._stack)
         self.granted += len(indices)
@@ -380,26 +398,35 @@ class DeviceShare(_Share, DevicePool):
         self._adopt(arena.empty_list, 0)
         self._unlisted = True
 
-    def extend(self, indices: np.ndarray, room: int | None = None) -> None:
-        """Records lent by the arena join the end of the free list (a new list: the device's count is read, unless
-        the list is empty).  ``room``: the list takes a new array with room for at least that many entries;
-        else it is written in place while its array has room, or takes a new one of twice its length."""
+    def extend(self, indices: np.ndarray, room: int | None = None, read: bool = True) -> None:
+        """Records lent by the arena join the end of the free list.  The device's count is read (unless the list is
+        empty, or ``read`` is False: the caller has just read it, :meth:`DevicePool._rest`).  ``room``: the list
+        takes a new array with room for at least that many entries; else the records are written past the list's
+        end while its array has room (one copy: the list and its count stay), or the list takes a new array of
+        twice its length."""
         indices = np.sort(indices).astype(np.int32)
         k, device = len(indices), self.data.device
         if self.listed == 0:
             if room is None and (self._unlisted or k > self.order.shape[0]):
                 room = 2 * k if k > self.order.shape[0] else self.order.shape[0]
             if room is None:
-                self._set_order(torch.from_numpy(indices).to(device, non_blocking=True))
+                self._set_order(arrays.upload(indices, device))
             else:                 # a new array, written on the host: one copy, no wait
                 held = np.full(max(k, room, 1), NO_RECORD, dtype=np.int32)
                 held[:k] = indices
-                self._set_listed(torch.from_numpy(held).to(device, non_blocking=True), k)
+                self._set_listed(arrays.upload(held, device), k)
         else:
-            order = torch.cat([self._rest(), torch.from_numpy(indices).to(device, non_blocking=True)])
-            if room is None and order.shape[0] > self.order.shape[0]:
-                room = 2 * order.shape[0]
-            self._set_order(order, room)
+            rest = self._rest(read)
+            end = self.listed
+            if room is None and self.taken <= end and end + k <= self.order.shape[0]:
+                # room past the list's end: the records are written there, the list's array and count kept
+                self.order[end:end + k].copy_(arrays.upload(indices, device))
+                self.listed = end + k
+            else:
+                order = torch.cat([rest, arrays.upload(indices, device)])
+                if room is None and order.shape[0] > self.order.shape[0]:
+                    room = 2 * order.shape[0]
+                self._set_order(order, room)
         self.granted += k
 
     def adopt_loan(self, held: torch.Tensor, n: int) -> None:
@@ -412,14 +439,6 @@ class DeviceShare(_Share, DevicePool):
         """A new array ``held`` as the free list, its first ``n`` entries listed; the device's count set to zero."""
         self._adopt(held, n)
         self.heads[self.cls] = 0
-
-    def surrender(self) -> np.ndarray:
-        """Every free record, out of the free list (the device's count is read), for the arena to lend elsewhere."""
-        rest = self._rest()
-        out = rest.cpu().numpy().astype(np.int64)
-        self._set_order(rest[:0])
-        self.granted -= len(out)
-        return out
 
 
 class RawArena:
@@ -513,25 +532,28 @@ class RawArena:
         parts += [s.free if isinstance(s, HostShare) else s._rest().cpu().numpy() for s in self.shares]
         return np.sort(np.concatenate(parts).astype(np.int64))
 
-    def _lend(self, share, k: int) -> int:
+    def _lend(self, share, k: int, read: bool = True) -> int:
+        """Lend ``share`` ``k`` records of the reserve (fewer where it holds fewer); return how many.  ``read``
+        False: the caller has just read the share's count from the device (:func:`sync_pools`) and launched
+        nothing since, so that lending waits for nothing."""
         k = min(k, self._top)
         if k:
-            room = self._room(share, k)
+            room = self._room(share, k, read)
             if room is None:
-                share.extend(self._stack[self._top - k:self._top].copy())
+                share.extend(self._stack[self._top - k:self._top].copy(), read=read)
             else:
-                share.extend(self._stack[self._top - k:self._top].copy(), room)
+                share.extend(self._stack[self._top - k:self._top].copy(), room, read=read)
             self._top -= k
         return k
 
-    def _room(self, share, k: int) -> int | None:
+    def _room(self, share, k: int, read: bool = True) -> int | None:
         """Before a loan of ``k`` records that a device share's free-list array cannot hold (so that the loan
         would replace the array), the room to give the share's new array: at least twice an even split of the
         arena, so that the loans that follow, a prompt's after the cache's first, write the list in place and
         the encoder plans made with the array stay valid.  None where the loan needs no such array."""
         room = 2 * (self.size // max(len(self.shares), 1))
         if isinstance(share, DeviceShare) and share.order.shape[0] < room:
-            rest = 0 if share.listed == 0 else share._rest().shape[0]     # an empty list is read without a wait
+            rest = 0 if share.listed == 0 else share._rest(read).shape[0]     # an empty list is read without a wait
             if rest + k > share.order.shape[0]:
                 return max(room, rest + k)
         return None
@@ -554,9 +576,20 @@ class RawArena:
         self._reclaim(sync_pools(self.shares))
 
     def _reclaim(self, free: list) -> None:
-        """:meth:`reclaim`, with ``free``: each share's free records, as :func:`sync_pools` just read them."""
-        for s, n in zip(self.shares, free):
-            if n:
+        """:meth:`reclaim`, with ``free``: each share's free records, as :func:`sync_pools` just read them (the
+        device shares' records come to the host in one copy)."""
+        giving = [s for s, n in zip(self.shares, free) if n]
+        rests = [s._rest(read=False) for s in giving if isinstance(s, DeviceShare)]
+        held = torch.cat(rests).cpu().numpy().astype(np.int64) if rests else None
+        at = 0
+        for s in giving:
+            if isinstance(s, DeviceShare):
+                n = s.listed - min(s.taken, s.listed)
+                out, at = held[at:at + n], at + n
+                s._set_order(s.order[:0])
+                s.granted -= n
+                self._put(out)
+            else:
                 self._put(s.surrender())
 
     def cover(self, needs) -> list:
@@ -570,10 +603,14 @@ class RawArena:
         needs = [(s, n) for s, n in asked if s.free_lower() < n]
         if not needs:
             return []
-        free = dict(zip(map(id, (s for s, _ in needs)), sync_pools([s for s, _ in needs])))
+        # the device's counts where the host's may be stale (one wait); an exact count is not read again: no
+        # encode was launched since it was read, and waiting here would wait behind whatever the GPU runs (a
+        # prefill's adaptation rule)
+        free = self._free([s for s, _ in needs])
         lack = [(s, n - free[id(s)]) for s, n in needs if free[id(s)] < n]
         if sum(d for _, d in lack) > self._top:
-            every = sync_pools(self.shares)
+            held = self._free(self.shares)
+            every = [held[id(s)] for s in self.shares]
             if self._top + sum(every) < sum(n for _, n in asked):
                 return self._spread(lack)
             # Every free record back to the reserve, then each share asked is lent all it needs.
@@ -582,10 +619,17 @@ class RawArena:
         short = []
         for i, (s, d) in enumerate(lack):
             later = sum(x for _, x in lack[i + 1:])
-            lent = self._lend(s, max(d, min(self.chunk, self._top - later)))
+            lent = self._lend(s, max(d, min(self.chunk, self._top - later)), read=False)
             if lent < d:
                 short.append((s, d - lent))
         return short
+
+    @staticmethod
+    def _free(shares) -> dict:
+        """id(share) -> its free records, exact: the counts that may be stale read in one wait (:func:`sync_pools`),
+        the exact ones as the host holds them."""
+        sync_pools([s for s in shares if not s.exact])
+        return {id(s): max(s.free_lower(), 0) for s in shares}
 
     def _spread(self, lack: list) -> list:
         """Lend the whole reserve to the shares of ``lack`` (``(share, records it lacks)``, more in all than the
@@ -598,7 +642,7 @@ class RawArena:
             give[i] += 1
         short = []
         for (s, d), g in zip(lack, give):
-            lent = self._lend(s, g)
+            lent = self._lend(s, g, read=False)
             if lent < d:
                 short.append((s, d - lent))
         return short

@@ -56,6 +56,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from .. import arrays
 from .. import layout as L
 from .pools import grown, sync_pools
 from ..calibration import Calibration, check_heads
@@ -115,12 +116,8 @@ def _rows(x: torch.Tensor, record_bytes: int) -> torch.Tensor:
 
 
 def _upload(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    """Host array ``a`` as a tensor on ``device``, without the host waiting: through pinned memory on CUDA (a
-    copy from pageable memory waits for the stream)."""
-    t = torch.from_numpy(np.ascontiguousarray(a))
-    if device.type != "cuda" or t.numel() == 0:
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    """Host array ``a`` as a tensor on ``device``, without the host waiting (:func:`gaac.arrays.upload`)."""
+    return arrays.upload(a, device)
 
 
 def _chunk_crcs(body: torch.Tensor):
@@ -433,7 +430,7 @@ class _Writer:
             for b3, b4 in tables:
                 cache.calibration.add_epoch(s.layer, s.kind, b3, b4)
             if tables:
-                store.add_epochs(tables)
+                store.add_epochs(tables, cache._to_device)
                 cache._epochs_appended(s.layer)
             store.slots.take_upcoming(s.slot_tiles)
             store.raw.take_upcoming(s.raw_tiles)

@@ -34,7 +34,7 @@ from ..epochs import Adapter
 from ..errors import InputError, PoolExhaustedError
 from ..tiles import tile_bases
 from .codec import blocks_to_tiles
-from .pools import Arrival, _Share, grown, sync_pools
+from .pools import Arrival, _Share, count_arrays, counts_read, grown, sync_pools
 from .store import KINDS, _Kind
 
 ADAPT_LAG = 2                # decode steps between a block's finish and the adaptation rule's look at it
@@ -502,7 +502,7 @@ class UpdateTransaction:
                 n = min(store.adapter.until_check, len(blocks))
                 epoch = store.adapter.observe(blocks[:n])
                 if epoch is not None:
-                    store.add_epoch(*self._calibration.bases(layer, kind, epoch))
+                    store.add_epoch(*self._calibration.bases(layer, kind, epoch), self._to_device)
                     appended = True
                 blocks = blocks[n:]
             if appended:
@@ -588,7 +588,7 @@ class UpdateTransaction:
             for store, layer, kind, before, rest in items:
                 if store.adapter.epoch != before:
                     store.add_epochs([self._calibration.bases(layer, kind, e)
-                                      for e in range(before + 1, store.adapter.epoch + 1)])
+                                      for e in range(before + 1, store.adapter.epoch + 1)], self._to_device)
                     layers.add(layer)
                 store.deferred[:0] = rest
                 if rest and upto is not None:       # observed at the next turn
@@ -727,18 +727,26 @@ class UpdateTransaction:
         while True:
             unsure = [(u, kind) for u, kind in jobs
                       if min(p.free_lower() for p in self._pools(u.layer, kind)) < u.tiles[kind].shape[0]]
-            # where a list may run dry, every job's counts, so that all of them can be put back
-            saved = {id(self._store[u.layer][kind]): self._store[u.layer][kind].heads.clone()
-                     for u, kind in jobs} if unsure else {}
+            # where a list may run dry or the rule may undo a guess, every job's counts, so that they can be put
+            # back (one copy for all of them)
+            saved = {}
+            if unsure or any(u.epochs[kind].blocks is not None for u, kind in jobs):
+                stores = [self._store[u.layer][kind] for u, kind in jobs]
+                copies = torch.stack([store.heads for store in stores])
+                saved = {id(store): copies[i] for i, store in enumerate(stores)}
             unsure_ids = {(id(u), kind) for u, kind in unsure}
             asked = []           # where a list may run dry the counts are read below, after a wait
+            # every job's table entries and escape counts: views of one allocation
+            out = torch.empty(2 * sum(u.tiles[kind].shape[0] for u, kind in jobs), dtype=torch.int32,
+                              device=self.device)
+            at = 0
             for u, kind in jobs:
                 store = self._store[u.layer][kind]
                 if u.epochs[kind].blocks is not None:     # the rule is still deciding: keep what to go back to
-                    u.heads_before[kind] = saved[id(store)] if saved else store.heads.clone()
+                    u.heads_before[kind] = saved[id(store)]
                 tiles, plan, per = u.tiles[kind], u.epochs[kind], self.tiles_per_block
-                entries = torch.empty(tiles.shape[0], dtype=torch.int32, device=self.device)
-                used = torch.empty_like(entries)
+                n = tiles.shape[0]
+                entries, used, at = out[at:at + n], out[at + n:at + 2 * n], at + 2 * n
                 for epoch, start, stop in _runs(plan.epochs):
                     a, z = start * per, stop * per
                     encoder = self._encoder(store, plan, epoch, u.layer, kind)
@@ -763,9 +771,14 @@ class UpdateTransaction:
                 ran_dry()
             # What each job's share of the arena took (past its list's end where it ran dry): what the same
             # tiles take when encoded again.
+            # (the shares' counts now and before, in one copy)
             stores = [self._store[u.layer][kind] for u, kind in jobs]
-            sync_pools([store.raw for store in stores])
-            took = [(store.raw, store.raw.taken - int(saved[id(store)][store.raw.cls])) for store in stores]
+            shares = [store.raw for store in stores]
+            heads = count_arrays(shares)
+            host = torch.stack(heads + [saved[id(store)] for store in stores]).cpu().numpy()
+            counts_read(shares, heads, host[:len(heads)])
+            before = host[len(heads):]
+            took = [(store.raw, store.raw.taken - int(before[i, store.raw.cls])) for i, store in enumerate(stores)]
             self._put_back([(u, kind, saved[id(self._store[u.layer][kind])]) for u, kind in jobs])
             if guessing:
                 return False
@@ -874,7 +887,7 @@ class UpdateTransaction:
         for b3, b4 in plan.tables:
             self._calibration.add_epoch(u.layer, kind, b3, b4)
         if plan.tables:
-            store.add_epochs(plan.tables)
+            store.add_epochs(plan.tables, self._to_device)
             self._epochs_appended(u.layer)
         if plan.after is not None:
             plan.after.calibration = self._calibration

@@ -479,6 +479,19 @@ def _stacked(tensors: list):
     return view if view is not None else torch.stack(tensors)
 
 
+def _host_cat(tensors: list) -> np.ndarray:
+    """1-D ``tensors`` of one dtype, end to end, in one copy to the host: on a GPU into pinned memory, in flight
+    on the current stream (the NumPy view is valid once that stream has been waited for); else at once."""
+    import torch
+
+    flat = torch.cat(tensors)
+    if flat.device.type != "cuda":
+        return flat.numpy()
+    host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+    host.copy_(flat, non_blocking=True)
+    return host.numpy()
+
+
 def _aligned(x):
     """``x`` (int16 blocks, any strides) where every run of 8 channels starts on 16 bytes, as the scan
     kernel loads them: ``x`` itself where it does, else a contiguous copy."""
@@ -612,11 +625,15 @@ class Batch:
         # nxt[p, job]: the check that appends the job's p-th epoch of the batch (NONE: none); a phase a row.
         # It starts as NONE everywhere and comes with the small inputs.
         nxt = np.full((E.MAX_EPOCHS + 1, n_jobs), NONE, dtype=np.int32)
-        small = [rec_np.view(np.int32), cur_np, r0, checks.astype(np.int32), finalized, n_epochs, nxt]
+        # the histograms of adapters whose rule last ran on the host come in the same copy
+        held = [None if fresh else a.hist_if_on(device) for a, _ in jobs]
+        host_hists = np.stack([a.hist.astype(np.int32).reshape(channels, BINS) for (a, _), h in zip(jobs, held)
+                               if h is None]) if not fresh and any(h is None for h in held) else np.zeros(0, np.int32)
+        small = [rec_np.view(np.int32), cur_np, r0, checks.astype(np.int32), finalized, n_epochs, nxt, host_hists]
         flat = np.concatenate([a.reshape(-1) for a in small])
         staged = _staged(flat, device)
         ends = np.cumsum([a.size for a in small])
-        rec32, cur, r0_d, checks_d, finalized_d, n_epochs_d, self.nxt = (
+        rec32, cur, r0_d, checks_d, finalized_d, n_epochs_d, self.nxt, uploaded = (
             staged[e - a.size:e].view(a.shape) for a, e in zip(small, ends))
         # what starts at zero, in one allocation: the scan's savings and flags per check (saved0, differs0),
         # each check's candidate bases (cand, from an ALIGN-word boundary), the blocks not yet checked where
@@ -629,8 +646,11 @@ class Batch:
         self.saved0, self.differs0 = part[0].view(n_jobs, m), part[1].view(n_jobs, m)
         self.cand = part[2].view(torch.uint8).view(n_jobs, m, 2, channels)
         rec = rec32.view(torch.int16).view(rec_shape) if r0.any() else part[3].view(torch.int16).view(rec_shape)
-        self.hist = (part[4].view(n_jobs, channels, BINS) if fresh else
-                     torch.stack([a.hist_on_device(device).reshape(channels, BINS) for a, _ in jobs]))
+        if fresh:
+            self.hist = part[4].view(n_jobs, channels, BINS)
+        else:
+            up = iter(uploaded)
+            self.hist = torch.stack([h.reshape(channels, BINS) if h is not None else next(up) for h in held])
         self.launched = 0                                         # phases launched
         self.scan_args = (xa, xb, ja, rec, r0_d, checks_d, self.hist, self.cand, cur, head_dim, self.saved0,
                       self.differs0)
@@ -687,6 +707,7 @@ class Batch:
         import torch
 
         with self._on_stream():
+            recent = self._recent_blocks()                        # in flight: the read below waits for it too
             found = self.nxt[:self.launched].cpu().numpy()        # waits for the batch's stream
             while len(found) and self._appending(found[-1]):
                 self._phases(self.launched)                      # twice as many phases as so far
@@ -700,7 +721,7 @@ class Batch:
             main.wait_stream(self.stream)
             for t in (self.hist, self.cand):
                 t.record_stream(main)
-        return self._finish(picked)
+        return self._finish(picked, recent)
 
     def _tables(self, picked: list) -> dict:
         """The candidate tables of the checks that append one (read once, on the stream this is called on)."""
@@ -716,7 +737,7 @@ class Batch:
             self._picked = {w: got[t] for t, w in enumerate(wanted)}
         return self._picked
 
-    def _finish(self, picked_all: list) -> list:
+    def _finish(self, picked_all: list, recent: list) -> list:
         jobs, n, checks, r0, every = self.jobs, self.n, self.checks, self.r0, self.every
         kv_heads, head_dim = self.kv_heads, self.head_dim
         tables = self._tables(picked_all)
@@ -736,10 +757,28 @@ class Batch:
             # a copy of its own, so that copying the adapter (the cache plans on a copy) copies 1 MB, not all jobs'
             a.keep_hist_on_device(self.hist[i].view(kv_heads, head_dim, BINS).clone())
             a.finalized += n
-            left = int((r0[i] + n) % every)
             if checks[i] == 0:
-                a._recent = list(a._recent) + list(blocks.cpu().numpy().view(np.uint16))
+                a._recent = list(a._recent) + list(recent[i])
             else:
-                a._recent = list(blocks[n - left:].cpu().numpy().view(np.uint16)) if left else []
+                a._recent = list(recent[i])
             out[self.order[i]] = epochs
+        return out
+
+    def _recent_blocks(self) -> list:
+        """Per job, the blocks its adapter keeps for its next check (NumPy BF16 bits): all its blocks where it
+        reaches no check, else those after its last check; every job's in one copy to the host, started on the
+        current stream into pinned memory (on a GPU): valid once the stream's next read has waited."""
+        n, every = self.n, self.every
+        tails = []
+        for i, (_, blocks) in enumerate(self.jobs):
+            left = n if self.checks[i] == 0 else int((self.r0[i] + n) % every)
+            tails.append(blocks[n - left:] if left else blocks[:0])
+        sizes = [t.numel() for t in tails]
+        if not sum(sizes):
+            return [np.zeros((0, *t.shape[1:]), np.uint16) for t in tails]
+        host = _host_cat([t.reshape(-1) for t in tails]).view(np.uint16)
+        out, at = [], 0
+        for t, size in zip(tails, sizes):
+            out.append(host[at:at + size].reshape(t.shape))
+            at += size
         return out

@@ -1,0 +1,144 @@
+"""The cache's bookkeeping waits for the device once where it must read it, however many layers and kinds are
+involved: lending raw records after reading the shares' counts, taking every free record back, removing a
+sequence and appending epochs.  A serving loop joins a sequence (a removal and a prompt) while captured steps
+are queued on the GPU; each wait drains that queue and leaves the GPU idle while the host goes on, so a wait
+per layer and kind shows here as a failure rather than as a slower join.
+
+Counted on the CPU with benchmarks/construction.py's counter (the numba simulator's CUDA codec: device free
+lists, whose counts a GPU reads back), as tests/test_construction.py counts making a cache.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("numba")
+
+from gaac import arrays  # noqa: E402
+from gaac.cache.paged import PagedKVCache  # noqa: E402
+from gaac.cache.pools import RawArena  # noqa: E402
+from tests.test_construction import calibration, counting, make_all  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+def device_arena(n, shares):
+    arena = RawArena(n, 64, CPU)
+    return arena, [arena.share(f"share {i}", torch.zeros(2, dtype=torch.int32), 1) for i in range(shares)]
+
+
+def records(arena, shares):
+    """Every record once: the reserve's and each share's free ones (no share holds a tile here)."""
+    held = [r for s in shares for r in s._rest().tolist()] + arena._stack[:arena.reserve].tolist()
+    return sorted(held)
+
+
+def _taken(shares, k):
+    """The device takes ``k`` records of each share (an encode), unseen by the host until it reads the counts."""
+    for s in shares:
+        s.heads[s.cls] += k
+        s.pending += k
+
+
+@pytest.mark.parametrize("n_shares", [4, 8])
+def test_lending_to_shares_that_hold_records_waits_once(n_shares):
+    """Every share short, each holding records an encode took from: one read of their counts, then the loans
+    (before, each loan read its share's count again)."""
+    arena, shares = device_arena(64 * n_shares, n_shares)
+    assert arena.cover([(s, arena.chunk) for s in shares]) == []
+    _taken(shares, 1)
+    with counting() as ops:
+        assert arena.cover([(s, 2 * arena.chunk) for s in shares]) == []
+    assert ops.counts["sync"] == 1, ops.by_op
+    assert [s.n_free() for s in shares] == [2 * arena.chunk] * n_shares
+    assert len(records(arena, shares)) == 64 * n_shares - n_shares        # the taken ones are held
+
+
+def test_lending_to_shares_whose_counts_are_exact_waits_for_nothing():
+    """No encode launched since the shares' counts were read (a new cache's first prompt): the loans read
+    nothing, so that a prefill's reservation does not wait behind its adaptation rule on the GPU."""
+    arena, shares = device_arena(256, 4)
+    with counting() as ops:
+        assert arena.cover([(s, arena.chunk) for s in shares]) == []
+    arrays_before = [(s.order, s.version) for s in shares]
+    with counting() as later:
+        assert arena.cover([(s, 3 * arena.chunk) for s in shares]) == []
+    assert ops.counts["sync"] == later.counts["sync"] == 0, (ops.by_op, later.by_op)
+    # the later loans fit the lists' arrays: written past each list's end, one copy each, no new array
+    assert later.counts["alloc"] == 0 and later.counts["write"] == 4, later.by_op
+    assert all(s.order is order and s.version == version for s, (order, version) in zip(shares, arrays_before))
+    assert [s.n_free() for s in shares] == [3 * arena.chunk] * 4
+    assert len(records(arena, shares)) == 256
+
+
+@pytest.mark.parametrize("n_shares", [4, 8])
+def test_taking_every_free_record_back_reads_them_in_one_copy(n_shares):
+    """An ask the reserve cannot cover but every free record can: the shares' free records return in one copy
+    to the host, whatever the shares, and the one share asked is lent all it asks."""
+    n = 16 * n_shares
+    arena, shares = device_arena(n, n_shares)
+    assert arena.cover([(s, n // n_shares) for s in shares]) == []     # the whole arena lent
+    assert arena.reserve == 0
+    _taken(shares, 1)
+    ask = n - n_shares - 1
+    with counting() as ops:
+        assert arena.cover([(shares[0], ask)]) == []
+    assert ops.counts["sync"] <= 3, ops.by_op                         # the ask, every count, the records
+    assert shares[0].n_free() == ask and all(s.n_free() == 0 for s in shares[1:])
+    assert len(records(arena, shares)) == n - n_shares
+
+
+def test_appending_epochs_waits_for_nothing():
+    """A store's new epochs reach the device in one asynchronous copy (four blocking copies a store before)."""
+    cal = calibration(2)
+    stores, _ = make_all(cal)
+    store = stores[1][0]
+    rng = np.random.default_rng(0)
+    tables = [tuple(rng.integers(100, 130, size=(cal.kv_heads, cal.head_dim)).astype(np.uint8) for _ in range(2))
+              for _ in range(3)]
+    with counting() as ops:
+        store.add_epochs(tables, lambda a: arrays.upload(a, CPU))
+    assert ops.counts["sync"] == 0 and ops.counts["h2d"] == 1, ops.by_op
+    assert store.b3.shape[0] == store.tb4.shape[0] == 4
+    for e, (b3, b4) in enumerate(tables, start=1):
+        np.testing.assert_array_equal(store.b3[e].numpy(), b3)
+        np.testing.assert_array_equal(store.b4[e].numpy(), b4)
+
+
+def _filled(layers: int, seqs: int = 2, tokens: int = 40):
+    """A CUDA-codec cache (the simulator's) holding ``seqs`` sequences, imported from a reference cache."""
+    from benchmarks.step_host import content
+
+    cal = calibration(layers)
+    rng = np.random.default_rng(layers)
+    # exponents about the calibration's centres: most tiles take slots, a few the arena
+    k_c, v_c = ((cal.b_narrow[kind] + 3)[:, :, None, :].astype(np.float64) for kind in (0, 1))
+    kv = [(content(rng, k_c, 0, tokens, 0.0), content(rng, v_c, 0, tokens, 0.0)) for _ in range(seqs)]
+    raw = 2 * layers * 8 * 2 * seqs          # room for every tile raw: synthetic content overflows often
+    ref = PagedKVCache(cal, max_seqs=1, max_blocks=8, codec="reference", adapt=False, raw_tiles=raw)
+    cache = PagedKVCache(cal, max_seqs=seqs, max_blocks=8, codec="cuda", raw_tiles=raw)
+    rows = []
+    for k, v in kv:
+        ref.add_sequence(k, v)
+        rows.append(cache.import_sequence(ref.export_sequence(0)))
+        ref.remove_sequence(0)
+    return cache, rows
+
+
+def test_removing_a_sequence_waits_once_whatever_the_layers():
+    """Its table entries and every free list's count come back in one copy; giving the records back reads
+    nothing more, whether a list takes them in place or is rebuilt."""
+    counts = {}
+    for layers in (2, 4):
+        cache, rows = _filled(layers)
+        export = cache.export_sequence(rows[1])
+        with counting() as ops:
+            cache.remove_sequence(rows[0])
+        counts[layers] = ops.counts["sync"]
+        assert ops.counts["sync"] == 1, ops.by_op
+        assert cache.export_sequence(rows[1]) == export          # the other sequence is untouched
+        # every record of the removed sequence is free again: the cache takes the same sequence back
+        again = cache.import_sequence(export)
+        assert cache.export_sequence(again) == export
+    assert counts[2] == counts[4]
