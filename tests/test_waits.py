@@ -106,15 +106,22 @@ def test_appending_epochs_waits_for_nothing():
         np.testing.assert_array_equal(store.b4[e].numpy(), b4)
 
 
+def content(rng, centres: np.ndarray, tokens: int) -> np.ndarray:
+    """BF16 bits ``[layers, kv_heads, tokens, head_dim]``: exponents about ``centres`` ``[layers, kv_heads, 1,
+    head_dim]``, random signs and mantissas."""
+    shape = centres.shape[:2] + (tokens, centres.shape[3])
+    e = np.clip(np.rint(centres + rng.normal(0, 1.5, size=shape)), 1, 254).astype(np.uint16)
+    sm = rng.integers(0, 256, size=shape, dtype=np.uint16)
+    return ((sm & 0x80) << 8) | (e << 7) | (sm & 0x7F)
+
+
 def _filled(layers: int, seqs: int = 2, tokens: int = 40):
     """A CUDA-codec cache (the simulator's) holding ``seqs`` sequences, imported from a reference cache."""
-    from benchmarks.step_host import content
-
     cal = calibration(layers)
     rng = np.random.default_rng(layers)
     # exponents about the calibration's centres: most tiles take slots, a few the arena
     k_c, v_c = ((cal.b_narrow[kind] + 3)[:, :, None, :].astype(np.float64) for kind in (0, 1))
-    kv = [(content(rng, k_c, 0, tokens, 0.0), content(rng, v_c, 0, tokens, 0.0)) for _ in range(seqs)]
+    kv = [(content(rng, k_c, tokens), content(rng, v_c, tokens)) for _ in range(seqs)]
     raw = 2 * layers * 8 * 2 * seqs          # room for every tile raw: synthetic content overflows often
     ref = PagedKVCache(cal, max_seqs=1, max_blocks=8, codec="reference", adapt=False, raw_tiles=raw)
     cache = PagedKVCache(cal, max_seqs=seqs, max_blocks=8, codec="cuda", raw_tiles=raw)
