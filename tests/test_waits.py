@@ -65,8 +65,9 @@ def test_lending_to_shares_whose_counts_are_exact_waits_for_nothing():
     with counting() as later:
         assert arena.cover([(s, 3 * arena.chunk) for s in shares]) == []
     assert ops.counts["sync"] == later.counts["sync"] == 0, (ops.by_op, later.by_op)
-    # the later loans fit the lists' arrays: written past each list's end, one copy each, no new array
-    assert later.counts["alloc"] == 0 and later.counts["write"] == 4, later.by_op
+    # the later loans fit the lists' arrays: brought to the device in one copy, written past each list's end,
+    # no new array
+    assert later.counts["h2d"] == 1 and later.counts["alloc"] == 0 and later.counts["write"] == 4, later.by_op
     assert all(s.order is order and s.version == version for s, (order, version) in zip(shares, arrays_before))
     assert [s.n_free() for s in shares] == [3 * arena.chunk] * 4
     assert len(records(arena, shares)) == 256

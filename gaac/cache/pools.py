@@ -371,9 +371,10 @@ class HostShare(_Share, Pool):
         self._stack = np.zeros(0, np.int64)
         self._top = self.granted = 0
 
-    def extend(self, indices: np.ndarray, room: int | None = None, read: bool = True) -> None:
+    def extend(self, indices: np.ndarray, room: int | None = None, read: bool = True, on_device=None) -> None:
         """Records lent by the arena join the free list, below the free records already there (``room``,
-        ``read``: a device share's; a stack on the host has room for every record and no count to read)."""
+        ``read``, ``on_device``: a device share's; a stack on the host has room for every record and no count to
+        read)."""
         self._stack = np.concatenate([np.sort(indices)[::-1], self.free])
         self._top = len(self._stack)
         self.granted += len(indices)
@@ -398,19 +399,23 @@ class DeviceShare(_Share, DevicePool):
         self._adopt(arena.empty_list, 0)
         self._unlisted = True
 
-    def extend(self, indices: np.ndarray, room: int | None = None, read: bool = True) -> None:
+    def extend(self, indices: np.ndarray, room: int | None = None, read: bool = True, on_device=None) -> None:
         """Records lent by the arena join the end of the free list.  The device's count is read (unless the list is
         empty, or ``read`` is False: the caller has just read it, :meth:`DevicePool._rest`).  ``room``: the list
         takes a new array with room for at least that many entries; else the records are written past the list's
         end while its array has room (one copy: the list and its count stay), or the list takes a new array of
-        twice its length."""
+        twice its length.  ``on_device``: ``indices``, sorted, already on the device (int32; the arena brings
+        several shares' loans in one copy)."""
         indices = np.sort(indices).astype(np.int32)
         k, device = len(indices), self.data.device
+        def up():
+            return on_device if on_device is not None else arrays.upload(indices, device)
+
         if self.listed == 0:
             if room is None and (self._unlisted or k > self.order.shape[0]):
                 room = 2 * k if k > self.order.shape[0] else self.order.shape[0]
             if room is None:
-                self._set_order(arrays.upload(indices, device))
+                self._set_order(up())
             else:                 # a new array, written on the host: one copy, no wait
                 held = np.full(max(k, room, 1), NO_RECORD, dtype=np.int32)
                 held[:k] = indices
@@ -420,10 +425,10 @@ class DeviceShare(_Share, DevicePool):
             end = self.listed
             if room is None and self.taken <= end and end + k <= self.order.shape[0]:
                 # room past the list's end: the records are written there, the list's array and count kept
-                self.order[end:end + k].copy_(arrays.upload(indices, device))
+                self.order[end:end + k].copy_(up())
                 self.listed = end + k
             else:
-                order = torch.cat([rest, arrays.upload(indices, device)])
+                order = torch.cat([rest, up()])
                 if room is None and order.shape[0] > self.order.shape[0]:
                     room = 2 * order.shape[0]
                 self._set_order(order, room)
@@ -546,6 +551,29 @@ class RawArena:
             self._top -= k
         return k
 
+    def _lend_all(self, asks: list) -> list:
+        """:meth:`_lend` of each ``(share, k)`` of ``asks`` in turn, after the caller has just read every one's
+        count (``read=False``); the device shares' records are brought to the device in one copy.  Returns
+        what each was lent."""
+        loans = []
+        for share, k in asks:
+            k = min(k, self._top)
+            records = np.sort(self._stack[self._top - k:self._top]).astype(np.int32)
+            self._top -= k
+            loans.append((share, records, self._room(share, k, False) if k else None))
+        batched = [r for s, r, _ in loans if isinstance(s, DeviceShare) and len(r)]
+        device = (arrays.upload(np.concatenate(batched), self.data.device)
+                  if len(batched) > 1 else None)
+        at = 0
+        for share, records, room in loans:
+            if not len(records):
+                continue
+            on = None
+            if device is not None and isinstance(share, DeviceShare):
+                on, at = device[at:at + len(records)], at + len(records)
+            share.extend(records, room, read=False, on_device=on)
+        return [len(r) for _, r, _ in loans]
+
     def _room(self, share, k: int, read: bool = True) -> int | None:
         """Before a loan of ``k`` records that a device share's free-list array cannot hold (so that the loan
         would replace the array), the room to give the share's new array: at least twice an even split of the
@@ -616,13 +644,15 @@ class RawArena:
             # Every free record back to the reserve, then each share asked is lent all it needs.
             self._reclaim(every)
             lack = asked
-        short = []
+        # what each is lent: what it lacks, at least a chunk while the reserve keeps what the later ones lack
+        asks, top = [], self._top
         for i, (s, d) in enumerate(lack):
             later = sum(x for _, x in lack[i + 1:])
-            lent = self._lend(s, max(d, min(self.chunk, self._top - later)), read=False)
-            if lent < d:
-                short.append((s, d - lent))
-        return short
+            k = min(max(d, min(self.chunk, top - later)), top)
+            asks.append((s, k))
+            top -= k
+        lent = self._lend_all(asks)
+        return [(s, d - n) for (s, d), n in zip(lack, lent) if n < d]
 
     @staticmethod
     def _free(shares) -> dict:
@@ -640,12 +670,8 @@ class RawArena:
         left = top - sum(give)
         for i in sorted(range(len(lack)), key=lambda i: -(lack[i][1] * top % total))[:left]:
             give[i] += 1
-        short = []
-        for (s, d), g in zip(lack, give):
-            lent = self._lend(s, g, read=False)
-            if lent < d:
-                short.append((s, d - lent))
-        return short
+        lent = self._lend_all(list(zip((s for s, _ in lack), give)))
+        return [(s, d - n) for (s, d), n in zip(lack, lent) if n < d]
 
     def grow_to(self, n: int) -> None:
         """Enlarge the arena to ``n`` records (``grow=True``); every share sees the new array."""
