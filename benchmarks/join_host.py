@@ -1,0 +1,237 @@
+"""What a join asks of the device: the host's device operations and waits when a serving loop replaces a sequence.
+
+    python benchmarks/join_host.py [--out benchmarks/results/join-host-cpu.md]       # CPU + numba's simulator: counts
+    python benchmarks/join_host.py --device cuda --layers 32 --kv-heads 8 --head-dim 128 --prompt 4096 \\
+        --out $OUT/join-host-h200.md                                                  # a GPU: counts and host time
+
+A join is what benchmarks/serving.py's join scenario does between two steps: a sequence leaves and a prompt's K/V
+(every layer) take its row,
+
+    cache.remove_sequence(row)
+    row = cache.add_sequence(k, v)          # [layers, kv_heads, prompt, head_dim] on the device
+
+in a paged cache with adaptation on (its default) and the adaptation rule on the device.
+The content is real: the sample shipped in the package (SmolLM2-135M's K/V on English prose, 768 tokens; its
+layers and heads repeated for more, two heads side by side for a head of 128).  The batch holds its first
+``--base + 97 i`` tokens, the prompt is its last ``--prompt`` tokens, and the calibration comes from its first
+``--calib`` tokens.  In a serving loop the GPU still runs the steps queued before the join: every wait of the host
+drains that queue and leaves the GPU idle while the host goes on, so what counts is how many waits a join makes
+and whether they grow with the layers; the table also says how many epochs the join appended.
+
+Counted (benchmarks/step_host.py's :class:`StepOps`, the GPU's branches counted as a GPU takes them), by the part
+of the join that issues them: ``remove`` (``remove_sequence``), ``prepare`` (each layer's update prepared),
+``rule`` (the rule's batch launched), ``reserve`` (records reserved, loans from the arena), ``encode`` (the
+encodes launched, and their counts read where a list might run dry), ``decisions`` (the rule's decisions taken
+up), ``commit`` (tables, tails, epochs appended), ``other`` (the lengths).  On the CPU the wall time is the
+simulator's kernels': the counts are the result there; with ``--device cuda`` the host time of the join (no
+synchronisation inside it) and the device time after it are measured in a second run without the counter.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1" if "--device" not in sys.argv or "cpu" in sys.argv else "0")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from benchmarks.report import commit_with_changes, table  # noqa: E402
+from benchmarks.step_host import DEVICE_OPS, KINDS, StepOps  # noqa: E402
+
+PARTS = ("remove", "prepare", "rule", "reserve", "encode", "decisions", "commit", "other")
+
+
+def sample(layers: int, heads: int, dim: int) -> tuple:
+    """The shipped real sample (``gaac/data``, SmolLM2-135M on English prose: 4 layers, 3 KV heads x 64, 768
+    tokens) as K and V BF16 bits ``[layers, heads, 768, dim]``: its layers and heads repeated, and for a wider head
+    ``dim // 64`` of its heads side by side."""
+    data = np.load(ROOT / "gaac" / "data" / "smollm2-135m__prose.npz")
+    per = dim // 64
+    li = np.arange(layers) % data["k"].shape[0]
+    hi = (np.arange(heads * per) % data["k"].shape[1]).reshape(heads, per)
+
+    def tile(x):
+        x = x[li][:, hi]                                        # [layers, heads, per, tokens, 64]
+        return np.ascontiguousarray(x.transpose(0, 1, 3, 2, 4).reshape(layers, heads, x.shape[3], dim))
+
+    return tile(data["k"]), tile(data["v"])
+
+
+def make_cache(args, layers: int):
+    """A cache holding ``args.batch`` sequences of ``args.base + 97 i`` tokens of the sample's text and the prompt
+    that joins (its last ``args.prompt`` tokens), calibrated on the text's first ``args.calib`` tokens."""
+    import gaac
+    from gaac import PagedKVCache
+    from gaac import layout as L
+
+    k_all, v_all = sample(layers, args.kv_heads, args.head_dim)
+    lens = [args.base + 97 * i for i in range(args.batch)]
+    if max(lens) > k_all.shape[2] or args.prompt > k_all.shape[2]:
+        raise SystemExit(f"the sample holds {k_all.shape[2]} tokens: lengths {lens} and a {args.prompt}-token prompt "
+                         "do not fit")
+    kv = [(k_all[:, :, :n], v_all[:, :, :n]) for n in lens]
+    cal = gaac.calibrate(k_all[:, :, :args.calib], v_all[:, :, :args.calib])
+    blocks = -(-max(max(lens), args.prompt) // 16) + 1
+    # room for every tile raw: a cache of a few hundred tokens has an arena of a few records (4% of its tiles),
+    # which the sample's first layer alone can overflow; the counts do not depend on the room
+    cache = PagedKVCache(cal, max_seqs=args.batch, max_blocks=blocks, device=args.device, codec="cuda",
+                         raw_tiles=2 * layers * (args.batch + 1) * blocks * args.kv_heads * L.tiles_per_head(args.head_dim))
+    dev = cache.device
+    if args.device == "cpu":
+        # the simulator's encoder takes a tenth of a second a tile: the batch is encoded by the reference codec
+        # and imported, bytes unchanged (the join's prompt goes through the CUDA codec)
+        ref = PagedKVCache(cal, max_seqs=1, max_blocks=blocks, codec="reference", grow=True)
+        rows = []
+        for k, v in kv:
+            ref.add_sequence(k, v)
+            rows.append(cache.import_sequence(ref.export_sequence(0)))
+            ref.remove_sequence(0)
+        cache._rule_on_device = True          # the prompt's rule on the device, as on a GPU
+    else:
+        rows = [cache.add_sequence(torch.from_numpy(k.view(np.int16)).to(dev),
+                                   torch.from_numpy(v.view(np.int16)).to(dev)) for k, v in kv]
+    end = k_all.shape[2]
+    pk = torch.from_numpy(k_all[:, :, end - args.prompt:].copy().view(np.int16)).to(dev)
+    pv = torch.from_numpy(v_all[:, :, end - args.prompt:].copy().view(np.int16)).to(dev)
+    return cache, rows, pk, pv
+
+
+def join(cache, rows, pk, pv, i: int) -> None:
+    """Sequence ``i % batch`` leaves and the prompt takes its row."""
+    at = i % len(rows)
+    cache.remove_sequence(rows[at])
+    rows[at] = cache.add_sequence(pk, pv)
+
+
+def measure(args, layers: int) -> dict:
+    from gaac.cache.paged import PagedKVCache
+    from gaac.cache.update import UpdateTransaction
+
+    cache, rows, pk, pv = make_cache(args, layers)
+    cuda = args.device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    epochs_before = sum(cache.calibration.n_epochs(layer, kind) for layer in range(layers) for kind in (0, 1))
+    joins = []
+    i = 0
+    for _ in range(args.joins):
+        sync()
+        with StepOps(args.device) as ops:
+            for owner, name, part in ((PagedKVCache, "remove_sequence", "remove"),
+                                      (UpdateTransaction, "_prepare", "prepare"),
+                                      (UpdateTransaction, "_launch_rule", "rule"),
+                                      (UpdateTransaction, "_reserve", "reserve"),
+                                      (UpdateTransaction, "_encode_on_device", "encode"),
+                                      (UpdateTransaction, "_finish_rule", "decisions"),
+                                      (UpdateTransaction, "_commit", "commit")):
+                ops.in_phase(owner, name, part)
+            ops.phase = "other"
+            before = sum(cache.calibration.n_epochs(layer, kind) for layer in range(layers) for kind in (0, 1))
+            join(cache, rows, pk, pv, i)
+            counts, by_op, _ = ops.new_step()
+        appended = sum(cache.calibration.n_epochs(layer, kind) for layer in range(layers) for kind in (0, 1)) - before
+        joins.append(dict(counts={p: dict(c) for p, c in counts.items()}, by_op={p: dict(c) for p, c in by_op.items()},
+                          epochs=appended))
+        i += 1
+    sync()
+    host_ms, device_ms = [], []
+    for _ in range(args.runs if cuda else 0):
+        sync()
+        t0 = time.perf_counter()
+        join(cache, rows, pk, pv, i)
+        t1 = time.perf_counter()
+        sync()
+        host_ms.append((t1 - t0) * 1e3)
+        device_ms.append((time.perf_counter() - t0) * 1e3)
+        i += 1
+    epochs = sum(cache.calibration.n_epochs(layer, kind) for layer in range(layers) for kind in (0, 1)) - epochs_before
+    return dict(layers=layers, joins=joins, epochs_appended=epochs,
+                host_ms=statistics.median(host_ms) if host_ms else None,
+                done_ms=statistics.median(device_ms) if device_ms else None)
+
+
+def render(rep: dict) -> str:
+    a = rep["args"]
+    out = [f"# A join's host side: device operations and waits ({rep['device']})", "",
+           f"- {rep['machine']}, {rep['date']}, commit {rep['commit']}, torch {rep['torch']}",
+           f"- command: `{rep['command']}`",
+           f"- a batch of {a['batch']} sequences ({a['base']} + 97 i tokens), {a['kv_heads']} KV heads x {a['head_dim']}; "
+           f"a {a['prompt']}-token prompt replaces one, {a['joins']} times; adaptation on, the rule on the device, "
+           f"calibration from the text's first {a['calib']} tokens; content: the shipped sample (SmolLM2-135M, prose)",
+           "- benchmarks/join_host.py says what each part counts; `device ops` sums "
+           + ", ".join(DEVICE_OPS) + "; `sync` is the host waiting for the device", ""]
+    rows = []
+    for r in rep["results"]:
+        for j, jn in enumerate(r["joins"]):
+            for part in PARTS + ("join",):
+                if part == "join":
+                    c = collections.Counter()
+                    for v in jn["counts"].values():
+                        c.update(v)
+                else:
+                    c = collections.Counter(jn["counts"].get(part, {}))
+                if not c and part != "join":
+                    continue
+                name = f"**{part}**" if part == "join" else part
+                rows.append([r["layers"], j, jn["epochs"], name] + [c.get(k, 0) for k in KINDS]
+                            + [sum(c.get(k, 0) for k in DEVICE_OPS)])
+    out += table(["layers", "join", "epochs appended", "part"] + list(KINDS) + ["device ops"], rows)
+    out.append("")
+    for r in rep["results"]:
+        jn = r["joins"][-1]
+        waits = collections.Counter()
+        for part, ops in jn["by_op"].items():
+            for op, n in ops.items():
+                if op.startswith("sync:"):
+                    waits[f"{part} {op[5:]}"] += n
+        listed = ", ".join(f"{k} {v}" for k, v in waits.most_common()) or "none"
+        out.append(f"- {r['layers']} layers, join {len(r['joins']) - 1}: waits by part and op: {listed}")
+        if r["host_ms"] is not None:
+            out.append(f"- {r['layers']} layers: a join's host time {r['host_ms']:.2f} ms (median of {a['runs']}), "
+                       f"done on the device {r['done_ms']:.2f} ms")
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--layers", default="2,4", help="comma-separated layer counts (the counts must not grow)")
+    ap.add_argument("--kv-heads", type=int, default=1)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--base", type=int, default=200, help="the first sequence's length")
+    ap.add_argument("--prompt", type=int, default=296, help="the joining prompt's tokens (from the text's end)")
+    ap.add_argument("--calib", type=int, default=64, help="calibration tokens (from the text's start)")
+    ap.add_argument("--joins", type=int, default=2, help="joins counted")
+    ap.add_argument("--runs", type=int, default=10, help="joins timed (GPU)")
+    ap.add_argument("--out", type=Path, help="markdown report (and JSON beside it)")
+    args = ap.parse_args(argv)
+    results = [measure(args, int(n)) for n in args.layers.split(",")]
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    rep = dict(device=device, machine=f"{platform.machine()} {os.cpu_count()} cores",
+               date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+               commit=commit_with_changes("benchmarks/join_host.py"), torch=torch.__version__,
+               command="python benchmarks/join_host.py " + " ".join(sys.argv[1:] if argv is None else argv),
+               args=vars(args) | {"out": str(args.out) if args.out else None}, results=results)
+    text = render(rep)
+    print(text)
+    if args.out:
+        import json
+
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+        args.out.with_suffix(".json").write_text(json.dumps(rep, indent=1, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
