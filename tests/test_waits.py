@@ -15,7 +15,6 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("numba")
 
-from gaac import arrays  # noqa: E402
 from gaac.cache.paged import PagedKVCache  # noqa: E402
 from gaac.cache.pools import RawArena  # noqa: E402
 from tests.test_construction import calibration, counting, make_all  # noqa: E402
@@ -99,7 +98,7 @@ def test_appending_epochs_waits_for_nothing():
     tables = [tuple(rng.integers(100, 130, size=(cal.kv_heads, cal.head_dim)).astype(np.uint8) for _ in range(2))
               for _ in range(3)]
     with counting() as ops:
-        store.add_epochs(tables, lambda a: arrays.upload(a, CPU))
+        store.add_epochs(tables)
     assert ops.counts["sync"] == 0 and ops.counts["h2d"] == 1, ops.by_op
     assert store.b3.shape[0] == store.tb4.shape[0] == 4
     for e, (b3, b4) in enumerate(tables, start=1):

@@ -408,6 +408,7 @@ class DeviceShare(_Share, DevicePool):
         several shares' loans in one copy)."""
         indices = np.sort(indices).astype(np.int32)
         k, device = len(indices), self.data.device
+
         def up():
             return on_device if on_device is not None else arrays.upload(indices, device)
 
@@ -537,17 +538,12 @@ class RawArena:
         parts += [s.free if isinstance(s, HostShare) else s._rest().cpu().numpy() for s in self.shares]
         return np.sort(np.concatenate(parts).astype(np.int64))
 
-    def _lend(self, share, k: int, read: bool = True) -> int:
-        """Lend ``share`` ``k`` records of the reserve (fewer where it holds fewer); return how many.  ``read``
-        False: the caller has just read the share's count from the device (:func:`sync_pools`) and launched
-        nothing since, so that lending waits for nothing."""
+    def _lend(self, share, k: int) -> int:
+        """Lend ``share`` ``k`` records of the reserve (fewer where it holds fewer); return how many."""
         k = min(k, self._top)
         if k:
-            room = self._room(share, k, read)
-            if room is None:
-                share.extend(self._stack[self._top - k:self._top].copy(), read=read)
-            else:
-                share.extend(self._stack[self._top - k:self._top].copy(), room, read=read)
+            room = self._room(share, k)
+            share.extend(self._stack[self._top - k:self._top].copy(), room)
             self._top -= k
         return k
 

@@ -41,31 +41,24 @@ class _Kind:
     encoders: dict = field(default_factory=dict)    # (epoch, pools) -> the CUDA codec's EncodePlan
     packed: dict = field(default_factory=dict)      # epoch -> its per-tile bases packed for the CUDA codec (device)
 
-    def add_epoch(self, b3: np.ndarray, b4: np.ndarray, to_device) -> None:
-        """Append one epoch's bases ``[kv_heads, head_dim]`` to the device tables (``to_device``: as in
-        :meth:`add_epochs`)."""
-        self.add_epochs([(b3, b4)], to_device)
+    def add_epoch(self, b3: np.ndarray, b4: np.ndarray) -> None:
+        """Append one epoch's bases ``[kv_heads, head_dim]`` to the device tables."""
+        self.add_epochs([(b3, b4)])
 
-    def add_epochs(self, tables: list, to_device) -> None:
+    def add_epochs(self, tables: list) -> None:
         """Append epochs ``tables`` ((b3, b4) ``[kv_heads, head_dim]`` each, in order) to the device tables with
         one concatenation per table (appending them one by one would copy each table once per epoch), their
-        bytes brought over in one copy by ``to_device`` (a host array on the cache's device: the cache's
-        asynchronous pinned copy, so that appending epochs never waits for the device)."""
+        bytes brought over in one asynchronous copy (:func:`gaac.arrays.upload`: appending epochs never waits
+        for the device)."""
         tiles = [tile_bases(b3, b4) for b3, b4 in tables]
         new = [np.stack(part).astype(np.uint8) for part in ([t[0] for t in tables], [t[1] for t in tables],
                                                               [t[0] for t in tiles], [t[1] for t in tiles])]
-        flat = to_device(np.concatenate([a.reshape(-1) for a in new]))
+        flat = arrays.upload(np.concatenate([a.reshape(-1) for a in new]), self.b3.device)
         at = 0
         for name, a in zip(("b3", "b4", "tb3", "tb4"), new):
             old = getattr(self, name)
             setattr(self, name, torch.cat([old, flat[at:at + a.size].view(a.shape)]))
             at += a.size
-
-    def give_back(self, entries: np.ndarray, read: bool = True) -> None:
-        """Return the records that table ``entries`` (uint32 words as int64) point at: slots to the slot pool,
-        raw tiles (entries with the raw flag, bit 31) to this kind's share of the arena.  ``read`` False: the
-        caller has just read the pools' counts from the device (:func:`gaac.cache.pools.sync_pools`)."""
-        give_back_all([self], [entries], read)
 
     def pools_key(self) -> tuple:
         """What an EncodePlan bakes in: the versions of the pools' arrays and free lists."""
@@ -73,8 +66,11 @@ class _Kind:
 
 
 def give_back_all(stores: list, entries: list, read: bool = True) -> None:
-    """:meth:`_Kind.give_back` of each store's ``entries``, the slot records of every device pool brought to the
-    device in one copy (a removed sequence gives back to every layer and kind)."""
+    """Return the records that each store's table ``entries`` (uint32 words as int64) point at: slots to its slot
+    pool, raw tiles (entries with the raw flag, bit 31) to its share of the arena; the slot records of every
+    device pool brought to the device in one copy (a removed sequence gives back to every layer and kind).
+    ``read`` False: the caller has just read the pools' counts from the device
+    (:func:`gaac.cache.pools.sync_pools`)."""
     parts = []
     for store, e in zip(stores, entries):
         is_raw = (e & L.TABLE_RAW_FLAG) != 0

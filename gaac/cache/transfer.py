@@ -115,11 +115,6 @@ def _rows(x: torch.Tensor, record_bytes: int) -> torch.Tensor:
     return x.reshape(-1).view(torch.uint8).view(torch.int64).view(-1, record_bytes // 8)
 
 
-def _upload(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    """Host array ``a`` as a tensor on ``device``, without the host waiting (:func:`gaac.arrays.upload`)."""
-    return arrays.upload(a, device)
-
-
 def _chunk_crcs(body: torch.Tensor):
     """CRC-32 of the chunks of ``body`` (FORMAT.md 11.5; ``body`` starts on a chunk): on the CPU all of them, by
     zlib (uint32); on a CUDA device the whole chunks, by :mod:`gaac.cuda.crc` (int32 bits, on the device,
@@ -244,7 +239,7 @@ class _BodyCheck:
         lay = c.layout
         self.whole = lay.body_bytes // L.SEQUENCE_CHUNK_BYTES if self.cuda else lay.chunks   # CRCs on the device
         if self.cuda:
-            self.expected = _upload(c.chunk_crcs[:self.whole].view(np.int32), body.device)
+            self.expected = arrays.upload(c.chunk_crcs[:self.whole].view(np.int32), body.device)
 
     def chunks(self, start: int, end: int) -> None:
         """The CRCs of the chunks of ``body[start:end]`` (``start`` on a chunk)."""
@@ -424,13 +419,13 @@ class _Writer:
                 self.scatter(i, body)
         seq = int(np.flatnonzero(~cache._live)[0])
         epochs = [to_cache[e].astype(np.int16) for e, to_cache in zip(block_epochs, maps)]
-        on_device = _upload(np.stack(epochs), cache.device) if cache.adapt else None
+        on_device = arrays.upload(np.stack(epochs), cache.device) if cache.adapt else None
         for i, (s, tables) in enumerate(zip(lay.sections, appended)):
             store = cache._store[s.layer][s.kind]
             for b3, b4 in tables:
                 cache.calibration.add_epoch(s.layer, s.kind, b3, b4)
             if tables:
-                store.add_epochs(tables, cache._to_device)
+                store.add_epochs(tables)
                 cache._epochs_appended(s.layer)
             store.slots.take_upcoming(s.slot_tiles)
             store.raw.take_upcoming(s.raw_tiles)
@@ -546,7 +541,7 @@ def export_sequence(cache, seq: int, *, calibration: bool = False, out=None, hea
             raise InputError(f"out: the buffer is strided (strides {host.stride()}); pass a contiguous one")
         host = host[:lay.nbytes]
     body = torch.empty(lay.body_bytes, dtype=torch.uint8, device=cache.device) if cuda else host[lay.body_offset:]
-    epochs = _upload(np.stack([st.epochs for st in stored]).astype(np.int16), body.device)
+    epochs = arrays.upload(np.stack([st.epochs for st in stored]).astype(np.int16), body.device)
     crcs = []
 
     def work(start: int, end: int, sections: range) -> None:

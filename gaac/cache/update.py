@@ -502,7 +502,7 @@ class UpdateTransaction:
                 n = min(store.adapter.until_check, len(blocks))
                 epoch = store.adapter.observe(blocks[:n])
                 if epoch is not None:
-                    store.add_epoch(*self._calibration.bases(layer, kind, epoch), self._to_device)
+                    store.add_epoch(*self._calibration.bases(layer, kind, epoch))
                     appended = True
                 blocks = blocks[n:]
             if appended:
@@ -588,7 +588,7 @@ class UpdateTransaction:
             for store, layer, kind, before, rest in items:
                 if store.adapter.epoch != before:
                     store.add_epochs([self._calibration.bases(layer, kind, e)
-                                      for e in range(before + 1, store.adapter.epoch + 1)], self._to_device)
+                                      for e in range(before + 1, store.adapter.epoch + 1)])
                     layers.add(layer)
                 store.deferred[:0] = rest
                 if rest and upto is not None:       # observed at the next turn
@@ -770,8 +770,7 @@ class UpdateTransaction:
             if ran_dry is not None:
                 ran_dry()
             # What each job's share of the arena took (past its list's end where it ran dry): what the same
-            # tiles take when encoded again.
-            # (the shares' counts now and before, in one copy)
+            # tiles take when encoded again (the shares' counts now and before come in one copy).
             stores = [self._store[u.layer][kind] for u, kind in jobs]
             shares = [store.raw for store in stores]
             heads = count_arrays(shares)
@@ -887,7 +886,7 @@ class UpdateTransaction:
         for b3, b4 in plan.tables:
             self._calibration.add_epoch(u.layer, kind, b3, b4)
         if plan.tables:
-            store.add_epochs(plan.tables, self._to_device)
+            store.add_epochs(plan.tables)
             self._epochs_appended(u.layer)
         if plan.after is not None:
             plan.after.calibration = self._calibration
