@@ -111,6 +111,19 @@ def _locked(method):
 
 # ----------------------------------------------------------------------------------------------
 
+def _read_back(stores: list, rows: list) -> list:
+    """Each store's table entries ``rows`` (device int32) as uint32 words in int64 on the host, with every free
+    list's count of ``stores`` read too: one copy, one wait, after which giving the records back reads nothing."""
+    pools = [pool for store in stores for pool in (store.slots, store.raw)]
+    heads = count_arrays(pools)
+    host = torch.cat(rows + [h.reshape(-1) for h in heads]).cpu().numpy()
+    n = host.shape[0] - 2 * len(heads)
+    counts_read(pools, heads, host[n:].reshape(-1, 2))
+    words = host[:n].view(np.uint32).astype(np.int64)
+    ends = np.cumsum([row.numel() for row in rows])
+    return [words[end - row.numel():end] for row, end in zip(rows, ends)]
+
+
 class PagedKVCache(UpdateTransaction):
     """A paged, compressed KV cache for the layers, heads and head size of ``calibration``.
 
@@ -353,16 +366,7 @@ class PagedKVCache(UpdateTransaction):
         stores = [store for layer_store in self._store for store in layer_store]
         rows = [store.table[seq, :int(self._lens[layer, seq]) // L.BLOCK_TOKENS].reshape(-1)
                 for layer, layer_store in enumerate(self._store) for store in layer_store]
-        # every store's entries and every free list's count in one copy to the host (one wait): giving back
-        # then reads nothing more
-        pools = [pool for store in stores for pool in (store.slots, store.raw)]
-        heads = count_arrays(pools)
-        host = torch.cat(rows + [h.reshape(-1) for h in heads]).cpu().numpy()
-        n = host.shape[0] - 2 * len(heads)
-        entries = host[:n].view(np.uint32).astype(np.int64)
-        counts_read(pools, heads, host[n:].reshape(-1, 2))
-        ends = np.cumsum([row.numel() for row in rows])
-        give_back_all(stores, [entries[e - row.numel():e] for row, e in zip(rows, ends)], read=False)
+        give_back_all(stores, _read_back(stores, rows), read=False)
         # the row's table entries and block epochs, zeroed in every layer and kind at once where they are views of
         # one allocation (as a cache makes them)
         for held in ([store.table for store in stores], [store.epoch for store in stores if store.epoch is not None]):
@@ -783,12 +787,14 @@ class PagedKVCache(UpdateTransaction):
             done = after % L.BLOCK_TOKENS == 0
             if done.any():
                 at = (self._to_device(rows[done]), self._to_device(after[done] // L.BLOCK_TOKENS - 1))
-                for layer in sorted(layers):
-                    for store in self._store[layer]:
-                        store.give_back(store.table[at].reshape(-1).cpu().numpy().view(np.uint32).astype(np.int64))
-                        store.table[at] = 0
-                        if store.epoch is not None:
-                            store.epoch[at] = 0
+                stores = [store for layer in sorted(layers) for store in self._store[layer]]
+                # (the pools' counts, which the appends moved unaccounted, read with the entries)
+                give_back_all(stores, _read_back(stores, [store.table[at].reshape(-1) for store in stores]),
+                              read=False)
+                for store in stores:
+                    store.table[at] = 0
+                    if store.epoch is not None:
+                        store.epoch[at] = 0
             self._lengths_changed()
 
     # -- a decode step -----------------------------------------------------------

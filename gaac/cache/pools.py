@@ -627,9 +627,8 @@ class RawArena:
         needs = [(s, n) for s, n in asked if s.free_lower() < n]
         if not needs:
             return []
-        # the device's counts where the host's may be stale (one wait); an exact count is not read again: no
-        # encode was launched since it was read, and waiting here would wait behind whatever the GPU runs (a
-        # prefill's adaptation rule)
+        # the counts of the shares asked, read in one wait: a share's records are listed from its count on,
+        # and a step the host has not accounted yet (a graph replayed, not yet told) may have taken some
         free = self._free([s for s, _ in needs])
         lack = [(s, n - free[id(s)]) for s, n in needs if free[id(s)] < n]
         if sum(d for _, d in lack) > self._top:
@@ -652,10 +651,8 @@ class RawArena:
 
     @staticmethod
     def _free(shares) -> dict:
-        """id(share) -> its free records, exact: the counts that may be stale read in one wait (:func:`sync_pools`),
-        the exact ones as the host holds them."""
-        sync_pools([s for s in shares if not s.exact])
-        return {id(s): max(s.free_lower(), 0) for s in shares}
+        """id(share) -> its free records, read from the device in one wait (:func:`sync_pools`)."""
+        return dict(zip(map(id, shares), sync_pools(shares)))
 
     def _spread(self, lack: list) -> list:
         """Lend the whole reserve to the shares of ``lack`` (``(share, records it lacks)``, more in all than the

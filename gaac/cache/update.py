@@ -207,13 +207,16 @@ class UpdateTransaction:
     def _apply(self, updates: list) -> None:
         """Reserve, encode (GPU) and commit prepared updates: all of them, or nothing and an error.
 
-        On a GPU the adaptation rule runs while the host reserves and launches the encodes: the blocks a
+        On a GPU the host reserves, then the adaptation rule runs while the host launches the encodes: the blocks a
         rule still decides are encoded with their layer's newest epoch, which is what the rule keeps unless
         it appends an epoch; where it does, that layer and kind is encoded again once the decision is in (every
         one, where a guessed epoch ran a free list dry).  The host takes the rule's decisions while the
         encodes run.  Where the rule keeps every guess and appends no epoch, the host also writes the update
         (tables, tails, lengths, block epochs, adapters) before it waits for the encodes' counts, and undoes
         that write if a free list ran dry (:meth:`_written_early`)."""
+        # the reservation first: where it reads the device's counts it then waits only for what ran before the
+        # update, not behind the rule's kernels, which hold the GPU once launched
+        self._reserve(updates)
         rule = self._launch_rule(updates)
         encoded, redo, done, early = True, [], False, None
 
@@ -237,7 +240,6 @@ class UpdateTransaction:
                 early = None
 
         try:
-            self._reserve(updates)
             if self._cuda_codec:
                 encoded = self._encode_on_device(updates, guessing=bool(rule), before_check=before_check,
                                                  ran_dry=ran_dry)
@@ -662,8 +664,7 @@ class UpdateTransaction:
         short += self._arena.cover(exact)
         self._arena.cover(guess)
         # The device's exact counts where the lower bounds fall short: one wait for all such pools.
-        # (A count already exact needs no wait: a new cache's, or one read since its last encode.  Waiting
-        # here would also wait behind the adaptation rule's kernels, which hold the GPU.)
+        # (A count already exact needs no wait: a new cache's, or one read since its last encode.)
         stale = [pool for store, n, fits in jobs if fits is None for pool in (store.slots, store.raw)
                  if pool.free_lower() < n and not pool.exact]
         if stale:
