@@ -629,11 +629,10 @@ class RawArena:
             return []
         # the counts of the shares asked, read in one wait: a share's records are listed from its count on,
         # and a step the host has not accounted yet (a graph replayed, not yet told) may have taken some
-        free = self._free([s for s, _ in needs])
+        free = dict(zip(map(id, (s for s, _ in needs)), sync_pools([s for s, _ in needs])))
         lack = [(s, n - free[id(s)]) for s, n in needs if free[id(s)] < n]
         if sum(d for _, d in lack) > self._top:
-            held = self._free(self.shares)
-            every = [held[id(s)] for s in self.shares]
+            every = sync_pools(self.shares)
             if self._top + sum(every) < sum(n for _, n in asked):
                 return self._spread(lack)
             # Every free record back to the reserve, then each share asked is lent all it needs.
@@ -648,11 +647,6 @@ class RawArena:
             top -= k
         lent = self._lend_all(asks)
         return [(s, d - n) for (s, d), n in zip(lack, lent) if n < d]
-
-    @staticmethod
-    def _free(shares) -> dict:
-        """id(share) -> its free records, read from the device in one wait (:func:`sync_pools`)."""
-        return dict(zip(map(id, shares), sync_pools(shares)))
 
     def _spread(self, lack: list) -> list:
         """Lend the whole reserve to the shares of ``lack`` (``(share, records it lacks)``, more in all than the
