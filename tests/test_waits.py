@@ -149,3 +149,50 @@ def test_removing_a_sequence_waits_once_whatever_the_layers():
         again = cache.import_sequence(export)
         assert cache.export_sequence(again) == export
     assert counts[2] == counts[4]
+
+
+@pytest.mark.parametrize("n_shares", [4, 8])
+def test_growing_pools_waits_once(n_shares):
+    """Shares and slot pools too small for an update (``grow=True``): their counts are read in one wait, the
+    arena grows once and every loan reaches the device in one copy (before, each share and pool read its count
+    on its own and the arena grew for each share)."""
+    from gaac.cache.pools import DevicePool, grow_pools, grown
+    arena, shares = device_arena(8 * n_shares, n_shares)
+    assert arena.cover([(s, 8) for s in shares]) == []                 # the whole arena lent
+    _taken(shares, 2)
+    slots = DevicePool("slots", 16, (64,), torch.uint8, CPU, torch.zeros(2, dtype=torch.int32), 0)
+    slots.heads[0] += 3
+    slots.pending += 3
+    size = arena.size
+    with counting() as ops:
+        grow_pools([(s, 40) for s in shares] + [(slots, 30)])
+    assert ops.counts["sync"] == 1, ops.by_op
+    assert ops.counts["h2d"] == 1, ops.by_op           # every share's loan in one copy
+    assert arena.size == grown(size, 40 * n_shares) == arena.data.shape[0]     # one growth step for all of them
+    assert all(s.n_free() >= 40 for s in shares) and slots.n_free() >= 30
+    held = records(arena, shares)
+    assert len(held) == len(set(held)) == arena.size - 2 * n_shares     # every record once; the taken ones held
+
+
+def test_a_prompt_too_large_for_small_pools_waits_a_fixed_few_times():
+    """A cache whose pools are far too small (``grow=True``, as a cache made without a budget starts): the
+    prompt's encode runs dry and every pool grows, each with a wait of its own before.  Now the pools' counts
+    are read together, so the waits and the storage changes (each one a re-plan of attention) stay the same
+    whatever the layers, and the cache holds the prompt exactly."""
+    waits, changes = {}, {}
+    for layers in (2, 4):
+        cal = calibration(layers)
+        rng = np.random.default_rng(layers)
+        k_c, v_c = ((cal.b_narrow[kind] + 6)[:, :, None, :].astype(np.float64) for kind in (0, 1))
+        k, v = content(rng, k_c, 64), content(rng, v_c, 64)
+        cache = PagedKVCache(cal, max_seqs=2, max_blocks=2, codec="cuda", slots=4, raw_tiles=4, grow=True)
+        version = cache.storage_version
+        with counting() as ops:
+            seq = cache.add_sequence(k, v)
+        waits[layers], changes[layers] = ops.counts["sync"], cache.storage_version - version
+        got_k, got_v = cache.read(seq)
+        np.testing.assert_array_equal(got_k, k)
+        np.testing.assert_array_equal(got_v, v)
+    assert changes[2] == changes[4] <= 3, changes
+    # the reservation may read the counts once more where its guess falls short (content, not layers)
+    assert waits[4] <= waits[2] + 2 and waits[4] <= 12, waits

@@ -84,7 +84,7 @@ from . import hooks
 from .codec import codec_for, tiles_to_tokens
 from .hooks import RECORDING, ServingState, check_not_recording
 from .memory import MemoryReport
-from .pools import count_arrays, counts_read, RawArena, grown, sync_pools
+from .pools import count_arrays, counts_read, RawArena, grow_pools, grown, sync_pools
 from .store import KINDS, give_back_all, make_stores
 from .update import Deferral, UpdateTransaction, _runs
 from .view import LayerView
@@ -733,8 +733,8 @@ class PagedKVCache(UpdateTransaction):
         if short and not self.grow:
             raise self._exhausted(*short[0], f"the steps planned (they finish {n} tiles per layer and kind, each of "
                                              "which may need a slot or a raw tile)")
-        for pool, lack in short:
-            pool.grow_by(lack)
+        if short:
+            grow_pools(short)
             self._storage_changed()
 
     def account_decode_step(self, layers, fin: np.ndarray, blk: np.ndarray, epochs, index=None):

@@ -68,7 +68,9 @@ class Pool:
         """Free records, at least: exact for a host free list (see :meth:`DevicePool.free_lower`)."""
         return self._top
 
-    def grow_to(self, n: int) -> None:
+    def grow_to(self, n: int, read: bool = True) -> None:
+        """Enlarge the pool to ``n`` records, the new ones free (``read``: a device pool's, see
+        :meth:`DevicePool.grow_to`)."""
         old = self.size
         extra = torch.zeros((n - old, *self.data.shape[1:]), dtype=self.data.dtype, device=self.data.device)
         self.data = torch.cat([self.data, extra])
@@ -76,9 +78,10 @@ class Pool:
                                       np.zeros(old - self._top, dtype=np.int64)])
         self._top += n - old
 
-    def grow_by(self, extra: int) -> None:
-        """Make room for ``extra`` more records than are free (``grow=True``): a growth step of :func:`grown`."""
-        self.grow_to(grown(self.size, extra))
+    def grow_by(self, extra: int, read: bool = True) -> None:
+        """Make room for ``extra`` more records than are free (``grow=True``): a growth step of :func:`grown`
+        (``read`` False: the caller has just read a device pool's count, :func:`grow_pools`)."""
+        self.grow_to(grown(self.size, extra), read)
 
     def take(self, k: int) -> np.ndarray:
         """The ``k`` lowest-placed free records (the top of the stack), removed from the free list."""
@@ -245,12 +248,14 @@ class DevicePool(Pool):
             self.sync()
         return self.order[min(self.taken, self.listed):self.listed]
 
-    def grow_to(self, n: int) -> None:
+    def grow_to(self, n: int, read: bool = True) -> None:
+        """Enlarge the pool to ``n`` records: a new array and a new free list, the free records and then the new
+        ones (``read`` False: the caller has just read the count, so the list's free part needs no wait)."""
         old = self.size
         extra = torch.zeros((n - old, *self.data.shape[1:]), dtype=self.data.dtype, device=self.data.device)
         self.data = torch.cat([self.data[:old], extra])
         self._size = n
-        order = torch.cat([self._rest(), torch.arange(old, n, dtype=torch.int32, device=self.data.device)])
+        order = torch.cat([self._rest(read), torch.arange(old, n, dtype=torch.int32, device=self.data.device)])
         self._set_order(order, n)           # a new list, as the data is new
 
     def take(self, k: int) -> np.ndarray:
@@ -309,6 +314,28 @@ def counts_read(pools, heads: list, values) -> None:
             p.taken, p.pending, p._snap = int(counts[id(p.heads)][p.cls]), 0, None
 
 
+def grow_pools(lacks, read: bool = True) -> None:
+    """Grow each ``(pool, records it lacks)`` of ``lacks`` (``grow=True``; a pool named twice lacks the sum)
+    with one wait for the device however many pools: their counts are read together (not at all with ``read``
+    False: the caller has just read them), each slot pool takes a growth step's new list, and the raw shares
+    are lent by their arena together (:meth:`RawArena.lend_growing`)."""
+    merged: dict = {}
+    for pool, n in lacks:
+        merged[id(pool)] = (pool, merged.get(id(pool), (pool, 0))[1] + n)
+    lacks = [(pool, n) for pool, n in merged.values() if n > 0]
+    if not lacks:
+        return
+    if read:
+        sync_pools([pool for pool, _ in lacks])
+    shares = [(pool, n) for pool, n in lacks if isinstance(pool, _Share)]
+    for pool, n in lacks:
+        if not isinstance(pool, _Share):
+            pool.grow_by(n, read=False)
+    arenas = {id(s.arena): s.arena for s, _ in shares}
+    for key, arena in arenas.items():
+        arena.lend_growing([(s, n) for s, n in shares if id(s.arena) == key], read=False)
+
+
 def sync_pools(pools) -> list[int]:
     """The free records of each pool, exact: the device pools' counts read with one synchronisation for all of
     them (:meth:`DevicePool.n_free` waits once per pool)."""
@@ -356,11 +383,11 @@ class _Share:
     def give(self, indices, read: bool = True) -> None:
         self.arena.release(self, indices)
 
-    def grow_to(self, n: int) -> None:
-        self.arena.lend_growing(self, n - self.size)
+    def grow_to(self, n: int, read: bool = True) -> None:
+        self.arena.lend_growing([(self, n - self.size)], read)
 
-    def grow_by(self, extra: int) -> None:
-        self.arena.lend_growing(self, extra)
+    def grow_by(self, extra: int, read: bool = True) -> None:
+        self.arena.lend_growing([(self, extra)], read)
 
 
 class HostShare(_Share, Pool):
@@ -538,17 +565,8 @@ class RawArena:
         parts += [s.free if isinstance(s, HostShare) else s._rest().cpu().numpy() for s in self.shares]
         return np.sort(np.concatenate(parts).astype(np.int64))
 
-    def _lend(self, share, k: int) -> int:
-        """Lend ``share`` ``k`` records of the reserve (fewer where it holds fewer); return how many."""
-        k = min(k, self._top)
-        if k:
-            room = self._room(share, k)
-            share.extend(self._stack[self._top - k:self._top].copy(), room)
-            self._top -= k
-        return k
-
     def _lend_all(self, asks: list) -> list:
-        """:meth:`_lend` of each ``(share, k)`` of ``asks`` in turn, after the caller has just read every one's
+        """Lend each ``(share, k)`` of ``asks`` ``k`` records of the reserve (fewer where it holds fewer), in turn, after the caller has just read every one's
         count (``read=False``); the device shares' records are brought to the device in one copy.  Returns
         what each was lent."""
         loans = []
@@ -672,10 +690,17 @@ class RawArena:
             s.data = self.data
             s.version = new_version()      # plans made with the old array are stale
 
-    def lend_growing(self, share, extra: int) -> None:
-        """Lend ``share`` ``extra`` more records from the reserve, growing the arena by a step of :func:`grown`
-        where the reserve lacks them (no other share gives any back: they may need theirs for the same update)."""
-        if self._top < extra:
-            self.grow_to(grown(self.size, extra - self._top))
-        self._lend(share, extra)
+    def lend_growing(self, asks: list, read: bool = True) -> None:
+        """Lend each ``(share, extra)`` of ``asks`` ``extra`` more records from the reserve, growing the arena
+        once, by a step of :func:`grown`, where the reserve lacks what they ask together (no other share gives
+        any back: they may need theirs for the same update).  The shares' counts are read in one wait (not
+        at all with ``read`` False: the caller has just read them) and every loan comes to the device in one
+        copy."""
+        asks = [(s, k) for s, k in asks if k > 0]
+        total = sum(k for _, k in asks)
+        if self._top < total:
+            self.grow_to(grown(self.size, total - self._top))
+        if read:
+            sync_pools([s for s, _ in asks])
+        self._lend_all(asks)
 

@@ -58,7 +58,7 @@ import torch
 
 from .. import arrays
 from .. import layout as L
-from .pools import grown, sync_pools
+from .pools import grow_pools, grown, sync_pools
 from ..calibration import Calibration, check_heads
 from ..errors import FormatError, InputError, PoolExhaustedError
 from ..format import sequence as F
@@ -409,11 +409,10 @@ class _Writer:
                 cache._grow_rows(2 * cache.max_seqs)
             if nb > cache.max_blocks:
                 cache._grow_blocks(grown(cache.max_blocks, nb - cache.max_blocks))
-            for _, grow in self.short:
-                if grow is not None:
-                    pool, lack = grow
-                    pool.grow_by(lack)
-                    cache._storage_changed()
+            lacks = [grow for _, grow in self.short if grow is not None]
+            if lacks:
+                grow_pools(lacks)
+                cache._storage_changed()
             self.records = self._records()       # the counts _shortfalls read, or a grown pool's new list
             for i in range(len(lay.sections)):
                 self.scatter(i, body)

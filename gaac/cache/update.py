@@ -34,7 +34,7 @@ from ..epochs import Adapter
 from ..errors import InputError, PoolExhaustedError
 from ..tiles import tile_bases
 from .codec import blocks_to_tiles
-from .pools import Arrival, _Share, count_arrays, counts_read, grown, sync_pools
+from .pools import Arrival, _Share, count_arrays, counts_read, grow_pools, grown, sync_pools
 from .store import KINDS, _Kind
 
 ADAPT_LAG = 2                # decode steps between a block's finish and the adaptation rule's look at it
@@ -682,9 +682,10 @@ class UpdateTransaction:
         for pool, n in short:
             if pool is None:
                 self._grow_blocks(grown(self.max_blocks, n - self.max_blocks))
-            else:
-                pool.grow_by(n)
-                self._storage_changed()
+        pools = [(pool, n) for pool, n in short if pool is not None]
+        if pools:
+            grow_pools(pools)
+            self._storage_changed()
 
     def _raw_guess(self, tiles: int) -> int:
         """Raw records to lend a share before the CUDA encoder codes ``tiles`` of its tiles: every tile for a
@@ -788,8 +789,7 @@ class UpdateTransaction:
             lack += self._arena.cover(took)
             if lack and not self.grow:
                 raise self._exhausted(*lack[0], "this update")
-            for pool, n in lack:
-                pool.grow_by(n)
+            grow_pools(lack, read=False)          # the counts were read with the put back, nothing launched since
             self._storage_changed()
 
     def _put_back(self, undo: list) -> None:
