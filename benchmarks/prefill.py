@@ -51,7 +51,9 @@ log, sync, free = DS.log, DS.sync, DS.free
 def new_cache(cal, s, tokens: int, adapt: bool):
     nblk = tokens // L.BLOCK_TOKENS
     per = s.kv_heads * L.tiles_per_head(s.head_dim)
-    return gaac.PagedKVCache(cal, max_blocks=nblk + 1, slots=nblk * per, raw_tiles=nblk * per // 4,
+    # raw records for a quarter of every layer and kind's tiles: a calibration from the first 256 tokens
+    # overflows many tiles before the rule's first epochs
+    return gaac.PagedKVCache(cal, max_blocks=nblk + 1, slots=nblk * per, raw_tiles=2 * s.layers * nblk * per // 4,
                              device=DS.DEV, adapt=adapt, codec="cuda")
 
 
@@ -79,7 +81,8 @@ def check(k, v, k_u, v_u, tokens: int, layers: int) -> dict:
     kk, vv = k[:layers, :, :tokens], v[:layers, :, :tokens]
     caches = {}
     for where, on_device in (("device", True), ("host", False)):
-        c = gaac.PagedKVCache(cal, max_blocks=tokens // L.BLOCK_TOKENS + 1, device=DS.DEV, codec="cuda")
+        # grow=True: a calibration from 256 tokens overflows more tiles than the default arena holds
+        c = gaac.PagedKVCache(cal, max_blocks=tokens // L.BLOCK_TOKENS + 1, device=DS.DEV, codec="cuda", grow=True)
         c._rule_on_device = on_device
         sync()
         t = time.perf_counter()

@@ -115,12 +115,12 @@ def content(rng, centres: np.ndarray, tokens: int) -> np.ndarray:
     return ((sm & 0x80) << 8) | (e << 7) | (sm & 0x7F)
 
 
-def _filled(layers: int, seqs: int = 2, tokens: int = 40):
+def _filled(layers: int, seqs: int = 2, tokens: int = 40, spread: int = 3):
     """A CUDA-codec cache (the simulator's) holding ``seqs`` sequences, imported from a reference cache."""
     cal = calibration(layers)
     rng = np.random.default_rng(layers)
     # exponents about the calibration's centres: most tiles take slots, a few the arena
-    k_c, v_c = ((cal.b_narrow[kind] + 3)[:, :, None, :].astype(np.float64) for kind in (0, 1))
+    k_c, v_c = ((cal.b_narrow[kind] + spread)[:, :, None, :].astype(np.float64) for kind in (0, 1))
     kv = [(content(rng, k_c, tokens), content(rng, v_c, tokens)) for _ in range(seqs)]
     raw = 2 * layers * 8 * 2 * seqs          # room for every tile raw: synthetic content overflows often
     ref = PagedKVCache(cal, max_seqs=1, max_blocks=8, codec="reference", adapt=False, raw_tiles=raw)
@@ -196,3 +196,22 @@ def test_a_prompt_too_large_for_small_pools_waits_a_fixed_few_times():
     assert changes[2] == changes[4] <= 3, changes
     # the reservation may read the counts once more where its guess falls short (content, not layers)
     assert waits[4] <= waits[2] + 2 and waits[4] <= 12, waits
+
+
+def test_a_removal_sorted_on_the_device_gives_back_what_the_host_sort_gives():
+    """The removed sequence's entries are sorted on the device, every layer and kind in one sort: each pool's
+    free list and the arena's reserve end as the host's sort pool by pool leaves them."""
+    from gaac.cache.paged import _give_back, _read_back
+    from gaac.cache.store import give_back_all
+    (cache, rows), (twin, _) = _filled(2, 2, 72, spread=4), _filled(2, 2, 72, spread=4)
+    results = []
+    for c, give in ((cache, lambda stores, r: _give_back(stores, r)),
+                    (twin, lambda stores, r: give_back_all(stores, _read_back(stores, r), read=False))):
+        stores = [store for layer_store in c._store for store in layer_store]
+        entries = [store.table[rows[0], :int(c._lens[layer, rows[0]]) // 16].reshape(-1)
+                   for layer, layer_store in enumerate(c._store) for store in layer_store]
+        assert any(bool((e < 0).any()) for e in entries) and any(bool((e >= 0).any()) for e in entries)
+        give(stores, entries)
+        results.append(([(s.slots._rest().tolist(), s.raw._rest().tolist()) for s in stores],
+                        sorted(c._arena._stack[:c._arena.reserve].tolist())))
+    assert results[0] == results[1]

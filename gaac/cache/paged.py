@@ -84,7 +84,7 @@ from . import hooks
 from .codec import codec_for, tiles_to_tokens
 from .hooks import RECORDING, ServingState, check_not_recording
 from .memory import MemoryReport
-from .pools import count_arrays, counts_read, RawArena, grow_pools, grown, sync_pools
+from .pools import DevicePool, count_arrays, counts_read, RawArena, grow_pools, grown, sync_pools
 from .store import KINDS, give_back_all, make_stores
 from .update import Deferral, UpdateTransaction, _runs
 from .view import LayerView
@@ -110,6 +110,45 @@ def _locked(method):
 
 
 # ----------------------------------------------------------------------------------------------
+
+def _give_back(stores: list, rows: list) -> None:
+    """Every record that each store's table entries ``rows`` (device int32) point at goes back to its pools,
+    with one copy and one wait: each pool's count is read with the entries.  Where the slot pools' free lists
+    live on the device the entries are sorted there (one sort for every store: a sequence of a long context
+    holds tens of thousands of entries per layer and kind, which the host would sort pool by pool), and each
+    slot pool takes its sorted records as a view of that one array; the host keeps only the raw records, which
+    return to the arena's stack."""
+    if not stores:
+        return
+    if not all(isinstance(store.slots, DevicePool) for store in stores):
+        give_back_all(stores, _read_back(stores, rows), read=False)
+        return
+    device = rows[0].device
+    lengths = [row.numel() for row in rows]
+    total, n = sum(lengths), len(stores)
+    if not total:
+        return
+    # a key per entry: the section (store i's slots: i, its raw tiles: n + i) above the record, so that one sort
+    # groups every section's records, in order
+    words = torch.cat(rows).long() & 0xFFFFFFFF
+    store_of = torch.repeat_interleave(torch.arange(n, device=device),
+                                       arrays.upload(np.asarray(lengths, dtype=np.int64), device), output_size=total)
+    section = store_of + n * (words >> 31)
+    records = (torch.sort((section << 32) | (words & L.TABLE_INDEX_MASK)).values & L.TABLE_INDEX_MASK).int()
+    pools = [pool for store in stores for pool in (store.slots, store.raw)]
+    heads = count_arrays(pools)
+    sizes = torch.bincount(section, minlength=2 * n).int()
+    host = torch.cat([records, sizes] + [h.reshape(-1) for h in heads]).cpu().numpy()
+    counts_read(pools, heads, host[total + 2 * n:].reshape(-1, 2))
+    ends = np.cumsum(host[total:total + 2 * n], dtype=np.int64)
+    starts = ends - host[total:total + 2 * n]
+    for i, store in enumerate(stores):
+        a, z = int(starts[i]), int(ends[i])
+        if z > a:
+            store.slots.give(None, read=False, on_device=records[a:z])
+        a, z = int(starts[n + i]), int(ends[n + i])
+        store.raw.give(host[a:z].astype(np.int64), read=False)
+
 
 def _read_back(stores: list, rows: list) -> list:
     """Each store's table entries ``rows`` (device int32) as uint32 words in int64 on the host, with every free
@@ -366,7 +405,7 @@ class PagedKVCache(UpdateTransaction):
         stores = [store for layer_store in self._store for store in layer_store]
         rows = [store.table[seq, :int(self._lens[layer, seq]) // L.BLOCK_TOKENS].reshape(-1)
                 for layer, layer_store in enumerate(self._store) for store in layer_store]
-        give_back_all(stores, _read_back(stores, rows), read=False)
+        _give_back(stores, rows)
         # the row's table entries and block epochs, zeroed in every layer and kind at once where they are views of
         # one allocation (as a cache makes them)
         for held in ([store.table for store in stores], [store.epoch for store in stores if store.epoch is not None]):
@@ -789,8 +828,7 @@ class PagedKVCache(UpdateTransaction):
                 at = (self._to_device(rows[done]), self._to_device(after[done] // L.BLOCK_TOKENS - 1))
                 stores = [store for layer in sorted(layers) for store in self._store[layer]]
                 # (the pools' counts, which the appends moved unaccounted, read with the entries)
-                give_back_all(stores, _read_back(stores, [store.table[at].reshape(-1) for store in stores]),
-                              read=False)
+                _give_back(stores, [store.table[at].reshape(-1) for store in stores])
                 for store in stores:
                     store.table[at] = 0
                     if store.epoch is not None:

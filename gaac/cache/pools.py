@@ -268,19 +268,22 @@ class DevicePool(Pool):
     def give(self, indices, read: bool = True, on_device=None) -> None:
         """Return records to the free list, after the free ones (the lowest of them first).  ``read`` False: the
         caller has just read this pool's count from the device (:func:`sync_pools`); ``on_device``: the records,
-        sorted, already on the device (int32; the caller brought several pools' in one copy).  Where the list's
+        sorted, already on the device (int32; the caller brought several pools' in one copy, or sorted them
+        there), in which case ``indices`` is not read.  Where the list's
         array has room past its end they are written there: the list's records are then the same, with no
         count reset and no copy of the records already listed (a removed sequence gives back to every
         layer's pools).  Otherwise the list is rebuilt from its start, which leaves room past its end for
         as many records as are in use: every record given back until the list is taken to its end again."""
-        back = np.sort(np.asarray(indices, dtype=np.int64).reshape(-1)).astype(np.int32)
-        if not len(back):
+        if on_device is None:
+            back = np.sort(np.asarray(indices, dtype=np.int64).reshape(-1)).astype(np.int32)
+            if not len(back):
+                return
+            on_device = arrays.upload(back, self.data.device)
+        elif not on_device.numel():
             return
         if not self.exact:
             self.sync()
-        m, end = len(back), self.listed
-        if on_device is None:
-            on_device = arrays.upload(back, self.data.device)
+        m, end = on_device.numel(), self.listed
         if self.taken <= end and end + m <= self.order.shape[0]:
             self.order[end:end + m].copy_(on_device)
             self.listed = end + m
