@@ -121,7 +121,7 @@ class Joins:
 
 def run_bf16(model, src, _cal, s, lens, args, every: int, prompt: int, graph: bool) -> dict:
     b = len(lens)
-    total = args.warmup + args.steps + args.profile + 1
+    total = args.warmup + args.steps + args.profile + 2 * args.join_phases + 1
     t_max = max(max(lens), prompt) + total + 1
     kc, vc = [], []
     for layer in range(s.layers):
@@ -205,7 +205,7 @@ class StepAttend:
 
 def run_gaac(model, src, cal, s, lens, args, every: int, prompt: int, graph: bool) -> dict:
     b = len(lens)
-    total = args.warmup + args.steps + args.profile + 1
+    total = args.warmup + args.steps + args.profile + 2 * args.join_phases + 1
     t_max = max(max(lens), prompt) + total + 1
     t0 = time.perf_counter()
     extra = {"codec": "cuda"} if SMOKE else {}      # the smoke run: the CUDA codec in numba's simulator
@@ -263,8 +263,18 @@ def run_gaac(model, src, cal, s, lens, args, every: int, prompt: int, graph: boo
     res.update(Window(run, args.steps, counters)(args.warmup))
     res["join_ms"] = joins.since(args.warmup)
     res["tok_s"] = b / res["ms"] * 1e3
+    if args.join_phases and every:
+        first = args.warmup + args.steps
+
+        def phase_step(j: int) -> None:
+            step()
+            for seq in seqs:
+                appended[seq].append(j)
+
+        res["join_phases"] = join_phases(cache, join, phase_step, first, b, args.join_phases)
+        args.profile_first = first + 2 * args.join_phases
     if args.profile:
-        res["profile"] = ds.kernel_profile(run, args.warmup + args.steps, args.profile)
+        res["profile"] = ds.kernel_profile(run, getattr(args, "profile_first", args.warmup + args.steps), args.profile)
     res["epochs_appended"] = int(sum(cache.calibration.n_epochs(layer, kind) - cal.n_epochs(layer, kind)
                                      for layer in range(s.layers) for kind in (0, 1)))
     res["memory_after"] = str(cache.memory())
@@ -273,6 +283,49 @@ def run_gaac(model, src, cal, s, lens, args, every: int, prompt: int, graph: boo
     res.update(check(cache, src, s, seqs, held, appended, nk, nv))
     if args.isolate and not SMOKE:
         res["isolate"] = isolate(cache, seqs, s, runner if graph else None)
+    return res
+
+
+def join_phases(cache, join, step, first: int, batch: int, n: int) -> dict:
+    """After the window, ``n`` more joins taken apart, the device synchronised between the parts (so that each
+    part's ms is its own, not the queue's): the removal, the new sequence and its prompt (host, then until the
+    device is done), the first step after the join and the one after it (host, then until done).  Medians."""
+    import statistics as st
+
+    parts = {k: [] for k in ("remove_ms", "prompt_host_ms", "prompt_done_ms", "first_step_host_ms",
+                             "first_step_done_ms", "next_step_host_ms", "next_step_done_ms")}
+    remove = cache.remove_sequence
+    for i in range(n):
+        row = 1 + i % max(batch - 1, 1)
+        timing = {}
+
+        def timed_remove(seq, _remove=remove, _t=timing):
+            t = time.perf_counter()
+            _remove(seq)
+            _t["remove"] = time.perf_counter() - t
+
+        ds.sync()
+        cache.remove_sequence = timed_remove
+        t0 = time.perf_counter()
+        try:
+            join(row)
+        finally:
+            del cache.remove_sequence
+        t1 = time.perf_counter()
+        ds.sync()
+        t2 = time.perf_counter()
+        parts["remove_ms"].append(1e3 * timing["remove"])
+        parts["prompt_host_ms"].append(1e3 * (t1 - t0 - timing["remove"]))
+        parts["prompt_done_ms"].append(1e3 * (t2 - t0 - timing["remove"]))
+        for name, j in (("first", first + 2 * i), ("next", first + 2 * i + 1)):
+            t = time.perf_counter()
+            step(j)
+            h = time.perf_counter()
+            ds.sync()
+            parts[f"{name}_step_host_ms"].append(1e3 * (h - t))
+            parts[f"{name}_step_done_ms"].append(1e3 * (time.perf_counter() - t))
+    res = {k: st.median(v) for k, v in parts.items()}
+    log("  join phases (medians, ms): " + ", ".join(f"{k} {v:.2f}" for k, v in res.items()))
     return res
 
 
@@ -378,6 +431,11 @@ def render(rep: dict) -> str:
               f"the cache does) median {statistics.median(v['join_ms']):.1f} ms, max {max(v['join_ms']):.1f} ms"
               for name, sc in rep["scenarios"].items() for k, v in sc.items()
               if isinstance(v, dict) and v.get("join_ms") and not v.get("earlier")]
+    joined += [f"- {name} {k}, a join taken apart after the window (the device synchronised between the parts; "
+               "medians, ms): " + ", ".join(f"{part.replace('_ms', '').replace('_', ' ')} {ms:.2f}"
+                                            for part, ms in v["join_phases"].items())
+               for name, sc in rep["scenarios"].items() for k, v in sc.items()
+               if isinstance(v, dict) and v.get("join_phases") and not v.get("earlier")]
     if joined:
         lines += ["", "Joins:", "", *joined]
     lines += ["", "Event medians (ms/step, the steps' GPU time) and GAAC's memory:", ""]
@@ -407,6 +465,8 @@ def main() -> None:
                     help="after the window, N steps more under torch's profiler: the kernels of a step (GPU only)")
     ap.add_argument("--isolate", action="store_true",
                     help="after each GAAC run, time its cache's attention apart from the step (GPU only)")
+    ap.add_argument("--join-phases", type=int, default=0,
+                    help="after each GAAC run with joins, N more joins taken apart, the device synchronised between the parts (outside the window)")
     ap.add_argument("--join-by-layer", action="store_true",
                     help="GAAC's prompts through update_layer without a deferral: a transaction a layer (the old way)")
     ap.add_argument("--merge", type=Path, default=None,
