@@ -225,12 +225,15 @@ def run_gaac(model, src, cal, s, lens, args, every: int, prompt: int, graph: boo
     held = {seq: (0, n) for seq, n in zip(seqs, lens)}       # row -> (content row, prompt tokens)
     appended = {seq: [] for seq in seqs}                      # row -> the steps whose token it took
 
-    def join(row: int) -> None:
-        cache.remove_sequence(row)
+    def fill(row: int) -> None:                 # the new sequence, in the row a removal freed, and its prompt
         seq = cache.add_sequence()
         assert seq == row
         prompt_by_layer(cache, seq, lambda layer: content(src, layer, b + row, 0, prompt), args.join_by_layer)
         held[row], appended[row] = (b + row, prompt), []
+
+    def join(row: int) -> None:
+        cache.remove_sequence(row)
+        fill(row)
 
     if graph:
         def model_step(plan):
@@ -271,7 +274,7 @@ def run_gaac(model, src, cal, s, lens, args, every: int, prompt: int, graph: boo
             for seq in seqs:
                 appended[seq].append(j)
 
-        res["join_phases"] = join_phases(cache, join, phase_step, first, b, args.join_phases)
+        res["join_phases"] = join_phases(cache.remove_sequence, fill, phase_step, first, b, args.join_phases)
         args.profile_first = first + 2 * args.join_phases
     if args.profile:
         res["profile"] = ds.kernel_profile(run, getattr(args, "profile_first", args.warmup + args.steps), args.profile)
@@ -286,37 +289,29 @@ def run_gaac(model, src, cal, s, lens, args, every: int, prompt: int, graph: boo
     return res
 
 
-def join_phases(cache, join, step, first: int, batch: int, n: int) -> dict:
+def join_phases(remove, fill, step, first: int, batch: int, n: int) -> dict:
     """After the window, ``n`` more joins taken apart, the device synchronised between the parts (so that each
-    part's ms is its own, not the queue's): the removal, the new sequence and its prompt (host, then until the
-    device is done), the first step after the join and the one after it (host, then until done).  Medians."""
+    part's ms is its own, not the queue's): ``remove(row)``, then ``fill(row)`` (the new sequence and its prompt:
+    host, then until the device is done), the first step after the join and the one after it (host, then until
+    done).  Medians."""
     import statistics as st
 
     parts = {k: [] for k in ("remove_ms", "prompt_host_ms", "prompt_done_ms", "first_step_host_ms",
                              "first_step_done_ms", "next_step_host_ms", "next_step_done_ms")}
-    remove = cache.remove_sequence
     for i in range(n):
         row = 1 + i % max(batch - 1, 1)
-        timing = {}
-
-        def timed_remove(seq, _remove=remove, _t=timing):
-            t = time.perf_counter()
-            _remove(seq)
-            _t["remove"] = time.perf_counter() - t
-
         ds.sync()
-        cache.remove_sequence = timed_remove
         t0 = time.perf_counter()
-        try:
-            join(row)
-        finally:
-            del cache.remove_sequence
-        t1 = time.perf_counter()
+        remove(row)
         ds.sync()
         t2 = time.perf_counter()
-        parts["remove_ms"].append(1e3 * timing["remove"])
-        parts["prompt_host_ms"].append(1e3 * (t1 - t0 - timing["remove"]))
-        parts["prompt_done_ms"].append(1e3 * (t2 - t0 - timing["remove"]))
+        fill(row)
+        t3 = time.perf_counter()
+        ds.sync()
+        t4 = time.perf_counter()
+        parts["remove_ms"].append(1e3 * (t2 - t0))
+        parts["prompt_host_ms"].append(1e3 * (t3 - t2))
+        parts["prompt_done_ms"].append(1e3 * (t4 - t2))
         for name, j in (("first", first + 2 * i), ("next", first + 2 * i + 1)):
             t = time.perf_counter()
             step(j)
