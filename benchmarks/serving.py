@@ -461,7 +461,8 @@ def main() -> None:
     ap.add_argument("--isolate", action="store_true",
                     help="after each GAAC run, time its cache's attention apart from the step (GPU only)")
     ap.add_argument("--join-phases", type=int, default=0,
-                    help="after each GAAC run with joins, N more joins taken apart, the device synchronised between the parts (outside the window)")
+                    help="after each GAAC run with joins, N more joins taken apart, the device synchronised "
+                         "between the parts (outside the window)")
     ap.add_argument("--join-by-layer", action="store_true",
                     help="GAAC's prompts through update_layer without a deferral: a transaction a layer (the old way)")
     ap.add_argument("--merge", type=Path, default=None,

@@ -569,9 +569,9 @@ class RawArena:
         return np.sort(np.concatenate(parts).astype(np.int64))
 
     def _lend_all(self, asks: list) -> list:
-        """Lend each ``(share, k)`` of ``asks`` ``k`` records of the reserve (fewer where it holds fewer), in turn, after the caller has just read every one's
-        count (``read=False``); the device shares' records are brought to the device in one copy.  Returns
-        what each was lent."""
+        """Lend each ``(share, k)`` of ``asks`` ``k`` records of the reserve (fewer where it holds fewer), in
+        turn, after the caller has just read every one's count (``read=False``); the device shares' records are
+        brought to the device in one copy.  Returns what each was lent."""
         loans = []
         for share, k in asks:
             k = min(k, self._top)
