@@ -206,7 +206,7 @@ def test_a_removal_sorted_on_the_device_gives_back_what_the_host_sort_gives():
     (cache, rows), (twin, _) = _filled(2, 2, 72, spread=4), _filled(2, 2, 72, spread=4)
     results = []
     for c, give in ((cache, lambda stores, r: _give_back(stores, r)),
-                    (twin, lambda stores, r: give_back_all(stores, _read_back(stores, r), read=False))):
+                    (twin, lambda stores, r: give_back_all(stores, _read_back(stores, r)))):
         stores = [store for layer_store in c._store for store in layer_store]
         entries = [store.table[rows[0], :int(c._lens[layer, rows[0]]) // 16].reshape(-1)
                    for layer, layer_store in enumerate(c._store) for store in layer_store]

@@ -121,7 +121,7 @@ def _give_back(stores: list, rows: list) -> None:
     if not stores:
         return
     if not all(isinstance(store.slots, DevicePool) for store in stores):
-        give_back_all(stores, _read_back(stores, rows), read=False)
+        give_back_all(stores, _read_back(stores, rows))
         return
     device = rows[0].device
     lengths = [row.numel() for row in rows]

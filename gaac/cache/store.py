@@ -65,26 +65,15 @@ class _Kind:
         return self.slots.version, self.raw.version
 
 
-def give_back_all(stores: list, entries: list, read: bool = True) -> None:
+def give_back_all(stores: list, entries: list) -> None:
     """Return the records that each store's table ``entries`` (uint32 words as int64) point at: slots to its slot
-    pool, raw tiles (entries with the raw flag, bit 31) to its share of the arena; the slot records of every
-    device pool brought to the device in one copy (a removed sequence gives back to every layer and kind).
-    ``read`` False: the caller has just read the pools' counts from the device
-    (:func:`gaac.cache.pools.sync_pools`)."""
-    parts = []
+    pool, raw tiles (entries with the raw flag, bit 31) to its share of the arena.  For pools whose free lists
+    the host holds (the reference codec's); a cache whose lists live on the device gives back through
+    :func:`gaac.cache.paged._give_back`, which sorts every store's records in one device sort."""
     for store, e in zip(stores, entries):
         is_raw = (e & L.TABLE_RAW_FLAG) != 0
-        parts.append((store, np.sort(e[~is_raw]).astype(np.int32), e[is_raw] & L.TABLE_INDEX_MASK))
-    device = [back for store, back, _ in parts if isinstance(store.slots, DevicePool) and len(back)]
-    on_device = arrays.upload(np.concatenate(device), stores[0].slots.data.device) if device else None
-    at = 0
-    for store, back, raw in parts:
-        if isinstance(store.slots, DevicePool) and len(back):
-            store.slots.give(back, read, on_device=on_device[at:at + len(back)])
-            at += len(back)
-        else:
-            store.slots.give(back, read)
-        store.raw.give(raw, read)
+        store.slots.give(e[~is_raw])
+        store.raw.give(e[is_raw] & L.TABLE_INDEX_MASK)
 
 
 # ----------------------------------------------------------------------------------------------
