@@ -5,7 +5,8 @@
 
 The cache has the Llama-3.1-8B KV shape (32 layers, 8 KV heads of 128) and the real SmolLM2 K/V of
 ``decode_step.py`` tiled to ``--tokens``.  Timed, wall clock from the call to the device's last write
-(synchronised; the cache is made before, as a server makes it once), best and median of ``--runs``:
+(synchronised; the cache is made before, as a server makes it once, its pools as it sizes them for the prompt,
+``grow=True``), best and median of ``--runs``:
 
 * ``add_sequence`` with calibration epochs off: the blocks are encoded where the prompt holds them, one
   launch per kind and layer;
@@ -49,12 +50,11 @@ log, sync, free = DS.log, DS.sync, DS.free
 
 
 def new_cache(cal, s, tokens: int, adapt: bool):
-    nblk = tokens // L.BLOCK_TOKENS
-    per = s.kv_heads * L.tiles_per_head(s.head_dim)
-    # raw records for a quarter of every layer and kind's tiles: a calibration from the first 256 tokens
-    # overflows many tiles before the rule's first epochs
-    return gaac.PagedKVCache(cal, max_blocks=nblk + 1, slots=nblk * per, raw_tiles=2 * s.layers * nblk * per // 4,
-                             device=DS.DEV, adapt=adapt, codec="cuda")
+    """A cache for the prompt, its pools as the cache sizes them for its table; ``grow=True``: a calibration from
+    the first 256 tokens overflows more tiles than that arena holds before the rule's first epochs, and the
+    prefill then grows it (inside the timed call, as a user's would)."""
+    return gaac.PagedKVCache(cal, max_blocks=tokens // L.BLOCK_TOKENS + 1, device=DS.DEV, adapt=adapt, codec="cuda",
+                             grow=True)
 
 
 def epochs_appended(cache, layers) -> int:
