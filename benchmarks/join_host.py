@@ -72,7 +72,6 @@ def make_cache(args, layers: int):
     that joins (its last ``args.prompt`` tokens), calibrated on the text's first ``args.calib`` tokens."""
     import gaac
     from gaac import PagedKVCache
-    from gaac import layout as L
 
     k_all, v_all = sample(layers, args.kv_heads, args.head_dim)
     lens = [args.base + 97 * i for i in range(args.batch)]
@@ -82,10 +81,10 @@ def make_cache(args, layers: int):
     kv = [(k_all[:, :, :n], v_all[:, :, :n]) for n in lens]
     cal = gaac.calibrate(k_all[:, :, :args.calib], v_all[:, :, :args.calib])
     blocks = -(-max(max(lens), args.prompt) // 16) + 1
-    # room for every tile raw: a cache of a few hundred tokens has an arena of a few records (4% of its tiles),
-    # which the sample's first layer alone can overflow; the counts do not depend on the room
-    cache = PagedKVCache(cal, max_seqs=args.batch, max_blocks=blocks, device=args.device, codec="cuda",
-                         raw_tiles=2 * layers * (args.batch + 1) * blocks * args.kv_heads * L.tiles_per_head(args.head_dim))
+    # pools as the cache sizes them for its table; grow=True: the sample's content, calibrated on its first
+    # tokens, overflows more tiles than that arena holds (as it does an arena sized from a budget), and the cache
+    # then grows it, inside the counted calls as in a user's
+    cache = PagedKVCache(cal, max_seqs=args.batch, max_blocks=blocks, device=args.device, codec="cuda", grow=True)
     dev = cache.device
     if args.device == "cpu":
         # the simulator's encoder takes a tenth of a second a tile: the batch is encoded by the reference codec
