@@ -119,7 +119,7 @@ def test_a_prompt_whose_guesses_exceed_the_arena_is_encoded_once(monkeypatch):
     cache = PagedKVCache(cal, max_blocks=blocks, raw_tiles=8, codec="cuda")
     arena = cache._arena
     assert arena.chunk == 1 and arena.reserve == 0                     # a record each, lent as the cache is made
-    assert cache._raw_guess(blocks) == 2                               # the prompt's guess: 8 shares x 2 > 8
+    assert cache._raw_guess(arena.shares[0], blocks) == 2             # the prompt's guess: 8 shares x 2 > 8
     encoded = []                                                       # tiles per encoder launch
     in_place, call = codec.EncodePlan.in_place, codec.EncodePlan.__call__
 

@@ -95,7 +95,7 @@ def test_appending_epochs_waits_for_nothing():
     stores, _ = make_all(cal)
     store = stores[1][0]
     rng = np.random.default_rng(0)
-    tables = [tuple(rng.integers(100, 130, size=(cal.kv_heads, cal.head_dim)).astype(np.uint8) for _ in range(2))
+    tables = [tuple(rng.integers(100, 130, size=(cal.kv_heads, cal.head_dim)).astype(np.uint8) for _ in range(3))
               for _ in range(3)]
     with counting() as ops:
         store.add_epochs(tables)
@@ -215,3 +215,38 @@ def test_a_removal_sorted_on_the_device_gives_back_what_the_host_sort_gives():
         results.append(([(s.slots._rest().tolist(), s.raw._rest().tolist()) for s in stores],
                         sorted(c._arena._stack[:c._arena.reserve].tolist())))
     assert results[0] == results[1]
+
+
+def test_a_share_that_ran_dry_is_lent_its_observed_rate_next_time():
+    """Content that overflows far more than the calibration plans (a cache made without a budget, ``grow=True``):
+    the first prompt's encode runs the arena dry and is redone after the loans; each share keeps the rate it
+    took, so the next prompt of such content is lent that much before its encode and is encoded once."""
+    from gaac.cache.update import UpdateTransaction
+    cal = calibration(2)
+    rng = np.random.default_rng(7)
+    k_c, v_c = ((cal.b_narrow[kind] + 6)[:, :, None, :].astype(np.float64) for kind in (0, 1))
+    k, v = content(rng, k_c, 128), content(rng, v_c, 128)
+    cache = PagedKVCache(cal, max_seqs=2, max_blocks=8, codec="cuda", grow=True)
+    redone, waits = [], []
+    put_back = UpdateTransaction._put_back
+
+    def counted(self, undo):
+        redone[-1] += 1
+        return put_back(self, undo)
+
+    UpdateTransaction._put_back = counted
+    try:
+        for _ in range(3):
+            redone.append(0)
+            with counting() as ops:
+                seq = cache.add_sequence(k, v)
+            waits.append(ops.counts["sync"])
+            got_k, got_v = cache.read(seq)
+            np.testing.assert_array_equal(got_k, k)
+            np.testing.assert_array_equal(got_v, v)
+            cache.remove_sequence(seq)
+    finally:
+        UpdateTransaction._put_back = put_back
+    assert redone == [1, 0, 0], redone
+    assert waits[2] == waits[1] < waits[0], waits
+    assert all(share.seen_rate > 2 * cache._raw_share for share in cache._arena.shares)

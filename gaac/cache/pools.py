@@ -364,6 +364,10 @@ class _Share:
 
     _arena: "weakref.ref[RawArena]"
     granted: int
+    #: The highest fraction of its tiles an encode of this share's layer and kind took raw, where an encode ran
+    #: its list dry (0.0 until one did): the loans before the next encode follow it, so that content which
+    #: overflows more than the calibration planned is not encoded twice again.
+    seen_rate: float = 0.0
 
     @property
     def arena(self) -> "RawArena":

@@ -303,7 +303,8 @@ class UpdateTransaction:
                  for seq in u.seqs if self._lens[u.layer, seq] % L.BLOCK_TOKENS]
         adapters = [(u.layer, kind, store.adapter, len(store.deferred))
                     for u in updates for kind, store in zip(KINDS, self._store[u.layer])]
-        early = _EarlyWrite(self, lens=self._lens.copy(), adapters=adapters, tails=tails, blocks_encoded=self.blocks_encoded)
+        early = _EarlyWrite(self, lens=self._lens.copy(), adapters=adapters, tails=tails,
+                            blocks_encoded=self.blocks_encoded)
         for u in updates:
             self._commit(u, observe=False)
         return early
@@ -660,8 +661,10 @@ class UpdateTransaction:
         jobs = [(self._store[u.layer][kind], u.tiles[kind].shape[0], u.fits[kind])
                 for u in updates for kind in KINDS if u.tiles[kind] is not None]
         exact = [(store.raw, int((~fits).sum())) for store, _, fits in jobs if fits is not None]
-        guess = [(store.raw, self._raw_guess(n)) for store, n, fits in jobs if fits is None]
+        guess = [(store.raw, self._raw_guess(store.raw, n)) for store, n, fits in jobs if fits is None]
         short += self._arena.cover(exact)
+        # a guess lends what the arena holds and never grows it: where the tiles take more, the encode's
+        # check finds out and the arena grows by what they took, not by a guess
         self._arena.cover(guess)
         # The device's exact counts where the lower bounds fall short: one wait for all such pools.
         # (A count already exact needs no wait: a new cache's, or one read since its last encode.)
@@ -687,11 +690,16 @@ class UpdateTransaction:
             grow_pools(pools)
             self._storage_changed()
 
-    def _raw_guess(self, tiles: int) -> int:
-        """Raw records to lend a share before the CUDA encoder codes ``tiles`` of its tiles: every tile for a
-        few (a decode step's blocks), else about twice the arena's planned rate (the encode checks after)."""
+    def _raw_guess(self, share, tiles: int) -> int:
+        """Raw records to lend ``share`` before the CUDA encoder codes ``tiles`` of its tiles: every tile for a
+        few (a decode step's blocks), else about twice the arena's planned rate, or the share's rate where an
+        encode of its layer and kind ran dry before (:attr:`~gaac.cache.pools._Share.seen_rate`), whichever
+        is higher (the encode checks after)."""
         chunk = self._arena.chunk
-        return tiles if tiles <= chunk else max(chunk, math.ceil(2 * self._raw_share * tiles))
+        if tiles <= chunk:
+            return tiles
+        rate = max(2 * self._raw_share, share.seen_rate)
+        return min(tiles, max(chunk, math.ceil(rate * tiles)))
 
     def _exhausted(self, pool, lack: int, what: str) -> PoolExhaustedError:
         """The error of ``what`` (an update, a step, an import) that lacks ``lack`` records of ``pool`` (None:
@@ -780,6 +788,8 @@ class UpdateTransaction:
             counts_read(shares, heads, host[:len(heads)])
             before = host[len(heads):]
             took = [(store.raw, store.raw.taken - int(before[i, store.raw.cls])) for i, store in enumerate(stores)]
+            for (u, kind), (share, n) in zip(jobs, took):
+                share.seen_rate = max(share.seen_rate, n / u.tiles[kind].shape[0])
             self._put_back([(u, kind, saved[id(self._store[u.layer][kind])]) for u, kind in jobs])
             if guessing:
                 return False
