@@ -95,7 +95,7 @@ def test_appending_epochs_waits_for_nothing():
     stores, _ = make_all(cal)
     store = stores[1][0]
     rng = np.random.default_rng(0)
-    tables = [tuple(rng.integers(100, 130, size=(cal.kv_heads, cal.head_dim)).astype(np.uint8) for _ in range(3))
+    tables = [tuple(rng.integers(100, 130, size=(cal.kv_heads, cal.head_dim)).astype(np.uint8) for _ in range(2))
               for _ in range(3)]
     with counting() as ops:
         store.add_epochs(tables)
@@ -250,3 +250,43 @@ def test_a_share_that_ran_dry_is_lent_its_observed_rate_next_time():
     assert redone == [1, 0, 0], redone
     assert waits[2] == waits[1] < waits[0], waits
     assert all(share.seen_rate > 2 * cache._raw_share for share in cache._arena.shares)
+
+
+def test_an_encode_the_rule_redoes_puts_its_counts_back_without_waiting(monkeypatch):
+    """The device rule appends epochs to a prompt whose blocks were encoded with the guessed one: those layers
+    and kinds are encoded again, their free lists first put back to the counts saved before the encode.  The
+    saved counts travel to the host ahead of the encodes, so putting them back reads nothing from the device;
+    the host's counts are then the device's, and the cache reads back bit-exact."""
+    import gaac.epochs as epochs
+    from gaac import layout as L
+    from gaac.cache.pools import sync_pools
+    from gaac.cache.update import UpdateTransaction
+    from gaac.calibration import calibrate
+    from tests.conftest import every_tile
+    from tests.test_epochs import drifting_cache
+
+    monkeypatch.setattr(epochs, "WARMUP_BLOCKS", 8)
+    monkeypatch.setattr(epochs, "PAYBACK_CHECKS", 10 ** 9)
+    x = drifting_cache(36 * L.BLOCK_TOKENS, layers=2)[:, :1]
+    x[1] = x[1] ^ 0x8000                             # one layer: x[0] is its K, x[1] its V
+    cal = calibrate(x[:1, :, :128], x[1:, :, :128])
+    cache = PagedKVCache(cal, **every_tile(cal, 1, 40), codec="cuda")
+    cache._rule_on_device = True
+    put_back, seen = UpdateTransaction._put_back, []
+
+    def counted(self, undo):
+        with counting() as ops:
+            put_back(self, undo)
+        pools = [pool for u, kind, _ in undo for pool in self._pools(u.layer, kind)]
+        seen.append((ops.counts["sync"], [p.taken for p in pools]))
+        seen[-1] += ([pool.taken for pool, _ in zip(pools, sync_pools(pools))],)
+
+    monkeypatch.setattr(UpdateTransaction, "_put_back", counted)
+    seq = cache.add_sequence(x[:1, :, :20 * L.BLOCK_TOKENS + 5], x[1:, :, :20 * L.BLOCK_TOKENS + 5])
+    assert cache.calibration.n_epochs(0, L.KIND_K) > 1 and seen          # the rule appended: encoded again
+    for waits, host, device in seen:
+        assert waits == 0
+        assert host == device
+    k, v = cache.read_layer(0, [seq])
+    np.testing.assert_array_equal(k[0].numpy().view(np.uint16), x[0, :, :20 * L.BLOCK_TOKENS + 5])
+    np.testing.assert_array_equal(v[0].numpy().view(np.uint16), x[1, :, :20 * L.BLOCK_TOKENS + 5])

@@ -34,7 +34,7 @@ from ..epochs import Adapter
 from ..errors import InputError, PoolExhaustedError
 from ..tiles import tile_bases
 from .codec import blocks_to_tiles
-from .pools import Arrival, _Share, count_arrays, counts_read, grow_pools, grown, sync_pools
+from .pools import Arrival, _Share, counts_read, grow_pools, grown, sync_pools
 from .store import KINDS, _Kind
 
 ADAPT_LAG = 2                # decode steps between a block's finish and the adaptation rule's look at it
@@ -98,7 +98,27 @@ class _Update:
     epochs: tuple                # per kind: _Epochs, or None where no block finishes
     entries: list = field(default_factory=lambda: [None, None])   # per kind: table entries int32 [n_tiles] (GPU)
     heads_before: list = field(default_factory=lambda: [None, None])   # per kind, where the rule may undo the
-                                                                       # encode: the free lists' heads before it
+                                                                       # encode: its _Counts before it
+
+
+@dataclass
+class _Counts:
+    """A store's free-list counts (``heads``) saved before an encode, to put back if the encode is undone: a
+    copy on the device, and the same on its way to the host (copied before the encode ran, so that reading it
+    waits only for that copy, never for the encodes queued after it)."""
+
+    device: torch.Tensor         # int32 [2]
+    held: object                 # every saved store's counts: an array (CPU), or a pinned copy and its event (GPU)
+    row: int
+
+    def host(self) -> np.ndarray:
+        """The counts on the host: ``[slots taken, raw records taken]``."""
+        if isinstance(self.held, np.ndarray):
+            return self.held[self.row]
+        host, event = self.held
+        if not event.query():
+            event.synchronize()
+        return host.numpy()[self.row]
 
 
 def _arrived(blocks) -> np.ndarray:
@@ -743,7 +763,8 @@ class UpdateTransaction:
             if unsure or any(u.epochs[kind].blocks is not None for u, kind in jobs):
                 stores = [self._store[u.layer][kind] for u, kind in jobs]
                 copies = torch.stack([store.heads for store in stores])
-                saved = {id(store): copies[i] for i, store in enumerate(stores)}
+                held = self._host_copy(copies)   # on its way to the host before the encodes are launched
+                saved = {id(store): _Counts(copies[i], held, i) for i, store in enumerate(stores)}
             unsure_ids = {(id(u), kind) for u, kind in unsure}
             asked = []           # where a list may run dry the counts are read below, after a wait
             # every job's table entries and escape counts: views of one allocation
@@ -773,21 +794,18 @@ class UpdateTransaction:
                 before_check()
                 before_check = None
             checked = [pool for u, kind in unsure for pool in self._pools(u.layer, kind)]
-            sync_pools(checked)                  # one wait for the device, for every pool in doubt
+            if checked:
+                # one wait for the device: every job's counts (those in doubt, and what each share took)
+                sync_pools([pool for u, kind in jobs for pool in self._pools(u.layer, kind)])
             over = [(pool, pool.taken - pool.listed) for pool in checked if pool.taken > pool.listed]
             if not over:
                 return True
             if ran_dry is not None:
                 ran_dry()
             # What each job's share of the arena took (past its list's end where it ran dry): what the same
-            # tiles take when encoded again (the shares' counts now and before come in one copy).
+            # tiles take when encoded again.
             stores = [self._store[u.layer][kind] for u, kind in jobs]
-            shares = [store.raw for store in stores]
-            heads = count_arrays(shares)
-            host = torch.stack(heads + [saved[id(store)] for store in stores]).cpu().numpy()
-            counts_read(shares, heads, host[:len(heads)])
-            before = host[len(heads):]
-            took = [(store.raw, store.raw.taken - int(before[i, store.raw.cls])) for i, store in enumerate(stores)]
+            took = [(store.raw, store.raw.taken - int(saved[id(store)].host()[store.raw.cls])) for store in stores]
             for (u, kind), (share, n) in zip(jobs, took):
                 share.seen_rate = max(share.seen_rate, n / u.tiles[kind].shape[0])
             self._put_back([(u, kind, saved[id(self._store[u.layer][kind])]) for u, kind in jobs])
@@ -799,17 +817,20 @@ class UpdateTransaction:
             lack += self._arena.cover(took)
             if lack and not self.grow:
                 raise self._exhausted(*lack[0], "this update")
-            grow_pools(lack, read=False)          # the counts were read with the put back, nothing launched since
+            grow_pools(lack, read=False)          # the counts are the put back ones, nothing launched since
             self._storage_changed()
 
     def _put_back(self, undo: list) -> None:
-        """Undo encodes: for each ``(update, kind, heads)`` of ``undo`` the store's free lists go back to the
-        counts ``heads`` saved before its encode (the records taken return to their lists; nothing else was
-        written) and its entries are dropped; the pools' counts are then read with one wait for the device."""
-        for u, kind, heads in undo:
-            self._store[u.layer][kind].heads.copy_(heads)
+        """Undo encodes: for each ``(update, kind, counts)`` of ``undo`` the store's free lists go back to the
+        :class:`_Counts` saved before its encode (the records taken return to their lists; nothing else was
+        written) and its entries are dropped.  The host takes the saved counts as the pools' own: they were
+        copied to the host before the encodes, so nothing waits for the encodes."""
+        for u, kind, counts in undo:
+            self._store[u.layer][kind].heads.copy_(counts.device)
             u.entries[kind] = None
-        sync_pools([pool for u, kind, _ in undo for pool in self._pools(u.layer, kind)])
+        stores = [self._store[u.layer][kind] for u, kind, _ in undo]
+        counts_read([pool for store in stores for pool in (store.slots, store.raw)],
+                    [store.heads for store in stores], [counts.host() for _, _, counts in undo])
 
     def _encodes_launched(self, store: _Kind, tiles: int) -> None:
         """``store``'s pools count the records that encodes of ``tiles`` tiles, just launched, may take."""
