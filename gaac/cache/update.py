@@ -767,9 +767,10 @@ class UpdateTransaction:
                 saved = {id(store): _Counts(copies[i], held, i) for i, store in enumerate(stores)}
             unsure_ids = {(id(u), kind) for u, kind in unsure}
             asked = []           # where a list may run dry the counts are read below, after a wait
-            # every job's table entries and escape counts: views of one allocation
-            out = torch.empty(2 * sum(u.tiles[kind].shape[0] for u, kind in jobs), dtype=torch.int32,
-                              device=self.device)
+            # every job's escape counts, and the table entries of a job the table cannot take in place: views of
+            # one allocation
+            out = torch.empty(sum((1 if self._in_table(u) is not None else 2) * u.tiles[kind].shape[0]
+                                  for u, kind in jobs), dtype=torch.int32, device=self.device)
             at = 0
             for u, kind in jobs:
                 store = self._store[u.layer][kind]
@@ -777,7 +778,11 @@ class UpdateTransaction:
                     u.heads_before[kind] = saved[id(store)]
                 tiles, plan, per = u.tiles[kind], u.epochs[kind], self.tiles_per_block
                 n = tiles.shape[0]
-                entries, used, at = out[at:at + n], out[at + n:at + 2 * n], at + 2 * n
+                rows = self._in_table(u)
+                if rows is not None:
+                    entries, used, at = store.table[rows].reshape(-1), out[at:at + n], at + n
+                else:
+                    entries, used, at = out[at:at + n], out[at + n:at + 2 * n], at + 2 * n
                 for epoch, start, stop in _runs(plan.epochs):
                     a, z = start * per, stop * per
                     encoder = self._encoder(store, plan, epoch, u.layer, kind)
@@ -819,6 +824,16 @@ class UpdateTransaction:
                 raise self._exhausted(*lack[0], "this update")
             grow_pools(lack, read=False)          # the counts are the put back ones, nothing launched since
             self._storage_changed()
+
+    def _in_table(self, u: _Update) -> tuple | None:
+        """Where the encoder writes ``u``'s table entries straight into the table: the one sequence's rows of
+        the blocks the update finishes (contiguous), past its length, which nothing reads until the update
+        is committed, and which a later update overwrites if this one is undone.  None for an update of
+        several sequences (its entries go to a buffer the commit copies from)."""
+        if len(u.seqs) != 1 or not u.blocks[0]:
+            return None
+        seq, first = u.seqs[0], int(self._lens[u.layer, u.seqs[0]]) // L.BLOCK_TOKENS
+        return seq, slice(first, first + u.blocks[0])
 
     def _put_back(self, undo: list) -> None:
         """Undo encodes: for each ``(update, kind, counts)`` of ``undo`` the store's free lists go back to the
@@ -883,6 +898,9 @@ class UpdateTransaction:
                 self._commit_epochs(store, u, kind, observe)
                 if u.entries[kind] is not None:
                     entries = u.entries[kind]
+                    rows = self._in_table(u)
+                    if rows is not None and entries.data_ptr() == store.table[rows].data_ptr():
+                        entries = None            # the encoder wrote them in place
                 else:
                     slot_at = store.slots.take(int(fits.sum()))
                     raw_at = store.raw.take(int((~fits).sum()))
@@ -895,6 +913,8 @@ class UpdateTransaction:
                     entries = torch.from_numpy(entries.astype(np.uint32).view(np.int32)).to(self.device)
                 start = 0
                 for seq, q in zip(u.seqs, u.blocks):
+                    if entries is None:
+                        break
                     first = int(self._lens[u.layer, seq]) // L.BLOCK_TOKENS
                     store.table[seq, first:first + q] = entries[start:start + q * per].reshape(q, per)
                     start += q * per
