@@ -290,3 +290,33 @@ def test_an_encode_the_rule_redoes_puts_its_counts_back_without_waiting(monkeypa
     k, v = cache.read_layer(0, [seq])
     np.testing.assert_array_equal(k[0].numpy().view(np.uint16), x[0, :, :20 * L.BLOCK_TOKENS + 5])
     np.testing.assert_array_equal(v[0].numpy().view(np.uint16), x[1, :, :20 * L.BLOCK_TOKENS + 5])
+
+
+def test_a_prompts_tails_and_block_epochs_are_written_for_every_layer_at_once(monkeypatch):
+    """A prompt's layers add the same tokens to one sequence: its tails and the device's block-epoch indices
+    are written with one copy each for every layer and kind (their arrays lie evenly spaced in one
+    allocation), so committing it issues as many device operations at 2 layers as at 4, and the cache reads
+    back bit-exact, its device epoch index equal to the host's."""
+    from gaac.cache.update import UpdateTransaction
+    commit_all, writes = UpdateTransaction._commit_all, {}
+
+    def counted(self, updates, observe=True):
+        with counting() as ops:
+            commit_all(self, updates, observe)
+        writes[self.layers] = sum(ops.counts[k] for k in ("alloc", "write", "h2d", "pinned"))
+
+    monkeypatch.setattr(UpdateTransaction, "_commit_all", counted)
+    for layers in (2, 4):
+        cal = calibration(layers)
+        rng = np.random.default_rng(layers)
+        k_c, v_c = ((cal.b_narrow[kind] + 2)[:, :, None, :].astype(np.float64) for kind in (0, 1))
+        k, v = content(rng, k_c, 3 * 16 + 5), content(rng, v_c, 3 * 16 + 5)       # three blocks and a tail
+        cache = PagedKVCache(cal, max_seqs=2, max_blocks=4, codec="cuda", raw_tiles=2 * layers * 2 * 4 * 2)
+        seq = cache.add_sequence(k, v)
+        got_k, got_v = cache.read(seq)
+        np.testing.assert_array_equal(got_k, k)
+        np.testing.assert_array_equal(got_v, v)
+        for layer in range(layers):
+            for store in cache.stores(layer):
+                np.testing.assert_array_equal(store.epoch[seq, :3].numpy(), store.epochs[seq, :3])
+    assert 0 < writes[2] == writes[4], writes

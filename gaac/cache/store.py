@@ -50,19 +50,29 @@ class _Kind:
         one concatenation per table (appending them one by one would copy each table once per epoch), their
         bytes brought over in one asynchronous copy (:func:`gaac.arrays.upload`: appending epochs never waits
         for the device)."""
-        tiles = [tile_bases(b3, b4) for b3, b4 in tables]
-        new = [np.stack(part).astype(np.uint8) for part in ([t[0] for t in tables], [t[1] for t in tables],
-                                                              [t[0] for t in tiles], [t[1] for t in tiles])]
-        flat = arrays.upload(np.concatenate([a.reshape(-1) for a in new]), self.b3.device)
-        at = 0
-        for name, a in zip(("b3", "b4", "tb3", "tb4"), new):
-            old = getattr(self, name)
-            setattr(self, name, torch.cat([old, flat[at:at + a.size].view(a.shape)]))
-            at += a.size
+        add_epochs_all([(self, tables)])
 
     def pools_key(self) -> tuple:
         """What an EncodePlan bakes in: the versions of the pools' arrays and free lists."""
         return self.slots.version, self.raw.version
+
+
+def add_epochs_all(items: list) -> None:
+    """:meth:`_Kind.add_epochs` for each ``(store, tables)`` of ``items``, every store's new bytes brought to the
+    device in one asynchronous copy (a prompt whose rule appends epochs in every layer copies once)."""
+    parts = []
+    for _, tables in items:
+        tiles = [tile_bases(b3, b4) for b3, b4 in tables]
+        parts.append([np.stack(part).astype(np.uint8) for part in ([t[0] for t in tables], [t[1] for t in tables],
+                                                                    [t[0] for t in tiles], [t[1] for t in tiles])])
+    if not parts:
+        return
+    flat = arrays.upload(np.concatenate([a.reshape(-1) for new in parts for a in new]), items[0][0].b3.device)
+    at = 0
+    for (store, _), new in zip(items, parts):
+        for name, a in zip(("b3", "b4", "tb3", "tb4"), new):
+            setattr(store, name, torch.cat([getattr(store, name), flat[at:at + a.size].view(a.shape)]))
+            at += a.size
 
 
 def give_back_all(stores: list, entries: list) -> None:

@@ -35,7 +35,7 @@ from ..errors import InputError, PoolExhaustedError
 from ..tiles import tile_bases
 from .codec import blocks_to_tiles
 from .pools import Arrival, _Share, counts_read, grow_pools, grown, sync_pools
-from .store import KINDS, _Kind
+from .store import KINDS, _Kind, add_epochs_all
 
 ADAPT_LAG = 2                # decode steps between a block's finish and the adaptation rule's look at it
 
@@ -119,6 +119,26 @@ class _Counts:
         if not event.query():
             event.synchronize()
         return host.numpy()[self.row]
+
+
+def _strided(arrays: list) -> torch.Tensor | None:
+    """Equal-shaped arrays that lie evenly spaced, in order, in one allocation (each record's tail or block-epoch
+    index, as :func:`gaac.cache.store.make_stores` lays them out) as one view ``[len(arrays), *shape]`` of that
+    allocation; None where they do not (or are None)."""
+    if any(a is None for a in arrays) or len(arrays) < 2:
+        return None
+    a0 = arrays[0]
+    if not a0.is_contiguous():
+        return None
+    step = arrays[1].storage_offset() - a0.storage_offset()
+    ptr = a0.untyped_storage().data_ptr()
+    for i, a in enumerate(arrays):
+        if (a.shape != a0.shape or a.dtype != a0.dtype or not a.is_contiguous()
+                or a.untyped_storage().data_ptr() != ptr or a.storage_offset() != a0.storage_offset() + i * step):
+            return None
+    if step < a0.numel():                     # overlapping views are not separate records
+        return None
+    return torch.as_strided(a0, (len(arrays), *a0.shape), (step, *a0.stride()), a0.storage_offset())
 
 
 def _arrived(blocks) -> np.ndarray:
@@ -270,8 +290,7 @@ class UpdateTransaction:
         elif redo:
             self._encode_again(redo)
         if early is None:
-            for u in updates:
-                self._commit(u)
+            self._commit_all(updates)
         else:
             early.settle()
         # the device's lengths of every layer the updates changed, in one copy
@@ -325,8 +344,7 @@ class UpdateTransaction:
                     for u in updates for kind, store in zip(KINDS, self._store[u.layer])]
         early = _EarlyWrite(self, lens=self._lens.copy(), adapters=adapters, tails=tails,
                             blocks_encoded=self.blocks_encoded)
-        for u in updates:
-            self._commit(u, observe=False)
+        self._commit_all(updates, observe=False)
         return early
 
     def _prepare(self, layer: int, seqs: list, k: torch.Tensor, v: torch.Tensor) -> _Update:
@@ -887,15 +905,64 @@ class UpdateTransaction:
                 store.encoders[key] = enc
         return enc
 
-    def _commit(self, u: _Update, observe: bool = True) -> None:
+    def _commit_all(self, updates: list, observe: bool = True) -> None:
+        """:meth:`_commit` every update of ``updates``.  Where they add the same tokens to the same sequence in
+        layers whose tails (and block-epoch indices) lie evenly spaced in one allocation -- a prompt's layers,
+        as the cache lays them out -- each of those arrays is written for every layer and kind with one copy
+        rather than one a layer and kind."""
+        # every store's new epochs: into the calibration, then to the device in one copy (before any layer's
+        # attention table takes them up, which reads both)
+        appending = [(u, kind) for u in updates for kind in KINDS
+                     if u.tiles[kind] is not None and u.epochs[kind].tables]
+        if len(appending) > 1:
+            for u, kind in appending:
+                for b3, b4 in u.epochs[kind].tables:
+                    self._calibration.add_epoch(u.layer, kind, b3, b4)
+            add_epochs_all([(self._store[u.layer][kind], u.epochs[kind].tables) for u, kind in appending])
+        together = self._together(updates)
+        tails = epochs = False
+        if together is not None:
+            seq, r, t, q, first = together
+            tails = _strided([self._store[u.layer][kind].tail for u in updates for kind in KINDS])
+            # the tokens past the last finished block, every layer and kind's stacked: [jobs, heads, rest, D]
+            rest = t if q == 0 else r + t - q * L.BLOCK_TOKENS
+            if tails is not None and rest:
+                at = r if q == 0 else 0
+                tails[:, seq, :, at:at + rest].copy_(
+                    torch.stack([u.new[kind][0, :, t - rest:] for u in updates for kind in KINDS]))
+            index = _strided([self._store[u.layer][kind].epoch for u in updates for kind in KINDS]) if q else None
+            if index is not None:
+                values = np.stack([u.epochs[kind].epochs[:q] for u in updates for kind in KINDS])
+                index[:, seq, first:first + q].copy_(self._to_device(values.astype(np.int16)))
+            tails, epochs = tails is not None, index is not None
+        for u in updates:
+            self._commit(u, observe, tails=not tails, epochs=not epochs, tables=len(appending) <= 1)
+
+    def _together(self, updates: list) -> tuple | None:
+        """``(seq, r, t, q, first)`` where every update of ``updates`` adds ``t`` tokens to the one sequence
+        ``seq``, in each layer from a length ``first * 16 + r`` and finishing ``q`` blocks (so that one copy
+        can write what each writes); else None."""
+        if len(updates) < 2 or any(len(u.seqs) != 1 for u in updates):
+            return None
+        seq, t, q = updates[0].seqs[0], updates[0].new[0].shape[2], updates[0].blocks[0]
+        n = int(self._lens[updates[0].layer, seq])
+        if any(u.seqs[0] != seq or u.new[0].shape[2] != t or int(self._lens[u.layer, seq]) != n for u in updates):
+            return None
+        if q and any(u.tiles[kind] is None for u in updates for kind in KINDS):
+            return None
+        return seq, n % L.BLOCK_TOKENS, t, q, n // L.BLOCK_TOKENS
+
+    def _commit(self, u: _Update, observe: bool = True, tails: bool = True, epochs: bool = True,
+                tables: bool = True) -> None:
         """Write an update prepared and reserved for: slots, raw tiles, table entries, tails, the host's
         lengths (the caller copies them to the device).  ``observe``: a CPU cache's adapters observe the
-        new blocks now (else the caller has them do it)."""
+        new blocks now (else the caller has them do it).  ``tails`` / ``epochs`` / ``tables`` False: the caller
+        writes the tails / the device's block-epoch index / the new epochs' device tables (:meth:`_commit_all`)."""
         per = self.tiles_per_block
         for kind in KINDS:
             store, tiles, fits = self._store[u.layer][kind], u.tiles[kind], u.fits[kind]
             if tiles is not None:
-                self._commit_epochs(store, u, kind, observe)
+                self._commit_epochs(store, u, kind, observe, device=epochs, tables=tables)
                 if u.entries[kind] is not None:
                     entries = u.entries[kind]
                     rows = self._in_table(u)
@@ -921,6 +988,8 @@ class UpdateTransaction:
             new = u.new[kind]
             t = new.shape[2]
             for i, (seq, q) in enumerate(zip(u.seqs, u.blocks)):
+                if not tails:
+                    break
                 r = int(self._lens[u.layer, seq]) % L.BLOCK_TOKENS
                 if q == 0:
                     store.tail[seq, :, r:r + t] = new[i]
@@ -932,13 +1001,17 @@ class UpdateTransaction:
             self._lens[u.layer, seq] += u.new[0].shape[2]
             self.blocks_encoded += q
 
-    def _commit_epochs(self, store: _Kind, u: _Update, kind: int, observe: bool = True) -> None:
-        """Apply an update's epoch decisions: new epochs, the adapter's state, each finished block's epoch."""
+    def _commit_epochs(self, store: _Kind, u: _Update, kind: int, observe: bool = True, device: bool = True,
+                       tables: bool = True) -> None:
+        """Apply an update's epoch decisions: new epochs (to the calibration and the device tables, unless
+        ``tables`` is False: the caller appended them), the adapter's state, each finished block's epoch (on
+        the device too, unless ``device`` is False: the caller writes it)."""
         plan = u.epochs[kind]
-        for b3, b4 in plan.tables:
-            self._calibration.add_epoch(u.layer, kind, b3, b4)
         if plan.tables:
-            store.add_epochs(plan.tables)
+            if tables:
+                for b3, b4 in plan.tables:
+                    self._calibration.add_epoch(u.layer, kind, b3, b4)
+                store.add_epochs(plan.tables)
             self._epochs_appended(u.layer)
         if plan.after is not None:
             plan.after.calibration = self._calibration
@@ -954,7 +1027,7 @@ class UpdateTransaction:
             first = int(self._lens[u.layer, seq]) // L.BLOCK_TOKENS
             new = plan.epochs[start:start + q]
             store.epochs[seq, first:first + q] = new
-            if store.epoch is not None:
+            if store.epoch is not None and device:
                 if (new == new[0]).all():     # one epoch: a device fill, no copy from the host
                     store.epoch[seq, first:first + q] = int(new[0])
                 else:
