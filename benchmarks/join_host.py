@@ -21,8 +21,9 @@ and whether they grow with the layers; the table also says how many epochs the j
 Counted (benchmarks/step_host.py's :class:`StepOps`, the GPU's branches counted as a GPU takes them), by the part
 of the join that issues them: ``remove`` (``remove_sequence``), ``prepare`` (each layer's update prepared),
 ``rule`` (the rule's batch launched), ``reserve`` (records reserved, loans from the arena), ``encode`` (the
-encodes launched, and their counts read where a list might run dry), ``decisions`` (the rule's decisions taken
-up), ``commit`` (tables, tails, epochs appended), ``other`` (the lengths).  On the CPU the wall time is the
+encodes launched, their counts read where a list might run dry, and the layers whose epochs the rule changed
+encoded again), ``decisions`` (the rule's decisions taken up), ``commit`` (tables, tails, epochs appended),
+``other`` (the lengths).  On the CPU the wall time is the
 simulator's kernels': the counts are the result there; with ``--device cuda`` the host time of the join (no
 synchronisation inside it) and the device time after it are measured in a second run without the counter.
 """
@@ -130,8 +131,9 @@ def measure(args, layers: int) -> dict:
                                       (UpdateTransaction, "_launch_rule", "rule"),
                                       (UpdateTransaction, "_reserve", "reserve"),
                                       (UpdateTransaction, "_encode_on_device", "encode"),
+                                      (UpdateTransaction, "_encode_again", "encode"),
                                       (UpdateTransaction, "_finish_rule", "decisions"),
-                                      (UpdateTransaction, "_commit", "commit")):
+                                      (UpdateTransaction, "_commit_all", "commit")):
                 ops.in_phase(owner, name, part)
             ops.phase = "other"
             before = sum(cache.calibration.n_epochs(layer, kind) for layer in range(layers) for kind in (0, 1))
