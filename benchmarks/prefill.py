@@ -280,7 +280,7 @@ def main():
     log(f"done in {rep['wall_s']:.0f} s -> {args.out}")
 
 
-PHASES = ("_prepare", "_launch_rule", "_reserve", "_encode_on_device", "_finish_rule", "_encode_again", "_commit")
+PHASES = ("_prepare", "_launch_rule", "_reserve", "_encode_on_device", "_finish_rule", "_encode_again", "_commit_all")
 
 
 def phases(cal, s, tokens: int, k, v) -> str:

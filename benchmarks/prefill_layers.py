@@ -21,7 +21,7 @@ serving engine and ``gaac.hf.GAACCache`` do) and without it (``by layer``: a tra
 For each, the host time of the cache's phases (each method timed as it returns, summed over the calls):
 cutting the blocks (``_prepare``), the adaptation rule's setup and launches (``_launch_rule``) and the wait
 for its decisions (``_finish_rule``), the encodes (``_encode_on_device``, which includes the rule's wait
-where an encode's guess is checked), the writes (``_commit``, ``_written_early``), the pools' counts
+where an encode's guess is checked), the writes (``_commit_all``, ``_written_early``), the pools' counts
 (``sync_pools``).
 """
 from __future__ import annotations
@@ -46,7 +46,7 @@ from equal_memory import tokens_at as content  # noqa: E402
 log, free = DS.log, DS.free
 GAP = 97
 WAYS = ("by layer", "deferred")
-PHASES = ("_prepare", "_launch_rule", "_finish_rule", "_encode_on_device", "_encode_again", "_commit",
+PHASES = ("_prepare", "_launch_rule", "_finish_rule", "_encode_on_device", "_encode_again", "_commit_all",
           "_written_early")
 
 
