@@ -113,12 +113,7 @@ class _Counts:
 
     def host(self) -> np.ndarray:
         """The counts on the host: ``[slots taken, raw records taken]``."""
-        if isinstance(self.held, np.ndarray):
-            return self.held[self.row]
-        host, event = self.held
-        if not event.query():
-            event.synchronize()
-        return host.numpy()[self.row]
+        return _arrived(self.held)[self.row]
 
 
 def _strided(arrays: list) -> torch.Tensor | None:
