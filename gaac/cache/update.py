@@ -136,6 +136,12 @@ def _strided(arrays: list) -> torch.Tensor | None:
     return torch.as_strided(a0, (len(arrays), *a0.shape), (step, *a0.stride()), a0.storage_offset())
 
 
+def _tail_part(r: int, t: int, q: int) -> tuple:
+    """Where an update's tokens past its last finished block go in a tail, and how many: ``(at, rest)``, for
+    ``t`` new tokens after ``r`` in the tail that finish ``q`` blocks (the last ``rest`` of the new tokens)."""
+    return (r, t) if q == 0 else (0, r + t - q * L.BLOCK_TOKENS)
+
+
 def _arrived(blocks) -> np.ndarray:
     """Blocks on their way to an adapter, on the host: a pinned copy and its event (GPU; waited for where it has
     not arrived), or an array."""
@@ -920,9 +926,8 @@ class UpdateTransaction:
             seq, r, t, q, first = together
             tails = _strided([self._store[u.layer][kind].tail for u in updates for kind in KINDS])
             # the tokens past the last finished block, every layer and kind's stacked: [jobs, heads, rest, D]
-            rest = t if q == 0 else r + t - q * L.BLOCK_TOKENS
+            at, rest = _tail_part(r, t, q)
             if tails is not None and rest:
-                at = r if q == 0 else 0
                 tails[:, seq, :, at:at + rest].copy_(
                     torch.stack([u.new[kind][0, :, t - rest:] for u in updates for kind in KINDS]))
             index = _strided([self._store[u.layer][kind].epoch for u in updates for kind in KINDS]) if q else None
@@ -985,13 +990,9 @@ class UpdateTransaction:
             for i, (seq, q) in enumerate(zip(u.seqs, u.blocks)):
                 if not tails:
                     break
-                r = int(self._lens[u.layer, seq]) % L.BLOCK_TOKENS
-                if q == 0:
-                    store.tail[seq, :, r:r + t] = new[i]
-                else:
-                    rest = r + t - q * L.BLOCK_TOKENS
-                    if rest:
-                        store.tail[seq, :, :rest] = new[i, :, t - rest:]
+                at, rest = _tail_part(int(self._lens[u.layer, seq]) % L.BLOCK_TOKENS, t, q)
+                if rest:
+                    store.tail[seq, :, at:at + rest] = new[i, :, t - rest:]
         for seq, q in zip(u.seqs, u.blocks):
             self._lens[u.layer, seq] += u.new[0].shape[2]
             self.blocks_encoded += q
