@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from .. import layout as L
+from ..arrays import stacked_view
 from ..epochs import Adapter
 from ..errors import InputError, PoolExhaustedError
 from ..tiles import tile_bases
@@ -116,24 +117,14 @@ class _Counts:
         return _arrived(self.held)[self.row]
 
 
-def _strided(arrays: list) -> torch.Tensor | None:
-    """Equal-shaped arrays that lie evenly spaced, in order, in one allocation (each record's tail or block-epoch
-    index, as :func:`gaac.cache.store.make_stores` lays them out) as one view ``[len(arrays), *shape]`` of that
-    allocation; None where they do not (or are None)."""
-    if any(a is None for a in arrays) or len(arrays) < 2:
+def _records_view(arrays: list) -> torch.Tensor | None:
+    """Every layer and kind's array of one kind (tails, block-epoch indices) as one view ``[len(arrays), *shape]``
+    where they lie evenly spaced in one allocation, as :func:`gaac.cache.store.make_stores` lays them out
+    (:func:`gaac.arrays.stacked_view`), apart from each other; None where they do not (or are None)."""
+    if len(arrays) < 2 or any(a is None for a in arrays):
         return None
-    a0 = arrays[0]
-    if not a0.is_contiguous():
-        return None
-    step = arrays[1].storage_offset() - a0.storage_offset()
-    ptr = a0.untyped_storage().data_ptr()
-    for i, a in enumerate(arrays):
-        if (a.shape != a0.shape or a.dtype != a0.dtype or not a.is_contiguous()
-                or a.untyped_storage().data_ptr() != ptr or a.storage_offset() != a0.storage_offset() + i * step):
-            return None
-    if step < a0.numel():                     # overlapping views are not separate records
-        return None
-    return torch.as_strided(a0, (len(arrays), *a0.shape), (step, *a0.stride()), a0.storage_offset())
+    view = stacked_view(arrays)
+    return view if view is not None and arrays[0].is_contiguous() and view.stride(0) >= arrays[0].numel() else None
 
 
 def _tail_part(r: int, t: int, q: int) -> tuple:
@@ -924,13 +915,13 @@ class UpdateTransaction:
         tails = epochs = False
         if together is not None:
             seq, r, t, q, first = together
-            tails = _strided([self._store[u.layer][kind].tail for u in updates for kind in KINDS])
+            tails = _records_view([self._store[u.layer][kind].tail for u in updates for kind in KINDS])
             # the tokens past the last finished block, every layer and kind's stacked: [jobs, heads, rest, D]
             at, rest = _tail_part(r, t, q)
             if tails is not None and rest:
                 tails[:, seq, :, at:at + rest].copy_(
                     torch.stack([u.new[kind][0, :, t - rest:] for u in updates for kind in KINDS]))
-            index = _strided([self._store[u.layer][kind].epoch for u in updates for kind in KINDS]) if q else None
+            index = _records_view([self._store[u.layer][kind].epoch for u in updates for kind in KINDS]) if q else None
             if index is not None:
                 values = np.stack([u.epochs[kind].epochs[:q] for u in updates for kind in KINDS])
                 index[:, seq, first:first + q].copy_(self._to_device(values.astype(np.int16)))
