@@ -27,12 +27,19 @@ and each step's CUDA-event time; captures and eager steps of ``StepGraph`` are c
 After each GAAC run: the first sequence's first and last layers read back bit-exact against the content
 (prompt and every appended token), and one layer's attention of every sequence against float64 over what
 the cache holds (within BF16's own error).
+
+``--host-profile N``: after each run's window, N more of its steps (joins as the schedule has them) under
+cProfile, and in a scenario with joins, three more of GAAC's prompts under their own: where the host's time
+goes, the waits for the device included (``<out>.profile.txt``).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
+import io
 import json
+import pstats
 import statistics
 import sys
 import time
@@ -121,7 +128,7 @@ class Joins:
 
 def run_bf16(model, src, _cal, s, lens, args, every: int, prompt: int, graph: bool) -> dict:
     b = len(lens)
-    total = args.warmup + args.steps + args.profile + 2 * args.join_phases + 1
+    total = args.warmup + args.steps + args.profile + 2 * args.join_phases + args.host_profile + 1
     t_max = max(max(lens), prompt) + total + 1
     kc, vc = [], []
     for layer in range(s.layers):
@@ -174,6 +181,9 @@ def run_bf16(model, src, _cal, s, lens, args, every: int, prompt: int, graph: bo
     res.update(flash_mode=mode, flash_modes_us=modes, tok_s=b / res["ms"] * 1e3)
     if args.profile:
         res["profile"] = ds.kernel_profile(run, args.warmup + args.steps, args.profile)
+    if args.host_profile:
+        host_profile(run, args.warmup + args.steps + args.profile, args.host_profile, args,
+                     f"BF16 {'graph' if graph else 'eager'}, {b} x ~{max(lens)} tokens")
     log(f"  BF16 {'graph' if graph else 'eager'}: {res['ms']:.3f} ms/step")
     return res
 
@@ -205,7 +215,7 @@ class StepAttend:
 
 def run_gaac(model, src, cal, s, lens, args, every: int, prompt: int, graph: bool) -> dict:
     b = len(lens)
-    total = args.warmup + args.steps + args.profile + 2 * args.join_phases + 1
+    total = args.warmup + args.steps + args.profile + 2 * args.join_phases + args.host_profile + 1
     t_max = max(max(lens), prompt) + total + 1
     t0 = time.perf_counter()
     extra = {"codec": "cuda"} if SMOKE else {}      # the smoke run: the CUDA codec in numba's simulator
@@ -275,9 +285,25 @@ def run_gaac(model, src, cal, s, lens, args, every: int, prompt: int, graph: boo
                 appended[seq].append(j)
 
         res["join_phases"] = join_phases(cache.remove_sequence, fill, phase_step, first, b, args.join_phases)
-        args.profile_first = first + 2 * args.join_phases
+    if args.host_profile and every:
+        prof = cProfile.Profile()
+        for i in range(3):
+            row = 1 + i % max(b - 1, 1)
+            cache.remove_sequence(row)
+            ds.sync()
+            prof.enable()
+            fill(row)
+            ds.sync()
+            prof.disable()
+        write_profile(prof, args, f"GAAC {'graph' if graph else 'eager'}, {b} x ~{max(lens)} tokens: 3 prompts of "
+                      f"{prompt} tokens (add_sequence and every layer's update_layer in a deferral), the device "
+                      "idle before each and synchronised after")
+    after = args.warmup + args.steps + 2 * (args.join_phases if every else 0)
     if args.profile:
-        res["profile"] = ds.kernel_profile(run, getattr(args, "profile_first", args.warmup + args.steps), args.profile)
+        res["profile"] = ds.kernel_profile(run, after, args.profile)
+    if args.host_profile:
+        host_profile(run, after + args.profile, args.host_profile, args,
+                     f"GAAC {'graph' if graph else 'eager'}, {b} x ~{max(lens)} tokens")
     res["epochs_appended"] = int(sum(cache.calibration.n_epochs(layer, kind) - cal.n_epochs(layer, kind)
                                      for layer in range(s.layers) for kind in (0, 1)))
     res["memory_after"] = str(cache.memory())
@@ -287,6 +313,29 @@ def run_gaac(model, src, cal, s, lens, args, every: int, prompt: int, graph: boo
     if args.isolate and not SMOKE:
         res["isolate"] = isolate(cache, seqs, s, runner if graph else None)
     return res
+
+
+def host_profile(run, first: int, n: int, args, title: str) -> None:
+    """Steps ``first`` .. ``first + n`` of a run under cProfile, synchronised at the end (so that the
+    device's queue is inside), written to the profile file."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for j in range(first, first + n):
+        run(j)
+    ds.sync()
+    prof.disable()
+    write_profile(prof, args, f"{title}: {n} steps")
+
+
+def write_profile(prof, args, title: str) -> None:
+    """A profile's functions by own time and by cumulative time, appended to ``<out>.profile.txt``."""
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(45)
+    path = args.out.with_suffix(".profile.txt")
+    with path.open("a") as f:
+        f.write(f"## {title}\n\n{text.getvalue()}\n")
 
 
 def join_phases(remove, fill, step, first: int, batch: int, n: int) -> dict:
@@ -458,6 +507,9 @@ def main() -> None:
     ap.add_argument("--runs", default=None, help="only these scenario:mode pairs (comma-separated)")
     ap.add_argument("--profile", type=int, default=0,
                     help="after the window, N steps more under torch's profiler: the kernels of a step (GPU only)")
+    ap.add_argument("--host-profile", type=int, default=0,
+                    help="after the window, N steps more under cProfile, and the join phases' prompts "
+                         "(<out>.profile.txt)")
     ap.add_argument("--isolate", action="store_true",
                     help="after each GAAC run, time its cache's attention apart from the step (GPU only)")
     ap.add_argument("--join-phases", type=int, default=0,
@@ -486,6 +538,8 @@ def main() -> None:
            "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]), "steps": args.steps,
            "warmup": args.warmup, "cal_tokens": args.cal_tokens, "join_by_layer": args.join_by_layer, "scenarios": {}}
     only = set(args.runs.split(",")) if args.runs else None
+    if args.host_profile:
+        args.out.with_suffix(".profile.txt").unlink(missing_ok=True)
     if args.merge:
         old = json.loads(args.merge.read_text())
         rep["scenarios"] = old["scenarios"]
