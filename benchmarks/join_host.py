@@ -20,6 +20,8 @@ and whether they grow with the layers; the table also says how many epochs the j
 
 Counted (benchmarks/step_host.py's :class:`StepOps`, the GPU's branches counted as a GPU takes them), by the part
 of the join that issues them: ``remove`` (``remove_sequence``), ``prepare`` (each layer's update prepared),
+``flush`` (the adapters brought up to date with the blocks decode steps finished: with ``--steps N``, N eager
+decode steps of every row before each join, as a serving loop runs them between joins),
 ``rule`` (the rule's batch launched), ``reserve`` (records reserved, loans from the arena), ``encode`` (the
 encodes launched, their counts read where a list might run dry, and the layers whose epochs the rule changed
 encoded again), ``decisions`` (the rule's decisions taken up), ``commit`` (tables, tails, epochs appended),
@@ -49,7 +51,7 @@ import torch  # noqa: E402
 from benchmarks.report import commit_with_changes, table  # noqa: E402
 from benchmarks.step_host import DEVICE_OPS, KINDS, StepOps  # noqa: E402
 
-PARTS = ("remove", "prepare", "rule", "reserve", "encode", "decisions", "commit", "other")
+PARTS = ("remove", "prepare", "flush", "rule", "reserve", "encode", "decisions", "commit", "other")
 
 
 def sample(layers: int, heads: int, dim: int) -> tuple:
@@ -103,7 +105,26 @@ def make_cache(args, layers: int):
     end = k_all.shape[2]
     pk = torch.from_numpy(k_all[:, :, end - args.prompt:].copy().view(np.int16)).to(dev)
     pv = torch.from_numpy(v_all[:, :, end - args.prompt:].copy().view(np.int16)).to(dev)
-    return cache, rows, pk, pv
+    # the decode steps' tokens: ``[tokens, layers, kv_heads, dim]`` of the text's middle, the same for every row
+    mid = k_all.shape[2] // 2
+    tokens = (torch.from_numpy(np.ascontiguousarray(k_all[:, :, mid:mid + 64].transpose(2, 0, 1, 3)).view(np.int16)).to(dev),
+              torch.from_numpy(np.ascontiguousarray(v_all[:, :, mid:mid + 64].transpose(2, 0, 1, 3)).view(np.int16)).to(dev))
+    return cache, rows, pk, pv, tokens
+
+
+def decode_steps(cache, rows, tokens, n: int, first: int) -> None:
+    """``n`` eager decode steps of every row (a serving loop's steps between joins, without the attention, which
+    writes only its outputs): each layer takes one token a row through ``update_layer``, as ``decode_plan``'s
+    fast path takes it."""
+    tk, tv = tokens
+    for t in range(first, first + n):
+        cache.decode_plan(2, seqs=rows)
+        k = tk[t % len(tk)]
+        v = tv[t % len(tv)]
+        for layer in range(cache.layers):
+            kl = k[layer][None, :, None].expand(len(rows), -1, -1, -1).contiguous()
+            vl = v[layer][None, :, None].expand(len(rows), -1, -1, -1).contiguous()
+            cache.update_layer(layer, rows, kl, vl)
 
 
 def join(cache, rows, pk, pv, i: int) -> None:
@@ -117,17 +138,19 @@ def measure(args, layers: int) -> dict:
     from gaac.cache.paged import PagedKVCache
     from gaac.cache.update import UpdateTransaction
 
-    cache, rows, pk, pv = make_cache(args, layers)
+    cache, rows, pk, pv, tokens = make_cache(args, layers)
     cuda = args.device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     epochs_before = sum(cache.calibration.n_epochs(layer, kind) for layer in range(layers) for kind in (0, 1))
     joins = []
     i = 0
-    for _ in range(args.joins):
+    for j in range(args.joins):
+        decode_steps(cache, rows, tokens, args.steps, j * args.steps)
         sync()
         with StepOps(args.device) as ops:
             for owner, name, part in ((PagedKVCache, "remove_sequence", "remove"),
                                       (UpdateTransaction, "_prepare", "prepare"),
+                                      (UpdateTransaction, "_flush", "flush"),
                                       (UpdateTransaction, "_launch_rule", "rule"),
                                       (UpdateTransaction, "_reserve", "reserve"),
                                       (UpdateTransaction, "_encode_on_device", "encode"),
@@ -145,7 +168,8 @@ def measure(args, layers: int) -> dict:
         i += 1
     sync()
     host_ms, device_ms = [], []
-    for _ in range(args.runs if cuda else 0):
+    for r in range(args.runs if cuda else 0):
+        decode_steps(cache, rows, tokens, args.steps, (args.joins + r) * args.steps)
         sync()
         t0 = time.perf_counter()
         join(cache, rows, pk, pv, i)
@@ -166,7 +190,9 @@ def render(rep: dict) -> str:
            f"- {rep['machine']}, {rep['date']}, commit {rep['commit']}, torch {rep['torch']}",
            f"- command: `{rep['command']}`",
            f"- a batch of {a['batch']} sequences ({a['base']} + 97 i tokens), {a['kv_heads']} KV heads x {a['head_dim']}; "
-           f"a {a['prompt']}-token prompt replaces one, {a['joins']} times; adaptation on, the rule on the device, "
+           f"a {a['prompt']}-token prompt replaces one, {a['joins']} times"
+           + (f", each after {a['steps']} eager decode steps of every row" if a.get("steps") else "")
+           + "; adaptation on, the rule on the device, "
            f"calibration from the text's first {a['calib']} tokens; content: the shipped sample (SmolLM2-135M, prose)",
            "- benchmarks/join_host.py says what each part counts; `device ops` sums "
            + ", ".join(DEVICE_OPS) + "; `sync` is the host waiting for the device", ""]
@@ -213,6 +239,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=296, help="the joining prompt's tokens (from the text's end)")
     ap.add_argument("--calib", type=int, default=64, help="calibration tokens (from the text's start)")
     ap.add_argument("--joins", type=int, default=2, help="joins counted")
+    ap.add_argument("--steps", type=int, default=0,
+                    help="eager decode steps of every row before each join (uncounted), as a serving loop runs them")
     ap.add_argument("--runs", type=int, default=10, help="joins timed (GPU)")
     ap.add_argument("--out", type=Path, help="markdown report (and JSON beside it)")
     args = ap.parse_args(argv)
