@@ -118,7 +118,7 @@ def decode_steps(cache, rows, tokens, n: int, first: int) -> None:
     fast path takes it."""
     tk, tv = tokens
     for t in range(first, first + n):
-        cache.decode_plan(2, seqs=rows)
+        cache.decode_plan(2 * cache.kv_heads, seqs=rows)
         k = tk[t % len(tk)]
         v = tv[t % len(tv)]
         for layer in range(cache.layers):
