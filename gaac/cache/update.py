@@ -906,11 +906,10 @@ class UpdateTransaction:
         # attention table takes them up, which reads both)
         appending = [(u, kind) for u in updates for kind in KINDS
                      if u.tiles[kind] is not None and u.epochs[kind].tables]
-        if len(appending) > 1:
-            for u, kind in appending:
-                for b3, b4 in u.epochs[kind].tables:
-                    self._calibration.add_epoch(u.layer, kind, b3, b4)
-            add_epochs_all([(self._store[u.layer][kind], u.epochs[kind].tables) for u, kind in appending])
+        for u, kind in appending:
+            for b3, b4 in u.epochs[kind].tables:
+                self._calibration.add_epoch(u.layer, kind, b3, b4)
+        add_epochs_all([(self._store[u.layer][kind], u.epochs[kind].tables) for u, kind in appending])
         together = self._together(updates)
         tails = epochs = False
         if together is not None:
@@ -927,7 +926,7 @@ class UpdateTransaction:
                 index[:, seq, first:first + q].copy_(self._to_device(values.astype(np.int16)))
             tails, epochs = tails is not None, index is not None
         for u in updates:
-            self._commit(u, observe, tails=not tails, epochs=not epochs, tables=len(appending) <= 1)
+            self._commit(u, observe, tails=not tails, epochs=not epochs)
 
     def _together(self, updates: list) -> tuple | None:
         """``(seq, r, t, q, first)`` where every update of ``updates`` adds ``t`` tokens to the one sequence
@@ -943,17 +942,16 @@ class UpdateTransaction:
             return None
         return seq, n % L.BLOCK_TOKENS, t, q, n // L.BLOCK_TOKENS
 
-    def _commit(self, u: _Update, observe: bool = True, tails: bool = True, epochs: bool = True,
-                tables: bool = True) -> None:
+    def _commit(self, u: _Update, observe: bool = True, tails: bool = True, epochs: bool = True) -> None:
         """Write an update prepared and reserved for: slots, raw tiles, table entries, tails, the host's
         lengths (the caller copies them to the device).  ``observe``: a CPU cache's adapters observe the
-        new blocks now (else the caller has them do it).  ``tails`` / ``epochs`` / ``tables`` False: the caller
-        writes the tails / the device's block-epoch index / the new epochs' device tables (:meth:`_commit_all`)."""
+        new blocks now (else the caller has them do it).  ``tails`` / ``epochs`` False: the caller writes the
+        tails / the device's block-epoch index.  :meth:`_commit_all` has appended the update's new epochs."""
         per = self.tiles_per_block
         for kind in KINDS:
             store, tiles, fits = self._store[u.layer][kind], u.tiles[kind], u.fits[kind]
             if tiles is not None:
-                self._commit_epochs(store, u, kind, observe, device=epochs, tables=tables)
+                self._commit_epochs(store, u, kind, observe, device=epochs)
                 if u.entries[kind] is not None:
                     entries = u.entries[kind]
                     rows = self._in_table(u)
@@ -988,17 +986,13 @@ class UpdateTransaction:
             self._lens[u.layer, seq] += u.new[0].shape[2]
             self.blocks_encoded += q
 
-    def _commit_epochs(self, store: _Kind, u: _Update, kind: int, observe: bool = True, device: bool = True,
-                       tables: bool = True) -> None:
-        """Apply an update's epoch decisions: new epochs (to the calibration and the device tables, unless
-        ``tables`` is False: the caller appended them), the adapter's state, each finished block's epoch (on
-        the device too, unless ``device`` is False: the caller writes it)."""
+    def _commit_epochs(self, store: _Kind, u: _Update, kind: int, observe: bool = True,
+                       device: bool = True) -> None:
+        """Apply an update's epoch decisions (its new epochs already appended, :meth:`_commit_all`): the
+        layer's tables take them up, the adapter's state, each finished block's epoch (on the device too,
+        unless ``device`` is False: the caller writes it)."""
         plan = u.epochs[kind]
         if plan.tables:
-            if tables:
-                for b3, b4 in plan.tables:
-                    self._calibration.add_epoch(u.layer, kind, b3, b4)
-                store.add_epochs(plan.tables)
             self._epochs_appended(u.layer)
         if plan.after is not None:
             plan.after.calibration = self._calibration
