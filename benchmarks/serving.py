@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import gc
 import io
 import json
 import pstats
@@ -68,6 +69,31 @@ SCENARIOS = {
 SMOKE_SCENARIOS = {"b2-smoke": (2, 200, 0, 0, 1.0, 1.0), "b2-join-smoke": (2, 160, 3, 40, 1.0, 1.0)}
 
 
+class GCClock:
+    """Python's garbage collections while it is on: how many (of the oldest generation too) and the host ms
+    they took (``gc.callbacks``), so that a host time that moves between runs can be told from collections
+    of a large heap."""
+
+    def __init__(self):
+        self.ms, self.count, self.full, self._t = 0.0, 0, 0, None
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t = time.perf_counter()
+        elif self._t is not None:
+            self.ms += 1e3 * (time.perf_counter() - self._t)
+            self.count += 1
+            self.full += info.get("generation") == 2
+            self._t = None
+
+    def __enter__(self):
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._callback)
+
+
 class Window:
     """The timed loop: ``run(j)`` is step ``j`` (joins included); wall ms a step over the window
     (synchronised at the end) and each step's CUDA-event ms."""
@@ -80,17 +106,19 @@ class Window:
                                    for _ in range(self.steps)]
         before = self.counters() if self.counters else None
         ds.sync()
-        t = time.perf_counter()
-        for j in range(self.steps):
-            if events:
-                events[j][0].record()
-            self.run(first + j)
-            if events:
-                events[j][1].record()
-        ds.sync()
-        wall = (time.perf_counter() - t) / self.steps * 1e3
+        with GCClock() as clock:
+            t = time.perf_counter()
+            for j in range(self.steps):
+                if events:
+                    events[j][0].record()
+                self.run(first + j)
+                if events:
+                    events[j][1].record()
+            ds.sync()
+            wall = (time.perf_counter() - t) / self.steps * 1e3
         per = [a.elapsed_time(b) for a, b in events] if events else [wall]
-        res = {"ms": wall, "event_median_ms": statistics.median(per), "event_max_ms": max(per), "steps": self.steps}
+        res = {"ms": wall, "event_median_ms": statistics.median(per), "event_max_ms": max(per), "steps": self.steps,
+               "gc_ms": clock.ms, "gc_collections": clock.count, "gc_full": clock.full}
         if self.counters:
             after = self.counters()
             res["captures"], res["eager_steps"] = after[0] - before[0], after[1] - before[1]
@@ -345,7 +373,7 @@ def join_phases(remove, fill, step, first: int, batch: int, n: int) -> dict:
     done).  Medians."""
     import statistics as st
 
-    parts = {k: [] for k in ("remove_ms", "prompt_host_ms", "prompt_done_ms", "first_step_host_ms",
+    parts = {k: [] for k in ("remove_ms", "prompt_host_ms", "prompt_gc_ms", "prompt_done_ms", "first_step_host_ms",
                              "first_step_done_ms", "next_step_host_ms", "next_step_done_ms")}
     for i in range(n):
         row = 1 + i % max(batch - 1, 1)
@@ -354,8 +382,10 @@ def join_phases(remove, fill, step, first: int, batch: int, n: int) -> dict:
         remove(row)
         ds.sync()
         t2 = time.perf_counter()
-        fill(row)
+        with GCClock() as clock:
+            fill(row)
         t3 = time.perf_counter()
+        parts["prompt_gc_ms"].append(clock.ms)
         ds.sync()
         t4 = time.perf_counter()
         parts["remove_ms"].append(1e3 * (t2 - t0))
@@ -490,6 +520,12 @@ def render(rep: dict) -> str:
                         if sc["every"] else "") + f"; event medians {med}; GAAC prefill "
                      f"{sc.get('gaac_graph', {}).get('prefill_s', float('nan')):.1f} s; "
                      f"{sc.get('gaac_graph', {}).get('memory', '')}")
+    gcs = [f"- {name} {k}: {v['gc_collections']} collections ({v['gc_full']} of the oldest generation), "
+           f"{v['gc_ms']:.1f} ms in all, {v['gc_ms'] / v['steps']:.3f} ms a step"
+           for name, sc in rep["scenarios"].items() for k, v in sc.items()
+           if isinstance(v, dict) and "gc_ms" in v and not v.get("earlier")]
+    if gcs:
+        lines += ["", "Python's garbage collector inside the window (host time, `gc.callbacks`):", "", *gcs]
     lines += ds.profile_lines([(f"{name} {k}", v["profile"]) for name, sc in rep["scenarios"].items()
                                for k, v in sc.items()
                                if isinstance(v, dict) and v.get("profile") and not v.get("earlier")])
