@@ -83,6 +83,7 @@ class Adapter:
         self._hist_device = None  # where the rule last ran on the GPU: its histogram there, fetched when needed
         self.finalized = 0        # blocks observed
         self._recent = []         # the blocks since the last check, each [kv_heads, 16, head_dim]
+        self._recent_device = []  # the same blocks on a GPU, in runs [n, kv_heads, 16, head_dim] (None: not all there)
 
     @property
     def hist(self) -> np.ndarray:
@@ -113,17 +114,36 @@ class Adapter:
         """The newest epoch: the one the next finalized block is encoded with."""
         return self.calibration.n_epochs(self.layer, self.kind) - 1
 
+    def recent_on(self, device) -> list | None:
+        """The blocks since the last check as runs of device tensors on ``device`` (int16 ``[n, kv_heads, 16,
+        head_dim]``, in order), where the GPU rule or the cache left a copy of every one there; else None (the
+        GPU rule's batch then copies the host's blocks over)."""
+        runs = self._recent_device
+        if runs is None or sum(len(r) for r in runs) != len(self._recent):
+            return None
+        if any(r.device != device for r in runs):
+            return None
+        return runs
+
+    def keep_recent(self, blocks, device=None) -> None:
+        """Make ``blocks`` (host ``[n, kv_heads, 16, head_dim]``) the blocks since the last check, and ``device``
+        (the same on a GPU, or None) their device copy: what the GPU rule leaves after a batch."""
+        self._recent = list(blocks)
+        self._recent_device = [] if not len(self._recent) else [device] if device is not None else None
+
     @property
     def until_check(self) -> int:
         """Blocks still to be observed before the next check (1..ADAPT_EVERY)."""
         return ADAPT_EVERY - len(self._recent)
 
-    def observe(self, blocks) -> int | None:
+    def observe(self, blocks, device=None) -> int | None:
         """Record finalized blocks ``uint16 [n, kv_heads, 16, head_dim]``, all coded with :attr:`epoch`.
 
         ``n`` may not exceed :attr:`until_check`: a block finalized after a check
         must be coded with the epoch that check may append.  Returns the index of
-        the epoch appended by this call's check, else ``None``.
+        the epoch appended by this call's check, else ``None``.  ``device``: the
+        same blocks on a GPU (a tensor), kept while no check is due, so that the
+        GPU rule's next batch reads them there rather than copying the host's over.
         """
         blocks = np.asarray(blocks)
         want = (self.calibration.kv_heads, L.BLOCK_TOKENS, self.calibration.head_dim)
@@ -133,12 +153,17 @@ class Adapter:
         if len(blocks) > self.until_check:
             raise InputError(f"{len(blocks)} blocks given, but a check is due after {self.until_check}: "
                              "the blocks after it must be coded with the epoch it may append")
+        if len(blocks):                                     # the device runs follow the host's blocks, or stop
+            if device is None or self._recent_device is None:
+                self._recent_device = None
+            else:
+                self._recent_device.append(device)
         self._recent.extend(blocks)
         self.finalized += len(blocks)
         if self.until_check:
             return None
         x = np.concatenate(self._recent, axis=1)            # [kv_heads, R * 16, head_dim]
-        self._recent = []
+        self._recent, self._recent_device = [], []
         self.hist -= self.hist >> DECAY_SHIFT
         self.hist += exponent_histograms(x[None])[0]
         return self._check(x)

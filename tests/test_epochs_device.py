@@ -56,6 +56,50 @@ def test_the_device_rule_decides_what_the_host_rule_decides(monkeypatch):
     assert max(int(e.max()) for e in got) >= 1                # the data drifts: epochs were appended
 
 
+def test_pending_blocks_kept_on_the_device_are_read_there_and_decide_the_same(monkeypatch):
+    """An adapter whose pending blocks came with device copies (a decode loop's, a batch's leftovers) has
+    the rule's batch gather them on the device instead of uploading the host's: the same decisions, and an
+    upload smaller by exactly those blocks; the adapter keeps the batch's leftovers on the device too."""
+    monkeypatch.setattr(epochs, "WARMUP_BLOCKS", 8)
+    monkeypatch.setattr(epochs, "PAYBACK_CHECKS", 10 ** 9)
+    x = drifting_cache(40 * L.BLOCK_TOKENS, layers=2)[:, :1]
+    x[1] = x[1] ^ 0x8000
+    cal = calibrate(x[:, :, :128], x[:, :, :128])
+    staged = device_epochs._staged
+    results = {}
+    for on_device in (False, True):
+        uploaded = []
+
+        def spy(a, device):
+            uploaded.append(a.size)
+            return staged(a, device)
+
+        monkeypatch.setattr(device_epochs, "_staged", spy)
+        jobs, want = [], []
+        for kind, pending in ((L.KIND_K, 3), (L.KIND_V, 7)):       # pending runs of different lengths
+            blocks = cache_blocks(x[kind])
+            adapter = epochs.Adapter(cal.copy(), 0, kind)
+            adapter.assign(blocks[:16])                            # one check done, none pending
+            for a, z in ((16, 17), (17, 16 + pending)):            # two observations, two device runs
+                adapter.observe(blocks[a:z], device=torch.from_numpy(blocks[a:z].view(np.int16)).clone()
+                                if on_device else None)
+            assert (adapter.recent_on(torch.device("cpu")) is not None) == on_device
+            reference = copy.deepcopy(adapter)
+            new = blocks[16 + pending:16 + pending + 17]           # the same count in every job
+            want.append((reference, reference.assign(new)))
+            jobs.append((adapter, torch.from_numpy(new.view(np.int16))))
+        got = device_epochs.assign(jobs)
+        for (adapter, _), e, (reference, e_want) in zip(jobs, got, want):
+            assert np.array_equal(e, e_want)
+            _same_adapter(adapter, reference)
+            runs = adapter.recent_on(torch.device("cpu"))      # the batch's leftovers, on the device as well
+            assert runs is not None and np.array_equal(torch.cat(runs).numpy().view(np.uint16),
+                                                         np.stack(adapter._recent))
+        results[on_device] = uploaded
+    rec_words = 2 * 7 * L.BLOCK_TOKENS * x.shape[-1] // 2     # two jobs' pending blocks, padded to 7, in words
+    assert results[True] == [results[False][0] - rec_words]
+
+
 def test_the_phases_decide_what_the_host_rule_decides(monkeypatch):
     """A check every 2 blocks, so that one batch holds many checks: whatever mix of appending, declining
     and capped checks, the phases (:func:`gaac.cuda.epochs.phase_kernel`) pick the host rule's checks.  Two

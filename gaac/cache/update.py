@@ -444,6 +444,8 @@ class UpdateTransaction:
             plan.epochs = np.full(len(plan.blocks), plan.after.epoch, np.int64)
             after = copy.copy(plan.after)
             after.calibration, after._recent = calibration, list(after._recent)
+            if after._recent_device is not None:
+                after._recent_device = list(after._recent_device)
             plan.after = after
         by_shape = {}
         for item in waiting:
@@ -530,14 +532,16 @@ class UpdateTransaction:
                 return
             store.deferred.pop(0)
             blocks = _arrived(item.blocks if isinstance(item, _Observed) else item).view(np.uint16)
+            device = item.device if isinstance(item, _Observed) else None
             appended = False
             while len(blocks):              # a decode step's blocks may pass a check: observed in runs up to it
                 n = min(store.adapter.until_check, len(blocks))
-                epoch = store.adapter.observe(blocks[:n])
+                epoch = store.adapter.observe(blocks[:n], device=None if device is None else device[:n])
                 if epoch is not None:
                     store.add_epoch(*self._calibration.bases(layer, kind, epoch))
                     appended = True
                 blocks = blocks[n:]
+                device = None if device is None else device[n:]
             if appended:
                 self._epochs_appended(layer)
 
@@ -607,7 +611,8 @@ class UpdateTransaction:
         blocks = torch.cat([item.device for item in due]) if len(due) > 1 else due[0].device
         rest = []
         if len(blocks) > until:                     # the blocks after the check, observed once it is decided
-            rest = [np.concatenate([_arrived(item.blocks) for item in due])[until:]]
+            rest = [_Observed(np.concatenate([_arrived(item.blocks) for item in due])[until:], due[-1].step,
+                              blocks[until:])]
         return store, layer, kind, store.adapter.epoch, blocks[:until], rest
 
     def _finish_rule_batches(self, upto: int | None = None) -> None:

@@ -479,17 +479,18 @@ def _stacked(tensors: list):
     return view if view is not None else torch.stack(tensors)
 
 
-def _host_cat(tensors: list) -> np.ndarray:
-    """1-D ``tensors`` of one dtype, end to end, in one copy to the host: on a GPU into pinned memory, in flight
-    on the current stream (the NumPy view is valid once that stream has been waited for); else at once."""
+def _host_cat(tensors: list) -> tuple:
+    """1-D ``tensors`` of one dtype, end to end: (the tensor of them all on their device, its copy on the host
+    as NumPy).  On a GPU the copy goes into pinned memory, in flight on the current stream (the NumPy view is
+    valid once that stream has been waited for); else it is made at once."""
     import torch
 
     flat = torch.cat(tensors)
     if flat.device.type != "cuda":
-        return flat.numpy()
+        return flat, flat.numpy().copy()
     host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
     host.copy_(flat, non_blocking=True)
-    return host.numpy()
+    return flat, host.numpy()
 
 
 def _aligned(x):
@@ -614,13 +615,17 @@ class Batch:
         xa = _aligned(_stacked([b for _, b in jobs[:ja]]))
         xb = _aligned(_stacked([b for _, b in jobs[ja:]])) if ja < n_jobs else xa
 
-        # the adapters' blocks not yet checked (none in a new cache's prefill) and the small int32 inputs
-        # go in one copy, through a pinned buffer kept for the device; the blocks come first, so that they
-        # start on the allocation's alignment as the scan kernel's 16-byte loads need
-        rec_np = np.zeros(rec_shape if r0.any() else (0,), dtype=np.int16)
-        for i, (a, _) in enumerate(jobs):
-            for b, block in enumerate(a._recent):
-                rec_np[i, b] = np.asarray(block).view(np.int16)
+        # the adapters' blocks not yet checked (none in a new cache's prefill): gathered on the device where
+        # every adapter kept a copy there (a decode loop's blocks and a batch's leftovers), else copied from
+        # the host with the small int32 inputs, in one copy through a pinned buffer kept for the device (the
+        # blocks first, so that they start on the allocation's alignment as the scan kernel's 16-byte loads need)
+        runs = [a.recent_on(device) if len(a._recent) else [] for a, _ in jobs] if r0.any() else []
+        on_device = bool(runs) and all(r is not None for r in runs)
+        rec_np = np.zeros(rec_shape if r0.any() and not on_device else (0,), dtype=np.int16)
+        if len(rec_np):
+            for i, (a, _) in enumerate(jobs):
+                for b, block in enumerate(a._recent):
+                    rec_np[i, b] = np.asarray(block).view(np.int16)
         self.m = m = max(1, int(checks.max()))
         # nxt[p, job]: the check that appends the job's p-th epoch of the batch (NONE: none); a phase a row.
         # It starts as NONE everywhere and comes with the small inputs.
@@ -645,7 +650,16 @@ class Batch:
         part = [zeros[int(a):int(a) + n] for a, n in zip(starts, sizes)]
         self.saved0, self.differs0 = part[0].view(n_jobs, m), part[1].view(n_jobs, m)
         self.cand = part[2].view(torch.uint8).view(n_jobs, m, 2, channels)
-        rec = rec32.view(torch.int16).view(rec_shape) if r0.any() else part[3].view(torch.int16).view(rec_shape)
+        if on_device:
+            rec = torch.empty(rec_shape, dtype=torch.int16, device=device)
+            pad = torch.zeros((rec_shape[1] - int(r0.min()), *rec_shape[2:]), dtype=torch.int16, device=device)
+            torch.cat([piece for i, job_runs in enumerate(runs)
+                       for piece in [*(r.view(torch.int16) for r in job_runs), pad[:rec_shape[1] - int(r0[i])]]],
+                      out=rec.view(-1, *rec_shape[2:]))
+        elif r0.any():
+            rec = rec32.view(torch.int16).view(rec_shape)
+        else:
+            rec = part[3].view(torch.int16).view(rec_shape)
         if fresh:
             self.hist = part[4].view(n_jobs, channels, BINS)
         else:
@@ -757,17 +771,23 @@ class Batch:
             # a copy of its own, so that copying the adapter (the cache plans on a copy) copies 1 MB, not all jobs'
             a.keep_hist_on_device(self.hist[i].view(kv_heads, head_dim, BINS).clone())
             a.finalized += n
+            host, dev = recent[i]
             if checks[i] == 0:
-                a._recent = list(a._recent) + list(recent[i])
+                runs = a.recent_on(self.device)
+                a.keep_recent(list(a._recent) + list(host))
+                if runs is not None:
+                    a._recent_device = [*runs, dev] if len(host) else list(runs)
             else:
-                a._recent = list(recent[i])
+                a.keep_recent(host, dev)
             out[self.order[i]] = epochs
         return out
 
     def _recent_blocks(self) -> list:
-        """Per job, the blocks its adapter keeps for its next check (NumPy BF16 bits): all its blocks where it
-        reaches no check, else those after its last check; every job's in one copy to the host, started on the
-        current stream into pinned memory (on a GPU): valid once the stream's next read has waited."""
+        """Per job, the blocks its adapter keeps for its next check: all its blocks where it reaches no check,
+        else those after its last check, as (NumPy BF16 bits, the same on the device).  Every job's in one
+        device copy of their own (the adapters keep them there for the rule's next batch, not the caller's
+        tensors they are views of) and one copy of that to the host, started on the current stream into pinned
+        memory (on a GPU): valid once the stream's next read has waited."""
         n, every = self.n, self.every
         tails = []
         for i, (_, blocks) in enumerate(self.jobs):
@@ -775,10 +795,11 @@ class Batch:
             tails.append(blocks[n - left:] if left else blocks[:0])
         sizes = [t.numel() for t in tails]
         if not sum(sizes):
-            return [np.zeros((0, *t.shape[1:]), np.uint16) for t in tails]
-        host = _host_cat([t.reshape(-1) for t in tails]).view(np.uint16)
+            return [(np.zeros((0, *t.shape[1:]), np.uint16), None) for t in tails]
+        flat, host = _host_cat([t.reshape(-1) for t in tails])
+        host = host.view(np.uint16)
         out, at = [], 0
         for t, size in zip(tails, sizes):
-            out.append(host[at:at + size].reshape(t.shape))
+            out.append((host[at:at + size].reshape(t.shape), flat[at:at + size].view(t.shape) if size else None))
             at += size
         return out
