@@ -79,7 +79,7 @@ class Adapter:
             raise InputError(f"kind must be 0 (K) or 1 (V), got {kind!r}")
         calibration.check_epoch(layer, kind, 0)
         self.calibration, self.layer, self.kind = calibration, layer, kind
-        self._hist = np.zeros((calibration.kv_heads, calibration.head_dim, 256), dtype=np.int64)
+        self._hist = None         # made at first use: a cache makes an adapter per layer and kind (1-2 MB each)
         self._hist_device = None  # where the rule last ran on the GPU: its histogram there, fetched when needed
         self.finalized = 0        # blocks observed
         self._recent = []         # the blocks since the last check, each [kv_heads, 16, head_dim]
@@ -91,6 +91,8 @@ class Adapter:
         if self._hist_device is not None:
             self._hist = self._hist_device.cpu().numpy().astype(np.int64)
             self._hist_device = None
+        elif self._hist is None:
+            self._hist = np.zeros((self.calibration.kv_heads, self.calibration.head_dim, 256), dtype=np.int64)
         return self._hist
 
     @hist.setter

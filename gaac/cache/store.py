@@ -4,6 +4,8 @@ out, which the cache's update transaction (:mod:`gaac.cache.update`) and its sid
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -97,12 +99,12 @@ class _Slab:
     from the host) makes all of them, each a view of it."""
 
     def __init__(self):
-        self.parts = []              # (offset, shape, dtype, host array or None)
+        self.parts = []              # (offset, shape, dtype, host array or None, bytes)
         self.size = 0
 
     def add(self, shape, dtype: torch.dtype, host: np.ndarray | None = None) -> int:
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        self.parts.append((self.size, tuple(shape), dtype, host))
+        nbytes = math.prod(shape) * dtype.itemsize
+        self.parts.append((self.size, tuple(shape), dtype, host, nbytes))
         self.size += -(-nbytes // ALIGN) * ALIGN
         return len(self.parts) - 1
 
@@ -113,17 +115,13 @@ class _Slab:
     def upload(self, device) -> list:
         """Every array with its host contents, on ``device`` with one copy that does not wait for the device."""
         buf = np.zeros(max(self.size, 1), dtype=np.uint8)
-        for offset, shape, _, host in self.parts:
+        for offset, shape, _, host, _ in self.parts:
             raw = np.ascontiguousarray(host).view(np.uint8).reshape(-1)
             buf[offset:offset + raw.size] = raw
         return self._views(torch.from_numpy(buf).to(device, non_blocking=True))
 
     def _views(self, flat: torch.Tensor) -> list:
-        out = []
-        for offset, shape, dtype, _ in self.parts:
-            n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-            out.append(flat[offset:offset + n].view(dtype).view(shape))
-        return out
+        return [flat[offset:offset + n].view(dtype).view(shape) for offset, shape, dtype, _, n in self.parts]
 
 
 def make_stores(calibration, arena: RawArena, *, device: torch.device, cuda: bool, adapt: bool, max_seqs: int,
