@@ -643,23 +643,26 @@ class Batch:
         # what starts at zero, in one allocation: the scan's savings and flags per check (saved0, differs0),
         # each check's candidate bases (cand, from an ALIGN-word boundary), the blocks not yet checked where
         # there are none, and a new cache's histograms
+        # (and, where the blocks not yet checked are gathered on the device, those and the zeros that pad them)
+        block_words = int(np.prod(rec_shape[2:])) // 2
+        pad_blocks = rec_shape[1] - int(r0.min()) if on_device else 0
         sizes = [n_jobs * m, n_jobs * m, n_jobs * m * 2 * channels // 4,
-                 0 if r0.any() else int(np.prod(rec_shape)) // 2, n_jobs * channels * BINS if fresh else 0]
+                 0 if r0.any() and not on_device else int(np.prod(rec_shape)) // 2,
+                 n_jobs * channels * BINS if fresh else 0, pad_blocks * block_words]
         starts = np.concatenate([[0], np.cumsum([-(-n // _ALIGN_WORDS) * _ALIGN_WORDS for n in sizes])])
         zeros = torch.zeros(max(1, int(starts[-1])), dtype=torch.int32, device=device)
         part = [zeros[int(a):int(a) + n] for a, n in zip(starts, sizes)]
         self.saved0, self.differs0 = part[0].view(n_jobs, m), part[1].view(n_jobs, m)
         self.cand = part[2].view(torch.uint8).view(n_jobs, m, 2, channels)
-        if on_device:
-            rec = torch.empty(rec_shape, dtype=torch.int16, device=device)
-            pad = torch.zeros((rec_shape[1] - int(r0.min()), *rec_shape[2:]), dtype=torch.int16, device=device)
-            torch.cat([piece for i, job_runs in enumerate(runs)
-                       for piece in [*(r.view(torch.int16) for r in job_runs), pad[:rec_shape[1] - int(r0[i])]]],
-                      out=rec.view(-1, *rec_shape[2:]))
-        elif r0.any():
+        if r0.any() and not on_device:
             rec = rec32.view(torch.int16).view(rec_shape)
         else:
             rec = part[3].view(torch.int16).view(rec_shape)
+        if on_device:       # each job's runs, then zeros up to the longest: one copy on the device
+            pad = part[5].view(torch.int16).view(pad_blocks, *rec_shape[2:])
+            torch.cat([piece for i, job_runs in enumerate(runs)
+                       for piece in [*(r.view(torch.int16) for r in job_runs), pad[:rec_shape[1] - int(r0[i])]]],
+                      out=rec.view(-1, *rec_shape[2:]))
         if fresh:
             self.hist = part[4].view(n_jobs, channels, BINS)
         else:
