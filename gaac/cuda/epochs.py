@@ -642,8 +642,8 @@ class Batch:
             staged[e - a.size:e].view(a.shape) for a, e in zip(small, ends))
         # what starts at zero, in one allocation: the scan's savings and flags per check (saved0, differs0),
         # each check's candidate bases (cand, from an ALIGN-word boundary), the blocks not yet checked where
-        # there are none, and a new cache's histograms
-        # (and, where the blocks not yet checked are gathered on the device, those and the zeros that pad them)
+        # there are none or they are gathered on the device, a new cache's histograms, and the zeros that pad
+        # each job's gathered blocks to the longest run
         block_words = int(np.prod(rec_shape[2:])) // 2
         pad_blocks = rec_shape[1] - int(r0.min()) if on_device else 0
         sizes = [n_jobs * m, n_jobs * m, n_jobs * m * 2 * channels // 4,
