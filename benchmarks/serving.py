@@ -555,7 +555,7 @@ def main() -> None:
                     help="GAAC's prompts through update_layer without a deferral: a transaction a layer (the old way)")
     ap.add_argument("--merge", type=Path, default=None,
                     help="a results JSON of an earlier run: its runs are kept where this run does not repeat them "
-                         "(the report names both commits)")
+                         "(a BF16 and GAAC pair is replaced only once both have run; the report names both commits)")
     args = ap.parse_args()
     s = ds.SMOKE_SHAPE if SMOKE else ds.LLAMA_8B
     table = SMOKE_SCENARIOS if SMOKE else SCENARIOS
@@ -595,18 +595,22 @@ def main() -> None:
             graph = mode == "graph"
             if only is not None and f"{name}:{mode}" not in only:
                 continue
+            # a ratio is of two runs in one process: the pair replaces a merged one only once both have run,
+            # so that a run cut short leaves the earlier pair, not a new BF16 beside an old GAAC
+            pair = {}
             for kind, run in (("bf16", run_bf16), ("gaac", run_gaac)):
                 if kind == "bf16" and SMOKE:           # torch's flash kernel needs a GPU
                     continue
                 try:
-                    sc[f"{kind}_{mode}"] = run(model, src, cal, s, lens, args, every, prompt, graph)
+                    pair[f"{kind}_{mode}"] = run(model, src, cal, s, lens, args, every, prompt, graph)
                 except Exception as exc:          # a failed run is reported, and the others still run
                     import traceback
 
                     traceback.print_exc()
-                    sc[f"{kind}_{mode}"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+                    pair[f"{kind}_{mode}"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
                 ds.free()                  # what a run held goes before the next is made
-                ds.write(rep, args.out, render)
+            sc.update(pair)
+            ds.write(rep, args.out, render)
     print(render(rep))
 
 
