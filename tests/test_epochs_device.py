@@ -100,6 +100,58 @@ def test_pending_blocks_kept_on_the_device_are_read_there_and_decide_the_same(mo
     assert results[True] == [results[False][0] - rec_words]
 
 
+def test_a_prompt_after_decode_steps_reads_the_pending_blocks_on_the_device(monkeypatch):
+    """Decode steps leave every adapter's pending blocks on the device as well as on the host, so the rule's
+    batch of a prompt after them gathers them there: every adapter it reads with pending blocks has all of them
+    on the device; and the cache decides and holds what the host rule's cache does."""
+    from test_captured import _steps
+    from test_cache import B, drifting, synthetic
+
+    monkeypatch.setattr(epochs, "WARMUP_BLOCKS", 4)
+    monkeypatch.setattr(epochs, "ADAPT_EVERY", 4)
+    monkeypatch.setattr(epochs, "PAYBACK_CHECKS", 10 ** 9)
+    rng = np.random.default_rng(11)
+    layers, heads, dim, steps = 1, 1, 64, 3 * B
+    start, prompt = [5 * B + 3, 6 * B + 11], 7 * B
+    k = [drifting(rng, layers, heads, n, dim, 16.0) for n in (start[0] + steps, start[1] + steps, prompt)]
+    v = [synthetic(rng, layers, heads, n, dim) for n in (start[0] + steps, start[1] + steps, prompt)]
+    cal = calibrate(k[0][:, :, :32], v[0][:, :, :32])
+    caches = []
+    for on_device in (False, True):
+        cache = PagedKVCache(cal, max_seqs=3, max_blocks=16, raw_tiles=96, codec="cuda", adapt=True)
+        cache._rule_on_device = on_device
+        rows = [cache.add_sequence(k[i][:, :, :start[i]], v[i][:, :, :start[i]]) for i in range(2)]
+        pos = list(start)
+        assert _steps(cache, rows, k, v, pos, 2 * heads, steps, rng) == steps
+        seen = []
+        recent_on = epochs.Adapter.recent_on
+
+        def spy(adapter, device, _seen=seen):
+            runs = recent_on(adapter, device)
+            _seen.append((len(adapter._recent), runs))
+            return runs
+
+        monkeypatch.setattr(epochs.Adapter, "recent_on", spy)
+        rows.append(cache.add_sequence(k[2], v[2]))
+        monkeypatch.setattr(epochs.Adapter, "recent_on", recent_on)
+        if on_device:
+            pending = [(n, runs) for n, runs in seen if n]
+            assert pending, "no adapter had pending blocks when the prompt's rule ran"
+            assert all(runs is not None and sum(len(r) for r in runs) == n for n, runs in pending)
+        caches.append((cache, rows))
+    (host, host_rows), (gpu, gpu_rows) = caches
+    assert gpu.calibration.n_epochs(0, L.KIND_K) > 1
+    assert_same_epochs(gpu.calibration, host.calibration)
+    for kind in (L.KIND_K, L.KIND_V):
+        np.testing.assert_array_equal(gpu.stores(0)[kind].epochs, host.stores(0)[kind].epochs)
+        _same_adapter(gpu.stores(0)[kind].adapter, host.stores(0)[kind].adapter)
+    for i, (r, rh) in enumerate(zip(gpu_rows, host_rows)):
+        got_k, got_v = gpu.read(r)
+        want = (k[i][:, :, :start[i] + steps], v[i][:, :, :start[i] + steps]) if i < 2 else (k[2], v[2])
+        np.testing.assert_array_equal(got_k, want[0])
+        np.testing.assert_array_equal(got_v, want[1])
+
+
 def test_the_phases_decide_what_the_host_rule_decides(monkeypatch):
     """A check every 2 blocks, so that one batch holds many checks: whatever mix of appending, declining
     and capped checks, the phases (:func:`gaac.cuda.epochs.phase_kernel`) pick the host rule's checks.  Two
