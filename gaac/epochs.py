@@ -127,11 +127,12 @@ class Adapter:
             return None
         return runs
 
-    def keep_recent(self, blocks, device=None) -> None:
-        """Make ``blocks`` (host ``[n, kv_heads, 16, head_dim]``) the blocks since the last check, and ``device``
-        (the same on a GPU, or None) their device copy: what the GPU rule leaves after a batch."""
+    def keep_recent(self, blocks, runs=None) -> None:
+        """Make ``blocks`` (host, each ``[kv_heads, 16, head_dim]``) the blocks since the last check, and ``runs``
+        (device tensors ``[n, kv_heads, 16, head_dim]`` holding the same in order, or None where they are not all
+        on the device) their device copy: what the GPU rule leaves after a batch."""
         self._recent = list(blocks)
-        self._recent_device = [] if not len(self._recent) else [device] if device is not None else None
+        self._recent_device = list(runs) if runs is not None else [] if not self._recent else None
 
     @property
     def until_check(self) -> int:

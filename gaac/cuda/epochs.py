@@ -775,13 +775,12 @@ class Batch:
             a.keep_hist_on_device(self.hist[i].view(kv_heads, head_dim, BINS).clone())
             a.finalized += n
             host, dev = recent[i]
-            if checks[i] == 0:
+            new = [dev] if dev is not None else []
+            if checks[i] == 0:           # no check: the batch's blocks join those the adapter held
                 runs = a.recent_on(self.device)
-                a.keep_recent(list(a._recent) + list(host))
-                if runs is not None:
-                    a._recent_device = [*runs, dev] if len(host) else list(runs)
+                a.keep_recent([*a._recent, *host], None if runs is None else [*runs, *new])
             else:
-                a.keep_recent(host, dev)
+                a.keep_recent(host, new)
             out[self.order[i]] = epochs
         return out
 
