@@ -268,3 +268,29 @@ def test_in_place_encode_reads_a_sequence_where_it_lies():
     assert (out[1][2] < 0).any() and (out[1][2] >= 0).any()        # raw and slot tiles both
     with pytest.raises(InputError, match="not whole blocks"):
         plan.in_place(bits.view(np.int16), 3, entries, used)       # blocks 3..5 run past the 4 whole blocks
+
+
+def test_a_plan_with_other_bases_encodes_what_a_plan_made_with_them_encodes():
+    """``EncodePlan.with_bases`` (how the cache makes the plan of an epoch the rule appends) shares the pools and
+    the kernel but codes with its own bases: its storage is the reference codec's for those bases, which differ
+    from the first plan's, and a plan's rows must match."""
+    rng = np.random.default_rng(3)
+    n, channels, capacity = 5, 64, 16
+    e = rng.integers(118, 126, size=(n, L.BLOCK_TOKENS, channels))
+    tiles = (((rng.integers(0, 256, size=e.shape) & 0x80) << 8) | (e << 7)
+             | rng.integers(0, 128, size=e.shape)).astype(np.uint16)
+    first = (np.full((1, channels), 114), np.full((1, channels), 106))
+    other = (np.full((1, channels), 118), np.full((1, channels), 110))
+    ref_first, ref = (ref_encode_tiles(tiles, *b, capacity) for b in (first, other))
+    assert not np.array_equal(ref_first.escape_used, ref.escape_used)          # the bases change the coding
+    geo = L.TileGeometry(channels)
+    slots = np.full((n + 2, geo.slot_bytes(capacity)), POISON, np.uint8)
+    raw = np.full((n + 2, L.BLOCK_TOKENS, channels), POISON * 0x101, np.uint16).view(np.int16)
+    heads = np.zeros(2, np.int32)
+    plan = EncodePlan(channels, capacity, pack_bases(*first), slots, np.arange(n + 2, dtype=np.int32)[::-1].copy(),
+                      raw, np.arange(n + 2, dtype=np.int32), heads)
+    entries, used = np.full(n, 7, np.int32), np.full(n, -7, np.int32)
+    plan.with_bases(pack_bases(*other))(tiles.view(np.int16), entries, used)
+    check_storage(tiles, ref, slots, raw, entries, used, heads)
+    with pytest.raises(InputError, match="rows"):
+        plan.with_bases(pack_bases(np.full((2, channels), 118), np.full((2, channels), 110)))

@@ -250,6 +250,7 @@ def test_a_guessed_epoch_that_would_run_a_pool_dry_does_not_refuse_the_update(mo
     host = PagedKVCache(cal, max_blocks=64, raw_tiles=12 * 2 * cal.layers, codec="reference")
     gpu = PagedKVCache(cal, max_blocks=64, raw_tiles=12 * 2 * cal.layers, codec="cuda")
     gpu._rule_on_device = True
+    gpu._guess_misses = 0.0                                 # earlier prompts kept the guess: the encodes guess
     sh, sg = host.add_sequence(x[:1], x[1:]), gpu.add_sequence(x[:1], x[1:])
     assert_same_epochs(gpu.calibration, host.calibration)
     for kind in (L.KIND_K, L.KIND_V):
@@ -258,3 +259,46 @@ def test_a_guessed_epoch_that_would_run_a_pool_dry_does_not_refuse_the_update(mo
     rk, rv = gpu.read_layer(0, [sg])
     assert np.array_equal(rk[0].numpy().view(np.uint16), x[0])
     assert np.array_equal(rv[0].numpy().view(np.uint16), x[1])
+
+
+def test_a_new_cache_decides_before_it_encodes_and_holds_what_a_guessing_one_holds(monkeypatch):
+    """A new cache's prompt (its calibration from other text, so the rule is likely to append): the encodes wait
+    for the rule's decisions and code every tile once.  A cache whose earlier prompts kept the guess encodes at
+    once with the newest epoch and codes again the layers and kinds the rule appended to.  Both hold what the
+    host rule makes, bit-exact, and each prompt's share of appending jobs joins the running mean."""
+    import gaac.cuda.codec as codec
+
+    monkeypatch.setattr(epochs, "WARMUP_BLOCKS", 8)
+    monkeypatch.setattr(epochs, "PAYBACK_CHECKS", 10 ** 9)
+    x = drifting_cache(36 * L.BLOCK_TOKENS, layers=2)[:, :1]
+    x[1] = x[1] ^ 0x8000                                    # one layer: x[0] is its K, x[1] its V
+    cal = calibrate(x[:1, :, :128], x[1:, :, :128])
+    n = 20 * L.BLOCK_TOKENS + 5
+    encoded = []                                            # tiles per encoder launch
+    in_place, call = codec.EncodePlan.in_place, codec.EncodePlan.__call__
+    monkeypatch.setattr(codec.EncodePlan, "in_place",
+                        lambda self, bits, first, entries, *a, **k: (encoded.append(entries.shape[0]),
+                                                                     in_place(self, bits, first, entries, *a, **k)))
+    monkeypatch.setattr(codec.EncodePlan, "__call__",
+                        lambda self, bits, entries, *a, **k: (encoded.append(entries.shape[0]),
+                                                              call(self, bits, entries, *a, **k)))
+    host = PagedKVCache(cal, **every_tile(cal, 1, 40), codec="reference")
+    sh = host.add_sequence(x[:1, :, :n], x[1:, :, :n])
+    appended = sum(host.calibration.n_epochs(0, kind) > 1 for kind in (L.KIND_K, L.KIND_V))
+    assert appended == 2
+    tiles = []
+    for misses in (1.0, 0.0):                               # a new cache's estimate; one whose prompts kept the guess
+        gpu = PagedKVCache(cal, **every_tile(cal, 1, 40), codec="cuda")
+        gpu._rule_on_device = True
+        gpu._guess_misses = misses
+        encoded.clear()
+        sg = gpu.add_sequence(x[:1, :, :n], x[1:, :, :n])
+        tiles.append(sum(encoded))
+        assert gpu._guess_misses == (misses + appended / 2) / 2
+        assert_same_epochs(gpu.calibration, host.calibration)
+        for kind in (L.KIND_K, L.KIND_V):
+            assert np.array_equal(gpu.stores(0)[kind].epochs[sg], host.stores(0)[kind].epochs[sh])
+        rk, rv = gpu.read_layer(0, [sg])
+        assert np.array_equal(rk[0].numpy().view(np.uint16), x[0, :, :n])
+        assert np.array_equal(rv[0].numpy().view(np.uint16), x[1, :, :n])
+    assert tiles[0] == 2 * 20 < tiles[1], tiles            # decided first: every tile once; guessed: again

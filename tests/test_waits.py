@@ -272,6 +272,7 @@ def test_an_encode_the_rule_redoes_puts_its_counts_back_without_waiting(monkeypa
     cal = calibrate(x[:1, :, :128], x[1:, :, :128])
     cache = PagedKVCache(cal, **every_tile(cal, 1, 40), codec="cuda")
     cache._rule_on_device = True
+    cache._guess_misses = 0.0                        # earlier prompts kept the guess: the encodes guess
     put_back, seen = UpdateTransaction._put_back, []
 
     def counted(self, undo):

@@ -39,6 +39,7 @@ from .pools import Arrival, _Share, counts_read, grow_pools, grown, sync_pools
 from .store import KINDS, _Kind, add_epochs_all
 
 ADAPT_LAG = 2                # decode steps between a block's finish and the adaptation rule's look at it
+GUESS_MISSES = 0.5           # an update's encodes guess the rule's epochs while fewer of the jobs missed (_guess_pays)
 
 _RULE_STREAMS = {}       # CUDA device index -> the stream the adaptation rule runs on (PagedKVCache._rule_stream)
 
@@ -251,6 +252,7 @@ class UpdateTransaction:
         self._reserve(updates)
         rule = self._launch_rule(updates)
         encoded, redo, done, early = True, [], False, None
+        guess = self._guess_pays(rule)
 
         def decided():          # the rule's decisions, taken once: before the encodes are checked, or on an error
             nonlocal redo, done
@@ -272,8 +274,10 @@ class UpdateTransaction:
                 early = None
 
         try:
+            if not guess:               # the rule is likely to append: its decisions first, one encode
+                decided()
             if self._cuda_codec:
-                encoded = self._encode_on_device(updates, guessing=bool(rule), before_check=before_check,
+                encoded = self._encode_on_device(updates, guessing=bool(rule) and guess, before_check=before_check,
                                                  ran_dry=ran_dry)
         finally:
             decided()
@@ -473,10 +477,21 @@ class UpdateTransaction:
             stream = _RULE_STREAMS[key] = torch.cuda.Stream(key, priority=-1)
         return stream
 
+    def _guess_pays(self, launched: list) -> bool:
+        """Whether the encodes of an update whose rule is ``launched`` (on the GPU) start at once with each
+        layer's newest epoch, the rule's guess, rather than after the rule's decisions.  A guess runs the
+        encodes beside the rule, and costs a second encode of every layer and kind where the rule appends
+        an epoch; so the cache guesses where the prompts before missed in fewer than half of their layers
+        and kinds (:attr:`_guess_misses`), and a new cache, whose calibration came from other text, decides
+        first."""
+        return bool(launched) and self._guess_misses < GUESS_MISSES
+
     def _finish_rule(self, launched: list) -> list:
         """Wait for the rule's decisions and put them in the plans; return the (update, kind) pairs whose
-        encode guessed an epoch the rule did not keep."""
-        redo = []
+        encode guessed an epoch the rule did not keep.  The share of the jobs that appended an epoch (where a
+        guess misses) joins :attr:`_guess_misses`, a running mean that halves the weight of each earlier
+        update."""
+        redo, jobs, missed = [], 0, 0
         for batch, items in launched:
             for (u, kind, plan), epochs in zip(items, batch.finish()):
                 guessed = plan.epochs
@@ -484,8 +499,11 @@ class UpdateTransaction:
                 plan.tables = [plan.after.calibration.bases(u.layer, kind, e)
                                for e in range(plan.first_new, plan.after.epoch + 1)]
                 plan.blocks = None
+                jobs, missed = jobs + 1, missed + bool(plan.tables)
                 if u.entries[kind] is not None and not np.array_equal(guessed, epochs):
                     redo.append((u, kind))
+        if jobs:
+            self._guess_misses = (self._guess_misses + missed / jobs) / 2
         return redo
 
     def _encode_again(self, redo: list) -> None:
@@ -895,8 +913,11 @@ class UpdateTransaction:
                 bases = self._to_device(pack_bases(*self._tile_bases(store, plan, epoch, layer, kind)))
                 if epoch < store.tb3.shape[0]:
                     store.packed[epoch] = bases
-            enc = EncodePlan(self.geometry.channels, store.capacity, bases, store.slots.data, store.slots.order,
-                             store.raw.data, store.raw.order, store.heads)
+            # a plan of the same pools for another epoch differs only in its bases
+            same = next((e for k, e in store.encoders.items() if k[1] == key[1]), None)
+            enc = (same.with_bases(bases) if same is not None else
+                   EncodePlan(self.geometry.channels, store.capacity, bases, store.slots.data, store.slots.order,
+                              store.raw.data, store.raw.order, store.heads))
             if epoch < store.tb3.shape[0]:          # an epoch this update appends is cached once committed
                 store.encoders = {k: e for k, e in store.encoders.items() if k[1] == key[1]}
                 store.encoders[key] = enc

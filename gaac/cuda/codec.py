@@ -66,6 +66,7 @@ a launch packs the kernel parameters itself and calls ``cuda.core.launch``
 """
 from __future__ import annotations
 
+import copy
 import functools
 from dataclasses import dataclass
 from typing import Callable
@@ -827,6 +828,18 @@ class EncodePlan:
         self._launcher = TileLauncher(codec.encode_kernel(channels, tiles_per_block), tiles_per_block)
         self._fixed_params = None if SIMULATOR else packed_params(self._fixed)
         self._codec, self._rows, self._tiles_per_block, self._in_place = codec, bases.shape[0], tiles_per_block, None
+
+    def with_bases(self, bases) -> "EncodePlan":
+        """This plan with other bases (``[P, 2, C]`` as :func:`pack_bases` gives them, the same ``P``): the
+        pools, the kernels and their launch state are shared, so that a plan for an epoch the adaptation rule
+        appends costs the check of its bases, not a plan's construction."""
+        bases_words = _bases_words(bases, self._codec, self.channels)
+        if bases.shape[0] != self._rows:
+            raise InputError(f"bases: {bases.shape[0]} rows, but this plan's have {self._rows}")
+        plan = copy.copy(self)
+        plan._fixed = (bases_words, *self._fixed[1:])
+        plan._fixed_params = None if SIMULATOR else packed_params(plan._fixed)
+        return plan
 
     def in_place(self, bits, first: int, entries, escape_used, *, stream=None, fast: bool = True):
         """Encode blocks ``first .. first + n / P - 1`` of one sequence from its input as it lies: ``bits``
