@@ -133,22 +133,51 @@ def _filled(layers: int, seqs: int = 2, tokens: int = 40, spread: int = 3):
     return cache, rows
 
 
-def test_removing_a_sequence_waits_once_whatever_the_layers():
-    """Its table entries and every free list's count come back in one copy; giving the records back reads
-    nothing more, whether a list takes them in place or is rebuilt."""
+def test_removing_a_sequence_waits_for_nothing_and_gives_back_with_one_wait_whatever_the_layers():
+    """A removal sorts its records on the device and starts their copy to the host without waiting for it (in a
+    serving loop that wait would drain the steps queued before the removal).  The records stay out of every free
+    list until the next call that reads the pools gives them back, with at most one wait whatever the layers
+    (the counts of the lists that cannot take them past their end, read together); the cache then holds and
+    takes back what it did before."""
     counts = {}
     for layers in (2, 4):
         cache, rows = _filled(layers)
         export = cache.export_sequence(rows[1])
+        held = cache.memory().resident_bytes
+        free = [store.slots.free_lower() for layer_store in cache._store for store in layer_store]
         with counting() as ops:
             cache.remove_sequence(rows[0])
+        assert ops.counts["sync"] == 0, ops.by_op
+        assert len(cache._returning) == 1
+        assert [store.slots.free_lower() for layer_store in cache._store for store in layer_store] == free
+        with counting() as ops:
+            cache._take_returns()
         counts[layers] = ops.counts["sync"]
-        assert ops.counts["sync"] == 1, ops.by_op
+        assert not cache._returning
+        assert sum(store.slots.free_lower() for layer_store in cache._store for store in layer_store) > sum(free)
+        assert cache.memory().resident_bytes < held
         assert cache.export_sequence(rows[1]) == export          # the other sequence is untouched
         # every record of the removed sequence is free again: the cache takes the same sequence back
         again = cache.import_sequence(export)
         assert cache.export_sequence(again) == export
-    assert counts[2] == counts[4]
+    assert counts[2] == counts[4] <= 1, counts
+
+
+def test_a_full_cache_takes_a_sequence_into_the_room_a_removal_frees():
+    """The records a removal gives back are taken up by the next call that needs them, with no call of the
+    caller's: a cache whose slot pools its two sequences fill takes an import, and then a prompt, into the room
+    the removal of one of them frees, and holds them bit-exact."""
+    cache, rows = _filled(2, tokens=8 * 16)
+    export = cache.export_sequence(rows[0])
+    k, v = cache.read(rows[0])
+    need = 8 * cache.tiles_per_block
+    for add in (lambda: cache.import_sequence(export), lambda: cache.add_sequence(k, v)):
+        cache.remove_sequence(rows[0])
+        assert cache._returning
+        assert min(store.slots.free_lower() for layer_store in cache._store for store in layer_store) < need
+        rows[0] = add()
+        assert not cache._returning
+        assert cache.export_sequence(rows[0]) == export
 
 
 @pytest.mark.parametrize("n_shares", [4, 8])
@@ -248,7 +277,8 @@ def test_a_share_that_ran_dry_is_lent_its_observed_rate_next_time():
     finally:
         UpdateTransaction._put_back = put_back
     assert redone == [1, 0, 0], redone
-    assert waits[2] == waits[1] < waits[0], waits
+    # the later prompts read the counts a removal left inexact, but run no list dry and wait less
+    assert max(waits[1:]) < waits[0], waits
     assert all(share.seen_rate > 2 * cache._raw_share for share in cache._arena.shares)
 
 

@@ -95,39 +95,50 @@ MAX_INDEXED_EPOCHS = L.MAX_INDEXED_EPOCHS
 EPOCH_ROOM = 16              # epochs a layer's attention base table holds at first (PagedKVCache.epoch_table)
 
 
-def _locked(method):
+def _locked(method, returned: bool = True):
     """Run a :class:`PagedKVCache` method holding the cache's lock (a re-entrant lock: methods call each other),
     after the host's account of an eager step's finished blocks where the step left it pending
-    (:meth:`gaac.serving.plan.StepPlan.settle`: a step accounts once, at its last layer)."""
+    (:meth:`gaac.serving.plan.StepPlan.settle`: a step accounts once, at its last layer), and after the
+    records of removed sequences are back in their pools (:meth:`PagedKVCache._take_returns`; ``returned``
+    False: only those whose copy has arrived, for a method that reads no pool or checks its room itself)."""
     @functools.wraps(method)
     def locked(self, *args, **kwargs):
         with self._lock:
             self.serving.settle()
+            if self._returning:
+                self._take_returns(wait=returned)
             if self._queued:            # updates a deferral queued come first (PagedKVCache.deferred)
                 self._apply_deferred()
             return method(self, *args, **kwargs)
     return locked
 
 
+def _locked_pools_later(method):
+    """:func:`_locked` for a method that reads no pool, or checks its room itself (:meth:`PagedKVCache._reserve`,
+    :meth:`PagedKVCache.reserve_step`): a removal's records still on their way do not make it wait."""
+    return _locked(method, returned=False)
+
+
 # ----------------------------------------------------------------------------------------------
 
-def _give_back(stores: list, rows: list) -> None:
-    """Every record that each store's table entries ``rows`` (device int32) point at goes back to its pools,
-    with one copy and one wait: each pool's count is read with the entries.  Where the slot pools' free lists
-    live on the device the entries are sorted there (one sort for every store: a sequence of a long context
-    holds tens of thousands of entries per layer and kind, which the host would sort pool by pool), and each
-    slot pool takes its sorted records as a view of that one array; the host keeps only the raw records, which
-    return to the arena's stack."""
+def _give_back(stores: list, rows: list, wait: bool = True):
+    """Every record that each store's table entries ``rows`` (device int32) point at goes back to its pools.
+    Where the slot pools' free lists live on the device the entries are sorted there (one sort for every
+    store: a sequence of a long context holds tens of thousands of entries per layer and kind, which the host
+    would sort pool by pool), each slot pool takes its sorted records as a view of that one array, and the
+    host needs only the raw records, which return to the arena's stack, and each pool's share: one copy,
+    started here.  ``wait`` False: the host does not wait for it, and the returned :class:`_Returning` gives
+    the records back once it has arrived (``None``: nothing to give, or given already)."""
     if not stores:
-        return
+        return None
     if not all(isinstance(store.slots, DevicePool) for store in stores):
         give_back_all(stores, _read_back(stores, rows))
-        return
+        return None
     device = rows[0].device
     lengths = [row.numel() for row in rows]
     total, n = sum(lengths), len(stores)
     if not total:
-        return
+        return None
     # a key per entry: the section (store i's slots: i, its raw tiles: n + i) above the record, so that one sort
     # groups every section's records, in order
     words = torch.cat(rows).long() & 0xFFFFFFFF
@@ -135,19 +146,66 @@ def _give_back(stores: list, rows: list) -> None:
                                        arrays.upload(np.asarray(lengths, dtype=np.int64), device), output_size=total)
     section = store_of + n * (words >> 31)
     records = (torch.sort((section << 32) | (words & L.TABLE_INDEX_MASK)).values & L.TABLE_INDEX_MASK).int()
-    pools = [pool for store in stores for pool in (store.slots, store.raw)]
-    heads = count_arrays(pools)
-    sizes = torch.bincount(section, minlength=2 * n).int()
-    host = torch.cat([records, sizes] + [h.reshape(-1) for h in heads]).cpu().numpy()
-    counts_read(pools, heads, host[total + 2 * n:].reshape(-1, 2))
-    ends = np.cumsum(host[total:total + 2 * n], dtype=np.int64)
-    starts = ends - host[total:total + 2 * n]
-    for i, store in enumerate(stores):
-        a, z = int(starts[i]), int(ends[i])
-        if z > a:
-            store.slots.give(None, read=False, on_device=records[a:z])
-        a, z = int(starts[n + i]), int(ends[n + i])
-        store.raw.give(host[a:z].astype(np.int64), read=False)
+    # each section's size, without the wait for its largest key that torch.bincount makes on a GPU
+    sizes = torch.zeros(2 * n, dtype=torch.int64, device=device).scatter_add_(0, section, torch.ones_like(section))
+    # where the records are given back at once, every pool's count comes in the same copy: appends the host does
+    # not account (a refused recording run eagerly) moved them, and the lists are then written without a wait
+    heads = count_arrays([pool for store in stores for pool in (store.slots, store.raw)]) if wait else []
+    flat = torch.cat([records, sizes.int()] + [h.reshape(-1) for h in heads])
+    if device.type == "cuda":
+        host = torch.empty(flat.shape, dtype=torch.int32, pin_memory=True)
+        host.copy_(flat, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+    else:
+        host, event = flat, None
+    back = _Returning(stores, records, host, event, heads)
+    if wait:
+        back.give()
+        return None
+    return back
+
+
+class _Returning:
+    """A removed sequence's records on their way back (:func:`_give_back`): sorted by pool on the device, and
+    their copy with each pool's share on its way to the host.  Until :meth:`give` they are in no free list,
+    so nothing takes them: the pools' counts of free records stay lower bounds."""
+
+    def __init__(self, stores: list, records: torch.Tensor, host: torch.Tensor, event, heads: list = ()):
+        self.stores, self.records, self.host, self.event = stores, records, host, event
+        self.heads = heads       # the pools' count arrays whose values the copy ends with (given back at once)
+
+    def arrived(self) -> bool:
+        """Whether the copy to the host has arrived (no wait)."""
+        return self.event is None or self.event.query()
+
+    def give(self) -> None:
+        """Give every record back (waiting for the copy where it has not arrived): each slot pool's after its
+        free ones, on the device; the raw records to the arena.  The slot pools whose lists cannot take
+        their records without reading the device's count are read together, with one wait."""
+        if self.event is not None:
+            self.event.synchronize()
+        stores, n = self.stores, len(self.stores)
+        host = self.host.numpy()
+        if self.heads:
+            counted = 2 * len(self.heads)
+            counts_read([pool for store in stores for pool in (store.slots, store.raw)], self.heads,
+                        host[host.shape[0] - counted:].reshape(-1, 2))
+            host = host[:host.shape[0] - counted]
+        total = host.shape[0] - 2 * n
+        sizes = host[total:].astype(np.int64)
+        ends = np.cumsum(sizes)
+        starts = ends - sizes
+        stale = [store.slots for store, m in zip(stores, sizes[:n])
+                 if m and not store.slots.exact and not store.slots.takes_back(int(m))]
+        if stale:
+            sync_pools(stale)
+        for i, store in enumerate(stores):
+            a, z = int(starts[i]), int(ends[i])
+            if z > a:
+                store.slots.give(None, read=False, on_device=self.records[a:z])
+            a, z = int(starts[n + i]), int(ends[n + i])
+            store.raw.give(host[a:z].astype(np.int64), read=False)
 
 
 def _read_back(stores: list, rows: list) -> list:
@@ -288,6 +346,7 @@ class PagedKVCache(UpdateTransaction):
         self._step_clock = 0         # decode steps accounted (account_decode_step): the rule's lag counts them
         self._next_due = None        # the earliest step whose finished blocks wait for the rule (_flush_due)
         self._rule_batches = []      # (step, GPU rule batch, its jobs) of decode checks in flight (_flush_due)
+        self._returning = []         # removed sequences' records on their way back to the pools (_take_returns)
         self._guess_misses = 1.0     # running share of a prompt's rule jobs that appended an epoch (_guess_pays)
         self.storage_version = 0     # counts replacements of arrays that launches name (growth, a full epoch table)
         self.serving = ServingState()    # the decode steps' state: plans, launch states, appends (gaac.serving)
@@ -313,6 +372,7 @@ class PagedKVCache(UpdateTransaction):
     def __getstate__(self):
         with self._lock:
             self.serving.settle()                    # a copy takes the account of every block written
+            self._take_returns()                     # ... every record a removal gives back
             self._apply_deferred()                   # ... and every update a deferral queued
             state = self.__dict__.copy()
         del state["_lock"]                 # a lock is not copied or pickled: a copy gets a lock of its own
@@ -333,12 +393,12 @@ class PagedKVCache(UpdateTransaction):
         return self._store[0][0].table.shape[1]
 
     @property
-    @_locked
+    @_locked_pools_later
     def sequences(self) -> list[int]:
         """Ids of the live sequences (their rows in every layer's block table)."""
         return self._live_ids()
 
-    @_locked
+    @_locked_pools_later
     def seq_len(self, seq: int, layer: int = 0) -> int:
         """Tokens sequence ``seq`` holds in ``layer``."""
         self._check_seq(seq)
@@ -376,7 +436,7 @@ class PagedKVCache(UpdateTransaction):
             raise InputError(f"layer {layer!r} out of range: the cache has {self.layers} layers")
 
     # -- sequences --------------------------------------------------------------
-    @_locked
+    @_locked_pools_later
     def add_sequence(self, k=None, v=None, *, show_progress: bool | None = None) -> int:
         """Start a sequence and return its id; ``k``/``v`` ``[layers, kv_heads, tokens, head_dim]`` prefill it.
 
@@ -399,14 +459,18 @@ class PagedKVCache(UpdateTransaction):
                 raise
         return seq
 
-    @_locked
+    @_locked_pools_later
     def remove_sequence(self, seq: int) -> None:
         """Drop a sequence: its slots and raw tiles go back to the free lists, its row is reusable."""
         self._check_seq(seq)
         stores = [store for layer_store in self._store for store in layer_store]
         rows = [store.table[seq, :int(self._lens[layer, seq]) // L.BLOCK_TOKENS].reshape(-1)
                 for layer, layer_store in enumerate(self._store) for store in layer_store]
-        _give_back(stores, rows)
+        # the records come back once their copy to the host has arrived: the host queues on meanwhile (a serving
+        # loop's removal would otherwise wait for the steps queued before it)
+        back = _give_back(stores, rows, wait=False)
+        if back is not None:
+            self._returning.append(back)
         # the row's table entries and block epochs, zeroed in every layer and kind at once where they are views of
         # one allocation (as a cache makes them)
         for held in ([store.table for store in stores], [store.epoch for store in stores if store.epoch is not None]):
@@ -440,7 +504,7 @@ class PagedKVCache(UpdateTransaction):
         self._lengths_changed()
 
     # -- appending --------------------------------------------------------------
-    @_locked
+    @_locked_pools_later
     def append(self, seq: int, k, v, *, show_progress: bool | None = None) -> None:
         """Append tokens ``[layers, kv_heads, t, head_dim]`` of K and V to sequence ``seq`` in every layer.
 
@@ -504,7 +568,7 @@ class PagedKVCache(UpdateTransaction):
                 return
             self._update_layer(layer, seqs, k, v)
 
-    @_locked
+    @_locked_pools_later
     def _update_layer(self, layer: int, seqs, k, v) -> None:
         """:meth:`update_layer` checked in full (any call its step plan's fast path does not take)."""
         self._check_layer(layer)
@@ -746,6 +810,12 @@ class PagedKVCache(UpdateTransaction):
         block passes the encoder; they change with the pools' versions)."""
         return self._encoder(self._store[layer][kind], None, 0, layer, kind)._fixed[1:]
 
+    def _take_returns(self, wait: bool = True) -> None:
+        """Give back the records of removed sequences (:func:`_give_back`): all of them, waiting for their copies
+        where they have not arrived, or (``wait`` False) those whose copy has."""
+        while self._returning and (wait or self._returning[0].arrived()):
+            self._returning.pop(0).give()
+
     def reserve_step(self, before: np.ndarray, after: np.ndarray) -> None:
         """Check (or, with ``grow``, make) room in every layer for the blocks a step from lengths ``before``
         to ``after`` finishes, before anything is written; :class:`PoolExhaustedError` names the first pool
@@ -765,11 +835,16 @@ class PagedKVCache(UpdateTransaction):
         if not n:
             return
         stores = [store for layer_store in self._store for store in layer_store]
-        short = self._arena.cover([(store.raw, n) for store in stores])
-        for store in stores:
-            pool = store.slots
-            if pool.free_lower() < n and pool.n_free() < n:
-                short.append((pool, n - pool.n_free()))
+        self._take_returns(wait=False)
+        while True:
+            short = self._arena.cover([(store.raw, n) for store in stores])
+            for store in stores:
+                pool = store.slots
+                if pool.free_lower() < n and pool.n_free() < n:
+                    short.append((pool, n - pool.n_free()))
+            if not short or not self._returning:
+                break
+            self._take_returns()            # a removal's records, still on their way, may cover it
         if short and not self.grow:
             raise self._exhausted(*short[0], f"the steps planned (they finish {n} tiles per layer and kind, each of "
                                              "which may need a slot or a raw tile)")
@@ -837,7 +912,7 @@ class PagedKVCache(UpdateTransaction):
             self._lengths_changed()
 
     # -- a decode step -----------------------------------------------------------
-    @_locked
+    @_locked_pools_later
     def decode_plan(self, q_heads: int, *, append: int = 1, seqs=None, scale: float | None = None,
                     steps: int | None = None, bucket: int | None = None):
         """Plan one decode step for every layer: a :class:`gaac.serving.plan.StepPlan` whose ``run(q, layer)``
@@ -879,7 +954,7 @@ class PagedKVCache(UpdateTransaction):
         return self.codec.pools_on_device
 
     # -- reading ------------------------------------------------------------------
-    @_locked
+    @_locked_pools_later
     def read_layer(self, layer: int, seqs) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode ``seqs`` (all of one length ``T``) in ``layer``: K and V int16 ``[len(seqs), kv_heads, T, D]``.
 
@@ -920,7 +995,7 @@ class PagedKVCache(UpdateTransaction):
             out.append(torch.cat([full, store.tail[rows, :, :rest]], dim=2))
         return out[0], out[1]
 
-    @_locked
+    @_locked_pools_later
     def read(self, seq: int) -> tuple[np.ndarray, np.ndarray]:
         """Sequence ``seq``'s whole cache: K and V as uint16 ``[layers, kv_heads, tokens, head_dim]``."""
         self._check_seq(seq)
@@ -929,7 +1004,7 @@ class PagedKVCache(UpdateTransaction):
         per_layer = [self.read_layer(layer, [seq]) for layer in range(self.layers)]
         return tuple(np.stack([p[kind][0].cpu().numpy() for p in per_layer]).view(np.uint16) for kind in KINDS)
 
-    @_locked
+    @_locked_pools_later
     def layer_view(self, layer: int) -> LayerView:
         """Layer ``layer``'s live storage as a :class:`LayerView` (no copy): what decode attention reads.
 

@@ -281,14 +281,20 @@ class DevicePool(Pool):
             on_device = arrays.upload(back, self.data.device)
         elif not on_device.numel():
             return
-        if not self.exact:
-            self.sync()
         m, end = on_device.numel(), self.listed
+        if not self.exact and not self.takes_back(m):
+            self.sync()
         if self.taken <= end and end + m <= self.order.shape[0]:
             self.order[end:end + m].copy_(on_device)
             self.listed = end + m
             return
         self._set_order(torch.cat([self._rest(read), on_device]))
+
+    def takes_back(self, m: int) -> bool:
+        """Whether :meth:`give` can write ``m`` records past the list's end without reading the device's count:
+        the array has room there, and the encodes launched since the count was read cannot have taken the
+        list past its end (the entries there read as run dry until they are written)."""
+        return self.listed + m <= self.order.shape[0] and self.free_lower() >= 0
 
     def upcoming(self, k: int) -> torch.Tensor:
         """The ``k`` records :meth:`take` would hand out next, as an int64 tensor on the device, none taken and

@@ -706,6 +706,7 @@ class UpdateTransaction:
         when the bound is short) cover every tile, the update is certain to fit; otherwise
         :meth:`_encode_on_device` checks after encoding, lends more and encodes again if a list ran dry.
         """
+        self._take_returns()                # a removal's records first: the bounds below count them
         need_blocks = max(int(self._lens[u.layer, s]) // L.BLOCK_TOKENS + q
                           for u in updates for s, q in zip(u.seqs, u.blocks))
         short = []               # (pool, records it lacks) or (None, blocks the table must hold)
