@@ -326,6 +326,14 @@ def run_gaac(model, src, cal, s, lens, args, every: int, prompt: int, graph: boo
         write_profile(prof, args, f"GAAC {'graph' if graph else 'eager'}, {b} x ~{max(lens)} tokens: 3 prompts of "
                       f"{prompt} tokens (add_sequence and every layer's update_layer in a deferral), the device "
                       "idle before each and synchronised after")
+    if args.prompt_trace and every and not SMOKE:
+        try:            # a diagnostic: where it fails, the run's figures still stand
+            prompt_trace(cache, fill, b, args, f"GAAC {'graph' if graph else 'eager'}, {b} x ~{max(lens)} tokens: "
+                         f"a {prompt}-token prompt after a removal, the device idle before and synchronised after")
+        except Exception:
+            import traceback
+
+            traceback.print_exc()
     after = args.warmup + args.steps + 2 * (args.join_phases if every else 0)
     if args.profile:
         res["profile"] = ds.kernel_profile(run, after, args.profile)
@@ -341,6 +349,35 @@ def run_gaac(model, src, cal, s, lens, args, every: int, prompt: int, graph: boo
     if args.isolate and not SMOKE:
         res["isolate"] = isolate(cache, seqs, s, runner if graph else None)
     return res
+
+
+def prompt_trace(cache, fill, batch: int, args, title: str) -> None:
+    """One more join after the window under torch's profiler (host calls and CUDA runtime calls, with their
+    host time: allocations, pinned-memory allocations, waits) and the allocators' counters around it,
+    appended to ``<out>.trace.txt``: what a prompt's host time is spent on beyond Python (cProfile shows that)."""
+    row = 1 % max(batch, 1)
+    cache.remove_sequence(row)
+    ds.sync()
+    keys = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
+    host_keys = ("num_host_alloc", "num_host_free")
+
+    def counters():
+        dev = torch.cuda.memory_stats()
+        host = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
+        return {k: dev.get(k, 0) for k in keys} | {k: host.get(k, 0) for k in host_keys}
+
+    before = counters()
+    t0 = time.perf_counter()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fill(row)
+        ds.sync()
+    wall = 1e3 * (time.perf_counter() - t0)
+    after = counters()
+    delta = ", ".join(f"{k} {after[k] - before[k]}" for k in after)
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=60)
+    with args.out.with_suffix(".trace.txt").open("a") as f:
+        f.write(f"## {title}\n\nwall {wall:.1f} ms under the profiler; allocator counters: {delta}\n\n{table}\n\n")
 
 
 def host_profile(run, first: int, n: int, args, title: str) -> None:
@@ -551,6 +588,9 @@ def main() -> None:
     ap.add_argument("--join-phases", type=int, default=0,
                     help="after each GAAC run with joins, N more joins taken apart, the device synchronised "
                          "between the parts (outside the window)")
+    ap.add_argument("--prompt-trace", action="store_true",
+                    help="after each GAAC run with joins, one more join under torch's profiler: CUDA runtime calls "
+                         "and the allocators' counters (<out>.trace.txt)")
     ap.add_argument("--join-by-layer", action="store_true",
                     help="GAAC's prompts through update_layer without a deferral: a transaction a layer (the old way)")
     ap.add_argument("--merge", type=Path, default=None,
@@ -576,6 +616,8 @@ def main() -> None:
     only = set(args.runs.split(",")) if args.runs else None
     if args.host_profile:
         args.out.with_suffix(".profile.txt").unlink(missing_ok=True)
+    if args.prompt_trace:
+        args.out.with_suffix(".trace.txt").unlink(missing_ok=True)
     if args.merge:
         old = json.loads(args.merge.read_text())
         rep["scenarios"] = old["scenarios"]
