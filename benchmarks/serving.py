@@ -312,7 +312,11 @@ def run_gaac(model, src, cal, s, lens, args, every: int, prompt: int, graph: boo
             for seq in seqs:
                 appended[seq].append(j)
 
-        res["join_phases"] = join_phases(cache.remove_sequence, fill, phase_step, first, b, args.join_phases)
+        prof = cProfile.Profile() if args.host_profile else None
+        res["join_phases"] = join_phases(cache.remove_sequence, fill, phase_step, first, b, args.join_phases, prof)
+        if prof is not None:
+            write_profile(prof, args, f"GAAC {'graph' if graph else 'eager'}, {b} x ~{max(lens)} tokens: the join "
+                          f"phases' {args.join_phases} prompts of {prompt} tokens, each after two steps")
     if args.host_profile and every:
         prof = cProfile.Profile()
         for i in range(3):
@@ -403,11 +407,11 @@ def write_profile(prof, args, title: str) -> None:
         f.write(f"## {title}\n\n{text.getvalue()}\n")
 
 
-def join_phases(remove, fill, step, first: int, batch: int, n: int) -> dict:
+def join_phases(remove, fill, step, first: int, batch: int, n: int, prof=None) -> dict:
     """After the window, ``n`` more joins taken apart, the device synchronised between the parts (so that each
     part's ms is its own, not the queue's): ``remove(row)``, then ``fill(row)`` (the new sequence and its prompt:
     host, then until the device is done), the first step after the join and the one after it (host, then until
-    done).  Medians."""
+    done).  Medians.  ``prof``: a cProfile.Profile the prompts run under (``--host-profile``)."""
     import statistics as st
 
     parts = {k: [] for k in ("remove_ms", "prompt_host_ms", "prompt_gc_ms", "prompt_done_ms", "first_step_host_ms",
@@ -420,7 +424,11 @@ def join_phases(remove, fill, step, first: int, batch: int, n: int) -> dict:
         ds.sync()
         t2 = time.perf_counter()
         with GCClock() as clock:
+            if prof is not None:
+                prof.enable()
             fill(row)
+            if prof is not None:
+                prof.disable()
         t3 = time.perf_counter()
         parts["prompt_gc_ms"].append(clock.ms)
         ds.sync()
