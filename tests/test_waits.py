@@ -351,3 +351,21 @@ def test_a_prompts_tails_and_block_epochs_are_written_for_every_layer_at_once(mo
             for store in cache.stores(layer):
                 np.testing.assert_array_equal(store.epoch[seq, :3].numpy(), store.epochs[seq, :3])
     assert 0 < writes[2] == writes[4], writes
+
+
+def test_the_state_of_a_cache_takes_up_a_removals_records_first():
+    """The state a copy or pickle of a cache takes holds no records on their way back: a removal's are given back
+    first, so the state's pools are the cache's; a state saved before the records travelled (no such attribute)
+    restores as a cache with none on their way, holding what it held."""
+    cache, rows = _filled(2)
+    export = cache.export_sequence(rows[1])
+    cache.remove_sequence(rows[0])
+    assert cache._returning
+    state = cache.__getstate__()
+    assert not cache._returning and state["_returning"] == []
+    del state["_returning"], state["_guess_misses"]
+    old = PagedKVCache.__new__(PagedKVCache)
+    old.__setstate__(dict(state))
+    assert old._returning == [] and old._guess_misses == 1.0
+    assert old.export_sequence(rows[1]) == export
+    assert old.memory() == cache.memory()

@@ -380,6 +380,9 @@ class PagedKVCache(UpdateTransaction):
         return state
 
     def __setstate__(self, state):
+        # a cache pickled before these attributes existed starts as a new cache does
+        state.setdefault("_returning", [])
+        state.setdefault("_guess_misses", 1.0)
         self.__dict__.update(state)
         self._lock = threading.RLock()
 
