@@ -369,3 +369,34 @@ def test_the_state_of_a_cache_takes_up_a_removals_records_first():
     assert old._returning == [] and old._guess_misses == 1.0
     assert old.export_sequence(rows[1]) == export
     assert old.memory() == cache.memory()
+
+
+class _NotArrived:
+    """The event of a copy to the host that has not arrived (as a GPU's is while steps queued before it run):
+    queried False until it is waited for."""
+
+    def __init__(self):
+        self.waited = False
+
+    def query(self) -> bool:
+        return self.waited
+
+    def synchronize(self) -> None:
+        self.waited = True
+
+
+def test_a_step_gives_a_removals_records_back_only_where_its_pools_fall_short_without_them():
+    """A step's reservation does not wait for a removal's records whose copy has not arrived where its pools hold
+    enough without them (a step after a removal in a serving loop); where they fall short it waits, gives them
+    back and the step fits (a full cache's slot pools hold 2 free slots, the step needs 8 of each, the removal
+    frees 15)."""
+    cache, rows = _filled(2, tokens=8 * 16)
+    cache.remove_sequence(rows[0])
+    cache._returning[0].event = late = _NotArrived()
+    cache.reserve_step(np.array([0]), np.array([16]))              # 2 tiles a store: room without them
+    assert cache._returning and not late.waited
+    need = 4 * cache.tiles_per_block
+    assert min(store.slots.free_lower() for layer_store in cache._store for store in layer_store) < need
+    cache.reserve_step(np.array([0]), np.array([4 * 16]))
+    assert late.waited and not cache._returning
+    assert min(store.slots.free_lower() for layer_store in cache._store for store in layer_store) >= need
