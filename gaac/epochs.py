@@ -140,7 +140,9 @@ class Adapter:
         return ADAPT_EVERY - len(self._recent)
 
     def observe(self, blocks, device=None) -> int | None:
-        """Record finalized blocks ``uint16 [n, kv_heads, 16, head_dim]``, all coded with :attr:`epoch`.
+        """Record finalized blocks ``uint16 [n, kv_heads, 16, head_dim]``, all coded with :attr:`epoch` (or a list of
+        ``n`` blocks, each anything with that block's ``shape`` and ``dtype`` that NumPy reads as one: its values are
+        read only at a check).
 
         ``n`` may not exceed :attr:`until_check`: a block finalized after a check
         must be coded with the epoch that check may append.  Returns the index of
@@ -148,11 +150,17 @@ class Adapter:
         same blocks on a GPU (a tensor), kept while no check is due, so that the
         GPU rule's next batch reads them there rather than copying the host's over.
         """
-        blocks = np.asarray(blocks)
         want = (self.calibration.kv_heads, L.BLOCK_TOKENS, self.calibration.head_dim)
-        if blocks.ndim != 4 or blocks.shape[1:] != want or blocks.dtype != np.uint16:
-            raise InputError(f"expected uint16 blocks [n, {', '.join(map(str, want))}], got {blocks.dtype} "
-                             f"{list(blocks.shape)}")
+        if isinstance(blocks, list):        # one by one, perhaps some with values still to come (read at a check)
+            bad = next((b for b in blocks if tuple(b.shape) != want or np.dtype(b.dtype) != np.uint16), None)
+            if bad is not None:
+                raise InputError(f"expected uint16 blocks [{', '.join(map(str, want))}], got {np.dtype(bad.dtype)} "
+                                 f"{list(bad.shape)}")
+        else:
+            blocks = np.asarray(blocks)
+            if blocks.ndim != 4 or blocks.shape[1:] != want or blocks.dtype != np.uint16:
+                raise InputError(f"expected uint16 blocks [n, {', '.join(map(str, want))}], got {blocks.dtype} "
+                                 f"{list(blocks.shape)}")
         if len(blocks) > self.until_check:
             raise InputError(f"{len(blocks)} blocks given, but a check is due after {self.until_check}: "
                              "the blocks after it must be coded with the epoch it may append")

@@ -302,3 +302,71 @@ def test_a_new_cache_decides_before_it_encodes_and_holds_what_a_guessing_one_hol
         assert np.array_equal(rk[0].numpy().view(np.uint16), x[0, :, :n])
         assert np.array_equal(rv[0].numpy().view(np.uint16), x[1, :, :n])
     assert tiles[0] == 2 * 20 < tiles[1], tiles            # decided first: every tile once; guessed: again
+
+
+def test_decode_steps_and_a_prompt_never_wait_for_host_copies_the_device_rule_does_not_read(monkeypatch):
+    """Where the rule runs on the device, the adapters take up decode steps' finished blocks without waiting for
+    their copies to the host (on a GPU those arrive only when the device reaches the step: a join's prompt would
+    wait for every step queued ahead): the blocks join the adapters' pending blocks as values still to come, which
+    only the host rule's check reads.  Here every copy of finished blocks stays in flight until waited for; no
+    step and no prompt waits for one, and the cache decides and holds what the host rule's cache does."""
+    from test_captured import _steps
+    from test_cache import B, drifting, synthetic
+
+    from gaac.cache.update import UpdateTransaction, _LateBlock
+
+    monkeypatch.setattr(epochs, "WARMUP_BLOCKS", 4)
+    monkeypatch.setattr(epochs, "ADAPT_EVERY", 4)
+    monkeypatch.setattr(epochs, "PAYBACK_CHECKS", 10 ** 9)
+    rng = np.random.default_rng(11)
+    layers, heads, dim, steps = 1, 1, 64, 3 * B
+    start, prompt = [5 * B + 3, 6 * B + 11], 7 * B
+    k = [drifting(rng, layers, heads, n, dim, 16.0) for n in (start[0] + steps, start[1] + steps, prompt)]
+    v = [synthetic(rng, layers, heads, n, dim) for n in (start[0] + steps, start[1] + steps, prompt)]
+    cal = calibrate(k[0][:, :, :32], v[0][:, :, :32])
+    waited = []
+
+    class InFlight:
+        """A copy to the host that arrives only when waited for."""
+
+        def query(self):
+            return False
+
+        def synchronize(self):
+            waited.append(1)
+
+    host_copies = UpdateTransaction._host_copies
+
+    def in_flight(self, tensors):
+        copies = host_copies(self, tensors)
+        if not self._device_rule or (tensors[0] if isinstance(tensors, list) else tensors).dtype != torch.int16:
+            return copies
+        return [(torch.from_numpy(np.asarray(c).copy()), InFlight()) for c in copies]
+
+    caches = []
+    for on_device in (False, True):
+        cache = PagedKVCache(cal, max_seqs=3, max_blocks=16, raw_tiles=96, codec="cuda", adapt=True)
+        cache._rule_on_device = on_device
+        rows = [cache.add_sequence(k[i][:, :, :start[i]], v[i][:, :, :start[i]]) for i in range(2)]
+        pos = list(start)
+        if on_device:
+            monkeypatch.setattr(UpdateTransaction, "_host_copies", in_flight)
+        assert _steps(cache, rows, k, v, pos, 2 * heads, steps, rng) == steps
+        if on_device:
+            late = [b for store in cache.stores(0) for b in store.adapter._recent if isinstance(b, _LateBlock)]
+            assert late, "no adapter holds a block whose copy is in flight"
+        rows.append(cache.add_sequence(k[2], v[2]))
+        monkeypatch.setattr(UpdateTransaction, "_host_copies", host_copies)
+        caches.append((cache, rows))
+    assert waited == []
+    (host, host_rows), (gpu, gpu_rows) = caches
+    assert gpu.calibration.n_epochs(0, L.KIND_K) > 1
+    assert_same_epochs(gpu.calibration, host.calibration)
+    for kind in (L.KIND_K, L.KIND_V):
+        np.testing.assert_array_equal(gpu.stores(0)[kind].epochs, host.stores(0)[kind].epochs)
+        _same_adapter(gpu.stores(0)[kind].adapter, host.stores(0)[kind].adapter)
+    for i, (r, rh) in enumerate(zip(gpu_rows, host_rows)):
+        got_k, got_v = gpu.read(r)
+        want = (k[i][:, :, :start[i] + steps], v[i][:, :, :start[i] + steps]) if i < 2 else (k[2], v[2])
+        np.testing.assert_array_equal(got_k, want[0])
+        np.testing.assert_array_equal(got_v, want[1])

@@ -145,6 +145,45 @@ def _arrived(blocks) -> np.ndarray:
     return np.asarray(blocks)
 
 
+class _LateBlock:
+    """One finished block, uint16 ``[kv_heads, 16, head_dim]``, whose copy to the host is still in flight (a row of
+    a pinned copy, and the copy's :class:`~gaac.cache.pools.Arrival` or event).  An adapter whose blocks the GPU
+    rule reads on the device keeps it among its pending blocks without waiting; only the host rule's check
+    reads its values (``np.asarray``), after the copy.  A copy of the adapter takes the values."""
+
+    __slots__ = ("host", "arrival")
+    dtype = np.dtype(np.uint16)
+
+    def __init__(self, host: torch.Tensor, arrival):
+        self.host, self.arrival = host, arrival
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(self.host.shape)
+
+    def __array__(self, dtype=None, copy=None):
+        if not self.arrival.query():
+            self.arrival.synchronize()
+        values = self.host.numpy().view(np.uint16)
+        return values if dtype is None else values.astype(dtype)
+
+    def __reduce__(self):
+        return np.array, (np.asarray(self),)
+
+
+def _pending(blocks) -> list:
+    """Blocks on their way to an adapter (as :func:`_arrived` takes them, or a list of blocks) as a list of
+    blocks, each an array or, where its copy to the host has not arrived, a :class:`_LateBlock`: nothing waits."""
+    if isinstance(blocks, list):
+        return blocks
+    if isinstance(blocks, tuple):
+        host, event = blocks
+        if not event.query():
+            return [_LateBlock(host[i], event) for i in range(host.shape[0])]
+        return list(host.numpy().view(np.uint16))
+    return list(np.asarray(blocks).view(np.uint16))
+
+
 @dataclass
 class _Observed:
     """Finished blocks of a decode step on their way to an adapter (a host copy in flight), and the step
@@ -549,8 +588,11 @@ class UpdateTransaction:
             if upto is not None and isinstance(item, _Observed) and item.step > upto:
                 return
             store.deferred.pop(0)
-            blocks = _arrived(item.blocks if isinstance(item, _Observed) else item).view(np.uint16)
             device = item.device if isinstance(item, _Observed) else None
+            # blocks the GPU rule reads on the device are observed without waiting for their host copies, which
+            # only the host rule's check reads (a join's prompt would otherwise wait for the steps queued ahead)
+            blocks = (_pending(item.blocks) if device is not None else
+                      _arrived(item.blocks if isinstance(item, _Observed) else item).view(np.uint16))
             appended = False
             while len(blocks):              # a decode step's blocks may pass a check: observed in runs up to it
                 n = min(store.adapter.until_check, len(blocks))
@@ -629,7 +671,7 @@ class UpdateTransaction:
         blocks = torch.cat([item.device for item in due]) if len(due) > 1 else due[0].device
         rest = []
         if len(blocks) > until:                     # the blocks after the check, observed once it is decided
-            rest = [_Observed(np.concatenate([_arrived(item.blocks) for item in due])[until:], due[-1].step,
+            rest = [_Observed([b for item in due for b in _pending(item.blocks)][until:], due[-1].step,
                               blocks[until:])]
         return store, layer, kind, store.adapter.epoch, blocks[:until], rest
 
@@ -706,9 +748,14 @@ class UpdateTransaction:
         when the bound is short) cover every tile, the update is certain to fit; otherwise
         :meth:`_encode_on_device` checks after encoding, lends more and encodes again if a list ran dry.
         """
-        self._take_returns()                # a removal's records first: the bounds below count them
         need_blocks = max(int(self._lens[u.layer, s]) // L.BLOCK_TOKENS + q
                           for u in updates for s, q in zip(u.seqs, u.blocks))
+        # a removal's records where their copy has arrived, and all of them where a slot pool's bound falls short
+        # without them (a join's prompt then waits here for the steps queued before the removal)
+        self._take_returns(wait=False)
+        if self._returning and any(self._short_without_returns(self._store[u.layer][kind], u.tiles[kind].shape[0])
+                                   for u in updates for kind in KINDS if u.tiles[kind] is not None):
+            self._take_returns()
         short = []               # (pool, records it lacks) or (None, blocks the table must hold)
         if need_blocks > self.max_blocks:
             short.append((None, need_blocks))
@@ -743,6 +790,12 @@ class UpdateTransaction:
         if pools:
             grow_pools(pools)
             self._storage_changed()
+
+    def _short_without_returns(self, store: _Kind, tiles: int) -> bool:
+        """Whether ``store``'s pools may lack room for ``tiles`` tiles by their bounds (a slot or raw record
+        each), before the records a removal has on their way back are given back."""
+        slots = store.slots.free_lower()
+        return slots < tiles or slots + store.raw.free_lower() + self._arena.reserve < tiles
 
     def _raw_guess(self, share, tiles: int) -> int:
         """Raw records to lend ``share`` before the CUDA encoder codes ``tiles`` of its tiles: every tile for a

@@ -505,7 +505,8 @@ def _aligned(x):
     return x.clone(memory_format=torch.contiguous_format)
 
 
-_STAGING = {}        # device index -> (pinned int32 host buffer, event of the last copy out of it)
+_STAGING = {}        # device index -> [(pinned int32 host buffer, event of the last copy out of it)], oldest first
+_STAGING_BUFFERS = 4     # pinned buffers kept per device: a batch takes one whose last copy is done
 _ALIGN_WORDS = 64    # int32 words: where each part of a batch's zeroed allocation starts (256 bytes)
 
 
@@ -518,15 +519,19 @@ def _staged(a: np.ndarray, device):
 
 def _upload(a: np.ndarray, device):
     """Int32 host array ``a`` in a new tensor on ``device`` (a CUDA device), copied on the current stream
-    without the host waiting for the device: through a pinned buffer kept per device and grown as needed
-    (pinning a new host buffer of half a megabyte takes a millisecond or more; reusing one only waits for
-    its previous copy, long finished by the next batch)."""
+    without the host waiting for the device: through pinned buffers kept per device and grown as needed
+    (pinning a new host buffer of half a megabyte takes a millisecond or more).  A buffer is reused once its
+    last copy is done; where none is (a batch launched behind queued steps, whose copy has not run yet), a
+    new one is pinned rather than waiting for the steps, up to :data:`_STAGING_BUFFERS`, after which the
+    oldest is waited for."""
     import torch
 
-    key = device_index(device)
-    host, event = _STAGING.get(key, (None, None))
-    if event is not None and not event.query():      # the last copy is long done as a rule: no wait then
-        event.synchronize()
+    kept = _STAGING.setdefault(device_index(device), [])
+    free = next((i for i, (_, event) in enumerate(kept) if event.query()), None)
+    if free is None and len(kept) >= _STAGING_BUFFERS:
+        free = 0
+        kept[0][1].synchronize()
+    host = kept.pop(free)[0] if free is not None else None
     if host is None or host.numel() < a.size:
         host = torch.empty(max(a.size, 2 * (0 if host is None else host.numel())), dtype=torch.int32, pin_memory=True)
     host[:a.size].numpy()[:] = a
@@ -534,7 +539,7 @@ def _upload(a: np.ndarray, device):
     out.copy_(host[:a.size], non_blocking=True)
     event = torch.cuda.Event()
     event.record()
-    _STAGING[key] = (host, event)
+    kept.append((host, event))
     return out
 
 
