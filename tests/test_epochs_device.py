@@ -100,11 +100,9 @@ def test_pending_blocks_kept_on_the_device_are_read_there_and_decide_the_same(mo
     assert results[True] == [results[False][0] - rec_words]
 
 
-def test_a_prompt_after_decode_steps_reads_the_pending_blocks_on_the_device(monkeypatch):
-    """Decode steps leave every adapter's pending blocks on the device as well as on the host, so the rule's
-    batch of a prompt after them gathers them there: every adapter it reads with pending blocks has all of them
-    on the device; and the cache decides and holds what the host rule's cache does."""
-    from test_captured import _steps
+def _steps_then_prompt(monkeypatch):
+    """Two sequences of drifting content to decode steps of, and a prompt (one layer, one head of 64), with
+    checks every 4 blocks: ``(rng, k, v, calibration, start lengths, steps, heads)``."""
     from test_cache import B, drifting, synthetic
 
     monkeypatch.setattr(epochs, "WARMUP_BLOCKS", 4)
@@ -116,11 +114,43 @@ def test_a_prompt_after_decode_steps_reads_the_pending_blocks_on_the_device(monk
     k = [drifting(rng, layers, heads, n, dim, 16.0) for n in (start[0] + steps, start[1] + steps, prompt)]
     v = [synthetic(rng, layers, heads, n, dim) for n in (start[0] + steps, start[1] + steps, prompt)]
     cal = calibrate(k[0][:, :, :32], v[0][:, :, :32])
+    return rng, k, v, cal, start, steps, heads
+
+
+def _two_sequences(cal, k, v, start, on_device: bool):
+    """A CUDA-codec cache (the rule on the device or the host) holding :func:`_steps_then_prompt`'s two
+    sequences' first ``start`` tokens, and their rows."""
+    cache = PagedKVCache(cal, max_seqs=3, max_blocks=16, raw_tiles=96, codec="cuda", adapt=True)
+    cache._rule_on_device = on_device
+    return cache, [cache.add_sequence(k[i][:, :, :start[i]], v[i][:, :, :start[i]]) for i in range(2)]
+
+
+def _same_caches(caches, k, v, start, steps) -> None:
+    """The host rule's cache and the device rule's (``caches``: ``(cache, rows)`` each) after
+    :func:`_steps_then_prompt`'s steps and prompt: the same epochs, block epochs and adapters, both bit-exact."""
+    (host, _), (gpu, gpu_rows) = caches
+    assert gpu.calibration.n_epochs(0, L.KIND_K) > 1
+    assert_same_epochs(gpu.calibration, host.calibration)
+    for kind in (L.KIND_K, L.KIND_V):
+        np.testing.assert_array_equal(gpu.stores(0)[kind].epochs, host.stores(0)[kind].epochs)
+        _same_adapter(gpu.stores(0)[kind].adapter, host.stores(0)[kind].adapter)
+    for i, r in enumerate(gpu_rows):
+        got_k, got_v = gpu.read(r)
+        want = (k[i][:, :, :start[i] + steps], v[i][:, :, :start[i] + steps]) if i < 2 else (k[2], v[2])
+        np.testing.assert_array_equal(got_k, want[0])
+        np.testing.assert_array_equal(got_v, want[1])
+
+
+def test_a_prompt_after_decode_steps_reads_the_pending_blocks_on_the_device(monkeypatch):
+    """Decode steps leave every adapter's pending blocks on the device as well as on the host, so the rule's
+    batch of a prompt after them gathers them there: every adapter it reads with pending blocks has all of them
+    on the device; and the cache decides and holds what the host rule's cache does."""
+    from test_captured import _steps
+
+    rng, k, v, cal, start, steps, heads = _steps_then_prompt(monkeypatch)
     caches = []
     for on_device in (False, True):
-        cache = PagedKVCache(cal, max_seqs=3, max_blocks=16, raw_tiles=96, codec="cuda", adapt=True)
-        cache._rule_on_device = on_device
-        rows = [cache.add_sequence(k[i][:, :, :start[i]], v[i][:, :, :start[i]]) for i in range(2)]
+        cache, rows = _two_sequences(cal, k, v, start, on_device)
         pos = list(start)
         assert _steps(cache, rows, k, v, pos, 2 * heads, steps, rng) == steps
         seen = []
@@ -139,17 +169,7 @@ def test_a_prompt_after_decode_steps_reads_the_pending_blocks_on_the_device(monk
             assert pending, "no adapter had pending blocks when the prompt's rule ran"
             assert all(runs is not None and sum(len(r) for r in runs) == n for n, runs in pending)
         caches.append((cache, rows))
-    (host, host_rows), (gpu, gpu_rows) = caches
-    assert gpu.calibration.n_epochs(0, L.KIND_K) > 1
-    assert_same_epochs(gpu.calibration, host.calibration)
-    for kind in (L.KIND_K, L.KIND_V):
-        np.testing.assert_array_equal(gpu.stores(0)[kind].epochs, host.stores(0)[kind].epochs)
-        _same_adapter(gpu.stores(0)[kind].adapter, host.stores(0)[kind].adapter)
-    for i, (r, rh) in enumerate(zip(gpu_rows, host_rows)):
-        got_k, got_v = gpu.read(r)
-        want = (k[i][:, :, :start[i] + steps], v[i][:, :, :start[i] + steps]) if i < 2 else (k[2], v[2])
-        np.testing.assert_array_equal(got_k, want[0])
-        np.testing.assert_array_equal(got_v, want[1])
+    _same_caches(caches, k, v, start, steps)
 
 
 def test_the_phases_decide_what_the_host_rule_decides(monkeypatch):
@@ -311,19 +331,10 @@ def test_decode_steps_and_a_prompt_never_wait_for_host_copies_the_device_rule_do
     only the host rule's check reads.  Here every copy of finished blocks stays in flight until waited for; no
     step and no prompt waits for one, and the cache decides and holds what the host rule's cache does."""
     from test_captured import _steps
-    from test_cache import B, drifting, synthetic
 
     from gaac.cache.update import UpdateTransaction, _LateBlock
 
-    monkeypatch.setattr(epochs, "WARMUP_BLOCKS", 4)
-    monkeypatch.setattr(epochs, "ADAPT_EVERY", 4)
-    monkeypatch.setattr(epochs, "PAYBACK_CHECKS", 10 ** 9)
-    rng = np.random.default_rng(11)
-    layers, heads, dim, steps = 1, 1, 64, 3 * B
-    start, prompt = [5 * B + 3, 6 * B + 11], 7 * B
-    k = [drifting(rng, layers, heads, n, dim, 16.0) for n in (start[0] + steps, start[1] + steps, prompt)]
-    v = [synthetic(rng, layers, heads, n, dim) for n in (start[0] + steps, start[1] + steps, prompt)]
-    cal = calibrate(k[0][:, :, :32], v[0][:, :, :32])
+    rng, k, v, cal, start, steps, heads = _steps_then_prompt(monkeypatch)
     waited = []
 
     class InFlight:
@@ -345,9 +356,7 @@ def test_decode_steps_and_a_prompt_never_wait_for_host_copies_the_device_rule_do
 
     caches = []
     for on_device in (False, True):
-        cache = PagedKVCache(cal, max_seqs=3, max_blocks=16, raw_tiles=96, codec="cuda", adapt=True)
-        cache._rule_on_device = on_device
-        rows = [cache.add_sequence(k[i][:, :, :start[i]], v[i][:, :, :start[i]]) for i in range(2)]
+        cache, rows = _two_sequences(cal, k, v, start, on_device)
         pos = list(start)
         if on_device:
             monkeypatch.setattr(UpdateTransaction, "_host_copies", in_flight)
@@ -359,14 +368,4 @@ def test_decode_steps_and_a_prompt_never_wait_for_host_copies_the_device_rule_do
         monkeypatch.setattr(UpdateTransaction, "_host_copies", host_copies)
         caches.append((cache, rows))
     assert waited == []
-    (host, host_rows), (gpu, gpu_rows) = caches
-    assert gpu.calibration.n_epochs(0, L.KIND_K) > 1
-    assert_same_epochs(gpu.calibration, host.calibration)
-    for kind in (L.KIND_K, L.KIND_V):
-        np.testing.assert_array_equal(gpu.stores(0)[kind].epochs, host.stores(0)[kind].epochs)
-        _same_adapter(gpu.stores(0)[kind].adapter, host.stores(0)[kind].adapter)
-    for i, (r, rh) in enumerate(zip(gpu_rows, host_rows)):
-        got_k, got_v = gpu.read(r)
-        want = (k[i][:, :, :start[i] + steps], v[i][:, :, :start[i] + steps]) if i < 2 else (k[2], v[2])
-        np.testing.assert_array_equal(got_k, want[0])
-        np.testing.assert_array_equal(got_v, want[1])
+    _same_caches(caches, k, v, start, steps)
