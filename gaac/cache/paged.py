@@ -838,16 +838,15 @@ class PagedKVCache(UpdateTransaction):
         if not n:
             return
         stores = [store for layer_store in self._store for store in layer_store]
+        # a removal's records where their copy has arrived, and all of them where the bounds fall short without them
         self._take_returns(wait=False)
-        while True:
-            short = self._arena.cover([(store.raw, n) for store in stores])
-            for store in stores:
-                pool = store.slots
-                if pool.free_lower() < n and pool.n_free() < n:
-                    short.append((pool, n - pool.n_free()))
-            if not short or not self._returning:
-                break
-            self._take_returns()            # a removal's records, still on their way, may cover it
+        if self._returning and any(self._short_without_returns(store, n) for store in stores):
+            self._take_returns()
+        short = self._arena.cover([(store.raw, n) for store in stores])
+        for store in stores:
+            pool = store.slots
+            if pool.free_lower() < n and pool.n_free() < n:
+                short.append((pool, n - pool.n_free()))
         if short and not self.grow:
             raise self._exhausted(*short[0], f"the steps planned (they finish {n} tiles per layer and kind, each of "
                                              "which may need a slot or a raw tile)")
