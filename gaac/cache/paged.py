@@ -196,8 +196,7 @@ class _Returning:
         sizes = host[total:].astype(np.int64)
         ends = np.cumsum(sizes)
         starts = ends - sizes
-        stale = [store.slots for store, m in zip(stores, sizes[:n])
-                 if m and not store.slots.exact and not store.slots.takes_back(int(m))]
+        stale = [store.slots for store, m in zip(stores, sizes[:n]) if m and store.slots.reads_count(int(m))]
         if stale:
             sync_pools(stale)
         for i, store in enumerate(stores):

@@ -282,7 +282,7 @@ class DevicePool(Pool):
         elif not on_device.numel():
             return
         m, end = on_device.numel(), self.listed
-        if not self.exact and not self.takes_back(m):
+        if self.reads_count(m):
             self.sync()
         if self.taken <= end and end + m <= self.order.shape[0]:
             self.order[end:end + m].copy_(on_device)
@@ -290,11 +290,11 @@ class DevicePool(Pool):
             return
         self._set_order(torch.cat([self._rest(read), on_device]))
 
-    def takes_back(self, m: int) -> bool:
-        """Whether :meth:`give` can write ``m`` records past the list's end without reading the device's count:
-        the array has room there, and the encodes launched since the count was read cannot have taken the
-        list past its end (the entries there read as run dry until they are written)."""
-        return self.listed + m <= self.order.shape[0] and self.free_lower() >= 0
+    def reads_count(self, m: int) -> bool:
+        """Whether :meth:`give` of ``m`` records reads the device's count: not where the host's count is exact,
+        nor where the list's array has room past its end and the encodes launched since the count was read
+        cannot have taken the list past that end (the entries there read as run dry until they are written)."""
+        return not self.exact and not (self.listed + m <= self.order.shape[0] and self.free_lower() >= 0)
 
     def upcoming(self, k: int) -> torch.Tensor:
         """The ``k`` records :meth:`take` would hand out next, as an int64 tensor on the device, none taken and
