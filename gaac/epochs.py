@@ -63,6 +63,37 @@ def epoch_table_bytes(calibration: Calibration) -> int:
     return 2 * calibration.kv_heads * calibration.head_dim
 
 
+class DeviceBlock:
+    """One finalized block whose values stay on the device: row ``i`` of ``run``, a device tensor (int16
+    ``[n, kv_heads, 16, head_dim]``) that holds a copy of its own, never written again.  An adapter whose rule
+    runs on the GPU keeps such blocks among those since its last check (with ``run`` among its device runs,
+    :meth:`Adapter.recent_on`) and nothing copies them to the host: only a check of the host rule reads the
+    values (``np.asarray``, a copy that waits for the device).  A copy of the adapter takes the values."""
+
+    __slots__ = ("run", "i")
+    dtype = np.dtype(np.uint16)
+
+    def __init__(self, run, i: int):
+        self.run, self.i = run, i
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(self.run.shape[1:])
+
+    def __array__(self, dtype=None, copy=None):
+        values = self.run[self.i].cpu().numpy().view(np.uint16)
+        return values if dtype is None else values.astype(dtype)
+
+    def __reduce__(self):
+        return np.array, (np.asarray(self),)
+
+
+def device_blocks(run) -> list:
+    """The blocks of device tensor ``run`` (int16 ``[n, kv_heads, 16, head_dim]``, a copy of its own) as ``n``
+    :class:`DeviceBlock`: what an adapter keeps without copying them to the host."""
+    return [DeviceBlock(run, i) for i in range(run.shape[0])]
+
+
 class Adapter:
     """The adaptation rule for one (kind, layer) of one cache; it appends epochs to ``calibration``.
 

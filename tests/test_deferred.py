@@ -75,7 +75,7 @@ def _state(cache, seq) -> dict:
             cache._flush_all()                     # the adapters observe every block they are owed
             a = store.adapter
             out["adapters"].append(None if a is None else (a.finalized, a.epoch, a.hist.tolist(),
-                                                           [r.tolist() for r in a._recent]))
+                                                           [np.asarray(r).tolist() for r in a._recent]))
     return out
 
 

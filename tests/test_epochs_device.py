@@ -324,48 +324,56 @@ def test_a_new_cache_decides_before_it_encodes_and_holds_what_a_guessing_one_hol
     assert tiles[0] == 2 * 20 < tiles[1], tiles            # decided first: every tile once; guessed: again
 
 
-def test_decode_steps_and_a_prompt_never_wait_for_host_copies_the_device_rule_does_not_read(monkeypatch):
-    """Where the rule runs on the device, the adapters take up decode steps' finished blocks without waiting for
-    their copies to the host (on a GPU those arrive only when the device reaches the step: a join's prompt would
-    wait for every step queued ahead): the blocks join the adapters' pending blocks as values still to come, which
-    only the host rule's check reads.  Here every copy of finished blocks stays in flight until waited for; no
-    step and no prompt waits for one, and the cache decides and holds what the host rule's cache does."""
+def test_decode_steps_and_a_prompt_copy_no_block_to_the_host_where_the_rule_runs_on_the_device(monkeypatch):
+    """Where the rule runs on the device, decode steps' finished blocks and the blocks a rule batch leaves for an
+    adapter's next check stay on the device: no host copy is made of them (on a GPU a pinned allocation and a copy
+    that arrives only when the device reaches the step, which a join's prompt would wait for) and none is read
+    back; the adapters keep them as :class:`~gaac.epochs.DeviceBlock`.  The cache decides and holds what the host
+    rule's cache does."""
     from test_captured import _steps
 
-    from gaac.cache.update import UpdateTransaction, _LateBlock
+    from gaac.cache.update import UpdateTransaction
+    from gaac.epochs import DeviceBlock
 
     rng, k, v, cal, start, steps, heads = _steps_then_prompt(monkeypatch)
-    waited = []
+    copied, read = [], []
+    host_copies, host_copy = UpdateTransaction._host_copies, UpdateTransaction._host_copy
+    as_array = DeviceBlock.__array__
 
-    class InFlight:
-        """A copy to the host that arrives only when waited for."""
+    def counted_copies(self, tensors):
+        if (tensors[0] if isinstance(tensors, list) else tensors).dtype == torch.int16:
+            copied.append(len(tensors))
+        return host_copies(self, tensors)
 
-        def query(self):
-            return False
+    def counted_copy(self, x):
+        if x.dtype == torch.int16:
+            copied.append(len(x))
+        return host_copy(self, x)
 
-        def synchronize(self):
-            waited.append(1)
-
-    host_copies = UpdateTransaction._host_copies
-
-    def in_flight(self, tensors):
-        copies = host_copies(self, tensors)
-        if not self._device_rule or (tensors[0] if isinstance(tensors, list) else tensors).dtype != torch.int16:
-            return copies
-        return [(torch.from_numpy(np.asarray(c).copy()), InFlight()) for c in copies]
+    def counted_read(self, *args, **kwargs):
+        read.append(1)
+        return as_array(self, *args, **kwargs)
 
     caches = []
     for on_device in (False, True):
         cache, rows = _two_sequences(cal, k, v, start, on_device)
         pos = list(start)
         if on_device:
-            monkeypatch.setattr(UpdateTransaction, "_host_copies", in_flight)
+            copied.clear()
+            monkeypatch.setattr(UpdateTransaction, "_host_copies", counted_copies)
+            monkeypatch.setattr(UpdateTransaction, "_host_copy", counted_copy)
+            monkeypatch.setattr(DeviceBlock, "__array__", counted_read)
         assert _steps(cache, rows, k, v, pos, 2 * heads, steps, rng) == steps
         if on_device:
-            late = [b for store in cache.stores(0) for b in store.adapter._recent if isinstance(b, _LateBlock)]
-            assert late, "no adapter holds a block whose copy is in flight"
+            kept = [b for store in cache.stores(0) for b in store.adapter._recent if isinstance(b, DeviceBlock)]
+            assert kept, "no adapter holds a block on the device"
         rows.append(cache.add_sequence(k[2], v[2]))
+        if on_device:
+            kept = [b for store in cache.stores(0) for b in store.adapter._recent]
+            assert all(isinstance(b, DeviceBlock) for b in kept), "a prompt's leftover blocks came to the host"
         monkeypatch.setattr(UpdateTransaction, "_host_copies", host_copies)
+        monkeypatch.setattr(UpdateTransaction, "_host_copy", host_copy)
+        monkeypatch.setattr(DeviceBlock, "__array__", as_array)
         caches.append((cache, rows))
-    assert waited == []
+    assert copied == [] and read == []
     _same_caches(caches, k, v, start, steps)

@@ -859,8 +859,8 @@ class PagedKVCache(UpdateTransaction):
         ``fin`` finished block ``blk``, in each layer's K and V epochs ``epochs[layer]`` (those published when
         the appends were launched).  The pools count the records the encodes may have taken, and ask for the
         device's count without waiting for it; the blocks' epochs are recorded; with adaptation the finished
-        blocks are copied (pinned, in flight) for the rule, which takes them up a few steps later
-        (:data:`ADAPT_LAG`).  ``index`` is ``fin`` on the device (made here if needed, returned for the next
+        blocks are gathered for the rule (on the device for the GPU rule, else copied to pinned host memory, in
+        flight), which takes them up a few steps later (:data:`ADAPT_LAG`).  ``index`` is ``fin`` on the device (made here if needed, returned for the next
         call)."""
         self._step_clock += 1
         if not len(fin):
@@ -877,17 +877,18 @@ class PagedKVCache(UpdateTransaction):
                 store.epochs[fin, blk] = epochs[layer][kind]
                 observing.append(store)
             self.blocks_encoded += len(fin)
-        # one copy for every store's counts, one for every adapter's finished blocks
+        # one copy for every store's counts; every adapter's finished blocks in one gather where the tails lie
+        # at equal distances in one allocation (as the cache makes them), and, where the rule runs on the host,
+        # one pinned copy of them (the GPU rule reads them on the device: nothing comes to the host)
         self._ask_counts(stores)
         if observing:
             if index is None:
                 index = self._to_device(fin)
-            # every adapter's finished blocks in one gather where the tails lie at equal distances in one
-            # allocation (as the cache makes them), and one pinned copy of them
             tails = stacked_view([store.tail for store in observing])
             on_device = (tails.index_select(1, index) if tails is not None
                          else [store.tail.index_select(0, index) for store in observing])
-            for store, copied, dev in zip(observing, self._host_copies(on_device), on_device):
+            copies = [None] * len(observing) if self._device_rule else self._host_copies(on_device)
+            for store, copied, dev in zip(observing, copies, on_device):
                 self._defer_observed(store, copied, dev)
         self._flush_due()
         return index

@@ -31,7 +31,7 @@ import torch
 
 from .. import layout as L
 from ..arrays import stacked_view
-from ..epochs import Adapter
+from ..epochs import Adapter, device_blocks
 from ..errors import InputError, PoolExhaustedError
 from ..tiles import tile_bases
 from .codec import blocks_to_tiles
@@ -145,53 +145,17 @@ def _arrived(blocks) -> np.ndarray:
     return np.asarray(blocks)
 
 
-class _LateBlock:
-    """One finished block, uint16 ``[kv_heads, 16, head_dim]``, whose copy to the host is still in flight (a row of
-    a pinned copy, and the copy's :class:`~gaac.cache.pools.Arrival` or event).  An adapter whose blocks the GPU
-    rule reads on the device keeps it among its pending blocks without waiting; only the host rule's check
-    reads its values (``np.asarray``), after the copy.  A copy of the adapter takes the values."""
-
-    __slots__ = ("host", "arrival")
-    dtype = np.dtype(np.uint16)
-
-    def __init__(self, host: torch.Tensor, arrival):
-        self.host, self.arrival = host, arrival
-
-    @property
-    def shape(self) -> tuple:
-        return tuple(self.host.shape)
-
-    def __array__(self, dtype=None, copy=None):
-        if not self.arrival.query():
-            self.arrival.synchronize()
-        values = self.host.numpy().view(np.uint16)
-        return values if dtype is None else values.astype(dtype)
-
-    def __reduce__(self):
-        return np.array, (np.asarray(self),)
-
-
-def _pending(blocks) -> list:
-    """Blocks on their way to an adapter (as :func:`_arrived` takes them, or a list of blocks) as a list of
-    blocks, each an array or, where its copy to the host has not arrived, a :class:`_LateBlock`: nothing waits."""
-    if isinstance(blocks, list):
-        return blocks
-    if isinstance(blocks, tuple):
-        host, event = blocks
-        if not event.query():
-            return [_LateBlock(host[i], event) for i in range(host.shape[0])]
-        return list(host.numpy().view(np.uint16))
-    return list(np.asarray(blocks).view(np.uint16))
-
-
 @dataclass
 class _Observed:
-    """Finished blocks of a decode step on their way to an adapter (a host copy in flight), and the step
-    (:attr:`PagedKVCache._step_clock`) that finished them: the rule takes them up :data:`ADAPT_LAG` steps later."""
+    """Finished blocks of a decode step on their way to an adapter, and the step
+    (:attr:`PagedKVCache._step_clock`) that finished them: the rule takes them up :data:`ADAPT_LAG` steps later.
+    Where the rule runs on the GPU it reads ``device`` (the blocks on the device, a copy of their own) and the
+    host never copies them (``blocks`` None: the adapter keeps :class:`~gaac.epochs.DeviceBlock` of them);
+    else ``blocks`` is their host copy in flight and ``device`` None."""
 
     blocks: object
     step: int
-    device: object = None        # the blocks on the device (for the GPU rule), else None
+    device: object = None
 
 
 @dataclass
@@ -589,9 +553,9 @@ class UpdateTransaction:
                 return
             store.deferred.pop(0)
             device = item.device if isinstance(item, _Observed) else None
-            # blocks the GPU rule reads on the device are observed without waiting for their host copies, which
-            # only the host rule's check reads (a join's prompt would otherwise wait for the steps queued ahead)
-            blocks = (_pending(item.blocks) if device is not None else
+            # blocks the GPU rule reads on the device stay there: the adapter keeps them as values only the host
+            # rule's check reads (nothing waits for a copy, which a join's prompt would find behind the queued steps)
+            blocks = (device_blocks(device) if device is not None else
                       _arrived(item.blocks if isinstance(item, _Observed) else item).view(np.uint16))
             appended = False
             while len(blocks):              # a decode step's blocks may pass a check: observed in runs up to it
@@ -671,8 +635,7 @@ class UpdateTransaction:
         blocks = torch.cat([item.device for item in due]) if len(due) > 1 else due[0].device
         rest = []
         if len(blocks) > until:                     # the blocks after the check, observed once it is decided
-            rest = [_Observed([b for item in due for b in _pending(item.blocks)][until:], due[-1].step,
-                              blocks[until:])]
+            rest = [_Observed(None, due[-1].step, blocks[until:])]
         return store, layer, kind, store.adapter.epoch, blocks[:until], rest
 
     def _finish_rule_batches(self, upto: int | None = None) -> None:
@@ -695,8 +658,8 @@ class UpdateTransaction:
                 self._epochs_appended(layer)
 
     def _defer_observed(self, store: _Kind, blocks, device=None) -> None:
-        """Queue a decode step's finished blocks (a host copy in flight; ``device``: the same on the device) for
-        the adapter, stamped with the step."""
+        """Queue a decode step's finished blocks for the adapter, stamped with the step: ``device`` (on the
+        device, a copy of their own) where the rule runs on the GPU, else ``blocks`` (a host copy in flight)."""
         store.deferred.append(_Observed(blocks, self._step_clock, device if self._device_rule else None))
         self._due_at(self._step_clock)
 

@@ -479,20 +479,6 @@ def _stacked(tensors: list):
     return view if view is not None else torch.stack(tensors)
 
 
-def _host_cat(tensors: list) -> tuple:
-    """1-D ``tensors`` of one dtype, end to end: (the tensor of them all on their device, its copy on the host
-    as NumPy).  On a GPU the copy goes into pinned memory, in flight on the current stream (the NumPy view is
-    valid once that stream has been waited for); else it is made at once."""
-    import torch
-
-    flat = torch.cat(tensors)
-    if flat.device.type != "cuda":
-        return flat, flat.numpy().copy()
-    host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-    host.copy_(flat, non_blocking=True)
-    return flat, host.numpy()
-
-
 def _aligned(x):
     """``x`` (int16 blocks, any strides) where every run of 8 channels starts on 16 bytes, as the scan
     kernel loads them: ``x`` itself where it does, else a contiguous copy."""
@@ -729,7 +715,7 @@ class Batch:
         import torch
 
         with self._on_stream():
-            recent = self._recent_blocks()                        # in flight: the read below waits for it too
+            recent = self._recent_blocks()                        # the adapters' next blocks, on the device
             found = self.nxt[:self.launched].cpu().numpy()        # waits for the batch's stream
             while len(found) and self._appending(found[-1]):
                 self._phases(self.launched)                      # twice as many phases as so far
@@ -791,10 +777,12 @@ class Batch:
 
     def _recent_blocks(self) -> list:
         """Per job, the blocks its adapter keeps for its next check: all its blocks where it reaches no check,
-        else those after its last check, as (NumPy BF16 bits, the same on the device).  Every job's in one
+        else those after its last check, as (host blocks, the same on the device).  Every job's in one
         device copy of their own (the adapters keep them there for the rule's next batch, not the caller's
-        tensors they are views of) and one copy of that to the host, started on the current stream into pinned
-        memory (on a GPU): valid once the stream's next read has waited."""
+        tensors they are views of); the host blocks are :class:`~gaac.epochs.DeviceBlock` of that copy, read
+        only by a check of the host rule, so nothing is copied to the host."""
+        import torch
+
         n, every = self.n, self.every
         tails = []
         for i, (_, blocks) in enumerate(self.jobs):
@@ -802,11 +790,11 @@ class Batch:
             tails.append(blocks[n - left:] if left else blocks[:0])
         sizes = [t.numel() for t in tails]
         if not sum(sizes):
-            return [(np.zeros((0, *t.shape[1:]), np.uint16), None) for t in tails]
-        flat, host = _host_cat([t.reshape(-1) for t in tails])
-        host = host.view(np.uint16)
+            return [([], None) for _ in tails]
+        flat = torch.cat([t.reshape(-1) for t in tails])
         out, at = [], 0
         for t, size in zip(tails, sizes):
-            out.append((host[at:at + size].reshape(t.shape), flat[at:at + size].view(t.shape) if size else None))
+            dev = flat[at:at + size].view(t.shape) if size else None
+            out.append((E.device_blocks(dev) if size else [], dev))
             at += size
         return out
