@@ -72,6 +72,28 @@ def test_loans_that_fit_the_lists_are_one_read_and_one_copy():
     assert len(records(arena, shares)) == 256
 
 
+def test_a_guess_lent_in_place_by_the_lower_bounds_reads_no_count():
+    """A guess's loans (``read=False``) to shares whose lists have room, each holding records an encode took
+    unseen: lent by the lower bounds past each list's end without reading a count (a join's reservation then
+    does not wait for the steps queued ahead); every share holds at least what it asked, every record once.  A
+    loan that does not fit its list's array reads the counts, as without ``read=False``."""
+    arena, shares = device_arena(256, 4)
+    assert arena.cover([(s, arena.chunk) for s in shares]) == []
+    _taken(shares, 1)
+    arrays_before = [s.order for s in shares]
+    with counting() as ops:
+        assert arena.cover([(s, 2 * arena.chunk) for s in shares], read=False) == []
+    assert ops.counts["sync"] == 0, ops.by_op
+    assert all(s.order is order for s, order in zip(shares, arrays_before))
+    assert all(s.n_free() >= 2 * arena.chunk for s in shares)
+    assert len(records(arena, shares)) == 256 - 4                       # the taken ones are held
+    _taken(shares, 1)
+    with counting() as ops:
+        assert arena.cover([(shares[0], shares[0].order.shape[0] + 1)], read=False) == []
+    assert ops.counts["sync"] >= 1, ops.by_op
+    assert len(records(arena, shares)) == 256 - 8
+
+
 @pytest.mark.parametrize("n_shares", [4, 8])
 def test_taking_every_free_record_back_reads_them_in_one_copy(n_shares):
     """An ask the reserve cannot cover but every free record can: the shares' free records return in one copy

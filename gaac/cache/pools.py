@@ -396,6 +396,11 @@ class _Share:
     def give(self, indices, read: bool = True) -> None:
         self.arena.release(self, indices)
 
+    def lends_in_place(self, k: int) -> bool:
+        """Whether a loan of ``k`` records joins the free list without the device's count: a stack on the host
+        has no count; a device list takes them past its end where its array has room."""
+        return True
+
     def grow_to(self, n: int, read: bool = True) -> None:
         self.arena.lend_growing([(self, n - self.size)], read)
 
@@ -462,18 +467,25 @@ class DeviceShare(_Share, DevicePool):
                 held[:k] = indices
                 self._set_listed(arrays.upload(held, device), k)
         else:
-            rest = self._rest(read)
+            rest = self._rest() if read else None        # read=False: the count only where the list moves
             end = self.listed
             if room is None and self.taken <= end and end + k <= self.order.shape[0]:
                 # room past the list's end: the records are written there, the list's array and count kept
                 self.order[end:end + k].copy_(up())
                 self.listed = end + k
             else:
-                order = torch.cat([rest, up()])
+                order = torch.cat([rest if rest is not None else self._rest(read), up()])
                 if room is None and order.shape[0] > self.order.shape[0]:
                     room = 2 * order.shape[0]
                 self._set_order(order, room)
         self.granted += k
+
+    def lends_in_place(self, k: int) -> bool:
+        """Whether a loan of ``k`` records is written past the list's end, keeping its array and count, so that
+        the device's count need not be read first (:meth:`extend`): a list with records whose array has room
+        for ``k`` more, which the device has not taken past its end (it runs past only where an encode ran it
+        dry, which that encode's check then undoes)."""
+        return self.listed > 0 and self.taken <= self.listed and self.listed + k <= self.order.shape[0]
 
     def adopt_loan(self, held: torch.Tensor, n: int) -> None:
         """The first loan of a share just made (its count reads zero): ``held``, an array the caller wrote, is
@@ -608,6 +620,8 @@ class RawArena:
         the encoder plans made with the array stay valid.  None where the loan needs no such array."""
         room = 2 * (self.size // max(len(self.shares), 1))
         if isinstance(share, DeviceShare) and share.order.shape[0] < room:
+            if share.listed and share.listed - min(share.taken, share.listed) + k <= share.order.shape[0]:
+                return None       # the free records by the host's count (at least the device's) leave room: no read
             rest = 0 if share.listed == 0 else share._rest(read).shape[0]     # an empty list is read without a wait
             if rest + k > share.order.shape[0]:
                 return max(room, rest + k)
@@ -647,17 +661,34 @@ class RawArena:
             else:
                 self._put(s.surrender())
 
-    def cover(self, needs) -> list:
+    def cover(self, needs, read: bool = True) -> list:
         """Lend each ``(share, n)`` of ``needs`` records until it holds ``n`` free ones (at least ``chunk``
         at a time while the reserve allows).  Where the reserve cannot cover what the shares lack, every
         share's free records return to it first if the arena can then lend each share asked all it asks;
         if it cannot, no record moves between shares and the reserve is spread over the shares short, in
         proportion to what each lacks, so that no share is left with nothing.  Returns ``(share, records it
-        still lacks)`` where the arena cannot cover them (nothing is taken back from what was lent)."""
+        still lacks)`` where the arena cannot cover them (nothing is taken back from what was lent).
+
+        ``read`` False: where the reserve covers what the shares lack by their lower bounds and every loan is
+        written past its list's end, the shares are lent that without reading the device's counts (so without
+        waiting for the steps queued ahead; a share may be lent a little more than it lacks); otherwise as
+        with ``read``.  For loans that an encode's own check backs (a guess), not a captured step's."""
         asked = [(s, n) for s, n in needs if n > 0]
         needs = [(s, n) for s, n in asked if s.free_lower() < n]
         if not needs:
             return []
+        if not read:
+            lack = [(s, n - max(s.free_lower(), 0)) for s, n in needs]
+            if sum(d for _, d in lack) <= self._top:
+                asks, top = [], self._top
+                for i, (s, d) in enumerate(lack):
+                    k = min(max(d, min(self.chunk, top - sum(x for _, x in lack[i + 1:]))), top)
+                    k = k if s.lends_in_place(k) else d
+                    asks.append((s, k))
+                    top -= k
+                if all(s.lends_in_place(k) for s, k in asks):
+                    self._lend_all(asks)
+                    return []
         # the counts of the shares asked, read in one wait: a share's records are listed from its count on,
         # and a step the host has not accounted yet (a graph replayed, not yet told) may have taken some
         free = dict(zip(map(id, (s for s, _ in needs)), sync_pools([s for s, _ in needs])))

@@ -728,12 +728,17 @@ class UpdateTransaction:
         guess = [(store.raw, self._raw_guess(store.raw, n)) for store, n, fits in jobs if fits is None]
         short += self._arena.cover(exact)
         # a guess lends what the arena holds and never grows it: where the tiles take more, the encode's
-        # check finds out and the arena grows by what they took, not by a guess
-        self._arena.cover(guess)
-        # The device's exact counts where the lower bounds fall short: one wait for all such pools.
-        # (A count already exact needs no wait: a new cache's, or one read since its last encode.)
-        stale = [pool for store, n, fits in jobs if fits is None for pool in (store.slots, store.raw)
-                 if pool.free_lower() < n and not pool.exact]
+        # check finds out and the arena grows by what they took, not by a guess; so it is lent by the shares'
+        # lower bounds, without waiting for the device's counts where the loans go in place
+        self._arena.cover(guess, read=False)
+        # The device's exact counts where a job's lower bounds together fall short of its tiles: one wait for all
+        # such pools.  Where they cover the tiles the update has room whatever the counts are (a pool whose own
+        # bound is short, as a share of the arena's usually is, is read after the encodes, which check it), so
+        # in a serving loop the reservation does not wait for the steps queued ahead.  (A count already exact
+        # needs no wait: a new cache's, or one read since its last encode.)
+        stale = [pool for store, n, fits in jobs if fits is None
+                 and store.slots.free_lower() + store.raw.free_lower() + self._arena.reserve < n
+                 for pool in (store.slots, store.raw) if not pool.exact]
         if stale:
             sync_pools(stale)
         for store, n, fits in jobs:
