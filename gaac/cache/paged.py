@@ -860,8 +860,8 @@ class PagedKVCache(UpdateTransaction):
         the appends were launched).  The pools count the records the encodes may have taken, and ask for the
         device's count without waiting for it; the blocks' epochs are recorded; with adaptation the finished
         blocks are gathered for the rule (on the device for the GPU rule, else copied to pinned host memory, in
-        flight), which takes them up a few steps later (:data:`ADAPT_LAG`).  ``index`` is ``fin`` on the device (made here if needed, returned for the next
-        call)."""
+        flight), which takes them up a few steps later (:data:`ADAPT_LAG`).  ``index`` is ``fin`` on the device
+        (made here if needed, returned for the next call)."""
         self._step_clock += 1
         if not len(fin):
             self._flush_due()

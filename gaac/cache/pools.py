@@ -680,12 +680,7 @@ class RawArena:
         if not read:
             lack = [(s, n - max(s.free_lower(), 0)) for s, n in needs]
             if sum(d for _, d in lack) <= self._top:
-                asks, top = [], self._top
-                for i, (s, d) in enumerate(lack):
-                    k = min(max(d, min(self.chunk, top - sum(x for _, x in lack[i + 1:]))), top)
-                    k = k if s.lends_in_place(k) else d
-                    asks.append((s, k))
-                    top -= k
+                asks = self._asks(lack, in_place=True)
                 if all(s.lends_in_place(k) for s, k in asks):
                     self._lend_all(asks)
                     return []
@@ -700,15 +695,22 @@ class RawArena:
             # Every free record back to the reserve, then each share asked is lent all it needs.
             self._reclaim(every)
             lack = asked
-        # what each is lent: what it lacks, at least a chunk while the reserve keeps what the later ones lack
-        asks, top = [], self._top
-        for i, (s, d) in enumerate(lack):
-            later = sum(x for _, x in lack[i + 1:])
+        lent = self._lend_all(self._asks(lack))
+        return [(s, d - n) for (s, d), n in zip(lack, lent) if n < d]
+
+    def _asks(self, lack: list, in_place: bool = False) -> list:
+        """What each ``(share, records it lacks)`` of ``lack`` is lent: what it lacks, at least a chunk while the
+        reserve keeps what the later ones lack (``in_place``: only what it lacks where a chunk would not fit its
+        list's array)."""
+        asks, top, later = [], self._top, sum(d for _, d in lack)
+        for s, d in lack:
+            later -= d
             k = min(max(d, min(self.chunk, top - later)), top)
+            if in_place and not s.lends_in_place(k):
+                k = d
             asks.append((s, k))
             top -= k
-        lent = self._lend_all(asks)
-        return [(s, d - n) for (s, d), n in zip(lack, lent) if n < d]
+        return asks
 
     def _spread(self, lack: list) -> list:
         """Lend the whole reserve to the shares of ``lack`` (``(share, records it lacks)``, more in all than the
