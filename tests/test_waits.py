@@ -202,6 +202,37 @@ def test_a_full_cache_takes_a_sequence_into_the_room_a_removal_frees():
         assert cache.export_sequence(rows[0]) == export
 
 
+def test_a_prompts_reservation_reads_no_count_where_the_bounds_cover_it(monkeypatch):
+    """A prompt into a cache whose counts the host knows only as bounds (decode steps' encodes in flight may
+    have taken records): where the free slots, the raw records and the arena's reserve cover its tiles by
+    those bounds, its reservation lends each raw share its guess without reading a count (a serving loop's
+    join would otherwise drain the steps queued ahead there, before the rule and the encodes are launched);
+    the encode's check reads the counts after, and the cache holds the prompt bit-exact."""
+    from gaac.cache.update import UpdateTransaction
+
+    cache, rows = _filled(2, tokens=8 * 16)
+    k, v = cache.read(rows[1])
+    cache.remove_sequence(rows[1])
+    cache._take_returns()
+    for layer_store in cache._store:             # a record of each pool taken by an encode the host has not read
+        for store in layer_store:
+            for pool in (store.slots, store.raw):
+                pool.heads[pool.cls] += 1
+                pool.pending += 1
+    reserve, waits = UpdateTransaction._reserve, []
+
+    def counted(self, updates):
+        with counting() as ops:
+            reserve(self, updates)
+        waits.append(ops.counts["sync"])
+
+    monkeypatch.setattr(UpdateTransaction, "_reserve", counted)
+    row = cache.add_sequence(k, v)
+    assert waits == [0]
+    got_k, got_v = cache.read(row)
+    assert np.array_equal(got_k, k) and np.array_equal(got_v, v)
+
+
 @pytest.mark.parametrize("n_shares", [4, 8])
 def test_growing_pools_waits_once(n_shares):
     """Shares and slot pools too small for an update (``grow=True``): their counts are read in one wait, the
