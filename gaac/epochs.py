@@ -88,6 +88,23 @@ class DeviceBlock:
         return np.array, (np.asarray(self),)
 
 
+def host_values(blocks) -> np.ndarray:
+    """The values of ``blocks`` (each ``[kv_heads, 16, head_dim]``: an array, or a :class:`DeviceBlock`) as uint16
+    ``[n, kv_heads, 16, head_dim]``, every DeviceBlock's in one copy from the device (one wait, not one a block)."""
+    out = [None] * len(blocks)
+    on_device = [j for j, b in enumerate(blocks) if isinstance(b, DeviceBlock)]
+    if on_device:
+        import torch
+
+        got = torch.stack([blocks[j].run[blocks[j].i] for j in on_device]).cpu().numpy().view(np.uint16)
+        for j, values in zip(on_device, got):
+            out[j] = values
+    for j, b in enumerate(blocks):
+        if out[j] is None:
+            out[j] = np.asarray(b).view(np.uint16)
+    return np.stack(out)
+
+
 def device_blocks(run) -> list:
     """The blocks of device tensor ``run`` (int16 ``[n, kv_heads, 16, head_dim]``, a copy of its own) as ``n``
     :class:`DeviceBlock`: what an adapter keeps without copying them to the host."""
@@ -204,7 +221,7 @@ class Adapter:
         self.finalized += len(blocks)
         if self.until_check:
             return None
-        x = np.concatenate(self._recent, axis=1)            # [kv_heads, R * 16, head_dim]
+        x = np.concatenate(host_values(self._recent), axis=1)   # [kv_heads, R * 16, head_dim]
         self._recent, self._recent_device = [], []
         self.hist -= self.hist >> DECAY_SHIFT
         self.hist += exponent_histograms(x[None])[0]

@@ -209,6 +209,31 @@ def test_the_rule_follows_the_drift_after_its_warm_up(drift):
     assert one_by_one == got.tolist() and adapter.finalized == len(blocks)
 
 
+def test_blocks_kept_on_the_device_are_read_at_a_host_check_in_one_copy_and_decide_as_arrays(drift, monkeypatch):
+    """An adapter fed :class:`~gaac.epochs.DeviceBlock` (values on the device, a GPU rule's leftovers) makes the
+    epochs one fed the same blocks as arrays makes, and its host checks read each check's blocks in one copy
+    from the device, never a block at a time (on a GPU each of those would wait for the device)."""
+    torch = pytest.importorskip("torch")
+    x, cal = drift
+    blocks = cache_blocks(x[0])
+    want = epochs.assign_epochs(blocks, cal.copy(), 0, L.KIND_K)
+
+    def one_by_one(*args, **kwargs):
+        raise AssertionError("a block's values were read on their own")
+
+    monkeypatch.setattr(epochs.DeviceBlock, "__array__", one_by_one)
+    run = torch.from_numpy(blocks.view(np.int16).copy())
+    adapter = epochs.Adapter(cal.copy(), 0, L.KIND_K)
+    got = []
+    kept = epochs.device_blocks(run)
+    while kept:
+        n = adapter.until_check
+        got += [adapter.epoch] * len(kept[:n])
+        adapter.observe(kept[:n])
+        kept = kept[n:]
+    assert got == want.tolist() and adapter.finalized == len(blocks)
+
+
 def test_no_epoch_when_the_calibration_already_fits():
     x = drifting_cache(64 * L.BLOCK_TOKENS)[:, :, :, 24:].repeat(2, axis=-1)[..., :HEAD_DIM]   # no drift
     cal = calibrate(x, x)

@@ -615,8 +615,8 @@ class Batch:
         rec_np = np.zeros(rec_shape if r0.any() and not on_device else (0,), dtype=np.int16)
         if len(rec_np):
             for i, (a, _) in enumerate(jobs):
-                for b, block in enumerate(a._recent):
-                    rec_np[i, b] = np.asarray(block).view(np.int16)
+                if a._recent:
+                    rec_np[i, :len(a._recent)] = E.host_values(a._recent).view(np.int16)
         self.m = m = max(1, int(checks.max()))
         # nxt[p, job]: the check that appends the job's p-th epoch of the batch (NONE: none); a phase a row.
         # It starts as NONE everywhere and comes with the small inputs.
