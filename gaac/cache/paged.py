@@ -837,10 +837,7 @@ class PagedKVCache(UpdateTransaction):
         if not n:
             return
         stores = [store for layer_store in self._store for store in layer_store]
-        # a removal's records where their copy has arrived, and all of them where the bounds fall short without them
-        self._take_returns(wait=False)
-        if self._returning and any(self._short_without_returns(store, n) for store in stores):
-            self._take_returns()
+        self._take_returns_for((store, n) for store in stores)
         short = self._arena.cover([(store.raw, n) for store in stores])
         for store in stores:
             pool = store.slots

@@ -713,12 +713,9 @@ class UpdateTransaction:
         """
         need_blocks = max(int(self._lens[u.layer, s]) // L.BLOCK_TOKENS + q
                           for u in updates for s, q in zip(u.seqs, u.blocks))
-        # a removal's records where their copy has arrived, and all of them where a slot pool's bound falls short
-        # without them (a join's prompt then waits here for the steps queued before the removal)
-        self._take_returns(wait=False)
-        if self._returning and any(self._short_without_returns(self._store[u.layer][kind], u.tiles[kind].shape[0])
-                                   for u in updates for kind in KINDS if u.tiles[kind] is not None):
-            self._take_returns()
+        # a removal's records: a join's prompt waits for the steps queued before it only where its pools fall short
+        self._take_returns_for((self._store[u.layer][kind], u.tiles[kind].shape[0])
+                               for u in updates for kind in KINDS if u.tiles[kind] is not None)
         short = []               # (pool, records it lacks) or (None, blocks the table must hold)
         if need_blocks > self.max_blocks:
             short.append((None, need_blocks))
@@ -736,14 +733,13 @@ class UpdateTransaction:
         # bound is short, as a share of the arena's usually is, is read after the encodes, which check it), so
         # in a serving loop the reservation does not wait for the steps queued ahead.  (A count already exact
         # needs no wait: a new cache's, or one read since its last encode.)
-        stale = [pool for store, n, fits in jobs if fits is None
-                 and store.slots.free_lower() + store.raw.free_lower() + self._arena.reserve < n
+        stale = [pool for store, n, fits in jobs if fits is None and self._room_lower(store) < n
                  for pool in (store.slots, store.raw) if not pool.exact]
         if stale:
             sync_pools(stale)
         for store, n, fits in jobs:
             if fits is None:
-                room = store.slots.free_lower() + store.raw.free_lower() + self._arena.reserve
+                room = self._room_lower(store)
                 if room < n:
                     pool = store.slots if store.slots.free_lower() < n else store.raw
                     short.append((pool, n - room))
@@ -759,11 +755,19 @@ class UpdateTransaction:
             grow_pools(pools)
             self._storage_changed()
 
-    def _short_without_returns(self, store: _Kind, tiles: int) -> bool:
-        """Whether ``store``'s pools may lack room for ``tiles`` tiles by their bounds (a slot or raw record
-        each), before the records a removal has on their way back are given back."""
-        slots = store.slots.free_lower()
-        return slots < tiles or slots + store.raw.free_lower() + self._arena.reserve < tiles
+    def _room_lower(self, store: _Kind) -> int:
+        """Records ``store``'s tiles can take at least, by the bounds (no wait): its free slots and raw records and
+        what the arena's reserve can lend it."""
+        return store.slots.free_lower() + store.raw.free_lower() + self._arena.reserve
+
+    def _take_returns_for(self, needs) -> None:
+        """Give back a removal's records whose copy has arrived, and all of them (waiting for their copies) where
+        a ``(store, tiles)`` of ``needs`` (an iterable, read only while records are on their way) may lack room by
+        the bounds without them: a slot or raw record a tile, and a slot for each where every tile may fit one."""
+        self._take_returns(wait=False)
+        if self._returning and any(store.slots.free_lower() < tiles or self._room_lower(store) < tiles
+                                   for store, tiles in needs):
+            self._take_returns()
 
     def _raw_guess(self, share, tiles: int) -> int:
         """Raw records to lend ``share`` before the CUDA encoder codes ``tiles`` of its tiles: every tile for a
