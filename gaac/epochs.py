@@ -187,7 +187,7 @@ class Adapter:
         """Blocks still to be observed before the next check (1..ADAPT_EVERY)."""
         return ADAPT_EVERY - len(self._recent)
 
-    def observe(self, blocks, device=None) -> int | None:
+    def observe(self, blocks, device=None, decide: bool = True) -> int | None:
         """Record finalized blocks ``uint16 [n, kv_heads, 16, head_dim]``, all coded with :attr:`epoch` (or a list of
         ``n`` blocks, each anything with that block's ``shape`` and ``dtype`` that NumPy reads as one: its values are
         read only at a check).
@@ -196,7 +196,9 @@ class Adapter:
         must be coded with the epoch that check may append.  Returns the index of
         the epoch appended by this call's check, else ``None``.  ``device``: the
         same blocks on a GPU (a tensor), kept while no check is due, so that the
-        GPU rule's next batch reads them there rather than copying the host's over.
+        GPU rule's next batch reads them there rather than copying the host's over.  ``decide=False``: a check
+        among these blocks takes them into the histogram and appends nothing (blocks the calibration was fitted
+        on, :meth:`assign`).
         """
         want = (self.calibration.kv_heads, L.BLOCK_TOKENS, self.calibration.head_dim)
         if isinstance(blocks, list):        # one by one, perhaps some with values still to come (read at a check)
@@ -225,17 +227,22 @@ class Adapter:
         self._recent, self._recent_device = [], []
         self.hist -= self.hist >> DECAY_SHIFT
         self.hist += exponent_histograms(x[None])[0]
-        return self._check(x)
+        return self._check(x) if decide else None
 
-    def assign(self, blocks) -> np.ndarray:
+    def assign(self, blocks, decide: bool = True) -> np.ndarray:
         """Finalize ``blocks`` ``[n, kv_heads, 16, head_dim]`` in order, each coded with the epoch current
-        when it is finalized (observed in runs that end at the checks); returns those epochs (``int64 [n]``)."""
+        when it is finalized (observed in runs that end at the checks); returns those epochs (``int64 [n]``).
+
+        ``decide=False``: the checks among ``blocks`` update the histogram and append no epoch, so every block
+        keeps the newest epoch.  For blocks the calibration was fitted on (a cache that calibrated itself on
+        its prompt): that calibration is already their best fit over the whole of them, and the rule then
+        decides from the blocks after them with a histogram that has seen them."""
         epochs = np.empty(len(blocks), dtype=np.int64)
         start = 0
         while start < len(blocks):
             stop = min(start + self.until_check, len(blocks))
             epochs[start:stop] = self.epoch
-            self.observe(blocks[start:stop])
+            self.observe(blocks[start:stop], decide=decide)
             start = stop
         return epochs
 

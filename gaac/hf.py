@@ -51,7 +51,10 @@ cache's copy of the calibration, ``cache.store.calibration``;
 one complete 16-token block in every layer -- right after the prefill for a
 prompt of 16 tokens or more, else at the decode step that completes the first
 block -- then calibrates on every complete block it holds (all layers, all
-batch rows) and compresses everything.  A calibration made from one short
+batch rows) and compresses everything.  Those blocks keep the calibration fitted
+on them (epoch 0): the adaptation rule takes them into its histograms and
+appends epochs only as the generation after them drifts, so that the prompt
+waits for no decision of the rule.  A calibration made from one short
 prompt fits later text less well (more 4-bit and raw groups, more tiles in
 the raw pool), never incorrectly: the codec is lossless with any calibration.
 """
@@ -293,7 +296,9 @@ class GAACCache(Cache):
 
         Both happen where the K/V are: on a GPU the calibration runs there (only its tables come to the
         host), and each batch row goes in with one append of every layer, which runs the adaptation rule
-        of all layers and kinds at once and encodes the row's blocks where the model left them."""
+        of all layers and kinds at once and encodes the row's blocks where the model left them.  The
+        calibration was fitted on those blocks, so they keep it (``fitted=True``): the rule takes them into its
+        histograms and appends epochs only from the blocks generated after them."""
         full = self.layers[0].tokens // L.BLOCK_TOKENS * L.BLOCK_TOKENS
         keys = torch.stack([layer.keys for layer in self.layers])          # [layers, batch, kv_heads, tokens, D]
         values = torch.stack([layer.values for layer in self.layers])
@@ -309,7 +314,7 @@ class GAACCache(Cache):
         for layer in self.layers:
             layer.keys = layer.values = None
         for row, seq in enumerate(self.rows):
-            self.store.append(seq, keys[:, row], values[:, row], show_progress=False)
+            self.store.append(seq, keys[:, row], values[:, row], show_progress=False, fitted=True)
 
     def _end_prefill(self) -> None:
         """Apply the prefill's deferred layers, where a deferral is open (:meth:`GAACLayer.update`)."""

@@ -736,7 +736,7 @@ def test_a_sequence_longer_than_the_table_is_refused_before_encoding_naming_max_
     cache = PagedKVCache(cal, max_blocks=4)
     prepared = []
     prepare = cache._prepare
-    monkeypatch.setattr(cache, "_prepare", lambda *a: prepared.append(a[0]) or prepare(*a))
+    monkeypatch.setattr(cache, "_prepare", lambda *a, **k: prepared.append(a[0]) or prepare(*a, **k))
     with pytest.raises(PoolExhaustedError, match=r"max_blocks=5 or more, or with grow=True") as info:
         cache.add_sequence(k[:, :, :80], v[:, :, :80])
     assert "block table holds 4 (64 tokens)" in str(info.value) and not prepared and cache.sequences == []

@@ -326,3 +326,23 @@ def test_layer_view_bases_of_either_form():
     np.testing.assert_array_equal(stacked.bases(L.KIND_K, 1)[1], b[1] + 1)
     with pytest.raises(InputError, match="not in the view's 2 epochs"):
         stacked.bases(L.KIND_K, 2)
+
+
+def test_blocks_the_calibration_was_fitted_on_append_no_epoch_and_leave_the_histogram_as_deciding_does(drift):
+    """``decide=False`` (a prompt the calibration was fitted on): every block keeps the newest epoch, nothing is
+    appended, and the adapter leaves with the histogram, count and pending blocks a deciding run leaves, so the
+    checks after it decide as they would have from there."""
+    x, cal = drift
+    blocks = cache_blocks(x[0])
+    deciding, fitted = epochs.Adapter(cal.copy(), 0, L.KIND_K), epochs.Adapter(cal.copy(), 0, L.KIND_K)
+    decided = deciding.assign(blocks[:90])
+    kept = fitted.assign(blocks[:90], decide=False)
+    assert decided.max() >= 1                                 # the data drifts: deciding appends
+    assert (kept == 0).all() and fitted.calibration.n_epochs(0, L.KIND_K) == 1
+    assert fitted.finalized == deciding.finalized == 90
+    assert np.array_equal(fitted.hist, deciding.hist)
+    assert len(fitted._recent) == len(deciding._recent) == 90 % epochs.ADAPT_EVERY
+    assert all(np.array_equal(a, b) for a, b in zip(fitted._recent, deciding._recent))
+    # from there on it decides: the next check, past the drift, appends against epoch 0
+    after = fitted.assign(blocks[90:])
+    assert fitted.calibration.n_epochs(0, L.KIND_K) == 2 and (after == 0).all()

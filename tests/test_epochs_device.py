@@ -377,3 +377,60 @@ def test_decode_steps_and_a_prompt_copy_no_block_to_the_host_where_the_rule_runs
         caches.append((cache, rows))
     assert copied == [] and read == []
     _same_caches(caches, k, v, start, steps)
+
+
+def test_a_fitted_prompt_is_observed_without_a_wait_and_the_blocks_after_it_decide_as_the_host_rule(monkeypatch):
+    """``append(..., fitted=True)`` (the calibration was fitted on the prompt): the device rule's batch only scans
+    (no phase, nothing read back from the device), every block keeps epoch 0 and each layer and kind encodes in
+    one launch; the adapters leave as the host rule's do, and the blocks after the prompt append the same epochs.
+    Both caches read back bit-exact."""
+    import gaac.cuda.codec as codec
+
+    monkeypatch.setattr(epochs, "WARMUP_BLOCKS", 8)
+    monkeypatch.setattr(epochs, "PAYBACK_CHECKS", 10 ** 9)
+    x = drifting_cache(36 * L.BLOCK_TOKENS, layers=2)[:, :1]
+    x[1] = x[1] ^ 0x8000                             # one layer: x[0] is its K, x[1] its V
+    cal = calibrate(x[:1, :, :128], x[1:, :, :128])
+    n = 20 * L.BLOCK_TOKENS + 5
+    launches, phases, finish_reads = [], [], []
+    in_place = codec.EncodePlan.in_place
+    monkeypatch.setattr(codec.EncodePlan, "in_place",
+                        lambda self, bits, first, entries, *a, **k: (launches.append(entries.shape[0]),
+                                                                     in_place(self, bits, first, entries, *a, **k)))
+    real_phases, real_finish = device_epochs.Batch._phases, device_epochs.Batch.finish
+    monkeypatch.setattr(device_epochs.Batch, "_phases", lambda self, count: (phases.append(count),
+                                                                              real_phases(self, count)))
+
+    def finish(self):
+        reads, cpu = [], torch.Tensor.cpu
+        monkeypatch.setattr(torch.Tensor, "cpu", lambda t, *a, **k: (reads.append(t.shape), cpu(t, *a, **k))[1])
+        try:
+            return real_finish(self)
+        finally:
+            monkeypatch.setattr(torch.Tensor, "cpu", cpu)
+            finish_reads.append(len(reads))
+
+    monkeypatch.setattr(device_epochs.Batch, "finish", finish)
+    caches = []
+    for on_device in (True, False):
+        cache = PagedKVCache(cal, **every_tile(cal, 1, 40), codec="cuda" if on_device else "reference")
+        cache._rule_on_device = on_device
+        seq = cache.add_sequence()
+        cache.append(seq, x[:1, :, :n], x[1:, :, :n], fitted=True)
+        if on_device:
+            assert launches == [20, 20] and phases == [] and finish_reads == [0], (launches, phases, finish_reads)
+            assert cache.calibration.n_epochs(0, L.KIND_K) == cache.calibration.n_epochs(0, L.KIND_V) == 1
+        k, v = (torch.from_numpy(np.ascontiguousarray(x[i:i + 1, :, n:]).view(np.int16)) for i in (0, 1))
+        cache.update_layer(0, [seq], k, v)          # the blocks after the prompt: the rule decides again
+        caches.append((cache, seq))
+    (gpu, sg), (host, sh) = caches
+    assert gpu.calibration.n_epochs(0, L.KIND_K) > 1          # the drift after the prompt appends
+    assert_same_epochs(gpu.calibration, host.calibration)
+    for kind in (L.KIND_K, L.KIND_V):
+        assert (gpu.stores(0)[kind].epochs[sg][:20] == 0).all()
+        assert np.array_equal(gpu.stores(0)[kind].epochs[sg], host.stores(0)[kind].epochs[sh])
+        _same_adapter(gpu.stores(0)[kind].adapter, host.stores(0)[kind].adapter)
+    for cache, seq in caches:
+        rk, rv = cache.read_layer(0, [seq])
+        assert np.array_equal(rk[0].numpy().view(np.uint16), x[0])
+        assert np.array_equal(rv[0].numpy().view(np.uint16), x[1])

@@ -165,6 +165,35 @@ def test_self_calibration_is_calibrate_of_every_rows_complete_blocks(monkeypatch
     assert reads == [0, 1, 2]
 
 
+def test_the_prompt_a_cache_calibrated_itself_on_keeps_that_calibration(monkeypatch):
+    """calibration=None: the prompt's blocks enter the paged cache as fitted (``append(..., fitted=True)``): with a
+    rule that appends wherever a check's windows differ, the prompt still keeps epoch 0 in every layer and kind
+    (the same prompt appended as other content appends epochs), and the generation after it is bit-identical to
+    the default cache's."""
+    import gaac.epochs as epochs
+    from gaac.cache.paged import PagedKVCache
+
+    monkeypatch.setattr(epochs, "ADAPT_EVERY", 4)
+    monkeypatch.setattr(epochs, "WARMUP_BLOCKS", 4)
+    monkeypatch.setattr(epochs, "PAYBACK_CHECKS", 10 ** 9)
+    model = tiny_llama(64, layers=2, seed=3)
+    ids = torch.randint(3, 96, (1, 200), generator=torch.Generator().manual_seed(3))
+    ref_tokens, ref_logits = greedy(model, ids, steps=8)
+    cache = hf.GAACCache(config=model.config)
+    tokens, logits = greedy(model, ids, cache, steps=8)
+    assert torch.equal(tokens, ref_tokens) and torch.equal(logits, ref_logits)
+    store = cache.store
+    for layer in range(2):
+        for kind in (L.KIND_K, L.KIND_V):
+            assert (store.stores(layer)[kind].epochs[cache.rows[0]][:200 // L.BLOCK_TOKENS] == 0).all()
+    assert all(store.calibration.n_epochs(layer, kind) == 1 for layer in range(2) for kind in (L.KIND_K, L.KIND_V))
+    # the same blocks given as content the calibration was not fitted on: the rule appends
+    other = PagedKVCache(cache.calibration, max_seqs=1, max_blocks=16, grow=True)
+    k, v = store.read(cache.rows[0])
+    other.append(other.add_sequence(), k[:, :, :200], v[:, :, :200])
+    assert sum(other.calibration.n_epochs(layer, kind) - 1 for layer in range(2) for kind in (0, 1)) > 0
+
+
 @pytest.mark.parametrize("given", [False, True], ids=["self-calibrated", "calibrated"])
 def test_a_prefill_returns_the_decoded_past_then_the_models_own_new_kv(monkeypatch, given):
     """A prompt in two chunks, then a decode step: each layer's update returns the model's own K/V tensors for

@@ -507,7 +507,7 @@ class PagedKVCache(UpdateTransaction):
 
     # -- appending --------------------------------------------------------------
     @_locked_pools_later
-    def append(self, seq: int, k, v, *, show_progress: bool | None = None) -> None:
+    def append(self, seq: int, k, v, *, show_progress: bool | None = None, fitted: bool = False) -> None:
         """Append tokens ``[layers, kv_heads, t, head_dim]`` of K and V to sequence ``seq`` in every layer.
 
         All layers or none: if any pool cannot take the finished blocks, nothing changes.  A sequence
@@ -515,6 +515,12 @@ class PagedKVCache(UpdateTransaction):
         encoded, unless the cache was made with ``grow=True``.  ``show_progress``: a progress bar over
         the layers being encoded (None: on a terminal, for appends of at least ``PROGRESS_TOKENS`` tokens;
         the reference codec on a CPU encodes a few hundred blocks a second).
+
+        ``fitted=True``: the calibration was fitted on these tokens (a cache that calibrated itself on its
+        prompt, as :class:`gaac.hf.GAACCache` does).  Their blocks keep each layer's newest epoch: with
+        adaptation on, the rule takes them into its histograms and appends no epoch among them
+        (:meth:`gaac.epochs.Adapter.assign` with ``decide=False``), so that the prompt waits for no decision
+        of the rule and encodes with one plan a layer and kind; it decides from the blocks after them.
         """
         if RECORDING.plans:                # a recording's launches would replay this prefill every step
             check_not_recording(self, "append")
@@ -529,7 +535,8 @@ class PagedKVCache(UpdateTransaction):
             show_progress = k.shape[2] >= PROGRESS_TOKENS and sys.stderr.isatty()
         layers = progress(range(self.layers), desc=f"encode {k.shape[2]} tokens", unit="layer",
                           enable=show_progress)
-        self._apply([self._prepare(layer, [seq], k[layer][None], v[layer][None]) for layer in layers])
+        self._apply([self._prepare(layer, [seq], k[layer][None], v[layer][None], decide=not fitted)
+                     for layer in layers])
 
     def _check_table_room(self, seq: int, tokens: int) -> None:
         """Refuse, before encoding anything, an append that would outgrow the block table (unless ``grow``)."""

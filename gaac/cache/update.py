@@ -70,6 +70,7 @@ class _Epochs:
     blocks: object = None        # the rule runs on the GPU: the blocks, until the update's batch is decided
                                  # (``after`` is the live adapter until then)
     first_new: int = 0           # the rule runs on the GPU: the index of the first epoch it may append
+    decide: bool = True          # False: the checks among these blocks append nothing (Adapter.assign)
 
 
 @dataclass
@@ -346,10 +347,11 @@ class UpdateTransaction:
         self._commit_all(updates, observe=False)
         return early
 
-    def _prepare(self, layer: int, seqs: list, k: torch.Tensor, v: torch.Tensor) -> _Update:
+    def _prepare(self, layer: int, seqs: list, k: torch.Tensor, v: torch.Tensor, decide: bool = True) -> _Update:
         """Cut the blocks the new tokens complete and decide their epochs; with the reference codec also
         encode them (the CUDA encoder writes into the pools, after :meth:`_reserve`).  Nothing in the
-        cache changes."""
+        cache changes.  ``decide=False``: the rule's checks among these blocks append nothing
+        (:meth:`gaac.epochs.Adapter.assign`)."""
         if k.shape != v.shape or k.shape[0] != len(seqs):
             raise InputError(f"k {list(k.shape)} and v {list(v.shape)} must both be [{len(seqs)} sequences, "
                              f"kv_heads, tokens, head_dim]")
@@ -383,7 +385,7 @@ class UpdateTransaction:
                 continue
             # [n, heads, 16, D] in finalized order; a single sequence's blocks stay a view of its input.
             finished = cut[kind][0] if len(cut[kind]) == 1 else torch.cat(cut[kind])
-            plan = self._plan_epochs(store, layer, kind, finished)
+            plan = self._plan_epochs(store, layer, kind, finished, decide)
             tiles.append(_InPlace((k, v)[kind][0], len(finished) * per) if in_place else blocks_to_tiles(finished))
             epochs.append(plan)
             if on_device:
@@ -406,7 +408,8 @@ class UpdateTransaction:
         b3, b4 = self._calibration.bases(layer, kind, epoch) if epoch < held else plan.tables[epoch - held]
         return tuple(np.ascontiguousarray(t) for t in tile_bases(b3, b4))
 
-    def _plan_epochs(self, store: _Kind, layer: int, kind: int, finished: torch.Tensor) -> _Epochs:
+    def _plan_epochs(self, store: _Kind, layer: int, kind: int, finished: torch.Tensor,
+                     decide: bool = True) -> _Epochs:
         """The epoch each of ``finished`` ``[n, heads, 16, D]`` is coded with; the cache's adapter stays as it is.
 
         Where the blocks reach no check before their last one, the newest epoch codes them all and
@@ -420,14 +423,15 @@ class UpdateTransaction:
         if adapter is None:
             return _Epochs(epochs=np.zeros(n, np.int64), tables=[], after=None, pending=None)
         self._flush(store, layer, kind)
-        if n <= adapter.until_check:
+        # (blocks whose last one completes a check are observed after commit only where that check may decide)
+        if n < adapter.until_check or (decide and n == adapter.until_check):
             return _Epochs(epochs=np.full(n, adapter.epoch, np.int64), tables=[], after=None,
                            pending=self._host_copy(finished))
         if self._device_rule:
-            return _Epochs(epochs=None, tables=[], after=adapter, pending=None, blocks=finished)
+            return _Epochs(epochs=None, tables=[], after=adapter, pending=None, blocks=finished, decide=decide)
         after = copy.deepcopy(adapter, {id(adapter.calibration): self._calibration.copy(share_tables=True)})
         host = finished.cpu().numpy().view(np.uint16)
-        epochs = after.assign(host)
+        epochs = after.assign(host, decide=decide)
         tables = [after.calibration.bases(layer, kind, e) for e in range(adapter.epoch + 1, after.epoch + 1)]
         return _Epochs(epochs=epochs, tables=tables, after=after, pending=None)
 
@@ -456,10 +460,11 @@ class UpdateTransaction:
             plan.after = after
         by_shape = {}
         for item in waiting:
-            by_shape.setdefault(tuple(item[2].blocks.shape), []).append(item)
+            by_shape.setdefault((tuple(item[2].blocks.shape), item[2].decide), []).append(item)
         launched = []
-        for items in by_shape.values():
-            batch = Batch([(plan.after, plan.blocks) for _, _, plan in items], stream=self._rule_stream())
+        for (_, decide), items in by_shape.items():
+            batch = Batch([(plan.after, plan.blocks) for _, _, plan in items], stream=self._rule_stream(),
+                          decide=decide)
             batch.scan()
             batch.chain()
             launched.append((batch, items))

@@ -529,7 +529,7 @@ def _upload(a: np.ndarray, device):
     return out
 
 
-def assign(jobs: list) -> list:
+def assign(jobs: list, decide: bool = True) -> list:
     """Run the adaptation rule on the GPU for each ``(adapter, blocks)`` of ``jobs``, as
     ``adapter.assign(blocks)`` would on the host.
 
@@ -538,11 +538,12 @@ def assign(jobs: list) -> list:
     appended to it).  Returns the epoch each job's blocks are coded with (``int64 [n]`` each); afterwards
     every adapter holds the state :meth:`~gaac.epochs.Adapter.assign` leaves.  In the simulator the
     blocks are CPU tensors.  One launch of each kernel serves all jobs; one copy to the host brings back
-    the decisions.
+    the decisions.  ``decide=False``: as ``adapter.assign(blocks, decide=False)``: the scan alone, which
+    brings the histograms up to date, and nothing to wait for.
     """
     if not jobs:
         return []
-    batch = Batch(jobs)
+    batch = Batch(jobs, decide=decide)
     batch.scan()
     batch.chain()
     return batch.finish()
@@ -555,11 +556,15 @@ class Batch:
 
     ``stream`` (a torch CUDA stream; None: the current one): where the batch's copies and kernels run.  It
     first waits for the current stream (which wrote the blocks), so that the rule runs beside the work the
-    caller queues next (the cache's encodes); :meth:`finish` makes the current stream wait for it again."""
+    caller queues next (the cache's encodes); :meth:`finish` makes the current stream wait for it again.
 
-    def __init__(self, jobs: list, stream=None):
+    ``decide=False``: the checks append nothing (:meth:`gaac.epochs.Adapter.assign`): the scan brings the
+    histograms up to date, no phase runs, and :meth:`finish` reads nothing back from the device."""
+
+    def __init__(self, jobs: list, stream=None, decide: bool = True):
         import torch
 
+        self.decide = decide
         self.stream = stream if stream is not None and jobs[0][1].device.type == "cuda" else None
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(jobs[0][1].device))
@@ -694,7 +699,10 @@ class Batch:
 
     def chain(self) -> None:
         """Launch the first phases of the chain (:func:`phase_kernel`): which checks append their candidate.
-        A job appends at most one epoch a check, so no more phases than checks are launched."""
+        A job appends at most one epoch a check, so no more phases than checks are launched; none where the
+        batch does not decide."""
+        if not self.decide:
+            return
         self._phases(min(PHASES + 1, self.m))
 
     def _phases(self, count: int) -> None:
@@ -716,7 +724,8 @@ class Batch:
 
         with self._on_stream():
             recent = self._recent_blocks()                        # the adapters' next blocks, on the device
-            found = self.nxt[:self.launched].cpu().numpy()        # waits for the batch's stream
+            # waits for the batch's stream (nothing to wait for where the batch does not decide)
+            found = self.nxt[:self.launched].cpu().numpy() if self.decide else np.zeros((0, len(self.jobs)), np.int32)
             while len(found) and self._appending(found[-1]):
                 self._phases(self.launched)                      # twice as many phases as so far
                 found = self.nxt[:self.launched].cpu().numpy()
