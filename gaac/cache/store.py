@@ -148,30 +148,43 @@ def make_stores(calibration, arena: RawArena, *, device: torch.device, cuda: boo
     layers, heads, dim = calibration.layers, calibration.kv_heads, calibration.head_dim
     geo = L.geometry(dim)
     per = heads * L.tiles_per_head(dim)
+    c = L.tile_channels(dim)
     zeros, tails, host, slots = _Slab(), _Slab(), _Slab(), _Slab()
+    # Epoch 0 of every layer and kind, in the records' order (layer, then kind), each table made for all of them
+    # at once: the bases [n, heads, dim], their per-tile form [n, per, C] and (cuda) the encoder's packing
+    # [n, per, 2, C].  A record that holds only epoch 0 takes a row of each; one holding later epochs its own.
+    first = [np.ascontiguousarray(np.swapaxes(b, 0, 1)).reshape(2 * layers, heads, dim)
+             for b in (calibration.b_narrow, calibration.b_wide)]
+    shared = [host.add((2 * layers, 1, heads, dim), torch.uint8, b) for b in first]
+    shared += [host.add((2 * layers, 1, per, c), torch.uint8, b) for b in first]
+    if cuda:
+        from ..cuda.codec import pack_bases
+
+        packed0 = pack_bases(*(b.reshape(2 * layers * per, c) for b in first))
+        shared.append(host.add((2 * layers, per, 2, c), torch.int16, packed0))
+        shared.append(host.add((2 * layers, 4), torch.int32, np.zeros((2 * layers, 4), np.int32)))   # [2] used
     plan = []
     for layer in range(layers):
         for kind in KINDS:
             # Without adaptation only epoch 0 codes blocks; with it, every epoch the calibration holds may.
-            epochs = range(calibration.n_epochs(layer, kind)) if adapt else [0]
-            bases = [calibration.bases(layer, kind, e) for e in epochs]
-            b3, b4 = (np.stack(t) for t in zip(*bases))
-            tiles = [tile_bases(x3, x4) for x3, x4 in bases]
-            tb3, tb4 = (np.stack(t) for t in zip(*tiles))
+            n_epochs = calibration.n_epochs(layer, kind) if adapt else 1
             capacity = int(calibration.capacity[kind, layer])
-            p = dict(layer=layer, kind=kind, capacity=capacity, n_epochs=len(bases),
-                     b=[host.add(x.shape, torch.uint8, x) for x in (b3, b4, tb3, tb4)],
+            p = dict(layer=layer, kind=kind, capacity=capacity, n_epochs=n_epochs, b=None, packed=None,
                      table=zeros.add((max_seqs, max_blocks, per), torch.int32),
                      tail=tails.add((max_seqs, heads, L.BLOCK_TOKENS, dim), torch.int16),
                      epoch=zeros.add((max_seqs, max_blocks), torch.int16) if adapt else None)
-            if cuda:
-                from ..cuda.codec import pack_bases
-
-                p["packed"] = [host.add(w.shape, torch.int16, w) for w in
-                               (pack_bases(np.ascontiguousarray(t3), np.ascontiguousarray(t4)) for t3, t4 in tiles)]
-                p["heads"] = host.add((4,), torch.int32, np.zeros(4, np.int32))   # [2] used; 16 bytes apart
-                if not grow:
-                    p["slots"] = slots.add((max(n_slots, 1), geo.slot_bytes(capacity)), torch.uint8)
+            if n_epochs > 1:
+                bases = [calibration.bases(layer, kind, e) for e in range(n_epochs)]
+                b3, b4 = (np.stack(t) for t in zip(*bases))
+                tiles = [tile_bases(x3, x4) for x3, x4 in bases]
+                tb3, tb4 = (np.stack(t) for t in zip(*tiles))
+                p["b"] = [host.add(x.shape, torch.uint8, x) for x in (b3, b4, tb3, tb4)]
+                if cuda:
+                    p["packed"] = [host.add(w.shape, torch.int16, w) for w in
+                                   (pack_bases(np.ascontiguousarray(t3), np.ascontiguousarray(t4))
+                                    for t3, t4 in tiles)]
+            if cuda and not grow:
+                p["slots"] = slots.add((max(n_slots, 1), geo.slot_bytes(capacity)), torch.uint8)
             plan.append(p)
     loans = arena.first_loans(len(plan)) if cuda else None
     if loans is not None:
@@ -180,6 +193,8 @@ def make_stores(calibration, arena: RawArena, *, device: torch.device, cuda: boo
             held[:len(records)] = records
             p["order"] = host.add(held.shape, torch.int32, held)
     z, t, h = zeros.zeros(device), tails.zeros(device), host.upload(device)
+    sb3, sb4, stb3, stb4, *rest = (h[j] for j in shared)
+    spacked, sheads = rest if cuda else (None, None)
     s = slots.zeros(device) if cuda and not grow else None
     if cuda:
         stride = -(-max(n_slots, 1) // 64) * 64
@@ -192,7 +207,7 @@ def make_stores(calibration, arena: RawArena, *, device: torch.device, cuda: boo
         record = (geo.slot_bytes(capacity),)
         heads_i = None
         if cuda:                                 # the encoder pops records from free lists on the device
-            heads_i = h[p["heads"]][:2]
+            heads_i = sheads[i, :2]
             pool = DevicePool(f"{name} slot pool", n_slots, record, torch.uint8, device, heads_i, 0,
                               data=None if grow else s[p["slots"]], order=orders[i, :max(n_slots, 1)]
                               if n_slots else orders[i])
@@ -203,13 +218,15 @@ def make_stores(calibration, arena: RawArena, *, device: torch.device, cuda: boo
         else:
             pool = Pool(f"{name} slot pool", n_slots, record, torch.uint8, device)
             share = arena.share(f"{name} raw tiles")
-        b3, b4, tb3, tb4 = (h[j] for j in p["b"])
+        b3, b4, tb3, tb4 = ((h[j] for j in p["b"]) if p["b"] is not None else
+                            (sb3[i], sb4[i], stb3[i], stb4[i]))
         store = _Kind(capacity=capacity, heads=heads_i, slots=pool, raw=share, table=z[p["table"]], tail=t[p["tail"]],
                       b3=b3, b4=b4, tb3=tb3, tb4=tb4, epochs=np.zeros((max_seqs, max_blocks), dtype=np.int16),
                       epoch=z[p["epoch"]] if adapt else None,
                       adapter=Adapter(calibration, layer, kind) if adapt else None, published=p["n_epochs"] - 1)
         if cuda:
-            store.packed = {e: h[j] for e, j in enumerate(p["packed"])}
+            store.packed = ({e: h[j] for e, j in enumerate(p["packed"])} if p["packed"] is not None else
+                            {0: spacked[i]})
         stores[layer][kind] = store
     if loans is not None:
         arena.take_first_loans(loans)

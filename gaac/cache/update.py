@@ -851,7 +851,7 @@ class UpdateTransaction:
                     a, z = start * per, stop * per
                     encoder = self._encoder(store, plan, epoch, u.layer, kind)
                     if isinstance(tiles, _InPlace):
-                        encoder.in_place(tiles.bits, start, entries[a:z], used[a:z])
+                        encoder.in_place(tiles.bits, start, entries[a:z], used[a:z], checked=False)
                     else:
                         encoder(tiles[a:z], entries[a:z], used[a:z])
                 u.entries[kind] = entries
@@ -947,8 +947,8 @@ class UpdateTransaction:
             # a plan of the same pools for another epoch differs only in its bases
             same = next((e for k, e in store.encoders.items() if k[1] == key[1]), None)
             enc = (same.with_bases(bases) if same is not None else
-                   EncodePlan(self.geometry.channels, store.capacity, bases, store.slots.data, store.slots.order,
-                              store.raw.data, store.raw.order, store.heads))
+                   EncodePlan.of_pools(self.geometry.channels, store.capacity, bases, store.slots.data,
+                                       store.slots.order, store.raw.data, store.raw.order, store.heads))
             if epoch < store.tb3.shape[0]:          # an epoch this update appends is cached once committed
                 store.encoders = {k: e for k, e in store.encoders.items() if k[1] == key[1]}
                 store.encoders[key] = enc

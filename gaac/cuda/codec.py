@@ -812,46 +812,80 @@ class EncodePlan:
     """
 
     def __init__(self, channels: int, capacity: int, bases, slots, slot_free, raw, raw_free, heads, *,
-                 fmt=L.BF16, tiles_per_block: int = TILES_PER_BLOCK):
+                 fmt=L.BF16, tiles_per_block: int = TILES_PER_BLOCK, checked: bool = True):
         codec = device_codec(fmt)
         geo = codec.geometry(channels)
-        bases_words = _bases_words(bases, codec, channels)
         self.modes, self.element, self.geometry = codec.modes, codec.element, geo
-        self.channels, self.capacity = channels, check_capacity(capacity)
-        check_array(slots, "slots", "uint8", (None, geo.slot_bytes(capacity)))
-        check_array(raw, "raw", self.element, (None, L.BLOCK_TOKENS, channels))
-        check_array(slot_free, "slot_free", "int32", (None,))
-        check_array(raw_free, "raw_free", "int32", (None,))
-        check_array(heads, "heads", "int32", (2,))
-        self._fixed = (bases_words, self.capacity, words(slots), plain(slot_free), words(raw), plain(raw_free),
-                       plain(heads))
+        self.channels = channels
+        if checked:
+            _bases_words(bases, codec, channels)
+            self.capacity = check_capacity(capacity)
+            check_array(slots, "slots", "uint8", (None, geo.slot_bytes(capacity)))
+            check_array(raw, "raw", self.element, (None, L.BLOCK_TOKENS, channels))
+            check_array(slot_free, "slot_free", "int32", (None,))
+            check_array(raw_free, "raw_free", "int32", (None,))
+            check_array(heads, "heads", "int32", (2,))
+        else:
+            self.capacity = int(capacity)
+        self._arrays = (bases, slots, slot_free, raw, raw_free, heads)
+        self._fixed_views = None
         self._launcher = TileLauncher(codec.encode_kernel(channels, tiles_per_block), tiles_per_block)
-        self._fixed_params = None if SIMULATOR else packed_params(self._fixed)
+        # the fixed parameters packed from the arrays themselves (no views made): what a launch appends
+        self._pools_params = None if SIMULATOR else (
+            packed_params((self.capacity,)) + word_params(slots) + params(slot_free) + word_params(raw)
+            + params(raw_free) + params(heads))
+        self._fixed_params = None if SIMULATOR else word_params(bases) + self._pools_params
         self._codec, self._rows, self._tiles_per_block, self._in_place = codec, bases.shape[0], tiles_per_block, None
+
+    @classmethod
+    def of_pools(cls, channels: int, capacity: int, bases, slots, slot_free, raw, raw_free, heads) -> "EncodePlan":
+        """A BF16 plan of arrays a paged cache made and keeps in the form the kernels take (its own pools,
+        free lists and packed bases): not checked again, so that a cache's plans for every layer and kind
+        cost their packing only."""
+        return cls(channels, capacity, bases, slots, slot_free, raw, raw_free, heads, checked=False)
+
+    @property
+    def _fixed(self) -> tuple:
+        """The fixed arguments as the kernels take them: the bases' and pools' word views, the capacity, the
+        free lists and counts (made at first use)."""
+        if self._fixed_views is None:
+            bases, slots, slot_free, raw, raw_free, heads = self._arrays
+            self._fixed_views = (words(bases), self.capacity, words(slots), plain(slot_free), words(raw),
+                                 plain(raw_free), plain(heads))
+        return self._fixed_views
 
     def with_bases(self, bases) -> "EncodePlan":
         """This plan with other bases (``[P, 2, C]`` as :func:`pack_bases` gives them, the same ``P``): the
         pools, the kernels and their launch state are shared, so that a plan for an epoch the adaptation rule
         appends costs the check of its bases, not a plan's construction."""
-        bases_words = _bases_words(bases, self._codec, self.channels)
+        _bases_words(bases, self._codec, self.channels)
         if bases.shape[0] != self._rows:
             raise InputError(f"bases: {bases.shape[0]} rows, but this plan's have {self._rows}")
         plan = copy.copy(self)
-        plan._fixed = (bases_words, *self._fixed[1:])
-        plan._fixed_params = None if SIMULATOR else packed_params(plan._fixed)
+        plan._arrays = (bases, *self._arrays[1:])
+        plan._fixed_views = None
+        plan._fixed_params = None if SIMULATOR else word_params(bases) + self._pools_params
         return plan
 
-    def in_place(self, bits, first: int, entries, escape_used, *, stream=None, fast: bool = True):
+    def in_place(self, bits, first: int, entries, escape_used, *, stream=None, fast: bool = True,
+                 checked: bool = True):
         """Encode blocks ``first .. first + n / P - 1`` of one sequence from its input as it lies: ``bits``
         ``[P, tokens, C]`` (BF16 bits, C-contiguous; ``P`` = the rows of the bases, a tile a head, so
         ``head_dim`` = ``C``), the ``n`` = ``len(entries)`` tiles in tile order (block-major), so that a
-        prefill encodes without first copying its blocks into tiles."""
+        prefill encodes without first copying its blocks into tiles.  ``checked=False``: the arrays' kinds
+        are not checked again (a paged cache's, which it made in these forms); their extents still are."""
         if self._codec is not BF16_CODEC:
             raise InputError("encoding in place takes BF16 tiles")
         p = self._rows
-        check_array(bits, "bits", self.element, (p, None, self.channels))
-        n = check_array(entries, "entries", "int32", (None,)).shape[0]
-        check_array(escape_used, "escape_used", "int32", (n,))
+        if checked:
+            check_array(bits, "bits", self.element, (p, None, self.channels))
+            n = check_array(entries, "entries", "int32", (None,)).shape[0]
+            check_array(escape_used, "escape_used", "int32", (n,))
+        else:
+            n = entries.shape[0]
+            if escape_used.shape[0] != n or bits.shape[0] != p:
+                raise InputError(f"in place: {n} entries, {escape_used.shape[0]} escape counts, {bits.shape[0]} "
+                                 f"rows of bits for {p} tiles a block")
         if n % p or first < 0 or (first + n // p) * L.BLOCK_TOKENS > bits.shape[1]:
             raise InputError(f"{n} tiles from block {first}: not whole blocks of {p} tiles within "
                              f"{bits.shape[1]} tokens")
@@ -860,7 +894,7 @@ class EncodePlan:
         if self._in_place is None:
             self._in_place = TileLauncher(encode_in_place_kernel(self.channels, self._tiles_per_block),
                                           self._tiles_per_block)
-        self._launch(self._in_place, n, bits.reshape(p, -1), (int(first),), entries, escape_used, stream, fast)
+        self._launch(self._in_place, n, bits, (int(first),), entries, escape_used, stream, fast)
 
     def __call__(self, bits, entries, escape_used, *, stream=None, fast: bool = True):
         n = check_array(bits, "bits", self.element, (None, L.BLOCK_TOKENS, self.channels)).shape[0]
