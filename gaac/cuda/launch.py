@@ -499,7 +499,7 @@ def packed_params(args) -> list:
     return [p for a in args for p in params(a)]
 
 
-_BY_SIGNATURE = {}    # (kernel, block, signature) -> FastLaunch
+_BY_SIGNATURE = {}    # (kernel, block, signature) -> (kernel, FastLaunch, its ParamBuffer)
 
 
 def launch_args(dispatcher, grid, block, args, stream: int, any_layout: bool = False) -> None:
@@ -510,11 +510,15 @@ def launch_args(dispatcher, grid, block, args, stream: int, any_layout: bool = F
     sig = signature_of(args, any_layout)
     key = (id(dispatcher), tuple(_dims(block)), sig)
     entry = _BY_SIGNATURE.get(key)
+    packed = packed_params(args)
     if entry is None or entry[0] is not dispatcher:
         launcher = FastLaunch(dispatcher, grid, block)
         launcher.prepare(sig)
-        entry = _BY_SIGNATURE[key] = (dispatcher, launcher)
-    entry[1].run(ParamBuffer(packed_params(args)), tuple(_dims(grid)), stream)
+        entry = _BY_SIGNATURE[key] = (dispatcher, launcher, ParamBuffer(packed))
+    else:
+        # the driver copies the parameters when the launch is queued: one buffer a signature, rewritten
+        entry[2].write(0, packed)
+    entry[1].run(entry[2], tuple(_dims(grid)), stream)
 
 
 def _dims(x) -> tuple:
