@@ -216,18 +216,25 @@ def test_the_phases_decide_what_the_host_rule_decides(monkeypatch):
         assert batch.launched >= max(appended) + (0 if max_epochs < 256 else 1)
 
 
-def test_a_cache_whose_rule_runs_on_the_device_holds_what_the_host_rule_makes(monkeypatch):
+def _one_drifting_layer(monkeypatch):
+    """One layer of drifting K and V (``x[0]``, ``x[1]``: one head, 36 blocks; V with other signs, the same
+    exponents), its calibration from the first 128 tokens, and a prompt length past a check (20 blocks and 5
+    tokens), with a rule that appends wherever a check's windows differ and save (warm-up of 8 blocks)."""
     monkeypatch.setattr(epochs, "WARMUP_BLOCKS", 8)
     monkeypatch.setattr(epochs, "PAYBACK_CHECKS", 10 ** 9)
     x = drifting_cache(36 * L.BLOCK_TOKENS, layers=2)[:, :1]
-    x[1] = x[1] ^ 0x8000                             # one layer: x[0] is its K, x[1] its V
-    cal = calibrate(x[:1, :, :128], x[1:, :, :128])
+    x[1] = x[1] ^ 0x8000
+    return x, calibrate(x[:1, :, :128], x[1:, :, :128]), 20 * L.BLOCK_TOKENS + 5
+
+
+def test_a_cache_whose_rule_runs_on_the_device_holds_what_the_host_rule_makes(monkeypatch):
+    x, cal, n = _one_drifting_layer(monkeypatch)
     caches = []
     for on_device in (True, False):             # the host rule's cache encodes with the reference codec
         cache = PagedKVCache(cal, **every_tile(cal, 1, 40), codec="cuda" if on_device else "reference")
         cache._rule_on_device = on_device
-        seq = cache.add_sequence(x[:1, :, :20 * L.BLOCK_TOKENS + 5], x[1:, :, :20 * L.BLOCK_TOKENS + 5])
-        k, v = (torch.from_numpy(np.ascontiguousarray(x[i:i + 1, :, 20 * L.BLOCK_TOKENS + 5:]).view(np.int16))
+        seq = cache.add_sequence(x[:1, :, :n], x[1:, :, :n])
+        k, v = (torch.from_numpy(np.ascontiguousarray(x[i:i + 1, :, n:]).view(np.int16))
                 for i in (0, 1))
         cache.update_layer(0, [seq], k, v)          # the rest, through a tail: the blocks are a copy
         caches.append((cache, seq))
@@ -288,12 +295,7 @@ def test_a_new_cache_decides_before_it_encodes_and_holds_what_a_guessing_one_hol
     host rule makes, bit-exact, and each prompt's share of appending jobs joins the running mean."""
     import gaac.cuda.codec as codec
 
-    monkeypatch.setattr(epochs, "WARMUP_BLOCKS", 8)
-    monkeypatch.setattr(epochs, "PAYBACK_CHECKS", 10 ** 9)
-    x = drifting_cache(36 * L.BLOCK_TOKENS, layers=2)[:, :1]
-    x[1] = x[1] ^ 0x8000                                    # one layer: x[0] is its K, x[1] its V
-    cal = calibrate(x[:1, :, :128], x[1:, :, :128])
-    n = 20 * L.BLOCK_TOKENS + 5
+    x, cal, n = _one_drifting_layer(monkeypatch)
     encoded = []                                            # tiles per encoder launch
     in_place, call = codec.EncodePlan.in_place, codec.EncodePlan.__call__
     monkeypatch.setattr(codec.EncodePlan, "in_place",
@@ -386,12 +388,7 @@ def test_a_fitted_prompt_is_observed_without_a_wait_and_the_blocks_after_it_deci
     Both caches read back bit-exact."""
     import gaac.cuda.codec as codec
 
-    monkeypatch.setattr(epochs, "WARMUP_BLOCKS", 8)
-    monkeypatch.setattr(epochs, "PAYBACK_CHECKS", 10 ** 9)
-    x = drifting_cache(36 * L.BLOCK_TOKENS, layers=2)[:, :1]
-    x[1] = x[1] ^ 0x8000                             # one layer: x[0] is its K, x[1] its V
-    cal = calibrate(x[:1, :, :128], x[1:, :, :128])
-    n = 20 * L.BLOCK_TOKENS + 5
+    x, cal, n = _one_drifting_layer(monkeypatch)
     launches, phases, finish_reads = [], [], []
     in_place = codec.EncodePlan.in_place
     monkeypatch.setattr(codec.EncodePlan, "in_place",
