@@ -167,7 +167,7 @@ def make_stores(calibration, arena: RawArena, *, device: torch.device, cuda: boo
     for layer in range(layers):
         for kind in KINDS:
             # Without adaptation only epoch 0 codes blocks; with it, every epoch the calibration holds may.
-            n_epochs = calibration.n_epochs(layer, kind) if adapt else 1
+            n_epochs = 1 + len(calibration.epochs.get((kind, layer), ())) if adapt else 1
             capacity = int(calibration.capacity[kind, layer])
             p = dict(layer=layer, kind=kind, capacity=capacity, n_epochs=n_epochs, b=None, packed=None,
                      table=zeros.add((max_seqs, max_blocks, per), torch.int32),

@@ -107,7 +107,7 @@ def params(a) -> list:
     if isinstance(a, (int, np.integer)):
         return [ctypes.c_int64(int(a))]
     item = a.element_size()
-    return [0, 0, a.numel(), item, a.data_ptr(), *a.shape, *(s * item for s in a.stride())]
+    return [0, 0, a.numel(), item, a.data_ptr(), *a.shape, *[s * item for s in a.stride()]]
 
 
 def word_params(x) -> list:
