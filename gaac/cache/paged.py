@@ -439,10 +439,10 @@ class PagedKVCache(UpdateTransaction):
 
     # -- sequences --------------------------------------------------------------
     @_locked_pools_later
-    def add_sequence(self, k=None, v=None, *, show_progress: bool | None = None) -> int:
+    def add_sequence(self, k=None, v=None, *, show_progress: bool | None = None, fitted: bool = False) -> int:
         """Start a sequence and return its id; ``k``/``v`` ``[layers, kv_heads, tokens, head_dim]`` prefill it.
 
-        ``show_progress``: as in :meth:`append`.
+        ``show_progress``, ``fitted`` (the calibration was fitted on ``k``/``v``): as in :meth:`append`.
         """
         free = np.flatnonzero(~self._live)
         if free.size == 0:
@@ -455,7 +455,7 @@ class PagedKVCache(UpdateTransaction):
         self.serving.lengths_changed()           # a plan for every live sequence is stale
         if k is not None or v is not None:
             try:
-                self.append(seq, k, v, show_progress=show_progress)
+                self.append(seq, k, v, show_progress=show_progress, fitted=fitted)
             except Exception:
                 self._live[seq] = False
                 raise
