@@ -248,6 +248,7 @@ def cmd_stats(args) -> int:
 
         check_plot_path(args.plot)
     k, v, layer_ids, where, meta = _stats_inputs(args)
+    fitted = 0              # tokens the calibration was fitted on, which keep it (gaac.stats.measure)
     if args.calibration:
         cal, how = load_calibration(args.calibration, fmt.name), f"loaded from {args.calibration}"
     elif meta is not None:
@@ -256,10 +257,13 @@ def cmd_stats(args) -> int:
         how = f"calibrated on the shipped {SAMPLE_CALIBRATION} prompt (a different text: cross-task transfer)"
     else:
         cal = calibrate(k, v, format=fmt)
+        fitted = int(np.shape(k)[2])
         how = ("no --calibration given: calibrated on these caches themselves (self-calibration"
-               + (", a best case)" if fmt.epochs else ")"))
+               + (", a best case; as a cache that calibrates itself on its prompt, the blocks it was fitted on "
+                  "keep it: the rule appends no epoch among them)" if fmt.epochs else ")"))
 
-    stats = measure(k, v, cal, layer_ids=layer_ids, adapt=args.adapt, segment_tokens=args.segments)
+    stats = measure(k, v, cal, layer_ids=layer_ids, adapt=args.adapt, segment_tokens=args.segments,
+                    fitted_tokens=fitted)
     notes = [f"cache: {where}"]
     if fmt.epochs:
         notes += [f"calibration: {how}",

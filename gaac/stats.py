@@ -38,7 +38,7 @@ import numpy as np
 
 from . import layout as L
 from .calibration import Calibration
-from .epochs import EPOCH_INDEX_BYTES, assign_epochs, epoch_table_bytes
+from .epochs import EPOCH_INDEX_BYTES, Adapter, epoch_table_bytes
 from .errors import InputError
 from .progress import progress
 from .tiles import cache_blocks
@@ -47,19 +47,25 @@ from .tally import CacheStats, KindStats, Tally, measure_layer, measured_cache, 
 
 
 def measure(k, v, calibration: Calibration, *, layer_ids=None, show_progress: bool | None = None,
-            adapt: bool = True, segment_tokens: int | None = None) -> CacheStats:
+            adapt: bool = True, segment_tokens: int | None = None, fitted_tokens: int = 0) -> CacheStats:
     """Measure caches ``k``, ``v`` ``[layers, kv_heads, tokens, head_dim]`` coded with ``calibration``.
 
     ``layer_ids`` names the layers in the per-layer view (default ``0..layers-1``),
     e.g. the model's layer numbers when the cache is a slice of its layers.
     ``adapt`` runs the epoch rule of :mod:`gaac.epochs` as the cache would (on a
     copy: ``calibration`` is left as it is; the result's ``calibration`` holds
-    the epochs).  ``segment_tokens`` (a multiple of 16) adds per-segment numbers.
+    the epochs).  ``fitted_tokens``: the calibration was fitted on the first
+    that many tokens, which a cache appends as fitted (``PagedKVCache.append(...,
+    fitted=True)``, as ``gaac.hf.GAACCache`` appends the prompt it calibrates
+    itself on): the rule appends no epoch among their blocks and decides from the
+    blocks after them.  ``segment_tokens`` (a multiple of 16) adds per-segment numbers.
     With an FP8 calibration ``k`` and ``v`` are the BF16 caches it converts
     (:func:`gaac.fp8.stats.measure_fp8`); FP8 has no epochs to adapt or segment by.
     """
     if segment_tokens is not None and (segment_tokens <= 0 or segment_tokens % L.BLOCK_TOKENS):
         raise InputError(f"segment length {segment_tokens} is not a positive multiple of {L.BLOCK_TOKENS} tokens")
+    if isinstance(fitted_tokens, bool) or not isinstance(fitted_tokens, int) or fitted_tokens < 0:
+        raise InputError(f"fitted_tokens must be a token count (an int >= 0), got {fitted_tokens!r}")
     if calibration.scale_log2 is not None:      # an FP8 calibration: convert, then code with epoch 0 only
         if segment_tokens:
             raise InputError(f"segments follow calibration epochs; {calibration.format.name} has none")
@@ -74,7 +80,8 @@ def measure(k, v, calibration: Calibration, *, layer_ids=None, show_progress: bo
         span = (segment_tokens or tokens) // L.BLOCK_TOKENS                # blocks per segment
         per_layer = []
         for layer in progress(range(layers), desc=f"stats {name}", unit="layer", enable=show_progress):
-            per_layer.append(_lifecycle(bits[layer], learned, layer, kind, adapt, span))
+            per_layer.append(_lifecycle(bits[layer], learned, layer, kind, adapt, span,
+                                        fitted_tokens // L.BLOCK_TOKENS))
         segments = [sum_tallies(list(seg)) for seg in zip(*per_layer)]
         out[name] = KindStats(name, tokens, [sum_tallies(s) for s in per_layer],
                               [int(c) for c in calibration.capacity[kind]], ids, adapt, segment_tokens, segments)
@@ -82,17 +89,19 @@ def measure(k, v, calibration: Calibration, *, layer_ids=None, show_progress: bo
 
 
 def _lifecycle(x: np.ndarray, calibration: Calibration, layer: int, kind: int, adapt: bool,
-               span: int) -> list[Tally]:
+               span: int, fitted: int = 0) -> list[Tally]:
     """One layer ``[kv_heads, tokens, head_dim]`` finalized block by block: a tally per ``span`` blocks.
 
     With ``adapt`` the epoch rule runs over the blocks (appending to
-    ``calibration``) and each segment is charged the epoch index of its blocks
-    and the tables of the epochs appended while its blocks were finalized.
+    ``calibration``; its checks among the first ``fitted`` blocks append nothing)
+    and each segment is charged the epoch index of its blocks and the tables of
+    the epochs appended while its blocks were finalized.
     """
     blocks = cache_blocks(x)
     start = calibration.n_epochs(layer, kind) - 1
     if adapt:
-        epochs = assign_epochs(blocks, calibration, layer, kind)
+        adapter = Adapter(calibration, layer, kind)
+        epochs = np.concatenate([adapter.assign(blocks[:fitted], decide=False), adapter.assign(blocks[fitted:])])
     else:
         epochs = np.full(len(blocks), start, dtype=np.int64)
     tables = [calibration.bases(layer, kind, e) for e in range(calibration.n_epochs(layer, kind))]

@@ -124,6 +124,7 @@ def test_stats_segments_and_no_adapt(capsys, sample_files):
 def test_self_calibration_says_so(capsys, sample_files):
     rc, out, _ = run(capsys, "stats", "--k", str(sample_files / "k.npy"), "--v", str(sample_files / "v.npy"))
     assert rc == 0 and "calibrated on these caches themselves" in out
+    assert "the rule appends no epoch among them" in out
 
 
 def test_plot(capsys, sample_files, tmp_path):

@@ -304,6 +304,29 @@ def test_stats_codes_each_block_with_its_epoch_and_charges_the_epochs(drift):
         np.testing.assert_array_equal(gaac.decode_block(enc.data, loaded), blocks[j])
 
 
+def test_stats_of_fitted_tokens_append_no_epoch_among_them_and_decide_after_them(drift):
+    """``fitted_tokens``: the rule appends no epoch among the blocks the calibration was fitted on and decides
+    from the blocks after them, as a cache appending them with ``fitted=True`` records; a token count that is not
+    one is an InputError."""
+    from gaac.cache import PagedKVCache
+    from test_cache import assert_same_epochs
+
+    x, cal = drift
+    fitted = measure(x, x, cal, fitted_tokens=512, segment_tokens=512)
+    cache = PagedKVCache(cal, max_blocks=x.shape[2] // L.BLOCK_TOKENS, grow=True)
+    seq = cache.add_sequence(x[:, :, :512], x[:, :, :512], fitted=True)
+    cache.append(seq, x[:, :, 512:], x[:, :, 512:])
+    for name, kind in (("k", L.KIND_K), ("v", L.KIND_V)):
+        segs = fitted.as_dict()["segments"][name]
+        assert segs[0]["epochs_appended"] == 0 and sum(s["epochs_appended"] for s in segs) >= 2
+    assert_same_epochs(fitted.calibration, cache.calibration)
+    whole = measure(x, x, cal, fitted_tokens=x.shape[2])
+    assert whole.as_dict()["k"]["epochs_appended"] == 0 and whole.calibration.n_epochs(0, L.KIND_K) == 1
+    for bad in (-16, 1.5, True):
+        with pytest.raises(InputError, match="fitted_tokens"):
+            measure(x, x, cal, fitted_tokens=bad)
+
+
 def test_segments_must_be_whole_blocks(drift):
     x, cal = drift
     with pytest.raises(InputError, match="multiple of 16"):
