@@ -416,6 +416,7 @@ def test_a_fitted_prompt_is_observed_without_a_wait_and_the_blocks_after_it_deci
         cache.append(seq, x[:1, :, :n], x[1:, :, :n], fitted=True)
         if on_device:
             assert launches == [20, 20] and phases == [] and finish_reads == [0], (launches, phases, finish_reads)
+            assert cache._guess_misses == 1.0         # a fitted prompt says nothing of whether the next one keeps
             assert cache.calibration.n_epochs(0, L.KIND_K) == cache.calibration.n_epochs(0, L.KIND_V) == 1
         k, v = (torch.from_numpy(np.ascontiguousarray(x[i:i + 1, :, n:]).view(np.int16)) for i in (0, 1))
         cache.update_layer(0, [seq], k, v)          # the blocks after the prompt: the rule decides again

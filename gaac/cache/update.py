@@ -498,7 +498,7 @@ class UpdateTransaction:
         """Wait for the rule's decisions and put them in the plans; return the (update, kind) pairs whose
         encode guessed an epoch the rule did not keep.  The share of the jobs that appended an epoch (where a
         guess misses) joins :attr:`_guess_misses`, a running mean that halves the weight of each earlier
-        update."""
+        update (of the batches that decide)."""
         redo, jobs, missed = [], 0, 0
         for batch, items in launched:
             for (u, kind, plan), epochs in zip(items, batch.finish()):
@@ -507,7 +507,8 @@ class UpdateTransaction:
                 plan.tables = [plan.after.calibration.bases(u.layer, kind, e)
                                for e in range(plan.first_new, plan.after.epoch + 1)]
                 plan.blocks = None
-                jobs, missed = jobs + 1, missed + bool(plan.tables)
+                if batch.decide:        # a fitted prompt's jobs, which cannot append, say nothing of the next
+                    jobs, missed = jobs + 1, missed + bool(plan.tables)
                 if u.entries[kind] is not None and not np.array_equal(guessed, epochs):
                     redo.append((u, kind))
         if jobs:
