@@ -529,7 +529,7 @@ def _upload(a: np.ndarray, device):
     return out
 
 
-def assign(jobs: list, decide: bool = True) -> list:
+def assign(jobs: list) -> list:
     """Run the adaptation rule on the GPU for each ``(adapter, blocks)`` of ``jobs``, as
     ``adapter.assign(blocks)`` would on the host.
 
@@ -538,12 +538,11 @@ def assign(jobs: list, decide: bool = True) -> list:
     appended to it).  Returns the epoch each job's blocks are coded with (``int64 [n]`` each); afterwards
     every adapter holds the state :meth:`~gaac.epochs.Adapter.assign` leaves.  In the simulator the
     blocks are CPU tensors.  One launch of each kernel serves all jobs; one copy to the host brings back
-    the decisions.  ``decide=False``: as ``adapter.assign(blocks, decide=False)``: the scan alone, which
-    brings the histograms up to date, and nothing to wait for.
+    the decisions.
     """
     if not jobs:
         return []
-    batch = Batch(jobs, decide=decide)
+    batch = Batch(jobs)
     batch.scan()
     batch.chain()
     return batch.finish()
