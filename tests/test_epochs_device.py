@@ -142,17 +142,39 @@ def _same_caches(caches, k, v, start, steps) -> None:
 
 
 def test_a_prompt_after_decode_steps_reads_the_pending_blocks_on_the_device(monkeypatch):
-    """Decode steps leave every adapter's pending blocks on the device as well as on the host, so the rule's
-    batch of a prompt after them gathers them there: every adapter it reads with pending blocks has all of them
-    on the device; and the cache decides and holds what the host rule's cache does."""
+    """Decode steps leave every adapter's pending blocks on the device, so the rule's batch of a prompt after
+    them gathers them there: every adapter it reads with pending blocks has all of them on the device.  A decode
+    step whose blocks complete no adapter's check costs the rule's turn nothing: no adapter observes them on the
+    host (they wait in the store's queue, counted), and the decode checks are looked for only at steps where a
+    check comes due, each of which launches a rule batch.  The cache decides and holds what the host rule's cache
+    does."""
     from test_captured import _steps
 
+    from gaac.cache.update import UpdateTransaction, _waiting
+
     rng, k, v, cal, start, steps, heads = _steps_then_prompt(monkeypatch)
+    observed, looks, batches = [], [], []
+    observe, look, batch_init = epochs.Adapter.observe, UpdateTransaction._launch_decode_checks, device_epochs.Batch.__init__
     caches = []
     for on_device in (False, True):
         cache, rows = _two_sequences(cal, k, v, start, on_device)
         pos = list(start)
+        if on_device:
+            monkeypatch.setattr(epochs.Adapter, "observe", lambda a, *x, **kw: (observed.append(1), observe(a, *x, **kw))[1])
+            monkeypatch.setattr(UpdateTransaction, "_launch_decode_checks",
+                                lambda c, upto: (looks.append(c._step_clock), look(c, upto))[1])
+            monkeypatch.setattr(device_epochs.Batch, "__init__",
+                                lambda b, *x, **kw: (batches.append(cache._step_clock), batch_init(b, *x, **kw))[1])
         assert _steps(cache, rows, k, v, pos, 2 * heads, steps, rng) == steps
+        if on_device:
+            monkeypatch.setattr(epochs.Adapter, "observe", observe)
+            monkeypatch.setattr(UpdateTransaction, "_launch_decode_checks", look)
+            monkeypatch.setattr(device_epochs.Batch, "__init__", batch_init)
+            assert observed == [], "an adapter observed a decode step's blocks on the host"
+            assert batches, "no decode check was launched"
+            assert looks == sorted(set(batches)), "the rule's turn looked for checks at a step that launched none"
+            for store in cache.stores(0):
+                assert store.waiting == _waiting(store.deferred) > 0
         seen = []
         recent_on = epochs.Adapter.recent_on
 
@@ -334,7 +356,7 @@ def test_decode_steps_and_a_prompt_copy_no_block_to_the_host_where_the_rule_runs
     rule's cache does."""
     from test_captured import _steps
 
-    from gaac.cache.update import UpdateTransaction
+    from gaac.cache.update import UpdateTransaction, _on_device
     from gaac.epochs import DeviceBlock
 
     rng, k, v, cal, start, steps, heads = _steps_then_prompt(monkeypatch)
@@ -367,8 +389,12 @@ def test_decode_steps_and_a_prompt_copy_no_block_to_the_host_where_the_rule_runs
             monkeypatch.setattr(DeviceBlock, "__array__", counted_read)
         assert _steps(cache, rows, k, v, pos, 2 * heads, steps, rng) == steps
         if on_device:
-            kept = [b for store in cache.stores(0) for b in store.adapter._recent if isinstance(b, DeviceBlock)]
-            assert kept, "no adapter holds a block on the device"
+            # the blocks since each adapter's last check: observed (DeviceBlock) or queued with their device copy
+            held = [b for store in cache.stores(0) for b in store.adapter._recent]
+            queued = [item for store in cache.stores(0) for item in store.deferred]
+            assert held or queued, "no blocks wait for a check"
+            assert all(isinstance(b, DeviceBlock) for b in held), "an adapter holds a block on the host"
+            assert all(_on_device(item) for item in queued), "a queued block came to the host"
         rows.append(cache.add_sequence(k[2], v[2]))
         if on_device:
             kept = [b for store in cache.stores(0) for b in store.adapter._recent]

@@ -336,9 +336,9 @@ def test_step_status_names_the_faulty_layer():
 
 def test_counts_and_blocks_asked_for_in_one_copy_reach_their_own_stores(monkeypatch):
     """On a GPU the host asks for every store's free-list counts, and copies every adapter's finished blocks,
-    in one pinned copy each (in flight, with one event): each pool takes up its own store's counts once the
-    copy has arrived, and each store gets its own blocks.  The copy is made on the CPU here, with an event
-    that arrives when the test says so."""
+    in one pinned copy each (in flight, with one event; the counts copied from where the cache keeps them, no
+    gather first): each pool takes up its own store's counts once the copy has arrived, and each store gets its
+    own blocks.  The copy is made on the CPU here, with an event that arrives when the test says so."""
     rng = np.random.default_rng(9)
     k, v = synthetic(rng, 2, 1, 3 * B, 64), synthetic(rng, 2, 1, 3 * B, 64)
     cal = calibrate(k, v)
@@ -356,8 +356,11 @@ def test_counts_and_blocks_asked_for_in_one_copy_reach_their_own_stores(monkeypa
     arrival = Arrival()
     copies = []
 
+    sources = []
+
     def one_copy(x):
         copies.append(x.shape)
+        sources.append(x.untyped_storage().data_ptr())
         return x.clone(), arrival
     monkeypatch.setattr(cache, "_host_copy", one_copy)
     monkeypatch.setattr(cache, "device", torch.device("cuda"))
@@ -367,7 +370,8 @@ def test_counts_and_blocks_asked_for_in_one_copy_reach_their_own_stores(monkeypa
         cache._encodes_launched(store, 3)
     before = [[pool.free_lower() for pool in (s.slots, s.raw)] for s in stores]
     cache._ask_counts(stores)
-    assert copies == [(len(stores), 2)]                     # one copy for every store
+    assert copies == [(len(stores), 2)]                     # one copy for every store, from where the counts lie
+    assert sources == [stores[0].heads.untyped_storage().data_ptr()]
     for store, lower in zip(stores, before):                # not arrived: the bounds stay
         assert [pool.free_lower() for pool in (store.slots, store.raw)] == lower
     arrival.done = True

@@ -864,8 +864,8 @@ class PagedKVCache(UpdateTransaction):
         the appends were launched).  The pools count the records the encodes may have taken, and ask for the
         device's count without waiting for it; the blocks' epochs are recorded; with adaptation the finished
         blocks are gathered for the rule (on the device for the GPU rule, else copied to pinned host memory, in
-        flight), which takes them up a few steps later (:data:`ADAPT_LAG`).  ``index`` is ``fin`` on the device
-        (made here if needed, returned for the next call)."""
+        flight), which takes them up a few steps later (:data:`ADAPT_LAG`; the GPU rule's, once they complete a
+        check).  ``index`` is ``fin`` on the device (made here if needed, returned for the next call)."""
         self._step_clock += 1
         if not len(fin):
             self._flush_due()
@@ -891,9 +891,8 @@ class PagedKVCache(UpdateTransaction):
             tails = stacked_view([store.tail for store in observing])
             on_device = (tails.index_select(1, index) if tails is not None
                          else [store.tail.index_select(0, index) for store in observing])
-            copies = [None] * len(observing) if self._device_rule else self._host_copies(on_device)
-            for store, copied, dev in zip(observing, copies, on_device):
-                self._defer_observed(store, copied, dev)
+            copies = None if self._device_rule else self._host_copies(on_device)
+            self._defer_observed(observing, len(fin), copies, on_device)
         self._flush_due()
         return index
 

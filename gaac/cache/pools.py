@@ -216,10 +216,11 @@ class DevicePool(Pool):
         self.taken, self.pending, self._snap = int(self.heads[self.cls]), 0, None
 
     def snapshot(self, counts: tuple) -> None:
-        """Take up, once it has arrived, ``counts``: (pinned copy of ``heads``, its event), started after the
-        encodes that ``pending`` counts now."""
+        """Take up, once it has arrived, ``counts``: (pinned copy of ``heads`` -- a tensor, or a NumPy view of
+        one --, its event), started after the encodes that ``pending`` counts now."""
         host, event = counts
-        self._snap = (host.numpy(), event, self.pending)       # read through NumPy: a torch index costs more
+        # read through NumPy: a torch index costs more
+        self._snap = (host if isinstance(host, np.ndarray) else host.numpy(), event, self.pending)
 
     @property
     def exact(self) -> bool:

@@ -38,6 +38,7 @@ class _Kind:
     adapter: Adapter | None      # None without adaptation
     heads: torch.Tensor | None = None    # int32 [2]: the device free lists' taken counts (CUDA codec)
     deferred: list = field(default_factory=list)    # finalized blocks on their way to the adapter (GPU)
+    waiting: int = 0             # of them, blocks the GPU rule's next check reads on the device (update._waiting)
     published: int = 0           # the epoch decode appends encode finished blocks with (PagedKVCache._publish)
     current: torch.Tensor | None = None             # its bases, packed for the CUDA encoder (current_bases)
     encoders: dict = field(default_factory=dict)    # (epoch, pools) -> the CUDA codec's EncodePlan

@@ -159,6 +159,16 @@ class _Observed:
     device: object = None
 
 
+def _on_device(item) -> bool:
+    """Whether a queued item is a decode step's blocks that the GPU rule reads on the device."""
+    return isinstance(item, _Observed) and item.device is not None
+
+
+def _waiting(deferred: list) -> int:
+    """The blocks of ``deferred`` (a store's queue) that the GPU rule reads on the device (:attr:`_Kind.waiting`)."""
+    return sum(len(item.device) for item in deferred if _on_device(item))
+
+
 @dataclass
 class _EarlyWrite:
     """An update committed before its encodes' counts are known (:meth:`PagedKVCache._written_early`), and what
@@ -180,6 +190,7 @@ class _EarlyWrite:
             store = cache._store[layer][kind]
             store.adapter = adapter
             del store.deferred[n:]
+            store.waiting = _waiting(store.deferred)
         for store, seq, tail in self.tails:
             store.tail[seq].copy_(tail)
         cache.blocks_encoded = self.blocks_encoded
@@ -541,11 +552,12 @@ class UpdateTransaction:
         arrival = Arrival(event)
         return [(host[i], arrival) for i in range(len(tensors))]
 
-    def _flush(self, store: _Kind, layer: int, kind: int, upto: int | None = None) -> None:
+    def _flush(self, store: _Kind, layer: int, kind: int, upto: int | None = None, front: bool = False) -> None:
         """Let the adapter observe the blocks deferred to it, in order (``upto``: only those of decode steps up
-        to that step of :attr:`_step_clock`); an epoch it appends joins the device tables and is published
-        for the blocks finished from then on (:meth:`_epochs_appended`)."""
-        if upto is None:
+        to that step of :attr:`_step_clock`; ``front``: only those ahead of the first decode step's blocks the
+        GPU rule reads on the device); an epoch it appends joins the device tables and is published for the
+        blocks finished from then on (:meth:`_epochs_appended`)."""
+        if upto is None and not front:
             self._finish_rule_batches()             # the rule's checks in flight come first
             if self._device_rule and any(isinstance(item, _Observed) and item.device is not None
                                          for item in store.deferred):
@@ -555,10 +567,12 @@ class UpdateTransaction:
                 self._finish_rule_batches()
         while store.deferred:
             item = store.deferred[0]
-            if upto is not None and isinstance(item, _Observed) and item.step > upto:
+            if upto is not None and isinstance(item, _Observed) and item.step > upto or front and _on_device(item):
                 return
             store.deferred.pop(0)
             device = item.device if isinstance(item, _Observed) else None
+            if device is not None:
+                store.waiting -= len(device)
             # blocks the GPU rule reads on the device stay there: the adapter keeps them as values only the host
             # rule's check reads (nothing waits for a copy, which a join's prompt would find behind the queued steps)
             blocks = (device_blocks(device) if device is not None else
@@ -584,7 +598,8 @@ class UpdateTransaction:
         On a GPU (:attr:`_device_rule`) the checks those blocks complete run there, every layer and kind in one
         batch (:class:`gaac.cuda.epochs.Batch`) on the rule's stream, from the blocks' device copies; the
         batch's decisions are taken up :data:`ADAPT_LAG` steps later, so its checks cost the host a launch,
-        not the milliseconds of the host rule."""
+        not the milliseconds of the host rule.  Blocks there come due only once they complete a check
+        (:meth:`_defer_observed`): a step that completes none costs this turn a comparison."""
         upto = self._step_clock - ADAPT_LAG
         if self._rule_batches and self._rule_batches[0][0] <= upto:
             self._finish_rule_batches(upto)
@@ -593,23 +608,32 @@ class UpdateTransaction:
         self._launch_decode_checks(upto)
 
     def _launch_decode_checks(self, upto: int) -> None:
-        """:meth:`_flush_due`'s work for the blocks of decode steps up to ``upto``: the checks they complete
-        launched in GPU rule batches (where the rule runs there), the others observed on the host."""
+        """:meth:`_flush_due`'s work for the blocks of decode steps up to ``upto``.  Where the rule runs on the
+        GPU, the checks they complete are launched in rule batches, and blocks that complete no check stay
+        queued, observed by nobody until they do (observing them one step at a time cost the host tens of
+        microseconds a layer and kind); blocks a prefill queued ahead of them are observed first.  Where the
+        rule runs on the host, the adapters observe every due block."""
         self._next_due = None
         jobs = []
+        device_rule = self._device_rule
         busy = {id(store) for _, _, items in self._rule_batches for store, *_ in items}
         for layer, layer_store in enumerate(self._store):
             for kind, store in zip(KINDS, layer_store):
-                if store.deferred and id(store) not in busy:
-                    job = self._due_check(store, layer, kind, upto) if self._device_rule else None
-                    if job is not None:
-                        jobs.append(job)
-                    else:
-                        self._flush(store, layer, kind, upto)
-                for item in store.deferred:
-                    if isinstance(item, _Observed):
-                        self._due_at(item.step)
-                        break
+                if not store.deferred or id(store) in busy:
+                    continue        # (a store in a batch in flight comes due again when the batch is taken up)
+                if not device_rule:
+                    self._flush(store, layer, kind, upto)
+                    first = next((item for item in store.deferred if isinstance(item, _Observed)), None)
+                    if first is not None:
+                        self._due_at(first.step)
+                    continue
+                if not _on_device(store.deferred[0]):
+                    self._flush(store, layer, kind, front=True)
+                job = self._due_check(store, layer, kind, upto)
+                if job is not None:
+                    jobs.append(job)
+                else:
+                    self._due_at(self._due_step(store))
         if jobs:
             from ..cuda.epochs import Batch
 
@@ -638,6 +662,7 @@ class UpdateTransaction:
         if sum(len(item.device) for item in due) < until:
             return None
         del store.deferred[:len(due)]
+        store.waiting -= sum(len(item.device) for item in due)
         blocks = torch.cat([item.device for item in due]) if len(due) > 1 else due[0].device
         rest = []
         if len(blocks) > until:                     # the blocks after the check, observed once it is decided
@@ -658,20 +683,50 @@ class UpdateTransaction:
                                       for e in range(before + 1, store.adapter.epoch + 1)])
                     layers.add(layer)
                 store.deferred[:0] = rest
-                if rest and upto is not None:       # observed at the next turn
-                    self._due_at(upto)
+                store.waiting += _waiting(rest)
+                self._due_at(self._due_step(store))     # where the blocks after the check complete the next one
             for layer in sorted(layers):            # once every store holds its new epochs
                 self._epochs_appended(layer)
 
-    def _defer_observed(self, store: _Kind, blocks, device=None) -> None:
-        """Queue a decode step's finished blocks for the adapter, stamped with the step: ``device`` (on the
-        device, a copy of their own) where the rule runs on the GPU, else ``blocks`` (a host copy in flight)."""
-        store.deferred.append(_Observed(blocks, self._step_clock, device if self._device_rule else None))
-        self._due_at(self._step_clock)
+    def _defer_observed(self, stores: list, n: int, copies: list, devices) -> None:
+        """Queue a decode step's ``n`` finished blocks for the adapters of ``stores``, stamped with the step.  Where
+        the rule runs on the GPU each store's ``devices`` (on the device, a copy of their own) wait until they
+        complete the adapter's next check (:attr:`_Kind.waiting` counts them) and come due only then;
+        otherwise each store's ``copies`` (a host copy in flight) come due at once, for the host rule to
+        observe as they arrive."""
+        clock = self._step_clock
+        if not self._device_rule:
+            for store, copied in zip(stores, copies):
+                store.deferred.append(_Observed(copied, clock))
+            self._due_at(clock)
+            return
+        due = False
+        for store, device in zip(stores, devices):
+            queue = store.deferred
+            queue.append(_Observed(None, clock, device))
+            store.waiting += n
+            due = due or store.waiting >= store.adapter.until_check or not _on_device(queue[0])
+        if due:
+            self._due_at(clock)
 
-    def _due_at(self, step: int) -> None:
-        """Blocks of decode step ``step`` wait for the rule: :meth:`_flush_due` takes them up from then on."""
-        self._next_due = step if self._next_due is None else min(self._next_due, step)
+    def _due_step(self, store: _Kind) -> int | None:
+        """Where the GPU rule runs: the decode step from which ``store``'s queued blocks are due, the step of the
+        block that completes its adapter's next check (0, at once, where blocks a prefill queued lead the
+        queue), or None while they complete none."""
+        need = store.adapter.until_check if store.adapter is not None else 0
+        for item in store.deferred:
+            if not _on_device(item):
+                return 0
+            need -= len(item.device)
+            if need <= 0:
+                return item.step
+        return None
+
+    def _due_at(self, step: int | None) -> None:
+        """Blocks of decode step ``step`` wait for the rule: :meth:`_flush_due` takes them up from then on
+        (None: none)."""
+        if step is not None:
+            self._next_due = step if self._next_due is None else min(self._next_due, step)
 
     def _publish(self, layer: int, kind: int, epoch: int) -> None:
         """Make ``epoch`` the one the device's decode appends encode ``layer``'s finished ``kind`` blocks with:
@@ -917,15 +972,27 @@ class UpdateTransaction:
         for pool in (store.slots, store.raw):
             pool.pending += tiles
 
+    @property
+    def _counts_copied(self) -> bool:
+        """Whether the pools' counts come to the host in asynchronous copies (:meth:`_ask_counts`): on a GPU; on
+        the CPU a pool reads them where they lie."""
+        return self.device.type == "cuda"
+
     def _ask_counts(self, stores: list) -> None:
         """On a GPU, ask for the device's free-list counts of ``stores`` (after the encodes just launched) in
-        one asynchronous copy; each pool's lower bound of free records takes its count up once it has
-        arrived (no synchronisation)."""
-        if self.device.type != "cuda" or not stores:
+        one asynchronous copy (of the counts where they lie, as the cache makes them: at equal distances in
+        one allocation); each pool's lower bound of free records takes its count up once it has arrived (no
+        synchronisation), every pool reading its row of one NumPy view of the copy."""
+        if not self._counts_copied or not stores:
             return
-        for store, counts in zip(stores, self._host_copies([store.heads for store in stores])):
-            for pool in (store.slots, store.raw):
-                pool.snapshot(counts)
+        heads = [store.heads for store in stores]
+        together = stacked_view(heads)
+        host, event = self._host_copy(together if together is not None else torch.stack(heads))
+        arrival, rows = Arrival(event), host.numpy()
+        for store, row in zip(stores, rows):
+            counts = (row, arrival)
+            store.slots.snapshot(counts)
+            store.raw.snapshot(counts)
 
     def _pools(self, layer: int, kind: int) -> tuple:
         store = self._store[layer][kind]

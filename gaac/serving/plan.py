@@ -22,10 +22,11 @@ serving state (:class:`gaac.serving.state.ServingState`) until that layer's stor
 is replaced (growth, a full epoch table).
 
 The adaptation rule does not hold a step up: the appends encode finished blocks
-with the published epochs (device buffers), the rule looks at a step's finished
-blocks a few steps later (:data:`gaac.cache.ADAPT_LAG`) from a host copy that
-has arrived by then, and an epoch it appends is published for the steps
-launched after (:meth:`gaac.PagedKVCache.account_decode_step`).
+with the published epochs (device buffers), the rule looks at finished blocks a
+few steps after they complete a check (:data:`gaac.cache.ADAPT_LAG`), on the
+device (where it runs on the host: from a host copy that has arrived by then),
+and an epoch it appends is published for the steps launched after
+(:meth:`gaac.PagedKVCache.account_decode_step`).
 
 An eager step is bound by the host's time per launch, so its attention is one
 launch a layer: the kernel's last warps merge the splits (``fused_merge`` in
