@@ -35,8 +35,10 @@ few branches that differ on a GPU are counted as the GPU takes them: a pinned ho
 ``gaac.cuda.epochs._upload`` does (an allocation, a copy, an event) and its stream's two waits as ``wait``.  The attention
 kernel's launches are counted but, unless ``--simulate-attention``, not run in the simulator (they write only the
 step's outputs, never the cache).  The CPU's wall times are the simulator's kernels' more than the host's: the
-counts are the result there.  With ``--device cuda`` the times are the host's (``wall``: the step's calls as they
-return, no synchronisation inside the step), measured in a second run of the steps without the counter.
+counts are the result there, and the host time of the parts a steady step runs without a kernel (``plan``, and
+``account`` with the ``observe`` and ``checks`` it holds), timed in the counted run, the counter's cost included.
+With ``--device cuda`` the times are the host's (``wall``: the step's calls as they return, no synchronisation
+inside the step), measured in a second run of the steps without the counter.
 """
 from __future__ import annotations
 
@@ -64,6 +66,7 @@ from benchmarks.report import commit_with_changes, table  # noqa: E402
 KINDS = ("alloc", "write", "h2d", "d2h", "pinned", "sync", "numba", "launch", "event", "wait")
 DEVICE_OPS = ("alloc", "write", "h2d", "d2h", "pinned", "numba", "launch")     # what the host asks the device to do
 PHASES = ("plan", "layers", "account", "observe", "checks", "decisions")
+TIMED = ("plan", "account", "observe", "checks", "decisions")     # the parts whose host time is reported
 SPACING = 97                 # tokens between the batch's lengths
 
 
@@ -96,6 +99,7 @@ class StepOps(DeviceOps):
         self.step = collections.defaultdict(collections.Counter)        # phase -> kind -> count, this step
         self.step_ops = collections.defaultdict(collections.Counter)    # phase -> "kind:name" -> count
         self.marks = set()                                              # "batch", "finish": this step's rule work
+        self.seconds = collections.Counter()                            # phase -> host seconds, this step
         self._quiet = 0
 
     def count(self, kind: str, name: str, n: int = 1) -> None:
@@ -121,10 +125,12 @@ class StepOps(DeviceOps):
     def new_step(self) -> tuple:
         """This step's counts (phase -> Counter) and rule marks; the next step starts from zero."""
         got = ({p: collections.Counter(c) for p, c in self.step.items()},
-               {p: collections.Counter(c) for p, c in self.step_ops.items()}, set(self.marks))
+               {p: collections.Counter(c) for p, c in self.step_ops.items()}, set(self.marks),
+               collections.Counter(self.seconds))
         self.step.clear()
         self.step_ops.clear()
         self.marks.clear()
+        self.seconds.clear()
         return got
 
     def in_phase(self, owner, name: str, phase: str, when=None) -> None:
@@ -136,10 +142,12 @@ class StepOps(DeviceOps):
             if when is not None and not when(args, kwargs):
                 return old(*args, **kwargs)
             before, ops.phase = ops.phase, phase
+            t0 = time.perf_counter()
             try:
                 return old(*args, **kwargs)
             finally:
                 ops.phase = before
+                ops.seconds[phase] += time.perf_counter() - t0
 
         self._patch(owner, name, wrapped)
 
@@ -272,16 +280,9 @@ class StepOps(DeviceOps):
             arrival = Arrival(_FakeEvent(ops))
             return [(host[i], arrival) for i in range(len(tensors))]
 
-        def ask_counts(cache, stores):
-            if not stores:
-                return
-            for store, counts in zip(stores, cache._host_copies([store.heads for store in stores])):
-                for pool in (store.slots, store.raw):
-                    pool.snapshot(counts)
-
         self._patch(owner, "_host_copy", host_copy)
         self._patch(owner, "_host_copies", host_copies)
-        self._patch(owner, "_ask_counts", ask_counts)
+        self._patch(owner, "_counts_copied", True)       # the pools' counts copied as on a GPU (_ask_counts)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -417,7 +418,10 @@ def summary(r: dict) -> dict:
         for s in steps:
             for phase, c in s[1].items():
                 ops.update({f"{phase} {k}": v for k, v in c.items()})
-        out[name] = dict(n=len(steps), mean=mean, by_op={k: v / len(steps) for k, v in ops.most_common()})
+        host_ms = {phase: sum(s[3][phase] for s in steps) / len(steps) * 1e3 for phase in TIMED}
+        finishing = [s[3]["account"] * 1e3 for s in steps if sum(s[0].get("account", {}).values())]
+        out[name] = dict(n=len(steps), mean=mean, by_op={k: v / len(steps) for k, v in ops.most_common()},
+                         host_ms=host_ms, account_finishing_ms=statistics.median(finishing) if finishing else None)
     return out
 
 
@@ -454,6 +458,11 @@ def render(rep: dict) -> str:
             extra.append(f"host wall a step {r['wall_ms']:.2f} ms (median), a layer's update_layer + run "
                          f"{r['layer_us']:.1f} us (median)")
         lines += ["- " + "; ".join(extra)]
+        g = s["steady"] if "steady" in s else s["all"]
+        lines += [f"- host ms a step, steady steps (the counted run: the counter's own cost is included; `account` "
+                  f"holds `observe` and `checks`): " + ", ".join(f"{p} {g['host_ms'][p]:.3f}" for p in TIMED)
+                  + (f"; `account` of a steady step that finishes blocks {g['account_finishing_ms']:.3f} (median)"
+                     if g["account_finishing_ms"] is not None else "")]
         for group in ("steady", "checks launched", "decisions taken", "epochs appended"):
             if group in s:
                 lines += [f"- {group}, by op (per step): " + ", ".join(f"{k} {_fmt(v)}" for k, v in

@@ -66,7 +66,7 @@ def test_steady_layers_and_account(runs):
     accounts = {}
     for layers, r in by_layers.items():
         finishing = 0
-        for phases, _, marks in r["steps"]:
+        for phases, _, marks, _ in r["steps"]:
             lay = phases.get("layers", {})
             assert _device_ops(mod, lay) <= PER_LAYER * layers, (layers, lay)
             assert lay.get("sync", 0) == 0, lay
@@ -89,7 +89,7 @@ def test_decode_checks_do_not_grow_with_layers(runs):
     mod, by_layers = runs
     launched, decided = {}, {}
     for layers, r in by_layers.items():
-        for phases, _, marks in r["steps"]:
+        for phases, _, marks, _ in r["steps"]:
             if "batch" in marks:
                 ops = _device_ops(mod, phases["checks"])
                 assert ops <= CHECKS + 2 * layers, phases["checks"]
