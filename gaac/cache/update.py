@@ -639,35 +639,41 @@ class UpdateTransaction:
 
             by_shape = {}
             for job in jobs:
-                by_shape.setdefault(tuple(job[4].shape), []).append(job)
-            for items in by_shape.values():
-                batch = Batch([(store.adapter, blocks) for store, _, _, _, blocks, _ in items],
-                              stream=self._rule_stream())
+                by_shape.setdefault((sum(len(run) for run in job[4]), tuple(job[4][0].shape[1:])), []).append(job)
+            for (n, shape), items in by_shape.items():
+                # every job's blocks, from the queued steps' copies, in one allocation and one concatenation
+                first = items[0][4][0]
+                blocks = torch.empty((len(items), n, *shape), dtype=first.dtype, device=first.device)
+                torch.cat([run for job in items for run in job[4]], out=blocks.view(-1, *shape))
+                batch = Batch([(store.adapter, b) for (store, *_), b in zip(items, blocks)], stream=self._rule_stream())
                 batch.scan()
                 batch.chain()
                 self._rule_batches.append((self._step_clock, batch, [(store, layer, kind, epoch, rest)
                                                                      for store, layer, kind, epoch, _, rest in items]))
 
     def _due_check(self, store: _Kind, layer: int, kind: int, upto: int):
-        """Where the blocks of ``store``'s due decode steps (up to step ``upto``, all with device copies)
-        complete the adapter's next check: take them out of the queue and return the GPU rule's job, ``(store,
-        layer, kind, the epoch before, the check's blocks on the device, the host copies of the blocks after
-        it)``; otherwise None (the host rule observes them: no check, so nothing to compute)."""
-        due = []
+        """Where the queued blocks of ``store``'s decode steps up to step ``upto`` (all with device copies)
+        complete the adapter's next check: take those the check reads out of the queue and return the GPU
+        rule's job, ``(store, layer, kind, the epoch before, the check's blocks on the device as runs, the
+        blocks after it from the last run)``; otherwise None (the blocks wait)."""
+        need, runs = store.adapter.until_check, []
         for item in store.deferred:
-            if not isinstance(item, _Observed) or item.step > upto or item.device is None:
+            if not _on_device(item) or item.step > upto:
+                return None
+            runs.append(item.device)
+            need -= len(item.device)
+            if need <= 0:
                 break
-            due.append(item)
-        until = store.adapter.until_check
-        if sum(len(item.device) for item in due) < until:
+        else:
             return None
-        del store.deferred[:len(due)]
-        store.waiting -= sum(len(item.device) for item in due)
-        blocks = torch.cat([item.device for item in due]) if len(due) > 1 else due[0].device
+        step = store.deferred[len(runs) - 1].step
+        del store.deferred[:len(runs)]
+        store.waiting -= store.adapter.until_check - need
         rest = []
-        if len(blocks) > until:                     # the blocks after the check, observed once it is decided
-            rest = [_Observed(None, due[-1].step, blocks[until:])]
-        return store, layer, kind, store.adapter.epoch, blocks[:until], rest
+        if need < 0:                                # the last run's blocks after the check, observed once it is decided
+            last = runs[-1]
+            runs[-1], rest = last[:len(last) + need], [_Observed(None, step, last[len(last) + need:])]
+        return store, layer, kind, store.adapter.epoch, runs, rest
 
     def _finish_rule_batches(self, upto: int | None = None) -> None:
         """Take up the decisions of the GPU rule's decode checks launched at step ``upto`` or before (None:
