@@ -169,6 +169,20 @@ def _waiting(deferred: list) -> int:
     return sum(len(item.device) for item in deferred if _on_device(item))
 
 
+def _check_span(store: _Kind):
+    """Where the GPU rule runs: ``(items, need)`` where the first ``items`` of ``store``'s queue, all decode steps'
+    blocks on the device, complete its adapter's next check, ``-need`` blocks of the last one after it; None where
+    they complete none or other blocks come first."""
+    need = store.adapter.until_check
+    for i, item in enumerate(store.deferred):
+        if not _on_device(item):
+            return None
+        need -= len(item.device)
+        if need <= 0:
+            return i + 1, need
+    return None
+
+
 @dataclass
 class _EarlyWrite:
     """An update committed before its encodes' counts are known (:meth:`PagedKVCache._written_early`), and what
@@ -559,8 +573,7 @@ class UpdateTransaction:
         blocks finished from then on (:meth:`_epochs_appended`)."""
         if upto is None and not front:
             self._finish_rule_batches()             # the rule's checks in flight come first
-            if self._device_rule and any(isinstance(item, _Observed) and item.device is not None
-                                         for item in store.deferred):
+            if self._device_rule and any(_on_device(item) for item in store.deferred):
                 # every layer's decode checks in one GPU batch, waited for once (a prefill needs the
                 # adapters current): the host rule would take milliseconds a check
                 self._launch_decode_checks(self._step_clock)
@@ -656,18 +669,13 @@ class UpdateTransaction:
         complete the adapter's next check: take those the check reads out of the queue and return the GPU
         rule's job, ``(store, layer, kind, the epoch before, the check's blocks on the device as runs, the
         blocks after it from the last run)``; otherwise None (the blocks wait)."""
-        need, runs = store.adapter.until_check, []
-        for item in store.deferred:
-            if not _on_device(item) or item.step > upto:
-                return None
-            runs.append(item.device)
-            need -= len(item.device)
-            if need <= 0:
-                break
-        else:
+        span = _check_span(store)
+        if span is None or store.deferred[span[0] - 1].step > upto:
             return None
-        step = store.deferred[len(runs) - 1].step
-        del store.deferred[:len(runs)]
+        taken, need = span
+        runs = [item.device for item in store.deferred[:taken]]
+        step = store.deferred[taken - 1].step
+        del store.deferred[:taken]
         store.waiting -= store.adapter.until_check - need
         rest = []
         if need < 0:                                # the last run's blocks after the check, observed once it is decided
@@ -719,14 +727,10 @@ class UpdateTransaction:
         """Where the GPU rule runs: the decode step from which ``store``'s queued blocks are due, the step of the
         block that completes its adapter's next check (0, at once, where blocks a prefill queued lead the
         queue), or None while they complete none."""
-        need = store.adapter.until_check if store.adapter is not None else 0
-        for item in store.deferred:
-            if not _on_device(item):
-                return 0
-            need -= len(item.device)
-            if need <= 0:
-                return item.step
-        return None
+        if store.deferred and not _on_device(store.deferred[0]):
+            return 0
+        span = _check_span(store) if store.adapter is not None else None
+        return None if span is None else store.deferred[span[0] - 1].step
 
     def _due_at(self, step: int | None) -> None:
         """Blocks of decode step ``step`` wait for the rule: :meth:`_flush_due` takes them up from then on
