@@ -690,15 +690,16 @@ class UpdateTransaction:
         while self._rule_batches and (upto is None or self._rule_batches[0][0] <= upto):
             _, batch, items = self._rule_batches.pop(0)
             batch.finish()
-            layers = set()
+            layers, appended = set(), []
             for store, layer, kind, before, rest in items:
                 if store.adapter.epoch != before:
-                    store.add_epochs([self._calibration.bases(layer, kind, e)
-                                      for e in range(before + 1, store.adapter.epoch + 1)])
+                    appended.append((store, [self._calibration.bases(layer, kind, e)
+                                             for e in range(before + 1, store.adapter.epoch + 1)]))
                     layers.add(layer)
                 store.deferred[:0] = rest
                 store.waiting += _waiting(rest)
                 self._due_at(self._due_step(store))     # where the blocks after the check complete the next one
+            add_epochs_all(appended)                # every store's new epochs in one copy to the device
             for layer in sorted(layers):            # once every store holds its new epochs
                 self._epochs_appended(layer)
 
