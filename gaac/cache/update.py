@@ -558,13 +558,23 @@ class UpdateTransaction:
 
     def _host_copies(self, tensors) -> list:
         """Equal-shaped device tensors (a list, or one tensor whose rows they are) on the host, each as
-        :meth:`_host_copy` gives it (a pinned copy in flight and its event), made with one kernel (none for a
-        tensor), one pinned buffer and one copy for all of them."""
+        :meth:`_host_copy` gives it (a pinned copy in flight and its event), made as :meth:`_host_copy_rows`
+        makes them."""
         if self.device.type != "cuda":
             return [self._host_copy(t) for t in tensors]
-        host, event = self._host_copy(tensors if isinstance(tensors, torch.Tensor) else torch.stack(tensors))
-        arrival = Arrival(event)
+        host, arrival = self._host_copy_rows(tensors)
         return [(host[i], arrival) for i in range(len(tensors))]
+
+    def _host_copy_rows(self, tensors) -> tuple:
+        """Equal-shaped device tensors (a list, or one tensor whose rows they are) on the host as the rows of
+        one pinned copy in flight, and its :class:`Arrival`: one pinned buffer and one copy for all of them,
+        from where they lie where a list's tensors lie at equal distances in one allocation (as the cache makes
+        its arrays), else after one gather kernel."""
+        if not isinstance(tensors, torch.Tensor):
+            together = stacked_view(tensors)
+            tensors = together if together is not None else torch.stack(tensors)
+        host, event = self._host_copy(tensors)
+        return host, Arrival(event)
 
     def _flush(self, store: _Kind, layer: int, kind: int, upto: int | None = None, front: bool = False) -> None:
         """Let the adapter observe the blocks deferred to it, in order (``upto``: only those of decode steps up
@@ -730,7 +740,7 @@ class UpdateTransaction:
         queue), or None while they complete none."""
         if store.deferred and not _on_device(store.deferred[0]):
             return 0
-        span = _check_span(store) if store.adapter is not None else None
+        span = _check_span(store)
         return None if span is None else store.deferred[span[0] - 1].step
 
     def _due_at(self, step: int | None) -> None:
@@ -996,11 +1006,8 @@ class UpdateTransaction:
         synchronisation), every pool reading its row of one NumPy view of the copy."""
         if not self._counts_copied or not stores:
             return
-        heads = [store.heads for store in stores]
-        together = stacked_view(heads)
-        host, event = self._host_copy(together if together is not None else torch.stack(heads))
-        arrival, rows = Arrival(event), host.numpy()
-        for store, row in zip(stores, rows):
+        host, arrival = self._host_copy_rows([store.heads for store in stores])
+        for store, row in zip(stores, host.numpy()):
             counts = (row, arrival)
             store.slots.snapshot(counts)
             store.raw.snapshot(counts)
