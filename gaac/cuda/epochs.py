@@ -39,6 +39,8 @@ MAX_CHANNELS = 8192          # kv_heads * head_dim the phase kernel's shared bas
 MAX_GROUPS = MAX_CHANNELS // L.GROUP_SIZE
 PHASE_THREADS = 32 if SIMULATOR else 256    # a phase's thread block: one check judged at a time
 PHASE_BLOCKS = 4 if SIMULATOR else 1024     # thread blocks a phase deals its jobs' checks to: ~8 an SM
+PHASE_CHECKS = 1 << 30 if SIMULATOR else 4  # checks a phase's thread block judges at most, where more blocks
+                                            # than PHASE_BLOCKS are needed for that
 PHASES = 4                   # phases launched with a batch (after phase 0); more where a job keeps appending
 NONE = 1 << 30               # in the phases' results: no check appends
 COST_3BIT = L.ESCAPE_BYTES[L.MODE_3BIT]
@@ -707,7 +709,10 @@ class Batch:
     def _phases(self, count: int) -> None:
         """Launch the next ``count`` phases (at most one a row of :attr:`nxt`)."""
         kernel = phase_kernel(self.every)
-        blocks = max(1, min(self.m, PHASE_BLOCKS // len(self.jobs)))
+        # A phase takes as long as its slowest job's thread block, which judges its checks in turn: a phase
+        # after the first appends, where only the jobs still appending work, would otherwise leave most of
+        # the GPU idle while a few blocks walk every later check of a long prompt.
+        blocks = max(1, min(self.m, max(PHASE_BLOCKS // len(self.jobs), -(-self.m // PHASE_CHECKS))))
         for p in range(self.launched, min(self.launched + count, self.nxt.shape[0])):
             self._launch(kernel, (len(self.jobs), blocks), PHASE_THREADS, self.phase_args + (p,))
             self.launched = p + 1
