@@ -913,7 +913,6 @@ class UpdateTransaction:
             out = torch.empty(sum((1 if self._in_table(u) is not None else 2) * u.tiles[kind].shape[0]
                                   for u, kind in jobs), dtype=torch.int32, device=self.device)
             at = 0
-            fresh = self._fresh_bases(jobs)
             for u, kind in jobs:
                 store = self._store[u.layer][kind]
                 if u.epochs[kind].blocks is not None:     # the rule is still deciding: keep what to go back to
@@ -927,7 +926,7 @@ class UpdateTransaction:
                     entries, used, at = out[at:at + n], out[at + n:at + 2 * n], at + 2 * n
                 for epoch, start, stop in _runs(plan.epochs):
                     a, z = start * per, stop * per
-                    encoder = self._encoder(store, plan, epoch, u.layer, kind, fresh.get((id(store), epoch)))
+                    encoder = self._encoder(store, plan, epoch, u.layer, kind)
                     if isinstance(tiles, _InPlace):
                         encoder.in_place(tiles.bits, start, entries[a:z], used[a:z], checked=False)
                     else:
@@ -1017,41 +1016,16 @@ class UpdateTransaction:
         store = self._store[layer][kind]
         return store.slots, store.raw
 
-    def _fresh_bases(self, jobs: list) -> dict:
-        """The packed bases of every epoch that ``jobs`` (``(update, kind)`` pairs) encode with and whose store
-        has no encoder or packed bases for yet (the epochs an update appends, mostly), brought to the device in
-        one copy: ``{(id(store), epoch): bases}``.  A prompt whose rule appends epochs in every layer and kind
-        copies once rather than once an epoch."""
-        from ..cuda.codec import pack_bases
-
-        wanted = {}
-        for u, kind in jobs:
-            store, plan = self._store[u.layer][kind], u.epochs[kind]
-            for epoch, _, _ in _runs(plan.epochs):
-                key = (id(store), epoch)
-                if (key not in wanted and epoch not in store.packed
-                        and (epoch, store.pools_key()) not in store.encoders):
-                    wanted[key] = pack_bases(*self._tile_bases(store, plan, epoch, u.layer, kind))
-        if len(wanted) < 2:
-            return {key: self._to_device(bases) for key, bases in wanted.items()}
-        flat = self._to_device(np.concatenate([bases.reshape(-1) for bases in wanted.values()]))
-        out, at = {}, 0
-        for key, bases in wanted.items():
-            out[key] = flat[at:at + bases.size].view(bases.shape)
-            at += bases.size
-        return out
-
-    def _encoder(self, store: _Kind, plan: _Epochs, epoch: int, layer: int, kind: int, bases=None):
+    def _encoder(self, store: _Kind, plan: _Epochs, epoch: int, layer: int, kind: int):
         """The CUDA codec's EncodePlan of ``store``'s pools and ``epoch``'s bases, made once; the bases come
-        from the host (:meth:`_tile_bases`), so that making a plan never waits for the device.  ``bases``: the
-        epoch's packed bases on the device, where the caller brought them (:meth:`_fresh_bases`)."""
+        from the host (:meth:`_tile_bases`), so that making a plan never waits for the device."""
         key = (epoch, store.pools_key())
         enc = store.encoders.get(key)
         if enc is None:
             from ..cuda.codec import EncodePlan, pack_bases
 
             # An epoch's bases outlive the pools' versions (growth, removals make new free lists).
-            bases = store.packed.get(epoch) if bases is None else bases
+            bases = store.packed.get(epoch)
             if bases is None:
                 bases = self._to_device(pack_bases(*self._tile_bases(store, plan, epoch, layer, kind)))
                 if epoch < store.tb3.shape[0]:
