@@ -216,11 +216,10 @@ class DevicePool(Pool):
         self.taken, self.pending, self._snap = int(self.heads[self.cls]), 0, None
 
     def snapshot(self, counts: tuple) -> None:
-        """Take up, once it has arrived, ``counts``: (pinned copy of ``heads`` -- a tensor, or a NumPy view of
-        one --, its event), started after the encodes that ``pending`` counts now."""
+        """Take up, once it has arrived, ``counts``: (a NumPy view of a pinned copy of ``heads`` -- read through
+        NumPy: a torch index costs more --, its event), started after the encodes that ``pending`` counts now."""
         host, event = counts
-        # read through NumPy: a torch index costs more
-        self._snap = (host if isinstance(host, np.ndarray) else host.numpy(), event, self.pending)
+        self._snap = (host, event, self.pending)
 
     @property
     def exact(self) -> bool:
