@@ -23,7 +23,8 @@ import gaac.epochs as epochs_mod  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PER_LAYER = 3        # a layer: the two launches (append, attention) and the output's allocation
-ACCOUNT = 8          # a step's account: fin's upload, one gather of the finished blocks, the counts' stack, two copies
+ACCOUNT = 8          # a step's account: fin's upload, one gather of the finished blocks, two copies (the counts' from
+                     # where they lie)
 CHECKS = 8           # the decode checks' batch: its inputs' upload, one zeroed allocation, the histograms' stack, every
                      # (layer, kind)'s queued blocks in one allocation and one concatenation, launches
 DECISIONS = 4        # taking up a batch's decisions, besides a histogram kept per (layer, kind)
