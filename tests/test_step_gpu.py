@@ -332,3 +332,48 @@ def test_step_graph_runs_a_loop_through_checks_joins_and_buckets(monkeypatch):
             np.testing.assert_array_equal(got_k, k[i][:, :, :pos[i]])
             np.testing.assert_array_equal(got_v, v[i][:, :, :pos[i]])
     assert_same_epochs(caches[0].calibration, caches[1].calibration)
+
+
+def test_gpu_attention_started_during_the_append_sees_the_appended_token(monkeypatch):
+    """An eager step launches each layer's attention as a programmatic dependent of the layer's append (its
+    splits over older blocks start while the append runs): through block ends, with the query written by a
+    kernel between the two, the attention equals the same plan's attention launched again after the append
+    has finished, bit for bit, and matches float64 over every token the layer holds."""
+    from gaac.cuda.launch import FastLaunch
+
+    launched = []
+    run = FastLaunch.run
+
+    def counting(self, buffer, grid=None, handle=None, pdl=None):
+        launched.append(bool(pdl))
+        return run(self, buffer, grid, handle, pdl)
+    monkeypatch.setattr(FastLaunch, "run", counting)
+    rng = np.random.default_rng(5)
+    layers, heads, dim, steps = 3, 4, 128, 40
+    start = [20 * B - 7, 3 * B + 2]
+    k = [synthetic(rng, layers, heads, s + steps, dim) for s in start]
+    v = [synthetic(rng, layers, heads, s + steps, dim) for s in start]
+    cal = calibrate(k[0][:, :, :256], v[0][:, :, :256])
+    cache = PagedKVCache(cal, max_seqs=2, max_blocks=32, device="cuda")
+    seqs = [cache.add_sequence(k[i][:, :, :start[i]], v[i][:, :, :start[i]]) for i in range(2)]
+    qs = torch.randn((2, 2 * heads, dim), device="cuda").to(torch.bfloat16)
+    for step in range(steps):
+        plan = cache.decode_plan(2 * heads)
+        for layer in range(layers):
+            pos = [start[i] + step for i in range(2)]
+            kn = torch.from_numpy(np.stack([k[i][layer, :, p:p + 1] for i, p in enumerate(pos)]).view(np.int16)).cuda()
+            vn = torch.from_numpy(np.stack([v[i][layer, :, p:p + 1] for i, p in enumerate(pos)]).view(np.int16)).cuda()
+            cache.update_layer(layer, seqs, kn, vn)
+            q = qs * 1                                      # a kernel between the append and the attention
+            first = plan.run(q, layer)
+            again = plan.run(q, layer)
+            assert torch.equal(first.view(torch.int16), again.view(torch.int16)), (step, layer)
+            if step % 13 == 0:
+                qf = bf16_to_float(q.view(torch.int16).cpu().numpy())
+                ks = [bf16_to_float(k[i][layer, :, :p + 1]) for i, p in enumerate(pos)]
+                vs = [bf16_to_float(v[i][layer, :, :p + 1]) for i, p in enumerate(pos)]
+                ref, _ = reference_attention(qf, ks, vs)
+                err = np.linalg.norm(first.float().cpu().numpy() - ref) / np.linalg.norm(ref)
+                assert err < 8e-3, (step, layer, err)
+        plan.check_status()
+    assert sum(launched) >= steps * (layers - 1), launched.count(True)

@@ -15,6 +15,7 @@ import functools
 from numba import cuda, types
 
 from .. import layout as L
+from .primitives import grid_launch_dependents
 
 # The argument types of a launch (torch tensors flattened to 1-D, Python ints): compiled before the
 # first launch, which then goes through the driver (gaac.cuda.launch.FastLaunch.run).
@@ -26,6 +27,9 @@ APPEND_SIG = (*(types.Array(types.int16, 1, "C"),) * 4, *(types.Array(types.int3
 def append_kernel():
     @cuda.jit
     def kernel(k, v, tail_k, tail_v, rows, rpos, lens_after, seq_lens, kv_heads, head_dim):
+        # the layer's attention kernel, a programmatic dependent of this one, may start now (it waits for
+        # this grid before it reads what this grid writes: gaac.cuda.attention)
+        grid_launch_dependents()
         i = cuda.blockIdx.x
         h = cuda.blockIdx.y
         d = cuda.threadIdx.x

@@ -60,7 +60,8 @@ from numba import cuda, float32, int32, uint8, uint32
 
 from .. import layout as L
 from .primitives import (SCRATCH_WORDS, SIMULATOR, WARP, col_max, col_sum, cp16, cp_commit, cp_wait_fn, device,
-                         escape_scan, ex2, f32, gaddr, grid_launch_dependents, i32, lane_id, ldcg4f, ldcgf, ldg4_at,
+                         escape_scan, ex2, f32, gaddr, grid_launch_dependents, grid_wait, i32, lane_id, ldcg4f, ldcg_i16,
+                         ldcg_i32, ldcgf, ldg4_at,
                          ldsm_cols, ldsm_rows, lg2, mma, pack_bf16x2, prefetch_l2, rcp, scratch_init, smem_base,
                          sts4, transpose8, u32, warp_any, warp_sync)
 from .merge import as_int16
@@ -579,21 +580,26 @@ def attention_kernel(head_dim: int, plain: bool, nstage: int = 3, stage_bytes: i
             # A free entry of a work list with room to spare (a captured step's: gaac.captured.BucketSteps),
             # which no row's merge reads.
             return
-        seq = seq_lens[u32(b)]
+        # A decode step launches this kernel as a programmatic dependent of the layer's one-token append
+        # (gaac.serving.plan), which writes the token into the tail, advances the length and, where the token
+        # completes a block, that block's table entries and epoch.  A split whose blocks all ended before the
+        # token (its last block ends before the length it reads, whether that is the length before or after
+        # the append) reads nothing the append writes until it needs the query: it loads its table entries,
+        # epochs and bases and starts its first copies while the append runs, and waits (``griddepcontrol.wait``)
+        # before it reads the query.  Any other split waits first.  What a split reads that the append may
+        # write (length, table entries, epochs) is read from L2: a line this grid brought into L1 before the
+        # wait may be stale.  Launched without the attribute, the waits are no-ops.
+        seq = ldcg_i32(seq_lens, u32(b))
+        early = i32(blk1w * L.BLOCK_TOKENS) < seq
+        if not early:
+            grid_wait()
+            seq = ldcg_i32(seq_lens, u32(b))
         nfull = i32(seq // L.BLOCK_TOKENS)
         tail_valid = i32(seq - nfull * L.BLOCK_TOKENS)
         # A captured step's work list covers the lengths of its last step: a split stops at the sequence's
         # blocks now (one past the tail), and one wholly past them is empty (output 0, LSE -inf).
         blk1 = min(blk1w, i32(nfull + (1 if tail_valid > 0 else 0)))
         hq = i32(kv_heads * g)
-        # Query fragments (B operand of q.k: column r = query head r of the group; columns >= g zero),
-        # loaded with the block-table entries: they depend on the work item only.
-        qb0 = cuda.local.array(NCHUNK, uint32)
-        qb1 = cuda.local.array(NCHUNK, uint32)
-        qrow = u32((b * hq + h * g + r) * (D // 2))
-        for kk in range(NCHUNK):
-            qb0[kk] = u32(q32[u32(qrow + 8 * kk + q)]) if r < g else u32(0)
-            qb1[kk] = u32(q32[u32(qrow + 8 * kk + 4 + q)]) if r < g else u32(0)
 
         # Block-table entries of this split (K then V, T tiles each).  The loads depend on the work item
         # only (not on the sequence length, which would put a second round trip to memory before them)
@@ -608,9 +614,9 @@ def attention_kernel(head_dim: int, plain: bool, nstage: int = 3, stage_bytes: i
                 blk_i = i32(min(blk0 + i // (2 * T), last))
                 row = u32((b * max_blocks + blk_i) * (kv_heads * T) + h * T + i % T)
                 if (i // T) % 2 == 0:
-                    ents[i] = checked_entry(table_k[row], blk_i < nfull, n_slots_k, n_raw_k, status)
+                    ents[i] = checked_entry(ldcg_i32(table_k, row), blk_i < nfull, n_slots_k, n_raw_k, status)
                 else:
-                    ents[i] = checked_entry(table_v[row], blk_i < nfull, n_slots_v, n_raw_v, status)
+                    ents[i] = checked_entry(ldcg_i32(table_v, row), blk_i < nfull, n_slots_v, n_raw_v, status)
         # The split's blocks' epochs, K and V in one word each (loaded like the table entries, before the
         # sequence length is known, and checked where a block is decoded); the first block's bases are loaded
         # now, and the block loop loads another epoch's where a block's differs.  A split of only the tail
@@ -621,9 +627,10 @@ def attention_kernel(head_dim: int, plain: bool, nstage: int = 3, stage_bytes: i
                 j = i32(lane + WARP * k)
                 at = u32(b * max_blocks + min(blk0 + j, last))
                 before = u32(at - 1) if j > 0 and blk0 + j <= last else at      # (past the split: unread)
-                eps[j] = uint8(1 if (epoch_k[at] != epoch_k[before]) | (epoch_v[at] != epoch_v[before]) else 0)
-        ek = i32(epoch_k[u32(b * max_blocks + blk0)]) if not plain and blk0 < max_blocks else i32(0)
-        ev_ = i32(epoch_v[u32(b * max_blocks + blk0)]) if not plain and blk0 < max_blocks else i32(0)
+                eps[j] = uint8(1 if (ldcg_i16(epoch_k, at) != ldcg_i16(epoch_k, before))
+                               | (ldcg_i16(epoch_v, at) != ldcg_i16(epoch_v, before)) else 0)
+        ek = ldcg_i16(epoch_k, u32(b * max_blocks + blk0)) if not plain and blk0 < max_blocks else i32(0)
+        ev_ = ldcg_i16(epoch_v, u32(b * max_blocks + blk0)) if not plain and blk0 < max_blocks else i32(0)
         tail_base = (b * kv_heads + h) * (L.BLOCK_TOKENS * D * 2)
         bw0 = cuda.local.array(BASE_REGS, int32)
         ne = max(epochs_k, epochs_v)
@@ -651,6 +658,16 @@ def attention_kernel(head_dim: int, plain: bool, nstage: int = 3, stage_bytes: i
                 issue_v(smem, sb, ents, s, s, blk0 + s, nfull, slots_v, slot_bytes_v, raw_v, tail_v, tail_base,
                         tail_valid, lane, entry(ents, s, 1))
             cp_commit()
+        if early:
+            grid_wait()
+        # Query fragments (B operand of q.k: column r = query head r of the group; columns >= g zero), after
+        # the wait (the kernel before may have written the query), in flight with the first copies.
+        qb0 = cuda.local.array(NCHUNK, uint32)
+        qb1 = cuda.local.array(NCHUNK, uint32)
+        qrow = u32((b * hq + h * g + r) * (D // 2))
+        for kk in range(NCHUNK):
+            qb0[kk] = u32(q32[u32(qrow + 8 * kk + q)]) if r < g else u32(0)
+            qb1[kk] = u32(q32[u32(qrow + 8 * kk + 4 + q)]) if r < g else u32(0)
         if not plain:
             store_bases(smem, bw0, lane)
         acc = cuda.local.array(NACC, float32)
@@ -703,8 +720,8 @@ def attention_kernel(head_dim: int, plain: bool, nstage: int = 3, stage_bytes: i
                 # the warp, and rare: an epoch covers hundreds of blocks.
                 if eps[i] != 0:
                     at = u32(b * max_blocks + blk)
-                    ek = checked_epoch(i32(epoch_k[at]), epochs_k, status)
-                    ev_ = checked_epoch(i32(epoch_v[at]), epochs_v, status)
+                    ek = checked_epoch(ldcg_i16(epoch_k, at), epochs_k, status)
+                    ev_ = checked_epoch(ldcg_i16(epoch_v, at), epochs_v, status)
                     load_bases(bases, 0, ek, ne, h, kv_heads, lane, bw0)
                     load_bases(bases, 1, ev_, ne, h, kv_heads, lane, bw0)
                     store_bases(smem, bw0, lane)

@@ -78,7 +78,8 @@ from .. import layout as L
 from ..errors import InputError
 from .launch import (WORD, TileLauncher, allocators, check_array, is_torch, packed_params, params, plain, word_params,
                      words)
-from .primitives import SIMULATOR, WARP, device, funnel_r, ldg2, ldg4, mul32, popc32, prmt, stg2, stg4, syncwarp
+from .primitives import (SIMULATOR, WARP, device, funnel_r, grid_launch_dependents, ldg2, ldg4, mul32, popc32, prmt,
+                         stg2, stg4, syncwarp)
 
 NO_STORAGE = -1                                  # entry of a tile whose free list ran dry
 BAD_TAG = 1                                      # decode status: a group has the reserved tag
@@ -552,6 +553,9 @@ def encode_source(channels: int, tiles_per_block: int = TILES_PER_BLOCK, step_ap
             # One warp a block (TPB 1): blockIdx.x = tile i of the step's sequences (P tiles each: one per KV
             # head), blockIdx.y = kind.  The warp appends its head's channels of the new token to the tail,
             # then, where the token completes the block, encodes the tile from the tail.
+            # The layer's attention kernel, launched as a programmatic dependent of this one, may start now:
+            # it waits for this grid before it reads what this grid writes (gaac.cuda.attention).
+            grid_launch_dependents()
             i = u(cuda.blockIdx.x)
             kind = u(cuda.blockIdx.y)
             lane = u(cuda.threadIdx.x)

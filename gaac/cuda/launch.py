@@ -584,10 +584,11 @@ class FastLaunch:
             s = self._streams[handle] = Stream.from_handle(handle)
         launch(s, config, self._cufunc, *params_of(params))
 
-    def run(self, buffer: ParamBuffer, grid=None, handle: int | None = None) -> None:
+    def run(self, buffer: ParamBuffer, grid=None, handle: int | None = None, pdl: bool | None = None) -> None:
         """Launch with the parameters of ``buffer`` (after :meth:`prepare` or a first call) through the
         driver: the per-call path of a decode step, whose host time is the launch itself.  ``handle``: the
-        raw stream (default torch's current one)."""
+        raw stream (default torch's current one); ``pdl``: this launch with (or without) programmatic stream
+        serialization, whatever the launcher's own setting."""
         grid = self._grid if grid is None else grid
         if handle is None:
             handle = current_stream()
@@ -599,7 +600,7 @@ class FastLaunch:
             self._check_arguments(buffer)
             self._function = drv.function(self._cufunc)
         key = (grid, handle)
-        if self._pdl:
+        if self._pdl if pdl is None else pdl:
             cfg = self._ex_configs.get(key)
             if cfg is None:
                 cfg = drv.config(_dims(grid), _dims(self._block), handle, True)

@@ -207,6 +207,18 @@ if not SIMULATOR:
         return types.float32(types.int64), codegen
 
     @intrinsic
+    def _ldcg_s32(typingctx, gptr):
+        def codegen(context, builder, sig, args):
+            return _asm(builder, _I32, list(args), "ld.global.cg.s32 $0, [$1];", "=r,l,~{memory}", side_effect=True)
+        return types.int32(types.int64), codegen
+
+    @intrinsic
+    def _ldcg_s16(typingctx, gptr):
+        def codegen(context, builder, sig, args):
+            return _asm(builder, _I32, list(args), "ld.global.cg.s16 $0, [$1];", "=r,l,~{memory}", side_effect=True)
+        return types.int32(types.int64), codegen
+
+    @intrinsic
     def _cp16(typingctx, addr, gptr):
         def codegen(context, builder, sig, args):
             _asm(builder, ir.VoidType(), list(args), "cp.async.cg.shared.global [$0], [$1], 16;", "r,l,~{memory}",
@@ -351,6 +363,17 @@ if not SIMULATOR:
     def ldcgf(arr, i):
         """One float32 of ``arr``, read from L2 as :func:`ldcg4f` reads."""
         return _ldcg(gaddr(arr, u64(i) * u64(4)))
+
+    @device
+    def ldcg_i32(arr, i):
+        """``arr[i]`` of an int32 array, read from L2 (not L1): a value the grid a programmatic dependent launch
+        follows may have written, read after :func:`grid_wait` where this grid may have cached its line before."""
+        return _ldcg_s32(gaddr(arr, u64(i) * u64(4)))
+
+    @device
+    def ldcg_i16(arr, i):
+        """``arr[i]`` of an int16 array (as int32), read from L2 as :func:`ldcg_i32` reads."""
+        return _ldcg_s16(gaddr(arr, u64(i) * u64(2)))
 
     @device
     def cp_commit():
@@ -549,6 +572,14 @@ else:
     @device
     def ldcgf(arr, i):
         return f32(arr[int(i)])
+
+    @device
+    def ldcg_i32(arr, i):
+        return i32(arr[int(i)])
+
+    @device
+    def ldcg_i16(arr, i):
+        return i32(arr[int(i)])
 
     @device
     def ldg4_at(src, gptr):

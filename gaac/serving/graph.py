@@ -217,6 +217,7 @@ class CapturedSteps:
                              "layer a step (the host accounts one)")
         self.appender.launch(layer, k, v)
         self._appended.add(layer)
+        self.plan.appended_last(layer)
 
     def _take_back(self, layers) -> None:
         """Undo the appends of a refused recording that ran eagerly (outside a capture): ``layers`` took a token
@@ -416,6 +417,7 @@ class BucketSteps(CapturedSteps):
             raise InputError(f"layer {layer} already took this step's token: a step appends one token per layer")
         self.appender.launch(layer, k, v)
         self._appended.add(layer)
+        self.plan.appended_last(layer)
 
     def _take_back(self, layers) -> None:
         super()._take_back(layers)

@@ -99,6 +99,7 @@ class StepPlan:
 
     _account = None             # the account of the blocks this step's appends finish (_Account)
     _room = None                # a captured bucket step's work-list room (_plan_kernel), else None
+    _after_append = None        # (layer, cache generation, stream) of the one-token append launched last (GPU)
 
     def __init__(self, cache, q_heads: int, *, append: int = 1, seqs=None, scale: float | None = None,
                  steps: int | None = None, bucket: int | None = None):
@@ -429,7 +430,7 @@ class StepPlan:
             if self._fused:                 # the kernel merges
                 o, l_ = state.out_slots
                 slots[o], slots[l_] = out.data_ptr(), lse.data_ptr()
-            state.main.run(buf, self._grid, handle)
+            state.main.run(buf, self._grid, handle, pdl=self._follows_append(layer, handle))
             if self._fused:
                 return
         merge = self._merge_buffer
@@ -516,7 +517,27 @@ class StepPlan:
         self._n_appended += 1
         if self._n_appended == cache.layers and self._account is not None and self._account.pending:
             self.settle()       # every step is accounted: the adaptation rule's lag counts steps
+        else:
+            self.appended_last(layer)
         return True
+
+    def appended_last(self, layer: int) -> None:
+        """Note that the launch just made on the current stream is ``layer``'s one-token append of this step (the
+        append kernels of :mod:`gaac.serving.append` and :mod:`gaac.cuda.append`): :meth:`run` of that layer then
+        launches the attention kernel as its programmatic dependent, which overlaps the kernel's start with the
+        append (:mod:`gaac.cuda.attention` says what it reads before it waits for the append)."""
+        from ..cuda.primitives import SIMULATOR
+
+        if self.kernel_path and not SIMULATOR:
+            from ..cuda.launch import current_stream
+
+            self._after_append = (layer, self.cache.serving.generation, current_stream())
+
+    def _follows_append(self, layer: int, handle: int) -> bool:
+        """Whether the launch before ``layer``'s attention on stream ``handle`` is that layer's append of this
+        step, nothing in the cache changed since (:meth:`appended_last`); asked once, at the attention's launch."""
+        after, self._after_append = self._after_append, None
+        return after == (layer, self.cache.serving.generation, handle)
 
     def settle(self) -> None:
         """The host's account of the blocks this step's appends finished (:meth:`StepAppend.account
