@@ -354,7 +354,7 @@ def test_gpu_attention_started_during_the_append_sees_the_appended_token(monkeyp
     k = [synthetic(rng, layers, heads, s + steps, dim) for s in start]
     v = [synthetic(rng, layers, heads, s + steps, dim) for s in start]
     cal = calibrate(k[0][:, :, :256], v[0][:, :, :256])
-    cache = PagedKVCache(cal, max_seqs=2, max_blocks=32, device="cuda")
+    cache = PagedKVCache(cal, max_seqs=2, max_blocks=32, raw_tiles=2 * 32 * heads * 2 * layers, device="cuda")
     seqs = [cache.add_sequence(k[i][:, :, :start[i]], v[i][:, :, :start[i]]) for i in range(2)]
     qs = torch.randn((2, 2 * heads, dim), device="cuda").to(torch.bfloat16)
     for step in range(steps):

@@ -1,0 +1,62 @@
+"""A/B of the serving loop: the attention launched as a programmatic dependent of the layer's append, or not.
+
+    python benchmarks/serving_ab.py b1-64k graph 256 bf16,pdl,off,pdl,off,bf16,pdl,off
+
+benchmarks/serving.py's runs of a scenario (its user's loop: the cache's defaults, a calibration from the first 1024
+tokens, every capture and re-plan inside 256 timed steps, read-back and attention checked after each run), in one
+process and interleaved: ``bf16`` (BF16 + flash), ``pdl`` (GAAC as shipped: a layer's attention launched as a
+programmatic dependent of its one-token append, gaac/serving/plan.py) and ``off`` (GAAC with every attention
+launched in plain stream order).  Arguments: scenarios, modes, timed steps, the runs in order.  Prints each run's
+ms a step and the means."""
+import sys, argparse, statistics
+from pathlib import Path
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT)); sys.path.insert(0, str(ROOT / "benchmarks"))
+import torch
+import serving as SV
+import decode_step as ds
+import gaac
+from gaac.serving.plan import StepPlan
+
+orig = StepPlan._follows_append
+
+
+def off(self, layer, handle):
+    self._after_append = None
+    return False
+
+
+args = argparse.Namespace(warmup=16, steps=int(sys.argv[3]) if len(sys.argv) > 3 else 256, profile=0, join_phases=0,
+                          host_profile=0, join_by_layer=False, prompt_trace=False, isolate=False)
+torch.backends.cuda.matmul.allow_tf32 = False
+s = ds.LLAMA_8B
+k_u, v_u = ds.real_source(ds.find_data(None), s)
+cal = gaac.calibrate(k_u[:, :, :1024], v_u[:, :, :1024], show_progress=False)
+src = ds.Source(k_u, v_u)
+model = ds.Model(s)
+for name in sys.argv[1].split(","):
+    batch, context, every, prompt, tg, te = SV.SCENARIOS[name]
+    lens = [context - SV.GAP * i for i in range(batch)]
+    for mode in sys.argv[2].split(","):
+        graph = mode == "graph"
+        res = {}
+        for tag in (sys.argv[4].split(",") if len(sys.argv) > 4 else ["bf16", "pdl", "off", "pdl", "off", "bf16"]):
+            StepPlan._follows_append = orig if tag != "off" else off
+            fn = SV.run_bf16 if tag == "bf16" else SV.run_gaac
+            try:
+                r = fn(model, src, cal, s, lens, args, every, prompt, graph)
+            except Exception as exc:
+                import traceback
+                traceback.print_exc()
+                continue
+            finally:
+                ds.free()
+            res.setdefault(tag, []).append(r["ms"])
+            print(f"{name} {mode} {tag}: {r['ms']:.3f} ms/step, event median {r.get('event_median_ms', 0):.3f}, "
+                  f"captures {r.get('captures')}, eager {r.get('eager_steps')}, bit-exact {r.get('bit_exact')}, "
+                  f"err {r.get('attention_rel_err')}", flush=True)
+        StepPlan._follows_append = orig
+        b = statistics.mean(res.get("bf16", [float("nan")]))
+        print(f"== {name} {mode}: bf16 {b:.3f}; " + "; ".join(
+            f"{t} {statistics.mean(v):.3f} ({b / statistics.mean(v):.4f}x)" for t, v in res.items() if t != "bf16"),
+            flush=True)
