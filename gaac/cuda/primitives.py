@@ -159,17 +159,21 @@ if not SIMULATOR:
             return _tuple(context, builder, rt, r, 2)
         return rt(types.uint32), codegen
 
-    @intrinsic
-    def _lds(typingctx, addr):
-        def codegen(context, builder, sig, args):
-            return _asm(builder, _I32, list(args), "ld.shared.u32 $0, [$1];", "=r,r,~{memory}", side_effect=True)
-        return types.uint32(types.uint32), codegen
+    def _load_intrinsic(text: str, ret, at):
+        """A one-register load ``text`` (PTX, ``$0`` the value, ``$1`` the address) as an intrinsic returning numba
+        type ``ret`` from an address of numba type ``at`` (uint32: shared memory; int64: global)."""
+        reg = _F32 if ret == types.float32 else _I32
+        constraints = f"={'f' if reg is _F32 else 'r'},{'l' if at == types.int64 else 'r'},~{{memory}}"
 
-    @intrinsic
-    def _lds_u8(typingctx, addr):
-        def codegen(context, builder, sig, args):
-            return _asm(builder, _I32, list(args), "ld.shared.u8 $0, [$1];", "=r,r,~{memory}", side_effect=True)
-        return types.uint32(types.uint32), codegen
+        @intrinsic
+        def load(typingctx, addr):
+            def codegen(context, builder, sig, args):
+                return _asm(builder, reg, list(args), text, constraints, side_effect=True)
+            return ret(at), codegen
+        return load
+
+    _lds = _load_intrinsic("ld.shared.u32 $0, [$1];", types.uint32, types.uint32)
+    _lds_u8 = _load_intrinsic("ld.shared.u8 $0, [$1];", types.uint32, types.uint32)
 
     @intrinsic
     def _sts4(typingctx, addr, w0, w1, w2, w3):
@@ -200,23 +204,9 @@ if not SIMULATOR:
             return _tuple(context, builder, rt, r, 4)
         return rt(types.int64), codegen
 
-    @intrinsic
-    def _ldcg(typingctx, gptr):
-        def codegen(context, builder, sig, args):
-            return _asm(builder, _F32, list(args), "ld.global.cg.f32 $0, [$1];", "=f,l,~{memory}", side_effect=True)
-        return types.float32(types.int64), codegen
-
-    @intrinsic
-    def _ldcg_s32(typingctx, gptr):
-        def codegen(context, builder, sig, args):
-            return _asm(builder, _I32, list(args), "ld.global.cg.s32 $0, [$1];", "=r,l,~{memory}", side_effect=True)
-        return types.int32(types.int64), codegen
-
-    @intrinsic
-    def _ldcg_s16(typingctx, gptr):
-        def codegen(context, builder, sig, args):
-            return _asm(builder, _I32, list(args), "ld.global.cg.s16 $0, [$1];", "=r,l,~{memory}", side_effect=True)
-        return types.int32(types.int64), codegen
+    _ldcg = _load_intrinsic("ld.global.cg.f32 $0, [$1];", types.float32, types.int64)
+    _ldcg_s32 = _load_intrinsic("ld.global.cg.s32 $0, [$1];", types.int32, types.int64)
+    _ldcg_s16 = _load_intrinsic("ld.global.cg.s16 $0, [$1];", types.int32, types.int64)
 
     @intrinsic
     def _cp16(typingctx, addr, gptr):
