@@ -385,22 +385,21 @@ def test_counts_and_blocks_asked_for_in_one_copy_reach_their_own_stores(monkeypa
     assert all(event.event is arrival and torch.equal(host, block) for (host, event), block in zip(got, blocks))
 
 
-def test_attention_follows_an_append_only_right_after_that_layers_append(monkeypatch):
+def test_attention_follows_an_append_only_right_after_that_layers_append():
     """The plan launches a layer's attention as a programmatic dependent of the append only where the launch
     before it on the same stream was that layer's one-token append of this step and nothing in the cache
     changed since; the note is used once."""
-    import gaac.cuda.launch as launch
-    import gaac.cuda.primitives as primitives
-
     rng = np.random.default_rng(3)
     k, v = synthetic(rng, 2, 1, 3 * B, 64), synthetic(rng, 2, 1, 3 * B, 64)
     cal = calibrate(k[:, :, :32], v[:, :, :32])
     cache = PagedKVCache(cal, **every_tile(cal, 2, 8), codec="cuda")
     cache.add_sequence(k, v)
     plan = cache.decode_plan(2)
-    monkeypatch.setattr(primitives, "SIMULATOR", False)
+    assert plan._current_stream is None            # the simulator launches through numba: no note is made
+    plan.appended_last(1)
+    assert not plan._follows_append(1, 7)
     stream = [7]
-    monkeypatch.setattr(launch, "current_stream", lambda: stream[0])
+    plan._current_stream = lambda: stream[0]       # as on a GPU, where the plan launches through the driver
     plan.appended_last(1)
     assert plan._follows_append(1, 7)
     assert not plan._follows_append(1, 7)              # used once

@@ -100,6 +100,7 @@ class StepPlan:
     _account = None             # the account of the blocks this step's appends finish (_Account)
     _room = None                # a captured bucket step's work-list room (_plan_kernel), else None
     _after_append = None        # (layer, cache generation, stream) of the one-token append launched last (GPU)
+    _current_stream = None      # torch's current-stream accessor, where the plan launches through the driver (GPU)
 
     def __init__(self, cache, q_heads: int, *, append: int = 1, seqs=None, scale: float | None = None,
                  steps: int | None = None, bucket: int | None = None):
@@ -526,12 +527,8 @@ class StepPlan:
         append kernels of :mod:`gaac.serving.append` and :mod:`gaac.cuda.append`): :meth:`run` of that layer then
         launches the attention kernel as its programmatic dependent, which overlaps the kernel's start with the
         append (:mod:`gaac.cuda.attention` says what it reads before it waits for the append)."""
-        from ..cuda.primitives import SIMULATOR
-
-        if self.kernel_path and not SIMULATOR:
-            from ..cuda.launch import current_stream
-
-            self._after_append = (layer, self.cache.serving.generation, current_stream())
+        if self._current_stream is not None:
+            self._after_append = (layer, self.cache.serving.generation, self._current_stream())
 
     def _follows_append(self, layer: int, handle: int) -> bool:
         """Whether the launch before ``layer``'s attention on stream ``handle`` is that layer's append of this
