@@ -100,16 +100,16 @@ def test_pending_blocks_kept_on_the_device_are_read_there_and_decide_the_same(mo
     assert results[True] == [results[False][0] - rec_words]
 
 
-def _steps_then_prompt(monkeypatch):
-    """Two sequences of drifting content to decode steps of, and a prompt (one layer, one head of 64), with
-    checks every 4 blocks: ``(rng, k, v, calibration, start lengths, steps, heads)``."""
+def _steps_then_prompt(monkeypatch, layers: int = 1, steps: int = 3 * 16):
+    """Two sequences of drifting content to decode ``steps`` of, and a prompt (``layers`` layers, one head of 64),
+    with checks every 4 blocks: ``(rng, k, v, calibration, start lengths, steps, heads)``."""
     from test_cache import B, drifting, synthetic
 
     monkeypatch.setattr(epochs, "WARMUP_BLOCKS", 4)
     monkeypatch.setattr(epochs, "ADAPT_EVERY", 4)
     monkeypatch.setattr(epochs, "PAYBACK_CHECKS", 10 ** 9)
     rng = np.random.default_rng(11)
-    layers, heads, dim, steps = 1, 1, 64, 3 * B
+    heads, dim = 1, 64
     start, prompt = [5 * B + 3, 6 * B + 11], 7 * B
     k = [drifting(rng, layers, heads, n, dim, 16.0) for n in (start[0] + steps, start[1] + steps, prompt)]
     v = [synthetic(rng, layers, heads, n, dim) for n in (start[0] + steps, start[1] + steps, prompt)]
@@ -131,9 +131,10 @@ def _same_caches(caches, k, v, start, steps) -> None:
     (host, _), (gpu, gpu_rows) = caches
     assert gpu.calibration.n_epochs(0, L.KIND_K) > 1
     assert_same_epochs(gpu.calibration, host.calibration)
-    for kind in (L.KIND_K, L.KIND_V):
-        np.testing.assert_array_equal(gpu.stores(0)[kind].epochs, host.stores(0)[kind].epochs)
-        _same_adapter(gpu.stores(0)[kind].adapter, host.stores(0)[kind].adapter)
+    for layer in range(gpu.layers):
+        for kind in (L.KIND_K, L.KIND_V):
+            np.testing.assert_array_equal(gpu.stores(layer)[kind].epochs, host.stores(layer)[kind].epochs)
+            _same_adapter(gpu.stores(layer)[kind].adapter, host.stores(layer)[kind].adapter)
     for i, r in enumerate(gpu_rows):
         got_k, got_v = gpu.read(r)
         want = (k[i][:, :, :start[i] + steps], v[i][:, :, :start[i] + steps]) if i < 2 else (k[2], v[2])
@@ -146,13 +147,15 @@ def test_a_prompt_after_decode_steps_reads_the_pending_blocks_on_the_device(monk
     them gathers them there: every adapter it reads with pending blocks has all of them on the device.  A decode
     step whose blocks complete no adapter's check costs the rule's turn nothing: no adapter observes them on the
     host (they wait in the store's queue, counted), and the decode checks are looked for only at steps where a
-    check comes due, each of which launches a rule batch.  The cache decides and holds what the host rule's cache
-    does."""
+    check comes due, each of which launches a rule batch.  The prompt (two layers, one transaction) looks for the
+    checks its layers' queued blocks complete once for all layers and kinds (then once more, finding none, where
+    that launched a batch), not at each layer and kind's flush.  The cache decides and holds what the host rule's
+    cache does."""
     from test_captured import _steps
 
     from gaac.cache.update import UpdateTransaction, _waiting
 
-    rng, k, v, cal, start, steps, heads = _steps_then_prompt(monkeypatch)
+    rng, k, v, cal, start, steps, heads = _steps_then_prompt(monkeypatch, layers=2)
     observed, looks, batches = [], [], []
     observe, look, batch_init = epochs.Adapter.observe, UpdateTransaction._launch_decode_checks, device_epochs.Batch.__init__
     caches = []
@@ -173,8 +176,12 @@ def test_a_prompt_after_decode_steps_reads_the_pending_blocks_on_the_device(monk
             assert observed == [], "an adapter observed a decode step's blocks on the host"
             assert batches, "no decode check was launched"
             assert looks == sorted(set(batches)), "the rule's turn looked for checks at a step that launched none"
-            for store in cache.stores(0):
-                assert store.waiting == _waiting(store.deferred) > 0
+            for layer in range(cache.layers):
+                for store in cache.stores(layer):
+                    assert store.waiting == _waiting(store.deferred) > 0
+            del looks[:]
+            monkeypatch.setattr(UpdateTransaction, "_launch_decode_checks",
+                                lambda c, upto: (looks.append(c._step_clock), look(c, upto))[1])
         seen = []
         recent_on = epochs.Adapter.recent_on
 
@@ -187,6 +194,8 @@ def test_a_prompt_after_decode_steps_reads_the_pending_blocks_on_the_device(monk
         rows.append(cache.add_sequence(k[2], v[2]))
         monkeypatch.setattr(epochs.Adapter, "recent_on", recent_on)
         if on_device:
+            monkeypatch.setattr(UpdateTransaction, "_launch_decode_checks", look)
+            assert 1 <= len(looks) <= 2, f"the prompt looked for decode checks {len(looks)} times"
             pending = [(n, runs) for n, runs in seen if n]
             assert pending, "no adapter had pending blocks when the prompt's rule ran"
             assert all(runs is not None and sum(len(r) for r in runs) == n for n, runs in pending)

@@ -345,6 +345,7 @@ class PagedKVCache(UpdateTransaction):
         self._step_clock = 0         # decode steps accounted (account_decode_step): the rule's lag counts them
         self._next_due = None        # the earliest step whose finished blocks wait for the rule (_flush_due)
         self._rule_batches = []      # (step, GPU rule batch, its jobs) of decode checks in flight (_flush_due)
+        self._checks_settled = None  # inside _prepare_all: whether the queued decode checks were settled (None: outside)
         self._returning = []         # removed sequences' records on their way back to the pools (_take_returns)
         self._guess_misses = 1.0     # running share of a prompt's rule jobs that appended an epoch (_guess_pays)
         self.storage_version = 0     # counts replacements of arrays that launches name (growth, a full epoch table)
@@ -382,6 +383,7 @@ class PagedKVCache(UpdateTransaction):
         # a cache pickled before these attributes existed starts as a new cache does
         state.setdefault("_returning", [])
         state.setdefault("_guess_misses", 1.0)
+        state["_checks_settled"] = None
         self.__dict__.update(state)
         self._lock = threading.RLock()
 
@@ -535,8 +537,7 @@ class PagedKVCache(UpdateTransaction):
             show_progress = k.shape[2] >= PROGRESS_TOKENS and sys.stderr.isatty()
         layers = progress(range(self.layers), desc=f"encode {k.shape[2]} tokens", unit="layer",
                           enable=show_progress)
-        self._apply([self._prepare(layer, [seq], k[layer][None], v[layer][None], decide=not fitted)
-                     for layer in layers])
+        self._apply(self._prepare_all((layer, [seq], k[layer][None], v[layer][None], not fitted) for layer in layers))
 
     def _check_table_room(self, seq: int, tokens: int) -> None:
         """Refuse, before encoding anything, an append that would outgrow the block table (unless ``grow``)."""

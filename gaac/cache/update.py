@@ -357,7 +357,7 @@ class UpdateTransaction:
             queued, self._queued = self._queued, []
             if queued:
                 self.serving.settle()
-                self._apply([self._prepare(layer, seqs, k, v) for layer, seqs, k, v in queued])
+                self._apply(self._prepare_all((layer, seqs, k, v, True) for layer, seqs, k, v in queued))
 
     def _written_early(self, updates: list) -> "_EarlyWrite":
         """Commit ``updates`` while their encodes may still run dry: what the write changes that a later
@@ -583,11 +583,8 @@ class UpdateTransaction:
         blocks finished from then on (:meth:`_epochs_appended`)."""
         if upto is None and not front:
             self._finish_rule_batches()             # the rule's checks in flight come first
-            if self._device_rule and any(_on_device(item) for item in store.deferred):
-                # every layer's decode checks in one GPU batch, waited for once (a prefill needs the
-                # adapters current): the host rule would take milliseconds a check
-                self._launch_decode_checks(self._step_clock)
-                self._finish_rule_batches()
+            if self._device_rule and not self._checks_settled and any(_on_device(item) for item in store.deferred):
+                self._settle_decode_checks()
         while store.deferred:
             item = store.deferred[0]
             if upto is not None and isinstance(item, _Observed) and item.step > upto or front and _on_device(item):
@@ -611,6 +608,32 @@ class UpdateTransaction:
                 device = None if device is None else device[n:]
             if appended:
                 self._epochs_appended(layer)
+
+    def _settle_decode_checks(self) -> None:
+        """Run on the GPU every check the queued decode blocks of every layer and kind complete, each round of
+        checks one batch (a store takes one check a batch), and take up their decisions: a prefill needs the
+        adapters current, and the host rule would take milliseconds a check.  Inside :meth:`_prepare_all` once
+        for all its layers (:attr:`_checks_settled`): their flushes change only their own stores, so no check
+        comes due between them."""
+        while True:
+            before = len(self._rule_batches)
+            self._launch_decode_checks(self._step_clock)
+            launched = len(self._rule_batches) > before
+            self._finish_rule_batches()
+            if not launched:
+                break
+        if self._checks_settled is False:
+            self._checks_settled = True
+
+    def _prepare_all(self, updates) -> list:
+        """:meth:`_prepare` of every ``(layer, seqs, k, v, decide)`` of ``updates`` (one transaction's), the decode
+        checks settled once for all of them rather than at every layer and kind's flush (which looked at every
+        store's queue once a store: 64 times 64 at 32 layers)."""
+        self._checks_settled = False
+        try:
+            return [self._prepare(layer, seqs, k, v, decide) for layer, seqs, k, v, decide in updates]
+        finally:
+            self._checks_settled = None
 
     def _flush_due(self) -> None:
         """The adaptation rule's turn in a decode loop, after each step's account: the adapters observe the
