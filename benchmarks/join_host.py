@@ -161,7 +161,7 @@ def measure(args, layers: int) -> dict:
             ops.phase = "other"
             before = sum(cache.calibration.n_epochs(layer, kind) for layer in range(layers) for kind in (0, 1))
             join(cache, rows, pk, pv, i)
-            counts, by_op, _ = ops.new_step()
+            counts, by_op, _, _ = ops.new_step()
         appended = sum(cache.calibration.n_epochs(layer, kind) for layer in range(layers) for kind in (0, 1)) - before
         joins.append(dict(counts={p: dict(c) for p, c in counts.items()}, by_op={p: dict(c) for p, c in by_op.items()},
                           epochs=appended))
