@@ -59,7 +59,9 @@ def test_the_device_rule_decides_what_the_host_rule_decides(monkeypatch):
 def test_pending_blocks_kept_on_the_device_are_read_there_and_decide_the_same(monkeypatch):
     """An adapter whose pending blocks came with device copies (a decode loop's, a batch's leftovers) has
     the rule's batch gather them on the device instead of uploading the host's: the same decisions, and an
-    upload smaller by exactly those blocks; the adapter keeps the batch's leftovers on the device too."""
+    upload smaller by exactly those blocks; the adapter keeps the batch's leftovers on the device too.  Where
+    not every pending block has a device copy, the blocks whose values stay on the device come to the host in
+    one read for all the batch's jobs (a read waits for the device)."""
     monkeypatch.setattr(epochs, "WARMUP_BLOCKS", 8)
     monkeypatch.setattr(epochs, "PAYBACK_CHECKS", 10 ** 9)
     x = drifting_cache(40 * L.BLOCK_TOKENS, layers=2)[:, :1]
@@ -67,12 +69,17 @@ def test_pending_blocks_kept_on_the_device_are_read_there_and_decide_the_same(mo
     cal = calibrate(x[:, :, :128], x[:, :, :128])
     staged = device_epochs._staged
     results = {}
+    host_values = epochs.host_values
     for on_device in (False, True):
-        uploaded = []
+        uploaded, reads = [], []
 
         def spy(a, device):
             uploaded.append(a.size)
             return staged(a, device)
+
+        def read(blocks):
+            reads.append(sum(isinstance(b, epochs.DeviceBlock) for b in blocks))
+            return host_values(blocks)
 
         monkeypatch.setattr(device_epochs, "_staged", spy)
         jobs, want = [], []
@@ -81,14 +88,22 @@ def test_pending_blocks_kept_on_the_device_are_read_there_and_decide_the_same(mo
             adapter = epochs.Adapter(cal.copy(), 0, kind)
             adapter.assign(blocks[:16])                            # one check done, none pending
             for a, z in ((16, 17), (17, 16 + pending)):            # two observations, two device runs
-                adapter.observe(blocks[a:z], device=torch.from_numpy(blocks[a:z].view(np.int16)).clone()
-                                if on_device else None)
+                run = torch.from_numpy(blocks[a:z].view(np.int16)).clone()
+                if on_device:
+                    adapter.observe(blocks[a:z], device=run)
+                elif a == 16:       # values left on the device, but the next observation has no device copy
+                    adapter.observe(epochs.device_blocks(run), device=run)
+                else:
+                    adapter.observe(blocks[a:z])
             assert (adapter.recent_on(torch.device("cpu")) is not None) == on_device
             reference = copy.deepcopy(adapter)
             new = blocks[16 + pending:16 + pending + 17]           # the same count in every job
             want.append((reference, reference.assign(new)))
             jobs.append((adapter, torch.from_numpy(new.view(np.int16))))
+        monkeypatch.setattr(epochs, "host_values", read)
         got = device_epochs.assign(jobs)
+        monkeypatch.setattr(epochs, "host_values", host_values)
+        assert [n for n in reads if n] == ([] if on_device else [2]), reads
         for (adapter, _), e, (reference, e_want) in zip(jobs, got, want):
             assert np.array_equal(e, e_want)
             _same_adapter(adapter, reference)
@@ -100,16 +115,16 @@ def test_pending_blocks_kept_on_the_device_are_read_there_and_decide_the_same(mo
     assert results[True] == [results[False][0] - rec_words]
 
 
-def _steps_then_prompt(monkeypatch, layers: int = 1, steps: int = 3 * 16):
-    """Two sequences of drifting content to decode ``steps`` of, and a prompt (``layers`` layers, one head of 64),
-    with checks every 4 blocks: ``(rng, k, v, calibration, start lengths, steps, heads)``."""
+def _steps_then_prompt(monkeypatch, layers: int = 1):
+    """Two sequences of drifting content to decode steps of, and a prompt (``layers`` layers, one head of 64), with
+    checks every 4 blocks: ``(rng, k, v, calibration, start lengths, steps, heads)``."""
     from test_cache import B, drifting, synthetic
 
     monkeypatch.setattr(epochs, "WARMUP_BLOCKS", 4)
     monkeypatch.setattr(epochs, "ADAPT_EVERY", 4)
     monkeypatch.setattr(epochs, "PAYBACK_CHECKS", 10 ** 9)
     rng = np.random.default_rng(11)
-    heads, dim = 1, 64
+    heads, dim, steps = 1, 64, 3 * B
     start, prompt = [5 * B + 3, 6 * B + 11], 7 * B
     k = [drifting(rng, layers, heads, n, dim, 16.0) for n in (start[0] + steps, start[1] + steps, prompt)]
     v = [synthetic(rng, layers, heads, n, dim) for n in (start[0] + steps, start[1] + steps, prompt)]
@@ -171,7 +186,6 @@ def test_a_prompt_after_decode_steps_reads_the_pending_blocks_on_the_device(monk
         assert _steps(cache, rows, k, v, pos, 2 * heads, steps, rng) == steps
         if on_device:
             monkeypatch.setattr(epochs.Adapter, "observe", observe)
-            monkeypatch.setattr(UpdateTransaction, "_launch_decode_checks", look)
             monkeypatch.setattr(device_epochs.Batch, "__init__", batch_init)
             assert observed == [], "an adapter observed a decode step's blocks on the host"
             assert batches, "no decode check was launched"
@@ -179,9 +193,7 @@ def test_a_prompt_after_decode_steps_reads_the_pending_blocks_on_the_device(monk
             for layer in range(cache.layers):
                 for store in cache.stores(layer):
                     assert store.waiting == _waiting(store.deferred) > 0
-            del looks[:]
-            monkeypatch.setattr(UpdateTransaction, "_launch_decode_checks",
-                                lambda c, upto: (looks.append(c._step_clock), look(c, upto))[1])
+            del looks[:]                        # (still counted: the prompt's looks below)
         seen = []
         recent_on = epochs.Adapter.recent_on
 

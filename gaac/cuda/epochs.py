@@ -620,9 +620,10 @@ class Batch:
         on_device = bool(runs) and all(r is not None for r in runs)
         rec_np = np.zeros(rec_shape if r0.any() and not on_device else (0,), dtype=np.int16)
         if len(rec_np):
-            for i, (a, _) in enumerate(jobs):
-                if a._recent:
-                    rec_np[i, :len(a._recent)] = E.host_values(a._recent).view(np.int16)
+            # every job's blocks that stay on the device in one copy to the host (one wait, not one a job)
+            values = E.host_values([b for a, _ in jobs for b in a._recent]).view(np.int16)
+            for i, (start, n) in enumerate(zip(np.cumsum(r0) - r0, r0)):
+                rec_np[i, :n] = values[start:start + n]
         self.m = m = max(1, int(checks.max()))
         # nxt[p, job]: the check that appends the job's p-th epoch of the batch (NONE: none); a phase a row.
         # It starts as NONE everywhere and comes with the small inputs.
