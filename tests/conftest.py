@@ -57,6 +57,8 @@ def _wake_simulator_blocks_on_events():
                 manager = self._manager
                 with manager.cond:
                     manager.live -= 1
+                    if self.exception and manager.failed is None:
+                        manager.failed = self
                     manager.cond.notify()
 
         def syncthreads(self):
@@ -80,12 +82,12 @@ def _wake_simulator_blocks_on_events():
             self.cond = threading.Condition()
             threads = [Thread(target, self, grid_point, point, self._debug)
                        for point in np.ndindex(*self._block_dim)]
-            self.live, self.blocked = len(threads), 0
+            self.live, self.blocked, self.failed = len(threads), 0, None
             for t in threads:
                 t.start()
             with self.cond:
                 while True:
-                    failed = next((t for t in threads if t.exception), None)
+                    failed = self.failed
                     if failed is not None:
                         for t in threads:
                             t.abort = True
