@@ -1,0 +1,33 @@
+"""A join's host side, counted as benchmarks/join_host.py counts it (CPU, the CUDA codec in numba's simulator): the
+benchmark runs, and a join waits for the device a fixed few times (README: 5 a join once the cache's shares have
+seen the content, 6-7 while the arena grows), none of them in the rule's launch."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("numba")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_join_waits_a_fixed_few_times():
+    sys.path.insert(0, str(ROOT))
+    spec = importlib.util.spec_from_file_location("benchmarks_join_host", ROOT / "benchmarks" / "join_host.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    args = argparse.Namespace(device="cpu", layers="1", kv_heads=1, head_dim=64, batch=2, base=200, prompt=296,
+                              calib=64, joins=1, steps=0, runs=0, out=None)
+    r = mod.measure(args, 1)
+    (join,) = r["joins"]
+    counts = join["counts"]
+    assert set(counts) >= {"remove", "reserve", "rule", "encode", "decisions", "commit"}, counts
+    assert counts["encode"].get("launch", 0) >= 2, counts["encode"]          # the prompt's K and V encodes
+    assert counts["rule"].get("launch", 0) >= 1 and counts["rule"].get("sync", 0) == 0, counts["rule"]
+    waits = sum(c.get("sync", 0) for c in counts.values())
+    assert 1 <= waits <= 7, {p: c.get("sync", 0) for p, c in counts.items()}
