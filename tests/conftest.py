@@ -43,8 +43,8 @@ def _serialise_simulator_shared_arrays():
 def _wake_simulator_blocks_on_events():
     """numba's simulator runs a thread block as one Python thread a CUDA thread, and its ``BlockManager`` finds
     the block's barrier by polling every thread's flags and ``is_alive()`` in a loop that never sleeps: it holds
-    the GIL against the threads it waits for (a kernel of 256-thread blocks spent four fifths of its time
-    there).  The same barrier, driven by the threads: each one that reaches ``syncthreads`` or ends says so
+    the GIL against the threads it waits for (the rule's scan kernel, 256-thread blocks, spent most of its
+    time there).  The same barrier, driven by the threads: each one that reaches ``syncthreads`` or ends says so
     under a condition the manager waits on, and the manager releases the blocked threads once every live
     thread is blocked, as the polling loop does.  A thread's exception aborts the others and is raised."""
     from numba.cuda.simulator import kernel as sim
