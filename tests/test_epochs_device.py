@@ -479,3 +479,32 @@ def test_a_fitted_prompt_is_observed_without_a_wait_and_the_blocks_after_it_deci
         rk, rv = cache.read_layer(0, [seq])
         assert np.array_equal(rk[0].numpy().view(np.uint16), x[0])
         assert np.array_equal(rv[0].numpy().view(np.uint16), x[1])
+
+
+def test_reading_the_calibration_looks_for_the_queued_decode_checks_once(monkeypatch):
+    """``cache.calibration`` brings every adapter up to date: where decode blocks wait on the device in every layer
+    and kind's queue (none completing a check), it looks for their checks once, not once a store; the adapters
+    then hold those blocks, their device copies kept for the rule's next batch."""
+    from gaac.cache.update import UpdateTransaction, _Observed
+
+    kv = [drifting_cache(8 * L.BLOCK_TOKENS, seed=s, layers=3)[:, :1] for s in (0, 1)]    # K, V: [3, 1, t, 64]
+    cal = calibrate(kv[0], kv[1])
+    cache = PagedKVCache(cal, max_blocks=8, codec="cuda", adapt=True)
+    cache._rule_on_device = True
+    for layer in range(cache.layers):
+        for kind in (L.KIND_K, L.KIND_V):
+            store = cache.stores(layer)[kind]
+            run = torch.from_numpy(cache_blocks(kv[kind][layer])[:2].view(np.int16)).clone()
+            store.deferred.append(_Observed(None, 0, run))
+            store.waiting += len(run)
+            assert store.adapter.until_check > len(run)
+    looks = []
+    look = UpdateTransaction._launch_decode_checks
+    monkeypatch.setattr(UpdateTransaction, "_launch_decode_checks",
+                        lambda c, upto: (looks.append(upto), look(c, upto))[1])
+    cache.calibration
+    assert len(looks) == 1, looks
+    for layer in range(cache.layers):
+        for store in cache.stores(layer):
+            assert not store.deferred and store.waiting == 0
+            assert len(store.adapter._recent) == 2 and store.adapter.recent_on(torch.device("cpu")) is not None

@@ -345,7 +345,7 @@ class PagedKVCache(UpdateTransaction):
         self._step_clock = 0         # decode steps accounted (account_decode_step): the rule's lag counts them
         self._next_due = None        # the earliest step whose finished blocks wait for the rule (_flush_due)
         self._rule_batches = []      # (step, GPU rule batch, its jobs) of decode checks in flight (_flush_due)
-        self._checks_settled = None  # inside _prepare_all: whether the queued decode checks were settled (None: outside)
+        self._checks_settled = None  # inside _settling_once: whether the queued decode checks were settled (None: outside)
         self._returning = []         # removed sequences' records on their way back to the pools (_take_returns)
         self._guess_misses = 1.0     # running share of a prompt's rule jobs that appended an epoch (_guess_pays)
         self.storage_version = 0     # counts replacements of arrays that launches name (growth, a full epoch table)

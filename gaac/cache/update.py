@@ -21,6 +21,7 @@ The module docstring of :mod:`gaac.cache.paged` states what an update promises.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import threading
@@ -614,7 +615,7 @@ class UpdateTransaction:
         checks one batch (a store takes one check a batch), and take up their decisions: a prefill needs the
         adapters current, and the host rule would take milliseconds a check.  Inside :meth:`_prepare_all` once
         for all its layers (:attr:`_checks_settled`): their flushes change only their own stores, so no check
-        comes due between them."""
+        comes due between them (and inside :meth:`_flush_all`, for the same reason)."""
         while True:
             before = len(self._rule_batches)
             self._launch_decode_checks(self._step_clock)
@@ -625,15 +626,24 @@ class UpdateTransaction:
         if self._checks_settled is False:
             self._checks_settled = True
 
+    @contextlib.contextmanager
+    def _settling_once(self):
+        """A span of flushes of several stores in which the queued decode checks are settled once, at the first
+        flush that needs them, rather than at every layer and kind's flush (which looked at every store's queue
+        once a store: 64 times 64 at 32 layers)."""
+        outer = self._checks_settled
+        if outer is None:
+            self._checks_settled = False
+        try:
+            yield
+        finally:
+            self._checks_settled = outer
+
     def _prepare_all(self, updates) -> list:
         """:meth:`_prepare` of every ``(layer, seqs, k, v, decide)`` of ``updates`` (one transaction's), the decode
-        checks settled once for all of them rather than at every layer and kind's flush (which looked at every
-        store's queue once a store: 64 times 64 at 32 layers)."""
-        self._checks_settled = False
-        try:
+        checks settled once for all of them (:meth:`_settling_once`)."""
+        with self._settling_once():
             return [self._prepare(layer, seqs, k, v, decide) for layer, seqs, k, v, decide in updates]
-        finally:
-            self._checks_settled = None
 
     def _flush_due(self) -> None:
         """The adaptation rule's turn in a decode loop, after each step's account: the adapters observe the
@@ -801,10 +811,11 @@ class UpdateTransaction:
 
     def _flush_all(self) -> None:
         self._finish_rule_batches()
-        for layer, layer_store in enumerate(self._store):
-            for kind, store in zip(KINDS, layer_store):
-                if store.deferred:
-                    self._flush(store, layer, kind)
+        with self._settling_once():
+            for layer, layer_store in enumerate(self._store):
+                for kind, store in zip(KINDS, layer_store):
+                    if store.deferred:
+                        self._flush(store, layer, kind)
 
     def _reserve(self, updates: list) -> None:
         """Make room for ``updates`` (growing, where allowed) or raise before anything is written.
