@@ -292,38 +292,6 @@ def test_a_cache_whose_rule_runs_on_the_device_holds_what_the_host_rule_makes(mo
     assert np.array_equal(rv[0].numpy().view(np.uint16), x[1])
 
 
-def test_the_encoders_take_the_bases_of_the_epochs_the_rule_appends_from_the_device(monkeypatch):
-    """The epochs a prompt's rule appends reach the encoders packed on the device, from the candidates the checks
-    picked: nothing is packed on the host or copied over for them (the encodes, nor the decode appends' plans made
-    when the epoch is published), and each is the host's packing of the calibration's bases, bit for bit; the
-    adapters' histograms are views of one allocation for the batch."""
-    import gaac.cuda.codec as codec
-    from gaac.tiles import tile_bases
-
-    x, cal, n = _one_drifting_layer(monkeypatch)
-    packed = []
-    pack = codec.pack_bases
-    monkeypatch.setattr(codec, "pack_bases", lambda *a, **k: (packed.append(1), pack(*a, **k))[1])
-    cache = PagedKVCache(cal, **every_tile(cal, 1, 40), codec="cuda")
-    cache._rule_on_device = True
-    packed.clear()                                          # (the cache packs its calibration's epochs once)
-    seq = cache.add_sequence(x[:1, :, :n], x[1:, :, :n])
-    held = [cache.calibration.n_epochs(0, kind) for kind in (L.KIND_K, L.KIND_V)]
-    assert min(held) > 1 and packed == []
-    for kind in (L.KIND_K, L.KIND_V):
-        store = cache.stores(0)[kind]
-        assert sorted(store.packed) == list(range(held[kind]))
-        for e in range(held[kind]):
-            want = pack(*tile_bases(*cache.calibration.bases(0, kind, e)))
-            np.testing.assert_array_equal(np.asarray(store.packed[e]), np.asarray(want))
-    hists = [cache.stores(0)[kind].adapter.hist_if_on(torch.device("cpu")) for kind in (L.KIND_K, L.KIND_V)]
-    assert all(h is not None for h in hists)
-    assert hists[0].untyped_storage().data_ptr() == hists[1].untyped_storage().data_ptr()
-    rk, rv = cache.read_layer(0, [seq])
-    assert np.array_equal(rk[0].numpy().view(np.uint16), x[0, :, :n])
-    assert np.array_equal(rv[0].numpy().view(np.uint16), x[1, :, :n])
-
-
 def test_shapes_the_device_rule_does_not_take_fall_back_to_the_host_rule(monkeypatch):
     assert device_epochs.supported(8, 128) and device_epochs.supported(32, 256)
     assert not device_epochs.supported(64, 256)               # more channels than its shared tables hold

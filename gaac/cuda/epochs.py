@@ -640,12 +640,13 @@ class Batch:
             staged[e - a.size:e].view(a.shape) for a, e in zip(small, ends))
         # what starts at zero, in one allocation: the scan's savings and flags per check (saved0, differs0),
         # each check's candidate bases (cand, from an ALIGN-word boundary), the blocks not yet checked where
-        # there are none or they are gathered on the device, and the zeros that pad each job's gathered blocks
-        # to the longest run
+        # there are none or they are gathered on the device, a new cache's histograms, and the zeros that pad
+        # each job's gathered blocks to the longest run
         block_words = int(np.prod(rec_shape[2:])) // 2
         pad_blocks = rec_shape[1] - int(r0.min()) if on_device else 0
         sizes = [n_jobs * m, n_jobs * m, n_jobs * m * 2 * channels // 4,
-                 0 if r0.any() and not on_device else int(np.prod(rec_shape)) // 2, pad_blocks * block_words]
+                 0 if r0.any() and not on_device else int(np.prod(rec_shape)) // 2,
+                 n_jobs * channels * BINS if fresh else 0, pad_blocks * block_words]
         starts = np.concatenate([[0], np.cumsum([-(-n // _ALIGN_WORDS) * _ALIGN_WORDS for n in sizes])])
         zeros = torch.zeros(max(1, int(starts[-1])), dtype=torch.int32, device=device)
         part = [zeros[int(a):int(a) + n] for a, n in zip(starts, sizes)]
@@ -656,13 +657,12 @@ class Batch:
         else:
             rec = part[3].view(torch.int16).view(rec_shape)
         if on_device:       # each job's runs, then zeros up to the longest: one copy on the device
-            pad = part[4].view(torch.int16).view(pad_blocks, *rec_shape[2:])
+            pad = part[5].view(torch.int16).view(pad_blocks, *rec_shape[2:])
             torch.cat([piece for i, job_runs in enumerate(runs)
                        for piece in [*(r.view(torch.int16) for r in job_runs), pad[:rec_shape[1] - int(r0[i])]]],
                       out=rec.view(-1, *rec_shape[2:]))
-        # the histograms in an allocation of their own, which the adapters keep (views of it) after the batch
         if fresh:
-            self.hist = torch.zeros((n_jobs, channels, BINS), dtype=torch.int32, device=device)
+            self.hist = part[4].view(n_jobs, channels, BINS)
         else:
             up = iter(uploaded)
             self.hist = torch.stack([h.reshape(channels, BINS) if h is not None else next(up) for h in held])
@@ -741,9 +741,8 @@ class Batch:
             # have given them back to the batch's stream
             main = torch.cuda.current_stream(self.device)
             main.wait_stream(self.stream)
-            for t in (self.hist, self.cand, self._gathered[1]):
-                if t is not None:
-                    t.record_stream(main)
+            for t in (self.hist, self.cand):
+                t.record_stream(main)
         return self._finish(picked, recent)
 
     def _tables(self, picked: list) -> dict:
@@ -753,33 +752,12 @@ class Batch:
         if getattr(self, "_picked", None) is not None:
             return self._picked
         wanted = [(i, int(j)) for i, js in enumerate(picked) for j in js]
-        self._picked, self._gathered = {}, (wanted, None)
+        self._picked = {}
         if wanted:
             idx = torch.tensor(wanted, dtype=torch.int64, device=self.device)
-            gathered = self.cand[idx[:, 0], idx[:, 1]]
-            got = gathered.cpu().numpy().astype(np.uint8)
-            self._picked, self._gathered = {w: got[t] for t, w in enumerate(wanted)}, (wanted, gathered)
+            got = self.cand[idx[:, 0], idx[:, 1]].cpu().numpy().astype(np.uint8)
+            self._picked = {w: got[t] for t, w in enumerate(wanted)}
         return self._picked
-
-    def new_bases(self) -> list:
-        """After :meth:`finish`, per job (in the order given), the bases of the epochs it appended as the CUDA
-        encoder reads them (``int16 [P, 2, C]`` each: a block's tiles, narrow then wide bases), made on the
-        device from the candidates the checks picked (read from where :meth:`finish` gathered them for the
-        host), so that the encodes of a prompt that appends epochs copy none over.  The rule's windows start
-        within the modes' ranges by construction: a window running off bin 255 never beats the one ending
-        there, and ties go to the smaller start."""
-        import torch
-
-        out = [[] for _ in self.jobs]
-        wanted, gathered = self._gathered
-        if not wanted:
-            return out
-        c = L.tile_channels(self.head_dim)
-        p = self.channels // c
-        packed = gathered.view(len(wanted), 2, p, c).transpose(1, 2).to(torch.int16).contiguous()
-        for t, (i, _) in enumerate(wanted):
-            out[self.order[i]].append(packed[t])
-        return out
 
     def _finish(self, picked_all: list, recent: list) -> list:
         jobs, n, checks, r0, every = self.jobs, self.n, self.checks, self.r0, self.every
@@ -798,9 +776,8 @@ class Batch:
                 b3, b4 = tables[(i, int(j))]
                 a.calibration.add_epoch(a.layer, a.kind, b3.reshape(kv_heads, head_dim),
                                         b4.reshape(kv_heads, head_dim))
-            # a view of the batch's histograms, which nothing else holds: the allocation goes once every adapter
-            # of the batch has taken a newer one (a decode step's checks take every layer and kind's together)
-            a.keep_hist_on_device(self.hist[i].view(kv_heads, head_dim, BINS))
+            # a copy of its own, so that copying the adapter (the cache plans on a copy) copies 1 MB, not all jobs'
+            a.keep_hist_on_device(self.hist[i].view(kv_heads, head_dim, BINS).clone())
             a.finalized += n
             host, dev = recent[i]
             new = [dev] if dev is not None else []
