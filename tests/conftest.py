@@ -4,6 +4,7 @@ from pathlib import Path
 
 os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
+import importlib.util  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
 import traceback  # noqa: E402
@@ -114,6 +115,19 @@ if os.environ["NUMBA_ENABLE_CUDASIM"] == "1":
     _wake_simulator_blocks_on_events()
 
 KV_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "kv"
+
+
+def benchmark_module(name: str):
+    """``benchmarks/<name>.py`` loaded from its file, for a test of what a benchmark counts or codes (the package and
+    its tests import no benchmark module; tests/test_layering.py).  The repository root goes on ``sys.path`` for the
+    script's own ``benchmarks.*`` imports, and the module into ``sys.modules`` (dataclasses look it up there)."""
+    root = Path(__file__).resolve().parents[1]
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", root / "benchmarks" / f"{name}.py")
+    mod = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def kv_dump(kind: str, which: str) -> np.ndarray:

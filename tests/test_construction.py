@@ -14,8 +14,6 @@ this test uses; that script also times it.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,8 +27,8 @@ from gaac.cache.paged import PagedKVCache  # noqa: E402
 from gaac.cache.pools import RawArena  # noqa: E402
 from gaac.cache.store import make_stores  # noqa: E402
 from gaac.calibration import Calibration  # noqa: E402
+from conftest import benchmark_module  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 MOST = 10            # device operations making a cache that cannot grow may take, whatever its layers
 
 
@@ -42,10 +40,7 @@ def calibration(layers: int, heads: int = 2, dim: int = 64, seed: int = 0) -> Ca
 
 def _device_ops():
     """benchmarks/construction.py's counter (the one benchmarks/step_host.py counts with too)."""
-    spec = importlib.util.spec_from_file_location("benchmarks_construction", ROOT / "benchmarks" / "construction.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.DeviceOps
+    return benchmark_module("construction").DeviceOps
 
 
 @contextlib.contextmanager

@@ -4,23 +4,17 @@ seen the content, 6-7 while the arena grows), none of them in the rule's launch.
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
+
+from conftest import benchmark_module
 
 pytest.importorskip("torch")
 pytest.importorskip("numba")
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def test_a_join_waits_a_fixed_few_times():
-    sys.path.insert(0, str(ROOT))
-    spec = importlib.util.spec_from_file_location("benchmarks_join_host", ROOT / "benchmarks" / "join_host.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = benchmark_module("join_host")
     args = argparse.Namespace(device="cpu", layers="1", kv_heads=1, head_dim=64, batch=2, base=200, prompt=296,
                               calib=64, joins=1, steps=0, runs=0, out=None)
     r = mod.measure(args, 1)

@@ -4,21 +4,14 @@ The codec is a benchmark baseline, not part of the package, so it is loaded
 from its file; its ratio in the comparison is only worth something if every
 stream decodes to the exact input bits and its byte count is what it stores.
 """
-import importlib.util
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import kv_dump
+from conftest import benchmark_module, kv_dump
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "splitzip.py"
-_spec = importlib.util.spec_from_file_location("benchmarks_splitzip", _PATH)
-splitzip = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)   # dataclasses look it up
-_spec.loader.exec_module(splitzip)
+splitzip = benchmark_module("splitzip")
 
 
 def exponents(bits):

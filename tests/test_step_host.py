@@ -10,9 +10,6 @@ simulator and the cache's GPU-only copies counted as a GPU makes them); checks c
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -20,8 +17,8 @@ pytest.importorskip("torch")
 pytest.importorskip("numba")
 
 import gaac.epochs as epochs_mod  # noqa: E402
+from conftest import benchmark_module  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 PER_LAYER = 3        # a layer: the two launches (append, attention) and the output's allocation
 ACCOUNT = 8          # a step's account: fin's upload, one gather of the finished blocks, two copies (the counts' from
                      # where they lie)
@@ -31,11 +28,7 @@ DECISIONS = 4        # taking up a batch's decisions, besides a histogram kept p
 
 
 def _step_host():
-    sys.path.insert(0, str(ROOT))
-    spec = importlib.util.spec_from_file_location("benchmarks_step_host", ROOT / "benchmarks" / "step_host.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return benchmark_module("step_host")
 
 
 def _run(mod, layers: int) -> dict:
