@@ -119,6 +119,9 @@ def main():
     ap.add_argument("--check-tokens", type=int, default=None, help="prompt length of the correctness check (8192)")
     ap.add_argument("--runs", type=int, default=None, help="timed runs per variant (default 3)")
     ap.add_argument("--profile", action="store_true", help="cProfile of one epochs-on add_sequence (.profile.txt)")
+    ap.add_argument("--scan-registers", default=None,
+                    help="the rule's scan kernel's register caps timed besides gaac's, comma-separated, 0 for the "
+                         "compiler's choice (default 0,40,48,64,80)")
     args = ap.parse_args()
     smoke = DS.SMOKE
     s = DS.SMOKE_SHAPE if smoke else DS.LLAMA_8B
@@ -150,7 +153,8 @@ def main():
         s.layers, s.kv_heads, tokens // L.BLOCK_TOKENS, L.BLOCK_TOKENS, s.head_dim).transpose(1, 2)
         for kind, x in ((0, k), (1, v))}
     default = GE.SCAN_REGISTERS
-    variants = [default] + [v for v in (None, 40, 48, 64, 80) if v != default and not smoke]
+    caps = [int(c) or None for c in args.scan_registers.split(",")] if args.scan_registers else [None, 40, 48, 64, 80]
+    variants = [default] + [v for v in caps if v != default and not smoke]
     rep["rule"], names, decided = {}, {}, None
     for regs in variants:               # the scan kernel's register cap
         GE.SCAN_REGISTERS = regs
