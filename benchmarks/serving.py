@@ -22,7 +22,10 @@ serving engine hands the cache a prompt a layer at a time: one transaction over 
 appended as the rule decides; ``--join-by-layer``: the same calls without the deferral, a transaction a layer),
 BF16 copies the prompt into the row and sets its length.  The batch's own prompts go in the same way.  Everything is
 inside the timed window: ``--steps`` (256) steps after ``--warmup`` (16), wall time synchronised at the end,
-and each step's CUDA-event time; captures and eager steps of ``StepGraph`` are counted in the window.
+and each step's CUDA-event time; captures and eager steps of ``StepGraph`` are counted in the window.  The
+two runs of a scenario and mode are live together and their windows alternate every ``--interleave`` (64)
+steps, the order reversed each round: a host's speed drifts by tens of percent within minutes, and an eager
+step is host-bound, so one run after the other would compare two hosts (``--interleave 0`` does that).
 
 After each GAAC run: the first sequence's first and last layers read back bit-exact against the content
 (prompt and every appended token), and one layer's attention of every sequence against float64 over what
@@ -45,6 +48,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import decode_step as ds  # noqa: E402  (reads --smoke from sys.argv: the simulator is set before numba loads)
@@ -118,7 +122,7 @@ class Window:
             wall = (time.perf_counter() - t) / self.steps * 1e3
         per = [a.elapsed_time(b) for a, b in events] if events else [wall]
         res = {"ms": wall, "event_median_ms": statistics.median(per), "event_max_ms": max(per), "steps": self.steps,
-               "gc_ms": clock.ms, "gc_collections": clock.count, "gc_full": clock.full}
+               "gc_ms": clock.ms, "gc_collections": clock.count, "gc_full": clock.full, "event_ms": per}
         if self.counters:
             after = self.counters()
             res["captures"], res["eager_steps"] = after[0] - before[0], after[1] - before[1]
@@ -149,6 +153,118 @@ class Joins:
 
     def since(self, first: int) -> list:
         return [ms for j, ms in self.timed if j >= first]
+
+
+class Arm(NamedTuple):
+    """A run set up and warmed (what :func:`run_bf16` and :func:`run_gaac` yield): ``run(j)`` is its step ``j``, joins
+    included; ``counters`` gives StepGraph's (captures, eager steps)."""
+
+    run: Callable
+    counters: Callable | None = None
+
+
+def merged(windows: list) -> dict:
+    """One run's figures over its timed windows: wall ms a step over all of their steps, the event median and max
+    over every step, the collections, captures and eager steps summed."""
+    steps = sum(w["steps"] for w in windows)
+    events = [e for w in windows for e in w.pop("event_ms")]
+    res = {"ms": sum(w["ms"] * w["steps"] for w in windows) / steps, "event_median_ms": statistics.median(events),
+           "event_max_ms": max(events), "steps": steps, "windows": len(windows)}
+    for key in ("gc_ms", "gc_collections", "gc_full", "captures", "eager_steps"):
+        if key in windows[0]:
+            res[key] = sum(w[key] for w in windows)
+    return res
+
+
+def finished(gen, windows: list) -> dict:
+    """What a run function returns once it is sent its windows' figures."""
+    try:
+        gen.send(merged(windows))
+    except StopIteration as stop:
+        return stop.value
+    raise RuntimeError("a run function yields once")
+
+
+def failed(exc: Exception) -> dict:
+    """A run that raised, reported (the other runs still run)."""
+    import traceback
+
+    traceback.print_exc()
+    return {"error": f"{type(exc).__name__}: {exc}"[:300]}
+
+
+def run_pair(makers: dict, args) -> dict:
+    """BF16's and GAAC's runs of one scenario and mode (``makers``: name -> a call that makes the run's generator),
+    their timed windows alternating: ``--interleave`` steps of one, then of the other, the order reversed every
+    round (A B B A ...), until each has run ``--steps``.  Each run's state carries on from window to window (its
+    joins, re-plans and captures fall where its own step count puts them), and the host's speed, which drifts
+    by tens of percent between runs minutes apart on one machine, moves both alike.  Where both runs do not fit
+    on the device together (or ``--interleave 0``), they run one after the other, each its steps in one window;
+    a note says so."""
+    results, live = {}, {}
+
+    def alone(name: str, gen, arm: Arm, note: str | None = None) -> None:
+        try:
+            results[name] = finished(gen, [Window(arm.run, args.steps, arm.counters)(args.warmup)])
+        except Exception as exc:
+            results[name] = failed(exc)
+        if note:
+            results[name]["note"] = note
+        ds.free()                  # what a run held goes before the next is made
+
+    def start(name: str, make):
+        """A run made and warmed, ``(generator, arm)``; None where it failed (its error reported).  Running out
+        of device memory beside another live run is raised, for the caller to run them one after the other."""
+        gen = make()
+        try:
+            return gen, next(gen)
+        except Exception as exc:
+            gen.close()
+            if isinstance(exc, torch.OutOfMemoryError) and live:
+                raise
+            results[name] = failed(exc)
+            return None
+
+    for name, make in makers.items():
+        if not args.interleave:
+            made = start(name, make)
+            if made is not None:
+                alone(name, *made)
+            continue
+        try:
+            made = start(name, make)
+        except torch.OutOfMemoryError:          # both do not fit: the one made runs first, alone, then this one
+            for other, (gen, arm) in live.items():
+                alone(other, gen, arm, "ran alone, before the other run of its scenario (both did not fit)")
+            live.clear()
+            made = start(name, make)
+            if made is not None:
+                alone(name, *made, "ran alone, after the other run of its scenario (both did not fit)")
+            continue
+        if made is not None:
+            live[name] = made
+    if live:
+        chunk = args.interleave or args.steps
+        windows = {name: [] for name in live}
+        order, done, rounds = list(live), 0, 0
+        while done < args.steps and live:
+            n = min(chunk, args.steps - done)
+            for name in order if rounds % 2 == 0 else order[::-1]:
+                if name not in live:
+                    continue
+                gen, arm = live[name]
+                try:
+                    windows[name].append(Window(arm.run, n, arm.counters)(args.warmup + done))
+                except Exception as exc:
+                    results[name] = failed(exc)
+                    del live[name]
+            done, rounds = done + n, rounds + 1
+        for name, (gen, _) in live.items():
+            try:
+                results[name] = finished(gen, windows[name])
+            except Exception as exc:
+                results[name] = failed(exc)
+    return {name: results[name] for name in makers if name in results}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -204,7 +320,7 @@ def run_bf16(model, src, _cal, s, lens, args, every: int, prompt: int, graph: bo
             step()
 
     Window(run, args.warmup)(0)
-    res = Window(run, args.steps)(args.warmup)
+    res = yield Arm(run)                    # the timed windows (run_pair)
     res["join_ms"] = joins.since(args.warmup)
     res.update(flash_mode=mode, flash_modes_us=modes, tok_s=b / res["ms"] * 1e3)
     if args.profile:
@@ -301,7 +417,7 @@ def run_gaac(model, src, cal, s, lens, args, every: int, prompt: int, graph: boo
             appended[seq].append(j)
 
     Window(run, args.warmup, counters)(0)
-    res.update(Window(run, args.steps, counters)(args.warmup))
+    res.update((yield Arm(run, counters)))  # the timed windows (run_pair)
     res["join_ms"] = joins.since(args.warmup)
     res["tok_s"] = b / res["ms"] * 1e3
     if args.join_phases and every:
@@ -518,7 +634,15 @@ def render(rep: dict) -> str:
              f"- command: `{rep['command']}`",
              f"- {rep['steps']} timed steps after {rep['warmup']}; GAAC `PagedKVCache` defaults (adapt=True, pools as "
              f"the cache sizes them), calibration from the first {rep['cal_tokens']} tokens; lengths {GAP} tokens "
-             "apart; every capture, eager step, re-plan and join inside the window", ""]
+             "apart; every capture, eager step, re-plan and join inside the window",
+             (f"- BF16's and GAAC's windows alternate every {rep['interleave']} steps (A B B A ...), both runs live, "
+              "so that the host's drift moves both alike" if rep.get("interleave") else
+              "- each run's steps in one window, BF16's run before GAAC's")]
+    if rep.get("interleave") and any(isinstance(v, dict) and v.get("earlier") and v.get("ms") and not v.get("windows")
+                                     for sc in rep["scenarios"].values() for v in sc.values()):
+        lines.append("- rows marked * whose runs predate the alternating windows ran one after the other, each in "
+                     "one window")
+    lines.append("")
     rows = []
     for name, sc in rep["scenarios"].items():
         for mode in ("graph", "eager"):
@@ -585,6 +709,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=None, help="steps before timing (default 16; smoke 1)")
     ap.add_argument("--cal-tokens", type=int, default=1024, help="calibrate on the first N tokens (default 1024)")
     ap.add_argument("--modes", default="graph,eager", help="graph, eager or both")
+    ap.add_argument("--interleave", type=int, default=64,
+                    help="BF16's and GAAC's timed windows alternate every N steps, both runs live (default 64; "
+                         "0: one run after the other, each in one window)")
     ap.add_argument("--runs", default=None, help="only these scenario:mode pairs (comma-separated)")
     ap.add_argument("--profile", type=int, default=0,
                     help="after the window, N steps more under torch's profiler: the kernels of a step (GPU only)")
@@ -620,7 +747,8 @@ def main() -> None:
     rep = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": "CPU (simulator, smoke)" if SMOKE else
            torch.cuda.get_device_name(), "commit": ds.commit(),
            "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]), "steps": args.steps,
-           "warmup": args.warmup, "cal_tokens": args.cal_tokens, "join_by_layer": args.join_by_layer, "scenarios": {}}
+           "warmup": args.warmup, "cal_tokens": args.cal_tokens, "join_by_layer": args.join_by_layer,
+           "interleave": args.interleave, "scenarios": {}}
     only = set(args.runs.split(",")) if args.runs else None
     if args.host_profile:
         args.out.with_suffix(".profile.txt").unlink(missing_ok=True)
@@ -647,18 +775,11 @@ def main() -> None:
                 continue
             # a ratio is of two runs in one process: the pair replaces a merged one only once both have run,
             # so that a run cut short leaves the earlier pair, not a new BF16 beside an old GAAC
-            pair = {}
-            for kind, run in (("bf16", run_bf16), ("gaac", run_gaac)):
-                if kind == "bf16" and SMOKE:           # torch's flash kernel needs a GPU
-                    continue
-                try:
-                    pair[f"{kind}_{mode}"] = run(model, src, cal, s, lens, args, every, prompt, graph)
-                except Exception as exc:          # a failed run is reported, and the others still run
-                    import traceback
-
-                    traceback.print_exc()
-                    pair[f"{kind}_{mode}"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-                ds.free()                  # what a run held goes before the next is made
+            makers = {f"{kind}_{mode}": (lambda run=run: run(model, src, cal, s, lens, args, every, prompt, graph))
+                      for kind, run in (("bf16", run_bf16), ("gaac", run_gaac))
+                      if not (kind == "bf16" and SMOKE)}          # torch's flash kernel needs a GPU
+            pair = run_pair(makers, args)
+            ds.free()
             sc.update(pair)
             ds.write(rep, args.out, render)
     print(render(rep))

@@ -1,0 +1,92 @@
+"""benchmarks/serving.py times BF16's and GAAC's runs of a scenario in alternating windows, both runs live, so that
+a host whose speed drifts moves both alike; where both do not fit on the device, one runs after the other.  These
+tests drive its :func:`run_pair` with stand-in runs that record which steps ran in which order."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+pytest.importorskip("torch")
+
+import torch  # noqa: E402
+from conftest import benchmark_module  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def serving():
+    mod = benchmark_module("serving")
+    saved = mod.SMOKE, mod.ds.SMOKE
+    mod.SMOKE = mod.ds.SMOKE = True           # no CUDA events or synchronisation: the stand-ins run on the host
+    yield mod
+    mod.SMOKE, mod.ds.SMOKE = saved
+
+
+def stand_in(serving, name: str, log: list, fail_setup=None):
+    """A run function's generator as run_bf16 / run_gaac are: set up, then yield its step, then finish with the
+    figures it is sent."""
+    def make():
+        if fail_setup is not None and fail_setup():
+            raise torch.OutOfMemoryError("CUDA out of memory (stand-in)")
+        log.append((name, "setup"))
+        res = yield serving.Arm(lambda j: log.append((name, j)))
+        res["finished"] = name
+        return res
+    return make
+
+
+def args(steps: int, interleave: int, warmup: int = 3):
+    return argparse.Namespace(steps=steps, interleave=interleave, warmup=warmup)
+
+
+def steps_of(log: list, name: str) -> list:
+    return [j for n, j in log if n == name and j != "setup"]
+
+
+def test_windows_alternate_and_each_run_gets_its_steps(serving):
+    log = []
+    out = serving.run_pair({"a": stand_in(serving, "a", log), "b": stand_in(serving, "b", log)},
+                           args(steps=10, interleave=4))
+    assert steps_of(log, "a") == list(range(3, 13)) and steps_of(log, "b") == list(range(3, 13))
+    runs = [n for n, j in log if j != "setup"]
+    # windows of 4, 4, 2 steps, the order reversed each round: a b b a a b
+    assert runs == ["a"] * 4 + ["b"] * 8 + ["a"] * 6 + ["b"] * 2
+    assert log[:2] == [("a", "setup"), ("b", "setup")]          # both live before the first timed step
+    for name in "ab":
+        assert out[name]["finished"] == name and out[name]["steps"] == 10 and out[name]["windows"] == 3
+        assert "note" not in out[name]
+
+
+def test_interleave_zero_runs_one_after_the_other(serving):
+    log = []
+    out = serving.run_pair({"a": stand_in(serving, "a", log), "b": stand_in(serving, "b", log)},
+                           args(steps=5, interleave=0))
+    assert log == [("a", "setup"), *[("a", j) for j in range(3, 8)], ("b", "setup"), *[("b", j) for j in range(3, 8)]]
+    assert out["a"]["windows"] == out["b"]["windows"] == 1
+
+
+def test_runs_that_do_not_fit_together_run_alone_and_say_so(serving):
+    log = []
+    b_made = []
+
+    def b_fails_beside_a():          # the second run's set-up runs out of memory while the first is live, once
+        b_made.append(1)
+        return len(b_made) == 1
+
+    out = serving.run_pair({"a": stand_in(serving, "a", log), "b": stand_in(serving, "b", log, b_fails_beside_a)},
+                           args(steps=6, interleave=2))
+    assert log == [("a", "setup"), *[("a", j) for j in range(3, 9)], ("b", "setup"), *[("b", j) for j in range(3, 9)]]
+    assert "both did not fit" in out["a"]["note"] and "both did not fit" in out["b"]["note"]
+    assert out["a"]["finished"] == "a" and out["b"]["finished"] == "b"
+
+
+def test_a_run_that_fails_is_reported_and_the_other_still_runs(serving):
+    log = []
+
+    def broken():
+        raise ValueError("set-up failed")
+        yield  # pragma: no cover
+
+    out = serving.run_pair({"a": broken, "b": stand_in(serving, "b", log)}, args(steps=4, interleave=2))
+    assert "ValueError: set-up failed" in out["a"]["error"]
+    assert steps_of(log, "b") == [3, 4, 5, 6] and out["b"]["steps"] == 4
