@@ -233,16 +233,21 @@ def run_pair(makers: dict, args) -> dict:
             continue
         try:
             made = start(name, make)
-        except torch.OutOfMemoryError:          # both do not fit: the one made runs first, alone, then this one
-            for other, (gen, arm) in live.items():
-                alone(other, gen, arm, "ran alone, before the other run of its scenario (both did not fit)")
-            live.clear()
-            made = start(name, make)
+            fits = True
+        except torch.OutOfMemoryError:
+            fits = False
+        if fits:
             if made is not None:
-                alone(name, *made, "ran alone, after the other run of its scenario (both did not fit)")
+                live[name] = made
             continue
+        # both do not fit: the one made runs first, alone, then this one (outside the handler, whose traceback
+        # holds the failed set-up's tensors; no name here keeps a finished run's state)
+        for other in list(live):
+            alone(other, *live.pop(other), "ran alone, before the other run of its scenario (both did not fit)")
+        made = start(name, make)
         if made is not None:
-            live[name] = made
+            alone(name, *made, "ran alone, after the other run of its scenario (both did not fit)")
+        made = None
     if live:
         chunk = args.interleave or args.steps
         windows = {name: [] for name in live}

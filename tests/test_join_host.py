@@ -25,3 +25,29 @@ def test_a_join_waits_a_fixed_few_times():
     assert counts["rule"].get("launch", 0) >= 1 and counts["rule"].get("sync", 0) == 0, counts["rule"]
     waits = sum(c.get("sync", 0) for c in counts.values())
     assert 1 <= waits <= 7, {p: c.get("sync", 0) for p, c in counts.items()}
+
+
+def test_the_part_clock_gives_each_part_its_own_time(monkeypatch):
+    """A part called inside another is taken out of the outer one's time, and what no part covers is ``other``."""
+    import time
+
+    mod = benchmark_module("join_host")
+
+    class Owner:
+        def outer(self):
+            time.sleep(0.02)
+            self.inner()
+            time.sleep(0.02)
+
+        def inner(self):
+            time.sleep(0.03)
+
+    monkeypatch.setattr(mod, "owners", lambda: {"Owner": Owner})
+    monkeypatch.setattr(mod, "HOOKS", (("Owner", "outer", "encode"), ("Owner", "inner", "rule")))
+    with mod.PartClock() as clock:
+        time.sleep(0.01)
+        Owner().outer()
+    assert Owner.outer.__name__ == "outer" and Owner.inner.__name__ == "inner"     # the methods restored
+    assert 39 <= clock.ms["encode"] < 55, clock.ms
+    assert 29 <= clock.ms["rule"] < 45, clock.ms
+    assert 9 <= clock.ms["other"] < 25, clock.ms
