@@ -142,11 +142,20 @@ HOOKS = (("PagedKVCache", "remove_sequence", "remove"), ("UpdateTransaction", "_
          ("UpdateTransaction", "_commit_all", "commit"))
 
 
+# with --fine, the rule's launch taken apart too
+FINE = (("Batch", "_setup", "rule setup"), ("Batch", "scan", "rule scan"), ("Batch", "chain", "rule chain"),
+        ("epochs", "host_values", "host values"), ("UpdateTransaction", "_written_early", "written early"),
+        ("Batch", "_recent_blocks", "recent blocks"), ("Batch", "_finish", "decisions taken"))
+
+
 def owners() -> dict:
+    import gaac.epochs
     from gaac.cache.paged import PagedKVCache
     from gaac.cache.update import UpdateTransaction
+    from gaac.cuda.epochs import Batch
 
-    return {"PagedKVCache": PagedKVCache, "UpdateTransaction": UpdateTransaction}
+    return {"PagedKVCache": PagedKVCache, "UpdateTransaction": UpdateTransaction, "Batch": Batch,
+            "epochs": gaac.epochs}
 
 
 class PartClock:
@@ -154,7 +163,8 @@ class PartClock:
     the outer one's time, and what no part covers is ``other``.  A clock reading around each hooked call (some two
     hundred in a 32-layer join) is all it adds."""
 
-    def __init__(self):
+    def __init__(self, hooks=HOOKS):
+        self.hooks = hooks
         self.ms = collections.Counter()
         self._stack, self._t, self._saved = ["other"], 0.0, []
 
@@ -171,7 +181,7 @@ class PartClock:
 
     def __enter__(self) -> "PartClock":
         found = owners()
-        for owner_name, name, part in HOOKS:
+        for owner_name, name, part in self.hooks:
             owner = found[owner_name]
             old = owner.__dict__[name]
             self._saved.append((owner, name, old))
@@ -230,10 +240,10 @@ def measure(args, layers: int) -> dict:
     for r in range(args.runs if cuda else 0):       # again, each part's host time clocked
         decode_steps(cache, rows, tokens, args.steps, (args.joins + args.runs + r) * args.steps)
         sync()
-        with PartClock() as clock:
+        with PartClock(HOOKS + (FINE if args.fine else ())) as clock:
             join(cache, rows, pk, pv, i)
         sync()
-        for part in PARTS:
+        for part in PARTS + tuple(p for _, _, p in FINE if args.fine):
             parts[part].append(clock.ms.get(part, 0.0))
         i += 1
     epochs = sum(cache.calibration.n_epochs(layer, kind) for layer in range(layers) for kind in (0, 1)) - epochs_before
@@ -305,6 +315,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=0,
                     help="eager decode steps of every row before each join (uncounted), as a serving loop runs them")
     ap.add_argument("--runs", type=int, default=10, help="joins timed (GPU)")
+    ap.add_argument("--fine", action="store_true", help="the clocked joins take the rule's parts apart too")
     ap.add_argument("--out", type=Path, help="markdown report (and JSON beside it)")
     args = ap.parse_args(argv)
     results = [measure(args, int(n)) for n in args.layers.split(",")]

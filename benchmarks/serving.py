@@ -231,6 +231,7 @@ def run_pair(makers: dict, args) -> dict:
             if made is not None:
                 alone(name, *made)
             continue
+        made = None                 # (not the run before's: it is live or done, and this name would keep it)
         try:
             made = start(name, make)
             fits = True
@@ -247,7 +248,6 @@ def run_pair(makers: dict, args) -> dict:
         made = start(name, make)
         if made is not None:
             alone(name, *made, "ran alone, after the other run of its scenario (both did not fit)")
-        made = None
     if live:
         chunk = args.interleave or args.steps
         windows = {name: [] for name in live}
