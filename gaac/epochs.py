@@ -111,21 +111,6 @@ def device_blocks(run) -> list:
     return [DeviceBlock(run, i) for i in range(run.shape[0])]
 
 
-def device_runs(blocks) -> list | None:
-    """``blocks`` as runs of device tensors, where every one is a :class:`DeviceBlock`: each run of consecutive
-    rows of one tensor as one slice of it (views: nothing is copied); None where any block holds host values."""
-    if not all(isinstance(b, DeviceBlock) for b in blocks):
-        return None
-    runs, j = [], 0
-    while j < len(blocks):
-        first, k = blocks[j], j + 1
-        while k < len(blocks) and blocks[k].run is first.run and blocks[k].i == first.i + (k - j):
-            k += 1
-        runs.append(first.run[first.i:first.i + (k - j)])
-        j = k
-    return runs
-
-
 class Adapter:
     """The adaptation rule for one (kind, layer) of one cache; it appends epochs to ``calibration``.
 
@@ -182,14 +167,10 @@ class Adapter:
     def recent_on(self, device) -> list | None:
         """The blocks since the last check as runs of device tensors on ``device`` (int16 ``[n, kv_heads, 16,
         head_dim]``, in order), where the GPU rule or the cache left a copy of every one there; else None (the
-        GPU rule's batch then copies the host's blocks over).  Where the runs were not kept but every block is a
-        :class:`DeviceBlock`, the runs are its rows (:func:`device_runs`): the values never leave the device."""
+        GPU rule's batch then copies the host's blocks over)."""
         runs = self._recent_device
         if runs is None or sum(len(r) for r in runs) != len(self._recent):
-            runs = device_runs(self._recent)
-            if runs is None:
-                return None
-            self._recent_device = runs
+            return None
         if any(r.device != device for r in runs):
             return None
         return runs

@@ -61,9 +61,7 @@ def test_pending_blocks_kept_on_the_device_are_read_there_and_decide_the_same(mo
     the rule's batch gather them on the device instead of uploading the host's: the same decisions, and an
     upload smaller by exactly those blocks; the adapter keeps the batch's leftovers on the device too.  Where
     not every pending block has a device copy, the blocks whose values stay on the device come to the host in
-    one read for all the batch's jobs (a read waits for the device); where every pending block's values stay
-    on the device but their runs were not kept with them, the runs are the blocks' rows there, read as
-    before."""
+    one read for all the batch's jobs (a read waits for the device)."""
     monkeypatch.setattr(epochs, "WARMUP_BLOCKS", 8)
     monkeypatch.setattr(epochs, "PAYBACK_CHECKS", 10 ** 9)
     x = drifting_cache(40 * L.BLOCK_TOKENS, layers=2)[:, :1]
@@ -72,8 +70,7 @@ def test_pending_blocks_kept_on_the_device_are_read_there_and_decide_the_same(mo
     staged = device_epochs._staged
     results = {}
     host_values = epochs.host_values
-    for mode in ("host", "device", "rows"):
-        on_device = mode != "host"
+    for on_device in (False, True):
         uploaded, reads = [], []
 
         def spy(a, device):
@@ -92,15 +89,12 @@ def test_pending_blocks_kept_on_the_device_are_read_there_and_decide_the_same(mo
             adapter.assign(blocks[:16])                            # one check done, none pending
             for a, z in ((16, 17), (17, 16 + pending)):            # two observations, two device runs
                 run = torch.from_numpy(blocks[a:z].view(np.int16)).clone()
-                if mode == "device":
+                if on_device:
                     adapter.observe(blocks[a:z], device=run)
-                elif mode == "rows":        # values left on the device, their runs not given
-                    adapter.observe(epochs.device_blocks(run))
                 elif a == 16:       # values left on the device, but the next observation has no device copy
                     adapter.observe(epochs.device_blocks(run), device=run)
                 else:
                     adapter.observe(blocks[a:z])
-            assert (adapter._recent_device is None) == (mode != "device")
             assert (adapter.recent_on(torch.device("cpu")) is not None) == on_device
             reference = copy.deepcopy(adapter)
             new = blocks[16 + pending:16 + pending + 17]           # the same count in every job
@@ -116,22 +110,9 @@ def test_pending_blocks_kept_on_the_device_are_read_there_and_decide_the_same(mo
             runs = adapter.recent_on(torch.device("cpu"))      # the batch's leftovers, on the device as well
             assert runs is not None and np.array_equal(torch.cat(runs).numpy().view(np.uint16),
                                                          np.stack(adapter._recent))
-        results[mode] = uploaded
+        results[on_device] = uploaded
     rec_words = 2 * 7 * L.BLOCK_TOKENS * x.shape[-1] // 2     # two jobs' pending blocks, padded to 7, in words
-    assert results["device"] == results["rows"] == [results["host"][0] - rec_words]
-
-
-def test_device_runs_are_views_of_consecutive_rows():
-    a = torch.arange(3 * 2 * L.BLOCK_TOKENS * 4, dtype=torch.int16).view(3, 2, L.BLOCK_TOKENS, 4)
-    b = -a[:2].clone()
-    blocks = epochs.device_blocks(a)[1:] + epochs.device_blocks(b)
-    runs = epochs.device_runs(blocks)
-    assert [len(r) for r in runs] == [2, 2]
-    assert torch.equal(torch.cat(runs), torch.cat([a[1:], b]))
-    assert runs[0].data_ptr() == a[1].data_ptr() and runs[1].data_ptr() == b.data_ptr()    # nothing copied
-    assert [len(r) for r in epochs.device_runs([blocks[1], blocks[0], blocks[2]])] == [1, 1, 1]
-    assert epochs.device_runs(blocks + [np.zeros((2, L.BLOCK_TOKENS, 4), np.uint16)]) is None
-    assert epochs.device_runs([]) == []
+    assert results[True] == [results[False][0] - rec_words]
 
 
 def _steps_then_prompt(monkeypatch, layers: int = 1):
