@@ -118,7 +118,9 @@ def decode_steps(cache, rows, tokens, n: int, first: int) -> None:
     fast path takes it."""
     tk, tv = tokens
     for t in range(first, first + n):
-        cache.decode_plan(2 * cache.kv_heads, seqs=rows)
+        # the loop holds its step's plan, as one that attends through it does: the cache keeps only a weak
+        # reference, and a token without its plan takes update_layer's full path
+        plan = cache.decode_plan(2 * cache.kv_heads, seqs=rows)  # noqa: F841
         k = tk[t % len(tk)]
         v = tv[t % len(tv)]
         for layer in range(cache.layers):
