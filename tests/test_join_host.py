@@ -50,3 +50,24 @@ def test_the_part_clock_gives_each_part_its_own_time(monkeypatch):
     assert 39 <= clock.ms["encode"] < 55, clock.ms
     assert 29 <= clock.ms["rule"] < 45, clock.ms
     assert 9 <= clock.ms["other"] < 25, clock.ms
+
+
+def test_decode_steps_take_the_plans_fast_path(monkeypatch):
+    """The benchmark's decode steps append each token through their step's plan, as a serving loop does (the cache
+    holds a plan only weakly: a step that drops it sends every token down update_layer's full path, and every
+    finished block to the adapters as a host copy)."""
+    from gaac.cache.paged import PagedKVCache
+
+    mod = benchmark_module("join_host")
+    args = argparse.Namespace(device="cpu", layers="1", kv_heads=1, head_dim=64, batch=2, base=200, prompt=296,
+                              calib=64, joins=1, steps=0, runs=0, out=None, fine=False)
+    cache, rows, pk, pv, tokens = mod.make_cache(args, 1)
+    full = []
+    update = PagedKVCache._update_layer
+    monkeypatch.setattr(PagedKVCache, "_update_layer", lambda self, *a: (full.append(a[0]), update(self, *a))[1])
+    before = [cache.seq_len(r) for r in rows]
+    mod.decode_steps(cache, rows, tokens, 3, 0)
+    assert [cache.seq_len(r) for r in rows] == [n + 3 for n in before]
+    assert full == []
+    cache.update_layer(0, rows, *(t[0][0][None, :, None].expand(len(rows), -1, -1, -1).contiguous() for t in tokens))
+    assert full == [0]                  # without a plan, the token takes the full path (what the test tells apart)
