@@ -203,15 +203,6 @@ def run_pair(makers: dict, args) -> dict:
     a note says so."""
     results, live = {}, {}
 
-    def alone(name: str, gen, arm: Arm, note: str | None = None) -> None:
-        try:
-            results[name] = finished(gen, [Window(arm.run, args.steps, arm.counters)(args.warmup)])
-        except Exception as exc:
-            results[name] = failed(exc)
-        if note:
-            results[name]["note"] = note
-        ds.free()                  # what a run held goes before the next is made
-
     def start(name: str, make):
         """A run made and warmed, ``(generator, arm)``; None where it failed (its error reported).  Running out
         of device memory beside another live run is raised, for the caller to run them one after the other."""
@@ -225,50 +216,53 @@ def run_pair(makers: dict, args) -> dict:
             results[name] = failed(exc)
             return None
 
-    for name, make in makers.items():
-        if not args.interleave:
-            made = start(name, make)
-            if made is not None:
-                alone(name, *made)
-            continue
-        made = None                 # (not the run before's: it is live or done, and this name would keep it)
-        try:
-            made = start(name, make)
-            fits = True
-        except torch.OutOfMemoryError:
-            fits = False
-        if fits:
-            if made is not None:
-                live[name] = made
-            continue
-        # both do not fit: the one made runs first, alone, then this one (outside the handler, whose traceback
-        # holds the failed set-up's tensors; no name here keeps a finished run's state)
-        for other in list(live):
-            alone(other, *live.pop(other), "ran alone, before the other run of its scenario (both did not fit)")
-        made = start(name, make)
-        if made is not None:
-            alone(name, *made, "ran alone, after the other run of its scenario (both did not fit)")
-    if live:
+    def timed(runs: dict, note: str | None = None) -> None:
+        """The timed windows of ``runs`` (name -> a live run), alternating where there are several, and their
+        results; ``runs`` is emptied and what they held freed before the next run is made."""
         chunk = args.interleave or args.steps
-        windows = {name: [] for name in live}
-        order, done, rounds = list(live), 0, 0
-        while done < args.steps and live:
+        windows = {name: [] for name in runs}
+        order, done, rounds = list(runs), 0, 0
+        while done < args.steps and runs:
             n = min(chunk, args.steps - done)
             for name in order if rounds % 2 == 0 else order[::-1]:
-                if name not in live:
+                if name not in runs:
                     continue
-                gen, arm = live[name]
+                arm = runs[name][1]
                 try:
                     windows[name].append(Window(arm.run, n, arm.counters)(args.warmup + done))
                 except Exception as exc:
                     results[name] = failed(exc)
-                    del live[name]
+                    del runs[name]
             done, rounds = done + n, rounds + 1
-        for name, (gen, _) in live.items():
+        for name, (gen, _) in runs.items():
             try:
                 results[name] = finished(gen, windows[name])
             except Exception as exc:
                 results[name] = failed(exc)
+            if note:
+                results[name]["note"] = note
+        runs.clear()
+        ds.free()
+
+    for name, make in makers.items():
+        made = None                 # (not the run before's: it is live or done, and this name would keep it)
+        try:
+            made, fits = start(name, make), True
+        except torch.OutOfMemoryError:
+            fits = False
+        if not fits:
+            # both do not fit: the one made runs first, alone, then this one (here, not in the handler, whose
+            # traceback holds the failed set-up's tensors)
+            timed(live, "ran alone, before the other run of its scenario (both did not fit)")
+            made = start(name, make)
+            if made is not None:
+                live[name], made = made, None
+                timed(live, "ran alone, after the other run of its scenario (both did not fit)")
+        elif made is not None:
+            live[name], made = made, None
+            if not args.interleave:
+                timed(live)
+    timed(live)
     return {name: results[name] for name in makers if name in results}
 
 
