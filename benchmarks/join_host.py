@@ -27,7 +27,10 @@ encodes launched, their counts read where a list might run dry, and the layers w
 encoded again), ``decisions`` (the rule's decisions taken up), ``commit`` (tables, tails, epochs appended),
 ``other`` (the lengths).  On the CPU the wall time is the
 simulator's kernels': the counts are the result there; with ``--device cuda`` the host time of the join (no
-synchronisation inside it) and the device time after it are measured in a second run without the counter.
+synchronisation inside it) and the device time after it are measured in a second run without the counter, and
+each part's own host time in a third (:class:`PartClock`; ``--fine`` also takes the rule's set-up, scan and chain,
+the blocks it copies to the host, the early write and the decisions taken up apart).  The decode steps hold
+their plan, as a serving loop does, so that each token goes through the plan's one launch a layer.
 """
 from __future__ import annotations
 

@@ -777,8 +777,7 @@ def main() -> None:
             makers = {f"{kind}_{mode}": (lambda run=run: run(model, src, cal, s, lens, args, every, prompt, graph))
                       for kind, run in (("bf16", run_bf16), ("gaac", run_gaac))
                       if not (kind == "bf16" and SMOKE)}          # torch's flash kernel needs a GPU
-            pair = run_pair(makers, args)
-            ds.free()
+            pair = run_pair(makers, args)         # (which frees what its runs held)
             sc.update(pair)
             ds.write(rep, args.out, render)
     print(render(rep))
