@@ -169,11 +169,19 @@ def merged(windows: list) -> dict:
     steps = sum(w["steps"] for w in windows)
     events = [e for w in windows for e in w.pop("event_ms")]
     res = {"ms": sum(w["ms"] * w["steps"] for w in windows) / steps, "event_median_ms": statistics.median(events),
-           "event_max_ms": max(events), "steps": steps, "windows": len(windows)}
+           "event_max_ms": max(events), "steps": steps, "windows": len(windows),
+           "window_ms": [w["ms"] for w in windows]}
     for key in ("gc_ms", "gc_collections", "gc_full", "captures", "eager_steps"):
         if key in windows[0]:
             res[key] = sum(w[key] for w in windows)
     return res
+
+
+def window_ratios(bf16: dict, gaac: dict) -> list:
+    """BF16's ms a step over GAAC's in each pair of alternating windows (the same steps of each run, timed
+    back to back); empty where the two did not alternate."""
+    b, g = bf16.get("window_ms") or [], gaac.get("window_ms") or []
+    return [x / y for x, y in zip(b, g)] if len(b) == len(g) > 1 else []
 
 
 def finished(gen, windows: list) -> dict:
@@ -680,6 +688,17 @@ def render(rep: dict) -> str:
                if isinstance(v, dict) and v.get("join_phases") and not v.get("earlier")]
     if joined:
         lines += ["", "Joins:", "", *joined]
+    spread = []
+    for name, sc in rep["scenarios"].items():
+        for mode in ("graph", "eager"):
+            b, g = sc.get(f"bf16_{mode}", {}), sc.get(f"gaac_{mode}", {})
+            ratios = window_ratios(b, g)
+            if ratios and not g.get("earlier"):
+                spread.append(f"- {name} {mode}: BF16 / GAAC ms of each pair of windows "
+                              + ", ".join(f"{x:.3f}" for x in ratios)
+                              + f" (min {min(ratios):.3f}, max {max(ratios):.3f})")
+    if spread:
+        lines += ["", "Window by window (the run's drift within it):", "", *spread]
     lines += ["", "Event medians (ms/step, the steps' GPU time) and GAAC's memory:", ""]
     for name, sc in rep["scenarios"].items():
         med = {k: f"{v.get('event_median_ms', float('nan')):.2f}" for k, v in sc.items() if isinstance(v, dict)}

@@ -90,3 +90,20 @@ def test_a_run_that_fails_is_reported_and_the_other_still_runs(serving):
     out = serving.run_pair({"a": broken, "b": stand_in(serving, "b", log)}, args(steps=4, interleave=2))
     assert "ValueError: set-up failed" in out["a"]["error"]
     assert steps_of(log, "b") == [3, 4, 5, 6] and out["b"]["steps"] == 4
+
+
+def test_each_pair_of_windows_gives_a_ratio_and_the_report_lists_them(serving):
+    log = []
+    out = serving.run_pair({"bf16_eager": stand_in(serving, "a", log), "gaac_eager": stand_in(serving, "b", log)},
+                           args(steps=6, interleave=2))
+    assert len(out["bf16_eager"]["window_ms"]) == len(out["gaac_eager"]["window_ms"]) == 3
+    out["bf16_eager"]["window_ms"] = [2.0, 3.0, 4.0]
+    out["gaac_eager"]["window_ms"] = [1.0, 2.0, 5.0]
+    assert serving.window_ratios(out["bf16_eager"], out["gaac_eager"]) == [2.0, 1.5, 0.8]
+    assert serving.window_ratios({"window_ms": [2.0]}, {"window_ms": [1.0]}) == []       # one window: no pairs
+    rep = {"date": "d", "device": "cpu", "commit": "c", "command": "serving.py", "steps": 6, "warmup": 3,
+           "cal_tokens": 1024, "interleave": 2, "scenarios": {
+               "s": {"batch": 1, "context": 8, "every": 0, "prompt": 0, "target_graph": 1.0, "target_eager": 1.0,
+                     **out}}}
+    text = serving.render(rep)
+    assert "- s eager: BF16 / GAAC ms of each pair of windows 2.000, 1.500, 0.800 (min 0.800, max 2.000)" in text
