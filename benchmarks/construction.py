@@ -80,6 +80,13 @@ def _storage(t: torch.Tensor) -> int:
         return -1
 
 
+def patch(stack: contextlib.ExitStack, owner, name: str, new) -> None:
+    """``owner.name`` replaced by ``new`` until ``stack`` closes, then put back (the counters' and clocks' hooks)."""
+    old = getattr(owner, name)
+    setattr(owner, name, new)
+    stack.callback(setattr, owner, name, old)
+
+
 class DeviceOps:
     """Counts the device operations the host issues inside ``with ops:``, by kind (``counts``), and by op
     (``by_op``, ``kind:name``).  ``device``: the device the counted code's tensors live on (``cpu`` or ``cuda``)."""
@@ -233,9 +240,7 @@ class DeviceOps:
         return self
 
     def _patch(self, owner, name, new) -> None:
-        old = getattr(owner, name)
-        setattr(owner, name, new)
-        self._stack.callback(setattr, owner, name, old)
+        patch(self._stack, owner, name, new)
 
     def _count_calls(self, owner, name, kind) -> None:
         old = getattr(owner, name)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import datetime
 import os
 import platform
@@ -51,6 +52,7 @@ os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1" if "--device" not in sys.argv 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from benchmarks.construction import patch  # noqa: E402
 from benchmarks.report import commit_with_changes, table  # noqa: E402
 from benchmarks.step_host import DEVICE_OPS, KINDS, StepOps  # noqa: E402
 
@@ -171,7 +173,7 @@ class PartClock:
     def __init__(self, hooks=HOOKS):
         self.hooks = hooks
         self.ms = collections.Counter()
-        self._stack, self._t, self._saved = ["other"], 0.0, []
+        self._stack, self._t, self._hooked = ["other"], 0.0, contextlib.ExitStack()
 
     def _enter(self, part: str) -> None:
         now = time.perf_counter()
@@ -188,24 +190,21 @@ class PartClock:
         found = owners()
         for owner_name, name, part in self.hooks:
             owner = found[owner_name]
-            old = owner.__dict__[name]
-            self._saved.append((owner, name, old))
 
-            def wrapped(*a, _old=old, _part=part, **kw):
+            def wrapped(*a, _old=getattr(owner, name), _part=part, **kw):
                 self._enter(_part)
                 try:
                     return _old(*a, **kw)
                 finally:
                     self._exit()
 
-            setattr(owner, name, wrapped)
+            patch(self._hooked, owner, name, wrapped)
         self._t = time.perf_counter()
         return self
 
     def __exit__(self, *exc) -> None:
         self.ms["other"] += (time.perf_counter() - self._t) * 1e3
-        for owner, name, old in reversed(self._saved):
-            setattr(owner, name, old)
+        self._hooked.close()
 
 
 def measure(args, layers: int) -> dict:
