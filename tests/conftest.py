@@ -32,7 +32,8 @@ def _serialise_simulator_shared_arrays():
             return original(self, shape, dtype, alignment)
         if isinstance(dtype, types.Type):
             dtype = numpy_support.as_dtype(dtype)
-        caller = traceback.extract_stack(sys._getframe())[-2][0:2]    # the kernel's line, as numba keys it
+        frame = sys._getframe(1)          # the kernel's line, as numba keys it (its traceback's file and line)
+        caller = (frame.f_code.co_filename, frame.f_lineno)
         with lock:
             if caller not in self._allocations:
                 self._allocations[caller] = np.empty(shape, dtype)
@@ -45,9 +46,10 @@ def _wake_simulator_blocks_on_events():
     """numba's simulator runs a thread block as one Python thread a CUDA thread, and its ``BlockManager`` finds
     the block's barrier by polling every thread's flags and ``is_alive()`` in a loop that never sleeps: it holds
     the GIL against the threads it waits for (the rule's scan kernel, 256-thread blocks, spent most of its
-    time there).  The same barrier, driven by the threads: each one that reaches ``syncthreads`` or ends says so
-    under a condition the manager waits on, and the manager releases the blocked threads once every live
-    thread is blocked, as the polling loop does.  A thread's exception aborts the others and is raised."""
+    time there).  The same barrier, driven by the threads: the last live thread to reach ``syncthreads`` (or
+    to end while the others wait there) releases the blocked ones, as the polling loop does once every live
+    thread is blocked; the manager wakes only when a thread ends.  A thread's exception aborts the others and
+    is raised."""
     from numba.cuda.simulator import kernel as sim
 
     class Thread(sim.BlockThread):
@@ -60,6 +62,8 @@ def _wake_simulator_blocks_on_events():
                     manager.live -= 1
                     if self.exception and manager.failed is None:
                         manager.failed = self
+                    if manager.failed is None:
+                        manager.release_if_all_blocked()
                     manager.cond.notify()
 
         def syncthreads(self):
@@ -69,43 +73,46 @@ def _wake_simulator_blocks_on_events():
             with manager.cond:
                 self.syncthreads_blocked = True
                 manager.blocked += 1
-                manager.cond.notify()
+                manager.release_if_all_blocked()
             self.syncthreads_event.wait()
             self.syncthreads_event.clear()
             if self.abort:
                 raise RuntimeError("abort flag set on syncthreads clear")
 
     class Manager(sim.BlockManager):
+        def release_if_all_blocked(self):
+            """Under ``cond``: release the blocked threads where every live thread is blocked."""
+            if self.blocked and self.blocked == self.live:
+                for t in self.threads:
+                    if t.syncthreads_blocked:
+                        t.syncthreads_blocked = False
+                        t.syncthreads_event.set()
+                self.blocked = 0
+
         def run(self, grid_point, *args):
             def target():
                 self._f(*args)
 
             self.cond = threading.Condition()
-            threads = [Thread(target, self, grid_point, point, self._debug)
-                       for point in np.ndindex(*self._block_dim)]
+            self.threads = threads = [Thread(target, self, grid_point, point, self._debug)
+                                      for point in np.ndindex(*self._block_dim)]
             self.live, self.blocked, self.failed = len(threads), 0, None
             for t in threads:
                 t.start()
             with self.cond:
-                while True:
-                    failed = self.failed
-                    if failed is not None:
-                        for t in threads:
-                            t.abort = True
-                            t.syncthreads_blocked = False
-                            t.syncthreads_event.set()
-                        raise failed.exception[0].with_traceback(failed.exception[1])
-                    if self.live == 0:
-                        break
-                    if self.blocked == self.live:
-                        for t in threads:
-                            if t.syncthreads_blocked:
-                                t.syncthreads_blocked = False
-                                t.syncthreads_event.set()
-                        self.blocked = 0
+                while self.live and self.failed is None:
                     self.cond.wait()
+                failed = self.failed
+                if failed is not None:
+                    for t in threads:
+                        t.abort = True
+                        t.syncthreads_blocked = False
+                        t.syncthreads_event.set()
+            if failed is not None:
+                raise failed.exception[0].with_traceback(failed.exception[1])
             for t in threads:
                 t.join()
+            self.threads = None
 
     sim.BlockManager = Manager
 
