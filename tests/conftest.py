@@ -43,28 +43,44 @@ def _serialise_simulator_shared_arrays():
 
 
 def _wake_simulator_blocks_on_events():
-    """numba's simulator runs a thread block as one Python thread a CUDA thread, and its ``BlockManager`` finds
-    the block's barrier by polling every thread's flags and ``is_alive()`` in a loop that never sleeps: it holds
-    the GIL against the threads it waits for (the rule's scan kernel, 256-thread blocks, spent most of its
-    time there).  The same barrier, driven by the threads: the last live thread to reach ``syncthreads`` (or
-    to end while the others wait there) releases the blocked ones, as the polling loop does once every live
-    thread is blocked; the manager wakes only when a thread ends.  A thread's exception aborts the others and
-    is raised."""
+    """numba's simulator runs a thread block as one Python thread a CUDA thread, started for the block and
+    joined after it, and its ``BlockManager`` finds the block's barrier by polling every thread's flags and
+    ``is_alive()`` in a loop that never sleeps: it holds the GIL against the threads it waits for (the rule's
+    scan kernel, 256-thread blocks, spent most of its time there).  Here the threads of a block's shape are
+    kept and run block after block, and the barrier is driven by them: the last live thread to reach
+    ``syncthreads`` (or to end while the others wait there) releases the blocked ones, as the polling loop
+    does once every live thread is blocked; the manager wakes only when a thread ends its part of the block.
+    A thread's exception aborts the others; once all have ended, it is raised.  A launch while another runs
+    on another Python thread gets threads of its own."""
     from numba.cuda.simulator import kernel as sim
 
     class Thread(sim.BlockThread):
+        """One CUDA thread's place in a block shape, for every block of every launch that has that shape."""
+
+        def __init__(self, manager, thread_idx):
+            super().__init__(None, manager, (0, 0, 0), thread_idx, False)
+            self.go = threading.Event()
+            self.job = None
+
         def run(self):
-            try:
-                super().run()            # (records the thread's exception)
-            finally:
-                manager = self._manager
-                with manager.cond:
-                    manager.live -= 1
-                    if self.exception and manager.failed is None:
-                        manager.failed = self
-                    if manager.failed is None:
-                        manager.release_if_all_blocked()
-                    manager.cond.notify()
+            while True:
+                self.go.wait()
+                self.go.clear()
+                job, self.job = self.job, None
+                if job is None:
+                    return
+                self._target, self._args, self._kwargs = job, (), {}     # (Thread.run deletes them)
+                try:
+                    super().run()            # (records the thread's exception)
+                finally:
+                    manager = self._manager
+                    with manager.cond:
+                        manager.live -= 1
+                        if self.exception and manager.failed is None:
+                            manager.failed = self
+                        if manager.failed is None:
+                            manager.release_if_all_blocked()
+                        manager.cond.notify()
 
         def syncthreads(self):
             if self.abort:
@@ -79,6 +95,8 @@ def _wake_simulator_blocks_on_events():
             if self.abort:
                 raise RuntimeError("abort flag set on syncthreads clear")
 
+    pools, pools_lock = {}, threading.Lock()
+
     class Manager(sim.BlockManager):
         def release_if_all_blocked(self):
             """Under ``cond``: release the blocked threads where every live thread is blocked."""
@@ -89,16 +107,31 @@ def _wake_simulator_blocks_on_events():
                         t.syncthreads_event.set()
                 self.blocked = 0
 
+        def _threads(self):
+            """This block shape's kept threads, taken for this block (new ones where another launch holds them)."""
+            shape = tuple(self._block_dim)
+            with pools_lock:
+                free = pools.setdefault(shape, [])
+                threads = free.pop() if free else None
+            if threads is None:
+                threads = [Thread(self, point) for point in np.ndindex(*self._block_dim)]
+                for t in threads:
+                    t.start()
+            return threads
+
         def run(self, grid_point, *args):
             def target():
                 self._f(*args)
 
             self.cond = threading.Condition()
-            self.threads = threads = [Thread(target, self, grid_point, point, self._debug)
-                                      for point in np.ndindex(*self._block_dim)]
+            self.threads = threads = self._threads()
             self.live, self.blocked, self.failed = len(threads), 0, None
+            block = sim.Dim3(*grid_point)
             for t in threads:
-                t.start()
+                t._manager, t.blockIdx, t.exception, t.abort, t.syncthreads_blocked = self, block, None, False, False
+                t.syncthreads_event.clear()
+                t.job = target
+                t.go.set()
             with self.cond:
                 while self.live and self.failed is None:
                     self.cond.wait()
@@ -108,11 +141,13 @@ def _wake_simulator_blocks_on_events():
                         t.abort = True
                         t.syncthreads_blocked = False
                         t.syncthreads_event.set()
+                    while self.live:
+                        self.cond.wait()
+            self.threads = None
+            with pools_lock:
+                pools[tuple(self._block_dim)].append(threads)
             if failed is not None:
                 raise failed.exception[0].with_traceback(failed.exception[1])
-            for t in threads:
-                t.join()
-            self.threads = None
 
     sim.BlockManager = Manager
 
