@@ -594,6 +594,18 @@ def isolate(cache, seqs, s, runner) -> dict:
            "step_splits": [step.n_work, step.blocks_per_split]}
     blocks = int(sum(cache.seq_len(r) for r in seqs)) // L.BLOCK_TOKENS
     res["raw_tiles_share"] = cache._arena.used() / max(blocks * cache.tiles_per_block * cache.layers * 2, 1)
+    # each layer apart: its attention through AttentionPlan, and the share of its finalized tiles held raw
+    # (block-table entries with the raw flag: negative as int32)
+    res["layer_us"], res["layer_raw"] = [], []
+    for layer in range(s.layers):
+        res["layer_us"].append(round(graph_time_us(lambda i, p=plans[layer]: p.run(q, out=out, lse=lse), 1, 5), 1))
+        view = cache.layer_view(layer)
+        raw = tiles = 0
+        for table in view.table:
+            for r in seqs:
+                e = table[r, :cache.seq_len(r) // L.BLOCK_TOKENS]
+                raw, tiles = raw + int((e < 0).sum()), tiles + e.numel()
+        res["layer_raw"].append(round(raw / max(tiles, 1), 4))
     if runner is not None:
         from gaac.attention_launch import layer_launch
 
