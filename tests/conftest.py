@@ -7,7 +7,6 @@ os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 import importlib.util  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
-import traceback  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -66,10 +65,7 @@ def _wake_simulator_blocks_on_events():
             while True:
                 self.go.wait()
                 self.go.clear()
-                job, self.job = self.job, None
-                if job is None:
-                    return
-                self._target, self._args, self._kwargs = job, (), {}     # (Thread.run deletes them)
+                self._target, self._args, self._kwargs = self.job, (), {}     # (Thread.run deletes them)
                 try:
                     super().run()            # (records the thread's exception)
                 finally:
