@@ -725,10 +725,32 @@ def render(rep: dict) -> str:
            if isinstance(v, dict) and "gc_ms" in v and not v.get("earlier")]
     if gcs:
         lines += ["", "Python's garbage collector inside the window (host time, `gc.callbacks`):", "", *gcs]
-    lines += ds.profile_lines([(f"{name} {k}", v["profile"]) for name, sc in rep["scenarios"].items()
-                               for k, v in sc.items()
-                               if isinstance(v, dict) and v.get("profile") and not v.get("earlier")])
+    # a run kept from an earlier report keeps its profile and isolated attention, marked * as its row is
+    lines += ds.profile_lines([(f"{name}{'*' if v.get('earlier') else ''} {k}", v["profile"])
+                               for name, sc in rep["scenarios"].items() for k, v in sc.items()
+                               if isinstance(v, dict) and v.get("profile")])
+    isolated = [isolated_line(f"{name}{'*' if v.get('earlier') else ''} {k}", v["isolate"])
+                for name, sc in rep["scenarios"].items() for k, v in sc.items()
+                if isinstance(v, dict) and v.get("isolate")]
+    if isolated:
+        lines += ["", "The cache's attention apart from the step (`--isolate`: a graph a layer, replays rotating; us a "
+                  "layer):", "", *isolated]
     return "\n".join(lines) + "\n"
+
+
+def isolated_line(name: str, iso: dict) -> str:
+    """One report line of :func:`isolate`'s figures."""
+    line = (f"- {name}: AttentionPlan {iso['plan_us']:.1f} (kernel {iso['plan_kernel_us']:.1f}, merge alone "
+            f"{iso['plan_merge_us']:.1f}), one-step plan with the fused merge {iso['step_fused_us']:.1f}; splits "
+            f"{iso['plan_splits'][0]} of {iso['plan_splits'][1]} blocks; raw tiles {100 * iso['raw_tiles_share']:.2f}%")
+    for key, val in iso.items():
+        if key.startswith("bucket") and key.endswith("_us"):
+            line += f"; the bucket's kernel and merge {val:.1f}"
+    if iso.get("layer_us"):
+        us, raw = iso["layer_us"], iso["layer_raw"]
+        line += (f"; by layer {min(us):.1f}-{max(us):.1f} (raw tiles {100 * min(raw):.2f}-{100 * max(raw):.2f}%, "
+                 f"the slowest layer's {100 * raw[us.index(max(us))]:.2f}%)")
+    return line
 
 
 def main() -> None:

@@ -107,3 +107,23 @@ def test_each_pair_of_windows_gives_a_ratio_and_the_report_lists_them(serving):
                      **out}}}
     text = serving.render(rep)
     assert "- s eager: BF16 / GAAC ms of each pair of windows 2.000, 1.500, 0.800 (min 0.800, max 2.000)" in text
+
+
+def test_a_run_kept_from_an_earlier_report_keeps_its_isolated_attention_marked(serving):
+    """``--isolate``'s figures reach the report, a run merged from an earlier one marked * as its row is, and the
+    layers' spread names the slowest layer's raw share."""
+    log = []
+    out = serving.run_pair({"bf16_graph": stand_in(serving, "a", log), "gaac_graph": stand_in(serving, "b", log)},
+                           args(steps=2, interleave=2))
+    iso = {"plan_us": 94.8, "plan_kernel_us": 90.6, "plan_merge_us": 16.5, "step_fused_us": 114.3,
+           "plan_splits": [196, 21], "raw_tiles_share": 0.0042, "bucket1_us": 93.9,
+           "layer_us": [87.3, 97.2, 90.0], "layer_raw": [0.0029, 0.0024, 0.0136]}
+    out["gaac_graph"].update(isolate=iso, earlier=True)
+    rep = {"date": "d", "device": "cpu", "commit": "c", "command": "serving.py", "steps": 2, "warmup": 3,
+           "cal_tokens": 1024, "interleave": 2, "scenarios": {
+               "s": {"batch": 1, "context": 8, "every": 0, "prompt": 0, "target_graph": 1.0, "target_eager": 1.0,
+                     **out}}}
+    line = next(x for x in serving.render(rep).splitlines() if x.startswith("- s* gaac_graph: AttentionPlan"))
+    assert "AttentionPlan 94.8 (kernel 90.6, merge alone 16.5), one-step plan with the fused merge 114.3" in line
+    assert "splits 196 of 21 blocks; raw tiles 0.42%; the bucket's kernel and merge 93.9" in line
+    assert line.endswith("by layer 87.3-97.2 (raw tiles 0.24-1.36%, the slowest layer's 0.24%)")
