@@ -575,7 +575,8 @@ def isolate(cache, seqs, s, runner) -> dict:
     """Attention over what the run's cache holds, apart from the step, every layer in turn (a graph per layer,
     replays rotating): through ``AttentionPlan`` (the attention benchmark's way) whole, its kernel alone and its
     merge alone, and through a one-step plan of the same lengths (``decode_plan(append=0)``: the fused merge);
-    with each plan's splits, and those of the bucket's captured plan."""
+    with each plan's splits, and those of the bucket's captured plan; and each layer's ``AttentionPlan`` alone, with
+    the share of its tiles held raw."""
     from timing import graph_time_us
 
     from gaac.attention import AttentionPlan
@@ -726,12 +727,12 @@ def render(rep: dict) -> str:
     if gcs:
         lines += ["", "Python's garbage collector inside the window (host time, `gc.callbacks`):", "", *gcs]
     # a run kept from an earlier report keeps its profile and isolated attention, marked * as its row is
-    lines += ds.profile_lines([(f"{name}{'*' if v.get('earlier') else ''} {k}", v["profile"])
-                               for name, sc in rep["scenarios"].items() for k, v in sc.items()
-                               if isinstance(v, dict) and v.get("profile")])
-    isolated = [isolated_line(f"{name}{'*' if v.get('earlier') else ''} {k}", v["isolate"])
-                for name, sc in rep["scenarios"].items() for k, v in sc.items()
-                if isinstance(v, dict) and v.get("isolate")]
+    def kept(field):
+        return [(f"{name}{'*' if v.get('earlier') else ''} {k}", v[field]) for name, sc in rep["scenarios"].items()
+                for k, v in sc.items() if isinstance(v, dict) and v.get(field)]
+
+    lines += ds.profile_lines(kept("profile"))
+    isolated = [isolated_line(name, iso) for name, iso in kept("isolate")]
     if isolated:
         lines += ["", "The cache's attention apart from the step (`--isolate`: a graph a layer, replays rotating; us a "
                   "layer):", "", *isolated]
@@ -771,7 +772,8 @@ def main() -> None:
                     help="after the window, N steps more under cProfile, and the join phases' prompts "
                          "(<out>.profile.txt)")
     ap.add_argument("--isolate", action="store_true",
-                    help="after each GAAC run, time its cache's attention apart from the step (GPU only)")
+                    help="after each GAAC run, time its cache's attention apart from the step, whole and layer by "
+                         "layer (GPU only)")
     ap.add_argument("--join-phases", type=int, default=0,
                     help="after each GAAC run with joins, N more joins taken apart, the device synchronised "
                          "between the parts (outside the window)")
