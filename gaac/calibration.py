@@ -682,39 +682,69 @@ def _max_tile_escapes(modes: L.ModeSet, dim: int) -> int:
     return L.BLOCK_TOKENS * L.tile_channels(dim) // L.GROUP_SIZE * modes.escape_bytes[L.MODE_RAW]
 
 
-def _capacities(counts: np.ndarray, geo: L.TileGeometry, slot_line: int | None) -> np.ndarray:
+@dataclass(frozen=True)
+class SlotLine:
+    """Slot capacities whose slots fill whole ``size``-byte lines: always (``slack`` None), or only where that costs at
+    most ``slack`` (a share) more resident bytes than the capacity with the fewest (else that one)."""
+
+    size: int = 128
+    slack: float | None = None
+
+
+# calibrate's default for BF16: a paged pool of slots that fill whole 128-byte lines keeps every slot on a line, and
+# the fused attention kernel copies such a slot in fewer shared-memory wavefronts than one that straddles lines; at
+# head_dim 128 a lined capacity is often the best one plus 16 bytes (0.55% of a slot), at 64 often 48 more (3%)
+PREFERRED_LINE = SlotLine(128, 0.01)
+
+
+def _slot_line(slot_line) -> SlotLine | None:
+    """``slot_line`` as a :class:`SlotLine`: an int is a line size taken always."""
+    return SlotLine(int(slot_line)) if isinstance(slot_line, numbers.Integral) else slot_line
+
+
+def _pick(cost: np.ndarray, candidates: np.ndarray, geo: L.TileGeometry, slot_line) -> np.ndarray:
+    """The capacity ``candidates`` picks by ``cost`` ``[..., candidates]`` (resident bytes of each): the first with
+    the fewest bytes, or a lined one as ``slot_line`` (an int, a :class:`SlotLine` or None) asks."""
+    best = np.argmin(cost, axis=-1)
+    line = _slot_line(slot_line)
+    lined = (geo.fixed_bytes + candidates) % line.size == 0 if line is not None else None
+    if lined is None or not lined.any():
+        return candidates[best]
+    on_line = np.argmin(np.where(lined, cost, np.iinfo(np.int64).max), axis=-1)
+    if line.slack is None:
+        return candidates[on_line]
+    extra = np.take_along_axis(cost, on_line[..., None], -1)[..., 0]
+    least = np.take_along_axis(cost, best[..., None], -1)[..., 0]
+    return candidates[np.where(extra <= least * (1 + line.slack), on_line, best)]
+
+
+def _capacities(counts: np.ndarray, geo: L.TileGeometry, slot_line) -> np.ndarray:
     """:func:`best_capacity` of each layer from ``counts`` ``[layers, m + 1]``: how many of its tiles need
     0 .. m escape bytes."""
-    candidates = _capacity_candidates(geo, slot_line)
+    candidates = _capacity_candidates(geo)
     within = np.cumsum(counts, axis=1)                     # tiles needing at most 0 .. m escape bytes
     fits = within[:, np.minimum(candidates, counts.shape[1] - 1)]          # [layers, candidates]
     cost = fits * (geo.fixed_bytes + candidates) + (within[:, -1:] - fits) * geo.raw_bytes
-    return candidates[np.argmin(cost, axis=1)].astype(np.int64)            # argmin: the first, smallest
+    return _pick(cost.astype(np.int64), candidates, geo, slot_line).astype(np.int64)
 
 
-def _capacity_candidates(geo: L.TileGeometry, slot_line: int | None) -> np.ndarray:
-    candidates = np.arange(0, geo.max_useful_capacity + 1, L.SLOT_ALIGN)
-    if slot_line:
-        lined = candidates[(geo.fixed_bytes + candidates) % slot_line == 0]
-        candidates = lined if lined.size else candidates
-    return candidates
+def _capacity_candidates(geo: L.TileGeometry) -> np.ndarray:
+    return np.arange(0, geo.max_useful_capacity + 1, L.SLOT_ALIGN)
 
 
-def best_capacity(escapes: np.ndarray, tile, slot_line: int | None = None) -> int:
+def best_capacity(escapes: np.ndarray, tile, slot_line=None) -> int:
     """The escape capacity that minimises resident bytes over tiles with ``escapes`` escape bytes.
 
     ``tile`` is a head_dim (BF16 tiles of that head) or a :class:`gaac.layout.TileGeometry`
-    (any element format: the rule is the same, only the section sizes differ).  ``slot_line``: only
-    capacities whose slots are a whole number of ``slot_line``-byte lines (when there is one), see
-    :func:`calibrate`.
+    (any element format: the rule is the same, only the section sizes differ).  ``slot_line``: an int asks for
+    capacities whose slots are a whole number of ``slot_line``-byte lines (when there is one), a :class:`SlotLine`
+    for them where they cost at most its slack more; see :func:`calibrate`.
     """
     geo = tile if isinstance(tile, L.TileGeometry) else L.geometry(tile)
-    candidates = _capacity_candidates(geo, slot_line)
-    if escapes.size == 0:
-        return int(candidates[0])
+    candidates = _capacity_candidates(geo)
     fits = escapes[None, :] <= candidates[:, None]
-    cost = np.where(fits, geo.fixed_bytes + candidates[:, None], geo.raw_bytes).sum(axis=1)
-    return int(candidates[np.argmin(cost)])
+    cost = np.where(fits, geo.fixed_bytes + candidates[:, None], geo.raw_bytes).sum(axis=1).astype(np.int64)
+    return int(_pick(cost, candidates, geo, slot_line))
 
 
 @dataclass
@@ -729,7 +759,7 @@ class Windows:
 
 
 def fit_windows(x, modes: L.ModeSet = L.BF16_MODES, capacity: int | None = None,
-                slot_line: int | None = None) -> Windows:
+                slot_line: int | SlotLine | None = None) -> Windows:
     """Windows and capacities for one kind of a cache ``[layers, heads, tokens, head_dim]`` of ``modes``' format.
 
     Per (layer, head, channel) the narrow and the wide window covering the most values
@@ -782,7 +812,7 @@ def _first_max(x, dim: int = -1):
     return torch.where(x == top, index, x.shape[dim]).amin(dim=dim)
 
 
-def _fit_on_device(x, modes: L.ModeSet, capacity: int | None, slot_line: int | None) -> Windows:
+def _fit_on_device(x, modes: L.ModeSet, capacity: int | None, slot_line) -> Windows:
     """:func:`fit_windows` of int16 BF16 bits ``x`` ``[layers, heads, tokens, head_dim]`` (a torch tensor) where
     they are: the histograms, windows and each layer's tiles by escape bytes on the tensor's device, in chunks
     of at most ``DEVICE_CHUNK`` elements; one copy of the results to the host."""
@@ -872,7 +902,8 @@ def sample_caches(k, v):
 
 
 def calibrate(k, v, *, format="bf16", model: str | None = None, capacity: int | None = None,
-              slot_line: int | None = None, scale: str = "tensor", show_progress: bool | None = None) -> Calibration:
+              slot_line: int | SlotLine | None = PREFERRED_LINE, scale: str = "tensor",
+              show_progress: bool | None = None) -> Calibration:
     """Calibrate a cache of element format ``format`` on BF16 sample caches ``k``, ``v`` shaped
     ``[layers, kv_heads, tokens, head_dim]``.
 
@@ -881,13 +912,15 @@ def calibrate(k, v, *, format="bf16", model: str | None = None, capacity: int | 
     samples are first converted with scales chosen by the policy ``scale`` of
     :func:`gaac.fp8.convert.cache_scales` (``'tensor'``: one power of two per layer and kind; ``'head'``:
     per KV head; ``'one'``: no scaling), and the windows are fitted to the converted caches.
-    ``capacity`` forces one escape capacity everywhere instead of choosing it.  ``slot_line=128``
-    chooses the capacity among those whose slots fill whole 128-byte lines (the one with the fewest
-    resident bytes among them): a paged pool of such slots keeps every slot on a line, and the fused
-    attention kernel's copies of a slot that straddles lines cost it more shared-memory wavefronts
-    (docs/design/attention.md).  It costs up to 112 bytes a
-    slot: on the real SmolLM2 caches at head_dim 128, K's capacity 48 becomes 64 (+0.55% of K's
-    bytes); at head_dim 64 the smallest lined capacity is 96.
+    ``capacity`` forces one escape capacity everywhere instead of choosing it.  Otherwise each layer and
+    kind takes the capacity with the fewest resident bytes, except that by default (``slot_line``
+    :data:`PREFERRED_LINE`, BF16 only) it takes the best one whose slots fill whole 128-byte lines where that
+    costs at most 1% more: a paged pool of such slots keeps every slot on a line, and the fused attention kernel
+    copies a slot that straddles lines in more shared-memory wavefronts (docs/design/attention.md).  On the
+    real SmolLM2 caches at head_dim 128 K's capacity 48 becomes 64 (+0.55% of a slot); at head_dim 64 the
+    smallest lined capacity is 96, which the slack refuses where 48 fits.  ``slot_line=128`` takes lined
+    capacities whatever they cost (up to 112 bytes a slot), ``None`` the fewest bytes everywhere, a
+    :class:`SlotLine` its own line and slack.
     """
     ks, vs = sample_caches(k, v)
     layers, heads, tokens, dim = ks.shape
@@ -907,6 +940,8 @@ def calibrate(k, v, *, format="bf16", model: str | None = None, capacity: int | 
         scales = [cache_scales(x, modes.fmt, scale) for x in (ks, vs)]
         ks, vs = (cache_to_fp8(x, modes.fmt, s) for x, s in zip((ks, vs), scales))
         notes = {"scale": scale, **notes}
+    if slot_line is PREFERRED_LINE and modes.fmt is not L.BF16:
+        slot_line = None          # GAAC-FP8 slots have their own sizes: the fewest bytes
     parts = [fit_windows(x, modes, capacity, slot_line)
              for x in progress((ks, vs), desc="calibrate", unit="kind", enable=show_progress)]
     tiles = sum(p.tiles for p in parts)

@@ -70,8 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--model", help="model name recorded in the calibration")
     cal.add_argument("--tokens", metavar="A:B", help="calibrate on tokens A..B-1 only, e.g. 0:512")
     cal.add_argument("--slot-line", type=int, choices=(128,), default=None,
-                     help="slot capacities whose slots fill whole 128-byte lines (faster fused attention on a GPU, "
-                          "a few more bytes a slot; see gaac.calibrate)")
+                     help="slot capacities whose slots fill whole 128-byte lines whatever they cost (by default "
+                          "only where they cost at most 1%% more bytes; faster fused attention on a GPU; see "
+                          "gaac.calibrate)")
     cal.add_argument("--format", choices=FORMATS, default="bf16",
                      help="element format the calibration is for: bf16 (default), or the cache converted to FP8 "
                           "(a GAAC-FP8 calibration, with its scales; FORMAT-FP8.md), what `gaac stats --format "
@@ -173,7 +174,8 @@ def cmd_calibrate(args) -> int:
         k = k[:, :, parse_token_range(args.tokens, k.shape[2])]
         v = v[:, :, parse_token_range(args.tokens, v.shape[2])]
         notes["token_range"] = args.tokens
-    cal = calibrate(k, v, format=args.format, model=args.model, slot_line=args.slot_line)
+    lines = {"slot_line": args.slot_line} if args.slot_line else {}     # else calibrate's default
+    cal = calibrate(k, v, format=args.format, model=args.model, **lines)
     what = "calibration" if args.format == "bf16" else f"{args.format} calibration"
     if args.slot_line:
         notes["slot_line"] = args.slot_line
