@@ -34,6 +34,12 @@ def commit_with_changes(script: str) -> str:
     return head + (f" (uncommitted changes in: {', '.join(dirty)})" if dirty else "")
 
 
+def head(title: str, rep: dict) -> list[str]:
+    """A report's first lines: its title, then the date, device, commit and command of ``rep``."""
+    return [f"# {title}", "", f"- date: {rep['date']}", f"- device: {rep['device']}", f"- commit: {rep['commit']}",
+            f"- command: `{rep['command']}`"]
+
+
 def table(header, rows) -> list[str]:
     """The lines of a markdown table: the header, its ``|---|`` rule (one per header cell, so the two
     cannot disagree) and a line per row of cells (each written as ``str`` would)."""

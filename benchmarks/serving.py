@@ -53,6 +53,7 @@ from typing import Callable, NamedTuple
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import decode_step as ds  # noqa: E402  (reads --smoke from sys.argv: the simulator is set before numba loads)
 from equal_memory import new_tokens, tokens_at as content  # noqa: E402  (real K/V of a content row; the steps')
+import report  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -649,15 +650,13 @@ def check(cache, src, s, seqs, held, appended, nk, nv) -> dict:
 # ------------------------------------------------------------------------------------------------
 
 def render(rep: dict) -> str:
-    lines = ["# The serving loop at the defaults: GAAC against BF16 + flash", "",
-             f"- date: {rep['date']}", f"- device: {rep['device']}", f"- commit: {rep['commit']}",
-             f"- command: `{rep['command']}`",
-             f"- {rep['steps']} timed steps after {rep['warmup']}; GAAC `PagedKVCache` defaults (adapt=True, pools as "
-             f"the cache sizes them), calibration from the first {rep['cal_tokens']} tokens; lengths {GAP} tokens "
-             "apart; every capture, eager step, re-plan and join inside the window",
-             (f"- BF16's and GAAC's windows alternate every {rep['interleave']} steps (A B B A ...), both runs live, "
-              "so that the host's drift moves both alike" if rep.get("interleave") else
-              "- each run's steps in one window, BF16's run before GAAC's")]
+    lines = report.head("The serving loop at the defaults: GAAC against BF16 + flash", rep)
+    lines += [f"- {rep['steps']} timed steps after {rep['warmup']}; GAAC `PagedKVCache` defaults (adapt=True, pools as "
+              f"the cache sizes them), calibration from the first {rep['cal_tokens']} tokens; lengths {GAP} tokens "
+              "apart; every capture, eager step, re-plan and join inside the window",
+              (f"- BF16's and GAAC's windows alternate every {rep['interleave']} steps (A B B A ...), both runs live, "
+               "so that the host's drift moves both alike" if rep.get("interleave") else
+               "- each run's steps in one window, BF16's run before GAAC's")]
     if rep.get("interleave") and any(isinstance(v, dict) and v.get("earlier") and v.get("ms") and not v.get("windows")
                                      for sc in rep["scenarios"].values() for v in sc.values()):
         lines.append("- rows marked * whose runs predate the alternating windows ran one after the other, each in "

@@ -70,10 +70,9 @@ def measure(args) -> dict:
 
 
 def render(rep: dict) -> str:
-    lines = ["# Slot capacities on 128-byte lines against the fewest bytes: the fused attention by layer", "",
-             f"- date: {rep['date']}", f"- device: {rep['device']}", f"- commit: {rep['commit']}",
-             f"- command: `{rep['command']}`",
-             f"- the serving benchmark's content in its first {rep['layers']} layers (8 KV heads x 128), one "
+    lines = report.head("Slot capacities on 128-byte lines against the fewest bytes: the fused attention by layer",
+                        rep)
+    lines += [f"- the serving benchmark's content in its first {rep['layers']} layers (8 KV heads x 128), one "
              f"{rep['tokens']}-token sequence, a calibration from its first 1024 tokens; each layer's "
              "`AttentionPlan` from CUDA-graph replays (median of 9), us", ""]
     rows = [[r["round"], f"{r['choice']}: K " + " ".join(map(str, r["capacity"][0])) + " / V "
