@@ -27,7 +27,9 @@ import numpy as np  # noqa: E402
 
 import report  # noqa: E402
 
-CHOICES = {"fewest": None, "default": "default", "lined": 128}
+from gaac.calibration import PREFERRED_LINE  # noqa: E402
+
+CHOICES = {"fewest": None, "default": PREFERRED_LINE, "lined": 128}     # gaac.calibrate's slot_line
 
 
 def measure(args) -> dict:
@@ -45,8 +47,7 @@ def measure(args) -> dict:
     runs = []
     for rnd in range(args.rounds):
         for name, line in CHOICES.items():
-            lines = {} if line == "default" else {"slot_line": line}
-            cal = gaac.calibrate(k_u[:, :, :1024], v_u[:, :, :1024], show_progress=False, **lines)
+            cal = gaac.calibrate(k_u[:, :, :1024], v_u[:, :, :1024], slot_line=line, show_progress=False)
             cache = gaac.PagedKVCache(cal, max_seqs=1, max_blocks=args.tokens // 16 + 2, device="cuda")
             dense = [src.dense(layer, 1, args.tokens) for layer in range(args.layers)]
             cache.add_sequence(torch.stack([d[0][0] for d in dense]).view(torch.int16),
@@ -74,7 +75,9 @@ def render(rep: dict) -> str:
                         rep)
     lines += [f"- the serving benchmark's content in its first {rep['layers']} layers (8 KV heads x 128), one "
              f"{rep['tokens']}-token sequence, a calibration from its first 1024 tokens; each layer's "
-             "`AttentionPlan` from CUDA-graph replays (median of 9), us", ""]
+             "`AttentionPlan` from CUDA-graph replays (median of 9), us",
+             "- one component's time, a best case beside the user's loop: the serving loop at the defaults is "
+             "serving.py's (`benchmarks/results/serving-*.md`)", ""]
     rows = [[r["round"], f"{r['choice']}: K " + " ".join(map(str, r["capacity"][0])) + " / V "
              + " ".join(map(str, r["capacity"][1])), " ".join(f"{u:.1f}" for u in r["us"]), f"{r['mean_us']:.1f}",
              r["memory"].split(";")[-1].strip()] for r in rep["runs"]]
