@@ -18,6 +18,10 @@ serving engine and ``gaac.hf.GAACCache`` do) and without it (``by layer``: a tra
 * **a long prompt**: ``--tokens`` tokens into a new cache, layer by layer both ways, against ``add_sequence``
   of every layer in one call.
 
+With ``--timeline`` (GPU), one more ``add_sequence`` of the long prompt runs under torch's profiler: the report
+gives the GPU's busy time in that call, the gaps of half a millisecond or more in which it ran nothing (the
+host's turns) and the kernels by name; ``<out>.timeline.txt`` lists every run of same-named kernels and copies.
+
 For each, the host time of the cache's phases (each method timed as it returns, summed over the calls):
 cutting the blocks (``_prepare``), the adaptation rule's setup and launches (``_launch_rule``) and the wait
 for its decisions (``_finish_rule``), the encodes (``_encode_on_device``, which includes the rule's wait
@@ -40,7 +44,7 @@ import decode_step as DS  # noqa: E402  (sets up the simulator for --smoke)
 import torch  # noqa: E402
 
 import gaac  # noqa: E402
-from benchmarks.report import commit, table, write  # noqa: E402
+from benchmarks.report import commit, table, timeline, write  # noqa: E402
 from equal_memory import tokens_at as content  # noqa: E402
 
 log, free = DS.log, DS.free
@@ -166,7 +170,45 @@ def long_prompt(cal, src, s, args, phases) -> dict:
         log(f"  add_sequence: {out['add_sequence'][-1]['ms']:.1f} ms")
         del cache
         free()
+    if args.timeline and DS.DEV == "cuda":
+        out["timeline"] = profiled(lambda cache: cache.add_sequence(k, v), cal, blocks)
     return out
+
+
+def profiled(call, cal, blocks: int) -> dict:
+    """``call(cache)`` on a new cache under torch's profiler: the call's host ms (to the device's end, the profiler
+    slowing the host) and the GPU's :func:`benchmarks.report.timeline` of its kernels and copies."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cache = gaac.PagedKVCache(cal, max_blocks=blocks, device=DS.DEV)
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        call(cache)
+        sync()
+        ms = 1e3 * (time.perf_counter() - t0)
+    gpu = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+           if e.device_type == torch.autograd.DeviceType.CUDA]
+    del cache
+    free()
+    return {"host_ms": ms, **timeline(gpu)}
+
+
+def timeline_lines(t: dict) -> list:
+    """The report's summary of a :func:`profiled` timeline: busy time, idle gaps, the largest kernels by name."""
+    by_name = {}
+    for a, b, n, name in t["runs"]:
+        got = by_name.setdefault(name, [0, 0.0])
+        got[0], got[1] = got[0] + n, got[1] + (b - a)
+    top = sorted(by_name.items(), key=lambda x: -x[1][1])[:8]
+    lines = [f"One more `add_sequence` of it under torch's profiler ({t['host_ms']:.1f} ms with the profiler): the GPU "
+             f"ran something for {t['busy_us'] / 1e3:.1f} ms of its {t['span_us'] / 1e3:.1f} ms from the first kernel "
+             "to the last; it ran nothing (the host's turn) in", ""]
+    lines += [f"- {a / 1e3:.1f} - {b / 1e3:.1f} ms ({(b - a) / 1e3:.1f} ms), after `{before[:60]}`, before `{after[:60]}`"
+              for a, b, before, after in t["idle"]] or ["- no gap of 0.5 ms or more"]
+    lines += ["", "Kernels and copies by name (ms from the first to the last of each run, summed; count):", ""]
+    lines += [f"- `{name[:70]}` {us / 1e3:.1f} ms ({n})" for name, (n, us) in top]
+    return lines
 
 
 def appended(cache, cal, s) -> int:
@@ -201,6 +243,8 @@ def render(rep: dict) -> str:
     rows += [["add_sequence, every layer in one call", f"{r['ms']:.1f}", "-", r["epochs_appended"], phase_cell(r["phases"])]
              for r in p["add_sequence"]]
     lines += table(["how", "ms", "a call (median) ms", "epochs appended", "host ms by phase (calls)"], rows)
+    if p.get("timeline"):
+        lines += [""] + timeline_lines(p["timeline"])
     return "\n".join(lines) + "\n"
 
 
@@ -214,6 +258,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=None, help="the long prompt's tokens (default 131072)")
     ap.add_argument("--runs", type=int, default=2, help="runs of each long-prompt way (default 2)")
     ap.add_argument("--cal-tokens", type=int, default=1024, help="calibrate on the first N tokens (default 1024)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="one more add_sequence of the long prompt under torch's profiler: the GPU's timeline "
+                         "(GPU only; every run in <out>.timeline.txt)")
     args = ap.parse_args()
     smoke = DS.SMOKE
     s = DS.SMOKE_SHAPE if smoke else DS.LLAMA_8B
@@ -236,6 +283,11 @@ def main() -> None:
     log("a long prompt")
     rep["long"] = long_prompt(cal, src, s, args, phases)
     write(rep, args.out, render)
+    if rep["long"].get("timeline"):
+        t = rep["long"]["timeline"]
+        args.out.with_suffix(".timeline.txt").write_text(
+            "start_ms end_ms count name (the GPU's kernels and copies of one add_sequence, runs of one name merged)\n"
+            + "".join(f"{a / 1e3:9.3f} {b / 1e3:9.3f} {n:5d} {name}\n" for a, b, n, name in t["runs"]))
     print(render(rep))
 
 

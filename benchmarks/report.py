@@ -55,3 +55,28 @@ def write(rep: dict, out: Path, render) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(rep, indent=1))
     out.write_text(render(rep))
+
+
+def timeline(spans, join_us: float = 200.0, idle_us: float = 500.0) -> dict:
+    """A GPU timeline from ``spans`` ``[(start_us, end_us, name)]`` (kernels and copies, as torch's profiler
+    gives them, in any order): ``runs``, consecutive spans of one name less than ``join_us`` apart merged into
+    ``[start, end, count, name]`` (from the first span's start); ``busy_us``, the time some span ran (overlaps
+    counted once); ``span_us``, first start to last end; ``idle``, the gaps of ``idle_us`` or more in which
+    nothing ran, as ``[start, end, name before, name after]``."""
+    spans = sorted((float(a), float(b), str(n)) for a, b, n in spans)
+    if not spans:
+        return {"runs": [], "busy_us": 0.0, "span_us": 0.0, "idle": []}
+    t0 = spans[0][0]
+    runs, idle, busy = [], [], 0.0
+    reach, last = t0, spans[0][2]
+    for a, b, name in spans:
+        if a - reach >= idle_us:
+            idle.append([reach - t0, a - t0, last, name])
+        busy += max(0.0, b - max(a, reach))
+        if b > reach:
+            reach, last = b, name
+        if runs and runs[-1][3] == name and a - t0 - runs[-1][1] < join_us:
+            runs[-1][1], runs[-1][2] = max(runs[-1][1], b - t0), runs[-1][2] + 1
+        else:
+            runs.append([a - t0, b - t0, 1, name])
+    return {"runs": runs, "busy_us": busy, "span_us": reach - t0, "idle": idle}
