@@ -17,6 +17,7 @@ pytest.importorskip("numba")
 
 from gaac.cache.paged import PagedKVCache  # noqa: E402
 from gaac.cache.pools import RawArena  # noqa: E402
+from gaac.tiles import tile_bases  # noqa: E402
 from tests.test_construction import calibration, counting, make_all  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -123,9 +124,16 @@ def test_appending_epochs_waits_for_nothing():
         store.add_epochs(tables)
     assert ops.counts["sync"] == 0 and ops.counts["h2d"] == 1, ops.by_op
     assert store.b3.shape[0] == store.tb4.shape[0] == 4
+    assert ops.by_op.get("alloc:cat", 0) == 1, ops.by_op                # the four tables: one concatenation
     for e, (b3, b4) in enumerate(tables, start=1):
         np.testing.assert_array_equal(store.b3[e].numpy(), b3)
         np.testing.assert_array_equal(store.b4[e].numpy(), b4)
+        tb3, tb4 = tile_bases(b3, b4)
+        np.testing.assert_array_equal(store.tb3[e].numpy(), tb3)
+        np.testing.assert_array_equal(store.tb4[e].numpy(), tb4)
+    np.testing.assert_array_equal(store.b3[0].numpy(), cal.bases(1, 0, 0)[0])   # epoch 0 kept
+    np.testing.assert_array_equal(store.tb4[0].numpy(), tile_bases(*cal.bases(1, 0, 0))[1])
+    assert all(getattr(store, name).is_contiguous() for name in ("b3", "b4", "tb3", "tb4"))
 
 
 def content(rng, centres: np.ndarray, tokens: int) -> np.ndarray:

@@ -60,9 +60,14 @@ class _Kind:
         return self.slots.version, self.raw.version
 
 
+BASE_TABLES = ("b3", "b4", "tb3", "tb4")      # a store's epoch tables on the device (uint8, an epoch a row)
+
+
 def add_epochs_all(items: list) -> None:
     """:meth:`_Kind.add_epochs` for each ``(store, tables)`` of ``items``, every store's new bytes brought to the
-    device in one asynchronous copy (a prompt whose rule appends epochs in every layer copies once)."""
+    device in one asynchronous copy (a prompt whose rule appends epochs in every layer copies once), and each
+    store's four tables, old rows and new, joined by one concatenation into one allocation of which they are
+    views (a prompt that appends epochs in 64 layers and kinds makes 64 concatenations, not 256)."""
     parts = []
     for _, tables in items:
         tiles = [tile_bases(b3, b4) for b3, b4 in tables]
@@ -73,9 +78,18 @@ def add_epochs_all(items: list) -> None:
     flat = arrays.upload(np.concatenate([a.reshape(-1) for new in parts for a in new]), items[0][0].b3.device)
     at = 0
     for (store, _), new in zip(items, parts):
-        for name, a in zip(("b3", "b4", "tb3", "tb4"), new):
-            setattr(store, name, torch.cat([getattr(store, name), flat[at:at + a.size].view(a.shape)]))
+        pieces, shapes = [], []
+        for name, a in zip(BASE_TABLES, new):
+            old = getattr(store, name)
+            pieces += [old.reshape(-1), flat[at:at + a.size]]
+            shapes.append((old.shape[0] + a.shape[0], *old.shape[1:]))
             at += a.size
+        joined = torch.cat(pieces)
+        start = 0
+        for name, shape in zip(BASE_TABLES, shapes):
+            size = math.prod(shape)
+            setattr(store, name, joined[start:start + size].view(shape))
+            start += size
 
 
 def give_back_all(stores: list, entries: list) -> None:
