@@ -204,8 +204,8 @@ def timeline_lines(t: dict) -> list:
     lines = [f"One more `add_sequence` of it under torch's profiler ({t['host_ms']:.1f} ms with the profiler): the GPU "
              f"ran something for {t['busy_us'] / 1e3:.1f} ms of its {t['span_us'] / 1e3:.1f} ms from the first kernel "
              "to the last; it ran nothing (the host's turn) in", ""]
-    lines += [f"- {a / 1e3:.1f} - {b / 1e3:.1f} ms ({(b - a) / 1e3:.1f} ms), after `{before[:60]}`, before `{after[:60]}`"
-              for a, b, before, after in t["idle"]] or ["- no gap of 0.5 ms or more"]
+    lines += [f"- {a / 1e3:.1f} - {b / 1e3:.1f} ms ({(b - a) / 1e3:.1f} ms), after `{before[:60]}`, "
+              f"before `{after[:60]}`" for a, b, before, after in t["idle"]] or ["- no gap of 0.5 ms or more"]
     lines += ["", "Kernels and copies by name (ms from the first to the last of each run, summed; count):", ""]
     lines += [f"- `{name[:70]}` {us / 1e3:.1f} ms ({n})" for name, (n, us) in top]
     return lines

@@ -193,6 +193,57 @@ def test_removing_a_sequence_waits_for_nothing_and_gives_back_with_one_wait_what
     assert counts[2] == counts[4] <= 1, counts
 
 
+def test_a_removals_records_reach_every_slot_pools_list_in_one_write_whatever_the_layers():
+    """The slot pools' free lists are views of one allocation: where every list has room past its end (after a
+    first removal rebuilt them, as in a serving loop's later joins) the records a removal gives back are written
+    there by one indexed write for all of them (a copy a list before), and each list then holds what a write of
+    its own would have left: its records before, then the removed sequence's, sorted."""
+    writes = {}
+    for layers in (2, 4):
+        cache, rows = _filled(layers, seqs=3)
+        export = cache.export_sequence(rows[2])
+        cache.remove_sequence(rows[0])
+        cache._take_returns()                   # the first removal rebuilds the full lists, leaving room
+        pools = [store.slots for layer_store in cache._store for store in layer_store]
+        before = [(pool.order, pool.order[:pool.listed].tolist()) for pool in pools]
+        cache.remove_sequence(rows[1])
+        with counting() as ops:
+            cache._take_returns()
+        writes[layers] = {op: n for op, n in ops.by_op.items() if op.startswith("write:")}
+        for pool, (order, listed) in zip(pools, before):
+            assert pool.order is order                              # written in place
+            got = pool.order[:pool.listed].tolist()
+            assert got[:len(listed)] == listed and len(got) > len(listed)
+            assert got[len(listed):] == sorted(got[len(listed):])
+        again = cache.import_sequence(export)
+        assert cache.export_sequence(again) == export
+        assert cache.export_sequence(rows[2]) == export
+    assert writes[2] == writes[4] == {"write:index_copy_": 1}, writes
+
+
+def test_loans_to_every_share_of_a_cache_are_one_write_whatever_the_layers():
+    """A cache's raw shares' free lists start as views of one allocation (their first loans, in one copy): a
+    prompt's later loans to every share, written past each list's end, are one indexed write for all of them,
+    and each share holds its records before and then its loan."""
+    writes = {}
+    for layers in (2, 4):
+        cache = PagedKVCache(calibration(layers), max_seqs=8, max_blocks=256, codec="cuda")
+        shares = [store.raw for layer_store in cache._store for store in layer_store]
+        before = [(share.order, share.order[:share.listed].tolist()) for share in shares]
+        k = cache._arena.chunk
+        assert all(share.lends_in_place(k) for share in shares)
+        with counting() as ops:
+            assert cache._arena.cover([(share, share.free_lower() + k) for share in shares], read=False) == []
+        writes[layers] = {op: n for op, n in ops.by_op.items() if op.startswith("write:")}
+        for share, (order, listed) in zip(shares, before):
+            assert share.order is order
+            got = share.order[:share.listed].tolist()
+            assert got[:len(listed)] == listed and len(got) == len(listed) + k
+        every = sorted(r for share in shares for r in share.order[:share.listed].tolist())
+        assert len(set(every)) == len(every)                    # no record lent twice
+    assert writes[2] == writes[4] == {"write:index_copy_": 1}, writes
+
+
 def test_a_full_cache_takes_a_sequence_into_the_room_a_removal_frees():
     """The records a removal gives back are taken up by the next call that needs them, with no call of the
     caller's: a cache whose slot pools its two sequences fill takes an import, and then a prompt, into the room

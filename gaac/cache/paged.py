@@ -84,7 +84,7 @@ from . import hooks
 from .codec import codec_for, tiles_to_tokens
 from .hooks import RECORDING, ServingState, check_not_recording
 from .memory import MemoryReport
-from .pools import DevicePool, count_arrays, counts_read, RawArena, grow_pools, grown, sync_pools
+from .pools import DevicePool, ListWrites, count_arrays, counts_read, RawArena, grow_pools, grown, sync_pools
 from .store import KINDS, give_back_all, make_stores
 from .update import Deferral, UpdateTransaction, _runs
 from .view import LayerView
@@ -199,12 +199,14 @@ class _Returning:
         stale = [store.slots for store, m in zip(stores, sizes[:n]) if m and store.slots.reads_count(int(m))]
         if stale:
             sync_pools(stale)
+        writes = ListWrites()           # the slot pools' lists written together (one write for all, as a rule)
         for i, store in enumerate(stores):
             a, z = int(starts[i]), int(ends[i])
             if z > a:
-                store.slots.give(None, read=False, on_device=self.records[a:z])
+                store.slots.give(None, read=False, on_device=self.records[a:z], writes=writes)
             a, z = int(starts[n + i]), int(ends[n + i])
             store.raw.give(host[a:z].astype(np.int64), read=False)
+        writes.apply()
 
 
 def _read_back(stores: list, rows: list) -> list:

@@ -265,11 +265,12 @@ class DevicePool(Pool):
         self.taken += k
         return taken
 
-    def give(self, indices, read: bool = True, on_device=None) -> None:
+    def give(self, indices, read: bool = True, on_device=None, writes: ListWrites | None = None) -> None:
         """Return records to the free list, after the free ones (the lowest of them first).  ``read`` False: the
         caller has just read this pool's count from the device (:func:`sync_pools`); ``on_device``: the records,
         sorted, already on the device (int32; the caller brought several pools' in one copy, or sorted them
-        there), in which case ``indices`` is not read.  Where the list's
+        there), in which case ``indices`` is not read; ``writes``: a write past the list's end joins them, for the
+        caller to make with its other pools' (:class:`ListWrites`).  Where the list's
         array has room past its end they are written there: the list's records are then the same, with no
         count reset and no copy of the records already listed (a removed sequence gives back to every
         layer's pools).  Otherwise the list is rebuilt from its start, which leaves room past its end for
@@ -285,9 +286,14 @@ class DevicePool(Pool):
         if self.reads_count(m):
             self.sync()
         if self.taken <= end and end + m <= self.order.shape[0]:
-            self.order[end:end + m].copy_(on_device)
+            if writes is not None:
+                writes.add(self.order, end, on_device)
+            else:
+                self.order[end:end + m].copy_(on_device)
             self.listed = end + m
             return
+        if writes is not None:
+            writes.apply()              # the writes gathered so far first: this list is read and rebuilt
         self._set_order(torch.cat([self._rest(read), on_device]))
 
     def reads_count(self, m: int) -> bool:
@@ -356,6 +362,52 @@ def sync_pools(pools) -> list[int]:
 
 
 
+class ListWrites:
+    """Writes of records past the ends of device free lists, gathered and made together: each
+    ``(order, at, values)`` puts ``values`` (int32 on the device) at ``order[at:]``.  A cache makes its pools'
+    and shares' list arrays as views of one allocation (:func:`gaac.cache.store.make_stores`), so the writes of a
+    removal given back to every layer's pools, or of a prompt's loans to every share, are one indexed write per
+    allocation instead of one copy a list."""
+
+    def __init__(self):
+        self.items = []
+
+    def add(self, order: torch.Tensor, at: int, values: torch.Tensor) -> None:
+        self.items.append((order, at, values))
+
+    def apply(self) -> None:
+        """Make the writes: one alone as a copy; several into arrays of one allocation as one ``index_copy_`` (the
+        positions brought over in one asynchronous copy), the values one tensor where they lie in order in one."""
+        items, self.items = self.items, []
+        groups = {}
+        for order, at, values in items:
+            if values.numel():
+                groups.setdefault(order.untyped_storage().data_ptr(), []).append((order, at, values))
+        for group in groups.values():
+            if len(group) == 1:
+                order, at, values = group[0]
+                order[at:at + values.numel()].copy_(values)
+                continue
+            storage = group[0][0].untyped_storage()
+            base = storage.data_ptr()
+            flat = group[0][0].as_strided((storage.nbytes() // 4,), (1,), 0)     # the whole allocation, int32
+            where = np.concatenate([np.arange(n, dtype=np.int64) + ((order.data_ptr() - base) // 4 + at)
+                                    for order, at, n in ((o, a, v.numel()) for o, a, v in group)])
+            flat.index_copy_(0, arrays.upload(where, flat.device), _joined([values for _, _, values in group]))
+
+
+def _joined(parts: list) -> torch.Tensor:
+    """``torch.cat(parts)`` of 1-D int32 tensors, without a copy where they lie one after another in one tensor."""
+    first, storage = parts[0], parts[0].untyped_storage().data_ptr()
+    at = first.data_ptr()
+    for t in parts:
+        if t.untyped_storage().data_ptr() != storage or t.data_ptr() != at or not t.is_contiguous():
+            return torch.cat(parts)
+        at += 4 * t.numel()
+    total = (at - first.data_ptr()) // 4
+    return first.as_strided((total,), (1,))
+
+
 # ----------------------------------------------------------------------------------------------
 # The raw-tile arena and its shares.
 
@@ -416,10 +468,11 @@ class HostShare(_Share, Pool):
         self._stack = np.zeros(0, np.int64)
         self._top = self.granted = 0
 
-    def extend(self, indices: np.ndarray, room: int | None = None, read: bool = True, on_device=None) -> None:
+    def extend(self, indices: np.ndarray, room: int | None = None, read: bool = True, on_device=None,
+               writes=None) -> None:
         """Records lent by the arena join the free list, below the free records already there (``room``,
-        ``read``, ``on_device``: a device share's; a stack on the host has room for every record and no count to
-        read)."""
+        ``read``, ``on_device``, ``writes``: a device share's; a stack on the host has room for every record and
+        no count to read)."""
         self._stack = np.concatenate([np.sort(indices)[::-1], self.free])
         self._top = len(self._stack)
         self.granted += len(indices)
@@ -444,13 +497,15 @@ class DeviceShare(_Share, DevicePool):
         self._adopt(arena.empty_list, 0)
         self._unlisted = True
 
-    def extend(self, indices: np.ndarray, room: int | None = None, read: bool = True, on_device=None) -> None:
+    def extend(self, indices: np.ndarray, room: int | None = None, read: bool = True, on_device=None,
+               writes: ListWrites | None = None) -> None:
         """Records lent by the arena join the end of the free list.  The device's count is read (unless the list is
         empty, or ``read`` is False: the caller has just read it, :meth:`DevicePool._rest`).  ``room``: the list
         takes a new array with room for at least that many entries; else the records are written past the list's
         end while its array has room (one copy: the list and its count stay), or the list takes a new array of
         twice its length.  ``on_device``: ``indices``, sorted, already on the device (int32; the arena brings
-        several shares' loans in one copy)."""
+        several shares' loans in one copy); ``writes``: a write past the list's end joins them
+        (:class:`ListWrites`)."""
         indices = np.sort(indices).astype(np.int32)
         k, device = len(indices), self.data.device
 
@@ -458,6 +513,8 @@ class DeviceShare(_Share, DevicePool):
             return on_device if on_device is not None else arrays.upload(indices, device)
 
         if self.listed == 0:
+            if writes is not None:
+                writes.apply()
             if room is None and (self._unlisted or k > self.order.shape[0]):
                 room = 2 * k if k > self.order.shape[0] else self.order.shape[0]
             if room is None:
@@ -469,9 +526,15 @@ class DeviceShare(_Share, DevicePool):
         else:
             rest = self._rest() if read else None        # read=False: the count only where the list moves
             end = self.listed
-            if room is None and self.taken <= end and end + k <= self.order.shape[0]:
+            in_place = room is None and self.taken <= end and end + k <= self.order.shape[0]
+            if writes is not None and not in_place:
+                writes.apply()          # the writes gathered so far first: this list is read and rebuilt
+            if in_place:
                 # room past the list's end: the records are written there, the list's array and count kept
-                self.order[end:end + k].copy_(up())
+                if writes is not None:
+                    writes.add(self.order, end, up())
+                else:
+                    self.order[end:end + k].copy_(up())
                 self.listed = end + k
             else:
                 order = torch.cat([rest if rest is not None else self._rest(read), up()])
@@ -603,14 +666,15 @@ class RawArena:
         batched = [r for s, r, _ in loans if isinstance(s, DeviceShare) and len(r)]
         device = (arrays.upload(np.concatenate(batched), self.data.device)
                   if len(batched) > 1 else None)
-        at = 0
+        at, writes = 0, ListWrites()
         for share, records, room in loans:
             if not len(records):
                 continue
             on = None
             if device is not None and isinstance(share, DeviceShare):
                 on, at = device[at:at + len(records)], at + len(records)
-            share.extend(records, room, read=False, on_device=on)
+            share.extend(records, room, read=False, on_device=on, writes=writes)
+        writes.apply()
         return [len(r) for _, r, _ in loans]
 
     def _room(self, share, k: int, read: bool = True) -> int | None:
