@@ -391,8 +391,8 @@ class ListWrites:
             storage = group[0][0].untyped_storage()
             base = storage.data_ptr()
             flat = group[0][0].as_strided((storage.nbytes() // 4,), (1,), 0)     # the whole allocation, int32
-            where = np.concatenate([np.arange(n, dtype=np.int64) + ((order.data_ptr() - base) // 4 + at)
-                                    for order, at, n in ((o, a, v.numel()) for o, a, v in group)])
+            where = np.concatenate([np.arange(values.numel(), dtype=np.int64) + ((order.data_ptr() - base) // 4 + at)
+                                    for order, at, values in group])
             flat.index_copy_(0, arrays.upload(where, flat.device), _joined([values for _, _, values in group]))
 
 
