@@ -43,6 +43,7 @@ import cProfile
 import gc
 import io
 import json
+import re
 import pstats
 import statistics
 import sys
@@ -649,7 +650,25 @@ def check(cache, src, s, seqs, held, appended, nk, nv) -> dict:
 
 # ------------------------------------------------------------------------------------------------
 
+def keep_earlier(rep: dict, old: dict) -> None:
+    """Take the runs of the earlier report ``old`` into ``rep``, each marked as kept and holding the commit it ran
+    at (a run of a report from before runs carried their commits gets its header's first commit, or, where it was
+    kept there too, the first commit that header names for such runs)."""
+    rep["scenarios"] = old["scenarios"]
+    heads = re.findall(r"\b[0-9a-f]{7,40}\b", old.get("run_commit", old["commit"]))
+    for sc in rep["scenarios"].values():
+        for val in sc.values():
+            if isinstance(val, dict):
+                if "commit" not in val:
+                    val["commit"] = heads[1 if val.get("earlier") and len(heads) > 1 else 0][:7]
+                val["earlier"] = True
+
+
 def render(rep: dict) -> str:
+    kept = sorted({v["commit"] for sc in rep["scenarios"].values() for v in sc.values()
+                   if isinstance(v, dict) and v.get("earlier") and v.get("commit")})
+    rep = {**rep, "commit": rep.get("run_commit", rep["commit"]) + (f" (runs marked *: {', '.join(kept)})" if kept
+                                                                    else "")}
     lines = report.head("The serving loop at the defaults: GAAC against BF16 + flash", rep)
     lines += [f"- {rep['steps']} timed steps after {rep['warmup']}; GAAC `PagedKVCache` defaults (adapt=True, pools as "
               f"the cache sizes them), calibration from the first {rep['cal_tokens']} tokens; lengths {GAP} tokens "
@@ -798,7 +817,7 @@ def main() -> None:
     src = ds.Source(k_u, v_u)
     model = ds.Model(s)
     rep = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": "CPU (simulator, smoke)" if SMOKE else
-           torch.cuda.get_device_name(), "commit": ds.commit(),
+           torch.cuda.get_device_name(), "commit": ds.commit(), "run_commit": ds.commit(),
            "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]), "steps": args.steps,
            "warmup": args.warmup, "cal_tokens": args.cal_tokens, "join_by_layer": args.join_by_layer,
            "interleave": args.interleave, "scenarios": {}}
@@ -808,13 +827,7 @@ def main() -> None:
     if args.prompt_trace:
         args.out.with_suffix(".trace.txt").unlink(missing_ok=True)
     if args.merge:
-        old = json.loads(args.merge.read_text())
-        rep["scenarios"] = old["scenarios"]
-        rep["commit"] = f"{rep['commit']} (runs marked *: {old['commit']})"
-        for sc in rep["scenarios"].values():
-            for key, val in sc.items():
-                if isinstance(val, dict):
-                    val["earlier"] = True
+        keep_earlier(rep, json.loads(args.merge.read_text()))
     for mode in modes:                  # every scenario's graphs first: a run cut short keeps the most of them
         for name in names:
             batch, context, every, prompt, t_graph, t_eager = table[name]
@@ -832,6 +845,8 @@ def main() -> None:
                       for kind, run in (("bf16", run_bf16), ("gaac", run_gaac))
                       if not (kind == "bf16" and SMOKE)}          # torch's flash kernel needs a GPU
             pair = run_pair(makers, args)         # (which frees what its runs held)
+            for run in pair.values():
+                run["commit"] = rep["run_commit"][:7]
             sc.update(pair)
             ds.write(rep, args.out, render)
     print(render(rep))

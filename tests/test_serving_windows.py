@@ -4,6 +4,7 @@ tests drive its :func:`run_pair` with stand-in runs that record which steps ran 
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 
@@ -127,3 +128,30 @@ def test_a_run_kept_from_an_earlier_report_keeps_its_isolated_attention_marked(s
     assert "AttentionPlan 94.8 (kernel 90.6, merge alone 16.5), one-step plan with the fused merge 114.3" in line
     assert "splits 196 of 21 blocks; raw tiles 0.42%; the bucket's kernel and merge 93.9" in line
     assert line.endswith("by layer 87.3-97.2 (raw tiles 0.24-1.36%, the slowest layer's 0.24%)")
+
+
+def test_a_merged_report_names_each_kept_runs_commit_once(serving):
+    """Runs kept from an earlier report keep the commit they ran at, and the header names the kept runs' commits
+    once each, however many reports they passed through (an older report's nested header included)."""
+    old = {"commit": "aaaaaaa (runs marked *: bbbbbbb (runs marked *: ccccccc))", "scenarios": {
+        "s": {"gaac_graph": {"ms": 1.0}, "bf16_graph": {"ms": 1.1}},
+        "t": {"gaac_graph": {"ms": 2.0, "earlier": True}, "bf16_graph": {"ms": 2.2, "earlier": True}},
+        "u": {"gaac_graph": {"ms": 3.0}, "bf16_graph": {"ms": 3.3}}}}
+    rep = {"date": "d", "device": "cpu", "commit": "ddddddd", "run_commit": "ddddddd", "command": "serving.py",
+           "steps": 2, "warmup": 3, "cal_tokens": 1024, "interleave": 0}
+    serving.keep_earlier(rep, old)
+    assert rep["scenarios"]["s"]["gaac_graph"]["commit"] == "aaaaaaa"
+    assert rep["scenarios"]["t"]["gaac_graph"]["commit"] == "bbbbbbb"
+    for sc, ms in (("s", 1.0), ("t", 2.0), ("u", 3.0)):
+        rep["scenarios"][sc].update({"batch": 1, "context": 8, "every": 0, "prompt": 0, "target_graph": 1.0,
+                                     "target_eager": 1.0})
+    # a new run replaces u's pair: its commit leaves the header's list
+    rep["scenarios"]["u"].update(gaac_graph={"ms": 3.0, "commit": "ddddddd"}, bf16_graph={"ms": 3.3, "commit": "ddddddd"})
+    header = next(x for x in serving.render(rep).splitlines() if x.startswith("- commit"))
+    assert header == "- commit: ddddddd (runs marked *: aaaaaaa, bbbbbbb)"
+    # merged again, the runs keep their own commits and the header stays one level deep
+    again = {"commit": "eeeeeee", "run_commit": "eeeeeee", "date": "d", "device": "cpu", "command": "serving.py",
+             "steps": 2, "warmup": 3, "cal_tokens": 1024, "interleave": 0}
+    serving.keep_earlier(again, json.loads(json.dumps(rep)))
+    header = next(x for x in serving.render(again).splitlines() if x.startswith("- commit"))
+    assert header == "- commit: eeeeeee (runs marked *: aaaaaaa, bbbbbbb, ddddddd)"
