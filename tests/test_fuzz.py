@@ -340,9 +340,11 @@ def _cache_file_bytes(suffix: str) -> tuple[bytes, np.ndarray]:
 
 
 def _safetensors_region(data: bytes):
-    """The bytes a safetensors file's ``k`` entry declares, read by hand (the loader's oracle)."""
+    """The bytes a safetensors file's ``k`` entry declares, or its only tensor's (a mutation can rename the key:
+    the loader takes a file's single tensor whatever its name), read by hand (the loader's oracle)."""
     (n,) = struct.unpack_from("<Q", data)
-    entry = json.loads(data[8:8 + n])["k"]
+    tensors = {key: v for key, v in json.loads(data[8:8 + n]).items() if key != "__metadata__"}
+    entry = tensors["k"] if "k" in tensors else next(iter(tensors.values()))
     begin, end = entry["data_offsets"]
     return np.frombuffer(data[8 + n + begin:8 + n + end], dtype="<u2"), entry["shape"]
 
