@@ -43,8 +43,8 @@ import cProfile
 import gc
 import io
 import json
-import re
 import pstats
+import re
 import statistics
 import sys
 import time
@@ -655,7 +655,7 @@ def keep_earlier(rep: dict, old: dict) -> None:
     at (a run of a report from before runs carried their commits gets its header's first commit, or, where it was
     kept there too, the first commit that header names for such runs)."""
     rep["scenarios"] = old["scenarios"]
-    heads = re.findall(r"\b[0-9a-f]{7,40}\b", old.get("run_commit", old["commit"]))
+    heads = re.findall(r"\b[0-9a-f]{7,40}\b", old["commit"])
     for sc in rep["scenarios"].values():
         for val in sc.values():
             if isinstance(val, dict):
@@ -667,8 +667,7 @@ def keep_earlier(rep: dict, old: dict) -> None:
 def render(rep: dict) -> str:
     kept = sorted({v["commit"] for sc in rep["scenarios"].values() for v in sc.values()
                    if isinstance(v, dict) and v.get("earlier") and v.get("commit")})
-    rep = {**rep, "commit": rep.get("run_commit", rep["commit"]) + (f" (runs marked *: {', '.join(kept)})" if kept
-                                                                    else "")}
+    rep = {**rep, "commit": rep["commit"] + (f" (runs marked *: {', '.join(kept)})" if kept else "")}
     lines = report.head("The serving loop at the defaults: GAAC against BF16 + flash", rep)
     lines += [f"- {rep['steps']} timed steps after {rep['warmup']}; GAAC `PagedKVCache` defaults (adapt=True, pools as "
               f"the cache sizes them), calibration from the first {rep['cal_tokens']} tokens; lengths {GAP} tokens "
@@ -817,7 +816,7 @@ def main() -> None:
     src = ds.Source(k_u, v_u)
     model = ds.Model(s)
     rep = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": "CPU (simulator, smoke)" if SMOKE else
-           torch.cuda.get_device_name(), "commit": ds.commit(), "run_commit": ds.commit(),
+           torch.cuda.get_device_name(), "commit": ds.commit(),
            "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]), "steps": args.steps,
            "warmup": args.warmup, "cal_tokens": args.cal_tokens, "join_by_layer": args.join_by_layer,
            "interleave": args.interleave, "scenarios": {}}
@@ -846,7 +845,7 @@ def main() -> None:
                       if not (kind == "bf16" and SMOKE)}          # torch's flash kernel needs a GPU
             pair = run_pair(makers, args)         # (which frees what its runs held)
             for run in pair.values():
-                run["commit"] = rep["run_commit"][:7]
+                run["commit"] = rep["commit"][:7]
             sc.update(pair)
             ds.write(rep, args.out, render)
     print(render(rep))

@@ -137,12 +137,12 @@ def test_a_merged_report_names_each_kept_runs_commit_once(serving):
         "s": {"gaac_graph": {"ms": 1.0}, "bf16_graph": {"ms": 1.1}},
         "t": {"gaac_graph": {"ms": 2.0, "earlier": True}, "bf16_graph": {"ms": 2.2, "earlier": True}},
         "u": {"gaac_graph": {"ms": 3.0}, "bf16_graph": {"ms": 3.3}}}}
-    rep = {"date": "d", "device": "cpu", "commit": "ddddddd", "run_commit": "ddddddd", "command": "serving.py",
+    rep = {"date": "d", "device": "cpu", "commit": "ddddddd", "command": "serving.py",
            "steps": 2, "warmup": 3, "cal_tokens": 1024, "interleave": 0}
     serving.keep_earlier(rep, old)
     assert rep["scenarios"]["s"]["gaac_graph"]["commit"] == "aaaaaaa"
     assert rep["scenarios"]["t"]["gaac_graph"]["commit"] == "bbbbbbb"
-    for sc, ms in (("s", 1.0), ("t", 2.0), ("u", 3.0)):
+    for sc in ("s", "t", "u"):
         rep["scenarios"][sc].update({"batch": 1, "context": 8, "every": 0, "prompt": 0, "target_graph": 1.0,
                                      "target_eager": 1.0})
     # a new run replaces u's pair: its commit leaves the header's list
@@ -150,7 +150,7 @@ def test_a_merged_report_names_each_kept_runs_commit_once(serving):
     header = next(x for x in serving.render(rep).splitlines() if x.startswith("- commit"))
     assert header == "- commit: ddddddd (runs marked *: aaaaaaa, bbbbbbb)"
     # merged again, the runs keep their own commits and the header stays one level deep
-    again = {"commit": "eeeeeee", "run_commit": "eeeeeee", "date": "d", "device": "cpu", "command": "serving.py",
+    again = {"commit": "eeeeeee", "date": "d", "device": "cpu", "command": "serving.py",
              "steps": 2, "warmup": 3, "cal_tokens": 1024, "interleave": 0}
     serving.keep_earlier(again, json.loads(json.dumps(rep)))
     header = next(x for x in serving.render(again).splitlines() if x.startswith("- commit"))
