@@ -523,6 +523,50 @@ def test_an_update_written_before_its_counts_is_undone_where_a_list_ran_dry(monk
         assert undone == [True]
 
 
+def test_only_the_stores_whose_list_ran_dry_encode_again():
+    """Two layers, one of whose K tiles overflow into a raw arena too small for them: the other layer and kind
+    encode once and keep what they wrote, the dry one is encoded again after the arena grows (read back
+    bit-exact); without ``grow`` the update is refused with every store as before, those that did not run dry
+    too."""
+    pytest.importorskip("numba")
+    rng = np.random.default_rng(5)
+    k, v = synthetic(rng, 2, 1, 3 * B, 64, spread=2.5), synthetic(rng, 2, 1, 3 * B, 64, spread=2.5)
+    full = L.geometry(64).max_useful_capacity
+    cal = with_capacity(calibrate(k, v), [[0, full], [full, full]])        # only layer 0's K escapes go raw
+    launched = []
+    count = update_mod.UpdateTransaction._encodes_launched
+
+    def counted(self, store, tiles):
+        launched.append(next((layer, kind) for layer in range(self.layers) for kind in range(2)
+                             if self._store[layer][kind] is store))
+        return count(self, store, tiles)
+
+    update_mod.UpdateTransaction._encodes_launched = counted
+    try:
+        for grow in (True, False):
+            cache = PagedKVCache(cal, max_seqs=1, max_blocks=4, raw_tiles=1, codec="cuda", grow=grow)
+            seq = cache.add_sequence(k[:, :, :10], v[:, :, :10])       # a tail of 10 tokens, no block
+            before = ({seq: cache.read(seq)}, cache.memory(),
+                      [[(p.n_free(), p._rest().tolist()) for st in layer for p in (st.slots, st.raw)]
+                       for layer in map(cache.stores, range(cache.layers))])
+            launched.clear()
+            if grow:
+                cache.append(seq, k[:, :, 10:45], v[:, :, 10:45])      # two blocks: K of layer 0 runs the arena dry
+                np.testing.assert_array_equal(cache.read(seq)[0], k[:, :, :45])
+                np.testing.assert_array_equal(cache.read(seq)[1], v[:, :, :45])
+                assert sorted(launched) == [(0, 0), (0, 0), (0, 1), (1, 0), (1, 1)], launched
+            else:
+                with pytest.raises(PoolExhaustedError, match="raw-tile arena"):
+                    cache.append(seq, k[:, :, 10:45], v[:, :, 10:45])
+                after = ({seq: cache.read(seq)}, cache.memory(),
+                         [[(p.n_free(), p._rest().tolist()) for st in layer for p in (st.slots, st.raw)]
+                          for layer in map(cache.stores, range(cache.layers))])
+                assert_same(after, before)
+                assert sorted(launched) == [(0, 0), (0, 1), (1, 0), (1, 1)], launched
+    finally:
+        update_mod.UpdateTransaction._encodes_launched = count
+
+
 # ----------------------------------------------------------------------------------------------
 # Calibration epochs: a context that drifts away from its calibration.
 

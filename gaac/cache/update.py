@@ -920,15 +920,17 @@ class UpdateTransaction:
         ``u.entries``; return True.
 
         Where :meth:`_reserve` could not prove that the records suffice, the device's counts are read
-        after the launches: if a free list ran dry, every count is put back (the records taken return
-        to their lists; nothing else was written) and the pool grows (``grow``) and the encode is
-        redone, or :class:`PoolExhaustedError` is raised with the cache unchanged.  With ``guessing``
+        after the launches: if a free list ran dry, the counts of each store whose list ran dry are put back
+        (the records taken return to their lists; nothing else was written), the pool grows (``grow``) and
+        those stores' jobs are encoded again, the others keeping what they wrote; or, every count put back,
+        :class:`PoolExhaustedError` is raised with the cache unchanged.  With ``guessing``
         (some epochs are the rule's, still being decided) a list that runs dry returns False instead, the
         counts put back: the epochs the rule decides may need fewer records.  ``before_check`` runs once,
         after the first launches and before that wait (host work that overlaps the encodes); ``ran_dry``
         runs where a list ran dry, before the counts are put back."""
         jobs = [(u, kind) for u in updates for kind in KINDS if u.tiles[kind] is not None
                 and (only is None or (id(u), kind) in only)]
+        kept = []               # (update, kind, counts before) of the jobs whose encodes stand after a list ran dry
         while True:
             unsure = [(u, kind) for u, kind in jobs
                       if min(p.free_lower() for p in self._pools(u.layer, kind)) < u.tiles[kind].shape[0]]
@@ -988,14 +990,22 @@ class UpdateTransaction:
             took = [(store.raw, store.raw.taken - int(saved[id(store)].host()[store.raw.cls])) for store in stores]
             for (u, kind), (share, n) in zip(jobs, took):
                 share.seen_rate = max(share.seen_rate, n / u.tiles[kind].shape[0])
-            self._put_back([(u, kind, saved[id(self._store[u.layer][kind])]) for u, kind in jobs])
-            if guessing:
+            if guessing:        # the caller encodes every job again, with the rule's epochs
+                self._put_back([(u, kind, saved[id(store)]) for (u, kind), store in zip(jobs, stores)])
                 return False
+            # Only the stores a list of which ran dry go back and encode again; the others keep what they wrote
+            # (each store's lists are its own: its records, its counts).
+            dry = {id(pool) for pool, _ in over}
+            again = {i for i, store in enumerate(stores) if id(store.slots) in dry or id(store.raw) in dry}
+            kept += [(u, kind, saved[id(stores[i])]) for i, (u, kind) in enumerate(jobs) if i not in again]
+            jobs, took = [job for i, job in enumerate(jobs) if i in again], [t for i, t in enumerate(took) if i in again]
+            self._put_back([(u, kind, saved[id(self._store[u.layer][kind])]) for u, kind in jobs])
             # Every share is lent what it takes (so that lending to one never leaves another short); a slot
             # pool, or an arena that cannot lend enough, grows (grow=True) or the update is refused.
             lack = [(pool, n) for pool, n in over if not isinstance(pool, _Share)]
             lack += self._arena.cover(took)
             if lack and not self.grow:
+                self._put_back(kept)        # refused: the cache as it was
                 raise self._exhausted(*lack[0], "this update")
             grow_pools(lack, read=False)          # the counts are the put back ones, nothing launched since
             self._storage_changed()
