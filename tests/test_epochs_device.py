@@ -292,6 +292,44 @@ def test_a_cache_whose_rule_runs_on_the_device_holds_what_the_host_rule_makes(mo
     assert np.array_equal(rv[0].numpy().view(np.uint16), x[1])
 
 
+@pytest.mark.parametrize("threshold", [1, 1 << 20])
+def test_the_encoders_take_the_bases_of_many_appended_epochs_from_the_device(monkeypatch, threshold):
+    """A prompt whose rule appends at least ``DEVICE_PACKED`` epochs gives their encoder bases packed on the device,
+    from the candidates the checks picked: nothing is packed on the host for them (the encodes, nor the decode
+    appends' plans made when the epoch is published); below the threshold the host packs each.  Either way each
+    store keeps the host's packing of the calibration's bases, bit for bit, and the read-back is bit-exact."""
+    import gaac.cuda.codec as codec
+    from gaac.tiles import tile_bases
+
+    x, cal, n = _one_drifting_layer(monkeypatch)
+    monkeypatch.setattr(device_epochs, "DEVICE_PACKED", threshold)
+    packed = []
+    pack = codec.pack_bases
+    monkeypatch.setattr(codec, "pack_bases", lambda *a, **k: (packed.append(1), pack(*a, **k))[1])
+    cache = PagedKVCache(cal, **every_tile(cal, 1, 40), codec="cuda")
+    cache._rule_on_device = True
+    packed.clear()                                          # (the cache packs its calibration's epochs once)
+    before = [cache.calibration.n_epochs(0, kind) for kind in (L.KIND_K, L.KIND_V)]
+    seq = cache.add_sequence(x[:1, :, :n], x[1:, :, :n])
+    held = [cache.calibration.n_epochs(0, kind) for kind in (L.KIND_K, L.KIND_V)]
+    appended = sum(held) - sum(before)
+    assert min(h - b for h, b in zip(held, before)) > 0
+    if threshold == 1:
+        assert packed == []
+    else:
+        assert len(packed) >= appended
+    for kind in (L.KIND_K, L.KIND_V):
+        store = cache.stores(0)[kind]
+        # the device's packings are kept for later plans; the host's are packed again where a plan needs them
+        assert sorted(store.packed) == list(range(held[kind] if threshold == 1 else before[kind]))
+        for e in store.packed:
+            want = pack(*tile_bases(*cache.calibration.bases(0, kind, e)))
+            np.testing.assert_array_equal(np.asarray(store.packed[e]), np.asarray(want))
+    rk, rv = cache.read_layer(0, [seq])
+    assert np.array_equal(rk[0].numpy().view(np.uint16), x[0, :, :n])
+    assert np.array_equal(rv[0].numpy().view(np.uint16), x[1, :, :n])
+
+
 def test_shapes_the_device_rule_does_not_take_fall_back_to_the_host_rule(monkeypatch):
     assert device_epochs.supported(8, 128) and device_epochs.supported(32, 256)
     assert not device_epochs.supported(64, 256)               # more channels than its shared tables hold

@@ -72,6 +72,8 @@ class _Epochs:
                                  # (``after`` is the live adapter until then)
     first_new: int = 0           # the rule runs on the GPU: the index of the first epoch it may append
     decide: bool = True          # False: the checks among these blocks append nothing (Adapter.assign)
+    packed: list = field(default_factory=list)  # the GPU rule's: the appended epochs' bases packed for the CUDA
+                                                # encoder on the device (as ``tables``, in order), or none
 
 
 @dataclass
@@ -527,11 +529,13 @@ class UpdateTransaction:
         update (of the batches that decide)."""
         redo, jobs, missed = [], 0, 0
         for batch, items in launched:
-            for (u, kind, plan), epochs in zip(items, batch.finish()):
+            decided = batch.finish()
+            for (u, kind, plan), epochs, packed in zip(items, decided, batch.new_bases()):
                 guessed = plan.epochs
                 plan.epochs = epochs
                 plan.tables = [plan.after.calibration.bases(u.layer, kind, e)
                                for e in range(plan.first_new, plan.after.epoch + 1)]
+                plan.packed = packed
                 plan.blocks = None
                 if batch.decide:        # a fitted prompt's jobs, which cannot append, say nothing of the next
                     jobs, missed = jobs + 1, missed + bool(plan.tables)
@@ -1068,11 +1072,15 @@ class UpdateTransaction:
         if enc is None:
             from ..cuda.codec import EncodePlan, pack_bases
 
-            # An epoch's bases outlive the pools' versions (growth, removals make new free lists).
+            # An epoch's bases outlive the pools' versions (growth, removals make new free lists).  Those of an
+            # epoch the GPU rule appends may come packed on the device; others are packed here and copied over.
             bases = store.packed.get(epoch)
-            if bases is None:
+            held = store.tb3.shape[0]
+            if bases is None and plan is not None and 0 <= epoch - held < len(plan.packed):
+                bases = plan.packed[epoch - held]
+            elif bases is None:
                 bases = self._to_device(pack_bases(*self._tile_bases(store, plan, epoch, layer, kind)))
-                if epoch < store.tb3.shape[0]:
+                if epoch < held:
                     store.packed[epoch] = bases
             # a plan of the same pools for another epoch differs only in its bases
             same = next((e for k, e in store.encoders.items() if k[1] == key[1]), None)
@@ -1097,6 +1105,10 @@ class UpdateTransaction:
             for b3, b4 in u.epochs[kind].tables:
                 self._calibration.add_epoch(u.layer, kind, b3, b4)
         add_epochs_all([(self._store[u.layer][kind], u.epochs[kind].tables) for u, kind in appending])
+        for u, kind in appending:           # the encoders' bases the GPU rule packed, kept for later plans
+            store, plan = self._store[u.layer][kind], u.epochs[kind]
+            held = store.tb3.shape[0] - len(plan.tables)
+            store.packed.update((held + i, bases) for i, bases in enumerate(plan.packed))
         together = self._together(updates)
         tails = epochs = False
         if together is not None:

@@ -43,6 +43,7 @@ PHASE_CHECKS = 1 << 30 if SIMULATOR else 4  # checks a phase's thread block judg
                                             # than PHASE_BLOCKS are needed for that
 PHASES = 4                   # phases launched with a batch (after phase 0); more where a job keeps appending
 NONE = 1 << 30               # in the phases' results: no check appends
+DEVICE_PACKED = 8            # a batch that appends this many epochs or more gives their encoder bases on the device
 COST_3BIT = L.ESCAPE_BYTES[L.MODE_3BIT]
 COST_4BIT = L.ESCAPE_BYTES[L.MODE_4BIT]
 COST_RAW = L.ESCAPE_BYTES[L.MODE_RAW]
@@ -741,8 +742,9 @@ class Batch:
             # have given them back to the batch's stream
             main = torch.cuda.current_stream(self.device)
             main.wait_stream(self.stream)
-            for t in (self.hist, self.cand):
-                t.record_stream(main)
+            for t in (self.hist, self.cand, self._gathered[1]):
+                if t is not None:
+                    t.record_stream(main)
         return self._finish(picked, recent)
 
     def _tables(self, picked: list) -> dict:
@@ -752,12 +754,34 @@ class Batch:
         if getattr(self, "_picked", None) is not None:
             return self._picked
         wanted = [(i, int(j)) for i, js in enumerate(picked) for j in js]
-        self._picked = {}
+        self._picked, self._gathered = {}, (wanted, None)
         if wanted:
             idx = torch.tensor(wanted, dtype=torch.int64, device=self.device)
-            got = self.cand[idx[:, 0], idx[:, 1]].cpu().numpy().astype(np.uint8)
-            self._picked = {w: got[t] for t, w in enumerate(wanted)}
+            gathered = self.cand[idx[:, 0], idx[:, 1]]
+            got = gathered.cpu().numpy().astype(np.uint8)
+            self._picked, self._gathered = {w: got[t] for t, w in enumerate(wanted)}, (wanted, gathered)
         return self._picked
+
+    def new_bases(self) -> list:
+        """After :meth:`finish`, per job (in the order given), the bases of the epochs it appended as the CUDA
+        encoder reads them (``int16 [P, 2, C]`` each: a block's tiles, narrow then wide bases), made on the
+        device from the candidates :meth:`finish` gathered for the host, so that the encodes copy none over;
+        empty lists where the batch appends fewer than :data:`DEVICE_PACKED` epochs (the host packs those:
+        a few pinned copies cost less than the gather's views).  The rule's windows start within the modes'
+        ranges by construction: a window running off bin 255 never beats the one ending there, and ties go
+        to the smaller start."""
+        import torch
+
+        out = [[] for _ in self.jobs]
+        wanted, gathered = getattr(self, "_gathered", ((), None))
+        if len(wanted) < DEVICE_PACKED or gathered is None:
+            return out
+        c = L.tile_channels(self.head_dim)
+        p = self.channels // c
+        packed = gathered.view(len(wanted), 2, p, c).transpose(1, 2).to(torch.int16).contiguous()
+        for t, (i, _) in enumerate(wanted):
+            out[self.order[i]].append(packed[t])
+        return out
 
     def _finish(self, picked_all: list, recent: list) -> list:
         jobs, n, checks, r0, every = self.jobs, self.n, self.checks, self.r0, self.every
