@@ -40,14 +40,7 @@ import gaac  # noqa: E402
 import gaac.cuda.epochs as device_epochs  # noqa: E402
 from benchmarks.report import commit, head, table, write  # noqa: E402
 from equal_memory import tokens_at as content  # noqa: E402
-
-
-def by_layer(cache, seq: int, kv) -> None:
-    """A prompt ``kv[layer] = (k, v)`` through ``update_layer`` a layer at a time inside one deferral."""
-    deferral = cache.deferred().start()
-    for layer, (k, v) in enumerate(kv):
-        cache.update_layer(layer, [seq], k[None], v[None])
-    deferral.apply()
+from prefill_layers import by_layer  # noqa: E402
 
 
 def measure(args) -> dict:
@@ -89,7 +82,7 @@ def measure(args) -> dict:
     cache = gaac.PagedKVCache(cal, max_seqs=batch, max_blocks=(max(lens) + prompt) // 16 + 2, device="cuda")
     for r, n in enumerate(lens):
         seq = cache.add_sequence()
-        by_layer(cache, seq, [content(src, layer, r, 0, n) for layer in range(s.layers)])
+        by_layer(cache, seq, [content(src, layer, r, 0, n) for layer in range(s.layers)], True)
     torch.cuda.synchronize()
     for j, way in enumerate(["off"] + order * 2):
         device_epochs.DEVICE_PACKED = ways[way]
@@ -99,7 +92,7 @@ def measure(args) -> dict:
         t0 = time.perf_counter()
         cache.remove_sequence(row)
         seq = cache.add_sequence()
-        by_layer(cache, seq, kv)
+        by_layer(cache, seq, kv, True)
         torch.cuda.synchronize()
         if j:
             res[way]["join_ms"].append(round(1e3 * (time.perf_counter() - t0), 2))
