@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import platform
 import statistics
 import sys
@@ -133,7 +134,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("packed_ab.py times the CUDA path: it needs a GPU")
     rep = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-               device=torch.cuda.get_device_name(), machine=f"{platform.machine()} {__import__('os').cpu_count()} cores",
+               device=torch.cuda.get_device_name(), machine=f"{platform.machine()} {os.cpu_count()} cores",
                commit=commit(), torch=torch.__version__, threshold=device_epochs.DEVICE_PACKED,
                command="python benchmarks/packed_ab.py " + " ".join(sys.argv[1:] if argv is None else argv),
                args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()})

@@ -1002,7 +1002,8 @@ class UpdateTransaction:
             dry = {id(pool) for pool, _ in over}
             again = {i for i, store in enumerate(stores) if id(store.slots) in dry or id(store.raw) in dry}
             kept += [(u, kind, saved[id(stores[i])]) for i, (u, kind) in enumerate(jobs) if i not in again]
-            jobs, took = [job for i, job in enumerate(jobs) if i in again], [t for i, t in enumerate(took) if i in again]
+            jobs = [job for i, job in enumerate(jobs) if i in again]
+            took = [t for i, t in enumerate(took) if i in again]
             self._put_back([(u, kind, saved[id(self._store[u.layer][kind])]) for u, kind in jobs])
             # Every share is lent what it takes (so that lending to one never leaves another short); a slot
             # pool, or an arena that cannot lend enough, grows (grow=True) or the update is refused.

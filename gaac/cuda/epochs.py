@@ -766,10 +766,10 @@ class Batch:
         """After :meth:`finish`, per job (in the order given), the bases of the epochs it appended as the CUDA
         encoder reads them (``int16 [P, 2, C]`` each: a block's tiles, narrow then wide bases), made on the
         device from the candidates :meth:`finish` gathered for the host, so that the encodes copy none over;
-        empty lists where the batch appends fewer than :data:`DEVICE_PACKED` epochs (a join's few: the host packs
-        them, as before; the device's packing is what a long prompt that appends in many layers gains from).  The rule's windows start within the modes'
-        ranges by construction: a window running off bin 255 never beats the one ending there, and ties go
-        to the smaller start."""
+        empty lists where the batch appends fewer than :data:`DEVICE_PACKED` epochs (a join's few: the host
+        packs them, as before; the device's packing is what a long prompt that appends in many layers gains
+        from).  The rule's windows start within the modes' ranges by construction: a window running off bin
+        255 never beats the one ending there, and ties go to the smaller start."""
         import torch
 
         out = [[] for _ in self.jobs]
