@@ -149,6 +149,30 @@ def test_a_cuda_codec_cache_is_freed_at_del(data, adapt):
 
 
 @simulated
+def test_a_cache_whose_steps_dropped_their_plans_is_freed_at_del(data):
+    """Eager steps whose plans are made inside a function and dropped: the cache keeps its record of the last
+    finished step for the next plan to follow; it names no cache, and the cache is freed at del."""
+    k, v, cal = data
+    with no_gc():
+        cache = _cache(cal, "cuda", adapt=True)
+        seq = cache.add_sequence(k[:, :, :START], v[:, :, :START])
+
+        def step(pos):
+            plan = cache.decode_plan(2, seqs=[seq])             # held for the step's layers, dropped at return
+            for layer in range(LAYERS):
+                cache.update_layer(layer, [seq], _token(k, layer, pos), _token(v, layer, pos))
+            return plan.lens[seq]
+        for pos in range(START, START + 3):
+            step(pos)
+        record = cache.serving.last_step
+        assert cache.serving.eager_plan is None and record is not None and record._appender is not None
+        refs = _watch(cache)
+        refs["appender"] = weakref.ref(record._appender)
+        del cache, record, step
+        assert not _alive(refs)
+
+
+@simulated
 def test_a_step_left_part_way_is_accounted_and_freed(data):
     """A step whose token finishes a block, appended to one layer only: the cache keeps the pending account
     (not the plan), makes it at its next call even after the plan is dropped, and is freed at del."""

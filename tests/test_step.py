@@ -251,6 +251,56 @@ def test_a_plan_follows_the_previous_step_where_only_the_lengths_advanced(monkey
     np.testing.assert_array_equal(cache.read(seq)[1], v)
 
 
+def test_a_plan_the_caller_dropped_is_followed_as_one_it_holds(monkeypatch):
+    """A serving loop that makes each step's plan inside a function drops the plan before the next one is made:
+    the next plan follows the cache's record of the finished step as it follows a plan held, making the same
+    plans in full (the first step, those that finish a block and the next ones), and the two caches hold the
+    same bits and attend alike."""
+    from gaac.serving.plan import StepPlan
+
+    rng = np.random.default_rng(15)
+    layers, n = 2, B + 5
+    k, v = synthetic(rng, layers, 1, n + 2 * B, 64), synthetic(rng, layers, 1, n + 2 * B, 64)
+    cal = calibrate(k, v)
+    made = {True: [], False: []}
+    plan_kernel = StepPlan._plan_kernel
+    loop = [None]
+
+    def counted(self, *args):
+        made[loop[0]].append(int(self.lens.max()))
+        return plan_kernel(self, *args)
+    monkeypatch.setattr(StepPlan, "_plan_kernel", counted)
+
+    def step(cache, seq, pos):
+        plan = cache.decode_plan(2)
+        for layer in range(layers):
+            cache.update_layer(layer, [seq], torch.from_numpy(k[None, layer, :, pos:pos + 1].view(np.int16)),
+                               torch.from_numpy(v[None, layer, :, pos:pos + 1].view(np.int16)))
+        return plan
+
+    caches, q = {}, _q(rng, 2, 2, 64)
+    for hold in (True, False):
+        loop[0] = hold
+        cache = PagedKVCache(cal, **every_tile(cal, 2, 4), codec="cuda")
+        seq = cache.add_sequence(k[:, :, :n], v[:, :, :n])
+        held = None
+        for pos in range(n, n + 2 * B - 3):
+            if hold:
+                held = step(cache, seq, pos)
+            else:
+                step(cache, seq, pos)                # its plan dropped as the function returns
+                assert cache.serving.eager_plan is None
+        caches[hold] = (cache, seq)
+    # in full: the first step, the two that finish a block and the two after them
+    assert made[True] == [n + 1, 2 * B, 2 * B + 1, 3 * B, 3 * B + 1] and made[False] == made[True], made
+    (a, sa), (b, sb) = caches[True], caches[False]
+    end = n + 2 * B - 3
+    for cache, seq in ((a, sa), (b, sb)):
+        np.testing.assert_array_equal(cache.read(seq)[0], k[:, :, :end])
+        np.testing.assert_array_equal(cache.read(seq)[1], v[:, :, :end])
+    assert torch.equal(a.decode_plan(2, append=0).run(q, 1), b.decode_plan(2, append=0).run(q, 1))
+
+
 def test_fused_merge_work_gives_every_row_a_split_and_groups_the_splits():
     from gaac.attention import split_work
     from gaac.serving.plan import fused_merge_work

@@ -58,6 +58,8 @@ class ServingState:
         self.recording = None        # the plan whose device-driven step is being recorded (gaac.serving.graph)
         self.unsettled = None        # an eager step's account of finished blocks, pending (gaac.serving.plan)
         self._eager_ref = None       # a weak reference to the newest eager plan (eager_plan)
+        self.last_step = None        # what the next eager plan follows where the caller dropped the last one
+                                     # (gaac.serving.plan: StepPlan's record of its finished step)
 
     @property
     def eager_plan(self):
@@ -68,6 +70,7 @@ class ServingState:
     @eager_plan.setter
     def eager_plan(self, plan) -> None:
         self._eager_ref = weakref.ref(plan) if plan is not None else None
+        self.last_step = None
 
     def settle(self) -> None:
         """Make the account of an eager step's finished blocks that the step left pending, if any (the cache
@@ -98,6 +101,7 @@ class ServingState:
     def __getstate__(self):
         state = self.__dict__.copy()
         state["_eager_ref"] = None   # a weak reference is not copied: no caller holds a plan of the copy
+        state["last_step"] = None    # its appender names the cache copied from
         return state
 
 

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -112,8 +113,10 @@ class StepPlan:
             raise InputError(f"append must be a non-negative number of tokens, got {append!r}")
         self.cache, self.q_heads, self.g = cache, int(q_heads), int(q_heads) // hk
         self.scale = attention.check_scale(scale, d)
-        if steps is None and bucket is None and append == 1 and self._follow(cache.serving.eager_plan, seqs):
-            return
+        if steps is None and bucket is None and append == 1:
+            prev = cache.serving.eager_plan
+            if self._follow(prev if prev is not None else cache.serving.last_step, seqs):
+                return
         lens = cache.host_lengths
         if (lens != lens[0]).any():
             layer = int(np.flatnonzero((lens != lens[0]).any(axis=1))[0])
@@ -162,7 +165,8 @@ class StepPlan:
         return len(self.seqs)
 
     def _follow(self, prev, seqs) -> bool:
-        """Make this plan as the successor of ``prev``, the previous eager step's plan, where it can be: ``prev``'s
+        """Make this plan as the successor of ``prev``, the previous eager step's plan (or, where the caller has
+        dropped it, its record of the step it finished, :meth:`_record`), where it can be: ``prev``'s
         token reached every layer through :meth:`append_token` (one launch a layer), nothing else changed the
         cache since, this plan is for the same sequences, heads and scale, and neither step finishes a block.
         Then only the lengths advance: the pools need no reservation, the appends' launches and (while the
@@ -516,11 +520,24 @@ class StepPlan:
         self._gen = state.generation
         self._appended[layer] = True
         self._n_appended += 1
+        if self._n_appended == cache.layers:
+            self._record()
         if self._n_appended == cache.layers and self._account is not None and self._account.pending:
             self.settle()       # every step is accounted: the adaptation rule's lag counts steps
         else:
             self.appended_last(layer)
         return True
+
+    def _record(self) -> None:
+        """Keep in the cache's serving state what :meth:`_follow` reads of this plan, now that its step reached every
+        layer: a serving loop that makes each step's plan inside a function drops the plan before the next
+        one is made, and the next plan follows this record instead (only the lengths advance, no work list
+        made again).  The record names no plan and no cache (the appender's reference is weak): no cycle."""
+        names = ("_appender", "_n_appended", "_gen", "_fin", "_blk", "q_heads", "scale", "_all_seqs", "seqs", "_rows",
+                 "lens", "_ahead_lens", "_dev", "batch")
+        record = SimpleNamespace(**{name: getattr(self, name, None) for name in names})
+        record.__dict__.update((name, self.__dict__[name]) for name in _SHARED if name in self.__dict__)
+        self._state.last_step = record
 
     def appended_last(self, layer: int) -> None:
         """Note that the launch just made on the current stream is ``layer``'s one-token append of this step (the
