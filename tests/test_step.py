@@ -299,6 +299,19 @@ def test_a_plan_the_caller_dropped_is_followed_as_one_it_holds(monkeypatch):
         np.testing.assert_array_equal(cache.read(seq)[0], k[:, :, :end])
         np.testing.assert_array_equal(cache.read(seq)[1], v[:, :, :end])
     assert torch.equal(a.decode_plan(2, append=0).run(q, 1), b.decode_plan(2, append=0).run(q, 1))
+    # a record whose lengths the cache no longer holds (a captured step's account advances them without a new
+    # generation) is not followed
+    step(b, sb, end)
+    record = b.serving.last_step
+    assert record is not None and record.lens[sb] == end + 1
+    loop[0] = False
+    made[False].clear()
+    b.host_lengths[:, sb] += 1                  # as a replayed step's account leaves them
+    try:
+        b.decode_plan(2)
+        assert made[False] == [end + 3]          # made in full, for the lengths the cache holds
+    finally:
+        b.host_lengths[:, sb] -= 1
 
 
 def test_fused_merge_work_gives_every_row_a_split_and_groups_the_splits():

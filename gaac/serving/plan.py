@@ -179,6 +179,10 @@ class StepPlan:
                 or not (prev._all_seqs if seqs is None else type(seqs) is list and seqs == prev.seqs)):
             return False
         rows, before = prev._rows, prev.lens
+        # the lengths the previous step left, still the cache's: a captured step's account advances them without
+        # a new generation (it must not invalidate its own plan), and a record outlives its plan
+        if not np.array_equal(cache.host_lengths[0], before):
+            return False
         after = before[rows] + 1
         if not (after % L.BLOCK_TOKENS).all():
             return False
