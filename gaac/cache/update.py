@@ -1000,11 +1000,10 @@ class UpdateTransaction:
             # Only the stores a list of which ran dry go back and encode again; the others keep what they wrote
             # (each store's lists are its own: its records, its counts).
             dry = {id(pool) for pool, _ in over}
-            again = {i for i, store in enumerate(stores) if id(store.slots) in dry or id(store.raw) in dry}
-            kept += [(u, kind, saved[id(stores[i])]) for i, (u, kind) in enumerate(jobs) if i not in again]
-            jobs = [job for i, job in enumerate(jobs) if i in again]
-            took = [t for i, t in enumerate(took) if i in again]
-            self._put_back([(u, kind, saved[id(self._store[u.layer][kind])]) for u, kind in jobs])
+            again = [id(store.slots) in dry or id(store.raw) in dry for store in stores]
+            kept += [(u, kind, saved[id(store)]) for (u, kind), store, a in zip(jobs, stores, again) if not a]
+            jobs, stores, took = ([x for x, a in zip(xs, again) if a] for xs in (jobs, stores, took))
+            self._put_back([(u, kind, saved[id(store)]) for (u, kind), store in zip(jobs, stores)])
             # Every share is lent what it takes (so that lending to one never leaves another short); a slot
             # pool, or an arena that cannot lend enough, grows (grow=True) or the update is refused.
             lack = [(pool, n) for pool, n in over if not isinstance(pool, _Share)]

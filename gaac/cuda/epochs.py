@@ -773,7 +773,7 @@ class Batch:
         import torch
 
         out = [[] for _ in self.jobs]
-        wanted, gathered = getattr(self, "_gathered", ((), None))
+        wanted, gathered = self._gathered           # (finish has gathered them)
         if len(wanted) < DEVICE_PACKED or gathered is None:
             return out
         c = L.tile_channels(self.head_dim)

@@ -524,9 +524,10 @@ class StepPlan:
         self._gen = state.generation
         self._appended[layer] = True
         self._n_appended += 1
-        if self._n_appended == cache.layers:
+        done = self._n_appended == cache.layers
+        if done:
             self._record()
-        if self._n_appended == cache.layers and self._account is not None and self._account.pending:
+        if done and self._account is not None and self._account.pending:
             self.settle()       # every step is accounted: the adaptation rule's lag counts steps
         else:
             self.appended_last(layer)
