@@ -270,6 +270,49 @@ def test_in_place_encode_reads_a_sequence_where_it_lies():
         plan.in_place(bits.view(np.int16), 3, entries, used)       # blocks 3..5 run past the 4 whole blocks
 
 
+def test_an_encode_by_rows_codes_each_block_with_its_rows_bases():
+    """EncodePlan.in_place_by_rows (a prompt's encode that reads each block's epoch on the device) writes what
+    in-place encodes of each block with that block's bases write, in the same order: entries, escape counts,
+    slots, raw tiles and the free-list counts; its extents are checked."""
+    rng = np.random.default_rng(7)
+    heads, channels, blocks = 2, 64, 4
+    e = 118 + rng.choice([0, 1, 2, 3, 5, 9], size=(heads, blocks * L.BLOCK_TOKENS, channels),
+                         p=[.3, .3, .2, .15, .045, .005])
+    e[1, 2 * L.BLOCK_TOKENS:3 * L.BLOCK_TOKENS] = rng.integers(1, 250, size=(L.BLOCK_TOKENS, channels))
+    bits = ((rng.integers(0, 2, e.shape) << 15) | (e << 7) | rng.integers(0, 128, e.shape)).astype(np.uint16)
+    sets = [pack_bases(*tile_bases(np.full((heads, channels), b3, np.uint8), np.full((heads, channels), b4, np.uint8)))
+            for b3, b4 in ((118, 114), (121, 112), (119, 118))]
+    rows = np.array([2, 0, 0, 1], np.int32)
+    n, capacity = heads * blocks, 16
+    out = []
+    for by_rows in (False, True):
+        geo = L.TileGeometry(channels)
+        slots = np.full((n, geo.slot_bytes(capacity)), POISON, np.uint8)
+        raw = np.full((n, L.BLOCK_TOKENS, channels), POISON * 0x101, np.uint16).view(np.int16)
+        heads_at = np.zeros(2, np.int32)
+        entries, used = np.full(n, 7, np.int32), np.full(n, -7, np.int32)
+        pools = (slots, np.arange(n, dtype=np.int32), raw, np.arange(n, dtype=np.int32), heads_at)
+        if by_rows:
+            plan = EncodePlan(channels, capacity, sets[1], *pools)
+            plan.in_place_by_rows(bits.view(np.int16), np.concatenate(sets), rows, entries, used)
+        else:
+            for b, r in enumerate(rows):
+                EncodePlan(channels, capacity, sets[r], *pools).in_place(
+                    bits.view(np.int16), b, entries[b * heads:(b + 1) * heads], used[b * heads:(b + 1) * heads])
+        out.append((slots, raw, entries, used, heads_at))
+    for want, got in zip(*out):
+        np.testing.assert_array_equal(got, want)
+    assert (out[1][2] < 0).any() and (out[1][2] >= 0).any()        # raw and slot tiles both
+    one = [EncodePlan(channels, capacity, sets[r], slots.copy(), np.arange(n, dtype=np.int32), raw.copy(),
+                      np.arange(n, dtype=np.int32), np.zeros(2, np.int32)) for r in range(3)]
+    used_one = [np.zeros(n, np.int32) for _ in range(3)]
+    for plan, u in zip(one, used_one):
+        plan.in_place(bits.view(np.int16), 0, np.zeros(n, np.int32), u)
+    assert len({u.tobytes() for u in used_one}) == 3                  # each set of bases codes the blocks its way
+    with pytest.raises(InputError, match="by rows"):
+        plan.in_place_by_rows(bits.view(np.int16), np.concatenate(sets), rows[:3], entries, used)
+
+
 def test_a_plan_with_other_bases_encodes_what_a_plan_made_with_them_encodes():
     """``EncodePlan.with_bases`` (how the cache makes the plan of an epoch the rule appends) shares the pools and
     the kernel but codes with its own bases: its storage is the reference codec's for those bases, which differ

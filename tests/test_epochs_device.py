@@ -294,10 +294,11 @@ def test_a_cache_whose_rule_runs_on_the_device_holds_what_the_host_rule_makes(mo
 
 @pytest.mark.parametrize("threshold", [1, 1 << 20])
 def test_the_encoders_take_the_bases_of_many_appended_epochs_from_the_device(monkeypatch, threshold):
-    """A prompt whose rule appends at least ``DEVICE_PACKED`` epochs gives their encoder bases packed on the device,
-    from the candidates the checks picked: nothing is packed on the host for them (the encodes, nor the decode
-    appends' plans made when the epoch is published); below the threshold the host packs each.  Either way each
-    store keeps the host's packing of the calibration's bases, bit for bit, and the read-back is bit-exact."""
+    """A prompt's encodes read the appended epochs' bases from the rule's candidates on the device: nothing is
+    packed on the host for them.  Where the rule appends at least ``DEVICE_PACKED`` epochs their packings are
+    made on the device and kept for later plans (the decode appends' plans made when the epoch is published);
+    below the threshold a later plan packs them on the host.  Either way each store keeps the host's packing of
+    the calibration's bases, bit for bit, and the read-back is bit-exact."""
     import gaac.cuda.codec as codec
     from gaac.tiles import tile_bases
 
@@ -314,10 +315,7 @@ def test_the_encoders_take_the_bases_of_many_appended_epochs_from_the_device(mon
     held = [cache.calibration.n_epochs(0, kind) for kind in (L.KIND_K, L.KIND_V)]
     appended = sum(held) - sum(before)
     assert min(h - b for h, b in zip(held, before)) > 0
-    if threshold == 1:
-        assert packed == []
-    else:
-        assert len(packed) >= appended
+    assert appended >= 2 and packed == []
     for kind in (L.KIND_K, L.KIND_V):
         store = cache.stores(0)[kind]
         # the device's packings are kept for later plans; the host's are packed again where a plan needs them
@@ -369,34 +367,50 @@ def test_a_guessed_epoch_that_would_run_a_pool_dry_does_not_refuse_the_update(mo
     assert np.array_equal(rv[0].numpy().view(np.uint16), x[1])
 
 
-def test_a_new_cache_decides_before_it_encodes_and_holds_what_a_guessing_one_holds(monkeypatch):
-    """A new cache's prompt (its calibration from other text, so the rule is likely to append): the encodes wait
-    for the rule's decisions and code every tile once.  A cache whose earlier prompts kept the guess encodes at
-    once with the newest epoch and codes again the layers and kinds the rule appended to.  Both hold what the
-    host rule makes, bit-exact, and each prompt's share of appending jobs joins the running mean."""
+def _count_encodes(monkeypatch) -> dict:
+    """Tiles each kind of encoder launch codes (``runs``: one epoch's bases; ``rows``: each block's read on the
+    device), and ``at_decisions``: the tiles launched when the host first waits for the rule's decisions."""
     import gaac.cuda.codec as codec
+    import gaac.cuda.epochs as cuda_epochs
 
+    counts = {"runs": 0, "rows": 0, "at_decisions": []}
+
+    def counted(name, key, at):
+        old = getattr(codec.EncodePlan, name)
+
+        def wrapper(self, *a, **k):
+            counts[key] += a[at].shape[0]
+            return old(self, *a, **k)
+        monkeypatch.setattr(codec.EncodePlan, name, wrapper)
+
+    counted("in_place", "runs", 2)
+    counted("__call__", "runs", 1)
+    counted("in_place_by_rows", "rows", 3)
+    finish = cuda_epochs.Batch.finish
+    monkeypatch.setattr(cuda_epochs.Batch, "finish",
+                        lambda self: (counts["at_decisions"].append(counts["runs"] + counts["rows"]), finish(self))[1])
+    return counts
+
+
+def test_a_prompts_encodes_read_each_blocks_epoch_on_the_device_before_the_decisions(monkeypatch):
+    """A prompt whose rule appends (its calibration from other text): every tile is encoded once, in one launch a
+    layer and kind, each block with the bases of the epoch the rule decides for it, read from the rule's results on
+    the device; the launches are made before the host waits for the decisions, whatever the cache's record of
+    earlier guesses.  Both hold what the host rule makes, bit-exact, and the prompt's share of appending jobs joins
+    that record."""
     x, cal, n = _one_drifting_layer(monkeypatch)
-    encoded = []                                            # tiles per encoder launch
-    in_place, call = codec.EncodePlan.in_place, codec.EncodePlan.__call__
-    monkeypatch.setattr(codec.EncodePlan, "in_place",
-                        lambda self, bits, first, entries, *a, **k: (encoded.append(entries.shape[0]),
-                                                                     in_place(self, bits, first, entries, *a, **k)))
-    monkeypatch.setattr(codec.EncodePlan, "__call__",
-                        lambda self, bits, entries, *a, **k: (encoded.append(entries.shape[0]),
-                                                              call(self, bits, entries, *a, **k)))
+    counts = _count_encodes(monkeypatch)
     host = PagedKVCache(cal, **every_tile(cal, 1, 40), codec="reference")
     sh = host.add_sequence(x[:1, :, :n], x[1:, :, :n])
     appended = sum(host.calibration.n_epochs(0, kind) > 1 for kind in (L.KIND_K, L.KIND_V))
     assert appended == 2
-    tiles = []
     for misses in (1.0, 0.0):                               # a new cache's estimate; one whose prompts kept the guess
         gpu = PagedKVCache(cal, **every_tile(cal, 1, 40), codec="cuda")
         gpu._rule_on_device = True
         gpu._guess_misses = misses
-        encoded.clear()
+        counts.update(runs=0, rows=0, at_decisions=[])
         sg = gpu.add_sequence(x[:1, :, :n], x[1:, :, :n])
-        tiles.append(sum(encoded))
+        assert (counts["runs"], counts["rows"], counts["at_decisions"]) == (0, 2 * 20, [2 * 20])
         assert gpu._guess_misses == (misses + appended / 2) / 2
         assert_same_epochs(gpu.calibration, host.calibration)
         for kind in (L.KIND_K, L.KIND_V):
@@ -404,7 +418,33 @@ def test_a_new_cache_decides_before_it_encodes_and_holds_what_a_guessing_one_hol
         rk, rv = gpu.read_layer(0, [sg])
         assert np.array_equal(rk[0].numpy().view(np.uint16), x[0, :, :n])
         assert np.array_equal(rv[0].numpy().view(np.uint16), x[1, :, :n])
-    assert tiles[0] == 2 * 20 < tiles[1], tiles            # decided first: every tile once; guessed: again
+
+
+def test_an_encode_that_read_fewer_phases_than_the_rule_needed_is_encoded_again(monkeypatch):
+    """The encodes read the phases launched with the rule's batch; a job still appending in the last of them may
+    append again in a later phase (launched once the host looks).  With one phase launched, the jobs that append
+    twice are encoded again with the decisions (their first encode put back), the others kept: bit-exact, as the
+    host rule makes."""
+    import gaac.cuda.epochs as cuda_epochs
+
+    x, cal, _ = _one_drifting_layer(monkeypatch)
+    n = x.shape[2]                                          # 36 blocks: two checks, each appending
+    counts = _count_encodes(monkeypatch)
+    host = PagedKVCache(cal, **every_tile(cal, 1, 40), codec="reference")
+    sh = host.add_sequence(x[:1, :, :n], x[1:, :, :n])
+    twice = [kind for kind in (L.KIND_K, L.KIND_V) if host.calibration.n_epochs(0, kind) > 2]
+    assert twice
+    monkeypatch.setattr(cuda_epochs, "PHASES", 0)           # the batch launches phase 0 only
+    gpu = PagedKVCache(cal, **every_tile(cal, 1, 40), codec="cuda")
+    gpu._rule_on_device = True
+    sg = gpu.add_sequence(x[:1, :, :n], x[1:, :, :n])
+    assert counts["rows"] == 2 * 36 and counts["runs"] == 36 * len(twice)
+    assert_same_epochs(gpu.calibration, host.calibration)
+    for kind in (L.KIND_K, L.KIND_V):
+        assert np.array_equal(gpu.stores(0)[kind].epochs[sg], host.stores(0)[kind].epochs[sh])
+    rk, rv = gpu.read_layer(0, [sg])
+    assert np.array_equal(rk[0].numpy().view(np.uint16), x[0, :, :n])
+    assert np.array_equal(rv[0].numpy().view(np.uint16), x[1, :, :n])
 
 
 def test_decode_steps_and_a_prompt_copy_no_block_to_the_host_where_the_rule_runs_on_the_device(monkeypatch):

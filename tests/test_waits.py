@@ -395,10 +395,12 @@ def test_a_share_that_ran_dry_is_lent_its_observed_rate_next_time():
 
 
 def test_an_encode_the_rule_redoes_puts_its_counts_back_without_waiting(monkeypatch):
-    """The device rule appends epochs to a prompt whose blocks were encoded with the guessed one: those layers
-    and kinds are encoded again, their free lists first put back to the counts saved before the encode.  The
-    saved counts travel to the host ahead of the encodes, so putting them back reads nothing from the device;
-    the host's counts are then the device's, and the cache reads back bit-exact."""
+    """The device rule appends epochs to a prompt in more phases than its encodes read (one phase launched with
+    the rule's batch): the layers and kinds that appended again later are encoded again, their free lists first
+    put back to the counts saved before the encode.  The saved counts travel to the host ahead of the encodes,
+    so putting them back reads nothing from the device; the host's counts are then the device's, and the cache
+    reads back bit-exact."""
+    import gaac.cuda.epochs as device_epochs
     import gaac.epochs as epochs
     from gaac import layout as L
     from gaac.cache.pools import sync_pools
@@ -414,7 +416,7 @@ def test_an_encode_the_rule_redoes_puts_its_counts_back_without_waiting(monkeypa
     cal = calibrate(x[:1, :, :128], x[1:, :, :128])
     cache = PagedKVCache(cal, **every_tile(cal, 1, 40), codec="cuda")
     cache._rule_on_device = True
-    cache._guess_misses = 0.0                        # earlier prompts kept the guess: the encodes guess
+    monkeypatch.setattr(device_epochs, "PHASES", 0)   # the encodes read phase 0 only
     put_back, seen = UpdateTransaction._put_back, []
 
     def counted(self, undo):
@@ -425,14 +427,14 @@ def test_an_encode_the_rule_redoes_puts_its_counts_back_without_waiting(monkeypa
         seen[-1] += ([pool.taken for pool, _ in zip(pools, sync_pools(pools))],)
 
     monkeypatch.setattr(UpdateTransaction, "_put_back", counted)
-    seq = cache.add_sequence(x[:1, :, :20 * L.BLOCK_TOKENS + 5], x[1:, :, :20 * L.BLOCK_TOKENS + 5])
-    assert cache.calibration.n_epochs(0, L.KIND_K) > 1 and seen          # the rule appended: encoded again
+    seq = cache.add_sequence(x[:1], x[1:])                # 36 blocks: two checks
+    assert cache.calibration.n_epochs(0, L.KIND_K) > 2 and seen          # appended twice: encoded again
     for waits, host, device in seen:
         assert waits == 0
         assert host == device
     k, v = cache.read_layer(0, [seq])
-    np.testing.assert_array_equal(k[0].numpy().view(np.uint16), x[0, :, :20 * L.BLOCK_TOKENS + 5])
-    np.testing.assert_array_equal(v[0].numpy().view(np.uint16), x[1, :, :20 * L.BLOCK_TOKENS + 5])
+    np.testing.assert_array_equal(k[0].numpy().view(np.uint16), x[0])
+    np.testing.assert_array_equal(v[0].numpy().view(np.uint16), x[1])
 
 
 def test_a_prompts_tails_and_block_epochs_are_written_for_every_layer_at_once(monkeypatch):

@@ -74,6 +74,8 @@ class _Epochs:
     decide: bool = True          # False: the checks among these blocks append nothing (Adapter.assign)
     packed: list = field(default_factory=list)  # the GPU rule's: the appended epochs' bases packed for the CUDA
                                                 # encoder on the device (as ``tables``, in order), or none
+    table: object = None         # the GPU rule still deciding: every set of bases a block may be coded with,
+    rows: object = None          # and each block's set, on the device (Batch.encode_rows), or None
 
 
 @dataclass
@@ -272,11 +274,16 @@ class UpdateTransaction:
     def _apply(self, updates: list) -> None:
         """Reserve, encode (GPU) and commit prepared updates: all of them, or nothing and an error.
 
-        On a GPU the host reserves, then the adaptation rule runs while the host launches the encodes: the blocks a
-        rule still decides are encoded with their layer's newest epoch, which is what the rule keeps unless
-        it appends an epoch; where it does, that layer and kind is encoded again once the decision is in (every
-        one, where a guessed epoch ran a free list dry).  The host takes the rule's decisions while the
-        encodes run.  Where the rule keeps every guess and appends no epoch, the host also writes the update
+        On a GPU the host reserves, launches the adaptation rule, then launches the encodes before it waits for
+        the rule's decisions.  A sequence's blocks read where its input holds them (a prompt's) are encoded in one
+        launch a layer and kind, each block with the bases of the epoch the rule decides for it, read from the
+        rule's results on the device (:meth:`gaac.cuda.epochs.Batch.encode_rows`); a job the rule decides in
+        more phases than the encode read is encoded again once the decisions are in.  Other blocks the rule
+        still decides are encoded with their layer's newest epoch, which is what the rule keeps unless it
+        appends an epoch; where it does, that layer and kind is encoded again once the decision is in (every
+        one, where an encode ran a free list dry), and where the prompts before appended in most layers, the
+        host waits for the decisions first (:meth:`_guess_pays`).  The host takes the rule's decisions while
+        the encodes run.  Where the rule keeps every guess and appends no epoch, the host also writes the update
         (tables, tails, lengths, block epochs, adapters) before it waits for the encodes' counts, and undoes
         that write if a free list ran dry (:meth:`_written_early`)."""
         # the reservation first: where it reads the device's counts it then waits only for what ran before the
@@ -284,7 +291,9 @@ class UpdateTransaction:
         self._reserve(updates)
         rule = self._launch_rule(updates)
         encoded, redo, done, early = True, [], False, None
-        guess = self._guess_pays(rule)
+        # the encodes start before the decisions where they read them on the device, or where a guess pays
+        guess = self._guess_pays(rule) or bool(rule) and all(plan.rows is not None for _, items in rule
+                                                             for _, _, plan in items)
 
         def decided():          # the rule's decisions, taken once: before the encodes are checked, or on an error
             nonlocal redo, done
@@ -467,7 +476,8 @@ class UpdateTransaction:
         """Launch the adaptation rule on the GPU for every (layer, kind) of ``updates`` that reaches a check:
         one batch per shape of finished blocks (:class:`gaac.cuda.epochs.Batch`).  Until
         :meth:`_finish_rule`, each such plan's epochs are its adapter's newest epoch for every block (the
-        encode's guess)."""
+        encode's guess); where every job of a batch is read in place, each plan also holds the table of bases
+        and the rows by which its encode reads each block's epoch on the device (``table``, ``rows``)."""
         waiting = [(u, kind, u.epochs[kind]) for u in updates for kind in KINDS
                    if u.epochs[kind] is not None and u.epochs[kind].blocks is not None]
         if not waiting:
@@ -495,6 +505,13 @@ class UpdateTransaction:
                           decide=decide)
             batch.scan()
             batch.chain()
+            if decide and batch.launched and all(isinstance(u.tiles[kind], _InPlace) for u, kind, _ in items):
+                # the encodes read each block's epoch from the rule's results on the device: launched before
+                # the decisions reach the host
+                current = [self._encoder(self._store[u.layer][kind], plan, plan.first_new - 1, u.layer, kind).bases
+                           for u, kind, plan in items]
+                for (_, _, plan), (table, rows) in zip(items, batch.encode_rows(current)):
+                    plan.table, plan.rows = table, rows
             launched.append((batch, items))
         return launched
 
@@ -530,8 +547,9 @@ class UpdateTransaction:
         redo, jobs, missed = [], 0, 0
         for batch, items in launched:
             decided = batch.finish()
-            for (u, kind, plan), epochs, packed in zip(items, decided, batch.new_bases()):
-                guessed = plan.epochs
+            for (u, kind, plan), epochs, packed, read in zip(items, decided, batch.new_bases(), batch.rows_epochs()):
+                guessed = plan.epochs if read is None else read     # what the encode coded the blocks with
+                plan.table = plan.rows = None
                 plan.epochs = epochs
                 plan.tables = [plan.after.calibration.bases(u.layer, kind, e)
                                for e in range(plan.first_new, plan.after.epoch + 1)]
@@ -920,8 +938,8 @@ class UpdateTransaction:
     def _encode_on_device(self, updates: list, only: set | None = None, guessing: bool = False,
                           before_check=None, ran_dry=None) -> bool:
         """Encode every finished tile of ``updates`` (of its ``(id(update), kind)`` pairs in ``only``) into its
-        pools with the CUDA encoder (one launch per epoch run and kind), leaving each tile's table entry in
-        ``u.entries``; return True.
+        pools with the CUDA encoder (one launch per epoch run and kind, or per kind where the rule's rows give
+        each block's epoch), leaving each tile's table entry in ``u.entries``; return True.
 
         Where :meth:`_reserve` could not prove that the records suffice, the device's counts are read
         after the launches: if a free list ran dry, the counts of each store whose list ran dry are put back
@@ -964,13 +982,17 @@ class UpdateTransaction:
                     entries, used, at = store.table[rows].reshape(-1), out[at:at + n], at + n
                 else:
                     entries, used, at = out[at:at + n], out[at + n:at + 2 * n], at + 2 * n
-                for epoch, start, stop in _runs(plan.epochs):
-                    a, z = start * per, stop * per
-                    encoder = self._encoder(store, plan, epoch, u.layer, kind)
-                    if isinstance(tiles, _InPlace):
-                        encoder.in_place(tiles.bits, start, entries[a:z], used[a:z], checked=False)
-                    else:
-                        encoder(tiles[a:z], entries[a:z], used[a:z])
+                if plan.blocks is not None and plan.rows is not None:     # each block's epoch read on the device
+                    encoder = self._encoder(store, plan, plan.first_new - 1, u.layer, kind)
+                    encoder.in_place_by_rows(tiles.bits, plan.table, plan.rows, entries, used)
+                else:
+                    for epoch, start, stop in _runs(plan.epochs):
+                        a, z = start * per, stop * per
+                        encoder = self._encoder(store, plan, epoch, u.layer, kind)
+                        if isinstance(tiles, _InPlace):
+                            encoder.in_place(tiles.bits, start, entries[a:z], used[a:z], checked=False)
+                        else:
+                            encoder(tiles[a:z], entries[a:z], used[a:z])
                 u.entries[kind] = entries
                 self._encodes_launched(store, tiles.shape[0])
                 if (id(u), kind) not in unsure_ids:

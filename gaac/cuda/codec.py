@@ -133,6 +133,7 @@ assert _TAG_BITS_OK, "the kernels' tag arithmetic no longer matches gaac.layout'
 ENCODE_SIG = ("void(int32[:, ::1], int32[:, ::1], int64, int32[:, ::1], int32[::1], int32[:, ::1], "
               "int32[::1], int32[::1], int32[::1], int32[::1])")
 ENCODE_IN_PLACE_SIG = ENCODE_SIG.replace("void(int32[:, ::1], ", "void(int32[:, ::1], int64, ", 1)
+ENCODE_BY_ROWS_SIG = ENCODE_IN_PLACE_SIG.replace("int64, int32[:, ::1], int64, ", "int64, int32[:, ::1], int32[::1], int64, ", 1)
 _W2, _W1 = "int32[:, ::1]", "int32[::1]"
 STEP_APPEND_SIG = ("void(" + ", ".join([_W2] * 6 + ["int64"] * 2 + [_W2, _W2, _W1, _W1, _W2, _W2]
                                       + [_W1] * 6 + ["int16[::1]"] * 2 + [_W1, "int64"] + [_W1] * 4 + ["int64"]) + ")")
@@ -155,6 +156,13 @@ def encode_kernel(channels: int, tiles_per_block: int = TILES_PER_BLOCK):
 def encode_in_place_kernel(channels: int, tiles_per_block: int = TILES_PER_BLOCK):
     """The encode kernel that reads a sequence's blocks in its input's layout (:meth:`EncodePlan.in_place`)."""
     return cuda.jit(ENCODE_IN_PLACE_SIG)(encode_source(channels, tiles_per_block, in_place=True))
+
+
+@functools.lru_cache(maxsize=None)
+def encode_by_rows_kernel(channels: int, tiles_per_block: int = TILES_PER_BLOCK):
+    """The in-place encode kernel whose bases come from a table, a row of it per block
+    (:meth:`EncodePlan.in_place_by_rows`)."""
+    return cuda.jit(ENCODE_BY_ROWS_SIG)(encode_source(channels, tiles_per_block, in_place=True, by_rows=True))
 
 
 @functools.lru_cache(maxsize=None)
@@ -428,12 +436,13 @@ def _write_status(status, tile, lane, bad, total, cap):
 
 
 def encode_source(channels: int, tiles_per_block: int = TILES_PER_BLOCK, step_append: bool = False,
-                  in_place: bool = False):
+                  in_place: bool = False, by_rows: bool = False):
     """The Python function of the encode kernel, its tile geometry baked in as constants.
 
     ``step_append``: the kernel of a captured decode step (:func:`step_append_kernel`), which appends the
     step's token to the tails and encodes the blocks it completes, straight from the tails.  ``in_place``:
-    the kernel that reads one sequence's blocks where its input holds them (:meth:`EncodePlan.in_place`)."""
+    the kernel that reads one sequence's blocks where its input holds them (:meth:`EncodePlan.in_place`); with
+    ``by_rows``, each block's bases are the table's row ``rows[block]`` (:meth:`EncodePlan.in_place_by_rows`)."""
     s = _shape(channels)
     G, J, GPR, TW, SMW, CODEW, TAGW0, ESCW0, HALF = (s[k] for k in
                                                     ("G", "J", "GPR", "TW", "SMW", "CODEW", "TAGW0", "ESCW0", "HALF"))
@@ -594,6 +603,22 @@ def encode_source(channels: int, tiles_per_block: int = TILES_PER_BLOCK, step_ap
                     epoch_v[row * u(max_blocks) + last] = epochs_now[1]
                 encode_tile(bits_v, bases_v, cap_v, slots_v, slot_free_v, raw_v, raw_free_v, heads_v, table_v,
                             escape_used, u(i + u(cuda.gridDim.x)), True, t, dest, _ZERO)
+        return kernel
+
+    if in_place and by_rows:
+        def kernel(bits, first, table, rows, capacity, slots, slot_free, raw, raw_free, heads, entries, escape_used):
+            # as the in-place kernel, but block b's bases are rows rows[b] * P .. + P - 1 of the table (P = the
+            # rows of bits, a tile a head): the epoch each block is coded with, as the adaptation rule decided
+            # it on the device
+            n = u(entries.shape[0])
+            per = u(bits.shape[0])
+            tile = u(u(cuda.blockIdx.x) * u(TPB) + u(cuda.threadIdx.x) // u(WARP))
+            valid = tile < n
+            i = tile if valid else u(n - u(1))             # a warp past the end mirrors the last tile
+            b = i // per
+            r = u(u(rows[b]) * per)
+            encode_tile(bits, table[r:u(r + per)], capacity, slots, slot_free, raw, raw_free, heads, entries,
+                        escape_used, tile, valid, u(i % per), tile, u(u(u(first) + b) * u(TILE_WORDS)))
         return kernel
 
     if in_place:
@@ -840,6 +865,7 @@ class EncodePlan:
             + params(raw_free) + params(heads))
         self._fixed_params = None if SIMULATOR else word_params(bases) + self._pools_params
         self._codec, self._rows, self._tiles_per_block, self._in_place = codec, bases.shape[0], tiles_per_block, None
+        self._by_rows = None
 
     @classmethod
     def of_pools(cls, channels: int, capacity: int, bases, slots, slot_free, raw, raw_free, heads) -> "EncodePlan":
@@ -899,6 +925,39 @@ class EncodePlan:
             self._in_place = TileLauncher(encode_in_place_kernel(self.channels, self._tiles_per_block),
                                           self._tiles_per_block)
         self._launch(self._in_place, n, bits, (int(first),), entries, escape_used, stream, fast)
+
+    @property
+    def bases(self):
+        """The packed bases ``[P, 2, C]`` this plan encodes with."""
+        return self._arrays[0]
+
+    def in_place_by_rows(self, bits, table, rows, entries, escape_used, *, stream=None, fast: bool = True):
+        """:meth:`in_place` from block 0, each block ``b`` coded with the bases of row ``rows[b]`` of ``table``
+        (int16 ``[R * P, 2, C]``: ``R`` sets of packed bases, as :func:`pack_bases` gives each; ``rows`` int32, a
+        row a block, each below ``R``): one launch for blocks whose epochs differ, and whose epochs the host need
+        not know -- the adaptation rule's decisions on the device give ``rows``.  The plan's own bases are not
+        read; its pools are.  The arrays are a paged cache's, made in these forms: their kinds are not checked,
+        their extents are."""
+        if self._codec is not BF16_CODEC:
+            raise InputError("encoding in place takes BF16 tiles")
+        p, n = self._rows, entries.shape[0]
+        if (escape_used.shape[0] != n or bits.shape[0] != p or n % p or rows.shape[0] < n // p
+                or table.shape[0] % p or (n // p) * L.BLOCK_TOKENS > bits.shape[1]):
+            raise InputError(f"by rows: {n} entries, {escape_used.shape[0]} escape counts, {bits.shape[0]} rows of "
+                             f"bits ({bits.shape[1]} tokens), {rows.shape[0]} block rows and a table of "
+                             f"{table.shape[0]} rows for {p} tiles a block")
+        if n == 0:
+            return
+        if self._by_rows is None:
+            self._by_rows = TileLauncher(encode_by_rows_kernel(self.channels, self._tiles_per_block),
+                                         self._tiles_per_block)
+        if self._pools_params is not None and fast:
+            packed = (word_params(bits) + packed_params((0,)) + word_params(table) + params(rows)
+                      + self._pools_params + params(entries) + params(escape_used))
+            self._by_rows.launch(n, None, stream, fast, packed)
+            return
+        self._by_rows.launch(n, (words(bits), 0, words(table), plain(rows), *self._fixed[1:], plain(entries),
+                                 plain(escape_used)), stream, fast)
 
     def __call__(self, bits, entries, escape_used, *, stream=None, fast: bool = True):
         n = check_array(bits, "bits", self.element, (None, L.BLOCK_TOKENS, self.channels)).shape[0]

@@ -15,7 +15,11 @@ its own decisions and a short chain that does:
   channels where candidate and current epoch differ.  A batch that appends ``A`` epochs to a job runs ``A + 1``
   phases; a few are launched with the batch, more only where a job is still appending when the host looks.
 
-Both read the blocks where they lie (a strided view of the input; the adapter's pending blocks from a
+A prompt's encodes need not wait for the host to learn the decisions: :meth:`Batch.encode_rows` turns the
+phases' results into each block's row of a table of bases (the current epoch's, then every check's candidate),
+which the in-place encoder reads on the device (:meth:`gaac.cuda.codec.EncodePlan.in_place_by_rows`).
+
+Both kernels read the blocks where they lie (a strided view of the input; the adapter's pending blocks from a
 small array); the adapters' histograms stay on the device until the host rule needs one, and one copy to
 the host brings the decisions (another for each further round of phases).  The results are the host rule's, bit for bit (``tests/test_epochs_gpu.py``
 and, in the simulator, ``tests/test_epochs_device.py`` compare them).
@@ -608,6 +612,8 @@ class Batch:
         for i, (a, _) in enumerate(jobs):
             b3, b4 = a.calibration.bases(a.layer, a.kind, a.epoch)
             cur_np[i, 0], cur_np[i, 1] = np.asarray(b3).reshape(-1), np.asarray(b4).reshape(-1)
+        self.epoch0 = [a.epoch for a, _ in jobs]                  # each job's epoch when the batch starts
+        self.rows_phases = None                                   # the phases encode_rows read (None: not made)
         finalized = np.array([a.finalized - len(a._recent) for a, _ in jobs], dtype=np.int32)
         n_epochs = np.array([a.epoch + 1 for a, _ in jobs], dtype=np.int32)
         xa = _aligned(_stacked([b for _, b in jobs[:ja]]))
@@ -637,7 +643,7 @@ class Batch:
         flat = np.concatenate([a.reshape(-1) for a in small])
         staged = _staged(flat, device)
         ends = np.cumsum([a.size for a in small])
-        rec32, cur, r0_d, checks_d, finalized_d, n_epochs_d, self.nxt, uploaded = (
+        rec32, cur, self.r0_d, checks_d, finalized_d, n_epochs_d, self.nxt, uploaded = (
             staged[e - a.size:e].view(a.shape) for a, e in zip(small, ends))
         # what starts at zero, in one allocation: the scan's savings and flags per check (saved0, differs0),
         # each check's candidate bases (cand, from an ALIGN-word boundary), the blocks not yet checked where
@@ -668,10 +674,10 @@ class Batch:
             up = iter(uploaded)
             self.hist = torch.stack([h.reshape(channels, BINS) if h is not None else next(up) for h in held])
         self.launched = 0                                         # phases launched
-        self.scan_args = (xa, xb, ja, rec, r0_d, checks_d, self.hist, self.cand, cur, head_dim, self.saved0,
+        self.scan_args = (xa, xb, ja, rec, self.r0_d, checks_d, self.hist, self.cand, cur, head_dim, self.saved0,
                       self.differs0)
         words = [x.view(torch.int32) for x in (xa, xb, rec)]      # the phases read two elements a load
-        self.phase_args = (words[0], words[1], ja, words[2], r0_d, checks_d, self.cand, finalized_d, n_epochs_d,
+        self.phase_args = (words[0], words[1], ja, words[2], self.r0_d, checks_d, self.cand, finalized_d, n_epochs_d,
                            E.WARMUP_BLOCKS, E.MAX_EPOCHS, E.PAYBACK_CHECKS,
                            E.epoch_table_bytes(first_adapter.calibration), kv_heads, head_dim, self.saved0,
                            self.differs0, self.nxt)
@@ -719,6 +725,54 @@ class Batch:
             self._launch(kernel, (len(self.jobs), blocks), PHASE_THREADS, self.phase_args + (p,))
             self.launched = p + 1
 
+    def encode_rows(self, current: list) -> list:
+        """After :meth:`chain`, per job (in the order given), what an encode needs to code each of the job's
+        blocks with the epoch the rule decides for it, read on the device before the decisions reach the host
+        (:meth:`gaac.cuda.codec.EncodePlan.in_place_by_rows`): ``(table, rows)``, the table int16
+        ``[(1 + m) * P, 2, C]`` of the job's current bases (``current``, per job as given, packed ``[P, 2, C]``)
+        and then every check's candidate, packed as :meth:`new_bases` packs them; ``rows`` int32 ``[n]``, each
+        block's set of bases in it (0: the current epoch; ``1 + c``: the candidate that check ``c`` appends, the
+        last one before the block's check).  Made from the phases launched so far: where a job appends in its
+        last one and more checks follow, a later phase may append again, and :meth:`rows_epochs` then differs
+        from the decisions for it.  The current stream waits for the rule (the encodes read its results)."""
+        import torch
+
+        jobs, n, m = self.jobs, self.n, self.m
+        c = L.tile_channels(self.head_dim)
+        p = self.channels // c
+        with self._on_stream():
+            nxt = self.nxt[:self.launched].t()                  # [jobs, phases]: the checks each appends at
+            check = (self.r0_d[:, None] + torch.arange(n, dtype=torch.int32, device=self.device)[None]) // self.every
+            before = (nxt[:, :, None] < check[:, None, :]).sum(1)   # per block: the epochs appended before it
+            rows = torch.where(before > 0, nxt.gather(1, (before - 1).clamp(min=0)) + 1, 0).to(torch.int32)
+            cand = self.cand.view(len(jobs), m, 2, p, c).transpose(2, 3)
+            table = torch.empty((len(jobs), 1 + m, p, 2, c), dtype=torch.int16, device=self.device)
+            table[:, 1:].copy_(cand)
+            table[:, 0].copy_(torch.stack([current[i] for i in self.order]))
+        self.rows_phases = self.launched
+        if self.stream is not None:
+            main = torch.cuda.current_stream(self.device)
+            main.wait_stream(self.stream)
+            table.record_stream(main)
+            rows.record_stream(main)
+        out = [None] * len(jobs)
+        for i in range(len(jobs)):
+            out[self.order[i]] = (table[i].view((1 + m) * p, 2, c), rows[i])
+        return out
+
+    def rows_epochs(self) -> list:
+        """After :meth:`finish`, per job (in the order given), the epochs :meth:`encode_rows` gave its blocks: what
+        the phases it read decide (None where it was not made)."""
+        out = [None] * len(self.jobs)
+        if self.rows_phases is None:
+            return out
+        found = self._found[:self.rows_phases]
+        for i in range(len(self.jobs)):
+            picked = found[:, i][found[:, i] != NONE]
+            check_of = (self.r0[i] + np.arange(self.n)) // self.every
+            out[self.order[i]] = self.epoch0[i] + np.searchsorted(picked, check_of, side="left").astype(np.int64)
+        return out
+
     def _appending(self, last: np.ndarray) -> bool:
         """Whether a further phase can find a check that appends: a job's last phase found one, and checks
         follow it (the kernel itself stops a job at the epoch cap)."""
@@ -735,6 +789,7 @@ class Batch:
             while len(found) and self._appending(found[-1]):
                 self._phases(self.launched)                      # twice as many phases as so far
                 found = self.nxt[:self.launched].cpu().numpy()
+            self._found = found
             picked = [found[:, i][found[:, i] != NONE] for i in range(len(self.jobs))]
             self._tables(picked)                                  # the candidates picked, read on the same stream
         if self.stream is not None:

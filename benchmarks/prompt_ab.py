@@ -1,20 +1,25 @@
-"""The appended epochs' encoder bases packed on the device or on the host: one process, the two alternated.
+"""A prompt's two ways through the cache, in one process, alternated: a library switch on and off.
 
-    python benchmarks/packed_ab.py --out $OUT/packed-ab-h100.md        # a GPU
+    python benchmarks/prompt_ab.py --switch rows --out $OUT/prompt-ab-rows-h100.md      # a GPU
+    python benchmarks/prompt_ab.py --switch packed --out $OUT/prompt-ab-packed-h100.md
 
-A prompt whose adaptation rule appends epochs in many layers and kinds gives the encoders the new epochs' bases
-packed on the device from the rule's candidates, where its batch appends ``gaac.cuda.epochs.DEVICE_PACKED``
-epochs or more; below that the host packs each epoch and copies it over (one pinned copy an epoch).  This
-script times both ways in one process, switching that threshold between runs (``on``: the library's value;
-``off``: never), in the order on, off, off, on, ... so that the host's drift moves both alike:
+The switches (``on`` is what the library does):
+
+* ``rows``: a prompt's encodes read each block's epoch from the adaptation rule's results on the device and are
+  launched before the host waits for the decisions (``gaac.cuda.epochs.Batch.encode_rows``); ``off``: the
+  encodes take the epochs from the host, after the decisions (or guess the newest epoch and code the layers
+  the rule appended to again, where the cache's earlier prompts kept the guess);
+* ``packed``: the appended epochs' encoder bases packed on the device from the rule's candidates where a batch
+  appends ``gaac.cuda.epochs.DEVICE_PACKED`` epochs or more; ``off``: the host packs each epoch and copies it over.
+
+Both ways run in the order on, off, off, on, ... so that the host's drift moves both alike:
 
 * **prompt**: ``--tokens`` (128K) tokens of every layer into a new cache with ``add_sequence`` (the Llama-3.1-8B
   KV shape and the real content of ``decode_step.py``, calibrated on the first 1024 tokens: the rule appends
   about 65 epochs);
 * **joins**: in a batch of 8 sequences of about 16K tokens, a row removed and a 4096-token prompt appended
   layer by layer inside ``cache.deferred()`` (the serving benchmark's join, the device synchronised before
-  each), which appends a few epochs or none, so that both ways take the host's path: the check that the
-  switch costs a join nothing.
+  each), which appends a few epochs or none.
 
 Host wall time to the device's end of each call (synchronised), medians; the first call of each case is a
 warm-up.  After the first timed prompt of each way, its last layer reads back bit-exact against the content.
@@ -44,21 +49,41 @@ from equal_memory import tokens_at as content  # noqa: E402
 from prefill_layers import by_layer  # noqa: E402
 
 
+_LIBRARY = {"packed": device_epochs.DEVICE_PACKED, "rows": device_epochs.Batch.encode_rows}
+
+
+def _packed(on: bool) -> None:
+    device_epochs.DEVICE_PACKED = _LIBRARY["packed"] if on else 1 << 30
+
+
+def _no_rows(batch, current: list) -> list:
+    return [(None, None)] * len(current)
+
+
+def _rows(on: bool) -> None:
+    device_epochs.Batch.encode_rows = _LIBRARY["rows"] if on else _no_rows
+
+
+SWITCHES = {"packed": _packed, "rows": _rows}
+WAYS = {"packed": ("DEVICE_PACKED " + str(device_epochs.DEVICE_PACKED), "host packing"),
+        "rows": ("epochs read on the device", "epochs from the host")}
+
+
 def measure(args) -> dict:
     s = DS.LLAMA_8B
     k_u, v_u = DS.real_source(DS.find_data(None), s)
     cal = gaac.calibrate(k_u[:, :, :args.cal_tokens], v_u[:, :, :args.cal_tokens], show_progress=False)
     src = DS.Source(k_u, v_u)
-    ways = {"on": device_epochs.DEVICE_PACKED, "off": 1 << 30}
+    switch = SWITCHES[args.switch]
     order = ["on", "off", "off", "on"] * args.rounds
-    res = {w: {"prompt_ms": [], "join_ms": []} for w in ways}
+    res = {w: {"prompt_ms": [], "join_ms": []} for w in ("on", "off")}
     res["read_back_exact"] = {}
     kk, vv = zip(*(content(src, layer, 0, 0, args.tokens) for layer in range(s.layers)))
     k, v = torch.stack(kk), torch.stack(vv)
     del kk, vv
     epochs = {}
     for r, way in enumerate(["off"] + order):
-        device_epochs.DEVICE_PACKED = ways[way]
+        switch(way == "on")
         cache = gaac.PagedKVCache(cal, max_blocks=args.tokens // 16 + 2, device="cuda")
         before = sum(cache.calibration.n_epochs(layer, kind) for layer in range(s.layers) for kind in (0, 1))
         torch.cuda.synchronize()
@@ -86,7 +111,7 @@ def measure(args) -> dict:
         by_layer(cache, seq, [content(src, layer, r, 0, n) for layer in range(s.layers)], True)
     torch.cuda.synchronize()
     for j, way in enumerate(["off"] + order * 2):
-        device_epochs.DEVICE_PACKED = ways[way]
+        switch(way == "on")
         row = 1 + j % (batch - 1)
         kv = [content(src, layer, batch + row + batch * j, 0, prompt) for layer in range(s.layers)]
         torch.cuda.synchronize()
@@ -97,7 +122,7 @@ def measure(args) -> dict:
         torch.cuda.synchronize()
         if j:
             res[way]["join_ms"].append(round(1e3 * (time.perf_counter() - t0), 2))
-    device_epochs.DEVICE_PACKED = ways["on"]
+    switch(True)
     return res
 
 
@@ -106,11 +131,12 @@ def render(rep: dict) -> str:
     rows = []
     for way in ("on", "off"):
         p, j = r[way]["prompt_ms"], r[way]["join_ms"]
-        rows.append([f"{way} ({'DEVICE_PACKED ' + str(rep['threshold']) if way == 'on' else 'host packing'})",
+        rows.append([f"{way} ({WAYS[rep['args']['switch']][way == 'off']})",
                      f"{statistics.median(p):.1f}", f"{min(p):.1f} - {max(p):.1f}", r["epochs_appended"].get(way, "-"),
                      f"{statistics.median(j):.1f}", f"{min(j):.1f} - {max(j):.1f}",
                      "yes" if r["read_back_exact"].get(way) else "NO"])
-    lines = head("Appended epochs' encoder bases: packed on the device against on the host", rep)
+    lines = head(f"A prompt's two ways: {WAYS[rep['args']['switch']][0]} against {WAYS[rep['args']['switch']][1]}",
+                 rep)
     lines += [f"- {rep['machine']}, torch {rep['torch']}", "",
               *table(["way", "prompt ms (median)", "prompt ms (range)", "epochs appended", "join ms (median)",
                       "join ms (range)", "read-back bit-exact"], rows), "",
@@ -125,6 +151,7 @@ def render(rep: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--switch", choices=sorted(SWITCHES), required=True)
     ap.add_argument("--tokens", type=int, default=131072)
     ap.add_argument("--context", type=int, default=16384, help="the joins' batch: tokens a sequence")
     ap.add_argument("--cal-tokens", type=int, default=1024)
@@ -132,11 +159,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("packed_ab.py times the CUDA path: it needs a GPU")
+        raise SystemExit("prompt_ab.py times the CUDA path: it needs a GPU")
     rep = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                device=torch.cuda.get_device_name(), machine=f"{platform.machine()} {os.cpu_count()} cores",
                commit=commit(), torch=torch.__version__, threshold=device_epochs.DEVICE_PACKED,
-               command="python benchmarks/packed_ab.py " + " ".join(sys.argv[1:] if argv is None else argv),
+               command="python benchmarks/prompt_ab.py " + " ".join(sys.argv[1:] if argv is None else argv),
                args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()})
     rep["results"] = measure(args)
     write(rep, args.out, render)
