@@ -136,6 +136,44 @@ def test_appending_epochs_waits_for_nothing():
     assert all(getattr(store, name).is_contiguous() for name in ("b3", "b4", "tb3", "tb4"))
 
 
+def test_every_stores_new_epochs_are_one_copy_and_one_concatenation():
+    """A prompt that appends epochs in every layer and kind joins every store's four tables, old rows and new, in
+    one concatenation (one a store before), each store's tables views of it holding what they held and the new
+    epochs; a later append to one store moves its tables alone, the others' unchanged."""
+    from gaac.cache.store import add_epochs_all
+
+    cal = calibration(4)
+    stores, _ = make_all(cal)
+    rng = np.random.default_rng(1)
+
+    def new_tables(n):
+        return [tuple(rng.integers(100, 130, size=(cal.kv_heads, cal.head_dim)).astype(np.uint8) for _ in range(2))
+                for _ in range(n)]
+
+    items = [(store, new_tables(1 + (layer + kind) % 3)) for layer in range(4) for kind, store in enumerate(stores[layer])]
+    with counting() as ops:
+        add_epochs_all(items)
+    assert ops.counts["sync"] == 0 and ops.counts["h2d"] == 1, ops.by_op
+    assert ops.by_op.get("alloc:cat", 0) == 1, ops.by_op
+
+    def check(store, layer, kind, tables):
+        assert store.b3.shape[0] == store.tb4.shape[0] == 1 + len(tables)
+        np.testing.assert_array_equal(store.b3[0].numpy(), cal.bases(layer, kind, 0)[0])
+        np.testing.assert_array_equal(store.tb4[0].numpy(), tile_bases(*cal.bases(layer, kind, 0))[1])
+        for e, (b3, b4) in enumerate(tables, start=1):
+            np.testing.assert_array_equal(store.b3[e].numpy(), b3)
+            np.testing.assert_array_equal(store.b4[e].numpy(), b4)
+            np.testing.assert_array_equal(store.tb3[e].numpy(), tile_bases(b3, b4)[0])
+        assert all(getattr(store, name).is_contiguous() for name in ("b3", "b4", "tb3", "tb4"))
+
+    for (store, tables), (layer, kind) in zip(items, [(l, k) for l in range(4) for k in (0, 1)]):
+        check(store, layer, kind, tables)
+    more = new_tables(2)
+    stores[2][1].add_epochs(more)
+    for (store, tables), (layer, kind) in zip(items, [(l, k) for l in range(4) for k in (0, 1)]):
+        check(store, layer, kind, tables + more if (layer, kind) == (2, 1) else tables)
+
+
 def content(rng, centres: np.ndarray, tokens: int) -> np.ndarray:
     """BF16 bits ``[layers, kv_heads, tokens, head_dim]``: exponents about ``centres`` ``[layers, kv_heads, 1,
     head_dim]``, random signs and mantissas."""

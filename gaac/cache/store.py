@@ -65,9 +65,10 @@ BASE_TABLES = ("b3", "b4", "tb3", "tb4")      # a store's epoch tables on the de
 
 def add_epochs_all(items: list) -> None:
     """:meth:`_Kind.add_epochs` for each ``(store, tables)`` of ``items``, every store's new bytes brought to the
-    device in one asynchronous copy (a prompt whose rule appends epochs in every layer copies once), and each
+    device in one asynchronous copy (a prompt whose rule appends epochs in every layer copies once), and every
     store's four tables, old rows and new, joined by one concatenation into one allocation of which they are
-    views (a prompt that appends epochs in 64 layers and kinds makes 64 concatenations, not 256)."""
+    views (a prompt that appends epochs in 64 layers and kinds makes one concatenation, not 256).  The tables
+    are a few kilobytes an epoch; a store's later append moves its own into a new allocation."""
     parts = []
     for _, tables in items:
         tiles = [tile_bases(b3, b4) for b3, b4 in tables]
@@ -77,16 +78,18 @@ def add_epochs_all(items: list) -> None:
         return
     flat = arrays.upload(np.concatenate([a.reshape(-1) for new in parts for a in new]), items[0][0].b3.device)
     at = 0
+    pieces, shapes = [], []
     for (store, _), new in zip(items, parts):
-        pieces, shapes = [], []
         for name, a in zip(BASE_TABLES, new):
             old = getattr(store, name)
             pieces += [old.reshape(-1), flat[at:at + a.size]]
             shapes.append((old.shape[0] + a.shape[0], *old.shape[1:]))
             at += a.size
-        joined = torch.cat(pieces)
-        start = 0
-        for name, shape in zip(BASE_TABLES, shapes):
+    joined = torch.cat(pieces)
+    start, shape_of = 0, iter(shapes)
+    for store, _ in items:
+        for name in BASE_TABLES:
+            shape = next(shape_of)
             size = math.prod(shape)
             setattr(store, name, joined[start:start + size].view(shape))
             start += size

@@ -547,7 +547,8 @@ class UpdateTransaction:
         redo, jobs, missed = [], 0, 0
         for batch, items in launched:
             decided = batch.finish()
-            for (u, kind, plan), epochs, packed, read in zip(items, decided, batch.new_bases(), batch.rows_epochs()):
+            for (u, kind, plan), epochs, packed, read in zip(items, decided, batch.new_bases(),
+                                                             batch.rows_epochs(decided)):
                 guessed = plan.epochs if read is None else read     # what the encode coded the blocks with
                 plan.table = plan.rows = None
                 plan.epochs = epochs

@@ -760,12 +760,15 @@ class Batch:
             out[self.order[i]] = (table[i].view((1 + m) * p, 2, c), rows[i])
         return out
 
-    def rows_epochs(self) -> list:
+    def rows_epochs(self, decided: list) -> list:
         """After :meth:`finish`, per job (in the order given), the epochs :meth:`encode_rows` gave its blocks: what
-        the phases it read decide (None where it was not made)."""
+        the phases it read decide (None where it was not made).  Where it read every phase launched, those are
+        the decisions, ``decided`` (as :meth:`finish` returns them)."""
         out = [None] * len(self.jobs)
         if self.rows_phases is None:
             return out
+        if self.rows_phases == self.launched:
+            return list(decided)
         found = self._found[:self.rows_phases]
         for i in range(len(self.jobs)):
             picked = found[:, i][found[:, i] != NONE]
