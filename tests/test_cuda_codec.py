@@ -235,6 +235,19 @@ def test_32bit_toolkit_against_numpy():
         assert primitives.funnel_r(a, b, r) == ((int(b) << 32 | int(a)) >> r) % 2**32
 
 
+def _poisoned_pools(n: int, channels: int, capacity: int) -> tuple:
+    """Pools of ``n`` slots and ``n`` raw tiles filled with a poison byte, their free lists in order, zero counts,
+    and entries and escape counts of ``n`` tiles filled with other values: ``(slots, raw, heads, entries,
+    escape_used, the EncodePlan pool arguments)``."""
+    geo = L.TileGeometry(channels)
+    slots = np.full((n, geo.slot_bytes(capacity)), POISON, np.uint8)
+    raw = np.full((n, L.BLOCK_TOKENS, channels), POISON * 0x101, np.uint16).view(np.int16)
+    heads = np.zeros(2, np.int32)
+    entries, used = np.full(n, 7, np.int32), np.full(n, -7, np.int32)
+    return slots, raw, heads, entries, used, (slots, np.arange(n, dtype=np.int32), raw, np.arange(n, dtype=np.int32),
+                                              heads)
+
+
 def test_in_place_encode_reads_a_sequence_where_it_lies():
     """EncodePlan.in_place on a [heads, tokens, C] input writes what the ordinary encode writes for the same
     blocks cut into tiles: entries, escape counts, slots and raw tiles (a tile of wide exponents overflows)."""
@@ -251,13 +264,8 @@ def test_in_place_encode_reads_a_sequence_where_it_lies():
     n, capacity = len(tiles), 16
     out = []
     for in_place in (False, True):
-        geo = L.TileGeometry(channels)
-        slots = np.full((n, geo.slot_bytes(capacity)), POISON, np.uint8)
-        raw = np.full((n, L.BLOCK_TOKENS, channels), POISON * 0x101, np.uint16).view(np.int16)
-        heads_at = np.zeros(2, np.int32)
-        entries, used = np.full(n, 7, np.int32), np.full(n, -7, np.int32)
-        plan = EncodePlan(channels, capacity, pack_bases(*tile_bases(b3, b4)), slots, np.arange(n, dtype=np.int32),
-                          raw, np.arange(n, dtype=np.int32), heads_at)
+        slots, raw, heads_at, entries, used, pools = _poisoned_pools(n, channels, capacity)
+        plan = EncodePlan(channels, capacity, pack_bases(*tile_bases(b3, b4)), *pools)
         if in_place:
             plan.in_place(bits.view(np.int16), first, entries, used)
         else:
@@ -286,12 +294,7 @@ def test_an_encode_by_rows_codes_each_block_with_its_rows_bases():
     n, capacity = heads * blocks, 16
     out = []
     for by_rows in (False, True):
-        geo = L.TileGeometry(channels)
-        slots = np.full((n, geo.slot_bytes(capacity)), POISON, np.uint8)
-        raw = np.full((n, L.BLOCK_TOKENS, channels), POISON * 0x101, np.uint16).view(np.int16)
-        heads_at = np.zeros(2, np.int32)
-        entries, used = np.full(n, 7, np.int32), np.full(n, -7, np.int32)
-        pools = (slots, np.arange(n, dtype=np.int32), raw, np.arange(n, dtype=np.int32), heads_at)
+        slots, raw, heads_at, entries, used, pools = _poisoned_pools(n, channels, capacity)
         if by_rows:
             plan = EncodePlan(channels, capacity, sets[1], *pools)
             plan.in_place_by_rows(bits.view(np.int16), np.concatenate(sets), rows, entries, used)

@@ -367,6 +367,17 @@ def test_a_guessed_epoch_that_would_run_a_pool_dry_does_not_refuse_the_update(mo
     assert np.array_equal(rv[0].numpy().view(np.uint16), x[1])
 
 
+def _holds_what_the_host_holds(gpu, sg, host, sh, x) -> None:
+    """One layer's cache whose rule ran on the device holds what the host rule's holds: the same epochs appended
+    and block epochs, and its sequence ``sg`` reads back ``x`` (K ``x[0]``, V ``x[1]``) bit-exact."""
+    assert_same_epochs(gpu.calibration, host.calibration)
+    for kind in (L.KIND_K, L.KIND_V):
+        assert np.array_equal(gpu.stores(0)[kind].epochs[sg], host.stores(0)[kind].epochs[sh])
+    rk, rv = gpu.read_layer(0, [sg])
+    assert np.array_equal(rk[0].numpy().view(np.uint16), x[0])
+    assert np.array_equal(rv[0].numpy().view(np.uint16), x[1])
+
+
 def _count_encodes(monkeypatch) -> dict:
     """Tiles each kind of encoder launch codes (``runs``: one epoch's bases; ``rows``: each block's read on the
     device), and ``at_decisions``: the tiles launched when the host first waits for the rule's decisions."""
@@ -412,12 +423,7 @@ def test_a_prompts_encodes_read_each_blocks_epoch_on_the_device_before_the_decis
         sg = gpu.add_sequence(x[:1, :, :n], x[1:, :, :n])
         assert (counts["runs"], counts["rows"], counts["at_decisions"]) == (0, 2 * 20, [2 * 20])
         assert gpu._guess_misses == (misses + appended / 2) / 2
-        assert_same_epochs(gpu.calibration, host.calibration)
-        for kind in (L.KIND_K, L.KIND_V):
-            assert np.array_equal(gpu.stores(0)[kind].epochs[sg], host.stores(0)[kind].epochs[sh])
-        rk, rv = gpu.read_layer(0, [sg])
-        assert np.array_equal(rk[0].numpy().view(np.uint16), x[0, :, :n])
-        assert np.array_equal(rv[0].numpy().view(np.uint16), x[1, :, :n])
+        _holds_what_the_host_holds(gpu, sg, host, sh, x[:, :, :n])
 
 
 def test_an_encode_that_read_fewer_phases_than_the_rule_needed_is_encoded_again(monkeypatch):
@@ -439,12 +445,7 @@ def test_an_encode_that_read_fewer_phases_than_the_rule_needed_is_encoded_again(
     gpu._rule_on_device = True
     sg = gpu.add_sequence(x[:1, :, :n], x[1:, :, :n])
     assert counts["rows"] == 2 * 36 and counts["runs"] == 36 * len(twice)
-    assert_same_epochs(gpu.calibration, host.calibration)
-    for kind in (L.KIND_K, L.KIND_V):
-        assert np.array_equal(gpu.stores(0)[kind].epochs[sg], host.stores(0)[kind].epochs[sh])
-    rk, rv = gpu.read_layer(0, [sg])
-    assert np.array_equal(rk[0].numpy().view(np.uint16), x[0, :, :n])
-    assert np.array_equal(rv[0].numpy().view(np.uint16), x[1, :, :n])
+    _holds_what_the_host_holds(gpu, sg, host, sh, x)
 
 
 def test_decode_steps_and_a_prompt_copy_no_block_to_the_host_where_the_rule_runs_on_the_device(monkeypatch):
