@@ -771,10 +771,16 @@ class Batch:
             return list(decided)
         found = self._found[:self.rows_phases]
         for i in range(len(self.jobs)):
-            picked = found[:, i][found[:, i] != NONE]
-            check_of = (self.r0[i] + np.arange(self.n)) // self.every
-            out[self.order[i]] = self.epoch0[i] + np.searchsorted(picked, check_of, side="left").astype(np.int64)
+            out[self.order[i]] = self._block_epochs(i, self.epoch0[i], found[:, i][found[:, i] != NONE])
         return out
+
+    def _block_epochs(self, i: int, epoch: int, picked: np.ndarray) -> np.ndarray:
+        """Job ``i``'s block epochs where its epoch was ``epoch`` and the checks ``picked`` append: logical block
+        ``r0 + b`` belongs to check ``(r0 + b) // every``, coded with the epoch current before that check."""
+        if not len(picked):          # no epoch appended: every block keeps the current one
+            return np.full(self.n, epoch, np.int64)
+        check_of = (self.r0[i] + np.arange(self.n)) // self.every
+        return epoch + np.searchsorted(picked, check_of, side="left").astype(np.int64)
 
     def _appending(self, last: np.ndarray) -> bool:
         """Whether a further phase can find a check that appends: a job's last phase found one, and checks
@@ -842,18 +848,13 @@ class Batch:
         return out
 
     def _finish(self, picked_all: list, recent: list) -> list:
-        jobs, n, checks, r0, every = self.jobs, self.n, self.checks, self.r0, self.every
+        jobs, n, checks = self.jobs, self.n, self.checks
         kv_heads, head_dim = self.kv_heads, self.head_dim
         tables = self._tables(picked_all)
         out = [None] * len(jobs)
         for i, (a, blocks) in enumerate(jobs):
             picked = picked_all[i]
-            if not len(picked):          # no epoch appended: every block keeps the current one
-                epochs = np.full(n, a.epoch, np.int64)
-            else:
-                # logical block r0 + b belongs to check (r0 + b) // every, coded with the epoch current before it
-                check_of = (r0[i] + np.arange(n)) // every
-                epochs = a.epoch + np.searchsorted(picked, check_of, side="left").astype(np.int64)
+            epochs = self._block_epochs(i, a.epoch, picked)
             for j in picked:
                 b3, b4 = tables[(i, int(j))]
                 a.calibration.add_epoch(a.layer, a.kind, b3.reshape(kv_heads, head_dim),
