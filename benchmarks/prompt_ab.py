@@ -19,7 +19,9 @@ Both ways run in the order on, off, off, on, ... so that the host's drift moves 
   about 65 epochs);
 * **joins**: in a batch of 8 sequences of about 16K tokens, a row removed and a 4096-token prompt appended
   layer by layer inside ``cache.deferred()`` (the serving benchmark's join, the device synchronised before
-  each), which appends a few epochs or none.
+  each), which appends a few epochs or none.  No decode steps run between these joins, so nothing is queued
+  ahead of them: a best case for a join, which compares the two ways; the user's figure is ``serving.py``'s join
+  scenario, whose joins run inside the decode loop.
 
 Host wall time to the device's end of each call (synchronised), medians; the first call of each case is a
 warm-up.  After the first timed prompt of each way, its last layer reads back bit-exact against the content.
@@ -143,7 +145,8 @@ def render(rep: dict) -> str:
               f"Prompt: {rep['args']['tokens']} tokens x 32 layers (8 x 128) through `add_sequence`, "
               f"{len(r['on']['prompt_ms'])} runs each way; joins: a 4096-token prompt by layer in a deferral into "
               f"8 x ~{rep['args']['context']} tokens, {len(r['on']['join_ms'])} each way; ways alternated in one "
-              "process (on, off, off, on, ...).", "",
+              "process (on, off, off, on, ...).  The joins run with no decode step between them (a best case: "
+              "serving.py's join scenario times them inside the loop).", "",
               f"Every run, ms: {r['on']['prompt_ms']} (on), {r['off']['prompt_ms']} (off); joins "
               f"{r['on']['join_ms']} (on), {r['off']['join_ms']} (off)."]
     return "\n".join(lines) + "\n"
