@@ -381,20 +381,42 @@ class Calibration:
 
     def add_epoch(self, layer: int, kind: int, b3, b4) -> int:
         """Append bases ``[kv_heads, head_dim]`` as the newest epoch of one layer and kind; return its index."""
+        return self.add_epochs([(layer, kind, b3, b4)])[0]
+
+    def add_epochs(self, items) -> list[int]:
+        """Append epochs ``(layer, kind, b3, b4)`` in the order given, as :meth:`add_epoch` appends one; return
+        their indices.  Every one is checked before any is appended (all of them, or none and the error of the
+        first that fails), the bases' ranges in one pass over all of them: an update whose adaptation appends in
+        every layer and kind checks once, not once an epoch."""
+        items = list(items)
+        if not items:
+            return []
         if not self.format.epochs:
             raise CalibrationError(f"a {self.format.name} calibration has epoch 0 only (its blocks name no epoch)")
-        epoch = self.n_epochs(layer, kind)          # checks the layer and kind
-        if epoch > MAX_EPOCH:
-            raise CalibrationError(f"layer {layer} {L.KIND_NAMES[kind]} already has {epoch} epochs, the most a "
-                                   f"block header can name")
-        where = f"epoch {epoch} of layer {layer} {L.KIND_NAMES[kind]}"
-        b3, b4 = (_int_array(t, where) for t in (b3, b4))
-        if b3.shape != (self.kv_heads, self.head_dim) or b4.shape != b3.shape:
-            raise CalibrationError(f"{where}: bases must be [{self.kv_heads}, {self.head_dim}], got "
-                                   f"{list(b3.shape)} and {list(b4.shape)}")
-        _check_base_ranges(b3, b4, self.modes, f"{where}: ")
-        self.epochs.setdefault((kind, layer), []).append((b3.astype(np.uint8), b4.astype(np.uint8)))
-        return epoch
+        shape = (self.kv_heads, self.head_dim)
+        count, checked = {}, []
+        for layer, kind, b3, b4 in items:
+            key = (kind, layer)
+            epoch = count[key] if key in count else self.n_epochs(layer, kind)     # checks the layer and kind
+            if epoch > MAX_EPOCH:
+                raise CalibrationError(f"layer {layer} {L.KIND_NAMES[kind]} already has {epoch} epochs, the most a "
+                                       f"block header can name")
+            count[key] = epoch + 1
+            where = f"epoch {epoch} of layer {layer} {L.KIND_NAMES[kind]}"
+            b3, b4 = (_int_array(t, where) for t in (b3, b4))
+            if b3.shape != shape or b4.shape != shape:
+                raise CalibrationError(f"{where}: bases must be [{self.kv_heads}, {self.head_dim}], got "
+                                       f"{list(b3.shape)} and {list(b4.shape)}")
+            checked.append((key, epoch, where, b3, b4))
+        try:
+            _check_base_ranges(np.stack([c[3] for c in checked]), np.stack([c[4] for c in checked]), self.modes, "")
+        except CalibrationError:
+            for _, _, where, b3, b4 in checked:         # the first epoch out of range names itself
+                _check_base_ranges(b3, b4, self.modes, f"{where}: ")
+            raise
+        for key, _, _, b3, b4 in checked:
+            self.epochs.setdefault(key, []).append((b3.astype(np.uint8), b4.astype(np.uint8)))
+        return [epoch for _, epoch, _, _, _ in checked]
 
     # -- files ---------------------------------------------------------------
     def save(self, path) -> None:

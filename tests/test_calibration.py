@@ -317,3 +317,30 @@ def test_a_copy_takes_epochs_of_its_own_and_leaves_the_original_alone(share):
     twin.add_epoch(0, 1, np.full((2, 64), 122, np.uint8), np.full((2, 64), 120, np.uint8))
     assert (cal.n_epochs(1, 0), cal.n_epochs(0, 1)) == (2, 1) and (twin.n_epochs(1, 0), twin.n_epochs(0, 1)) == (3, 2)
     np.testing.assert_array_equal(twin.bases(1, 0, 1)[0], cal.bases(1, 0, 1)[0])
+
+
+def test_epochs_added_together_are_all_appended_or_none_and_the_first_bad_one_is_named():
+    """``add_epochs`` appends what ``add_epoch`` one at a time appends (indices, bases, in order, two in one layer
+    and kind numbered in turn); where one of them is out of range or misshapen, nothing is appended and the error
+    names that epoch."""
+    def fresh():
+        return Calibration(np.full((2, 2, 2, 64), 120, np.uint8), np.full((2, 2, 2, 64), 118, np.uint8),
+                           np.full((2, 2), 64, np.uint16))
+
+    ok = [(1, 0, np.full((2, 64), 121), np.full((2, 64), 119)), (0, 1, np.full((2, 64), 122), np.full((2, 64), 117)),
+          (1, 0, np.full((2, 64), 123), np.full((2, 64), 116))]
+    together, one_by_one = fresh(), fresh()
+    assert together.add_epochs(ok) == [one_by_one.add_epoch(*item) for item in ok] == [1, 1, 2]
+    for layer, kind in ((1, 0), (0, 1), (0, 0)):
+        assert together.n_epochs(layer, kind) == one_by_one.n_epochs(layer, kind)
+        for e in range(together.n_epochs(layer, kind)):
+            for got, want in zip(together.bases(layer, kind, e), one_by_one.bases(layer, kind, e)):
+                np.testing.assert_array_equal(got, want)
+    assert together.add_epochs([]) == []
+    wide_max = together.modes.wide_base_max
+    for bad, match in (((0, 1, np.full((2, 64), 121), np.full((2, 64), wide_max + 1)), "epoch 1 of layer 0 v"),
+                       ((1, 0, np.full((2, 64), 121), np.full((2, 63), 119)), "epoch 3 of layer 1 k: bases must be")):
+        cal = fresh()
+        cal.add_epochs(ok[:1])
+        raises(CalibrationError, cal.add_epochs, [ok[2], bad], match=match)
+        assert (cal.n_epochs(1, 0), cal.n_epochs(0, 1)) == (2, 1)      # neither the good one nor the bad one

@@ -552,3 +552,52 @@ def test_a_step_gives_a_removals_records_back_only_where_its_pools_fall_short_wi
     cache.reserve_step(np.array([0]), np.array([4 * 16]))
     assert late.waited and not cache._returning
     assert min(store.slots.free_lower() for layer_store in cache._store for store in layer_store) >= need
+
+
+def test_a_prompt_launches_its_rule_before_its_reservation_where_the_reservation_cannot_wait(monkeypatch):
+    """A prompt into a cache whose slot pools hold every tile by their bounds: the rule's kernels are launched
+    before the reservation (whose host work then runs while the GPU scans) and the histograms' copies are made
+    before the host waits for the decisions.  Into pools too small for it (``grow=True``), the reservation, which
+    then reads counts and grows, comes first.  Both caches read back bit-exact."""
+    import gaac.cuda.epochs as device_epochs
+    import gaac.epochs as epochs
+    from gaac import layout as L
+    from gaac.cache.update import UpdateTransaction
+    from gaac.calibration import calibrate
+    from tests.conftest import every_tile
+    from tests.test_epochs import drifting_cache
+
+    monkeypatch.setattr(epochs, "WARMUP_BLOCKS", 8)
+    monkeypatch.setattr(epochs, "PAYBACK_CHECKS", 10 ** 9)
+    x = drifting_cache(36 * L.BLOCK_TOKENS, layers=2)[:, :1]
+    x[1] = x[1] ^ 0x8000                             # one layer: x[0] is its K, x[1] its V
+    cal = calibrate(x[:1, :, :128], x[1:, :, :128])
+    order = []
+    reserve, launch, finish = UpdateTransaction._reserve, UpdateTransaction._launch_rule, device_epochs.Batch.finish
+
+    def reserving(self, updates):
+        order.append("reserve")
+        return reserve(self, updates)
+
+    def launching(self, updates):
+        order.append("rule")
+        return launch(self, updates)
+
+    def finishing(self):
+        order.append("copied" if self.own_hist is not None else "not copied")
+        return finish(self)
+
+    monkeypatch.setattr(UpdateTransaction, "_reserve", reserving)
+    monkeypatch.setattr(UpdateTransaction, "_launch_rule", launching)
+    monkeypatch.setattr(device_epochs.Batch, "finish", finishing)
+    roomy = PagedKVCache(cal, **every_tile(cal, 1, 40), codec="cuda")
+    small = PagedKVCache(cal, max_seqs=1, max_blocks=40, codec="cuda", slots=4, raw_tiles=4, grow=True)
+    for cache, want in ((roomy, ["rule", "reserve", "copied"]), (small, ["reserve", "rule", "copied"])):
+        cache._rule_on_device = True
+        order.clear()
+        seq = cache.add_sequence(x[:1], x[1:])
+        assert order == want
+        assert cache.calibration.n_epochs(0, L.KIND_K) > 1          # the rule appended: its batch decided
+        k, v = cache.read_layer(0, [seq])
+        np.testing.assert_array_equal(k[0].numpy().view(np.uint16), x[0])
+        np.testing.assert_array_equal(v[0].numpy().view(np.uint16), x[1])

@@ -274,8 +274,9 @@ class UpdateTransaction:
     def _apply(self, updates: list) -> None:
         """Reserve, encode (GPU) and commit prepared updates: all of them, or nothing and an error.
 
-        On a GPU the host reserves, launches the adaptation rule, then launches the encodes before it waits for
-        the rule's decisions.  A sequence's blocks read where its input holds them (a prompt's) are encoded in one
+        On a GPU the host launches the adaptation rule and reserves (the reservation first where it may wait for the
+        device or grow, :meth:`_reserve_waits`), then launches the encodes before it waits for the rule's
+        decisions.  A sequence's blocks read where its input holds them (a prompt's) are encoded in one
         launch a layer and kind, each block with the bases of the epoch the rule decides for it, read from the
         rule's results on the device (:meth:`gaac.cuda.epochs.Batch.encode_rows`); a job the rule decides in
         more phases than the encode read is encoded again once the decisions are in.  Other blocks the rule
@@ -286,10 +287,16 @@ class UpdateTransaction:
         the encodes run.  Where the rule keeps every guess and appends no epoch, the host also writes the update
         (tables, tails, lengths, block epochs, adapters) before it waits for the encodes' counts, and undoes
         that write if a free list ran dry (:meth:`_written_early`)."""
-        # the reservation first: where it reads the device's counts it then waits only for what ran before the
-        # update, not behind the rule's kernels, which hold the GPU once launched
-        self._reserve(updates)
-        rule = self._launch_rule(updates)
+        # The reservation first where it may read the device's counts: it then waits only for what ran before
+        # the update, not behind the rule's kernels, which hold the GPU once launched.  Where it cannot wait (the
+        # common case: a prompt into a cache with room), the rule is launched first and the reservation's host
+        # work runs while the GPU scans.
+        if self._reserve_waits(updates):
+            self._reserve(updates)
+            rule = self._launch_rule(updates)
+        else:
+            rule = self._launch_rule(updates)
+            self._reserve(updates)
         encoded, redo, done, early = True, [], False, None
         # the encodes start before the decisions where they read them on the device, or where a guess pays
         guess = self._guess_pays(rule) or bool(rule) and all(plan.rows is not None for _, items in rule
@@ -512,6 +519,7 @@ class UpdateTransaction:
                            for u, kind, plan in items]
                 for (_, _, plan), (table, rows) in zip(items, batch.encode_rows(current)):
                     plan.table, plan.rows = table, rows
+            batch.copy_hists()          # the histograms' copies while the GPU scans (the host waits for it next)
             launched.append((batch, items))
         return launched
 
@@ -894,6 +902,23 @@ class UpdateTransaction:
             grow_pools(pools)
             self._storage_changed()
 
+    def _reserve_waits(self, updates: list) -> bool:
+        """Whether :meth:`_reserve` of ``updates`` may wait for the device or grow anything; False where it
+        certainly does neither: every update is the CUDA encoder's (its tiles slot or raw as they are encoded),
+        the block table holds the new blocks, and each job's slot pool alone has a free record for every tile by
+        its lower bound (then no bound falls short, so neither a removal's records nor the device's counts are
+        waited for, and nothing grows)."""
+        for u in updates:
+            for s, q in zip(u.seqs, u.blocks):
+                if int(self._lens[u.layer, s]) // L.BLOCK_TOKENS + q > self.max_blocks:
+                    return True
+            for kind in KINDS:
+                if u.tiles[kind] is None:
+                    continue
+                if u.fits[kind] is not None or self._store[u.layer][kind].slots.free_lower() < u.tiles[kind].shape[0]:
+                    return True
+        return False
+
     def _room_lower(self, store: _Kind) -> int:
         """Records ``store``'s tiles can take at least, by the bounds (no wait): its free slots and raw records and
         what the arena's reserve can lend it."""
@@ -1124,9 +1149,8 @@ class UpdateTransaction:
         # attention table takes them up, which reads both)
         appending = [(u, kind) for u in updates for kind in KINDS
                      if u.tiles[kind] is not None and u.epochs[kind].tables]
-        for u, kind in appending:
-            for b3, b4 in u.epochs[kind].tables:
-                self._calibration.add_epoch(u.layer, kind, b3, b4)
+        self._calibration.add_epochs((u.layer, kind, b3, b4) for u, kind in appending
+                                     for b3, b4 in u.epochs[kind].tables)
         add_epochs_all([(self._store[u.layer][kind], u.epochs[kind].tables) for u, kind in appending])
         for u, kind in appending:           # the encoders' bases the GPU rule packed, kept for later plans
             store, plan = self._store[u.layer][kind], u.epochs[kind]

@@ -674,6 +674,7 @@ class Batch:
             up = iter(uploaded)
             self.hist = torch.stack([h.reshape(channels, BINS) if h is not None else next(up) for h in held])
         self.launched = 0                                         # phases launched
+        self.own_hist = None                                      # each job's histograms, copied (copy_hists)
         self.scan_args = (xa, xb, ja, rec, self.r0_d, checks_d, self.hist, self.cand, cur, head_dim, self.saved0,
                       self.differs0)
         words = [x.view(torch.int32) for x in (xa, xb, rec)]      # the phases read two elements a load
@@ -705,6 +706,17 @@ class Batch:
         last check."""
         kernel = scan_kernel(self.every, E.DECAY_SHIFT, SCAN_REGISTERS)
         self._launch(kernel, (len(self.jobs), self.channels // L.GROUP_SIZE), L.GROUP_SIZE * WARP, self.scan_args)
+
+    def copy_hists(self) -> list:
+        """Each job's histograms in an allocation of its own, which its adapter keeps (so that copying an adapter,
+        as the cache plans on copies, copies 1 MB, not every job's), copied on the batch's stream once, after
+        :meth:`scan` (only the scan writes the histograms): by :meth:`finish`, or earlier where the caller
+        calls this right after launching the batch, as a prompt does, so that the host makes the copies while
+        the GPU scans rather than after the decisions."""
+        if self.own_hist is None:
+            with self._on_stream():
+                self.own_hist = [h.view(self.kv_heads, self.head_dim, BINS).clone() for h in self.hist]
+        return self.own_hist
 
     def chain(self) -> None:
         """Launch the first phases of the chain (:func:`phase_kernel`): which checks append their candidate.
@@ -854,15 +866,16 @@ class Batch:
         kv_heads, head_dim = self.kv_heads, self.head_dim
         tables = self._tables(picked_all)
         out = [None] * len(jobs)
+        own_hist = self.copy_hists()
+        appends = {}            # per calibration (the cache's batches share one): its new epochs, checked together
         for i, (a, blocks) in enumerate(jobs):
             picked = picked_all[i]
             epochs = self._block_epochs(i, a.epoch, picked)
             for j in picked:
                 b3, b4 = tables[(i, int(j))]
-                a.calibration.add_epoch(a.layer, a.kind, b3.reshape(kv_heads, head_dim),
-                                        b4.reshape(kv_heads, head_dim))
-            # a copy of its own, so that copying the adapter (the cache plans on a copy) copies 1 MB, not all jobs'
-            a.keep_hist_on_device(self.hist[i].view(kv_heads, head_dim, BINS).clone())
+                appends.setdefault(id(a.calibration), (a.calibration, []))[1].append(
+                    (a.layer, a.kind, b3.reshape(kv_heads, head_dim), b4.reshape(kv_heads, head_dim)))
+            a.keep_hist_on_device(own_hist[i])
             a.finalized += n
             host, dev = recent[i]
             new = [dev] if dev is not None else []
@@ -872,6 +885,8 @@ class Batch:
             else:
                 a.keep_recent(host, new)
             out[self.order[i]] = epochs
+        for calibration, items in appends.values():
+            calibration.add_epochs(items)
         return out
 
     def _recent_blocks(self) -> list:
