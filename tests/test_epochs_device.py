@@ -587,3 +587,57 @@ def test_reading_the_calibration_looks_for_the_queued_decode_checks_once(monkeyp
         for store in cache.stores(layer):
             assert not store.deferred and store.waiting == 0
             assert len(store.adapter._recent) == 2 and store.adapter.recent_on(torch.device("cpu")) is not None
+
+
+@pytest.mark.parametrize("grow", [True, False])
+def test_a_prompt_written_before_its_counts_with_epochs_appended_is_undone_where_a_list_ran_dry(monkeypatch, grow):
+    """A prompt whose encodes read the rule's epochs on the device is written -- its new epochs included -- before
+    the encodes' counts are in.  Where the raw-tile arena then turns out too small, that write is undone: with
+    ``grow`` the arena grows, the stores that ran dry are encoded again and the cache holds what the host rule's
+    holds, each epoch appended once; without, the update is refused and the cache is as it was (no epoch, its
+    base tables, encoders and attention base table as before, and a later prompt that fits is held bit-exact)."""
+    from gaac.cache.update import UpdateTransaction, _EarlyWrite
+
+    x, cal, n = _one_drifting_layer(monkeypatch)
+    x = x.copy()
+    # four blocks whose tiles overflow whatever the bases: a quarter of their elements tiny (exponent field 3)
+    span = slice(12 * L.BLOCK_TOKENS, 16 * L.BLOCK_TOKENS)
+    x[:, :, span, ::4] = (x[:, :, span, ::4] & 0x807F) | (3 << 7)
+    host = PagedKVCache(cal, **every_tile(cal, 1, 40), codec="reference")
+    sh = host.add_sequence(x[:1, :, :n], x[1:, :, :n])
+    assert host.calibration.n_epochs(0, L.KIND_K) > 1 and host.stores(0)[L.KIND_K].raw.used > 2
+    written, undone = [], []
+    write, undo = UpdateTransaction._written_early, _EarlyWrite.undo
+
+    def writing(self, updates):
+        early = write(self, updates)
+        written.append(len(early.appended))
+        return early
+
+    monkeypatch.setattr(UpdateTransaction, "_written_early", writing)
+    monkeypatch.setattr(_EarlyWrite, "undo", lambda self: (undone.append(True), undo(self))[1])
+    gpu = PagedKVCache(cal, max_blocks=40, raw_tiles=2, codec="cuda", grow=grow)
+    gpu._rule_on_device = True
+    gpu.epoch_table(0)                      # the layer's attention base table, which the write appends to
+    before = [tuple(getattr(store, name).clone() for name in ("b3", "b4", "tb3", "tb4")) for store in gpu.stores(0)]
+    if grow:
+        sg = gpu.add_sequence(x[:1, :, :n], x[1:, :, :n])
+        assert written == [2] and undone == [True]              # written with both kinds' epochs, then undone
+        _holds_what_the_host_holds(gpu, sg, host, sh, x[:, :, :n])
+        for kind, store in enumerate(gpu.stores(0)):
+            assert store.tb3.shape[0] == store.b3.shape[0] == gpu.calibration.n_epochs(0, kind)
+        return
+    with pytest.raises(PoolExhaustedError, match="raw-tile arena is exhausted"):
+        gpu.add_sequence(x[:1, :, :n], x[1:, :, :n])
+    assert written == [2] and undone == [True]
+    assert gpu.calibration.n_epochs(0, L.KIND_K) == gpu.calibration.n_epochs(0, L.KIND_V) == 1
+    for store, tables in zip(gpu.stores(0), before):
+        for name, table in zip(("b3", "b4", "tb3", "tb4"), tables):
+            assert torch.equal(getattr(store, name), table)
+        assert all(key[0] < 1 for key in store.encoders) and all(e < 1 for e in store.packed)
+    assert gpu.sequences == [] and not gpu.host_lengths.any()
+    short = 8 * L.BLOCK_TOKENS                              # before the first check: no epoch, few raw tiles
+    seq = gpu.add_sequence(x[:1, :, :short], x[1:, :, :short])
+    rk, rv = gpu.read_layer(0, [seq])
+    assert np.array_equal(rk[0].numpy().view(np.uint16), x[0, :, :short])
+    assert np.array_equal(rv[0].numpy().view(np.uint16), x[1, :, :short])

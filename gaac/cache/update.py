@@ -8,8 +8,9 @@
 * ``_apply`` reserves (``_reserve``: room in the pools and the table, or an error before anything is written),
   encodes on the device (``_encode_on_device``: the CUDA encoder takes its records from free lists on the
   device; where a list runs dry the counts are put back, ``_put_back``) and commits (``_commit``,
-  ``_commit_epochs``): every update of a call, or none and an error.  Where the rule keeps every guess the
-  host writes before the encodes' counts are in, and undoes the write if a list ran dry (``_written_early``).
+  ``_commit_epochs``): every update of a call, or none and an error.  Where every encode used the epochs the
+  rule decided, the host writes before the encodes' counts are in, epochs appended included, and undoes the
+  write if a list ran dry (``_written_early``).
 * A deferral (:class:`Deferral`, :meth:`gaac.cache.paged.PagedKVCache.deferred`) queues ``update_layer`` calls
   and applies them in one ``_apply`` when it ends or when anything else touches the cache
   (``_apply_deferred``): a prompt given a layer at a time is one transaction, as ``append`` makes it.
@@ -37,7 +38,7 @@ from ..errors import InputError, PoolExhaustedError
 from ..tiles import tile_bases
 from .codec import blocks_to_tiles
 from .pools import Arrival, _Share, counts_read, grow_pools, grown, sync_pools
-from .store import KINDS, _Kind, add_epochs_all
+from .store import BASE_TABLES, KINDS, _Kind, add_epochs_all
 
 ADAPT_LAG = 2                # decode steps between a block's finish and the adaptation rule's look at it
 GUESS_MISSES = 0.5           # an update's encodes guess the rule's epochs while fewer of the jobs missed (_guess_pays)
@@ -192,15 +193,16 @@ def _check_span(store: _Kind):
 class _EarlyWrite:
     """An update committed before its encodes' counts are known (:meth:`PagedKVCache._written_early`), and what
     puts the cache back if a free list ran dry.  Only what later calls read is put back: the host's lengths,
-    the tails that held tokens, the adapters and their pending blocks, the block count.
-    Table entries and block epochs past the restored lengths are never read (a later update overwrites them),
-    and no epoch was appended (the caller writes early only then)."""
+    the tails that held tokens, the adapters and their pending blocks, the block count, and where the update
+    appended epochs, each such store's epochs as they were (:class:`_Appended`).  Table entries and block epochs
+    past the restored lengths are never read (a later update overwrites them)."""
 
     cache: object
     lens: np.ndarray
     adapters: list               # per store written: (layer, kind, its adapter, its deferred blocks' count)
     tails: list                  # (store, sequence, its tail before the write)
     blocks_encoded: int
+    appended: list = field(default_factory=list)     # _Appended, a store whose update appends epochs
 
     def undo(self) -> None:
         cache = self.cache
@@ -213,6 +215,8 @@ class _EarlyWrite:
         for store, seq, tail in self.tails:
             store.tail[seq].copy_(tail)
         cache.blocks_encoded = self.blocks_encoded
+        for appended in self.appended:
+            appended.undo(cache)
 
     def settle(self) -> None:
         """The write stands: a CPU cache's adapters observe the new blocks now."""
@@ -220,6 +224,34 @@ class _EarlyWrite:
         if cache.device.type != "cuda":
             for layer, kind, _, _ in self.adapters:
                 cache._flush(cache._store[layer][kind], layer, kind)
+
+
+@dataclass
+class _Appended:
+    """A store's epochs before an early write appended to them: what :meth:`_EarlyWrite.undo` restores -- the
+    calibration's epochs of the layer and kind, the store's four base tables (the write replaced them by views
+    of a new allocation, so the old ones are as they were), the encoders' bases and plans of the new epochs,
+    the epoch the decode appends encode with, and the rows of the layer's attention base table counted as
+    written (rows past them are written again by the next epoch appended)."""
+
+    layer: int
+    kind: int
+    epochs: int                  # the layer and kind's epochs before, epoch 0 included
+    tables: tuple                # the store's (b3, b4, tb3, tb4) before
+    published: int
+
+    def undo(self, cache) -> None:
+        store = cache._store[self.layer][self.kind]
+        del cache._calibration.epochs.setdefault((self.kind, self.layer), [])[self.epochs - 1:]
+        for name, table in zip(BASE_TABLES, self.tables):
+            setattr(store, name, table)
+        store.packed = {e: bases for e, bases in store.packed.items() if e < self.epochs}
+        store.encoders = {key: enc for key, enc in store.encoders.items() if key[0] < self.epochs}
+        if store.published != self.published:
+            cache._publish(self.layer, self.kind, self.published)
+        entry = cache._epoch_tables.get(self.layer)
+        if entry is not None:
+            entry[1][self.kind] = min(entry[1][self.kind], self.epochs)
 
 
 class Deferral:
@@ -284,9 +316,9 @@ class UpdateTransaction:
         appends an epoch; where it does, that layer and kind is encoded again once the decision is in (every
         one, where an encode ran a free list dry), and where the prompts before appended in most layers, the
         host waits for the decisions first (:meth:`_guess_pays`).  The host takes the rule's decisions while
-        the encodes run.  Where the rule keeps every guess and appends no epoch, the host also writes the update
-        (tables, tails, lengths, block epochs, adapters) before it waits for the encodes' counts, and undoes
-        that write if a free list ran dry (:meth:`_written_early`)."""
+        the encodes run.  Where every encode coded its blocks with the epochs the rule decided, the host also
+        writes the update (tables, tails, lengths, block epochs, adapters, the epochs it appends) before it
+        waits for the encodes' counts, and undoes that write if a free list ran dry (:meth:`_written_early`)."""
         # The reservation first where it may read the device's counts: it then waits only for what ran before
         # the update, not behind the rule's kernels, which hold the GPU once launched.  Where it cannot wait (the
         # common case: a prompt into a cache with room), the rule is launched first and the reservation's host
@@ -311,8 +343,7 @@ class UpdateTransaction:
         def before_check():
             nonlocal early
             decided()
-            if not redo and not any(u.epochs[kind] is not None and u.epochs[kind].tables
-                                    for u in updates for kind in KINDS):
+            if not redo:
                 early = self._written_early(updates)
 
         def ran_dry():
@@ -386,8 +417,12 @@ class UpdateTransaction:
                  for seq in u.seqs if self._lens[u.layer, seq] % L.BLOCK_TOKENS]
         adapters = [(u.layer, kind, store.adapter, len(store.deferred))
                     for u in updates for kind, store in zip(KINDS, self._store[u.layer])]
+        appended = [_Appended(u.layer, kind, store.tb3.shape[0], tuple(getattr(store, name) for name in BASE_TABLES),
+                              store.published)
+                    for u in updates for kind, store in zip(KINDS, self._store[u.layer])
+                    if u.tiles[kind] is not None and u.epochs[kind].tables]
         early = _EarlyWrite(self, lens=self._lens.copy(), adapters=adapters, tails=tails,
-                            blocks_encoded=self.blocks_encoded)
+                            blocks_encoded=self.blocks_encoded, appended=appended)
         self._commit_all(updates, observe=False)
         return early
 
