@@ -82,6 +82,9 @@ def test_a_guess_lent_in_place_by_the_lower_bounds_reads_no_count():
     assert arena.cover([(s, arena.chunk) for s in shares]) == []
     _taken(shares, 1)
     arrays_before = [s.order for s in shares]
+    fresh = device_arena(256, 4)
+    assert not fresh[0].covers_unread([(s, 1) for s in fresh[1]])      # empty lists: their first loans read
+    assert arena.covers_unread([(s, 2 * arena.chunk) for s in shares])
     with counting() as ops:
         assert arena.cover([(s, 2 * arena.chunk) for s in shares], read=False) == []
     assert ops.counts["sync"] == 0, ops.by_op
@@ -89,6 +92,7 @@ def test_a_guess_lent_in_place_by_the_lower_bounds_reads_no_count():
     assert all(s.n_free() >= 2 * arena.chunk for s in shares)
     assert len(records(arena, shares)) == 256 - 4                       # the taken ones are held
     _taken(shares, 1)
+    assert not arena.covers_unread([(shares[0], shares[0].order.shape[0] + 1)])
     with counting() as ops:
         assert arena.cover([(shares[0], shares[0].order.shape[0] + 1)], read=False) == []
     assert ops.counts["sync"] >= 1, ops.by_op
@@ -555,10 +559,11 @@ def test_a_step_gives_a_removals_records_back_only_where_its_pools_fall_short_wi
 
 
 def test_a_prompt_launches_its_rule_before_its_reservation_where_the_reservation_cannot_wait(monkeypatch):
-    """A prompt into a cache whose slot pools hold every tile by their bounds: the rule's kernels are launched
-    before the reservation (whose host work then runs while the GPU scans) and the histograms' copies are made
-    before the host waits for the decisions.  Into pools too small for it (``grow=True``), the reservation, which
-    then reads counts and grows, comes first.  Both caches read back bit-exact."""
+    """Prompts into a cache whose slot pools hold every tile by their bounds and whose raw shares take their
+    loans past their lists' ends without a read: the rule's kernels are launched before the reservation (whose
+    host work then runs while the GPU scans) and the histograms' copies are made before the host waits for the
+    decisions.  A prompt into pools too small for it (``grow=True``: it reads counts and grows) reserves first.
+    Every prompt reads back bit-exact."""
     import gaac.cuda.epochs as device_epochs
     import gaac.epochs as epochs
     from gaac import layout as L
@@ -590,14 +595,16 @@ def test_a_prompt_launches_its_rule_before_its_reservation_where_the_reservation
     monkeypatch.setattr(UpdateTransaction, "_reserve", reserving)
     monkeypatch.setattr(UpdateTransaction, "_launch_rule", launching)
     monkeypatch.setattr(device_epochs.Batch, "finish", finishing)
-    roomy = PagedKVCache(cal, **every_tile(cal, 1, 40), codec="cuda")
+    roomy = PagedKVCache(cal, **every_tile(cal, 2, 40), codec="cuda")
     small = PagedKVCache(cal, max_seqs=1, max_blocks=40, codec="cuda", slots=4, raw_tiles=4, grow=True)
-    for cache, want in ((roomy, ["rule", "reserve", "copied"]), (small, ["reserve", "rule", "copied"])):
+    rule_first = ["rule", "reserve", "copied"]
+    for cache, want in ((roomy, [rule_first, rule_first]), (small, [["reserve", "rule", "copied"]])):
         cache._rule_on_device = True
-        order.clear()
-        seq = cache.add_sequence(x[:1], x[1:])
-        assert order == want
-        assert cache.calibration.n_epochs(0, L.KIND_K) > 1          # the rule appended: its batch decided
-        k, v = cache.read_layer(0, [seq])
-        np.testing.assert_array_equal(k[0].numpy().view(np.uint16), x[0])
-        np.testing.assert_array_equal(v[0].numpy().view(np.uint16), x[1])
+        for i, first in enumerate(want):
+            order.clear()
+            seq = cache.add_sequence(x[:1], x[1:])
+            assert order == first
+            assert cache.calibration.n_epochs(0, L.KIND_K) > 1 + i    # the rule appended: its batch decided
+            k, v = cache.read_layer(0, [seq])
+            np.testing.assert_array_equal(k[0].numpy().view(np.uint16), x[0])
+            np.testing.assert_array_equal(v[0].numpy().view(np.uint16), x[1])

@@ -762,6 +762,17 @@ class RawArena:
         lent = self._lend_all(self._asks(lack))
         return [(s, d - n) for (s, d), n in zip(lack, lent) if n < d]
 
+    def covers_unread(self, needs) -> bool:
+        """Whether :meth:`cover` of ``needs`` with ``read=False`` lends without reading a count (nothing is lent
+        here): every share asked holds what it needs by its lower bound, or the reserve covers what they lack
+        and every loan is written past its list's end."""
+        needs = [(s, n) for s, n in needs if n > 0 and s.free_lower() < n]
+        if not needs:
+            return True
+        lack = [(s, n - max(s.free_lower(), 0)) for s, n in needs]
+        return (sum(d for _, d in lack) <= self._top
+                and all(s.lends_in_place(k) for s, k in self._asks(lack, in_place=True)))
+
     def _asks(self, lack: list, in_place: bool = False) -> list:
         """What each ``(share, records it lacks)`` of ``lack`` is lent: what it lacks, at least a chunk while the
         reserve keeps what the later ones lack (``in_place``: only what it lacks where a chunk would not fit its

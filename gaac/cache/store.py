@@ -69,22 +69,24 @@ def add_epochs_all(items: list) -> None:
     store's four tables, old rows and new, joined by one concatenation into one allocation of which they are
     views (a prompt that appends epochs in 64 layers and kinds makes one concatenation, not 256).  The tables
     are a few kilobytes an epoch; a store's later append moves its own into a new allocation."""
-    parts = []
+    # each store's new rows of each table, in table order: one flat host array of every store's (no stack a table)
+    rows = []
     for _, tables in items:
         tiles = [tile_bases(b3, b4) for b3, b4 in tables]
-        parts.append([np.stack(part).astype(np.uint8) for part in ([t[0] for t in tables], [t[1] for t in tables],
-                                                                    [t[0] for t in tiles], [t[1] for t in tiles])])
-    if not parts:
+        rows.append(([t[0] for t in tables], [t[1] for t in tables], [t[0] for t in tiles], [t[1] for t in tiles]))
+    if not rows:
         return
-    flat = arrays.upload(np.concatenate([a.reshape(-1) for new in parts for a in new]), items[0][0].b3.device)
+    host = np.concatenate([row.reshape(-1) for new in rows for part in new for row in part]).astype(np.uint8)
+    flat = arrays.upload(host, items[0][0].b3.device)
     at = 0
     pieces, shapes = [], []
-    for (store, _), new in zip(items, parts):
-        for name, a in zip(BASE_TABLES, new):
+    for (store, tables), new in zip(items, rows):
+        for name, part in zip(BASE_TABLES, new):
             old = getattr(store, name)
-            pieces += [old.reshape(-1), flat[at:at + a.size]]
-            shapes.append((old.shape[0] + a.shape[0], *old.shape[1:]))
-            at += a.size
+            size = sum(row.size for row in part)
+            pieces += [old.reshape(-1), flat[at:at + size]]
+            shapes.append((old.shape[0] + len(tables), *old.shape[1:]))
+            at += size
     joined = torch.cat(pieces)
     start, shape_of = 0, iter(shapes)
     for store, _ in items:

@@ -940,9 +940,11 @@ class UpdateTransaction:
     def _reserve_waits(self, updates: list) -> bool:
         """Whether :meth:`_reserve` of ``updates`` may wait for the device or grow anything; False where it
         certainly does neither: every update is the CUDA encoder's (its tiles slot or raw as they are encoded),
-        the block table holds the new blocks, and each job's slot pool alone has a free record for every tile by
+        the block table holds the new blocks, each job's slot pool alone has a free record for every tile by
         its lower bound (then no bound falls short, so neither a removal's records nor the device's counts are
-        waited for, and nothing grows)."""
+        waited for, and nothing grows), and the arena lends the raw shares their guesses without reading a
+        count (:meth:`~gaac.cache.pools.RawArena.covers_unread`; a new cache's first prompt reads them)."""
+        guess = []
         for u in updates:
             for s, q in zip(u.seqs, u.blocks):
                 if int(self._lens[u.layer, s]) // L.BLOCK_TOKENS + q > self.max_blocks:
@@ -950,9 +952,11 @@ class UpdateTransaction:
             for kind in KINDS:
                 if u.tiles[kind] is None:
                     continue
-                if u.fits[kind] is not None or self._store[u.layer][kind].slots.free_lower() < u.tiles[kind].shape[0]:
+                store, n = self._store[u.layer][kind], u.tiles[kind].shape[0]
+                if u.fits[kind] is not None or store.slots.free_lower() < n:
                     return True
-        return False
+                guess.append((store.raw, self._raw_guess(store.raw, n)))
+        return not self._arena.covers_unread(guess)
 
     def _room_lower(self, store: _Kind) -> int:
         """Records ``store``'s tiles can take at least, by the bounds (no wait): its free slots and raw records and

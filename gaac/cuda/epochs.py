@@ -675,6 +675,7 @@ class Batch:
             self.hist = torch.stack([h.reshape(channels, BINS) if h is not None else next(up) for h in held])
         self.launched = 0                                         # phases launched
         self.own_hist = None                                      # each job's histograms, copied (copy_hists)
+        self._check_of = {}                                       # blocks pending -> each block's check
         self.scan_args = (xa, xb, ja, rec, self.r0_d, checks_d, self.hist, self.cand, cur, head_dim, self.saved0,
                       self.differs0)
         words = [x.view(torch.int32) for x in (xa, xb, rec)]      # the phases read two elements a load
@@ -793,7 +794,10 @@ class Batch:
         ``r0 + b`` belongs to check ``(r0 + b) // every``, coded with the epoch current before that check."""
         if not len(picked):          # no epoch appended: every block keeps the current one
             return np.full(self.n, epoch, np.int64)
-        check_of = (self.r0[i] + np.arange(self.n)) // self.every
+        r0 = int(self.r0[i])
+        check_of = self._check_of.get(r0)           # the same for every job with as many blocks pending
+        if check_of is None:
+            check_of = self._check_of[r0] = (r0 + np.arange(self.n)) // self.every
         return epoch + np.searchsorted(picked, check_of, side="left").astype(np.int64)
 
     def _appending(self, last: np.ndarray) -> bool:
