@@ -711,9 +711,10 @@ class Batch:
     def copy_hists(self) -> list:
         """Each job's histograms in an allocation of its own, which its adapter keeps (so that copying an adapter,
         as the cache plans on copies, copies 1 MB, not every job's), copied on the batch's stream once, after
-        :meth:`scan` (only the scan writes the histograms): by :meth:`finish`, or earlier where the caller
-        calls this right after launching the batch, as a prompt does, so that the host makes the copies while
-        the GPU scans rather than after the decisions."""
+        :meth:`scan` (only the scan writes the histograms) and before :meth:`finish` has the current stream wait
+        for that stream: by :meth:`finish`, or earlier where the caller calls this right after launching the
+        batch, as a prompt does, so that the host makes the copies while the GPU scans rather than after the
+        decisions."""
         if self.own_hist is None:
             with self._on_stream():
                 self.own_hist = [h.view(self.kv_heads, self.head_dim, BINS).clone() for h in self.hist]
@@ -811,6 +812,7 @@ class Batch:
 
         with self._on_stream():
             recent = self._recent_blocks()                        # the adapters' next blocks, on the device
+            self.copy_hists()       # where not made already: queued before the waits and the stream wait below
             # waits for the batch's stream (nothing to wait for where the batch does not decide)
             found = self.nxt[:self.launched].cpu().numpy() if self.decide else np.zeros((0, len(self.jobs)), np.int32)
             while len(found) and self._appending(found[-1]):
@@ -870,7 +872,7 @@ class Batch:
         kv_heads, head_dim = self.kv_heads, self.head_dim
         tables = self._tables(picked_all)
         out = [None] * len(jobs)
-        own_hist = self.copy_hists()
+        own_hist = self.copy_hists()            # made by finish, or earlier
         appends = {}            # per calibration (the cache's batches share one): its new epochs, checked together
         for i, (a, blocks) in enumerate(jobs):
             picked = picked_all[i]
