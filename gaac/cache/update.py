@@ -893,18 +893,15 @@ class UpdateTransaction:
         when the bound is short) cover every tile, the update is certain to fit; otherwise
         :meth:`_encode_on_device` checks after encoding, lends more and encodes again if a list ran dry.
         """
-        need_blocks = max(int(self._lens[u.layer, s]) // L.BLOCK_TOKENS + q
-                          for u in updates for s, q in zip(u.seqs, u.blocks))
+        need_blocks = self._blocks_needed(updates)
+        jobs = self._reserve_jobs(updates)
         # a removal's records: a join's prompt waits for the steps queued before it only where its pools fall short
-        self._take_returns_for((self._store[u.layer][kind], u.tiles[kind].shape[0])
-                               for u in updates for kind in KINDS if u.tiles[kind] is not None)
+        self._take_returns_for((store, n) for store, n, _ in jobs)
         short = []               # (pool, records it lacks) or (None, blocks the table must hold)
         if need_blocks > self.max_blocks:
             short.append((None, need_blocks))
-        jobs = [(self._store[u.layer][kind], u.tiles[kind].shape[0], u.fits[kind])
-                for u in updates for kind in KINDS if u.tiles[kind] is not None]
         exact = [(store.raw, int((~fits).sum())) for store, _, fits in jobs if fits is not None]
-        guess = [(store.raw, self._raw_guess(store.raw, n)) for store, n, fits in jobs if fits is None]
+        guess = self._raw_guesses(jobs)
         short += self._arena.cover(exact)
         # a guess lends what the arena holds and never grows it: where the tiles take more, the encode's
         # check finds out and the arena grows by what they took, not by a guess; so it is lent by the shares'
@@ -944,19 +941,25 @@ class UpdateTransaction:
         its lower bound (then no bound falls short, so neither a removal's records nor the device's counts are
         waited for, and nothing grows), and the arena lends the raw shares their guesses without reading a
         count (:meth:`~gaac.cache.pools.RawArena.covers_unread`; a new cache's first prompt reads them)."""
-        guess = []
-        for u in updates:
-            for s, q in zip(u.seqs, u.blocks):
-                if int(self._lens[u.layer, s]) // L.BLOCK_TOKENS + q > self.max_blocks:
-                    return True
-            for kind in KINDS:
-                if u.tiles[kind] is None:
-                    continue
-                store, n = self._store[u.layer][kind], u.tiles[kind].shape[0]
-                if u.fits[kind] is not None or store.slots.free_lower() < n:
-                    return True
-                guess.append((store.raw, self._raw_guess(store.raw, n)))
-        return not self._arena.covers_unread(guess)
+        if self._blocks_needed(updates) > self.max_blocks:
+            return True
+        jobs = self._reserve_jobs(updates)
+        if any(fits is not None or store.slots.free_lower() < n for store, n, fits in jobs):
+            return True
+        return not self._arena.covers_unread(self._raw_guesses(jobs))
+
+    def _blocks_needed(self, updates: list) -> int:
+        """The blocks the longest sequence of ``updates`` holds once they are written: what the table must hold."""
+        return max(int(self._lens[u.layer, s]) // L.BLOCK_TOKENS + q for u in updates for s, q in zip(u.seqs, u.blocks))
+
+    def _reserve_jobs(self, updates: list) -> list:
+        """``(store, tiles, fits)`` of each layer and kind ``updates`` encode (``fits`` None: the CUDA encoder's)."""
+        return [(self._store[u.layer][kind], u.tiles[kind].shape[0], u.fits[kind])
+                for u in updates for kind in KINDS if u.tiles[kind] is not None]
+
+    def _raw_guesses(self, jobs: list) -> list:
+        """``(raw share, records to lend it)`` for each CUDA-encoded job of ``jobs`` (:meth:`_raw_guess`)."""
+        return [(store.raw, self._raw_guess(store.raw, n)) for store, n, fits in jobs if fits is None]
 
     def _room_lower(self, store: _Kind) -> int:
         """Records ``store``'s tiles can take at least, by the bounds (no wait): its free slots and raw records and
