@@ -92,11 +92,13 @@ def scan_kernel(every: int, shift: int, registers: int | None = None):
       bins (8 a lane, in registers), finds the best 8- and 16-wide windows from its own bins and the next
       two lanes' (two lanes of zeros past bin 255 end the windows that run off the end: such a window never
       covers more than the one starting at ``256 - w``, and ties go to the smaller start), and marks, per
-      token, the group's elements outside the current windows (a table per channel, made once: they hold
-      for the batch) and outside the candidate windows;
+      token, the group's elements outside the current windows and outside the candidate windows: four
+      exponents a word at once (:func:`outside_bytes`);
     * after the block's barrier the last warp turns the marks into escape bytes saved (population counts of
       the mark planes), and adds the previous check's sum to ``saved0``.
 
+    A lane's marks are one word: byte ``j`` holds its tokens ``j`` and ``4 + j``, bit ``2 * plane + word`` (the
+    planes: outside the current 3-bit window, the current 4-bit one, the candidate's 3-bit one, its 4-bit one).
     Arithmetic is 32-bit wherever the values allow it."""
     tokens = every * L.BLOCK_TOKENS
     per_lane = tokens // WARP                         # exponents a lane counts per check
@@ -107,32 +109,30 @@ def scan_kernel(every: int, shift: int, registers: int | None = None):
     threads = group * WARP
     last = group - 1                                  # the warp that sums the marks
     # shared array sizes: compile-time constants
-    cells, keys, lanes2, staged, tables = group * stride, 4 * group, 2 * WARP, (2, group, tokens), group * BINS
+    cells, keys, lanes2, staged = group * stride, 4 * group, 2 * WARP, (2, group, tokens)
     # numba widens int32 arithmetic to 64 bits: every result is cast back (two instructions become one),
     # and indices are unsigned (no negative-index wrap-around)
     RUN, SKEW, SHIFT, BINS_, TOP = i32(run), i32(skew), i32(shift), i32(BINS), i32(BINS - 1)
-    ZERO, ONE, TWO, THREE, MINUS = i32(0), i32(1), i32(2), i32(3), i32(-1)
-    EXTRA4, EXTRAR, NIBBLES = i32(COST_4BIT - COST_3BIT), i32(COST_RAW - COST_3BIT), i32(0x11111111)
-    WIDE3, WIDE4 = i32(-L.WINDOW_3BIT), i32(-L.WINDOW_4BIT)
-    assert per_lane * 4 <= 32 and tokens <= threads, "a lane packs its tokens' marks, 4 bits each, into one word"
+    ZERO, ONE, TWO, MINUS = i32(0), i32(1), i32(2), i32(-1)
+    EXTRA4, EXTRAR, PLANE = i32(COST_4BIT - COST_3BIT), i32(COST_RAW - COST_3BIT), i32(0x03030303)
+    words = -(-per_lane // 4)                         # a lane's exponents, four a word
+    last_bytes = per_lane - 4 * (words - 1)           # tokens in its last word
+    VALID = u32(0x80808080 >> (8 * (4 - last_bytes)))    # the bytes of the last word that hold a token
+    TOP3, TOP4 = u32(BYTES * (0x80 - L.WINDOW_3BIT)), u32(BYTES * (0x80 - L.WINDOW_4BIT))
+    assert per_lane <= 8 and tokens <= threads, "a lane packs its tokens' marks, 4 bits each, into one word"
     jit = cuda.jit if SIMULATOR or registers is None else cuda.jit(max_registers=registers)
-
-    @device
-    def marks(e, b3, b4):
-        """Bit 0: exponent ``e`` is outside the 3-bit window from ``b3``; bit 1: outside the 4-bit one."""
-        return i32((ONE if i32(i32(e - b3) & WIDE3) != ZERO else ZERO)
-                   | (TWO if i32(i32(e - b4) & WIDE4) != ZERO else ZERO))
 
     @device
     def saved_bytes(w):
         """Escape bytes the candidate windows save over the current ones on a lane's tokens, whose group marks
-        are ``w`` (4 bits a token: outside the current 3- and 4-bit windows, then the candidate's).  A group
-        costs the 3-bit mode's escape bytes, plus the 4-bit mode's extra where it leaves the 3-bit window, or
-        the raw mode's extra where it leaves both: so the sum is population counts of the mark planes."""
-        o3c = i32(w & NIBBLES)
-        o4c = i32(i32(w >> ONE) & NIBBLES)
-        o3n = i32(i32(w >> TWO) & NIBBLES)
-        o4n = i32(i32(w >> THREE) & NIBBLES)
+        are ``w`` (a plane in each byte's bits ``2 * plane`` and ``2 * plane + 1``: outside the current 3- and
+        4-bit windows, then the candidate's).  A group costs the 3-bit mode's escape bytes, plus the 4-bit
+        mode's extra where it leaves the 3-bit window, or the raw mode's extra where it leaves both: so the sum
+        is population counts of the mark planes."""
+        o3c = i32(w & PLANE)
+        o4c = i32(i32(w >> TWO) & PLANE)
+        o3n = i32(i32(w >> i32(4)) & PLANE)
+        o4n = i32(i32(w >> i32(6)) & PLANE)
         wide = i32(popc(i32(o3c & i32(~o4c))) - popc(i32(o3n & i32(~o4n))))
         raw = i32(popc(i32(o3c & o4c)) - popc(i32(o3n & o4n)))
         return i32(i32(wide * EXTRA4) + i32(raw * EXTRAR))
@@ -184,7 +184,6 @@ def scan_kernel(every: int, shift: int, registers: int | None = None):
         acc = cuda.shared.array(3, np.int32)          # [check mod 3]: the group's escape bytes saved
         flag = cuda.shared.array(3, np.int32)         # [check mod 3]: a channel's windows differ from the current
         ex = cuda.shared.array(staged, np.uint8)      # [check parity][channel][token]: the exponents
-        curmark = cuda.shared.array(tables, np.uint8)  # [channel][exponent]: its marks against the current windows
         hb = cuda.local.array(run, np.int32)          # this lane's bins
         ev = cuda.local.array(per_lane, np.int32)     # this check's exponents of this lane's tokens
         row = i32(warp * i32(stride))
@@ -203,11 +202,9 @@ def scan_kernel(every: int, shift: int, registers: int | None = None):
             flag[tid] = ZERO
         c3 = i32(cur[job, 0, u32(ch)])
         c4 = i32(cur[job, 1, u32(ch)])
-        # the current windows hold for the whole batch: each exponent's marks against them, looked up per token
-        tab = u64(i32(warp * BINS_))
-        for k in range(run):
-            e = i32(i32(lane * RUN) + i32(k))
-            curmark[tab + u64(e)] = marks(e, c3, c4)
+        # the current windows hold for the whole batch: their bases in every byte, split as outside_bytes takes them
+        cl3, ch3 = lows_highs(c3)
+        cl4, ch4 = lows_highs(c4)
         n_checks = i32(checks[job])
         r = i32(r0[job])
         loader = tid < tokens                         # the thread that loads token tid of each check
@@ -276,11 +273,24 @@ def scan_kernel(every: int, shift: int, registers: int | None = None):
                 if n3 != c3 or n4 != c4:
                     flag[q] = ONE
             # the group's marks: per token, which elements fall outside the current and the candidate windows
-            m = ZERO
-            for k in range(per_lane):
-                e = ev[k]
-                m = i32(m | i32(i32(i32(curmark[tab + u64(e)]) | i32(marks(e, n3, n4) << TWO)) << i32(4 * k)))
-            cuda.atomic.or_(mark, i32(i32(p * i32(WARP)) + lane), m)
+            nl3, nh3 = lows_highs(n3)
+            nl4, nh4 = lows_highs(n4)
+            m = u32(0)
+            for wi in range(words):
+                w = u32(0)
+                for y in range(4 if wi + 1 < words else last_bytes):
+                    w = u32(w | u32(u32(ev[4 * wi + y]) << u32(8 * y)))
+                wh, wm = u32(w | HIGH), u32(w & HIGH)
+                o3c = outside_bytes(wh, wm, cl3, ch3, TOP3)
+                o4c = outside_bytes(wh, wm, cl4, ch4, TOP4)
+                o3n = outside_bytes(wh, wm, nl3, nh3, TOP3)
+                o4n = outside_bytes(wh, wm, nl4, nh4, TOP4)
+                if wi + 1 == words and last_bytes < 4:
+                    o3c, o4c, o3n, o4n = u32(o3c & VALID), u32(o4c & VALID), u32(o3n & VALID), u32(o4n & VALID)
+                # each plane's bit 7 of a byte to bit 2 * plane + wi
+                m = u32(m | u32(u32(o3c >> u32(7 - wi)) | u32(o4c >> u32(5 - wi)))
+                        | u32(u32(o3n >> u32(3 - wi)) | u32(o4n >> u32(1 - wi))))
+            cuda.atomic.or_(mark, i32(i32(p * i32(WARP)) + lane), i32(m))
             if loader and more:
                 stage(ex, ONE - p, tt, xw0, xw1, xw2, xw3)
             cuda.syncthreads()
@@ -303,6 +313,31 @@ def scan_kernel(every: int, shift: int, registers: int | None = None):
             hist[job, u32(ch), u32(i32(lane * RUN) + i32(k))] = hb[k]
 
     return kernel
+
+
+HIGH = u32(0x80808080)       # each byte's top bit
+LOWS = u32(0x7F7F7F7F)       # each byte's other bits
+BYTES = 0x01010101           # a byte's value in every byte of a word
+
+
+@device
+def lows_highs(b):
+    """Base ``b`` (0 .. 255) in every byte of a word, as :func:`outside_bytes` takes it: the bytes' low 7 bits,
+    and the top bits of ``~b``."""
+    x = u32(u32(b) * u32(BYTES))
+    return u32(x & LOWS), u32(u32(~x) & HIGH)
+
+
+@device
+def outside_bytes(wh, wm, bl, bh, top):
+    """Of four exponents, one a byte of ``w`` (``wh = w | HIGH``, ``wm = w & HIGH``), those outside the window
+    of ``0x80 - top / BYTES`` exponents from base ``b`` (``bl, bh = lows_highs(b)``): top bit of each byte set.
+    The byte-wise difference ``(e - b) mod 256`` (the top bits made so that no byte borrows from the next,
+    then put right), then whether any bit of the difference above the window's is set.  Modulo 256 is exact
+    here: a base leaves its window inside 0 .. 255 (FORMAT.md 3.2), so ``e - b`` is never ``d - 256`` with
+    ``d`` inside the window."""
+    d = u32(u32(u32(wh - bl) ^ wm) ^ bh)
+    return u32(u32(u32(u32(d & top) + LOWS) | d) & HIGH)
 
 
 @cuda.jit(device=True, inline=True)
