@@ -641,3 +641,23 @@ def test_a_prompt_written_before_its_counts_with_epochs_appended_is_undone_where
     rk, rv = gpu.read_layer(0, [seq])
     assert np.array_equal(rk[0].numpy().view(np.uint16), x[0, :, :short])
     assert np.array_equal(rv[0].numpy().view(np.uint16), x[1, :, :short])
+
+
+def test_the_scans_byte_wise_window_test_marks_what_the_exponent_wise_test_marks():
+    """Every exponent against every base a window can start at (FORMAT.md 3.2: ``b3 <= 248``, ``b4 <= 240``), four
+    exponents a word in every order of the bytes: :func:`gaac.cuda.epochs.outside_bytes` sets a byte's top bit
+    exactly where :func:`gaac.cuda.epochs.outside` says the exponent leaves that window."""
+    rng = np.random.default_rng(7)
+    exps = np.arange(256)
+    for width, top, bit in ((L.WINDOW_3BIT, 0x78787878, 1), (L.WINDOW_4BIT, 0x70707070, 2)):
+        for b in range(256 - width + 1):
+            want = np.array([device_epochs.outside(int(e), b, 0) & 1 if bit == 1 else device_epochs.outside(int(e), 0, b) >> 1
+                             for e in exps])
+            bl, bh = device_epochs.lows_highs(b)
+            for order in (exps, rng.permutation(256)):
+                words = order.reshape(-1, 4)
+                w = (words[:, 0] | words[:, 1] << 8 | words[:, 2] << 16 | words[:, 3] << 24).astype(np.uint32)
+                got = np.array([int(device_epochs.outside_bytes(np.uint32(x | 0x80808080), np.uint32(x & 0x80808080),
+                                                                bl, bh, np.uint32(top))) for x in w])
+                for j in range(4):
+                    assert np.array_equal((got >> (8 * j + 7)) & 1, want[words[:, j]]), (width, b, j)
