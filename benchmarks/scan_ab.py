@@ -1,0 +1,132 @@
+"""The adaptation rule's scan kernel of a long prompt: this checkout's against another tree's, one process, alternated.
+
+    git archive <rev> gaac | tar -x -C /tmp/base                        # the other tree (any folder with gaac/)
+    python benchmarks/scan_ab.py --base /tmp/base --out $OUT/scan-ab-h200.md   # a GPU
+
+The scan (:func:`gaac.cuda.epochs.scan_kernel`) is the longest kernel of a prompt whose calibration drifts: for a
+128K-token prompt into 32 layers of 8 x 128 (64 jobs, 512 checks each) it holds the GPU for about 27 ms on an
+H200 of the prompt's 46.  Both trees' kernels run on the same inputs, made once by this checkout's
+:class:`gaac.cuda.epochs.Batch` (the real content of ``decode_step.py`` at the Llama-3.1-8B KV shape, adapters
+calibrated on its first ``--cal-tokens`` tokens, as a new cache's prompt has them): the histograms, every check's
+candidate windows, what each saves and whether it differs are compared bit for bit, and each launch is timed with
+CUDA events in the order base, this, this, base, ...; the first round is a warm-up (it compiles).
+
+Only the other tree's ``gaac/cuda/epochs.py`` is loaded (as ``gaac.cuda.epochs_base``, beside this checkout's
+modules): the trees must share the kernel's arguments, which ``Batch.scan_args`` gives.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import os
+import platform
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import decode_step as DS  # noqa: E402
+import torch  # noqa: E402
+
+import gaac  # noqa: E402
+import gaac.cuda.epochs as here  # noqa: E402
+import gaac.epochs as E  # noqa: E402
+from benchmarks.report import commit, head, table, write  # noqa: E402
+from equal_memory import tokens_at as content  # noqa: E402
+
+
+def other_tree(base: Path):
+    """The other tree's ``gaac/cuda/epochs.py`` as a module inside this checkout's ``gaac.cuda``."""
+    path = base / "gaac" / "cuda" / "epochs.py"
+    if not path.is_file():
+        raise SystemExit(f"{path} not found: --base names a folder holding a gaac package")
+    spec = importlib.util.spec_from_file_location("gaac.cuda.epochs_base", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def measure(args) -> dict:
+    base = other_tree(args.base)
+    s = DS.LLAMA_8B
+    k_u, v_u = DS.real_source(DS.find_data(None), s)
+    cal = gaac.calibrate(k_u[:, :, :args.cal_tokens], v_u[:, :, :args.cal_tokens], show_progress=False)
+    src = DS.Source(k_u, v_u)
+    kk, vv = zip(*(content(src, layer, 0, 0, args.tokens) for layer in range(s.layers)))
+    k, v = torch.stack(kk), torch.stack(vv)
+    del kk, vv
+    layers, heads, _, dim = k.shape
+    n = args.tokens // 16
+
+    def blocks(x):           # [n, heads, 16, dim], a view of the prompt as the cache's prefill hands it over
+        return x.view(heads, n, 16, dim).permute(1, 0, 2, 3)
+
+    jobs = [(E.Adapter(cal.copy(), layer, kind), blocks((k, v)[kind][layer])) for kind in (0, 1)
+            for layer in range(layers)]
+    batch = here.Batch(jobs)
+    scan_args = batch.scan_args
+    hist, cand, saved0, differs0 = scan_args[6], scan_args[7], scan_args[10], scan_args[11]
+    kernels = {"base": base.scan_kernel(E.ADAPT_EVERY, E.DECAY_SHIFT, base.SCAN_REGISTERS),
+               "this": here.scan_kernel(E.ADAPT_EVERY, E.DECAY_SHIFT, here.SCAN_REGISTERS)}
+    grid, block = (len(jobs), batch.channels // 8), 8 * 32
+    ms, outputs = {w: [] for w in kernels}, {}
+    for r in range(args.rounds + 1):
+        for way in (("base", "this") if r % 2 == 0 else ("this", "base")):
+            for t in (hist, cand, saved0, differs0):
+                t.zero_()
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            batch._launch(kernels[way], grid, block, scan_args)
+            end.record()
+            torch.cuda.synchronize()
+            if r:
+                ms[way].append(round(start.elapsed_time(end), 3))
+            outputs[way] = [t.clone() for t in (hist, cand, saved0, differs0)]
+    same = all(torch.equal(a, b) for a, b in zip(outputs["base"], outputs["this"]))
+    return dict(ms=ms, identical=same, jobs=len(jobs), checks=int(batch.checks.max()))
+
+
+def render(rep: dict) -> str:
+    r = rep["results"]
+    rows = [[way, f"{statistics.median(r['ms'][way]):.2f}", f"{min(r['ms'][way]):.2f} - {max(r['ms'][way]):.2f}"]
+            for way in ("base", "this")]
+    lines = head("The rule's scan kernel: this checkout against another tree", rep)
+    lines += [f"- {rep['machine']}, torch {rep['torch']}; the other tree: {rep['args']['base']}", "",
+              *table(["kernel", "ms (median)", "ms (range)"], rows), "",
+              f"{rep['args']['tokens']} tokens x {r['jobs']} jobs ({r['checks']} checks each), "
+              f"calibration from the first {rep['args']['cal_tokens']} tokens; {len(r['ms']['this'])} launches each, "
+              "alternated, after a warm-up round.  Outputs (histograms, candidates, savings, flags) identical: "
+              + ("yes" if r["identical"] else "**NO**") + ".", "",
+              f"Every launch, ms: {r['ms']['this']} (this), {r['ms']['base']} (base)."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--base", type=Path, required=True, help="a folder holding the other tree's gaac package")
+    ap.add_argument("--tokens", type=int, default=131072)
+    ap.add_argument("--cal-tokens", type=int, default=1024)
+    ap.add_argument("--rounds", type=int, default=6, help="timed rounds (each runs both kernels)")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available() or os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+        raise SystemExit("scan_ab.py times the scan kernel on a GPU: it needs CUDA and NUMBA_ENABLE_CUDASIM unset")
+    rep = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+               device=torch.cuda.get_device_name(), machine=f"{platform.machine()} {os.cpu_count()} cores",
+               commit=commit(), torch=torch.__version__,
+               command="python benchmarks/scan_ab.py " + " ".join(sys.argv[1:] if argv is None else argv),
+               args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()})
+    rep["results"] = measure(args)
+    write(rep, args.out, render)
+    print(render(rep))
+    return 0 if rep["results"]["identical"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
