@@ -11,6 +11,10 @@ calibrated on its first ``--cal-tokens`` tokens, as a new cache's prompt has the
 candidate windows, what each saves and whether it differs are compared bit for bit, and each launch is timed with
 CUDA events in the order base, this, this, base, ...; the first round is a warm-up (it compiles).
 
+A kernel's time, not a user's: the prompt a user waits for (scan, phases, encodes and the host's work, with the
+cache's defaults) is ``prompt_ab.py``'s and ``prefill_layers.py``'s figure; this one says whether a change to the
+scan moves the scan.
+
 Only the other tree's ``gaac/cuda/epochs.py`` is loaded (as ``gaac.cuda.epochs_base``, beside this checkout's
 modules): the trees must share the kernel's arguments, which ``Batch.scan_args`` gives.
 """
