@@ -117,8 +117,6 @@ def scan_kernel(every: int, shift: int, registers: int | None = None):
     EXTRA4, EXTRAR, PLANE = i32(COST_4BIT - COST_3BIT), i32(COST_RAW - COST_3BIT), i32(0x03030303)
     words = -(-per_lane // 4)                         # a lane's exponents, four a word
     last_bytes = per_lane - 4 * (words - 1)           # tokens in its last word
-    VALID = u32(0x80808080 >> (8 * (4 - last_bytes)))    # the bytes of the last word that hold a token
-    TOP3, TOP4 = u32(BYTES * (0x80 - L.WINDOW_3BIT)), u32(BYTES * (0x80 - L.WINDOW_4BIT))
     assert per_lane <= 8 and tokens <= threads, "a lane packs its tokens' marks, 4 bits each, into one word"
     jit = cuda.jit if SIMULATOR or registers is None else cuda.jit(max_registers=registers)
 
@@ -277,19 +275,10 @@ def scan_kernel(every: int, shift: int, registers: int | None = None):
             nl4, nh4 = lows_highs(n4)
             m = u32(0)
             for wi in range(words):
-                w = u32(0)
-                for y in range(4 if wi + 1 < words else last_bytes):
-                    w = u32(w | u32(u32(ev[4 * wi + y]) << u32(8 * y)))
-                wh, wm = u32(w | HIGH), u32(w & HIGH)
-                o3c = outside_bytes(wh, wm, cl3, ch3, TOP3)
-                o4c = outside_bytes(wh, wm, cl4, ch4, TOP4)
-                o3n = outside_bytes(wh, wm, nl3, nh3, TOP3)
-                o4n = outside_bytes(wh, wm, nl4, nh4, TOP4)
-                if wi + 1 == words and last_bytes < 4:
-                    o3c, o4c, o3n, o4n = u32(o3c & VALID), u32(o4c & VALID), u32(o3n & VALID), u32(o4n & VALID)
-                # each plane's bit 7 of a byte to bit 2 * plane + wi
-                m = u32(m | u32(u32(o3c >> u32(7 - wi)) | u32(o4c >> u32(5 - wi)))
-                        | u32(u32(o3n >> u32(3 - wi)) | u32(o4n >> u32(1 - wi))))
+                n = 4 if wi + 1 < words else last_bytes
+                w = bytes_word(ev, 4 * wi, n)
+                m = u32(m | u32(word_marks(w, wi, cl3, ch3, cl4, ch4, nl3, nh3, nl4, nh4)
+                                & u32(0xFFFFFFFF >> (8 * (4 - n)))))
             cuda.atomic.or_(mark, i32(i32(p * i32(WARP)) + lane), i32(m))
             if loader and more:
                 stage(ex, ONE - p, tt, xw0, xw1, xw2, xw3)
@@ -338,6 +327,56 @@ def outside_bytes(wh, wm, bl, bh, top):
     ``d`` inside the window."""
     d = u32(u32(u32(wh - bl) ^ wm) ^ bh)
     return u32(u32(u32(u32(d & top) + LOWS) | d) & HIGH)
+
+
+TOP3 = u32(BYTES * (0x80 - L.WINDOW_3BIT))      # the bits above the 3-bit window, in every byte
+TOP4 = u32(BYTES * (0x80 - L.WINDOW_4BIT))
+
+
+def _word_marks(w, wi, cl3, ch3, cl4, ch4, nl3, nh3, nl4, nh4):
+    """The marks of the four exponents of word ``w`` (one a byte), the ``wi``-th word of a lane's: for each byte, the
+    planes outside the current 3- and 4-bit windows (``cl3, ch3``, ``cl4, ch4`` from :func:`lows_highs`), then
+    the candidate's (``nl3, nh3``, ``nl4, nh4``), plane ``p`` at bit ``2 * p + wi`` of the byte."""
+    wh, wm = u32(w | HIGH), u32(w & HIGH)
+    o3c = outside_bytes(wh, wm, cl3, ch3, TOP3)
+    o4c = outside_bytes(wh, wm, cl4, ch4, TOP4)
+    o3n = outside_bytes(wh, wm, nl3, nh3, TOP3)
+    o4n = outside_bytes(wh, wm, nl4, nh4, TOP4)
+    return u32(u32(u32(o3c >> u32(7 - wi)) | u32(o4c >> u32(5 - wi)))
+               | u32(u32(o3n >> u32(3 - wi)) | u32(o4n >> u32(1 - wi))))
+
+
+def _bytes_word(ev, start, n):
+    """Exponents ``ev[start .. start + n - 1]`` (``n <= 4``) as the bytes of one word, the first lowest."""
+    w = u32(0)
+    for y in range(n):
+        w = u32(w | u32(u32(ev[start + y]) << u32(8 * y)))
+    return w
+
+
+if SIMULATOR:
+    # the same arithmetic on Python's integers: the simulator runs every thread's Python, and each fixed-width
+    # cast above costs it a NumPy scalar (tests/test_epochs_device.py compares the two)
+    def word_marks(w, wi, cl3, ch3, cl4, ch4, nl3, nh3, nl4, nh4):
+        w = int(w)
+        wh, wm = w | 0x80808080, w & 0x80808080
+
+        def out(bl, bh, top):
+            d = (wh - int(bl)) ^ wm ^ int(bh)
+            return (((d & top) + 0x7F7F7F7F) | d) & 0x80808080
+
+        t3, t4 = int(TOP3), int(TOP4)
+        return np.uint32((out(cl3, ch3, t3) >> (7 - wi)) | (out(cl4, ch4, t4) >> (5 - wi))
+                         | (out(nl3, nh3, t3) >> (3 - wi)) | (out(nl4, nh4, t4) >> (1 - wi)))
+
+    def bytes_word(ev, start, n):
+        w = 0
+        for y in range(n):
+            w |= int(ev[start + y]) << (8 * y)
+        return np.uint32(w)
+else:
+    word_marks = device(_word_marks)
+    bytes_word = device(_bytes_word)
 
 
 @cuda.jit(device=True, inline=True)
