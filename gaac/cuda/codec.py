@@ -72,14 +72,14 @@ from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
-from numba import cuda, int32, int64, uint8, uint32
+from numba import cuda, int32, uint8, uint32
 
 from .. import layout as L
 from ..errors import InputError
 from .launch import (WORD, TileLauncher, allocators, check_array, is_torch, packed_params, params, plain, word_params,
                      words)
-from .primitives import (SIMULATOR, WARP, device, funnel_r, grid_launch_dependents, ldg2, ldg4, mul32, popc32, prmt,
-                         stg2, stg4, syncwarp)
+from .primitives import (SIMULATOR, WARP, device, funnel_r, grid_launch_dependents, i32, i64, ldg2, ldg4, mul32, popc32,
+                         prmt, stg2, stg4, syncwarp, u32)
 
 NO_STORAGE = -1                                  # entry of a tile whose free list ran dry
 BAD_TAG = 1                                      # decode status: a group has the reserved tag
@@ -202,36 +202,36 @@ def _shape(channels: int):
 @device
 def _exponents(x):
     """The exponents of the two BF16 values in ``x``, one per 16-bit lane (FORMAT.md 5.1)."""
-    return uint32((x >> uint32(7)) & _EXP_LANES)
+    return u32((x >> u32(7)) & _EXP_LANES)
 
 
 @device
 def _code_bytes(a):
     """Four 3-bit codes at bits 0, 3, 6, 9 of ``a`` -> one per byte (bits 0..2 of bytes 0..3)."""
-    t = uint32((a | (a << uint32(10))) & _PAIR_LO)
-    return uint32((t | (t << uint32(5))) & _CODE_BYTES)
+    t = u32((a | (a << u32(10))) & _PAIR_LO)
+    return u32((t | (t << u32(5))) & _CODE_BYTES)
 
 
 @device
 def _pack_codes(y):
     """Inverse of :func:`_code_bytes`: 3-bit values in bytes 0..3 of ``y`` -> bits 0..11."""
-    t = uint32((y | (y >> uint32(5))) & _PAIR_LO)
-    return uint32((t | (t >> uint32(10))) & _LOW12)
+    t = u32((y | (y >> u32(5))) & _PAIR_LO)
+    return u32((t | (t >> u32(10))) & _LOW12)
 
 
 @device
 def _gather_bits(lo, hi, b):
     """Bit ``b`` (3..7) of the bytes of ``lo`` (elements 0..3) and ``hi`` (4..7) -> one escape byte,
     element i at bit i: the bits go to bits 0 and 4 of each byte, then one multiply gathers them."""
-    up = uint32(hi << uint32(1)) if b == 3 else uint32(hi >> uint32(b - 4))
-    return uint32(mul32(((lo >> uint32(b)) & _BIT0_BYTES) | (up & _BIT4_BYTES), _GATHER) >> uint32(24))
+    up = u32(hi << u32(1)) if b == 3 else u32(hi >> u32(b - 4))
+    return u32(mul32(((lo >> u32(b)) & _BIT0_BYTES) | (up & _BIT4_BYTES), _GATHER) >> u32(24))
 
 
 @device
 def _plane(x, bits, p):
     """``x`` with bits 0..3 of ``bits`` set at bit 3 + p of bytes 0..3: escape plane ``p`` (FORMAT.md
     5.4) of four elements added to their code bytes (one multiply spreads the 4 bits)."""
-    return uint32(x | (mul32(bits & uint32(0xF), _GATHER << uint32(p)) & (_BIT3_BYTES << uint32(p))))
+    return u32(x | (mul32(bits & u32(0xF), _GATHER << u32(p)) & (_BIT3_BYTES << u32(p))))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -245,7 +245,7 @@ def _escape_count(tags, wide, raw):
     tag 2, both per the reserved tag 3 (a decoder flags it anyway).  Counted as ``wide`` per set bit and
     ``raw - wide`` more per odd bit, so that BF16's (1, 5) costs two popcounts and a shift-add (FP8 passes its
     own counts)."""
-    return uint32(uint32(uint32(popc32(tags)) * wide) + uint32(uint32(popc32(tags & _ODD_BITS)) * uint32(raw - wide)))
+    return u32(u32(u32(popc32(tags)) * wide) + u32(u32(popc32(tags & _ODD_BITS)) * u32(raw - wide)))
 
 
 # _tag_words and _free_list_position hold block barriers and atomics, and every thread of the block
@@ -260,11 +260,11 @@ def _tag_words(stage, tagw, tagc, tot, warp, lane, words, wide, raw):
     its escape bytes (``wide``, ``raw`` per wide and raw tag) into ``tagc``.  Returns the tile's escape bytes,
     after a second barrier."""
     cuda.syncthreads()
-    if lane < uint32(words):
-        first = uint32(lane * uint32(16))
-        word = uint32(0)
+    if lane < u32(words):
+        first = u32(lane * u32(16))
+        word = u32(0)
         for i in range(16):
-            word = uint32(word | uint32(uint32(stage[warp, uint32(first + uint32(i))]) << uint32(2 * i)))
+            word = u32(word | u32(u32(stage[warp, u32(first + u32(i))]) << u32(2 * i)))
         tagw[warp, lane] = word
         count = _escape_count(word, wide, raw)
         tagc[warp, lane] = count
@@ -279,19 +279,19 @@ def _free_list_position(heads, cls, base, tid, warp, lane, valid, fits, tpb):
     tile for another, popped from the free lists with one atomic per block and pool, the warps ranked in warp
     order (``cls`` and ``base`` are shared scratch).  Returns the warp's position in its free list for
     :func:`_take_storage` (0 where the warp has no tile: not ``valid``, no position was popped for it)."""
-    my_cls = (int32(0) if fits else int32(1)) if valid else int32(2)
+    my_cls = (i32(0) if fits else i32(1)) if valid else i32(2)
     if lane == _ZERO:
         cls[warp] = my_cls
     if tid == _ZERO:
         base[0] = 0
         base[1] = 0
     cuda.syncthreads()
-    rank = int32(0)
-    count0 = int32(0)
-    count1 = int32(0)
+    rank = i32(0)
+    count0 = i32(0)
+    count1 = i32(0)
     for w in range(tpb):
         c = cls[w]
-        if c == my_cls and uint32(w) < warp:
+        if c == my_cls and u32(w) < warp:
             rank += 1
         if c == 0:
             count0 += 1
@@ -303,7 +303,7 @@ def _free_list_position(heads, cls, base, tid, warp, lane, valid, fits, tpb):
         if count1:
             base[1] = cuda.atomic.add(heads, 1, count1)
     cuda.syncthreads()
-    return uint32(base[my_cls] + rank) if valid else _ZERO
+    return u32(base[my_cls] + rank) if valid else _ZERO
 
 
 @device
@@ -312,10 +312,10 @@ def _take_storage(slot_free, raw_free, entries, escape_used, k, fits, tile, dest
     list ran dry; lane 0 writes the tile's entry (FORMAT.md 7.2) to ``entries[dest]`` and its ``total``
     escape bytes to ``escape_used[tile]``."""
     if fits:
-        d = slot_free[k] if k < uint32(slot_free.shape[0]) else NO_STORAGE
+        d = slot_free[k] if k < u32(slot_free.shape[0]) else NO_STORAGE
         entry = d
     else:
-        d = raw_free[k] if k < uint32(raw_free.shape[0]) else NO_STORAGE
+        d = raw_free[k] if k < u32(raw_free.shape[0]) else NO_STORAGE
         entry = d + _RAW_ENTRY_BIAS if d >= 0 else NO_STORAGE
     if lane == _ZERO:
         entries[dest] = entry
@@ -329,23 +329,23 @@ def _staged_offset(tagw, tagc, warp, lane, j, before, wide, raw):
     of ``tagw``, with ``tagc``'s escape bytes: lanes 0..15's groups, then 16..31's) = ``before`` (the escape
     bytes of earlier chunks) + those of the tags before the group.  Returns the offset and the escape bytes
     before chunk ``j + 1``."""
-    second = lane >= uint32(16)
-    below = uint32(uint32(uint32(1) << uint32(uint32(2) * (lane & uint32(15)))) - uint32(1))
+    second = lane >= u32(16)
+    below = u32(u32(u32(1) << u32(u32(2) * (lane & u32(15)))) - u32(1))
     ta = tagw[warp, 2 * j]
     ca = tagc[warp, 2 * j]
     mine = tagw[warp, 2 * j + 1] if second else ta
-    off = uint32(uint32(before + (ca if second else _ZERO)) + _escape_count(uint32(mine & below), wide, raw))
-    return off, uint32(uint32(before + ca) + tagc[warp, 2 * j + 1])
+    off = u32(u32(before + (ca if second else _ZERO)) + _escape_count(u32(mine & below), wide, raw))
+    return off, u32(u32(before + ca) + tagc[warp, 2 * j + 1])
 
 
 @device
 def _stream_word(stage, warp, w, b):
     """Word ``w`` of a bit stream whose group ``g`` is the ``b`` bytes (2 or 3) of ``stage[warp, g]``:
     a word never spans more than two groups."""
-    byte = uint32(w * uint32(WORD))
-    g0 = uint32(byte // uint32(b))
-    sh = uint32(uint32(8) * (byte % uint32(b)))
-    return uint32((stage[warp, g0] >> sh) | (stage[warp, uint32(g0 + uint32(1))] << uint32(uint32(8 * b) - sh)))
+    byte = u32(w * u32(WORD))
+    g0 = u32(byte // u32(b))
+    sh = u32(u32(8) * (byte % u32(b)))
+    return u32((stage[warp, g0] >> sh) | (stage[warp, u32(g0 + u32(1))] << u32(u32(8 * b) - sh)))
 
 
 @device
@@ -353,9 +353,9 @@ def _write_stream(slots, dw, w0, words, stage, warp, lane, b):
     """Words ``w0 .. w0 + words - 1`` of slot ``dw``: the bit stream staged in ``stage[warp]`` (``b`` bytes
     per group, :func:`_stream_word`), written by the warp in whole words."""
     for i in range(-(-words // WARP)):
-        w = uint32(lane + uint32(WARP * i))
-        if w < uint32(words):
-            slots[dw, uint32(uint32(w0) + w)] = _stream_word(stage, warp, w, b)
+        w = u32(lane + u32(WARP * i))
+        if w < u32(words):
+            slots[dw, u32(u32(w0) + w)] = _stream_word(stage, warp, w, b)
 
 
 @device
@@ -363,24 +363,24 @@ def _write_tags_escapes(slots, dw, tagw, stage, warp, lane, cap, total, tag_word
     """The end of an encoder: the tile's tag stream (``tag_words`` words of ``tagw[warp]``) to word ``tagw0`` of
     slot ``dw``, and its ``total`` escape bytes staged in ``stage[warp]`` to the escape area at word ``escw0``
     (``cap`` bytes, zero after the escape bytes), the warp writing whole words."""
-    if lane < uint32(tag_words):
-        slots[dw, uint32(uint32(tagw0) + lane)] = tagw[warp, lane]
-    for w in range(int64(lane), cap // uint32(WORD), WARP):
-        b = uint32(uint32(w) * uint32(WORD))
-        word = uint32(0)
+    if lane < u32(tag_words):
+        slots[dw, u32(u32(tagw0) + lane)] = tagw[warp, lane]
+    for w in range(i64(lane), cap // u32(WORD), WARP):
+        b = u32(u32(w) * u32(WORD))
+        word = u32(0)
         for i in range(WORD):
-            if uint32(b + uint32(i)) < total:
-                word = uint32(word | uint32(uint32(stage[warp, uint32(b + uint32(i))]) << uint32(8 * i)))
-        slots[dw, uint32(uint32(escw0) + uint32(w))] = word
+            if u32(b + u32(i)) < total:
+                word = u32(word | u32(u32(stage[warp, u32(b + u32(i))]) << u32(8 * i)))
+        slots[dw, u32(u32(escw0) + u32(w))] = word
 
 
 @device
 def _copy_raw(raw, entry, out, status, tile, lane, rounds):
     """Decoding a raw ``entry`` (FORMAT.md 7.2): its raw tile to row ``tile`` of ``out`` as it is, 16 bytes per
     lane and round, and status 0."""
-    r = uint32(entry & L.TABLE_INDEX_MASK)
+    r = u32(entry & L.TABLE_INDEX_MASK)
     for i in range(rounds):
-        w4 = uint32(uint32(lane + uint32(WARP * i)) * uint32(4))
+        w4 = u32(u32(lane + u32(WARP * i)) * u32(4))
         x0, x1, x2, x3 = ldg4(raw, r, w4)
         stg4(out, tile, w4, x0, x1, x2, x3)
     if lane == _ZERO:
@@ -395,24 +395,24 @@ def _group_escapes(slots, d, tw, lane, bad, before, cap, escw0, wide, raw):
     ``bad`` with the two words' reserved-tag bits added, the escape bytes before the next chunk, the group's
     mode | 4 if its escape bytes lie inside the slot (``cap`` bytes from word ``escw0``), the escape area's
     bytes 0..3 from the offset, and byte 4 in the low byte of the last value (the words read stay in the slot)."""
-    second = lane >= uint32(16)
-    shift = uint32(uint32(2) * (lane & uint32(15)))
-    below = uint32(uint32(1) << shift) - uint32(1)
-    last = uint32(uint32(uint32(escw0) + cap // uint32(WORD)) - uint32(1))     # last word of the slot
+    second = lane >= u32(16)
+    shift = u32(u32(2) * (lane & u32(15)))
+    below = u32(u32(1) << shift) - u32(1)
+    last = u32(u32(u32(escw0) + cap // u32(WORD)) - u32(1))     # last word of the slot
     ta, tb = ldg2(slots, d, tw)
-    bad = uint32(uint32(bad | (ta & (ta >> uint32(1)))) | (tb & (tb >> uint32(1))))
+    bad = u32(u32(bad | (ta & (ta >> u32(1)))) | (tb & (tb >> u32(1))))
     ca = _escape_count(ta, wide, raw)
     mine = tb if second else ta
-    mode = uint32(uint32(mine >> shift) & uint32(3))
-    off = uint32(uint32(before + (ca if second else _ZERO)) + _escape_count(uint32(mine & below), wide, raw))
-    after = uint32(uint32(before + ca) + _escape_count(tb, wide, raw))
+    mode = u32(u32(mine >> shift) & u32(3))
+    off = u32(u32(before + (ca if second else _ZERO)) + _escape_count(u32(mine & below), wide, raw))
+    after = u32(u32(before + ca) + _escape_count(tb, wide, raw))
     need = wide if mode == _M4 else (raw if mode == _MR else _ZERO)
-    inside = need != _ZERO and uint32(off + need) <= cap
-    q = min(uint32(uint32(escw0) + (off >> uint32(2))), last)
-    sh = uint32(uint32(8) * (off & uint32(3)))
-    lo = uint32(slots[d, q])
-    hi = uint32(slots[d, min(uint32(q + uint32(1)), last)])
-    return bad, after, uint32(mode | (uint32(4) if inside else _ZERO)), funnel_r(lo, hi, sh), uint32(hi >> sh)
+    inside = need != _ZERO and u32(off + need) <= cap
+    q = min(u32(u32(escw0) + (off >> u32(2))), last)
+    sh = u32(u32(8) * (off & u32(3)))
+    lo = u32(slots[d, q])
+    hi = u32(slots[d, min(u32(q + u32(1)), last)])
+    return bad, after, u32(mode | (u32(4) if inside else _ZERO)), funnel_r(lo, hi, sh), u32(hi >> sh)
 
 
 @device
@@ -420,11 +420,11 @@ def _stream_field(slots, d, w0, g, b):
     """Inverse of :func:`_stream_word`: group ``g``'s ``b`` bytes (2..4) of the bit stream at word ``w0`` of
     slot ``d``, from bit 0 (above them, the next group's bits)."""
     if b == WORD:
-        return uint32(slots[d, uint32(uint32(w0) + g)])
-    byte = uint32(g * uint32(b))
-    w = uint32(uint32(w0) + (byte >> uint32(2)))
-    sh = uint32(uint32(8) * (byte & uint32(3)))
-    return funnel_r(uint32(slots[d, w]), uint32(slots[d, uint32(w + uint32(1))]), sh)
+        return u32(slots[d, u32(u32(w0) + g)])
+    byte = u32(g * u32(b))
+    w = u32(u32(w0) + (byte >> u32(2)))
+    sh = u32(u32(8) * (byte & u32(3)))
+    return funnel_r(u32(slots[d, w]), u32(slots[d, u32(w + u32(1))]), sh)
 
 
 @device
@@ -451,7 +451,7 @@ def encode_source(channels: int, tiles_per_block: int = TILES_PER_BLOCK, step_ap
     STAGE = (TPB, G * _ESCR)
     CODES = (TPB, G)
     TAGS = (TPB, TW)
-    u = uint32
+    u = u32
 
     @device
     def encode_tile(bits, bases, capacity, slots, slot_free, raw, raw_free, heads, entries, escape_used, tile, valid,
@@ -652,7 +652,7 @@ def decode_source(channels: int, tiles_per_block: int = TILES_PER_BLOCK):
     J, GPR, SMW, TAGW0, ESCW0, HALF = (s[k] for k in ("J", "GPR", "SMW", "TAGW0", "ESCW0", "HALF"))
     TPB = tiles_per_block
     SM = 2 * J
-    u = uint32
+    u = u32
 
     def kernel(slots, raw, entries, bases, capacity, out, status):
         sm = cuda.local.array(SM, uint32)                 # this lane's sign+mantissa words

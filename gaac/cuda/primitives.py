@@ -19,7 +19,7 @@ import functools
 import threading
 
 import numpy as np
-from numba import config, cuda, float32, int32, uint32, uint64
+from numba import config, cuda, float32, int32, int64, uint8, uint32, uint64
 
 SIMULATOR = bool(config.ENABLE_CUDASIM)
 WARP = 32
@@ -35,21 +35,29 @@ if SIMULATOR:
     kernel_api = FakeCUDAModule((1, 1, 1), (1, 1, 1), 0)
 
     # Fixed-width casts that wrap like the GPU's registers (numba's own casts raise on overflow in
-    # the simulator, and are slow there).
+    # the simulator, and are slow there).  A value already of the type is returned as it is: most casts in
+    # a kernel's source are of such values, and the simulator's scan makes millions of them.
+    _U32, _I32, _U64, _I64, _U8 = np.uint32, np.int32, np.uint64, np.int64, np.uint8
+
     def u32(x):
-        return np.uint32(int(x) & 0xFFFFFFFF)
+        return x if type(x) is _U32 else _U32(int(x) & 0xFFFFFFFF)
 
     def i32(x):
-        v = int(x) & 0xFFFFFFFF
-        return np.int32(v - (1 << 32) if v >= 1 << 31 else v)
+        return x if type(x) is _I32 else _I32(((int(x) + 0x80000000) & 0xFFFFFFFF) - 0x80000000)
 
     def u64(x):
-        return np.uint64(int(x) & 0xFFFFFFFFFFFFFFFF)
+        return x if type(x) is _U64 else _U64(int(x) & 0xFFFFFFFFFFFFFFFF)
+
+    def i64(x):
+        return x if type(x) is _I64 else _I64(((int(x) + (1 << 63)) & 0xFFFFFFFFFFFFFFFF) - (1 << 63))
+
+    def u8(x):
+        return x if type(x) is _U8 else _U8(int(x) & 0xFF)
 
     f32 = np.float32
 else:
     kernel_api = cuda
-    u32, i32, u64, f32 = uint32, int32, uint64, float32
+    u32, i32, u64, i64, u8, f32 = uint32, int32, uint64, int64, uint8, float32
 
 
 def device(fn):
