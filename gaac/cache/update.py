@@ -323,12 +323,13 @@ class UpdateTransaction:
         # the update, not behind the rule's kernels, which hold the GPU once launched.  Where it cannot wait (the
         # common case: a prompt into a cache with room), the rule is launched first and the reservation's host
         # work runs while the GPU scans.
-        if self._reserve_waits(updates):
-            self._reserve(updates)
+        jobs = self._reserve_jobs(updates)
+        if self._reserve_waits(updates, jobs):
+            self._reserve(updates, jobs)
             rule = self._launch_rule(updates)
         else:
             rule = self._launch_rule(updates)
-            self._reserve(updates)
+            self._reserve(updates, jobs)
         encoded, redo, done, early = True, [], False, None
         # the encodes start before the decisions where they read them on the device, or where a guess pays
         guess = self._guess_pays(rule) or bool(rule) and all(plan.rows is not None for _, items in rule
@@ -883,8 +884,9 @@ class UpdateTransaction:
                     if store.deferred:
                         self._flush(store, layer, kind)
 
-    def _reserve(self, updates: list) -> None:
-        """Make room for ``updates`` (growing, where allowed) or raise before anything is written.
+    def _reserve(self, updates: list, jobs: list | None = None) -> None:
+        """Make room for ``updates`` (growing, where allowed) or raise before anything is written.  ``jobs``:
+        their :meth:`_reserve_jobs`, where the caller has them.
 
         The reference codec has encoded already, so its counts are exact: each layer and kind's share of
         the raw-tile arena is lent what its overflowing tiles need.  The CUDA encoder decides slot or raw
@@ -894,7 +896,7 @@ class UpdateTransaction:
         :meth:`_encode_on_device` checks after encoding, lends more and encodes again if a list ran dry.
         """
         need_blocks = self._blocks_needed(updates)
-        jobs = self._reserve_jobs(updates)
+        jobs = self._reserve_jobs(updates) if jobs is None else jobs
         # a removal's records: a join's prompt waits for the steps queued before it only where its pools fall short
         self._take_returns_for((store, n) for store, n, _ in jobs)
         short = []               # (pool, records it lacks) or (None, blocks the table must hold)
@@ -934,16 +936,16 @@ class UpdateTransaction:
             grow_pools(pools)
             self._storage_changed()
 
-    def _reserve_waits(self, updates: list) -> bool:
-        """Whether :meth:`_reserve` of ``updates`` may wait for the device or grow anything; False where it
-        certainly does neither: every update is the CUDA encoder's (its tiles slot or raw as they are encoded),
-        the block table holds the new blocks, each job's slot pool alone has a free record for every tile by
-        its lower bound (then no bound falls short, so neither a removal's records nor the device's counts are
-        waited for, and nothing grows), and the arena lends the raw shares their guesses without reading a
-        count (:meth:`~gaac.cache.pools.RawArena.covers_unread`; a new cache's first prompt reads them)."""
+    def _reserve_waits(self, updates: list, jobs: list) -> bool:
+        """Whether :meth:`_reserve` of ``updates`` (``jobs``: their :meth:`_reserve_jobs`) may wait for the device
+        or grow anything; False where it certainly does neither: every update is the CUDA encoder's (its tiles
+        slot or raw as they are encoded), the block table holds the new blocks, each job's slot pool alone has a
+        free record for every tile by its lower bound (then no bound falls short, so neither a removal's records
+        nor the device's counts are waited for, and nothing grows), and the arena lends the raw shares their
+        guesses without reading a count (:meth:`~gaac.cache.pools.RawArena.covers_unread`; a new cache's first
+        prompt reads them)."""
         if self._blocks_needed(updates) > self.max_blocks:
             return True
-        jobs = self._reserve_jobs(updates)
         if any(fits is not None or store.slots.free_lower() < n for store, n, fits in jobs):
             return True
         return not self._arena.covers_unread(self._raw_guesses(jobs))
