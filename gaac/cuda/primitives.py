@@ -19,7 +19,7 @@ import functools
 import threading
 
 import numpy as np
-from numba import config, cuda, float32, int32, int64, uint8, uint32, uint64
+from numba import config, cuda, float32, int32, int64, uint32, uint64
 
 SIMULATOR = bool(config.ENABLE_CUDASIM)
 WARP = 32
@@ -37,7 +37,7 @@ if SIMULATOR:
     # Fixed-width casts that wrap like the GPU's registers (numba's own casts raise on overflow in
     # the simulator, and are slow there).  A value already of the type is returned as it is: most casts in
     # a kernel's source are of such values, and the simulator's scan makes millions of them.
-    _U32, _I32, _U64, _I64, _U8 = np.uint32, np.int32, np.uint64, np.int64, np.uint8
+    _U32, _I32, _U64, _I64 = np.uint32, np.int32, np.uint64, np.int64
 
     def u32(x):
         return x if type(x) is _U32 else _U32(int(x) & 0xFFFFFFFF)
@@ -51,13 +51,10 @@ if SIMULATOR:
     def i64(x):
         return x if type(x) is _I64 else _I64(((int(x) + (1 << 63)) & 0xFFFFFFFFFFFFFFFF) - (1 << 63))
 
-    def u8(x):
-        return x if type(x) is _U8 else _U8(int(x) & 0xFF)
-
     f32 = np.float32
 else:
     kernel_api = cuda
-    u32, i32, u64, i64, u8, f32 = uint32, int32, uint64, int64, uint8, float32
+    u32, i32, u64, i64, f32 = uint32, int32, uint64, int64, float32
 
 
 def device(fn):
@@ -678,8 +675,8 @@ else:
 # Rules that keep the GPU code 32-bit and the simulator in step with it: values are ``uint32``
 # (NumPy ``uint32`` scalars in the simulator, where kernels see arrays as ``uint32`` views);
 # constants are ``np.uint32`` module globals (numba freezes them as 32-bit constants); a sum or
-# product is wrapped in ``uint32(...)`` in kernel code (numba types ``uint32 + uint32`` as 64-bit;
-# the wrap lets NVVM narrow it back), or goes through :func:`mul32` when it may exceed 32 bits
+# product is wrapped in ``u32(...)`` in kernel code (numba types ``uint32 + uint32`` as 64-bit;
+# the wrap lets NVVM narrow it back; in the simulator the cast wraps as the GPU's register does), or goes through :func:`mul32` when it may exceed 32 bits
 # (NumPy would warn on the wrap-around); array indices are unsigned (numba adds a compare and a
 # select per index for negative-index wrap-around otherwise).
 

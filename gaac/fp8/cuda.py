@@ -45,7 +45,7 @@ from ..cuda.codec import (DECODE_SIG, ENCODE_SIG, TILES_PER_BLOCK, DeviceCodec, 
                           _group_escapes, register_codec, _staged_offset, _stream_field, _tag_words, _take_storage, _write_status,
                           _write_stream, _write_tags_escapes)
 from ..cuda.launch import WORD
-from ..cuda.primitives import WARP, device, ldg2, mul32, stg2, syncwarp
+from ..cuda.primitives import WARP, device, ldg2, mul32, stg2, syncwarp, u32
 from ..errors import InputError
 from ..layout import FP8_FORMATS, MODE_NARROW, MODE_RAW, MODE_WIDE, TILE_WIDTHS, ModeSet, TileGeometry
 
@@ -75,35 +75,35 @@ def _bytes(value: int) -> np.uint32:
 @device
 def _pack4(y, w):
     """Four ``w``-bit values (``w <= 4``) in bytes 0..3 of ``y`` -> bits 0..4w-1, value k at bit ``w*k``."""
-    pair = uint32(uint32(uint32(1) << uint32(2 * w)) - uint32(1))
-    t = uint32((y | (y >> uint32(8 - w))) & uint32(pair | (pair << uint32(16))))
-    return uint32((t | (t >> uint32(16 - 2 * w))) & uint32(uint32(uint32(1) << uint32(4 * w)) - uint32(1)))
+    pair = u32(u32(u32(1) << u32(2 * w)) - u32(1))
+    t = u32((y | (y >> u32(8 - w))) & u32(pair | (pair << u32(16))))
+    return u32((t | (t >> u32(16 - 2 * w))) & u32(u32(u32(1) << u32(4 * w)) - u32(1)))
 
 
 @device
 def _unpack4(v, w):
     """Inverse of :func:`_pack4`: bits 0..4w-1 of ``v`` -> four ``w``-bit values, one per byte."""
-    pair = uint32(uint32(uint32(1) << uint32(2 * w)) - uint32(1))
-    t = uint32(v & uint32(uint32(uint32(1) << uint32(4 * w)) - uint32(1)))
-    t = uint32((t | (t << uint32(16 - 2 * w))) & uint32(pair | (pair << uint32(16))))
-    return uint32((t | (t << uint32(8 - w))) & mul32(uint32(uint32(uint32(1) << uint32(w)) - uint32(1)), _BYTE0))
+    pair = u32(u32(u32(1) << u32(2 * w)) - u32(1))
+    t = u32(v & u32(u32(u32(1) << u32(4 * w)) - u32(1)))
+    t = u32((t | (t << u32(16 - 2 * w))) & u32(pair | (pair << u32(16))))
+    return u32((t | (t << u32(8 - w))) & mul32(u32(u32(u32(1) << u32(w)) - u32(1)), _BYTE0))
 
 
 @device
 def _plane_byte(c0, c1, b):
     """Bit ``b`` of the code bytes of elements 0..3 (``c0``) and 4..7 (``c1``) -> one escape byte,
     element i at bit i (a bit plane, FORMAT-FP8.md 3.2)."""
-    lo = uint32((c0 >> uint32(b)) & _BYTE0)
-    hi = uint32((c1 >> uint32(b)) & _BYTE0)
-    return uint32(mul32(lo | (hi << uint32(4)), _GATHER) >> uint32(24))
+    lo = u32((c0 >> u32(b)) & _BYTE0)
+    hi = u32((c1 >> u32(b)) & _BYTE0)
+    return u32(mul32(lo | (hi << u32(4)), _GATHER) >> u32(24))
 
 
 @device
 def _spread_plane(byte, b):
     """Inverse of :func:`_plane_byte`: escape byte -> bit ``b`` of the code bytes of elements 0..3, 4..7."""
-    lo = uint32(mul32(byte & uint32(0xF), _SPREAD) & _BYTE0)
-    hi = uint32(mul32((byte >> uint32(4)) & uint32(0xF), _SPREAD) & _BYTE0)
-    return uint32(lo << uint32(b)), uint32(hi << uint32(b))
+    lo = u32(mul32(byte & u32(0xF), _SPREAD) & _BYTE0)
+    hi = u32(mul32((byte >> u32(4)) & u32(0xF), _SPREAD) & _BYTE0)
+    return u32(lo << u32(b)), u32(hi << u32(b))
 
 
 def _shape(modes: ModeSet, channels: int) -> dict:
@@ -150,7 +150,7 @@ def encode_source(modes: ModeSet, channels: int, tiles_per_block: int = TILES_PE
     SM_STAGE = (TPB, 1 if SM_DIRECT else G)
     CODE_STAGE = (TPB, 1 if CODE_DIRECT else G)
     TAGS = (TPB, TW)
-    u = uint32
+    u = u32
 
     def kernel(bits, bases, capacity, slots, slot_free, raw, raw_free, heads, entries, escape_used):
         stage = cuda.shared.array(STAGE, uint8)            # mode of each group; later the escape bytes
@@ -271,7 +271,7 @@ def decode_source(modes: ModeSet, channels: int, tiles_per_block: int = TILES_PE
     NRAW = int(RAWB)
     RAW_ROUNDS = TILEW // (4 * WARP)                      # 16-byte copies per lane of a raw tile
     TPB = tiles_per_block
-    u = uint32
+    u = u32
 
     def kernel(slots, raw, entries, bases, capacity, out, status):
         sm = cuda.local.array(J, uint32)                 # this lane's sign+mantissa fields per group
