@@ -322,9 +322,9 @@ def test_a_prompts_reservation_reads_no_count_where_the_bounds_cover_it(monkeypa
                 pool.pending += 1
     reserve, waits = UpdateTransaction._reserve, []
 
-    def counted(self, updates, *jobs):
+    def counted(self, updates, jobs):
         with counting() as ops:
-            reserve(self, updates, *jobs)
+            reserve(self, updates, jobs)
         waits.append(ops.counts["sync"])
 
     monkeypatch.setattr(UpdateTransaction, "_reserve", counted)
@@ -580,9 +580,9 @@ def test_a_prompt_launches_its_rule_before_its_reservation_where_the_reservation
     order = []
     reserve, launch, finish = UpdateTransaction._reserve, UpdateTransaction._launch_rule, device_epochs.Batch.finish
 
-    def reserving(self, updates, *jobs):
+    def reserving(self, updates, jobs):
         order.append("reserve")
-        return reserve(self, updates, *jobs)
+        return reserve(self, updates, jobs)
 
     def launching(self, updates):
         order.append("rule")

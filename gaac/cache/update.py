@@ -884,9 +884,9 @@ class UpdateTransaction:
                     if store.deferred:
                         self._flush(store, layer, kind)
 
-    def _reserve(self, updates: list, jobs: list | None = None) -> None:
-        """Make room for ``updates`` (growing, where allowed) or raise before anything is written.  ``jobs``:
-        their :meth:`_reserve_jobs`, where the caller has them.
+    def _reserve(self, updates: list, jobs: list) -> None:
+        """Make room for ``updates`` (``jobs``: their :meth:`_reserve_jobs`; growing, where allowed) or raise before
+        anything is written.
 
         The reference codec has encoded already, so its counts are exact: each layer and kind's share of
         the raw-tile arena is lent what its overflowing tiles need.  The CUDA encoder decides slot or raw
@@ -896,7 +896,6 @@ class UpdateTransaction:
         :meth:`_encode_on_device` checks after encoding, lends more and encodes again if a list ran dry.
         """
         need_blocks = self._blocks_needed(updates)
-        jobs = self._reserve_jobs(updates) if jobs is None else jobs
         # a removal's records: a join's prompt waits for the steps queued before it only where its pools fall short
         self._take_returns_for((store, n) for store, n, _ in jobs)
         short = []               # (pool, records it lacks) or (None, blocks the table must hold)
