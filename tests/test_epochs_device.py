@@ -662,18 +662,3 @@ def test_the_scans_byte_wise_window_test_marks_what_the_exponent_wise_test_marks
                 for j in range(4):
                     assert np.array_equal((got >> (8 * j + 7)) & 1, want[words[:, j]]), (width, b, j)
 
-
-def test_the_simulators_word_marks_are_the_gpus():
-    """The simulator's twins of the scan's word helpers (Python integers) give what the GPU's fixed-width arithmetic
-    gives, on random words and every base pair a window can start at."""
-    rng = np.random.default_rng(11)
-    ev = rng.integers(0, 256, 8)
-    for start, n in ((0, 4), (4, 4), (0, 2), (3, 1)):
-        assert int(device_epochs.bytes_word(ev, start, n)) == int(device_epochs._bytes_word(ev, start, n))
-    for _ in range(400):
-        w = np.uint32(rng.integers(0, 1 << 32))
-        wi = int(rng.integers(0, 2))
-        bases = [device_epochs.lows_highs(int(b)) for b in (rng.integers(0, 249), rng.integers(0, 241),
-                                                           rng.integers(0, 249), rng.integers(0, 241))]
-        args = [x for pair in bases for x in pair]
-        assert int(device_epochs.word_marks(w, wi, *args)) == int(device_epochs._word_marks(w, wi, *args))

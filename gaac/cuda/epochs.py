@@ -333,7 +333,8 @@ TOP3 = u32(BYTES * (0x80 - L.WINDOW_3BIT))      # the bits above the 3-bit windo
 TOP4 = u32(BYTES * (0x80 - L.WINDOW_4BIT))
 
 
-def _word_marks(w, wi, cl3, ch3, cl4, ch4, nl3, nh3, nl4, nh4):
+@device
+def word_marks(w, wi, cl3, ch3, cl4, ch4, nl3, nh3, nl4, nh4):
     """The marks of the four exponents of word ``w`` (one a byte), the ``wi``-th word of a lane's: for each byte, the
     planes outside the current 3- and 4-bit windows (``cl3, ch3``, ``cl4, ch4`` from :func:`lows_highs`), then
     the candidate's (``nl3, nh3``, ``nl4, nh4``), plane ``p`` at bit ``2 * p + wi`` of the byte."""
@@ -346,37 +347,13 @@ def _word_marks(w, wi, cl3, ch3, cl4, ch4, nl3, nh3, nl4, nh4):
                | u32(u32(o3n >> u32(3 - wi)) | u32(o4n >> u32(1 - wi))))
 
 
-def _bytes_word(ev, start, n):
+@device
+def bytes_word(ev, start, n):
     """Exponents ``ev[start .. start + n - 1]`` (``n <= 4``) as the bytes of one word, the first lowest."""
     w = u32(0)
     for y in range(n):
         w = u32(w | u32(u32(ev[start + y]) << u32(8 * y)))
     return w
-
-
-if SIMULATOR:
-    # the same arithmetic on Python's integers: the simulator runs every thread's Python, and each fixed-width
-    # cast above costs it a NumPy scalar (tests/test_epochs_device.py compares the two)
-    def word_marks(w, wi, cl3, ch3, cl4, ch4, nl3, nh3, nl4, nh4):
-        w = int(w)
-        wh, wm = w | 0x80808080, w & 0x80808080
-
-        def out(bl, bh, top):
-            d = (wh - int(bl)) ^ wm ^ int(bh)
-            return (((d & top) + 0x7F7F7F7F) | d) & 0x80808080
-
-        t3, t4 = int(TOP3), int(TOP4)
-        return np.uint32((out(cl3, ch3, t3) >> (7 - wi)) | (out(cl4, ch4, t4) >> (5 - wi))
-                         | (out(nl3, nh3, t3) >> (3 - wi)) | (out(nl4, nh4, t4) >> (1 - wi)))
-
-    def bytes_word(ev, start, n):
-        w = 0
-        for y in range(n):
-            w |= int(ev[start + y]) << (8 * y)
-        return np.uint32(w)
-else:
-    word_marks = device(_word_marks)
-    bytes_word = device(_bytes_word)
 
 
 @cuda.jit(device=True, inline=True)
