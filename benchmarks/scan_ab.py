@@ -39,6 +39,7 @@ import torch  # noqa: E402
 import gaac  # noqa: E402
 import gaac.cuda.epochs as here  # noqa: E402
 import gaac.epochs as E  # noqa: E402
+from gaac import layout as L  # noqa: E402
 from benchmarks.report import commit, head, table, write  # noqa: E402
 from equal_memory import tokens_at as content  # noqa: E402
 
@@ -65,10 +66,10 @@ def measure(args) -> dict:
     k, v = torch.stack(kk), torch.stack(vv)
     del kk, vv
     layers, heads, _, dim = k.shape
-    n = args.tokens // 16
+    n = args.tokens // L.BLOCK_TOKENS
 
     def blocks(x):           # [n, heads, 16, dim], a view of the prompt as the cache's prefill hands it over
-        return x.view(heads, n, 16, dim).permute(1, 0, 2, 3)
+        return x.view(heads, n, L.BLOCK_TOKENS, dim).permute(1, 0, 2, 3)
 
     jobs = [(E.Adapter(cal.copy(), layer, kind), blocks((k, v)[kind][layer])) for kind in (0, 1)
             for layer in range(layers)]
@@ -77,7 +78,7 @@ def measure(args) -> dict:
     hist, cand, saved0, differs0 = scan_args[6], scan_args[7], scan_args[10], scan_args[11]
     kernels = {"base": base.scan_kernel(E.ADAPT_EVERY, E.DECAY_SHIFT, base.SCAN_REGISTERS),
                "this": here.scan_kernel(E.ADAPT_EVERY, E.DECAY_SHIFT, here.SCAN_REGISTERS)}
-    grid, block = (len(jobs), batch.channels // 8), 8 * 32
+    grid, block = (len(jobs), batch.channels // L.GROUP_SIZE), L.GROUP_SIZE * here.WARP     # as Batch.scan launches
     ms, outputs = {w: [] for w in kernels}, {}
     for r in range(args.rounds + 1):
         for way in (("base", "this") if r % 2 == 0 else ("this", "base")):
@@ -106,7 +107,8 @@ def render(rep: dict) -> str:
               f"{rep['args']['tokens']} tokens x {r['jobs']} jobs ({r['checks']} checks each), "
               f"calibration from the first {rep['args']['cal_tokens']} tokens; {len(r['ms']['this'])} launches each, "
               "alternated, after a warm-up round.  Outputs (histograms, candidates, savings, flags) identical: "
-              + ("yes" if r["identical"] else "**NO**") + ".", "",
+              + ("yes" if r["identical"] else "**NO**") + ".  One kernel's time, not a user's: the prompt a user "
+              "waits for is prompt_ab.py's figure (benchmarks/results/prompt-ab-rows-*.md), taken on the same machine.", "",
               f"Every launch, ms: {r['ms']['this']} (this), {r['ms']['base']} (base)."]
     return "\n".join(lines) + "\n"
 
