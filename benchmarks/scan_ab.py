@@ -78,7 +78,12 @@ def measure(args) -> dict:
     hist, cand, saved0, differs0 = scan_args[6], scan_args[7], scan_args[10], scan_args[11]
     kernels = {"base": base.scan_kernel(E.ADAPT_EVERY, E.DECAY_SHIFT, base.SCAN_REGISTERS),
                "this": here.scan_kernel(E.ADAPT_EVERY, E.DECAY_SHIFT, here.SCAN_REGISTERS)}
-    grid, block = (len(jobs), batch.channels // L.GROUP_SIZE), L.GROUP_SIZE * here.WARP     # as Batch.scan launches
+    block = L.GROUP_SIZE * here.WARP
+    # each tree's kernel on its own grid: this tree's as Batch.scan launches it; the other tree's from its own
+    # Batch where it has scan_grid, else the (jobs, groups) grid of the trees before it
+    grids = {"this": batch.scan_grid,
+             "base": (base.Batch.scan_grid.fget(batch) if hasattr(base.Batch, "scan_grid")
+                      else (len(jobs), batch.channels // L.GROUP_SIZE))}
     ms, outputs = {w: [] for w in kernels}, {}
     for r in range(args.rounds + 1):
         for way in (("base", "this") if r % 2 == 0 else ("this", "base")):
@@ -87,7 +92,7 @@ def measure(args) -> dict:
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            batch._launch(kernels[way], grid, block, scan_args)
+            batch._launch(kernels[way], grids[way], block, scan_args)
             end.record()
             torch.cuda.synchronize()
             if r:

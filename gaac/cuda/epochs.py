@@ -6,8 +6,8 @@ its own decisions and a short chain that does:
 
 * the exponent histogram and the candidate windows of every check depend only on the blocks, and so does
   what a check's candidate saves against the epoch current when the batch starts: :func:`scan_kernel`
-  computes all three, a thread block per group of 8 channels (a warp per channel, a lane per 8 histogram
-  bins), looping over the checks;
+  computes all three, a thread block per group of 8 channels and job (a warp per channel, a lane per 8
+  histogram bins), looping over the checks;
 * whether a check appends its candidate depends on the epoch current at that check, the last one
   appended.  :func:`phase_kernel` finds the checks that append, one per launch (a **phase**): phase 0 from
   the scan's savings, phase ``p`` by judging, all at once over many thread blocks, every check after the one
@@ -82,7 +82,10 @@ def scan_kernel(every: int, shift: int, registers: int | None = None):
     those windows save on the check's blocks against the epoch current when the batch starts.
 
     A thread block is one group of channels (``GROUP_SIZE`` warps, a warp per channel), so that a group's
-    escape bytes, which depend on its channels together, are summed inside it.  Per check:
+    escape bytes, which depend on its channels together, are summed inside it.  The grid is (groups, jobs):
+    the groups of one job run side by side, and the 16 groups of a head read the same 256-byte rows of each
+    block, each 16 bytes of them, so a row comes from DRAM once and the other groups find it in L2 (with
+    the jobs side by side instead, a job's groups run far apart and each fetches its rows again).  Per check:
 
     * the first ``tokens`` threads load the next check's tokens, a token's 8 channels (16 bytes) each, and
       leave their exponents in shared memory for the warps (loads of one channel by a warp would touch a
@@ -168,13 +171,13 @@ def scan_kernel(every: int, shift: int, registers: int | None = None):
 
     @jit
     def kernel(xa, xb, ja, rec, r0, checks, hist, cand, cur, head_dim, saved0, differs0):
-        job = cuda.blockIdx.x
+        job = cuda.blockIdx.y
         tid = i32(cuda.threadIdx.x)
         warp = i32(tid // i32(WARP))
         lane = i32(tid % i32(WARP))
-        ch = i32(i32(cuda.blockIdx.y) * i32(group) + warp)
+        ch = i32(i32(cuda.blockIdx.x) * i32(group) + warp)
         h = u32(ch // i32(head_dim))
-        d0 = u32(i32(i32(cuda.blockIdx.y) * i32(group)) % i32(head_dim))   # the group's first channel
+        d0 = u32(i32(i32(cuda.blockIdx.x) * i32(group)) % i32(head_dim))   # the group's first channel
         cnt = cuda.shared.array(cells, np.int32)      # this check's counts
         hs = cuda.shared.array(cells, np.int32)       # the decayed histogram, for the neighbours' windows
         best = cuda.shared.array(keys, np.int32)      # [warp][check parity][3-bit, 4-bit]: the best window keys
@@ -757,7 +760,12 @@ class Batch:
         """Launch the scan kernel: every check's windows and what they save, and the histograms after the
         last check."""
         kernel = scan_kernel(self.every, E.DECAY_SHIFT, SCAN_REGISTERS)
-        self._launch(kernel, (len(self.jobs), self.channels // L.GROUP_SIZE), L.GROUP_SIZE * WARP, self.scan_args)
+        self._launch(kernel, self.scan_grid, L.GROUP_SIZE * WARP, self.scan_args)
+
+    @property
+    def scan_grid(self) -> tuple:
+        """The scan kernel's grid: (groups of channels, jobs), a job's groups side by side (:func:`scan_kernel`)."""
+        return self.channels // L.GROUP_SIZE, len(self.jobs)
 
     def copy_hists(self) -> list:
         """Each job's histograms in an allocation of its own, which its adapter keeps (so that copying an adapter,
