@@ -4,8 +4,8 @@
     python benchmarks/scan_ab.py --base /tmp/base --out $OUT/scan-ab-h200.md   # a GPU
 
 The scan (:func:`gaac.cuda.epochs.scan_kernel`) is the longest kernel of a prompt whose calibration drifts: for a
-128K-token prompt into 32 layers of 8 x 128 (64 jobs, 512 checks each) it holds the GPU for about 27 ms on an
-H200 of the prompt's 46.  Both trees' kernels run on the same inputs, made once by this checkout's
+128K-token prompt into 32 layers of 8 x 128 (64 jobs, 512 checks each) it is the largest part of the prompt's GPU
+work (benchmarks/results/scan-ab-*.md).  Both trees' kernels run on the same inputs, made once by this checkout's
 :class:`gaac.cuda.epochs.Batch` (the real content of ``decode_step.py`` at the Llama-3.1-8B KV shape, adapters
 calibrated on its first ``--cal-tokens`` tokens, as a new cache's prompt has them): the histograms, every check's
 candidate windows, what each saves and whether it differs are compared bit for bit, and each launch is timed with
