@@ -78,23 +78,22 @@ def add_epochs_all(items: list) -> None:
         return
     host = np.concatenate([row.reshape(-1) for new in rows for part in new for row in part]).astype(np.uint8)
     flat = arrays.upload(host, items[0][0].b3.device)
-    at = 0
-    pieces, shapes = [], []
+    # the new rows' pieces of ``flat`` and the joined tables' pieces, each by one split (not a slice a table:
+    # a prompt that appends epochs in 64 layers and kinds has 256 of each)
+    sizes, pieces, shapes = [], [], []
     for (store, tables), new in zip(items, rows):
         for name, part in zip(BASE_TABLES, new):
             old = getattr(store, name)
-            size = sum(row.size for row in part)
-            pieces += [old.reshape(-1), flat[at:at + size]]
+            sizes.append(sum(row.size for row in part))
+            pieces.append(old.reshape(-1))
             shapes.append((old.shape[0] + len(tables), *old.shape[1:]))
-            at += size
-    joined = torch.cat(pieces)
-    start, shape_of = 0, iter(shapes)
+    added = flat.split(sizes)
+    joined = torch.cat([x for pair in zip(pieces, added) for x in pair])
+    tables = iter(zip(joined.split([math.prod(shape) for shape in shapes]), shapes))
     for store, _ in items:
         for name in BASE_TABLES:
-            shape = next(shape_of)
-            size = math.prod(shape)
-            setattr(store, name, joined[start:start + size].view(shape))
-            start += size
+            table, shape = next(tables)
+            setattr(store, name, table.view(shape))
 
 
 def give_back_all(stores: list, entries: list) -> None:
