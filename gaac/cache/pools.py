@@ -68,10 +68,6 @@ class Pool:
         """Free records, at least: exact for a host free list (see :meth:`DevicePool.free_lower`)."""
         return self._top
 
-    def free_upper(self) -> int:
-        """Free records, at most: exact for a host free list (see :meth:`DevicePool.free_upper`)."""
-        return self._top
-
     def grow_to(self, n: int, read: bool = True) -> None:
         """Enlarge the pool to ``n`` records, the new ones free (``read``: a device pool's, see
         :meth:`DevicePool.grow_to`)."""
@@ -237,11 +233,6 @@ class DevicePool(Pool):
             self.taken, self.pending, self._snap = int(host[self.cls]), self.pending - counted, None
         return self.listed - self.taken - self.pending
 
-    def free_upper(self) -> int:
-        """Free records, at most (no synchronisation): the list's entries past the count the host last read, which
-        the device's count, only ever advanced by the encoders since, cannot be below."""
-        return self.listed - min(self.taken, self.listed)
-
     def n_free(self) -> int:
         self.sync()
         return max(self.listed - self.taken, 0)
@@ -376,9 +367,8 @@ def read_counts(heads: list) -> list:
     """The values of the count arrays ``heads`` (:func:`count_arrays`) as lists, in one copy to the host.  Where
     they lie in one allocation, as a cache makes them (:func:`gaac.cache.store.make_stores`), the copy is of the
     span that holds them: a plain copy, which needs no kernel, so on a GPU it waits for the work queued before
-    it on the current stream and not behind another stream's kernels that hold every SM (a prompt's
-    adaptation rule, launched before its reservation reads).  Otherwise the arrays are stacked on the device
-    first."""
+    it on the current stream and not for an SM behind another stream's kernels (a prompt's adaptation rule).
+    Otherwise the arrays are stacked on the device first."""
     first = heads[0]
     storage = first.untyped_storage().data_ptr()
     if all(h.dtype == first.dtype and h.is_contiguous() and h.untyped_storage().data_ptr() == storage
@@ -794,21 +784,16 @@ class RawArena:
         lent = self._lend_all(self._asks(lack))
         return [(s, d - n) for (s, d), n in zip(lack, lent) if n < d]
 
-    def lends_without_kernels(self, needs) -> bool:
-        """Whether :meth:`cover` of ``needs`` with ``read=False`` reaches its loans with no wait for a kernel (nothing
-        is lent here): every share asked holds what it needs by its lower bound; or the reserve covers what they
-        lack, lent past the lists' ends without a read or after one read of the counts (:func:`read_counts`, a
-        copy); or not even every share's free records could cover what is asked, so the reserve is spread over
-        the shares after the reads.  Not where the arena may take every share's free records back to lend them
-        again (:meth:`_reclaim` gathers them on the device before the host reads them).  A prompt's adaptation
-        rule, once launched, holds the SMs: a reservation whose reads need no kernel runs beside it."""
-        asked = [(s, n) for s, n in needs if n > 0]
-        short = [(s, n) for s, n in asked if s.free_lower() < n]
-        if not short:
+    def covers_unread(self, needs) -> bool:
+        """Whether :meth:`cover` of ``needs`` with ``read=False`` lends without reading a count (nothing is lent
+        here): every share asked holds what it needs by its lower bound, or the reserve covers what they lack
+        and every loan is written past its list's end."""
+        needs = [(s, n) for s, n in needs if n > 0 and s.free_lower() < n]
+        if not needs:
             return True
-        if sum(n - max(s.free_lower(), 0) for s, n in short) <= self._top:
-            return True
-        return self._top + sum(s.free_upper() for s in self.shares) < sum(n for _, n in asked)
+        lack = [(s, n - max(s.free_lower(), 0)) for s, n in needs]
+        return (sum(d for _, d in lack) <= self._top
+                and all(s.lends_in_place(k) for s, k in self._asks(lack, in_place=True)))
 
     def _asks(self, lack: list, in_place: bool = False) -> list:
         """What each ``(share, records it lacks)`` of ``lack`` is lent: what it lacks, at least a chunk while the
