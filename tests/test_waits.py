@@ -82,6 +82,15 @@ def test_counts_in_one_allocation_are_read_by_one_copy_and_no_kernel():
     assert ops.counts["sync"] == 1 and "alloc:stack" not in ops.by_op, ops.by_op
     assert [s.n_free() for s in shares] == [arena.chunk] * 5
     assert len(set(records(arena, shares))) == 256
+    stores, _ = make_all(calibration(3))            # a cache's: views of the allocation make_stores uploads
+    from gaac.cache.pools import count_arrays
+    heads = count_arrays([p for layer_stores in stores for store in layer_stores for p in (store.slots, store.raw)])
+    for i, h in enumerate(heads):
+        h[1] = 5 * i + 2
+    with counting() as ops:
+        got = read_counts(heads)
+    assert got == torch.stack(heads).tolist() and len(got) == 6
+    assert dict(ops.counts) == {"d2h": 1, "sync": 1}, ops.by_op
     _, apart = device_arena(256, 3)
     for i, s in enumerate(apart):
         s.heads[s.cls] = i + 7
