@@ -55,51 +55,6 @@ def test_lending_to_shares_that_hold_records_waits_once(n_shares):
     assert len(records(arena, shares)) == 64 * n_shares - n_shares        # the taken ones are held
 
 
-def shared_heads_arena(n, shares):
-    """An arena whose shares' counts are rows of one array, as a cache makes them (make_stores)."""
-    arena = RawArena(n, 64, CPU)
-    heads = torch.zeros((shares, 4), dtype=torch.int32)
-    return arena, [arena.share(f"share {i}", heads[i, :2], 1) for i in range(shares)]
-
-
-def test_counts_in_one_allocation_are_read_by_one_copy_and_no_kernel():
-    """Count arrays that lie in one allocation come to the host in one copy of the span that holds them, with no
-    kernel (which on a GPU waits for an SM, behind any other stream's kernels that hold them): each pool's count
-    as the device holds it, and the loans after the read as before.  Arrays apart are stacked first."""
-    from gaac.cache.pools import read_counts
-
-    arena, shares = shared_heads_arena(256, 5)
-    for i, s in enumerate(shares):
-        s.heads[s.cls] = 3 * i + 1
-    with counting() as ops:
-        got = read_counts([s.heads for s in shares])
-    assert got == [[0, 3 * i + 1] for i in range(5)]
-    assert dict(ops.counts) == {"d2h": 1, "sync": 1}, ops.by_op
-    for s in shares:
-        s.heads[s.cls] = 0
-    with counting() as ops:
-        assert arena.cover([(s, arena.chunk) for s in shares]) == []       # empty lists: a read, then the loans
-    assert ops.counts["sync"] == 1 and "alloc:stack" not in ops.by_op, ops.by_op
-    assert [s.n_free() for s in shares] == [arena.chunk] * 5
-    assert len(set(records(arena, shares))) == 256
-    stores, _ = make_all(calibration(3))            # a cache's: views of the allocation make_stores uploads
-    from gaac.cache.pools import count_arrays
-    heads = count_arrays([p for layer_stores in stores for store in layer_stores for p in (store.slots, store.raw)])
-    for i, h in enumerate(heads):
-        h[1] = 5 * i + 2
-    with counting() as ops:
-        got = read_counts(heads)
-    assert got == torch.stack(heads).tolist() and len(got) == 6
-    assert dict(ops.counts) == {"d2h": 1, "sync": 1}, ops.by_op
-    _, apart = device_arena(256, 3)
-    for i, s in enumerate(apart):
-        s.heads[s.cls] = i + 7
-    with counting() as ops:
-        got = read_counts([s.heads for s in apart])
-    assert got == [[0, i + 7] for i in range(3)]
-    assert ops.by_op["alloc:stack"] == 1, ops.by_op
-
-
 def test_loans_that_fit_the_lists_are_one_read_and_one_copy():
     """Loans to shares whose free-list arrays have room: the counts read once, every loan brought to the device
     in one copy and written past its list's end (the arrays, and the plans made with them, stay)."""

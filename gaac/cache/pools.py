@@ -353,33 +353,11 @@ def grow_pools(lacks, read: bool = True) -> None:
 
 def sync_pools(pools) -> list[int]:
     """The free records of each pool, exact: the device pools' counts read with one synchronisation for all of
-    them (:meth:`DevicePool.n_free` waits once per pool), through :func:`read_counts`."""
+    them (:meth:`DevicePool.n_free` waits once per pool)."""
     heads = count_arrays(pools)
     if heads:
-        counts_read(pools, heads, read_counts(heads))
+        counts_read(pools, heads, torch.stack(heads).tolist())
     return [max(p.listed - p.taken, 0) if isinstance(p, DevicePool) else p.n_free() for p in pools]
-
-
-COUNTS_SPAN = 1 << 16    # int32 words: the most a read of count arrays copies to take them in one span
-
-
-def read_counts(heads: list) -> list:
-    """The values of the count arrays ``heads`` (:func:`count_arrays`) as lists, in one copy to the host.  Where
-    they lie in one allocation, as a cache makes them (:func:`gaac.cache.store.make_stores`), the copy is of the
-    span that holds them: a plain copy, which needs no kernel, so on a GPU it waits for the work queued before
-    it on the current stream and not for an SM behind another stream's kernels (a prompt's adaptation rule).
-    Otherwise the arrays are stacked on the device first."""
-    first = heads[0]
-    storage = first.untyped_storage().data_ptr()
-    if all(h.dtype == first.dtype and h.is_contiguous() and h.untyped_storage().data_ptr() == storage
-           for h in heads):
-        starts = [h.storage_offset() for h in heads]
-        lo = min(starts)
-        hi = max(at + h.numel() for at, h in zip(starts, heads))
-        if hi - lo <= COUNTS_SPAN:
-            span = torch.as_strided(first, (hi - lo,), (1,), lo).cpu().numpy()
-            return [span[at - lo:at - lo + h.numel()].tolist() for at, h in zip(starts, heads)]
-    return torch.stack(heads).tolist()
 
 
 
