@@ -29,9 +29,6 @@ warm-up.  After the first timed prompt of each way, its last layer reads back bi
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
 import statistics
 import sys
 import time
@@ -46,7 +43,7 @@ import torch  # noqa: E402
 
 import gaac  # noqa: E402
 import gaac.cuda.epochs as device_epochs  # noqa: E402
-from benchmarks.report import commit, head, table, write  # noqa: E402
+from benchmarks.report import gpu_report, head, table, write  # noqa: E402
 from equal_memory import tokens_at as content  # noqa: E402
 from prefill_layers import by_layer  # noqa: E402
 
@@ -71,18 +68,26 @@ WAYS = {"packed": ("DEVICE_PACKED " + str(device_epochs.DEVICE_PACKED), "host pa
         "rows": ("epochs read on the device", "epochs from the host")}
 
 
-def measure(args) -> dict:
+def long_prompt(tokens: int, cal_tokens: int) -> tuple:
+    """The long prompt of this script, scan_ab.py, scan_variants.py and prompt_timeline.py: ``tokens`` tokens of
+    decode_step.py's real content at the Llama-3.1-8B KV shape, every layer, as K and V BF16 ``[layers, kv_heads,
+    tokens, head_dim]`` on the GPU, with a calibration from the content's first ``cal_tokens`` tokens (as a user
+    calibrates) and the content's source: ``(cal, src, k, v)``."""
     s = DS.LLAMA_8B
     k_u, v_u = DS.real_source(DS.find_data(None), s)
-    cal = gaac.calibrate(k_u[:, :, :args.cal_tokens], v_u[:, :, :args.cal_tokens], show_progress=False)
+    cal = gaac.calibrate(k_u[:, :, :cal_tokens], v_u[:, :, :cal_tokens], show_progress=False)
     src = DS.Source(k_u, v_u)
+    kk, vv = zip(*(content(src, layer, 0, 0, tokens) for layer in range(s.layers)))
+    return cal, src, torch.stack(kk), torch.stack(vv)
+
+
+def measure(args) -> dict:
+    s = DS.LLAMA_8B
+    cal, src, k, v = long_prompt(args.tokens, args.cal_tokens)
     switch = SWITCHES[args.switch]
     order = ["on", "off", "off", "on"] * args.rounds
     res = {w: {"prompt_ms": [], "join_ms": []} for w in ("on", "off")}
     res["read_back_exact"] = {}
-    kk, vv = zip(*(content(src, layer, 0, 0, args.tokens) for layer in range(s.layers)))
-    k, v = torch.stack(kk), torch.stack(vv)
-    del kk, vv
     epochs = {}
     for r, way in enumerate(["off"] + order):
         switch(way == "on")
@@ -163,11 +168,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("prompt_ab.py times the CUDA path: it needs a GPU")
-    rep = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-               device=torch.cuda.get_device_name(), machine=f"{platform.machine()} {os.cpu_count()} cores",
-               commit=commit(), torch=torch.__version__, threshold=device_epochs.DEVICE_PACKED,
-               command="python benchmarks/prompt_ab.py " + " ".join(sys.argv[1:] if argv is None else argv),
-               args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()})
+    rep = gpu_report("prompt_ab.py", argv, args, threshold=device_epochs.DEVICE_PACKED)
     rep["results"] = measure(args)
     write(rep, args.out, render)
     print(render(rep))

@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import argparse
 import collections
-import datetime
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -26,24 +24,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import decode_step as DS  # noqa: E402
 import torch  # noqa: E402
 
 import gaac  # noqa: E402
-from benchmarks.report import commit, head, write  # noqa: E402
-from equal_memory import tokens_at as content  # noqa: E402
+from benchmarks.report import gpu_report, head, write  # noqa: E402
+from prompt_ab import long_prompt  # noqa: E402
 
 
 def measure(args) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
-    s = DS.LLAMA_8B
-    k_u, v_u = DS.real_source(DS.find_data(None), s)
-    cal = gaac.calibrate(k_u[:, :, :args.cal_tokens], v_u[:, :, :args.cal_tokens], show_progress=False)
-    src = DS.Source(k_u, v_u)
-    kk, vv = zip(*(content(src, layer, 0, 0, args.tokens) for layer in range(s.layers)))
-    k, v = torch.stack(kk), torch.stack(vv)
-    del kk, vv
+    cal, _, k, v = long_prompt(args.tokens, args.cal_tokens)
 
     def new_cache():
         return gaac.PagedKVCache(cal, max_blocks=args.tokens // 16 + 2, device="cuda")
@@ -111,11 +102,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if not torch.cuda.is_available() or os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
         raise SystemExit("prompt_timeline.py profiles a prompt on a GPU: it needs CUDA and NUMBA_ENABLE_CUDASIM unset")
-    rep = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-               device=torch.cuda.get_device_name(), machine=f"{platform.machine()} {os.cpu_count()} cores",
-               commit=commit(), torch=torch.__version__,
-               command="python benchmarks/prompt_timeline.py " + " ".join(sys.argv[1:] if argv is None else argv),
-               args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()})
+    rep = gpu_report("prompt_timeline.py", argv, args)
     rep["results"] = measure(args)
     write(rep, args.out, render)
     print(render(rep))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,6 +33,21 @@ def commit_with_changes(script: str) -> str:
     head = git("rev-parse", "--short=12", "HEAD").strip() or "unknown"
     dirty = [line[3:] for line in git("status", "--porcelain", "--", "gaac", script).splitlines()]
     return head + (f" (uncommitted changes in: {', '.join(dirty)})" if dirty else "")
+
+
+def gpu_report(script: str, argv, args, **extra) -> dict:
+    """The header of a GPU script's report: date, device, machine, commit, torch, the command (``script`` and
+    ``argv``, or the process's arguments where ``argv`` is None), the parsed ``args`` and ``extra`` fields."""
+    import datetime
+    import platform
+
+    import torch
+
+    return dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                device=torch.cuda.get_device_name(), machine=f"{platform.machine()} {os.cpu_count()} cores",
+                commit=commit(), torch=torch.__version__, **extra,
+                command=f"python benchmarks/{script} " + " ".join(sys.argv[1:] if argv is None else argv),
+                args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()})
 
 
 def head(title: str, rep: dict) -> list[str]:

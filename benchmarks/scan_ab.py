@@ -21,10 +21,8 @@ modules): the trees must share the kernel's arguments, which ``Batch.scan_args``
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.util
 import os
-import platform
 import statistics
 import sys
 from pathlib import Path
@@ -33,15 +31,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import decode_step as DS  # noqa: E402
 import torch  # noqa: E402
 
-import gaac  # noqa: E402
 import gaac.cuda.epochs as here  # noqa: E402
 import gaac.epochs as E  # noqa: E402
 from gaac import layout as L  # noqa: E402
-from benchmarks.report import commit, head, table, write  # noqa: E402
-from equal_memory import tokens_at as content  # noqa: E402
+from benchmarks.report import gpu_report, head, table, write  # noqa: E402
+from prompt_ab import long_prompt  # noqa: E402
 
 
 def other_tree(base: Path):
@@ -56,24 +52,24 @@ def other_tree(base: Path):
     return module
 
 
-def measure(args) -> dict:
-    base = other_tree(args.base)
-    s = DS.LLAMA_8B
-    k_u, v_u = DS.real_source(DS.find_data(None), s)
-    cal = gaac.calibrate(k_u[:, :, :args.cal_tokens], v_u[:, :, :args.cal_tokens], show_progress=False)
-    src = DS.Source(k_u, v_u)
-    kk, vv = zip(*(content(src, layer, 0, 0, args.tokens) for layer in range(s.layers)))
-    k, v = torch.stack(kk), torch.stack(vv)
-    del kk, vv
+def scan_batch(tokens: int, cal_tokens: int):
+    """The rule's batch of prompt_ab.py's long prompt (:func:`prompt_ab.long_prompt`): a job per layer and kind,
+    each adapter calibrated on the content's first ``cal_tokens`` tokens, its blocks ``[n, kv_heads, 16,
+    head_dim]`` a view of the prompt as the cache's prefill hands it over."""
+    cal, _, k, v = long_prompt(tokens, cal_tokens)
     layers, heads, _, dim = k.shape
-    n = args.tokens // L.BLOCK_TOKENS
+    n = tokens // L.BLOCK_TOKENS
 
-    def blocks(x):           # [n, heads, 16, dim], a view of the prompt as the cache's prefill hands it over
+    def blocks(x):
         return x.view(heads, n, L.BLOCK_TOKENS, dim).permute(1, 0, 2, 3)
 
-    jobs = [(E.Adapter(cal.copy(), layer, kind), blocks((k, v)[kind][layer])) for kind in (0, 1)
-            for layer in range(layers)]
-    batch = here.Batch(jobs)
+    return here.Batch([(E.Adapter(cal.copy(), layer, kind), blocks((k, v)[kind][layer])) for kind in (0, 1)
+                       for layer in range(layers)])
+
+
+def measure(args) -> dict:
+    base = other_tree(args.base)
+    batch = scan_batch(args.tokens, args.cal_tokens)
     scan_args = batch.scan_args
     hist, cand, saved0, differs0 = scan_args[6], scan_args[7], scan_args[10], scan_args[11]
     kernels = {"base": base.scan_kernel(E.ADAPT_EVERY, E.DECAY_SHIFT, base.SCAN_REGISTERS),
@@ -83,7 +79,7 @@ def measure(args) -> dict:
     # Batch where it has scan_grid, else the (jobs, groups) grid of the trees before it
     grids = {"this": batch.scan_grid,
              "base": (base.Batch.scan_grid.fget(batch) if hasattr(base.Batch, "scan_grid")
-                      else (len(jobs), batch.channels // L.GROUP_SIZE))}
+                      else (len(batch.jobs), batch.channels // L.GROUP_SIZE))}
     ms, outputs = {w: [] for w in kernels}, {}
     for r in range(args.rounds + 1):
         for way in (("base", "this") if r % 2 == 0 else ("this", "base")):
@@ -99,7 +95,7 @@ def measure(args) -> dict:
                 ms[way].append(round(start.elapsed_time(end), 3))
             outputs[way] = [t.clone() for t in (hist, cand, saved0, differs0)]
     same = all(torch.equal(a, b) for a, b in zip(outputs["base"], outputs["this"]))
-    return dict(ms=ms, identical=same, jobs=len(jobs), checks=int(batch.checks.max()))
+    return dict(ms=ms, identical=same, jobs=len(batch.jobs), checks=int(batch.checks.max()))
 
 
 def render(rep: dict) -> str:
@@ -128,11 +124,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if not torch.cuda.is_available() or os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
         raise SystemExit("scan_ab.py times the scan kernel on a GPU: it needs CUDA and NUMBA_ENABLE_CUDASIM unset")
-    rep = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-               device=torch.cuda.get_device_name(), machine=f"{platform.machine()} {os.cpu_count()} cores",
-               commit=commit(), torch=torch.__version__,
-               command="python benchmarks/scan_ab.py " + " ".join(sys.argv[1:] if argv is None else argv),
-               args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()})
+    rep = gpu_report("scan_ab.py", argv, args)
     rep["results"] = measure(args)
     write(rep, args.out, render)
     print(render(rep))

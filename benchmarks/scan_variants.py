@@ -17,10 +17,8 @@ A kernel's time, not a user's: the prompt is ``prompt_ab.py``'s figure.
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.util
 import os
-import platform
 import statistics
 import sys
 from pathlib import Path
@@ -29,15 +27,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import decode_step as DS  # noqa: E402
 import torch  # noqa: E402
 
-import gaac  # noqa: E402
 import gaac.cuda.epochs as here  # noqa: E402
 import gaac.epochs as E  # noqa: E402
 from gaac import layout as L  # noqa: E402
-from benchmarks.report import commit, head, table, write  # noqa: E402
-from equal_memory import tokens_at as content  # noqa: E402
+from benchmarks.report import gpu_report, head, table, write  # noqa: E402
+from scan_ab import scan_batch  # noqa: E402
 
 SOURCE = ROOT / "gaac" / "cuda" / "epochs.py"
 ATOM = "                cuda.atomic.add(cnt, u32(row32 + u32(e + (e >> u32(3)))), ONE)   # unsigned: no wrap-around\n"
@@ -80,22 +76,7 @@ def module(name: str, text: str):
 
 
 def measure(args) -> dict:
-    s = DS.LLAMA_8B
-    k_u, v_u = DS.real_source(DS.find_data(None), s)
-    cal = gaac.calibrate(k_u[:, :, :args.cal_tokens], v_u[:, :, :args.cal_tokens], show_progress=False)
-    src = DS.Source(k_u, v_u)
-    kk, vv = zip(*(content(src, layer, 0, 0, args.tokens) for layer in range(s.layers)))
-    k, v = torch.stack(kk), torch.stack(vv)
-    del kk, vv
-    layers, heads, _, dim = k.shape
-    n = args.tokens // L.BLOCK_TOKENS
-
-    def blocks(x):
-        return x.view(heads, n, L.BLOCK_TOKENS, dim).permute(1, 0, 2, 3)
-
-    jobs = [(E.Adapter(cal.copy(), layer, kind), blocks((k, v)[kind][layer])) for kind in (0, 1)
-            for layer in range(layers)]
-    batch = here.Batch(jobs)
+    batch = scan_batch(args.tokens, args.cal_tokens)
     a = batch.scan_args
     outs = (a[6], a[7], a[10], a[11])              # histograms (also an input), candidates, savings, flags
     hist0 = a[6].clone()
@@ -119,7 +100,7 @@ def measure(args) -> dict:
                 ms[w].append(round(start.elapsed_time(end), 3))
             got[w] = [t.clone() for t in outs]
     same = {w: all(torch.equal(x, y) for x, y in zip(got[w], got["this"])) for w in names}
-    return dict(ms=ms, identical=same, jobs=len(jobs), checks=int(batch.checks.max()))
+    return dict(ms=ms, identical=same, jobs=len(batch.jobs), checks=int(batch.checks.max()))
 
 
 def render(rep: dict) -> str:
@@ -144,11 +125,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if not torch.cuda.is_available() or os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
         raise SystemExit("scan_variants.py times the scan kernel on a GPU: it needs CUDA and NUMBA_ENABLE_CUDASIM unset")
-    rep = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-               device=torch.cuda.get_device_name(), machine=f"{platform.machine()} {os.cpu_count()} cores",
-               commit=commit(), torch=torch.__version__,
-               command="python benchmarks/scan_variants.py " + " ".join(sys.argv[1:] if argv is None else argv),
-               args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()})
+    rep = gpu_report("scan_variants.py", argv, args)
     rep["results"] = measure(args)
     write(rep, args.out, render)
     print(render(rep))
