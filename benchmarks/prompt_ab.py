@@ -9,11 +9,6 @@ The switches (``on`` is what the library does):
   launched before the host waits for the decisions (``gaac.cuda.epochs.Batch.encode_rows``); ``off``: the
   encodes take the epochs from the host, after the decisions (or guess the newest epoch and code the layers
   the rule appended to again, where the cache's earlier prompts kept the guess);
-* ``gate``: a prompt's adaptation rule is launched before its reservation wherever the reservation waits for no
-  kernel (``gaac.cache.pools.RawArena.lends_without_kernels``: the pools' counts are read by one copy of the
-  span that holds them, ``gaac.cache.pools.read_counts``); ``off``: the rule goes first only where the loans
-  need no read of the counts, which are read by a stacked copy (a kernel), so a new cache's prompt reserves
-  first and its rule waits for the reservation's host work;
 * ``packed``: the appended epochs' encoder bases packed on the device from the rule's candidates where a batch
   appends ``gaac.cuda.epochs.DEVICE_PACKED`` epochs or more; ``off``: the host packs each epoch and copies it over.
 
@@ -47,32 +42,13 @@ import decode_step as DS  # noqa: E402
 import torch  # noqa: E402
 
 import gaac  # noqa: E402
-import gaac.cache.pools as pools  # noqa: E402
 import gaac.cuda.epochs as device_epochs  # noqa: E402
 from benchmarks.report import gpu_report, head, table, write  # noqa: E402
 from equal_memory import tokens_at as content  # noqa: E402
 from prefill_layers import by_layer  # noqa: E402
 
 
-_LIBRARY = {"packed": device_epochs.DEVICE_PACKED, "rows": device_epochs.Batch.encode_rows,
-            "gate": (pools.RawArena.lends_without_kernels, pools.read_counts)}
-
-
-def _covers_unread(arena, needs) -> bool:
-    """The gate without reads: the loans need no count read (every share holds what it needs by its lower
-    bound, or the reserve covers what they lack in place)."""
-    needs = [(s, n) for s, n in needs if n > 0 and s.free_lower() < n]
-    if not needs:
-        return True
-    lack = [(s, n - max(s.free_lower(), 0)) for s, n in needs]
-    return (sum(d for _, d in lack) <= arena._top
-            and all(s.lends_in_place(k) for s, k in arena._asks(lack, in_place=True)))
-
-
-def _gate(on: bool) -> None:
-    lends, read = _LIBRARY["gate"]
-    pools.RawArena.lends_without_kernels = lends if on else _covers_unread
-    pools.read_counts = read if on else (lambda heads: torch.stack(heads).tolist())
+_LIBRARY = {"packed": device_epochs.DEVICE_PACKED, "rows": device_epochs.Batch.encode_rows}
 
 
 def _packed(on: bool) -> None:
@@ -87,9 +63,8 @@ def _rows(on: bool) -> None:
     device_epochs.Batch.encode_rows = _LIBRARY["rows"] if on else _no_rows
 
 
-SWITCHES = {"gate": _gate, "packed": _packed, "rows": _rows}
-WAYS = {"gate": ("the rule first where the reservation only reads", "the reservation first where it reads"),
-        "packed": ("DEVICE_PACKED " + str(device_epochs.DEVICE_PACKED), "host packing"),
+SWITCHES = {"packed": _packed, "rows": _rows}
+WAYS = {"packed": ("DEVICE_PACKED " + str(device_epochs.DEVICE_PACKED), "host packing"),
         "rows": ("epochs read on the device", "epochs from the host")}
 
 

@@ -55,78 +55,6 @@ def test_lending_to_shares_that_hold_records_waits_once(n_shares):
     assert len(records(arena, shares)) == 64 * n_shares - n_shares        # the taken ones are held
 
 
-def shared_heads_arena(n, shares):
-    """An arena whose shares' counts are rows of one array, as a cache makes them (make_stores)."""
-    arena = RawArena(n, 64, CPU)
-    heads = torch.zeros((shares, 4), dtype=torch.int32)
-    return arena, [arena.share(f"share {i}", heads[i, :2], 1) for i in range(shares)]
-
-
-def test_counts_in_one_allocation_are_read_by_one_copy_and_no_kernel():
-    """Count arrays that lie in one allocation come to the host in one copy of the span that holds them, with no
-    kernel (which on a GPU would wait behind a prompt's rule holding the SMs): each pool's count as the device
-    holds it.  Arrays apart are stacked first."""
-    from gaac.cache.pools import read_counts
-
-    arena, shares = shared_heads_arena(256, 5)
-    for i, s in enumerate(shares):
-        s.heads[s.cls] = 3 * i + 1
-    with counting() as ops:
-        got = read_counts([s.heads for s in shares])
-    assert got == [[0, 3 * i + 1] for i in range(5)]
-    assert dict(ops.counts) == {"d2h": 1, "sync": 1}, ops.by_op
-    for s in shares:
-        s.heads[s.cls] = 0
-    with counting() as ops:
-        assert arena.cover([(s, arena.chunk) for s in shares]) == []       # empty lists: a read, then the loans
-    assert ops.counts["sync"] == 1 and "alloc:stack" not in ops.by_op, ops.by_op
-    assert [s.n_free() for s in shares] == [arena.chunk] * 5
-    assert len(set(records(arena, shares))) == 256
-    stores, _ = make_all(calibration(3))            # a cache's: views of the allocation make_stores uploads
-    from gaac.cache.pools import count_arrays
-    heads = count_arrays([p for layer_stores in stores for store in layer_stores for p in (store.slots, store.raw)])
-    for i, h in enumerate(heads):
-        h[1] = 5 * i + 2
-    with counting() as ops:
-        got = read_counts(heads)
-    assert got == torch.stack(heads).tolist() and len(got) == 6
-    assert dict(ops.counts) == {"d2h": 1, "sync": 1}, ops.by_op
-    _, apart = device_arena(256, 3)
-    for i, s in enumerate(apart):
-        s.heads[s.cls] = i + 7
-    with counting() as ops:
-        got = read_counts([s.heads for s in apart])
-    assert got == [[0, i + 7] for i in range(3)]
-    assert ops.by_op["alloc:stack"] == 1, ops.by_op
-
-
-def test_a_reservation_reaches_its_loans_without_a_kernel_unless_the_arena_takes_records_back(monkeypatch):
-    """``lends_without_kernels`` against what ``cover(read=False)`` does: loans the reserve covers (in place, or
-    after a read of the counts: a copy) and loans beyond every share's free records (the reserve spread over the
-    shares after the reads) are reached without a kernel; loans the reserve covers only once the shares' free
-    records come back to it take them back (a kernel gathers them), and the method says so beforehand."""
-    reclaims = []
-    reclaim = RawArena._reclaim
-    monkeypatch.setattr(RawArena, "_reclaim", lambda self, free: (reclaims.append(1), reclaim(self, free))[1])
-    # (shares asked, records each asks): two of four shares each asking for about half the arena need the
-    # other two's free records back; asking for all of it is more than the arena holds
-    for asked, asks, takes_back in ((4, lambda a: 1, False),           # empty lists: a read, then the loans
-                                    (2, lambda a: 128 - a.chunk // 2, True),
-                                    (4, lambda a: 256, False)):
-        arena, shares = shared_heads_arena(256, 4)
-        if asked == 2:
-            assert arena.cover([(s, arena.chunk) for s in shares]) == []
-        needs = [(s, asks(arena)) for s in shares[:asked]]
-        assert arena.lends_without_kernels(needs) == (not takes_back)
-        reclaims.clear()
-        with counting() as ops:
-            arena.cover(needs, read=False)
-        assert bool(reclaims) == takes_back
-        if not takes_back:
-            assert "alloc:stack" not in ops.by_op and "alloc:cat" not in ops.by_op, ops.by_op
-        assert len(set(records(arena, shares))) == len(records(arena, shares))
-
-
 def test_loans_that_fit_the_lists_are_one_read_and_one_copy():
     """Loans to shares whose free-list arrays have room: the counts read once, every loan brought to the device
     in one copy and written past its list's end (the arrays, and the plans made with them, stay)."""
@@ -154,7 +82,9 @@ def test_a_guess_lent_in_place_by_the_lower_bounds_reads_no_count():
     assert arena.cover([(s, arena.chunk) for s in shares]) == []
     _taken(shares, 1)
     arrays_before = [s.order for s in shares]
-    assert arena.lends_without_kernels([(s, 2 * arena.chunk) for s in shares])
+    fresh = device_arena(256, 4)
+    assert not fresh[0].covers_unread([(s, 1) for s in fresh[1]])      # empty lists: their first loans read
+    assert arena.covers_unread([(s, 2 * arena.chunk) for s in shares])
     with counting() as ops:
         assert arena.cover([(s, 2 * arena.chunk) for s in shares], read=False) == []
     assert ops.counts["sync"] == 0, ops.by_op
@@ -162,6 +92,7 @@ def test_a_guess_lent_in_place_by_the_lower_bounds_reads_no_count():
     assert all(s.n_free() >= 2 * arena.chunk for s in shares)
     assert len(records(arena, shares)) == 256 - 4                       # the taken ones are held
     _taken(shares, 1)
+    assert not arena.covers_unread([(shares[0], shares[0].order.shape[0] + 1)])
     with counting() as ops:
         assert arena.cover([(shares[0], shares[0].order.shape[0] + 1)], read=False) == []
     assert ops.counts["sync"] >= 1, ops.by_op

@@ -68,10 +68,6 @@ class Pool:
         """Free records, at least: exact for a host free list (see :meth:`DevicePool.free_lower`)."""
         return self._top
 
-    def free_upper(self) -> int:
-        """Free records, at most: exact for a host free list (see :meth:`DevicePool.free_upper`)."""
-        return self._top
-
     def grow_to(self, n: int, read: bool = True) -> None:
         """Enlarge the pool to ``n`` records, the new ones free (``read``: a device pool's, see
         :meth:`DevicePool.grow_to`)."""
@@ -237,11 +233,6 @@ class DevicePool(Pool):
             self.taken, self.pending, self._snap = int(host[self.cls]), self.pending - counted, None
         return self.listed - self.taken - self.pending
 
-    def free_upper(self) -> int:
-        """Free records, at most (no synchronisation): the list's entries past the count the host last read, which
-        the device's count, only ever advanced by the encoders since, cannot be below."""
-        return self.listed - min(self.taken, self.listed)
-
     def n_free(self) -> int:
         self.sync()
         return max(self.listed - self.taken, 0)
@@ -362,34 +353,11 @@ def grow_pools(lacks, read: bool = True) -> None:
 
 def sync_pools(pools) -> list[int]:
     """The free records of each pool, exact: the device pools' counts read with one synchronisation for all of
-    them (:meth:`DevicePool.n_free` waits once per pool), through :func:`read_counts`."""
+    them (:meth:`DevicePool.n_free` waits once per pool)."""
     heads = count_arrays(pools)
     if heads:
-        counts_read(pools, heads, read_counts(heads))
+        counts_read(pools, heads, torch.stack(heads).tolist())
     return [max(p.listed - p.taken, 0) if isinstance(p, DevicePool) else p.n_free() for p in pools]
-
-
-COUNTS_SPAN = 1 << 16    # int32 words: the most a read of count arrays copies to take them in one span
-
-
-def read_counts(heads: list) -> list:
-    """The values of the count arrays ``heads`` (:func:`count_arrays`) as lists, in one copy to the host.  Where
-    they lie in one allocation, as a cache makes them (:func:`gaac.cache.store.make_stores`), the copy is of the
-    span that holds them: a plain copy, which needs no kernel, so on a GPU it waits for the work queued before
-    it on the current stream and not behind another stream's kernels that hold every SM (a prompt's
-    adaptation rule, launched before its reservation reads).  Otherwise the arrays are stacked on the device
-    first."""
-    first = heads[0]
-    storage = first.untyped_storage().data_ptr()
-    if all(h.dtype == first.dtype and h.is_contiguous() and h.untyped_storage().data_ptr() == storage
-           for h in heads):
-        starts = [h.storage_offset() for h in heads]
-        lo = min(starts)
-        hi = max(at + h.numel() for at, h in zip(starts, heads))
-        if hi - lo <= COUNTS_SPAN:
-            span = torch.as_strided(first, (hi - lo,), (1,), lo).cpu().numpy()
-            return [span[at - lo:at - lo + h.numel()].tolist() for at, h in zip(starts, heads)]
-    return torch.stack(heads).tolist()
 
 
 
@@ -794,21 +762,16 @@ class RawArena:
         lent = self._lend_all(self._asks(lack))
         return [(s, d - n) for (s, d), n in zip(lack, lent) if n < d]
 
-    def lends_without_kernels(self, needs) -> bool:
-        """Whether :meth:`cover` of ``needs`` with ``read=False`` reaches its loans with no wait for a kernel (nothing
-        is lent here): every share asked holds what it needs by its lower bound; or the reserve covers what they
-        lack, lent past the lists' ends without a read or after one read of the counts (:func:`read_counts`, a
-        copy); or not even every share's free records could cover what is asked, so the reserve is spread over
-        the shares after the reads.  Not where the arena may take every share's free records back to lend them
-        again (:meth:`_reclaim` gathers them on the device before the host reads them).  A prompt's adaptation
-        rule, once launched, holds the SMs: a reservation whose reads need no kernel runs beside it."""
-        asked = [(s, n) for s, n in needs if n > 0]
-        short = [(s, n) for s, n in asked if s.free_lower() < n]
-        if not short:
+    def covers_unread(self, needs) -> bool:
+        """Whether :meth:`cover` of ``needs`` with ``read=False`` lends without reading a count (nothing is lent
+        here): every share asked holds what it needs by its lower bound, or the reserve covers what they lack
+        and every loan is written past its list's end."""
+        needs = [(s, n) for s, n in needs if n > 0 and s.free_lower() < n]
+        if not needs:
             return True
-        if sum(n - max(s.free_lower(), 0) for s, n in short) <= self._top:
-            return True
-        return self._top + sum(s.free_upper() for s in self.shares) < sum(n for _, n in asked)
+        lack = [(s, n - max(s.free_lower(), 0)) for s, n in needs]
+        return (sum(d for _, d in lack) <= self._top
+                and all(s.lends_in_place(k) for s, k in self._asks(lack, in_place=True)))
 
     def _asks(self, lack: list, in_place: bool = False) -> list:
         """What each ``(share, records it lacks)`` of ``lack`` is lent: what it lacks, at least a chunk while the

@@ -319,11 +319,10 @@ class UpdateTransaction:
         the encodes run.  Where every encode coded its blocks with the epochs the rule decided, the host also
         writes the update (tables, tails, lengths, block epochs, adapters, the epochs it appends) before it
         waits for the encodes' counts, and undoes that write if a free list ran dry (:meth:`_written_early`)."""
-        # The reservation first where it may wait for a kernel (a growth, the arena taking its shares' records
-        # back): it then waits only for what ran before the update, not behind the rule's kernels, which hold the
-        # GPU once launched.  Where it cannot (the common case: a prompt into a cache with room, whose reads of
-        # the counts are copies that need no kernel), the rule is launched first and the reservation's host work
-        # runs while the GPU scans.
+        # The reservation first where it may read the device's counts: it then waits only for what ran before
+        # the update, not behind the rule's kernels, which hold the GPU once launched.  Where it cannot wait (the
+        # common case: a prompt into a cache with room), the rule is launched first and the reservation's host
+        # work runs while the GPU scans.
         jobs = self._reserve_jobs(updates)
         if self._reserve_waits(updates, jobs):
             self._reserve(updates, jobs)
@@ -937,18 +936,18 @@ class UpdateTransaction:
             self._storage_changed()
 
     def _reserve_waits(self, updates: list, jobs: list) -> bool:
-        """Whether :meth:`_reserve` of ``updates`` (``jobs``: their :meth:`_reserve_jobs`) may wait for a kernel or
-        grow anything; False where it certainly does neither: every update is the CUDA encoder's (its tiles
+        """Whether :meth:`_reserve` of ``updates`` (``jobs``: their :meth:`_reserve_jobs`) may wait for the device
+        or grow anything; False where it certainly does neither: every update is the CUDA encoder's (its tiles
         slot or raw as they are encoded), the block table holds the new blocks, each job's slot pool alone has a
         free record for every tile by its lower bound (then no bound falls short, so neither a removal's records
-        nor the slot pools' counts are waited for, and nothing grows), and the arena lends the raw shares their
-        guesses with at most a read of their counts that needs no kernel
-        (:meth:`~gaac.cache.pools.RawArena.lends_without_kernels`)."""
+        nor the device's counts are waited for, and nothing grows), and the arena lends the raw shares their
+        guesses without reading a count (:meth:`~gaac.cache.pools.RawArena.covers_unread`; a new cache's first
+        prompt reads them)."""
         if self._blocks_needed(updates) > self.max_blocks:
             return True
         if any(fits is not None or store.slots.free_lower() < n for store, n, fits in jobs):
             return True
-        return not self._arena.lends_without_kernels(self._raw_guesses(jobs))
+        return not self._arena.covers_unread(self._raw_guesses(jobs))
 
     def _blocks_needed(self, updates: list) -> int:
         """The blocks the longest sequence of ``updates`` holds once they are written: what the table must hold."""
