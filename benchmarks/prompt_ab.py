@@ -9,8 +9,6 @@ The switches (``on`` is what the library does):
   launched before the host waits for the decisions (``gaac.cuda.epochs.Batch.encode_rows``); ``off``: the
   encodes take the epochs from the host, after the decisions (or guess the newest epoch and code the layers
   the rule appended to again, where the cache's earlier prompts kept the guess);
-* ``staging``: the cache's uploads of host arrays pass through pinned staging memory the process keeps
-  (``gaac.arrays.Staging``); ``off``: each upload pins a new host buffer (``Tensor.pin_memory``);
 * ``packed``: the appended epochs' encoder bases packed on the device from the rule's candidates where a batch
   appends ``gaac.cuda.epochs.DEVICE_PACKED`` epochs or more; ``off``: the host packs each epoch and copies it over.
 
@@ -44,34 +42,13 @@ import decode_step as DS  # noqa: E402
 import torch  # noqa: E402
 
 import gaac  # noqa: E402
-import gaac.arrays as arrays  # noqa: E402
 import gaac.cuda.epochs as device_epochs  # noqa: E402
 from benchmarks.report import gpu_report, head, table, write  # noqa: E402
 from equal_memory import tokens_at as content  # noqa: E402
 from prefill_layers import by_layer  # noqa: E402
 
 
-_LIBRARY = {"packed": device_epochs.DEVICE_PACKED, "rows": device_epochs.Batch.encode_rows,
-            "staging": arrays.upload}
-
-
-def _pinned_upload(a, device):
-    """An upload through a host buffer pinned for it (the rule's int32 batches keep their staging)."""
-    t = torch.from_numpy(a.copy() if not a.flags.c_contiguous else a)
-    if device.type != "cuda" or t.numel() == 0:
-        return t.to(device)
-    if a.dtype == "int32" and a.ndim == 1 and _in_rule():
-        return _LIBRARY["staging"](a, device)
-    return t.pin_memory().to(device, non_blocking=True)
-
-
-def _in_rule() -> bool:
-    frame = sys._getframe(2)
-    return frame.f_code.co_name == "_staged"
-
-
-def _staging(on: bool) -> None:
-    arrays.upload = _LIBRARY["staging"] if on else _pinned_upload
+_LIBRARY = {"packed": device_epochs.DEVICE_PACKED, "rows": device_epochs.Batch.encode_rows}
 
 
 def _packed(on: bool) -> None:
@@ -86,9 +63,8 @@ def _rows(on: bool) -> None:
     device_epochs.Batch.encode_rows = _LIBRARY["rows"] if on else _no_rows
 
 
-SWITCHES = {"packed": _packed, "rows": _rows, "staging": _staging}
-WAYS = {"staging": ("uploads through kept pinned staging", "uploads through a new pinned buffer each"),
-        "packed": ("DEVICE_PACKED " + str(device_epochs.DEVICE_PACKED), "host packing"),
+SWITCHES = {"packed": _packed, "rows": _rows}
+WAYS = {"packed": ("DEVICE_PACKED " + str(device_epochs.DEVICE_PACKED), "host packing"),
         "rows": ("epochs read on the device", "epochs from the host")}
 
 

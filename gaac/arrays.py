@@ -61,91 +61,12 @@ def stacked_view(tensors: list):
 
 def upload(a: np.ndarray, device):
     """Host array ``a`` as a torch tensor on ``device`` (a ``torch.device``) without the host waiting for the
-    device: on CUDA through pinned staging memory the process keeps (:class:`Staging`) and an asynchronous
-    copy on the current stream, where a copy from pageable memory waits for the stream; ``a`` itself, as a
-    tensor, on the CPU.  The one way the cache and its pools copy host arrays to the device
-    (benchmarks/construction.py counts its calls as one pinned copy each)."""
+    device: through pinned memory and an asynchronous copy on CUDA, where a copy from pageable memory waits
+    for the stream; ``a`` itself, as a tensor, on the CPU.  The one way the cache and its pools copy host
+    arrays to the device (benchmarks/construction.py counts its calls as one pinned copy each)."""
     import torch
 
     t = torch.from_numpy(np.ascontiguousarray(a))
     if device.type != "cuda" or t.numel() == 0:
         return t.to(device)
-    return Staging.of(device).upload(t, device)
-
-
-class Staging:
-    """Pinned host memory that uploads pass through, kept per device.
-
-    Pinning host memory costs the host about a millisecond a megabyte and more when the GPU is busy, which a
-    prompt's few uploads (its lists, its block epochs) paid on every call where they went through a new pinned
-    buffer each.  Here an upload takes the next bytes of a pinned chunk (256-byte aligned), copies the array
-    there and launches the copy to the device on the current stream; the chunk keeps the event of the last
-    copy out of it on each stream.  A chunk is used again from its start once those copies are done; where none
-    is (uploads launched behind queued work), a new chunk is pinned rather than waiting, up to
-    :data:`MAX_CHUNKS`, after which the oldest chunk's copies are waited for."""
-
-    CHUNK = 4 << 20         # bytes of a chunk (more where one upload needs more)
-    MAX_CHUNKS = 8
-    ALIGN = 256
-    _by_device: dict = {}
-
-    def __init__(self):
-        self.chunks = []    # [pinned uint8 buffer, bytes used, {stream handle: event of its last copy}], oldest first
-
-    @classmethod
-    def of(cls, device) -> "Staging":
-        import torch
-
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        staging = cls._by_device.get(index)
-        if staging is None:
-            staging = cls._by_device[index] = cls()
-        return staging
-
-    def _room(self, nbytes: int) -> list:
-        """A chunk with ``nbytes`` free past its used bytes (the newest chunk, a chunk whose copies are done, a
-        new one, or the oldest once its copies are done)."""
-        import torch
-
-        chunks = self.chunks
-        if chunks and chunks[-1][1] + nbytes <= chunks[-1][0].numel():
-            return chunks[-1]
-        for i, chunk in enumerate(chunks):
-            if chunk[0].numel() >= nbytes and all(event.query() for event in chunk[2].values()):
-                break
-        else:
-            if len(chunks) < self.MAX_CHUNKS or not any(c[0].numel() >= nbytes for c in chunks):
-                size = max(self.CHUNK, 1 << (nbytes - 1).bit_length())
-                chunks.append([torch.empty(size, dtype=torch.uint8, pin_memory=True), 0, {}])
-                if len(chunks) > self.MAX_CHUNKS:         # a larger chunk replaces the oldest
-                    old = chunks.pop(0)
-                    for event in old[2].values():
-                        event.synchronize()
-                return chunks[-1]
-            i = next(i for i, c in enumerate(chunks) if c[0].numel() >= nbytes)
-            for event in chunks[i][2].values():
-                event.synchronize()
-        chunk = chunks.pop(i)
-        chunk[1] = 0
-        chunk[2].clear()
-        chunks.append(chunk)
-        return chunk
-
-    def upload(self, t, device):
-        """``t`` (a contiguous CPU tensor) copied into a new tensor on ``device`` through the staging memory."""
-        import torch
-
-        nbytes = t.numel() * t.element_size()
-        chunk = self._room(nbytes)
-        at = chunk[1]
-        chunk[1] = -(-(at + nbytes) // self.ALIGN) * self.ALIGN
-        host = chunk[0][at:at + nbytes].view(t.dtype).view(t.shape)
-        host.copy_(t)
-        out = torch.empty(t.shape, dtype=t.dtype, device=device)
-        out.copy_(host, non_blocking=True)
-        stream = torch.cuda.current_stream(device)
-        event = chunk[2].get(stream.cuda_stream)
-        if event is None:
-            event = chunk[2][stream.cuda_stream] = torch.cuda.Event()
-        event.record(stream)
-        return out
+    return t.pin_memory().to(device, non_blocking=True)

@@ -33,9 +33,8 @@ from numba import cuda
 
 from .. import epochs as E
 from .. import layout as L
-from .. import arrays
 from ..arrays import stacked_view
-from .launch import driver, launch_args
+from .launch import device_index, driver, launch_args
 from .primitives import SIMULATOR, WARP, device, gaddr, i32, ldg4_at, popc, syncwarp, u32, u64
 
 BINS = 256                   # exponent values of a BF16 element
@@ -553,15 +552,42 @@ def _aligned(x):
     return x.clone(memory_format=torch.contiguous_format)
 
 
+_STAGING = {}        # device index -> [(pinned int32 host buffer, event of the last copy out of it)], oldest first
+_STAGING_BUFFERS = 4     # pinned buffers kept per device: a batch takes one whose last copy is done
 _ALIGN_WORDS = 64    # int32 words: where each part of a batch's zeroed allocation starts (256 bytes)
 
 
 def _staged(a: np.ndarray, device):
-    """Int32 host array ``a`` in a tensor on ``device``: through :func:`gaac.arrays.upload`'s pinned staging on a
-    GPU (the host does not wait for the device), ``a`` itself on the CPU."""
+    """Int32 host array ``a`` in a tensor on ``device``: :func:`_upload` on a GPU, ``a`` itself on the CPU."""
     import torch
 
-    return arrays.upload(a, device) if device.type == "cuda" else torch.from_numpy(a)
+    return _upload(a, device) if device.type == "cuda" else torch.from_numpy(a)
+
+
+def _upload(a: np.ndarray, device):
+    """Int32 host array ``a`` in a new tensor on ``device`` (a CUDA device), copied on the current stream
+    without the host waiting for the device: through pinned buffers kept per device and grown as needed
+    (pinning a new host buffer of half a megabyte takes a millisecond or more).  A buffer is reused once its
+    last copy is done; where none is (a batch launched behind queued steps, whose copy has not run yet), a
+    new one is pinned rather than waiting for the steps, up to :data:`_STAGING_BUFFERS`, after which the
+    oldest is waited for."""
+    import torch
+
+    kept = _STAGING.setdefault(device_index(device), [])
+    free = next((i for i, (_, event) in enumerate(kept) if event.query()), None)
+    if free is None and len(kept) >= _STAGING_BUFFERS:
+        free = 0
+        kept[0][1].synchronize()
+    host = kept.pop(free)[0] if free is not None else None
+    if host is None or host.numel() < a.size:
+        host = torch.empty(max(a.size, 2 * (0 if host is None else host.numel())), dtype=torch.int32, pin_memory=True)
+    host[:a.size].numpy()[:] = a
+    out = torch.empty(a.size, dtype=torch.int32, device=device)
+    out.copy_(host[:a.size], non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    kept.append((host, event))
+    return out
 
 
 def assign(jobs: list) -> list:
