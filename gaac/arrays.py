@@ -48,14 +48,18 @@ def stacked_view(tensors: list):
     if len(tensors) == 1:
         return first[None]
     size = first.element_size()
-    storage = first.untyped_storage().data_ptr()
-    gap = tensors[1].data_ptr() - first.data_ptr()
-    if gap <= 0 or gap % size:
+    at = [t.data_ptr() for t in tensors]
+    gap = at[1] - at[0]
+    if gap <= 0 or gap % size or any(b - a != gap for a, b in zip(at, at[1:])):
         return None
-    for a, b in zip(tensors, tensors[1:]):
-        if (b.data_ptr() - a.data_ptr() != gap or b.shape != first.shape or b.stride() != first.stride()
-                or b.dtype != first.dtype or b.untyped_storage().data_ptr() != storage):
-            return None
+    shape, stride, dtype = first.shape, first.stride(), first.dtype
+    if any(t.shape != shape or t.stride() != stride or t.dtype != dtype for t in tensors):
+        return None
+    # every tensor within the first one's storage (allocations do not overlap, so they share it)
+    storage = first.untyped_storage()
+    extent = size * (1 + sum((n - 1) * st for n, st in zip(shape, stride))) if first.numel() else 0
+    if at[0] < storage.data_ptr() or at[-1] + extent > storage.data_ptr() + storage.nbytes():
+        return None
     return torch.as_strided(first, (len(tensors),) + tuple(first.shape), (gap // size,) + tuple(first.stride()))
 
 

@@ -162,7 +162,8 @@ class Adapter:
     @property
     def epoch(self) -> int:
         """The newest epoch: the one the next finalized block is encoded with."""
-        return self.calibration.n_epochs(self.layer, self.kind) - 1
+        # Calibration.n_epochs less its checks of the layer and kind, which the adapter's own are
+        return len(self.calibration.epochs.get((self.kind, self.layer), ()))
 
     def recent_on(self, device) -> list | None:
         """The blocks since the last check as runs of device tensors on ``device`` (int16 ``[n, kv_heads, 16,

@@ -967,13 +967,13 @@ class Batch:
         for i, (_, blocks) in enumerate(self.jobs):
             left = n if self.checks[i] == 0 else int((self.r0[i] + n) % every)
             tails.append(blocks[n - left:] if left else blocks[:0])
-        sizes = [t.numel() for t in tails]
+        sizes = [len(t) for t in tails]
         if not sum(sizes):
             return [([], None) for _ in tails]
-        flat = torch.cat([t.reshape(-1) for t in tails])
+        joined = torch.cat(tails)           # every job's blocks have one shape (_setup): joined on their first axis
         out, at = [], 0
-        for t, size in zip(tails, sizes):
-            dev = flat[at:at + size].view(t.shape) if size else None
+        for size in sizes:
+            dev = joined[at:at + size] if size else None
             out.append((E.device_blocks(dev) if size else [], dev))
             at += size
         return out
