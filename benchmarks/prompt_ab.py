@@ -43,7 +43,7 @@ import torch  # noqa: E402
 
 import gaac  # noqa: E402
 import gaac.cuda.epochs as device_epochs  # noqa: E402
-from benchmarks.report import gpu_report, head, table, write  # noqa: E402
+from benchmarks.report import gpu_run, head, table  # noqa: E402
 from equal_memory import tokens_at as content  # noqa: E402
 from prefill_layers import by_layer  # noqa: E402
 
@@ -166,12 +166,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="rounds of on, off, off, on (the joins run two)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("prompt_ab.py times the CUDA path: it needs a GPU")
-    rep = gpu_report("prompt_ab.py", argv, args, threshold=device_epochs.DEVICE_PACKED)
-    rep["results"] = measure(args)
-    write(rep, args.out, render)
-    print(render(rep))
+    gpu_run("prompt_ab.py", "times the cache's CUDA path", argv, args, measure, render,
+            threshold=device_epochs.DEVICE_PACKED)
     return 0
 
 

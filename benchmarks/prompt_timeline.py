@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import torch  # noqa: E402
 
 import gaac  # noqa: E402
-from benchmarks.report import gpu_report, head, write  # noqa: E402
+from benchmarks.report import gpu_run, head  # noqa: E402
 from prompt_ab import long_prompt  # noqa: E402
 
 
@@ -100,12 +100,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cal-tokens", type=int, default=1024)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available() or os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
-        raise SystemExit("prompt_timeline.py profiles a prompt on a GPU: it needs CUDA and NUMBA_ENABLE_CUDASIM unset")
-    rep = gpu_report("prompt_timeline.py", argv, args)
-    rep["results"] = measure(args)
-    write(rep, args.out, render)
-    print(render(rep))
+    gpu_run("prompt_timeline.py", "profiles a prompt", argv, args, measure, render)
     return 0
 
 

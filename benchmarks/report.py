@@ -50,6 +50,21 @@ def gpu_report(script: str, argv, args, **extra) -> dict:
                 args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()})
 
 
+def gpu_run(script: str, doing: str, argv, args, measure, render, **extra) -> dict:
+    """A GPU script's run: refused without CUDA or under numba's simulator (``doing`` says what the script does
+    on the GPU), else its :func:`gpu_report` header with ``measure(args)`` as ``results``, written to ``args.out``
+    (:func:`write`) and printed.  Returns the report."""
+    import torch
+
+    if not torch.cuda.is_available() or os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+        raise SystemExit(f"{script} {doing} on a GPU: it needs CUDA and NUMBA_ENABLE_CUDASIM unset")
+    rep = gpu_report(script, argv, args, **extra)
+    rep["results"] = measure(args)
+    write(rep, args.out, render)
+    print(render(rep))
+    return rep
+
+
 def head(title: str, rep: dict) -> list[str]:
     """A report's first lines: its title, then the date, device, commit and command of ``rep``."""
     return [f"# {title}", "", f"- date: {rep['date']}", f"- device: {rep['device']}", f"- commit: {rep['commit']}",

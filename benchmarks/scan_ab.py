@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -36,7 +35,7 @@ import torch  # noqa: E402
 import gaac.cuda.epochs as here  # noqa: E402
 import gaac.epochs as E  # noqa: E402
 from gaac import layout as L  # noqa: E402
-from benchmarks.report import gpu_report, head, table, write  # noqa: E402
+from benchmarks.report import gpu_run, head, table  # noqa: E402
 from prompt_ab import long_prompt  # noqa: E402
 
 
@@ -122,12 +121,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=6, help="timed rounds (each runs both kernels)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available() or os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
-        raise SystemExit("scan_ab.py times the scan kernel on a GPU: it needs CUDA and NUMBA_ENABLE_CUDASIM unset")
-    rep = gpu_report("scan_ab.py", argv, args)
-    rep["results"] = measure(args)
-    write(rep, args.out, render)
-    print(render(rep))
+    rep = gpu_run("scan_ab.py", "times the scan kernel", argv, args, measure, render)
     return 0 if rep["results"]["identical"] else 1
 
 

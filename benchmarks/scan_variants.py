@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -32,7 +31,7 @@ import torch  # noqa: E402
 import gaac.cuda.epochs as here  # noqa: E402
 import gaac.epochs as E  # noqa: E402
 from gaac import layout as L  # noqa: E402
-from benchmarks.report import gpu_report, head, table, write  # noqa: E402
+from benchmarks.report import gpu_run, head, table  # noqa: E402
 from scan_ab import scan_batch  # noqa: E402
 
 SOURCE = ROOT / "gaac" / "cuda" / "epochs.py"
@@ -123,12 +122,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds (each runs every kernel)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available() or os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
-        raise SystemExit("scan_variants.py times the scan kernel on a GPU: it needs CUDA and NUMBA_ENABLE_CUDASIM unset")
-    rep = gpu_report("scan_variants.py", argv, args)
-    rep["results"] = measure(args)
-    write(rep, args.out, render)
-    print(render(rep))
+    rep = gpu_run("scan_variants.py", "times the scan kernel", argv, args, measure, render)
     return 0 if rep["results"]["identical"]["match"] else 1
 
 
