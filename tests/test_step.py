@@ -476,3 +476,45 @@ def test_attention_follows_an_append_only_right_after_that_layers_append():
     stream[0] = 8
     plan.appended_last(0)
     assert plan._follows_append(0, 8)
+
+
+@pytest.mark.parametrize("codec", ["reference", "cuda"])
+def test_run_with_the_token_appends_as_update_layer_does(codec):
+    """``plan.run(q, layer, k=, v=)`` (one call a layer) leaves the cache and the attention bit for bit as
+    ``update_layer`` then ``run`` do, across block ends; half a token, or a token of the wrong shape, is
+    refused before anything is written, naming what is wrong."""
+    rng = np.random.default_rng(5)
+    layers, heads, dim, steps = 2, 1, 64, 6
+    start = [B - 3, 2 * B - 1]
+    k = [synthetic(rng, layers, heads, n + steps, dim) for n in start]
+    v = [synthetic(rng, layers, heads, n + steps, dim) for n in start]
+    cal = calibrate(k[0][:, :, :32], v[0][:, :, :32])
+    caches = [PagedKVCache(cal, **every_tile(cal, 2, 8), codec=codec) for _ in range(2)]
+    rows = [[c.add_sequence(k[i][:, :, :start[i]], v[i][:, :, :start[i]]) for i in range(2)] for c in caches][0]
+    for step in range(steps):
+        plans = [c.decode_plan(2 * heads) for c in caches]
+        q = _q(rng, 2, 2 * heads, dim)
+        for layer in range(layers):
+            pos = [start[i] + step for i in range(2)]
+            kn = torch.from_numpy(np.stack([k[i][layer, :, pos[i]:pos[i] + 1] for i in range(2)]).view(np.int16))
+            vn = torch.from_numpy(np.stack([v[i][layer, :, pos[i]:pos[i] + 1] for i in range(2)]).view(np.int16))
+            if step == 0 and layer == 0:
+                lens = caches[1].host_lengths.copy()
+                with pytest.raises(InputError, match="k and v"):
+                    plans[1].run(q, layer, k=kn)
+                with pytest.raises(InputError, match="k"):
+                    plans[1].run(q, layer, k=kn[:, :, :, :dim // 2], v=vn[:, :, :, :dim // 2])
+                np.testing.assert_array_equal(caches[1].host_lengths, lens)
+            caches[0].update_layer(layer, rows, kn, vn)
+            want = plans[0].run(q, layer)
+            got = plans[1].run(q, layer, k=kn, v=vn)
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (step, layer)
+        for p in plans:
+            p.check_status()
+    caches[0]._flush_all(), caches[1]._flush_all()
+    assert caches[0].memory() == caches[1].memory()
+    for i, r in enumerate(rows):
+        for c in caches:
+            got_k, got_v = c.read(r)
+            np.testing.assert_array_equal(got_k, k[i][:, :, :start[i] + steps])
+            np.testing.assert_array_equal(got_v, v[i][:, :, :start[i] + steps])

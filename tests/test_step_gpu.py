@@ -377,3 +377,50 @@ def test_gpu_attention_started_during_the_append_sees_the_appended_token(monkeyp
                 assert err < 8e-3, (step, layer, err)
         plan.check_status()
     assert sum(launched) >= steps * (layers - 1), launched.count(True)
+
+
+def test_gpu_run_with_the_token_is_one_fast_call_and_matches_the_two_calls(monkeypatch):
+    """``plan.run(q, layer, k=, v=)`` on the GPU: the append and the attention from one call's checks (no
+    ``update_layer``), across block ends and epochs appended, bit for bit what ``update_layer`` + ``run`` give
+    on a twin cache; a strided token takes the full path and still matches."""
+    for name in ("WARMUP_BLOCKS", "ADAPT_EVERY"):
+        monkeypatch.setattr(epochs_mod, name, 4)
+    rng = np.random.default_rng(13)
+    layers, heads, dim, steps = 2, 2, 128, 70
+    start = [3 * B - 2, B + 5]
+    k = [drifting(rng, layers, heads, n + steps, dim, 12.0) for n in start]
+    v = [synthetic(rng, layers, heads, n + steps, dim) for n in start]
+    cal = calibrate(k[0][:, :, :64], v[0][:, :, :64])
+    caches = [PagedKVCache(cal, max_seqs=2, max_blocks=16, raw_tiles=2 * 16 * heads * 2 * cal.layers, device="cuda")
+              for _ in range(2)]
+    seqs = [[c.add_sequence(k[i][:, :, :start[i]], v[i][:, :, :start[i]]) for i in range(2)] for c in caches][0]
+    calls = []
+    original = caches[1].update_layer
+    monkeypatch.setattr(caches[1], "update_layer", lambda *a: calls.append(a[0]) or original(*a))
+    slow = 0
+    for step in range(steps):
+        plans = [c.decode_plan(2 * heads) for c in caches]
+        q = torch.randn((2, 2 * heads, dim)).to(torch.bfloat16).cuda()
+        for layer in range(layers):
+            pos = [start[i] + step for i in range(2)]
+            kn = torch.from_numpy(np.stack([k[i][layer, :, pos[i]:pos[i] + 1] for i in range(2)]).view(np.int16)).cuda()
+            vn = torch.from_numpy(np.stack([v[i][layer, :, pos[i]:pos[i] + 1] for i in range(2)]).view(np.int16)).cuda()
+            caches[0].update_layer(layer, seqs, kn, vn)
+            want = plans[0].run(q, layer)
+            strided = step % 9 == 4
+            kb = kn.transpose(0, 1).contiguous().transpose(0, 1) if strided else kn.view(torch.bfloat16)
+            slow += strided
+            got = plans[1].run(q, layer, k=kb, v=vn)
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (step, layer)
+        for p in plans:
+            p.check_status()
+    assert len(calls) == slow * layers          # only the strided tokens went through update_layer
+    assert caches[1].calibration.n_epochs(0, 0) > 1
+    for c in caches:
+        c._flush_all()
+    assert caches[0].memory() == caches[1].memory()
+    for i, s in enumerate(seqs):
+        for c in caches:
+            got_k, got_v = c.read(s)
+            np.testing.assert_array_equal(got_k, k[i][:, :, :start[i] + steps])
+            np.testing.assert_array_equal(got_v, v[i][:, :, :start[i] + steps])

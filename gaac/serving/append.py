@@ -100,7 +100,8 @@ class StepAppend:
 
     def epochs(self, layer: int) -> tuple:
         """The epochs this layer's appends encode finished blocks with, K and V: the published ones."""
-        return tuple(s.published for s in self._stores[layer])
+        ks, vs = self._stores[layer]
+        return ks.published, vs.published
 
     def args(self, layer: int, k, v) -> tuple:
         """The kernel's arguments for ``layer`` with the token ``k``/``v`` (contiguous int16, 16-byte aligned)."""
@@ -119,16 +120,19 @@ class StepAppend:
                 cache.epochs_now[layer], int(stores[0].epoch is not None), self.escape_used, self.rows_dev,
                 cache.device_lengths[layer], self.arrivals, cache.max_blocks)
 
-    def launch(self, layer: int, k, v, contiguous: bool = False) -> None:
+    def launch(self, layer: int, k, v, contiguous: bool = False, handle: int | None = None) -> None:
         """Append the token ``k``/``v`` (int16 or BF16 ``[len(rows), kv_heads, 1, head_dim]``; ``contiguous``:
-        known to be) to ``layer``; its finished blocks take the published epochs.
+        known to be) to ``layer``; its finished blocks take the published epochs.  ``handle``: the raw stream
+        to launch on (default torch's current one).
 
         On the GPU the layer's parameters are packed once (until its pools change) and a call writes the two
         token addresses; in the simulator numba's dispatcher launches."""
         if not contiguous:
             k, v = k.contiguous(), v.contiguous()
-        if k.data_ptr() % 16 or v.data_ptr() % 16:             # the kernel reads 16-byte rows
+        k_ptr, v_ptr = k.data_ptr(), v.data_ptr()
+        if k_ptr % 16 or v_ptr % 16:                           # the kernel reads 16-byte rows
             k, v = k.clone(), v.clone()
+            k_ptr, v_ptr = k.data_ptr(), v.data_ptr()
         if self._simulated:
             from ..cuda.launch import plain, simulated
 
@@ -150,8 +154,8 @@ class StepAppend:
             slots = (buffer.layout.data_slot("new_k"), buffer.layout.data_slot("new_v"))
             entry = self._buffers[layer] = (versions, buffer, slots)
         _, buffer, (k_slot, v_slot) = entry
-        buffer.slots[k_slot], buffer.slots[v_slot] = k.data_ptr(), v.data_ptr()
-        self.launcher.run(buffer)
+        buffer.slots[k_slot], buffer.slots[v_slot] = k_ptr, v_ptr
+        self.launcher.run(buffer, handle=handle)
 
     def account(self, layers, fin: np.ndarray, blk: np.ndarray, epochs, index=None):
         """The host's account of a decode step's appends to ``layers`` (an iterable), once launched: the

@@ -7,8 +7,10 @@ out once, by :meth:`gaac.PagedKVCache.decode_plan` (FlashInfer's plan/run):
     plan = cache.decode_plan(q_heads)                # lengths after this step's token, work list, reservation
     for layer in range(layers):
         k, v, q = ...                                # the model's layer
-        cache.update_layer(layer, seqs, k, v)        # one token per sequence
-        out = plan.run(q, layer)                     # attention (and merge): no synchronisation
+        out = plan.run(q, layer, k=k, v=v)           # the token appended, then attention: no synchronisation
+
+``plan.run(q, layer, k=k, v=v)`` is ``cache.update_layer(layer, plan.seqs, k, v)`` then ``plan.run(q, layer)``
+in one call: an eager step is bound by the host's time a layer, and one call checks its arguments once.
 
 The plan reads only what the cache keeps on the host -- its copy of every
 sequence's length -- so it never waits for the device.  Its split-KV work list
@@ -58,6 +60,7 @@ from .. import attention
 from ..attention import MAX_GROUP, _check_q, attention_layout, kernel_arguments, split_work, wave_target
 from ..errors import FormatError, InputError
 from ..attention_launch import layer_launch
+from ..cache.hooks import RECORDING
 from .append import append_token_launch, step_append, supported
 
 LOG2_E = 1.4426950408889634
@@ -325,13 +328,54 @@ class StepPlan:
             cache.serving.work_plans = {key: {name: getattr(self, name) for name in _SHARED if hasattr(self, name)}}
 
     # -- running --------------------------------------------------------------------------------------
-    def run(self, q, layer: int, *, out=None, lse=None, return_lse: bool = False):
+    def run(self, q, layer: int, *, k=None, v=None, out=None, lse=None, return_lse: bool = False):
         """Attention of layer ``layer`` for this step: BF16 ``[max_seqs, q_heads, head_dim]`` (torch bfloat16
         from the fused kernel; in ``q``'s kind on the reference path), and with ``return_lse`` the float32
-        natural-log LSE ``[max_seqs, q_heads]``.  The layer must already hold this step's tokens.  ``out``
-        (int16 or bfloat16) and ``lse`` reuse buffers."""
+        natural-log LSE ``[max_seqs, q_heads]``.  ``out`` (int16 or bfloat16) and ``lse`` reuse buffers.
+
+        ``k`` and ``v``: the layer's token of this step, ``[len(plan.seqs), kv_heads, 1, head_dim]`` as
+        :meth:`gaac.PagedKVCache.update_layer` takes it, appended before the attention exactly as
+        ``cache.update_layer(layer, plan.seqs, k, v)`` appends it: one call a layer, which on an eager step
+        saves the host a second call's dispatch and checks (its launches are the same two).  Without them
+        the layer must already hold this step's tokens."""
         with self.cache.lock:
+            if k is None and v is None:
+                return self._run(q, layer, out, lse, return_lse)
+            if k is None or v is None:
+                raise InputError("k and v: give both (the layer's token of this step) or neither")
+            if self._fast:
+                res = self._append_run_fast(q, layer, k, v, out, lse, return_lse)
+                if res is not None:
+                    return res
+            self.cache.update_layer(layer, self.seqs, k, v)
             return self._run(q, layer, out, lse, return_lse)
+
+    def _append_run_fast(self, q, layer, k, v, out, lse, return_lse):
+        """:meth:`run` with the token, where :meth:`append_token` and :meth:`_run_fast` would both take their
+        fast paths: the checks made once, the append launched and the attention launched after it on the same
+        stream as its programmatic dependent.  None, nothing done, where anything differs."""
+        cache = self.cache
+        if type(layer) is not int or not 0 <= layer < cache.layers or self._appended[layer]:
+            return None
+        shape, qs, dev = self._token_shape, self._q_shape, self._dev
+        if not (_on_gpu(k, shape, dev) and _on_gpu(v, shape, dev) and _on_gpu(q, qs, dev)):
+            return None
+        if out is not None and not _on_gpu(out, qs, dev) \
+                or lse is not None and not _on_gpu(lse, qs[:2], dev, (torch.float32,)):
+            return None
+        state = self._state
+        if (state.eager_plan is not self or state.recording is not None or RECORDING.plans or cache.deferring
+                or not self._lengths_hold(layer)):
+            return None
+        handle = self._current_stream()
+        follows = self._append(layer, k, v, handle)
+        if out is None:
+            out = torch.empty(qs, dtype=torch.bfloat16, device=cache.device)
+        if lse is None:
+            lse = torch.empty(qs[:2], dtype=torch.float32, device=cache.device) if return_lse else self._lse
+        self._launch(layer_launch(cache, layer, self.g, self._fused), layer, q, out, lse, handle, follows)
+        out = out if out.dtype is torch.bfloat16 else out.view(torch.bfloat16)
+        return (out, lse) if return_lse else out
 
     def _run(self, q, layer, out, lse, return_lse):
         if self._fast:
@@ -422,11 +466,15 @@ class StepPlan:
         out = out if out.dtype is torch.bfloat16 else out.view(torch.bfloat16)
         return (out, lse) if return_lse else out
 
-    def _launch(self, state, layer: int, q, out, lse) -> None:
+    def _launch(self, state, layer: int, q, out, lse, handle: int | None = None, follows: bool | None = None) -> None:
         """The layer's attention kernel (with the fused merge: one launch) or the kernel and the merge kernel, from
         their parameter buffers (GPU): the plan's part of a layer's buffer is written at its first call, a call
-        writes only its arrays' addresses."""
-        handle = self._current_stream()
+        writes only its arrays' addresses.  ``handle``: the current stream, where the caller has it; ``follows``:
+        whether the launch before on that stream is this layer's append (None: as :meth:`appended_last` noted)."""
+        if handle is None:
+            handle = self._current_stream()
+        if follows is None:
+            follows = self._follows_append(layer, handle)
         if self.n_work or self._room:
             buf = state.buffer
             if buf.owner is not self._owner:
@@ -439,7 +487,7 @@ class StepPlan:
             if self._fused:                 # the kernel merges
                 o, l_ = state.out_slots
                 slots[o], slots[l_] = out.data_ptr(), lse.data_ptr()
-            state.main.run(buf, self._grid, handle, pdl=self._follows_append(layer, handle))
+            state.main.run(buf, self._grid, handle, pdl=follows)
             if self._fused:
                 return
         merge = self._merge_buffer
@@ -502,23 +550,36 @@ class StepPlan:
         shape = self._token_shape
         if (type(layer) is not int or not 0 <= layer < cache.layers or self._appended[layer]
                 or type(seqs) is not list or seqs != self.seqs
-                or not _on_gpu(k, shape, self._dev) or not _on_gpu(v, shape, self._dev)):
+                or not _on_gpu(k, shape, self._dev) or not _on_gpu(v, shape, self._dev)
+                or not self._lengths_hold(layer)):
             return False
-        # The step's positions hold while the layer holds the lengths the plan was made from: certain while
-        # nothing but this plan's appends changed the cache, else compared (in the host's lengths of now:
-        # growth of the rows replaces the array).
+        if self._append(layer, k, v):
+            self.appended_last(layer)
+        return True
+
+    def _lengths_hold(self, layer: int) -> bool:
+        """Whether ``layer`` holds the lengths this plan was made from: certain while nothing but this plan's
+        appends changed the cache, else compared (in the host's lengths of now: growth of the rows replaces
+        the array)."""
         state = self._state
         if state.generation != self._gen:
-            self._host_lens = cache.host_lengths
-            if not np.array_equal(self._host_lens[layer], self._before):
-                return False
+            self._host_lens = self.cache.host_lengths
+            return np.array_equal(self._host_lens[layer], self._before)
+        return True
+
+    def _append(self, layer: int, k, v, handle: int | None = None) -> bool:
+        """Launch ``layer``'s append of the step's token (checked by the caller) on stream ``handle`` (default the
+        current one) and advance the host's lengths; the account of the blocks it finishes waits for the step's
+        last layer (:meth:`settle`).  Whether the append is the last launch on the stream (no account made
+        after it)."""
+        cache, state = self.cache, self._state
         app = self._appender
         if app is not None:
-            app.launch(layer, k, v, contiguous=True)
+            app.launch(layer, k, v, contiguous=True, handle=handle)
             self._account.pending[layer] = app.epochs(layer)
             state.unsettled = self._account
         else:
-            append_token_launch(cache, layer, self._index, shape[0], k.data_ptr(), v.data_ptr())
+            append_token_launch(cache, layer, self._index, self._token_shape[0], k.data_ptr(), v.data_ptr())
         self._host_lens[layer] = self.lens
         state.generation += 1
         self._gen = state.generation
@@ -529,8 +590,7 @@ class StepPlan:
             self._record()
         if done and self._account is not None and self._account.pending:
             self.settle()       # every step is accounted: the adaptation rule's lag counts steps
-        else:
-            self.appended_last(layer)
+            return False
         return True
 
     def _record(self) -> None:
