@@ -307,8 +307,20 @@ class SdpaAttend:
         return o.reshape(b, s.q_heads, s.head_dim)
 
 
+class StepAttend:
+    """A model step's attention through a plan: per layer one ``plan.run`` with the layer's token (``k=``, ``v=``:
+    its append and the attention in one call, the decode loop the README shows)."""
+
+    def __init__(self, cache, loop, plan, out):
+        self.cache, self.loop, self.plan, self.out = cache, loop, plan, out
+
+    def __call__(self, layer, q):
+        k, v = self.loop.kv(layer)
+        return self.plan.run(q, layer, k=k[:, :, None], v=v[:, :, None], out=self.out)
+
+
 class GaacAttend:
-    """GAAC: one plan per step (``begin``), per layer ``update_layer`` of the token and ``plan.run``."""
+    """GAAC: one plan per step (``begin``), per layer one ``plan.run`` with the layer's token."""
 
     def __init__(self, s: Shape, cache, seqs, loop: Loop):
         self.s, self.cache, self.seqs, self.loop = s, cache, seqs, loop
@@ -320,8 +332,7 @@ class GaacAttend:
 
     def __call__(self, layer, q):
         k, v = self.loop.kv(layer)
-        self.cache.update_layer(layer, self.seqs, k[:, :, None], v[:, :, None])
-        return self.plan.run(q, layer, out=self.out)
+        return self.plan.run(q, layer, k=k[:, :, None], v=v[:, :, None], out=self.out)
 
     def check_status(self):
         self.plan.check_status()

@@ -138,18 +138,6 @@ def run_bf16(model, src, s, seq_lens, budget: int, room: int, args) -> dict:
     return res
 
 
-class StepAttend:
-    """A model step's attention through a plan: per layer the token's ``update_layer`` and ``plan.run``."""
-
-    def __init__(self, s, cache, seqs, loop, plan, out):
-        self.s, self.cache, self.seqs, self.loop, self.plan, self.out = s, cache, seqs, loop, plan, out
-
-    def __call__(self, layer, q):
-        k, v = self.loop.kv(layer)
-        self.cache.update_layer(layer, self.seqs, k[:, :, None], v[:, :, None])
-        return self.plan.run(q, layer, out=self.out)
-
-
 def run_gaac(model, src, cal, s, seq_lens, budget: int, room: int, rows: int, args) -> dict:
     """``rows``: the cache's sequence rows (a serving engine's max batch), which cost their tables and tails."""
     t0 = time.perf_counter()
@@ -198,7 +186,7 @@ def run_gaac(model, src, cal, s, seq_lens, budget: int, room: int, rows: int, ar
 
     def step(plan):
         with torch.no_grad():
-            model.step(ids, StepAttend(s, cache, plan.seqs, loop, plan, out))
+            model.step(ids, ds.StepAttend(cache, loop, plan, out))
         loop.end()
 
     # One bucket of every row: the model's step runs the cache's rows (q and out are by row).

@@ -354,18 +354,6 @@ def prompt_by_layer(cache, seq: int, kv, by_layer: bool) -> None:
             cache.update_layer(layer, [seq], k[None], v[None])
 
 
-class StepAttend:
-    """A model step's attention through a plan: per layer the token's ``update_layer`` and ``plan.run``."""
-
-    def __init__(self, cache, seqs, loop, plan, out):
-        self.cache, self.seqs, self.loop, self.plan, self.out = cache, seqs, loop, plan, out
-
-    def __call__(self, layer, q):
-        k, v = self.loop.kv(layer)
-        self.cache.update_layer(layer, self.seqs, k[:, :, None], v[:, :, None])
-        return self.plan.run(q, layer, out=self.out)
-
-
 def run_gaac(model, src, cal, s, lens, args, every: int, prompt: int, graph: bool) -> dict:
     b = len(lens)
     total = args.warmup + args.steps + args.profile + 2 * args.join_phases + args.host_profile + 1
@@ -401,7 +389,7 @@ def run_gaac(model, src, cal, s, lens, args, every: int, prompt: int, graph: boo
     if graph:
         def model_step(plan):
             with torch.no_grad():
-                model.step(ids, StepAttend(cache, plan.seqs, loop, plan, out))
+                model.step(ids, ds.StepAttend(cache, loop, plan, out))
             loop.end()
 
         runner = gaac.StepGraph(cache, s.q_heads, model_step)
@@ -413,7 +401,7 @@ def run_gaac(model, src, cal, s, lens, args, every: int, prompt: int, graph: boo
         def step():
             plan = cache.decode_plan(s.q_heads, seqs=seqs)
             with torch.no_grad():
-                model.step(ids, StepAttend(cache, seqs, loop, plan, out))
+                model.step(ids, ds.StepAttend(cache, loop, plan, out))
             loop.end()
         counters = None
 

@@ -1,13 +1,15 @@
-"""A/B of the serving loop: the attention launched as a programmatic dependent of the layer's append, or not.
+"""A/B of the serving loop's GAAC side: the loop as shipped against one part of it changed, interleaved in one process.
 
     python benchmarks/serving_ab.py b1-64k graph 256 bf16,pdl,off,pdl,off,bf16,pdl,off
+    python benchmarks/serving_ab.py b1-64k,b1-128k eager 256 bf16,one,two,one,two,bf16,one,two
 
 benchmarks/serving.py's runs of a scenario (its user's loop: the cache's defaults, a calibration from the first 1024
 tokens, every capture and re-plan inside 256 timed steps, read-back and attention checked after each run), in one
-process and interleaved: ``bf16`` (BF16 + flash), ``pdl`` (GAAC as shipped: a layer's attention launched as a
-programmatic dependent of its one-token append, gaac/serving/plan.py) and ``off`` (GAAC with every attention
-launched in plain stream order).  Arguments: scenarios, modes, timed steps, the runs in order.  Prints each run's
-ms a step and the means."""
+process and interleaved: ``bf16`` (BF16 + flash); ``pdl`` and ``one`` (GAAC as shipped: per layer one
+``plan.run(q, layer, k=, v=)``, the attention launched as a programmatic dependent of the layer's one-token append,
+gaac/serving/plan.py); ``off`` (GAAC with every attention launched in plain stream order); ``two`` (GAAC with the
+append and the attention as two calls a layer, ``cache.update_layer`` then ``plan.run``).  Arguments: scenarios,
+modes, timed steps, the runs in order.  Prints each run's ms a step and the means."""
 import sys, argparse, statistics
 from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
@@ -18,12 +20,23 @@ import decode_step as ds
 import gaac
 from gaac.serving.plan import StepPlan
 
-orig = StepPlan._follows_append
+shipped = StepPlan._launch
 
 
-def off(self, layer, handle):
+def off(self, state, layer, q, out, lse, handle=None, follows=None):
+    """The layer's attention launched in plain stream order, whatever launch came before it."""
     self._after_append = None
-    return False
+    return shipped(self, state, layer, q, out, lse, handle, False)
+
+
+one_call = ds.StepAttend.__call__
+
+
+def two_calls(self, layer, q):
+    """The step's token through ``update_layer``, then ``plan.run``: two calls a layer."""
+    k, v = self.loop.kv(layer)
+    self.cache.update_layer(layer, self.plan.seqs, k[:, :, None], v[:, :, None])
+    return self.plan.run(q, layer, out=self.out)
 
 
 args = argparse.Namespace(warmup=16, steps=int(sys.argv[3]) if len(sys.argv) > 3 else 256, profile=0, join_phases=0,
@@ -41,11 +54,12 @@ for name in sys.argv[1].split(","):
         graph = mode == "graph"
         res = {}
         for tag in (sys.argv[4].split(",") if len(sys.argv) > 4 else ["bf16", "pdl", "off", "pdl", "off", "bf16"]):
-            StepPlan._follows_append = orig if tag != "off" else off
+            StepPlan._launch = shipped if tag != "off" else off
+            ds.StepAttend.__call__ = two_calls if tag == "two" else one_call
             fn = SV.run_bf16 if tag == "bf16" else SV.run_gaac
             try:
                 r = fn(model, src, cal, s, lens, args, every, prompt, graph)
-            except Exception as exc:
+            except Exception:
                 import traceback
                 traceback.print_exc()
                 continue
@@ -55,7 +69,8 @@ for name in sys.argv[1].split(","):
             print(f"{name} {mode} {tag}: {r['ms']:.3f} ms/step, event median {r.get('event_median_ms', 0):.3f}, "
                   f"captures {r.get('captures')}, eager {r.get('eager_steps')}, bit-exact {r.get('bit_exact')}, "
                   f"err {r.get('attention_rel_err')}", flush=True)
-        StepPlan._follows_append = orig
+        StepPlan._launch = shipped
+        ds.StepAttend.__call__ = one_call
         b = statistics.mean(res.get("bf16", [float("nan")]))
         print(f"== {name} {mode}: bf16 {b:.3f}; " + "; ".join(
             f"{t} {statistics.mean(v):.3f} ({b / statistics.mean(v):.4f}x)" for t, v in res.items() if t != "bf16"),
