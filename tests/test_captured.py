@@ -218,12 +218,13 @@ def test_step_graph_keeps_a_bucket_through_joins_leaves_and_checks(monkeypatch):
 
     attend = [False]            # attention where checked (the simulator is slow; a graph would run it every step)
 
-    def step(plan):
+    def step(plan):             # where it attends, the token and the attention in one call (plan.run with k, v)
         n = len(plan.seqs)
         for layer in range(layers):
-            cache.update_layer(layer, plan.seqs, kbuf[layer, :n], vbuf[layer, :n])
             if attend[0]:
-                plan.run(q, layer, out=out[layer])
+                plan.run(q, layer, k=kbuf[layer, :n], v=vbuf[layer, :n], out=out[layer])
+            else:
+                cache.update_layer(layer, plan.seqs, kbuf[layer, :n], vbuf[layer, :n])
 
     runner = gaac.StepGraph(cache, 2 * heads, step, buckets=(2, 4))
     batch = [0, 1, 2]
