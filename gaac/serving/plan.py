@@ -351,31 +351,21 @@ class StepPlan:
             return self._run(q, layer, out, lse, return_lse)
 
     def _append_run_fast(self, q, layer, k, v, out, lse, return_lse):
-        """:meth:`run` with the token, where :meth:`append_token` and :meth:`_run_fast` would both take their
-        fast paths: the checks made once, the append launched and the attention launched after it on the same
-        stream as its programmatic dependent.  None, nothing done, where anything differs."""
+        """:meth:`run` with the token, where :meth:`append_token`'s fast path takes it: the append launched, then the
+        attention through :meth:`_run_fast` on the same stream as its programmatic dependent (through :meth:`_run`,
+        which names what is wrong, where ``q``, ``out`` or ``lse`` is not what the plan expects, as a second
+        call would).  None, nothing done, where the token is not what the fast path takes."""
         cache = self.cache
         if type(layer) is not int or not 0 <= layer < cache.layers or self._appended[layer]:
             return None
-        shape, qs, dev = self._token_shape, self._q_shape, self._dev
-        if not (_on_gpu(k, shape, dev) and _on_gpu(v, shape, dev) and _on_gpu(q, qs, dev)):
-            return None
-        if out is not None and not _on_gpu(out, qs, dev) \
-                or lse is not None and not _on_gpu(lse, qs[:2], dev, (torch.float32,)):
-            return None
-        state = self._state
-        if (state.eager_plan is not self or state.recording is not None or RECORDING.plans or cache.deferring
-                or not self._lengths_hold(layer)):
+        shape, dev, state = self._token_shape, self._dev, self._state
+        if (not (_on_gpu(k, shape, dev) and _on_gpu(v, shape, dev)) or state.eager_plan is not self
+                or state.recording is not None or RECORDING.plans or cache.deferring or not self._lengths_hold(layer)):
             return None
         handle = self._current_stream()
         follows = self._append(layer, k, v, handle)
-        if out is None:
-            out = torch.empty(qs, dtype=torch.bfloat16, device=cache.device)
-        if lse is None:
-            lse = torch.empty(qs[:2], dtype=torch.float32, device=cache.device) if return_lse else self._lse
-        self._launch(layer_launch(cache, layer, self.g, self._fused), layer, q, out, lse, handle, follows)
-        out = out if out.dtype is torch.bfloat16 else out.view(torch.bfloat16)
-        return (out, lse) if return_lse else out
+        res = self._run_fast(q, layer, out, lse, return_lse, handle, follows)
+        return res if res is not None else self._run(q, layer, out, lse, return_lse)
 
     def _run(self, q, layer, out, lse, return_lse):
         if self._fast:
@@ -441,10 +431,11 @@ class StepPlan:
         lse = given[1] if given[1] is not None else lse
         return (out, lse) if return_lse else out
 
-    def _run_fast(self, q, layer, out, lse, return_lse):
+    def _run_fast(self, q, layer, out, lse, return_lse, handle=None, follows=None):
         """:meth:`run` where every argument is as the plan expects it (the layer appended through the plan,
         contiguous tensors of the plan's shapes on the cache's GPU): the launches and nothing else.
-        None where anything differs; :meth:`_run` then checks in full (and names what is wrong)."""
+        None where anything differs; :meth:`_run` then checks in full (and names what is wrong).  ``handle`` and
+        ``follows``: as :meth:`_launch` takes them."""
         cache = self.cache
         if type(layer) is not int or not 0 <= layer < cache.layers:
             return None
@@ -462,7 +453,7 @@ class StepPlan:
             lse = torch.empty(shape[:2], dtype=torch.float32, device=cache.device) if return_lse else self._lse
         elif not _on_gpu(lse, shape[:2], dev, (torch.float32,)):
             return None
-        self._launch(layer_launch(cache, layer, self.g, self._fused), layer, q, out, lse)
+        self._launch(layer_launch(cache, layer, self.g, self._fused), layer, q, out, lse, handle, follows)
         out = out if out.dtype is torch.bfloat16 else out.view(torch.bfloat16)
         return (out, lse) if return_lse else out
 
