@@ -13,8 +13,8 @@ final RMSNorm and lm_head.  Every timed step does what a serving loop does:
   ``torch.nn.functional.scaled_dot_product_attention`` under ``sdpa_kernel(FLASH_ATTENTION)`` reads the first
   ``T + 1`` tokens (the 4 query heads of a KV head folded into the query length);
 * ``gaac``: a ``gaac.PagedKVCache`` on the GPU; per step ``plan = cache.decode_plan(32)``, per layer
-  ``cache.update_layer(l, seqs, k, v)`` (one token per sequence: a tail write; every 16th step a block finishes
-  and is encoded into the pools) and ``plan.run(q, l, out=)``;
+  ``plan.run(q, l, k=k, v=v, out=)``: the token appended (one token per sequence: a tail write; every 16th step
+  a block finishes and is encoded into the pools), then attention;
 * ``skip``: no append and no attention (the query stands in for the output): what the rest of the step costs.
 
 The appended K/V are the real next tokens of the content (the QKV GEMM runs, its K/V are not used), so both
@@ -616,7 +616,8 @@ def host_us_per_layer(attend, loop: Loop, q, layers: int, steps: int) -> dict:
 
 def gaac_call_breakdown(attend: "GaacAttend", loop: Loop, q, layers: int, steps: int) -> dict:
     """Host us of each of GAAC's calls as they return: the plan (per step and per layer of the step), the
-    benchmark's own token indexing, ``update_layer`` and ``plan.run`` (per layer)."""
+    benchmark's own token indexing, and the append and the attention timed apart as two calls, ``update_layer``
+    and ``plan.run`` (per layer; the loop makes them one call, ``plan.run`` with the token)."""
     sync()
     t = {"plan": [], "kv": [], "append": [], "run": []}
     clock = time.perf_counter

@@ -10,7 +10,7 @@ are real K/V gathered on the device from a step counter (the SmolLM2 captures ti
 * **GAAC**: ``gaac.PagedKVCache(cal, max_seqs=B, max_blocks=...)`` with every default (``adapt=True``, pools
   as the cache sizes them), calibrated on the first ``--cal-tokens`` (1024) tokens of the content.  Graph:
   ``gaac.StepGraph(cache, 32, step)``, one call a step; eager: ``plan = cache.decode_plan(32, seqs=...)``
-  and per layer ``cache.update_layer`` + ``plan.run``.
+  and per layer one ``plan.run(q, layer, k=, v=)`` (the token appended, then attention).
 * **BF16**: a preallocated ``[B, T, 8, 128]`` cache per layer, the token written at its device position,
   torch flash varlen with ``seqused_k`` (the fastest of ``decode_step.FLASH_MODES``); graph: captured once
   and replayed; eager: the same calls each step.
