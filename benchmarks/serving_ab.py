@@ -9,7 +9,8 @@ process and interleaved: ``bf16`` (BF16 + flash); ``pdl`` and ``one`` (GAAC as s
 ``plan.run(q, layer, k=, v=)``, the attention launched as a programmatic dependent of the layer's one-token append,
 gaac/serving/plan.py); ``off`` (GAAC with every attention launched in plain stream order); ``two`` (GAAC with the
 append and the attention as two calls a layer, ``cache.update_layer`` then ``plan.run``).  Arguments: scenarios,
-modes, timed steps, the runs in order.  Prints each run's ms a step and the means."""
+modes, timed steps, the runs in order (a last argument ``--smoke``: the smoke scenarios, GAAC only, in numba's
+simulator on the CPU).  Prints each run's ms a step and the means."""
 import sys, argparse, statistics
 from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,16 +40,18 @@ def two_calls(self, layer, q):
     return self.plan.run(q, layer, out=self.out)
 
 
-args = argparse.Namespace(warmup=16, steps=int(sys.argv[3]) if len(sys.argv) > 3 else 256, profile=0, join_phases=0,
-                          host_profile=0, join_by_layer=False, prompt_trace=False, isolate=False)
+# each run alone, its steps in one window (serving.run_pair with interleave 0)
+args = argparse.Namespace(warmup=1 if ds.SMOKE else 16, steps=int(sys.argv[3]) if len(sys.argv) > 3 else 256,
+                          interleave=0, profile=0, join_phases=0, host_profile=0, join_by_layer=False,
+                          prompt_trace=False, isolate=False)
 torch.backends.cuda.matmul.allow_tf32 = False
-s = ds.LLAMA_8B
+s = ds.SMOKE_SHAPE if ds.SMOKE else ds.LLAMA_8B
 k_u, v_u = ds.real_source(ds.find_data(None), s)
 cal = gaac.calibrate(k_u[:, :, :1024], v_u[:, :, :1024], show_progress=False)
 src = ds.Source(k_u, v_u)
 model = ds.Model(s)
 for name in sys.argv[1].split(","):
-    batch, context, every, prompt, tg, te = SV.SCENARIOS[name]
+    batch, context, every, prompt, tg, te = (SV.SMOKE_SCENARIOS if ds.SMOKE else SV.SCENARIOS)[name]
     lens = [context - SV.GAP * i for i in range(batch)]
     for mode in sys.argv[2].split(","):
         graph = mode == "graph"
@@ -57,14 +60,10 @@ for name in sys.argv[1].split(","):
             StepPlan._launch = shipped if tag != "off" else off
             ds.StepAttend.__call__ = two_calls if tag == "two" else one_call
             fn = SV.run_bf16 if tag == "bf16" else SV.run_gaac
-            try:
-                r = fn(model, src, cal, s, lens, args, every, prompt, graph)
-            except Exception:
-                import traceback
-                traceback.print_exc()
+            r = SV.run_pair({tag: lambda: fn(model, src, cal, s, lens, args, every, prompt, graph)}, args)[tag]
+            if "error" in r:
+                print(f"{name} {mode} {tag}: {r['error']}", flush=True)
                 continue
-            finally:
-                ds.free()
             res.setdefault(tag, []).append(r["ms"])
             print(f"{name} {mode} {tag}: {r['ms']:.3f} ms/step, event median {r.get('event_median_ms', 0):.3f}, "
                   f"captures {r.get('captures')}, eager {r.get('eager_steps')}, bit-exact {r.get('bit_exact')}, "
