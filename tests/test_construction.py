@@ -130,11 +130,9 @@ def test_growth_leaves_no_shared_allocation_behind(what):
     cal = calibration(2)
     cache = PagedKVCache(cal, max_seqs=1, max_blocks=2, codec="cuda", grow=True)
 
-    def storages():
-        return {t.untyped_storage().data_ptr() for layer in range(cache.layers) for s in cache.stores(layer)
-                for t in (s.table, s.tail, s.epoch)}
-
-    before = storages()
+    # the arrays before, held here so that no later allocation can take their addresses
+    old = [t for layer in range(cache.layers) for s in cache.stores(layer) for t in (s.table, s.tail, s.epoch)]
+    before = {t.untyped_storage().data_ptr() for t in old}
     x = np.zeros((cal.layers, cal.kv_heads, 3 * L.BLOCK_TOKENS, cal.head_dim), np.uint16)
     seq = cache.add_sequence(x, x)
     if what == "rows":

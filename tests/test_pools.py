@@ -165,3 +165,29 @@ def test_records_given_back_to_a_device_pool_join_its_list_in_place_and_in_order
     assert pool.n_free() == 3 and pool.upcoming(3).tolist() == [3, 5, 0]
     pool.give(np.array([4]))                            # the array is full again: rebuilt
     assert int(heads[0]) == 0 and pool.take(4).tolist() == [3, 5, 0, 4]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_list_writes_put_every_value_where_one_copy_a_write_would(seed):
+    """ListWrites: writes into lists that are views of one allocation (at random offsets and starts, some empty,
+    in any order) and one into a list of its own leave every array as a copy a write leaves it."""
+    from gaac.cache.pools import ListWrites
+
+    rng = np.random.default_rng(seed)
+    whole = torch.zeros(4096, dtype=torch.int32)
+    alone = torch.zeros(100, dtype=torch.int32)
+    want_whole, want_alone = whole.clone(), alone.clone()
+    lists = [whole[a:a + 300] for a in rng.choice(12, 6, replace=False) * 320]
+    writes = ListWrites()
+    values = torch.from_numpy(rng.integers(1, 2 ** 31 - 1, 900, dtype=np.int64).astype(np.int32))
+    used = 0
+    for i, order in enumerate(lists):
+        at, n = int(rng.integers(0, 150)), 0 if i == 2 else int(rng.integers(1, 150))
+        writes.add(order, at, values[used:used + n])
+        want_whole[order.data_ptr() // 4 - whole.data_ptr() // 4 + at:][:n] = values[used:used + n]
+        used += n
+    writes.add(alone, 7, values[used:used + 20])
+    want_alone[7:27] = values[used:used + 20]
+    writes.apply()
+    assert torch.equal(whole, want_whole) and torch.equal(alone, want_alone)
+    assert int((whole != 0).sum()) == used and not writes.items

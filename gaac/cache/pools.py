@@ -391,9 +391,21 @@ class ListWrites:
             storage = group[0][0].untyped_storage()
             base = storage.data_ptr()
             flat = group[0][0].as_strided((storage.nbytes() // 4,), (1,), 0)     # the whole allocation, int32
-            where = np.concatenate([np.arange(values.numel(), dtype=np.int64) + ((order.data_ptr() - base) // 4 + at)
-                                    for order, at, values in group])
-            flat.index_copy_(0, arrays.upload(where, flat.device), _joined([values for _, _, values in group]))
+            flat.index_copy_(0, _positions(group, base, flat.device), _joined([values for _, _, values in group]))
+
+
+def _positions(group: list, base: int, device) -> torch.Tensor:
+    """The int32 positions (from ``base``) that the writes ``(order, at, values)`` of ``group`` fill, in order, as
+    an int64 tensor on ``device``: made there from each write's start and length (one small upload), not
+    uploaded whole (a removal gives back a record a tile: a host array of megabytes, pinned for its copy)."""
+    counts = np.array([values.numel() for _, _, values in group], dtype=np.int64)
+    starts = np.array([(order.data_ptr() - base) // 4 + at for order, at, _ in group], dtype=np.int64)
+    total = int(counts.sum())
+    # element j of write i goes to starts[i] + j: its index in the concatenation plus starts[i] - (writes before)
+    shift = arrays.upload(np.concatenate([starts - (np.cumsum(counts) - counts), counts]), device)
+    n = len(group)
+    return torch.arange(total, dtype=torch.int64, device=device) + torch.repeat_interleave(
+        shift[:n], shift[n:], output_size=total)
 
 
 def _joined(parts: list) -> torch.Tensor:
