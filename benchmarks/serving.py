@@ -143,18 +143,30 @@ class Joins:
     ``join(row)`` and keeps the host wall of each join; :meth:`since` gives those from a step on.  GAAC's
     ``join`` gives the cache the prompt a layer at a time inside a deferral (:func:`prompt_by_layer`)."""
 
-    def __init__(self, join, every: int, batch: int):
+    def __init__(self, join, every: int, batch: int, drain: bool = False, prof=None):
         self.join, self.every, self.batch, self.timed = join, every, batch, []
+        self.drain, self.prof, self.drained = drain, prof, []
 
     def __call__(self, j: int) -> None:
         row = replaced(j, self.every, self.batch)
         if row is not None:
             t = time.perf_counter()
+            if self.drain:          # the steps queued before the join run first, timed apart
+                ds.sync()
+                t, drained = time.perf_counter(), 1e3 * (time.perf_counter() - t)
+                self.drained.append((j, drained))
+            if self.prof is not None:
+                self.prof.enable()
             self.join(row)
+            if self.prof is not None:
+                self.prof.disable()
             self.timed.append((j, 1e3 * (time.perf_counter() - t)))
 
     def since(self, first: int) -> list:
         return [ms for j, ms in self.timed if j >= first]
+
+    def drained_since(self, first: int) -> list:
+        return [ms for j, ms in self.drained if j >= first]
 
 
 class Arm(NamedTuple):
@@ -321,7 +333,7 @@ def run_bf16(model, src, _cal, s, lens, args, every: int, prompt: int, graph: bo
                 model.step(ids, att)
                 att.end()
 
-    joins = Joins(join, every, b)
+    joins = Joins(join, every, b, drain=args.join_drain)
 
     def run(j: int) -> None:
         joins(j)
@@ -331,6 +343,7 @@ def run_bf16(model, src, _cal, s, lens, args, every: int, prompt: int, graph: bo
     Window(run, args.warmup)(0)
     res = yield Arm(run)                    # the timed windows (run_pair)
     res["join_ms"] = joins.since(args.warmup)
+    res["join_drain_ms"] = joins.drained_since(args.warmup)
     res.update(flash_mode=mode, flash_modes_us=modes, tok_s=b / res["ms"] * 1e3)
     if args.profile:
         res["profile"] = ds.kernel_profile(run, args.warmup + args.steps, args.profile)
@@ -405,7 +418,8 @@ def run_gaac(model, src, cal, s, lens, args, every: int, prompt: int, graph: boo
             loop.end()
         counters = None
 
-    joins = Joins(join, every, b)
+    joins = Joins(join, every, b, drain=args.join_drain,
+                  prof=cProfile.Profile() if args.join_profile and every else None)
 
     def run(j: int) -> None:
         joins(j)
@@ -416,6 +430,10 @@ def run_gaac(model, src, cal, s, lens, args, every: int, prompt: int, graph: boo
     Window(run, args.warmup, counters)(0)
     res.update((yield Arm(run, counters)))  # the timed windows (run_pair)
     res["join_ms"] = joins.since(args.warmup)
+    res["join_drain_ms"] = joins.drained_since(args.warmup)
+    if joins.prof is not None:
+        write_profile(joins.prof, args, f"GAAC {'graph' if graph else 'eager'}, {b} x ~{max(lens)} tokens: its "
+                                        f"{len(joins.timed)} joins in the loop (warm-up and window)")
     res["tok_s"] = b / res["ms"] * 1e3
     if args.join_phases and every:
         first = args.warmup + args.steps
@@ -697,6 +715,8 @@ def render(rep: dict) -> str:
     joined = [f"- {name} {k}: {len(v['join_ms'])} joins in the window, host wall of each (the row's removal, the "
               f"new sequence and its prompt through `update_layer`, every layer, {how}; it waits for the GPU where "
               f"the cache does) median {statistics.median(v['join_ms']):.1f} ms, max {max(v['join_ms']):.1f} ms"
+              + (f"; the device synchronised before each (`--join-drain`), that wait median "
+                 f"{statistics.median(v['join_drain_ms']):.2f} ms" if v.get("join_drain_ms") else "")
               for name, sc in rep["scenarios"].items() for k, v in sc.items()
               if isinstance(v, dict) and v.get("join_ms") and not v.get("earlier")]
     joined += [f"- {name} {k}, a join taken apart after the window (the device synchronised between the parts; "
@@ -782,6 +802,11 @@ def main() -> None:
     ap.add_argument("--join-phases", type=int, default=0,
                     help="after each GAAC run with joins, N more joins taken apart, the device synchronised "
                          "between the parts (outside the window)")
+    ap.add_argument("--join-drain", action="store_true",
+                    help="the device synchronised before each join, its wait timed apart from the join (diagnostic: "
+                         "what a join's host time is without the steps queued before it)")
+    ap.add_argument("--join-profile", action="store_true",
+                    help="GAAC's joins in the loop under cProfile (<out>.profile.txt)")
     ap.add_argument("--prompt-trace", action="store_true",
                     help="after each GAAC run with joins, one more join under torch's profiler: CUDA runtime calls "
                          "and the allocators' counters (<out>.trace.txt)")

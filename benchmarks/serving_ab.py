@@ -43,7 +43,7 @@ def two_calls(self, layer, q):
 # each run alone, its steps in one window (serving.run_pair with interleave 0)
 args = argparse.Namespace(warmup=1 if ds.SMOKE else 16, steps=int(sys.argv[3]) if len(sys.argv) > 3 else 256,
                           interleave=0, profile=0, join_phases=0, host_profile=0, join_by_layer=False,
-                          prompt_trace=False, isolate=False)
+                          prompt_trace=False, isolate=False, join_drain=False, join_profile=False)
 torch.backends.cuda.matmul.allow_tf32 = False
 s = ds.SMOKE_SHAPE if ds.SMOKE else ds.LLAMA_8B
 k_u, v_u = ds.real_source(ds.find_data(None), s)

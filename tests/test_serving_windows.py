@@ -155,3 +155,34 @@ def test_a_merged_report_names_each_kept_runs_commit_once(serving):
     serving.keep_earlier(again, json.loads(json.dumps(rep)))
     header = next(x for x in serving.render(again).splitlines() if x.startswith("- commit"))
     assert header == "- commit: eeeeeee (runs marked *: aaaaaaa, bbbbbbb, ddddddd)"
+
+
+def test_joins_drain_the_queue_before_each_join_and_profile_only_the_joins(serving, monkeypatch):
+    """--join-drain: the device is synchronised before each join and that wait kept apart from the join's time;
+    --join-profile: the profiler runs around the joins and nothing else."""
+    import cProfile
+    import pstats
+
+    calls = []
+    monkeypatch.setattr(serving.ds, "sync", lambda: calls.append("sync"))
+
+    def join_row(row):
+        calls.append(("join", row))
+
+    def not_a_join():
+        calls.append("step")
+
+    prof = cProfile.Profile()
+    joins = serving.Joins(join_row, 4, 3, drain=True, prof=prof)
+    for j in range(12):
+        joins(j)
+        not_a_join()
+    rows = [serving.replaced(j, 4, 3) for j in range(12)]
+    want = []
+    for row in rows:
+        want += ["sync", ("join", row), "step"] if row is not None else ["step"]
+    assert calls == want
+    assert [j for j, _ in joins.timed] == [j for j, _ in joins.drained] == [3, 7, 11]
+    assert joins.drained_since(7) == [ms for j, ms in joins.drained if j >= 7] and len(joins.since(4)) == 2
+    profiled = {fn for _, _, fn in pstats.Stats(prof).stats}
+    assert "join_row" in profiled and "not_a_join" not in profiled
