@@ -11,6 +11,8 @@ The switches (``on`` is what the library does):
   the rule appended to again, where the cache's earlier prompts kept the guess);
 * ``packed``: the appended epochs' encoder bases packed on the device from the rule's candidates where a batch
   appends ``gaac.cuda.epochs.DEVICE_PACKED`` epochs or more; ``off``: the host packs each epoch and copies it over.
+* ``positions``: a removal's records go back to their free lists at positions made on the device from each
+  list's start and length (``gaac.cache.pools._positions``); ``off``: every position made on the host and uploaded.
 
 Both ways run in the order on, off, off, on, ... so that the host's drift moves both alike:
 
@@ -42,6 +44,7 @@ import decode_step as DS  # noqa: E402
 import torch  # noqa: E402
 
 import gaac  # noqa: E402
+import gaac.cache.pools as pools  # noqa: E402
 import gaac.cuda.epochs as device_epochs  # noqa: E402
 from benchmarks.report import gpu_run, head, table  # noqa: E402
 from equal_memory import tokens_at as content  # noqa: E402
@@ -63,9 +66,28 @@ def _rows(on: bool) -> None:
     device_epochs.Batch.encode_rows = _LIBRARY["rows"] if on else _no_rows
 
 
-SWITCHES = {"packed": _packed, "rows": _rows}
+def _host_positions(group: list, base: int, device) -> torch.Tensor:
+    """``gaac.cache.pools._positions`` made on the host: every position in one array, uploaded."""
+    import numpy as np
+
+    from gaac import arrays
+
+    where = np.concatenate([np.arange(values.numel(), dtype=np.int64) + ((order.data_ptr() - base) // 4 + at)
+                            for order, at, values in group])
+    return arrays.upload(where, device)
+
+
+_LIBRARY["positions"] = pools._positions
+
+
+def _positions(on: bool) -> None:
+    pools._positions = _LIBRARY["positions"] if on else _host_positions
+
+
+SWITCHES = {"packed": _packed, "rows": _rows, "positions": _positions}
 WAYS = {"packed": ("DEVICE_PACKED " + str(device_epochs.DEVICE_PACKED), "host packing"),
-        "rows": ("epochs read on the device", "epochs from the host")}
+        "rows": ("epochs read on the device", "epochs from the host"),
+        "positions": ("list positions made on the device", "list positions uploaded")}
 
 
 def long_prompt(tokens: int, cal_tokens: int) -> tuple:
