@@ -163,6 +163,11 @@ class _Observed:
     blocks: object
     step: int
     device: object = None
+    n: int = field(init=False, default=0)    # the blocks on the device (a queue's counts read it, not the tensor)
+
+    def __post_init__(self):
+        if self.device is not None:
+            self.n = self.device.shape[0]
 
 
 def _on_device(item) -> bool:
@@ -172,7 +177,7 @@ def _on_device(item) -> bool:
 
 def _waiting(deferred: list) -> int:
     """The blocks of ``deferred`` (a store's queue) that the GPU rule reads on the device (:attr:`_Kind.waiting`)."""
-    return sum(len(item.device) for item in deferred if _on_device(item))
+    return sum(item.n for item in deferred if _on_device(item))
 
 
 def _check_span(store: _Kind):
@@ -183,7 +188,7 @@ def _check_span(store: _Kind):
     for i, item in enumerate(store.deferred):
         if not _on_device(item):
             return None
-        need -= len(item.device)
+        need -= item.n
         if need <= 0:
             return i + 1, need
     return None
@@ -660,7 +665,7 @@ class UpdateTransaction:
             store.deferred.pop(0)
             device = item.device if isinstance(item, _Observed) else None
             if device is not None:
-                store.waiting -= len(device)
+                store.waiting -= item.n
             # blocks the GPU rule reads on the device stay there: the adapter keeps them as values only the host
             # rule's check reads (nothing waits for a copy, which a join's prompt would find behind the queued steps)
             blocks = (device_blocks(device) if device is not None else
