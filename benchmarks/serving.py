@@ -681,6 +681,12 @@ def render(rep: dict) -> str:
               (f"- BF16's and GAAC's windows alternate every {rep['interleave']} steps (A B B A ...), both runs live, "
                "so that the host's drift moves both alike" if rep.get("interleave") else
                "- each run's steps in one window, BF16's run before GAAC's")]
+    altered = [what for key, what in (("join_drain", "the device synchronised before each join (`--join-drain`)"),
+                                      ("join_profile", "GAAC's joins under cProfile (`--join-profile`)"))
+               if rep.get(key)]
+    if altered:
+        lines.append(f"- a diagnostic run, not the user's loop: {' and '.join(altered)}; its rows are no serving "
+                     "figure (those are the runs without these options)")
     if rep.get("interleave") and any(isinstance(v, dict) and v.get("earlier") and v.get("ms") and not v.get("windows")
                                      for sc in rep["scenarios"].values() for v in sc.values()):
         lines.append("- rows marked * whose runs predate the alternating windows ran one after the other, each in "
@@ -816,6 +822,8 @@ def main() -> None:
                     help="a results JSON of an earlier run: its runs are kept where this run does not repeat them "
                          "(a BF16 and GAAC pair is replaced only once both have run; the report names both commits)")
     args = ap.parse_args()
+    if args.merge and (args.join_drain or args.join_profile):
+        ap.error("--join-drain and --join-profile alter the loop: their runs are not merged into a results file")
     s = ds.SMOKE_SHAPE if SMOKE else ds.LLAMA_8B
     table = SMOKE_SCENARIOS if SMOKE else SCENARIOS
     names = args.scenarios.split(",") if args.scenarios else list(table)
@@ -832,6 +840,7 @@ def main() -> None:
            torch.cuda.get_device_name(), "commit": ds.commit(),
            "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]), "steps": args.steps,
            "warmup": args.warmup, "cal_tokens": args.cal_tokens, "join_by_layer": args.join_by_layer,
+           "join_drain": args.join_drain, "join_profile": args.join_profile,
            "interleave": args.interleave, "scenarios": {}}
     only = set(args.runs.split(",")) if args.runs else None
     if args.host_profile:

@@ -108,6 +108,11 @@ def test_each_pair_of_windows_gives_a_ratio_and_the_report_lists_them(serving):
                      **out}}}
     text = serving.render(rep)
     assert "- s eager: BF16 / GAAC ms of each pair of windows 2.000, 1.500, 0.800 (min 0.800, max 2.000)" in text
+    assert "diagnostic run" not in text
+    # a run with the loop altered says so in its header
+    rep["join_drain"] = True
+    marked = [x for x in serving.render(rep).splitlines() if x.startswith("- a diagnostic run, not the user's loop")]
+    assert len(marked) == 1 and "`--join-drain`" in marked[0] and "`--join-profile`" not in marked[0]
 
 
 def test_a_run_kept_from_an_earlier_report_keeps_its_isolated_attention_marked(serving):
