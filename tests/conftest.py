@@ -206,3 +206,14 @@ def every_tile(cal, max_seqs: int = 1, max_blocks: int = 64) -> dict:
 
     per = cal.kv_heads * L.tiles_per_head(cal.head_dim)
     return dict(max_seqs=max_seqs, max_blocks=max_blocks, raw_tiles=max_seqs * max_blocks * per * 2 * cal.layers)
+
+
+def assert_reads_back(caches, seqs, k, v, lengths=None) -> None:
+    """Every cache of ``caches`` reads sequence ``seqs[i]`` back bit for bit as ``k[i]``, ``v[i]`` (``[layers,
+    kv_heads, tokens, head_dim]``), their first ``lengths[i]`` tokens where ``lengths`` is given."""
+    for i, seq in enumerate(seqs):
+        n = None if lengths is None else lengths[i]
+        for c in caches:
+            got_k, got_v = c.read(seq)
+            np.testing.assert_array_equal(got_k, k[i][:, :, :n])
+            np.testing.assert_array_equal(got_v, v[i][:, :, :n])

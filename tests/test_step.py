@@ -8,7 +8,7 @@ filled by the reference codec, its attention against the float64 reference, on t
 import numpy as np
 import pytest
 import torch
-from conftest import every_tile
+from conftest import assert_reads_back, every_tile
 from test_cache import B, drifting, synthetic, with_capacity
 
 import gaac.epochs as epochs_mod
@@ -77,10 +77,7 @@ def test_decode_loop_reads_back_and_attends(codec, monkeypatch):
             assert cache.calibration.n_epochs(layer, kind) == ref.calibration.n_epochs(layer, kind)
             np.testing.assert_array_equal(cache.stores(layer)[kind].epochs, ref.stores(layer)[kind].epochs)
     assert cache.memory() == ref.memory()
-    for i, r in enumerate(rows):
-        got_k, got_v = cache.read(r)
-        np.testing.assert_array_equal(got_k, k[i])
-        np.testing.assert_array_equal(got_v, v[i])
+    assert_reads_back([cache], rows, k, v)
 
 
 def test_plan_refuses_a_layer_without_its_token():
@@ -513,8 +510,4 @@ def test_run_with_the_token_appends_as_update_layer_does(codec):
             p.check_status()
     caches[0]._flush_all(), caches[1]._flush_all()
     assert caches[0].memory() == caches[1].memory()
-    for i, r in enumerate(rows):
-        for c in caches:
-            got_k, got_v = c.read(r)
-            np.testing.assert_array_equal(got_k, k[i][:, :, :start[i] + steps])
-            np.testing.assert_array_equal(got_v, v[i][:, :, :start[i] + steps])
+    assert_reads_back(caches, rows, k, v, [n + steps for n in start])

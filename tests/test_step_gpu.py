@@ -17,6 +17,7 @@ import torch
 if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" or not torch.cuda.is_available():
     pytest.skip("needs a CUDA device and NUMBA_ENABLE_CUDASIM=0", allow_module_level=True)
 
+from conftest import assert_reads_back  # noqa: E402
 from test_cache import B, assert_same_epochs, drifting, synthetic, with_capacity  # noqa: E402
 
 import gaac.epochs as epochs_mod  # noqa: E402
@@ -36,11 +37,7 @@ def assert_same_caches(caches, seqs, k, v, adapt: bool):
     if adapt:
         assert_same_epochs(caches[0].calibration, caches[1].calibration)
         assert caches[0].calibration.n_epochs(0, 0) > 1
-    for i, s in enumerate(seqs):
-        for c in caches:
-            got_k, got_v = c.read(s)
-            np.testing.assert_array_equal(got_k, k[i])
-            np.testing.assert_array_equal(got_v, v[i])
+    assert_reads_back(caches, seqs, k, v)
     for layer in range(caches[0].layers):
         g, r = (c.layer_view(layer) for c in caches)
         for kind in range(2):
@@ -151,11 +148,7 @@ def test_gpu_eager_calls_take_the_fast_path_and_fall_back_where_they_must():
         for kind in range(2):
             np.testing.assert_array_equal(caches[0].stores(layer)[kind].epochs, caches[1].stores(layer)[kind].epochs)
     assert caches[0].memory() == caches[1].memory()
-    for i, s in enumerate(seqs):
-        for c in caches:
-            got_k, got_v = c.read(s)
-            np.testing.assert_array_equal(got_k, k[i])
-            np.testing.assert_array_equal(got_v, v[i])
+    assert_reads_back(caches, seqs, k, v)
 
 
 def test_gpu_step_reservation_refuses_before_writing():
@@ -326,11 +319,7 @@ def test_step_graph_runs_a_loop_through_checks_joins_and_buckets(monkeypatch):
         ref, _ = reference_attention(qf, ks, vs)
         got = out[layer].float().cpu().numpy()
         assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 8e-3
-    for c in caches:
-        for i in range(2):
-            got_k, got_v = c.read(seqs[i])
-            np.testing.assert_array_equal(got_k, k[i][:, :, :pos[i]])
-            np.testing.assert_array_equal(got_v, v[i][:, :, :pos[i]])
+    assert_reads_back(caches, seqs[:2], k, v, pos)
     assert_same_epochs(caches[0].calibration, caches[1].calibration)
 
 
@@ -419,8 +408,4 @@ def test_gpu_run_with_the_token_is_one_fast_call_and_matches_the_two_calls(monke
     for c in caches:
         c._flush_all()
     assert caches[0].memory() == caches[1].memory()
-    for i, s in enumerate(seqs):
-        for c in caches:
-            got_k, got_v = c.read(s)
-            np.testing.assert_array_equal(got_k, k[i][:, :, :start[i] + steps])
-            np.testing.assert_array_equal(got_v, v[i][:, :, :start[i] + steps])
+    assert_reads_back(caches, seqs, k, v, [n + steps for n in start])
