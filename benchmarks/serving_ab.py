@@ -2,13 +2,17 @@
 
     python benchmarks/serving_ab.py b1-64k graph 256 bf16,pdl,off,pdl,off,bf16,pdl,off
     python benchmarks/serving_ab.py b1-64k,b1-128k eager 256 bf16,one,two,one,two,bf16,one,two
+    python benchmarks/serving_ab.py b8-16k-join eager 256 bf16,one,settle,one,settle,bf16
 
 benchmarks/serving.py's runs of a scenario (its user's loop: the cache's defaults, a calibration from the first 1024
 tokens, every capture and re-plan inside 256 timed steps, read-back and attention checked after each run), in one
 process and interleaved: ``bf16`` (BF16 + flash); ``pdl`` and ``one`` (GAAC as shipped: per layer one
 ``plan.run(q, layer, k=, v=)``, the attention launched as a programmatic dependent of the layer's one-token append,
 gaac/serving/plan.py); ``off`` (GAAC with every attention launched in plain stream order); ``two`` (GAAC with the
-append and the attention as two calls a layer, ``cache.update_layer`` then ``plan.run``).  Arguments: scenarios,
+append and the attention as two calls a layer, ``cache.update_layer`` then ``plan.run``); ``settle`` (GAAC with a
+joining prompt's rule batch not taking the decode steps' queued blocks as its first: their checks run first in a
+rule batch of their own, which the host waits for, and the adapters observe the rest a step at a time,
+``UpdateTransaction._lead``).  Arguments: scenarios,
 modes, timed steps, the runs in order (a last argument ``--smoke``: the smoke scenarios, GAAC only, in numba's
 simulator on the CPU).  Prints each run's ms a step and the means."""
 import sys, argparse, statistics
@@ -19,6 +23,7 @@ import torch
 import serving as SV
 import decode_step as ds
 import gaac
+from gaac.cache.update import UpdateTransaction
 from gaac.serving.plan import StepPlan
 
 shipped = StepPlan._launch
@@ -31,6 +36,7 @@ def off(self, state, layer, q, out, lse, handle=None, follows=None):
 
 
 one_call = ds.StepAttend.__call__
+lead = UpdateTransaction._lead
 
 
 def two_calls(self, layer, q):
@@ -59,6 +65,7 @@ for name in sys.argv[1].split(","):
         for tag in (sys.argv[4].split(",") if len(sys.argv) > 4 else ["bf16", "pdl", "off", "pdl", "off", "bf16"]):
             StepPlan._launch = shipped if tag != "off" else off
             ds.StepAttend.__call__ = two_calls if tag == "two" else one_call
+            UpdateTransaction._lead = (lambda self, *a: None) if tag == "settle" else lead
             fn = SV.run_bf16 if tag == "bf16" else SV.run_gaac
             r = SV.run_pair({tag: lambda: fn(model, src, cal, s, lens, args, every, prompt, graph)}, args)[tag]
             if "error" in r:
@@ -70,6 +77,7 @@ for name in sys.argv[1].split(","):
                   f"err {r.get('attention_rel_err')}", flush=True)
         StepPlan._launch = shipped
         ds.StepAttend.__call__ = one_call
+        UpdateTransaction._lead = lead
         b = statistics.mean(res.get("bf16", [float("nan")]))
         print(f"== {name} {mode}: bf16 {b:.3f}; " + "; ".join(
             f"{t} {statistics.mean(v):.3f} ({b / statistics.mean(v):.4f}x)" for t, v in res.items() if t != "bf16"),

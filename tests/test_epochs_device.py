@@ -20,7 +20,7 @@ from gaac.errors import PoolExhaustedError
 from gaac.calibration import calibrate
 from gaac.cuda import epochs as device_epochs
 from gaac.tiles import cache_blocks
-from conftest import every_tile
+from conftest import assert_reads_back, every_tile
 from test_cache import assert_same_epochs
 from test_epochs import drifting_cache
 
@@ -162,10 +162,10 @@ def test_a_prompt_after_decode_steps_reads_the_pending_blocks_on_the_device(monk
     them gathers them there: every adapter it reads with pending blocks has all of them on the device.  A decode
     step whose blocks complete no adapter's check costs the rule's turn nothing: no adapter observes them on the
     host (they wait in the store's queue, counted), and the decode checks are looked for only at steps where a
-    check comes due, each of which launches a rule batch.  The prompt (two layers, one transaction) looks for the
-    checks its layers' queued blocks complete once for all layers and kinds (then once more, finding none, where
-    that launched a batch), not at each layer and kind's flush.  The cache decides and holds what the host rule's
-    cache does."""
+    check comes due, each of which launches a rule batch.  The prompt (two layers, one transaction) looks for no
+    decode check: its one rule batch takes every store's queued blocks as its job's first blocks (their checks
+    the batch's first, where they complete one), and empties the queues.  The cache decides and holds what the
+    host rule's cache does."""
     from test_captured import _steps
 
     from gaac.cache.update import UpdateTransaction, _waiting
@@ -194,8 +194,9 @@ def test_a_prompt_after_decode_steps_reads_the_pending_blocks_on_the_device(monk
                 for store in cache.stores(layer):
                     assert store.waiting == _waiting(store.deferred) > 0
             del looks[:]                        # (still counted: the prompt's looks below)
-        seen = []
+        seen, prompt_batches = [], []
         recent_on = epochs.Adapter.recent_on
+        queued = sum(_waiting(store.deferred) for layer in range(cache.layers) for store in cache.stores(layer))
 
         def spy(adapter, device, _seen=seen):
             runs = recent_on(adapter, device)
@@ -203,11 +204,19 @@ def test_a_prompt_after_decode_steps_reads_the_pending_blocks_on_the_device(monk
             return runs
 
         monkeypatch.setattr(epochs.Adapter, "recent_on", spy)
+        monkeypatch.setattr(device_epochs.Batch, "__init__",
+                            lambda b, *x, **kw: (prompt_batches.append(1), batch_init(b, *x, **kw))[1])
         rows.append(cache.add_sequence(k[2], v[2]))
         monkeypatch.setattr(epochs.Adapter, "recent_on", recent_on)
+        monkeypatch.setattr(device_epochs.Batch, "__init__", batch_init)
         if on_device:
             monkeypatch.setattr(UpdateTransaction, "_launch_decode_checks", look)
-            assert 1 <= len(looks) <= 2, f"the prompt looked for decode checks {len(looks)} times"
+            assert queued, "no decode block was queued when the prompt came"
+            assert looks == [], f"the prompt looked for decode checks {len(looks)} times"
+            assert len(prompt_batches) == 1, f"the prompt launched {len(prompt_batches)} rule batches"
+            for layer in range(cache.layers):
+                for store in cache.stores(layer):
+                    assert not store.deferred and store.waiting == 0
             pending = [(n, runs) for n, runs in seen if n]
             assert pending, "no adapter had pending blocks when the prompt's rule ran"
             assert all(runs is not None and sum(len(r) for r in runs) == n for n, runs in pending)
@@ -589,14 +598,74 @@ def test_reading_the_calibration_looks_for_the_queued_decode_checks_once(monkeyp
             assert len(store.adapter._recent) == 2 and store.adapter.recent_on(torch.device("cpu")) is not None
 
 
+def test_a_prompt_takes_the_queued_decode_blocks_as_the_first_of_its_rule_batch(monkeypatch):
+    """Decode blocks queued on the device ahead of a prompt (two checks' worth and more here; fewer than a check in
+    :func:`test_a_prompt_after_decode_steps_reads_the_pending_blocks_on_the_device`) are the first blocks of the prompt's own rule batch, their checks its first: the prompt launches that one batch and
+    no batch of decode checks, and leaves every queue empty.  The cache then holds, decides and keeps what a cache
+    that runs those checks in a batch of their own first does, bit-exact; a later prompt too."""
+    from gaac.cache.update import UpdateTransaction, _Observed
+
+    monkeypatch.setattr(epochs, "WARMUP_BLOCKS", 4)
+    monkeypatch.setattr(epochs, "ADAPT_EVERY", 4)
+    monkeypatch.setattr(epochs, "PAYBACK_CHECKS", 10 ** 9)     # every differing candidate that saves is appended
+    b, queued = L.BLOCK_TOKENS, 10
+    x = drifting_cache(40 * b, layers=4)[:, :1]                 # [K0, K1, V0, V1]: two layers, one head of 64
+    k, v = x[:2], x[2:] ^ 0x8000
+    cal = calibrate(k[:, :, :2 * b], v[:, :, :2 * b])
+    batches, looks = [], []
+    batch_init, look = device_epochs.Batch.__init__, UpdateTransaction._launch_decode_checks
+    caches = []
+    for lead in (True, False):
+        cache = PagedKVCache(cal, **every_tile(cal, 3, 24), codec="cuda", adapt=True)
+        cache._rule_on_device = True
+        if not lead:                    # the way a prompt that checks nothing goes: the decode checks first
+            monkeypatch.setattr(UpdateTransaction, "_lead", lambda self, *a: None)
+        first = cache.add_sequence(k[:, :, :5 * b], v[:, :, :5 * b])
+        for layer in range(cache.layers):                       # a decode step's blocks, not yet checked
+            for kind, src in ((L.KIND_K, k), (L.KIND_V, v)):
+                store = cache.stores(layer)[kind]
+                run = torch.from_numpy(cache_blocks(src[layer])[5:5 + queued].view(np.int16)).clone()
+                store.deferred.append(_Observed(None, 0, run))
+                store.waiting += queued
+        monkeypatch.setattr(device_epochs.Batch, "__init__",
+                            lambda bt, jobs, *a, **kw: (batches.append(max(len(ad._recent) for ad, _ in jobs)),
+                                                        batch_init(bt, jobs, *a, **kw))[1])
+        monkeypatch.setattr(UpdateTransaction, "_launch_decode_checks",
+                            lambda c, upto: (looks.append(upto), look(c, upto))[1])
+        second = cache.add_sequence(k[:, :, 16 * b:28 * b + 3], v[:, :, 16 * b:28 * b + 3])
+        monkeypatch.setattr(device_epochs.Batch, "__init__", batch_init)
+        monkeypatch.setattr(UpdateTransaction, "_launch_decode_checks", look)
+        monkeypatch.setattr(UpdateTransaction, "_lead", UpdateTransaction.__dict__["_lead"])
+        if lead:
+            assert looks == [] and len(batches) == 1, (looks, batches)
+            assert batches[0] > queued, "the batch did not take the queued blocks first"
+            assert not cache._leading
+            for layer in range(cache.layers):
+                for store in cache.stores(layer):
+                    assert not store.deferred and store.waiting == 0
+        third = cache.add_sequence(k[:, :, 30 * b:38 * b], v[:, :, 30 * b:38 * b])
+        caches.append((cache, [first, second, third]))
+        batches.clear(), looks.clear()
+    (got, rows), (want, _) = caches
+    assert got.calibration.n_epochs(0, L.KIND_K) > 1                # the content drifts: the rule appended
+    assert_same_epochs(got.calibration, want.calibration)
+    for layer in range(got.layers):
+        for kind in (L.KIND_K, L.KIND_V):
+            np.testing.assert_array_equal(got.stores(layer)[kind].epochs, want.stores(layer)[kind].epochs)
+            _same_adapter(got.stores(layer)[kind].adapter, want.stores(layer)[kind].adapter)
+    spans = [(0, 5 * b), (16 * b, 28 * b + 3), (30 * b, 38 * b)]
+    assert_reads_back([got, want], rows, [k[:, :, a:z] for a, z in spans], [v[:, :, a:z] for a, z in spans])
+
+
 @pytest.mark.parametrize("grow", [True, False])
 def test_a_prompt_written_before_its_counts_with_epochs_appended_is_undone_where_a_list_ran_dry(monkeypatch, grow):
     """A prompt whose encodes read the rule's epochs on the device is written -- its new epochs included -- before
     the encodes' counts are in.  Where the raw-tile arena then turns out too small, that write is undone: with
     ``grow`` the arena grows, the stores that ran dry are encoded again and the cache holds what the host rule's
     holds, each epoch appended once; without, the update is refused and the cache is as it was (no epoch, its
-    base tables, encoders and attention base table as before, and a later prompt that fits is held bit-exact)."""
-    from gaac.cache.update import UpdateTransaction, _EarlyWrite
+    base tables, encoders and attention base table as before, the decode blocks queued ahead of the prompt, which
+    its rule batch took as its first, queued still; and a later prompt that fits is held bit-exact)."""
+    from gaac.cache.update import UpdateTransaction, _EarlyWrite, _Observed
 
     x, cal, n = _one_drifting_layer(monkeypatch)
     x = x.copy()
@@ -627,9 +696,16 @@ def test_a_prompt_written_before_its_counts_with_epochs_appended_is_undone_where
         for kind, store in enumerate(gpu.stores(0)):
             assert store.tb3.shape[0] == store.b3.shape[0] == gpu.calibration.n_epochs(0, kind)
         return
+    for kind, store in enumerate(gpu.stores(0)):       # a decode step's blocks, queued for the rule
+        run = torch.from_numpy(cache_blocks(x[kind])[:5].view(np.int16)).clone()
+        store.deferred.append(_Observed(None, 0, run))
+        store.waiting += 5
+    queued = [list(store.deferred) for store in gpu.stores(0)]
     with pytest.raises(PoolExhaustedError, match="raw-tile arena is exhausted"):
         gpu.add_sequence(x[:1, :, :n], x[1:, :, :n])
     assert written == [2] and undone == [True]
+    assert [store.deferred for store in gpu.stores(0)] == queued and not gpu._leading
+    assert all(store.waiting == 5 and len(store.adapter._recent) == 0 for store in gpu.stores(0))
     assert gpu.calibration.n_epochs(0, L.KIND_K) == gpu.calibration.n_epochs(0, L.KIND_V) == 1
     for store, tables in zip(gpu.stores(0), before):
         for name, table in zip(("b3", "b4", "tb3", "tb4"), tables):

@@ -348,6 +348,7 @@ class PagedKVCache(UpdateTransaction):
         self._next_due = None        # the earliest step whose finished blocks wait for the rule (_flush_due)
         self._rule_batches = []      # (step, GPU rule batch, its jobs) of decode checks in flight (_flush_due)
         self._checks_settled = None  # inside _settling_once: whether the queued decode checks were settled (None: outside)
+        self._leading = set()        # stores whose queued decode blocks an update's rule batch takes (_lead)
         self._returning = []         # removed sequences' records on their way back to the pools (_take_returns)
         self._guess_misses = 1.0     # running share of a prompt's rule jobs that appended an epoch (_guess_pays)
         self.storage_version = 0     # counts replacements of arrays that launches name (growth, a full epoch table)
@@ -386,6 +387,7 @@ class PagedKVCache(UpdateTransaction):
         state.setdefault("_returning", [])
         state.setdefault("_guess_misses", 1.0)
         state["_checks_settled"] = None
+        state["_leading"] = set()
         self.__dict__.update(state)
         self._lock = threading.RLock()
 

@@ -77,6 +77,9 @@ class _Epochs:
                                                 # encoder on the device (as ``tables``, in order), or none
     table: object = None         # the GPU rule still deciding: every set of bases a block may be coded with,
     rows: object = None          # and each block's set, on the device (Batch.encode_rows), or None
+    lead: list = field(default_factory=list)    # the GPU rule's: the decode steps' blocks queued ahead of these
+                                                # (the store's queue's first items), which the update's rule
+                                                # batch checks as its job's first blocks; out of the queue at commit
 
 
 @dataclass
@@ -204,7 +207,7 @@ class _EarlyWrite:
 
     cache: object
     lens: np.ndarray
-    adapters: list               # per store written: (layer, kind, its adapter, its deferred blocks' count)
+    adapters: list               # per store written: (layer, kind, its adapter, its queue of deferred blocks)
     tails: list                  # (store, sequence, its tail before the write)
     blocks_encoded: int
     appended: list = field(default_factory=list)     # _Appended, a store whose update appends epochs
@@ -212,10 +215,10 @@ class _EarlyWrite:
     def undo(self) -> None:
         cache = self.cache
         cache._lens[...] = self.lens
-        for layer, kind, adapter, n in self.adapters:
+        for layer, kind, adapter, queue in self.adapters:
             store = cache._store[layer][kind]
             store.adapter = adapter
-            del store.deferred[n:]
+            store.deferred[:] = queue
             store.waiting = _waiting(store.deferred)
         for store, seq, tail in self.tails:
             store.tail[seq].copy_(tail)
@@ -309,6 +312,14 @@ class UpdateTransaction:
     one object, and a method replaced on a cache or its class is the one every call reaches."""
 
     def _apply(self, updates: list) -> None:
+        """Reserve, encode (GPU) and commit prepared updates (:meth:`_apply_updates`); the decode blocks their
+        plans took as their rule jobs' first (:attr:`_leading`) are the decode checks' again afterwards."""
+        try:
+            self._apply_updates(updates)
+        finally:
+            self._leading.clear()
+
+    def _apply_updates(self, updates: list) -> None:
         """Reserve, encode (GPU) and commit prepared updates: all of them, or nothing and an error.
 
         On a GPU the host launches the adaptation rule and reserves (the reservation first where it may wait for the
@@ -421,7 +432,7 @@ class UpdateTransaction:
         new blocks waits for :meth:`_EarlyWrite.settle`."""
         tails = [(store, seq, store.tail[seq].clone()) for u in updates for store in self._store[u.layer]
                  for seq in u.seqs if self._lens[u.layer, seq] % L.BLOCK_TOKENS]
-        adapters = [(u.layer, kind, store.adapter, len(store.deferred))
+        adapters = [(u.layer, kind, store.adapter, list(store.deferred))
                     for u in updates for kind, store in zip(KINDS, self._store[u.layer])]
         appended = [_Appended(u.layer, kind, store.tb3.shape[0], tuple(getattr(store, name) for name in BASE_TABLES),
                               store.published)
@@ -501,24 +512,48 @@ class UpdateTransaction:
         the adapter only has to observe them, after commit; on a GPU their copy to the host is
         started here and waited for only when the adapter next needs them (:meth:`_flush`), which in
         a decode loop is a block later.  Otherwise the rule runs now, on a copy of the adapter and of
-        the calibration, in runs of at most ``until_check`` blocks (:meth:`gaac.epochs.Adapter.assign`).
+        the calibration, in runs of at most ``until_check`` blocks (:meth:`gaac.epochs.Adapter.assign`); on a
+        GPU the decode steps' blocks queued ahead of them come first in its batch (:meth:`_lead`).
         """
         n = len(finished)
         adapter = store.adapter
         if adapter is None:
             return _Epochs(epochs=np.zeros(n, np.int64), tables=[], after=None, pending=None)
-        self._flush(store, layer, kind)
+        lead = self._lead(store, layer, kind, n, decide)
+        if lead is None:
+            self._flush(store, layer, kind)
         # (blocks whose last one completes a check are observed after commit only where that check may decide)
-        if n < adapter.until_check or (decide and n == adapter.until_check):
+        if not lead and (n < adapter.until_check or (decide and n == adapter.until_check)):
             return _Epochs(epochs=np.full(n, adapter.epoch, np.int64), tables=[], after=None,
                            pending=self._host_copy(finished))
         if self._device_rule:
-            return _Epochs(epochs=None, tables=[], after=adapter, pending=None, blocks=finished, decide=decide)
+            return _Epochs(epochs=None, tables=[], after=adapter, pending=None, blocks=finished, decide=decide,
+                           lead=lead or [])
         after = copy.deepcopy(adapter, {id(adapter.calibration): self._calibration.copy(share_tables=True)})
         host = finished.cpu().numpy().view(np.uint16)
         epochs = after.assign(host, decide=decide)
         tables = [after.calibration.bases(layer, kind, e) for e in range(adapter.epoch + 1, after.epoch + 1)]
         return _Epochs(epochs=epochs, tables=tables, after=after, pending=None)
+
+    def _lead(self, store: _Kind, layer: int, kind: int, n: int, decide: bool) -> list | None:
+        """Where the GPU rule decides ``n`` new blocks of ``store`` and checks them (``decide``, and at least a
+        check's worth, so that its batch holds a check and keeps fewer blocks than these for the next): the
+        decode steps' blocks queued ahead of them on the device, which the update's rule batch then takes as its
+        job's first blocks, their checks the batch's first.  So a prompt after decode steps (a join) launches no
+        batch of the steps' checks of its own that the host waits for before the prompt's, and no adapter
+        observes their blocks a step at a time.  They stay in the store's queue, left alone by the decode checks
+        (:attr:`_leading`), until the update commits; blocks a prefill queued ahead of them are observed first.
+        None where this does not apply (the caller brings the adapter up to date, :meth:`_flush`)."""
+        every = store.adapter.until_check + len(store.adapter._recent)      # blocks a check reads
+        if not (self._device_rule and decide and n >= every):
+            return None
+        self._finish_rule_batches()                 # the rule's checks in flight come first
+        self._flush(store, layer, kind, front=True)
+        if not all(_on_device(item) for item in store.deferred):
+            return None
+        if store.deferred:
+            self._leading.add(id(store))
+        return list(store.deferred)
 
     def _launch_rule(self, updates: list) -> list:
         """Launch the adaptation rule on the GPU for every (layer, kind) of ``updates`` that reaches a check:
@@ -543,6 +578,11 @@ class UpdateTransaction:
             after.calibration, after._recent = calibration, list(after._recent)
             if after._recent_device is not None:
                 after._recent_device = list(after._recent_device)
+            for item in plan.lead:                  # the decode blocks queued ahead: the job's first blocks
+                after._recent.extend(device_blocks(item.device))
+                if after._recent_device is not None:
+                    after._recent_device.append(item.device)
+                after.finalized += item.n
             plan.after = after
         by_shape = {}
         for item in waiting:
@@ -715,7 +755,11 @@ class UpdateTransaction:
         """:meth:`_prepare` of every ``(layer, seqs, k, v, decide)`` of ``updates`` (one transaction's), the decode
         checks settled once for all of them (:meth:`_settling_once`)."""
         with self._settling_once():
-            return [self._prepare(layer, seqs, k, v, decide) for layer, seqs, k, v, decide in updates]
+            try:
+                return [self._prepare(layer, seqs, k, v, decide) for layer, seqs, k, v, decide in updates]
+            except BaseException:
+                self._leading.clear()       # (no update is applied: the queued decode blocks stay the checks')
+                raise
 
     def _flush_due(self) -> None:
         """The adaptation rule's turn in a decode loop, after each step's account: the adapters observe the
@@ -744,7 +788,7 @@ class UpdateTransaction:
         self._next_due = None
         jobs = []
         device_rule = self._device_rule
-        busy = {id(store) for _, _, items in self._rule_batches for store, *_ in items}
+        busy = {id(store) for _, _, items in self._rule_batches for store, *_ in items} | self._leading
         for layer, layer_store in enumerate(self._store):
             for kind, store in zip(KINDS, layer_store):
                 if not store.deferred or id(store) in busy:
@@ -1291,6 +1335,9 @@ class UpdateTransaction:
         if plan.after is not None:
             plan.after.calibration = self._calibration
             store.adapter = plan.after
+            if plan.lead:                           # the decode blocks its rule batch checked first
+                del store.deferred[:len(plan.lead)]
+                store.waiting -= sum(item.n for item in plan.lead)
         elif plan.pending is not None:
             store.deferred.append(plan.pending)
             if self.device.type != "cuda" and observe:
