@@ -134,6 +134,12 @@ def decode_steps(cache, rows, tokens, n: int, first: int) -> None:
             cache.update_layer(layer, rows, kl, vl)
 
 
+def held_epochs(cache) -> int:
+    """The epochs every layer and kind's store holds, counted without bringing the adapters up to date (reading
+    ``cache.calibration`` would: the queued decode blocks' checks would run before the join, not in it)."""
+    return sum(store.tb3.shape[0] for layer in range(cache.layers) for store in cache.stores(layer))
+
+
 def join(cache, rows, pk, pv, i: int) -> None:
     """Sequence ``i % batch`` leaves and the prompt takes its row."""
     at = i % len(rows)
@@ -211,7 +217,7 @@ def measure(args, layers: int) -> dict:
     cache, rows, pk, pv, tokens = make_cache(args, layers)
     cuda = args.device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    epochs_before = sum(cache.calibration.n_epochs(layer, kind) for layer in range(layers) for kind in (0, 1))
+    epochs_before = held_epochs(cache)
     joins = []
     i = 0
     for j in range(args.joins):
@@ -222,10 +228,10 @@ def measure(args, layers: int) -> dict:
             for owner, name, part in HOOKS:
                 ops.in_phase(found[owner], name, part)
             ops.phase = "other"
-            before = sum(cache.calibration.n_epochs(layer, kind) for layer in range(layers) for kind in (0, 1))
+            before = held_epochs(cache)
             join(cache, rows, pk, pv, i)
             counts, by_op, _, _ = ops.new_step()
-        appended = sum(cache.calibration.n_epochs(layer, kind) for layer in range(layers) for kind in (0, 1)) - before
+        appended = held_epochs(cache) - before
         joins.append(dict(counts={p: dict(c) for p, c in counts.items()}, by_op={p: dict(c) for p, c in by_op.items()},
                           epochs=appended))
         i += 1
@@ -250,7 +256,7 @@ def measure(args, layers: int) -> dict:
         for part in PARTS + tuple(p for _, _, p in FINE if args.fine):
             parts[part].append(clock.ms.get(part, 0.0))
         i += 1
-    epochs = sum(cache.calibration.n_epochs(layer, kind) for layer in range(layers) for kind in (0, 1)) - epochs_before
+    epochs = held_epochs(cache) - epochs_before
     return dict(layers=layers, joins=joins, epochs_appended=epochs,
                 host_ms=statistics.median(host_ms) if host_ms else None,
                 part_ms={part: statistics.median(v) for part, v in parts.items()},
