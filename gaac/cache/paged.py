@@ -598,7 +598,7 @@ class PagedKVCache(UpdateTransaction):
             return
         if k.shape[2] == 1 and hooks.append_token(self, layer, seqs, k, v):
             return
-        self._apply([self._prepare(layer, seqs, k, v)])
+        self._apply(self._prepare_all([(layer, seqs, k, v, True)]))
 
     def _checked_update(self, seqs, k, v) -> tuple:
         """``update_layer``'s sequences and tokens checked (:class:`InputError` naming what is wrong): the live

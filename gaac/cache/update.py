@@ -753,7 +753,8 @@ class UpdateTransaction:
 
     def _prepare_all(self, updates) -> list:
         """:meth:`_prepare` of every ``(layer, seqs, k, v, decide)`` of ``updates`` (one transaction's), the decode
-        checks settled once for all of them (:meth:`_settling_once`)."""
+        checks settled once for all of them (:meth:`_settling_once`); where one raises, the decode blocks the
+        others' plans took (:meth:`_lead`) are the decode checks' again."""
         with self._settling_once():
             try:
                 return [self._prepare(layer, seqs, k, v, decide) for layer, seqs, k, v, decide in updates]
