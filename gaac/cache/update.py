@@ -1338,7 +1338,7 @@ class UpdateTransaction:
             store.adapter = plan.after
             if plan.lead:                           # the decode blocks its rule batch checked first
                 del store.deferred[:len(plan.lead)]
-                store.waiting -= sum(item.n for item in plan.lead)
+                store.waiting = _waiting(store.deferred)
         elif plan.pending is not None:
             store.deferred.append(plan.pending)
             if self.device.type != "cuda" and observe:
