@@ -13,6 +13,9 @@ The switches (``on`` is what the library does):
   appends ``gaac.cuda.epochs.DEVICE_PACKED`` epochs or more; ``off``: the host packs each epoch and copies it over.
 * ``positions``: a removal's records go back to their free lists at positions made on the device from each
   list's start and length (``gaac.cache.pools._positions``); ``off``: every position made on the host and uploaded.
+* ``known``: a cache for which no decode step's appends were made takes its pools' exact counts as the device's,
+  so a new cache's first prompt reserves without reading a count and launches its rule first
+  (``UpdateTransaction._counts_known``); ``off``: the reservation reads the counts, before the rule.
 
 Both ways run in the order on, off, off, on, ... so that the host's drift moves both alike:
 
@@ -84,10 +87,20 @@ def _positions(on: bool) -> None:
     pools._positions = _LIBRARY["positions"] if on else _host_positions
 
 
-SWITCHES = {"packed": _packed, "rows": _rows, "positions": _positions}
+from gaac.cache.update import UpdateTransaction  # noqa: E402
+
+_LIBRARY["known"] = UpdateTransaction._counts_known
+
+
+def _known(on: bool) -> None:
+    UpdateTransaction._counts_known = _LIBRARY["known"] if on else property(lambda self: False)
+
+
+SWITCHES = {"packed": _packed, "rows": _rows, "positions": _positions, "known": _known}
 WAYS = {"packed": ("DEVICE_PACKED " + str(device_epochs.DEVICE_PACKED), "host packing"),
         "rows": ("epochs read on the device", "epochs from the host"),
-        "positions": ("list positions made on the device", "list positions uploaded")}
+        "positions": ("list positions made on the device", "list positions uploaded"),
+        "known": ("a new cache's counts taken as the host's", "counts read")}
 
 
 def long_prompt(tokens: int, cal_tokens: int) -> tuple:

@@ -606,3 +606,65 @@ def test_a_prompt_launches_its_rule_before_its_reservation_where_the_reservation
         k, v = cache.read_layer(0, [seq])
         np.testing.assert_array_equal(k[0].numpy().view(np.uint16), x[0])
         np.testing.assert_array_equal(v[0].numpy().view(np.uint16), x[1])
+
+
+def test_a_new_caches_first_prompt_reserves_without_reading_a_count(monkeypatch):
+    """A new cache's counts are the host's: nothing has run on its pools.  Its first prompt, whose raw shares'
+    guesses fit neither their first lists nor the arena's reserve (a small cache's default arena), reserves
+    without reading a count: the rule's kernels are launched first (the reservation's host work then runs while
+    the GPU scans) and the reservation waits for nothing.  Once a decode step's appends are made for a cache
+    (they pop records that the host accounts after they ran), or with the counts taken as unknown, the same
+    prompt's reservation reads the counts, before the rule.  Every prompt reads back bit-exact."""
+    import gaac.epochs as epochs
+    from gaac import layout as L
+    from gaac.cache.update import UpdateTransaction
+    from gaac.calibration import calibrate
+    from gaac.serving.append import step_append
+    from tests.test_epochs import drifting_cache
+
+    monkeypatch.setattr(epochs, "WARMUP_BLOCKS", 8)
+    monkeypatch.setattr(epochs, "PAYBACK_CHECKS", 10 ** 9)
+    x = drifting_cache(20 * L.BLOCK_TOKENS, layers=2)[:, :1]       # 20 blocks: one check
+    x[1] = x[1] ^ 0x8000
+    cal = calibrate(x[:1, :, :128], x[1:, :, :128])
+    order, waits = [], []
+    reserve, launch = UpdateTransaction._reserve, UpdateTransaction._launch_rule
+
+    def reserving(self, updates, jobs):
+        order.append("reserve")
+        with counting() as ops:
+            reserve(self, updates, jobs)
+        waits.append(ops.counts["sync"])
+
+    def launching(self, updates):
+        order.append("rule")
+        return launch(self, updates)
+
+    monkeypatch.setattr(UpdateTransaction, "_reserve", reserving)
+    monkeypatch.setattr(UpdateTransaction, "_launch_rule", launching)
+
+    def prompt(cache, want_order, no_wait):
+        cache._rule_on_device = True
+        order.clear()
+        waits.clear()
+        seq = cache.add_sequence(x[:1], x[1:])
+        assert order == want_order
+        assert (waits == [0]) == no_wait, waits
+        assert cache.calibration.n_epochs(0, L.KIND_K) > 1            # the rule appended: its batch decided
+        k, v = cache.read_layer(0, [seq])
+        np.testing.assert_array_equal(k[0].numpy().view(np.uint16), x[0])
+        np.testing.assert_array_equal(v[0].numpy().view(np.uint16), x[1])
+
+    new = PagedKVCache(cal, max_seqs=2, max_blocks=24, codec="cuda")
+    guesses = [(store.raw, new._raw_guess(store.raw, 20 * new.tiles_per_block)) for store in new.stores(0)]
+    assert not new._arena.covers_unread(guesses)           # without the host's counts, the loans would read
+    assert not new.serving.steps_appended
+    prompt(new, ["rule", "reserve"], True)
+
+    stepped = PagedKVCache(cal, max_seqs=2, max_blocks=24, codec="cuda")
+    step_append(stepped, np.array([1]))                   # a decode step's appends, made for row 1
+    assert stepped.serving.steps_appended
+    prompt(stepped, ["reserve", "rule"], False)
+
+    monkeypatch.setattr(UpdateTransaction, "_counts_known", property(lambda self: False))
+    prompt(PagedKVCache(cal, max_seqs=2, max_blocks=24, codec="cuda"), ["reserve", "rule"], False)

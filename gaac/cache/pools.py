@@ -226,6 +226,11 @@ class DevicePool(Pool):
         """Whether :meth:`free_lower` is exact: no encode launched since the device's count was last read."""
         return self.pending == 0 and self._snap is None
 
+    def settled(self) -> bool:
+        """:attr:`exact`, once a copy of the device's counts that has arrived is taken up (no synchronisation)."""
+        self.free_lower()
+        return self.exact
+
     def free_lower(self) -> int:
         """Free records, at least (no synchronisation)."""
         if self._snap is not None and self._snap[1].query():
@@ -351,12 +356,15 @@ def grow_pools(lacks, read: bool = True) -> None:
         arena.lend_growing([(s, n) for s, n in shares if id(s.arena) == key], read=False)
 
 
-def sync_pools(pools) -> list[int]:
+def sync_pools(pools, known: bool = False) -> list[int]:
     """The free records of each pool, exact: the device pools' counts read with one synchronisation for all of
-    them (:meth:`DevicePool.n_free` waits once per pool)."""
-    heads = count_arrays(pools)
+    them (:meth:`DevicePool.n_free` waits once per pool).  ``known``: the caller knows that no launch the host has
+    not accounted took records (no decode step's appends were made), so a pool whose count is exact
+    (:meth:`DevicePool.settled`) is taken at the host's count, not read; where every pool's is, nothing waits."""
+    read = [p for p in pools if not (known and isinstance(p, DevicePool) and p.settled())]
+    heads = count_arrays(read)
     if heads:
-        counts_read(pools, heads, torch.stack(heads).tolist())
+        counts_read(read, heads, torch.stack(heads).tolist())
     return [max(p.listed - p.taken, 0) if isinstance(p, DevicePool) else p.n_free() for p in pools]
 
 
@@ -737,7 +745,7 @@ class RawArena:
             else:
                 self._put(s.surrender())
 
-    def cover(self, needs, read: bool = True) -> list:
+    def cover(self, needs, read: bool = True, known: bool = False) -> list:
         """Lend each ``(share, n)`` of ``needs`` records until it holds ``n`` free ones (at least ``chunk``
         at a time while the reserve allows).  Where the reserve cannot cover what the shares lack, every
         share's free records return to it first if the arena can then lend each share asked all it asks;
@@ -748,7 +756,11 @@ class RawArena:
         ``read`` False: where the reserve covers what the shares lack by their lower bounds and every loan is
         written past its list's end, the shares are lent that without reading the device's counts (so without
         waiting for the steps queued ahead; a share may be lent a little more than it lacks); otherwise as
-        with ``read``.  For loans that an encode's own check backs (a guess), not a captured step's."""
+        with ``read``.  For loans that an encode's own check backs (a guess), not a captured step's.
+
+        ``known``: no launch the host has not accounted took records (:func:`sync_pools`): the counts that are
+        exact are not read, so a new cache's first prompt lends without a wait even where its loans need new
+        list arrays or the reserve is spread."""
         asked = [(s, n) for s, n in needs if n > 0]
         needs = [(s, n) for s, n in asked if s.free_lower() < n]
         if not needs:
@@ -762,10 +774,10 @@ class RawArena:
                     return []
         # the counts of the shares asked, read in one wait: a share's records are listed from its count on,
         # and a step the host has not accounted yet (a graph replayed, not yet told) may have taken some
-        free = dict(zip(map(id, (s for s, _ in needs)), sync_pools([s for s, _ in needs])))
+        free = dict(zip(map(id, (s for s, _ in needs)), sync_pools([s for s, _ in needs], known)))
         lack = [(s, n - free[id(s)]) for s, n in needs if free[id(s)] < n]
         if sum(d for _, d in lack) > self._top:
-            every = sync_pools(self.shares)
+            every = sync_pools(self.shares, known)
             if self._top + sum(every) < sum(n for _, n in asked):
                 return self._spread(lack)
             # Every free record back to the reserve, then each share asked is lent all it needs.
@@ -774,16 +786,25 @@ class RawArena:
         lent = self._lend_all(self._asks(lack))
         return [(s, d - n) for (s, d), n in zip(lack, lent) if n < d]
 
-    def covers_unread(self, needs) -> bool:
-        """Whether :meth:`cover` of ``needs`` with ``read=False`` lends without reading a count (nothing is lent
-        here): every share asked holds what it needs by its lower bound, or the reserve covers what they lack
-        and every loan is written past its list's end."""
-        needs = [(s, n) for s, n in needs if n > 0 and s.free_lower() < n]
+    def covers_unread(self, needs, known: bool = False) -> bool:
+        """Whether :meth:`cover` of ``needs`` with ``read=False`` (and ``known``) lends without reading a count
+        (nothing is lent here): every share asked holds what it needs by its lower bound, or the reserve covers
+        what they lack and every loan is written past its list's end; or, with ``known``, every share's count is
+        exact and the loans take no share's free records back (which reads them from the device)."""
+        asked = [(s, n) for s, n in needs if n > 0]
+        needs = [(s, n) for s, n in asked if s.free_lower() < n]
         if not needs:
             return True
         lack = [(s, n - max(s.free_lower(), 0)) for s, n in needs]
+        if (sum(d for _, d in lack) <= self._top
+                and all(s.lends_in_place(k) for s, k in self._asks(lack, in_place=True))):
+            return True
+        if not known or not all(s.settled() for s in self.shares if isinstance(s, DevicePool)):
+            return False
+        # the counts are the host's: cover lends from the reserve, or spreads it where even every share's free
+        # records would not cover every ask; only taking those records back reads the device
         return (sum(d for _, d in lack) <= self._top
-                and all(s.lends_in_place(k) for s, k in self._asks(lack, in_place=True)))
+                or self._top + sum(max(s.free_lower(), 0) for s in self.shares) < sum(n for _, n in asked))
 
     def _asks(self, lack: list, in_place: bool = False) -> list:
         """What each ``(share, records it lacks)`` of ``lack`` is lent: what it lacks, at least a chunk while the

@@ -957,7 +957,7 @@ class UpdateTransaction:
         # a guess lends what the arena holds and never grows it: where the tiles take more, the encode's
         # check finds out and the arena grows by what they took, not by a guess; so it is lent by the shares'
         # lower bounds, without waiting for the device's counts where the loans go in place
-        self._arena.cover(guess, read=False)
+        self._arena.cover(guess, read=False, known=self._counts_known)
         # The device's exact counts where a job's lower bounds together fall short of its tiles: one wait for all
         # such pools.  Where they cover the tiles the update has room whatever the counts are (a pool whose own
         # bound is short, as a share of the arena's usually is, is read after the encodes, which check it), so
@@ -997,7 +997,15 @@ class UpdateTransaction:
             return True
         if any(fits is not None or store.slots.free_lower() < n for store, n, fits in jobs):
             return True
-        return not self._arena.covers_unread(self._raw_guesses(jobs))
+        return not self._arena.covers_unread(self._raw_guesses(jobs), known=self._counts_known)
+
+    @property
+    def _counts_known(self) -> bool:
+        """Whether the pools' exact counts (:attr:`~gaac.cache.pools.DevicePool.exact`: no encode launched since
+        the host read or set them) are the device's: no decode step's appends were made for this cache (they pop
+        records that the host accounts after they ran, a captured step's only when told).  A new cache's first
+        prompts then lend their raw shares new lists, or spread the arena's reserve, without reading a count."""
+        return not self.serving.steps_appended
 
     def _blocks_needed(self, updates: list) -> int:
         """The blocks the longest sequence of ``updates`` holds once they are written: what the table must hold."""
