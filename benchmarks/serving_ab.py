@@ -3,6 +3,7 @@
     python benchmarks/serving_ab.py b1-64k graph 256 bf16,pdl,off,pdl,off,bf16,pdl,off
     python benchmarks/serving_ab.py b1-64k,b1-128k eager 256 bf16,one,two,one,two,bf16,one,two
     python benchmarks/serving_ab.py b8-16k-join eager 256 bf16,one,settle,one,settle,bf16
+    python benchmarks/serving_ab.py b8-16k-join eager 256 bf16,one,unknown,unknown,one,bf16
 
 benchmarks/serving.py's runs of a scenario (its user's loop: the cache's defaults, a calibration from the first 1024
 tokens, every capture and re-plan inside 256 timed steps, read-back and attention checked after each run), in one
@@ -12,9 +13,10 @@ gaac/serving/plan.py); ``off`` (GAAC with every attention launched in plain stre
 append and the attention as two calls a layer, ``cache.update_layer`` then ``plan.run``); ``settle`` (GAAC with a
 joining prompt's rule batch not taking the decode steps' queued blocks as its first: their checks run first in a
 rule batch of their own, which the host waits for, and the adapters observe the rest a step at a time,
-``UpdateTransaction._lead``).  Arguments: scenarios,
-modes, timed steps, the runs in order (a last argument ``--smoke``: the smoke scenarios, GAAC only, in numba's
-simulator on the CPU).  Prints each run's ms a step and the means."""
+``UpdateTransaction._lead``); ``unknown`` (GAAC with the pools' exact counts never taken as the device's, so
+that every reservation that needs them reads them, and goes before the rule: ``UpdateTransaction._counts_known``).
+Arguments: scenarios, modes, timed steps, the runs in order (a last argument ``--smoke``: the smoke scenarios, GAAC
+only, in numba's simulator on the CPU).  Prints each run's ms a step and the means."""
 import sys, argparse, statistics
 from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,6 +39,7 @@ def off(self, state, layer, q, out, lse, handle=None, follows=None):
 
 one_call = ds.StepAttend.__call__
 lead = UpdateTransaction._lead
+known = UpdateTransaction._counts_known
 
 
 def two_calls(self, layer, q):
@@ -66,6 +69,7 @@ for name in sys.argv[1].split(","):
             StepPlan._launch = shipped if tag != "off" else off
             ds.StepAttend.__call__ = two_calls if tag == "two" else one_call
             UpdateTransaction._lead = (lambda self, *a: None) if tag == "settle" else lead
+            UpdateTransaction._counts_known = property(lambda self: False) if tag == "unknown" else known
             fn = SV.run_bf16 if tag == "bf16" else SV.run_gaac
             r = SV.run_pair({tag: lambda: fn(model, src, cal, s, lens, args, every, prompt, graph)}, args)[tag]
             if "error" in r:
@@ -78,6 +82,7 @@ for name in sys.argv[1].split(","):
         StepPlan._launch = shipped
         ds.StepAttend.__call__ = one_call
         UpdateTransaction._lead = lead
+        UpdateTransaction._counts_known = known
         b = statistics.mean(res.get("bf16", [float("nan")]))
         print(f"== {name} {mode}: bf16 {b:.3f}; " + "; ".join(
             f"{t} {statistics.mean(v):.3f} ({b / statistics.mean(v):.4f}x)" for t, v in res.items() if t != "bf16"),

@@ -608,18 +608,18 @@ def test_a_prompt_launches_its_rule_before_its_reservation_where_the_reservation
         np.testing.assert_array_equal(v[0].numpy().view(np.uint16), x[1])
 
 
-def test_a_new_caches_first_prompt_reserves_without_reading_a_count(monkeypatch):
-    """A new cache's counts are the host's: nothing has run on its pools.  Its first prompt, whose raw shares'
-    guesses fit neither their first lists nor the arena's reserve (a small cache's default arena), reserves
-    without reading a count: the rule's kernels are launched first (the reservation's host work then runs while
-    the GPU scans) and the reservation waits for nothing.  Once a decode step's appends are made for a cache
-    (they pop records that the host accounts after they ran), or with the counts taken as unknown, the same
-    prompt's reservation reads the counts, before the rule.  Every prompt reads back bit-exact."""
+def test_a_prompt_reserves_without_reading_a_count_where_the_host_knows_the_counts(monkeypatch):
+    """A cache's exact counts are the device's unless a plan of device-driven steps was made for it (their steps pop
+    records that the host accounts only when told).  A prompt whose raw shares' guesses fit neither their lists
+    nor the arena's reserve (a small cache's default arena) then reserves without reading a count, into a new
+    cache as into one holding an imported sequence: the rule's kernels are launched first (the reservation's host
+    work then runs while the GPU scans) and the reservation waits for nothing.  Once a plan of device-driven
+    steps is made, or with the counts taken as unknown, the same prompt's reservation reads the counts, before the
+    rule.  Every prompt reads back bit-exact."""
     import gaac.epochs as epochs
     from gaac import layout as L
     from gaac.cache.update import UpdateTransaction
     from gaac.calibration import calibrate
-    from gaac.serving.append import step_append
     from tests.test_epochs import drifting_cache
 
     monkeypatch.setattr(epochs, "WARMUP_BLOCKS", 8)
@@ -627,6 +627,9 @@ def test_a_new_caches_first_prompt_reserves_without_reading_a_count(monkeypatch)
     x = drifting_cache(20 * L.BLOCK_TOKENS, layers=2)[:, :1]       # 20 blocks: one check
     x[1] = x[1] ^ 0x8000
     cal = calibrate(x[:1, :, :128], x[1:, :, :128])
+    ref = PagedKVCache(cal, max_seqs=1, max_blocks=24, codec="reference", adapt=False)
+    ref.add_sequence(x[:1, :, :2 * L.BLOCK_TOKENS], x[1:, :, :2 * L.BLOCK_TOKENS])
+    held = ref.export_sequence(0)
     order, waits = [], []
     reserve, launch = UpdateTransaction._reserve, UpdateTransaction._launch_rule
 
@@ -643,28 +646,36 @@ def test_a_new_caches_first_prompt_reserves_without_reading_a_count(monkeypatch)
     monkeypatch.setattr(UpdateTransaction, "_reserve", reserving)
     monkeypatch.setattr(UpdateTransaction, "_launch_rule", launching)
 
-    def prompt(cache, want_order, no_wait):
-        cache._rule_on_device = True
+    def cache(imported: bool):
+        c = PagedKVCache(cal, max_seqs=2, max_blocks=24, codec="cuda")
+        c._rule_on_device = True
+        if imported:
+            c.import_sequence(held)
+        return c
+
+    def prompt(c, want_order, no_wait):
         order.clear()
         waits.clear()
-        seq = cache.add_sequence(x[:1], x[1:])
+        seq = c.add_sequence(x[:1], x[1:])
         assert order == want_order
         assert (waits == [0]) == no_wait, waits
-        assert cache.calibration.n_epochs(0, L.KIND_K) > 1            # the rule appended: its batch decided
-        k, v = cache.read_layer(0, [seq])
+        assert c.calibration.n_epochs(0, L.KIND_K) > 1                # the rule appended: its batch decided
+        k, v = c.read_layer(0, [seq])
         np.testing.assert_array_equal(k[0].numpy().view(np.uint16), x[0])
         np.testing.assert_array_equal(v[0].numpy().view(np.uint16), x[1])
 
-    new = PagedKVCache(cal, max_seqs=2, max_blocks=24, codec="cuda")
+    new = cache(False)
     guesses = [(store.raw, new._raw_guess(store.raw, 20 * new.tiles_per_block)) for store in new.stores(0)]
     assert not new._arena.covers_unread(guesses)           # without the host's counts, the loans would read
-    assert not new.serving.steps_appended
     prompt(new, ["rule", "reserve"], True)
+    prompt(cache(True), ["rule", "reserve"], True)
 
-    stepped = PagedKVCache(cal, max_seqs=2, max_blocks=24, codec="cuda")
-    step_append(stepped, np.array([1]))                   # a decode step's appends, made for row 1
-    assert stepped.serving.steps_appended
+    stepped = cache(True)
+    assert not stepped.serving.device_steps
+    plan = stepped.decode_plan(2, steps=1)                 # device-driven steps of the imported sequence
+    assert stepped.serving.device_steps
     prompt(stepped, ["reserve", "rule"], False)
+    del plan
 
     monkeypatch.setattr(UpdateTransaction, "_counts_known", property(lambda self: False))
-    prompt(PagedKVCache(cal, max_seqs=2, max_blocks=24, codec="cuda"), ["reserve", "rule"], False)
+    prompt(cache(False), ["reserve", "rule"], False)

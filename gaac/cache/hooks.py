@@ -45,7 +45,7 @@ class ServingState:
     The state names the cache nowhere (the cache holds it: no reference cycle), and the newest eager plan
     only through a weak reference (the plan holds the cache)."""
 
-    steps_appended = True            # a state pickled before it kept this: taken as having appended
+    device_steps = True              # a state pickled before it kept this: taken as having made them
 
     def __init__(self):
         self.generation = 0          # counts changes of lengths or storage: a plan made before compares it
@@ -62,8 +62,8 @@ class ServingState:
         self._eager_ref = None       # a weak reference to the newest eager plan (eager_plan)
         self.last_step = None        # what the next eager plan follows where the caller dropped the last one
                                      # (gaac.serving.plan: StepPlan's record of its finished step)
-        self.steps_appended = False  # a decode step's appends were made (gaac.serving.append): they pop records
-                                     # that the host accounts after they ran (a captured step's when told)
+        self.device_steps = False    # a plan of device-driven steps was made (gaac.serving.graph): its steps pop
+                                     # records that the host accounts only when told (replayed())
 
     @property
     def eager_plan(self):

@@ -359,7 +359,7 @@ def grow_pools(lacks, read: bool = True) -> None:
 def sync_pools(pools, known: bool = False) -> list[int]:
     """The free records of each pool, exact: the device pools' counts read with one synchronisation for all of
     them (:meth:`DevicePool.n_free` waits once per pool).  ``known``: the caller knows that no launch the host has
-    not accounted took records (no decode step's appends were made), so a pool whose count is exact
+    not accounted took records (no device-driven steps were made), so a pool whose count is exact
     (:meth:`DevicePool.settled`) is taken at the host's count, not read; where every pool's is, nothing waits."""
     read = [p for p in pools if not (known and isinstance(p, DevicePool) and p.settled())]
     heads = count_arrays(read)

@@ -1001,11 +1001,14 @@ class UpdateTransaction:
 
     @property
     def _counts_known(self) -> bool:
-        """Whether the pools' exact counts (:attr:`~gaac.cache.pools.DevicePool.exact`: no encode launched since
-        the host read or set them) are the device's: no decode step's appends were made for this cache (they pop
-        records that the host accounts after they ran, a captured step's only when told).  A new cache's first
-        prompts then lend their raw shares new lists, or spread the arena's reserve, without reading a count."""
-        return not self.serving.steps_appended
+        """Whether the pools' exact counts (:meth:`~gaac.cache.pools.DevicePool.settled`: no encode or append
+        launched since the host read or set them) are the device's: no plan of device-driven steps was made for
+        this cache, whose steps pop records that the host accounts only when told (``replayed()``; an eager
+        step's appends are accounted, their counts asked for, by the cache's next call at the latest).  A prompt
+        then lends its raw shares new lists, or spreads the arena's reserve, without reading a count where the
+        counts have come back since the last encode or step: a new cache's first prompt, a join in an eager loop
+        whose steps the device has caught up with."""
+        return not self.serving.device_steps
 
     def _blocks_needed(self, updates: list) -> int:
         """The blocks the longest sequence of ``updates`` holds once they are written: what the table must hold."""

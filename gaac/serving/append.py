@@ -60,7 +60,6 @@ class StepAppend:
         from ..cuda.primitives import SIMULATOR, WARP
 
         self._cache, self.rows = weakref.ref(cache), np.asarray(rows, np.int64)
-        cache.serving.steps_appended = True      # its launches pop records the host accounts after they ran
         self._stores = [cache.stores(layer) for layer in range(cache.layers)]    # records that live with the cache
         dev, n = cache.device, len(self.rows)
         self.rows_dev = cache.to_device(self.rows.astype(np.int32))

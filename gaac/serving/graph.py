@@ -106,6 +106,7 @@ class CapturedSteps:
     def __init__(self, plan, steps, rows: np.ndarray, before: np.ndarray):
         cache = plan.cache
         _check_device_driven(cache, steps, "steps", "a plan of steps", "decode steps")
+        cache.serving.device_steps = True       # its steps pop records the host accounts only when told
         if not len(rows):
             raise InputError("a plan of steps needs at least one live sequence")
         self._plan, self.cache, self.rows = weakref.ref(plan), cache, rows
@@ -291,6 +292,7 @@ class BucketSteps(CapturedSteps):
     def __init__(self, plan, size, rows: np.ndarray, before: np.ndarray):
         cache = plan.cache
         _check_device_driven(cache, size, "bucket", "a bucket's step", "sequences")
+        cache.serving.device_steps = True       # its steps pop records the host accounts only when told
         if not 1 <= len(rows) <= size:
             raise InputError(f"{len(rows)} sequences for a bucket of {size}: a bucket's step takes 1 to {size}")
         self._plan, self.cache, self.size = weakref.ref(plan), cache, int(size)
