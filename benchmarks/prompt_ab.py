@@ -13,8 +13,8 @@ The switches (``on`` is what the library does):
   appends ``gaac.cuda.epochs.DEVICE_PACKED`` epochs or more; ``off``: the host packs each epoch and copies it over.
 * ``positions``: a removal's records go back to their free lists at positions made on the device from each
   list's start and length (``gaac.cache.pools._positions``); ``off``: every position made on the host and uploaded.
-* ``known``: a cache for which no decode step's appends were made takes its pools' exact counts as the device's,
-  so a new cache's first prompt reserves without reading a count and launches its rule first
+* ``known``: a cache for which no plan of device-driven steps was made takes its pools' exact counts as the
+  device's, so a new cache's first prompt reserves without reading a count and launches its rule first
   (``UpdateTransaction._counts_known``); ``off``: the reservation reads the counts, before the rule.
 
 Both ways run in the order on, off, off, on, ... so that the host's drift moves both alike:
@@ -50,6 +50,7 @@ import torch  # noqa: E402
 import gaac  # noqa: E402
 import gaac.cache.pools as pools  # noqa: E402
 import gaac.cuda.epochs as device_epochs  # noqa: E402
+from gaac.cache.update import UpdateTransaction  # noqa: E402
 from benchmarks.report import gpu_run, head, table  # noqa: E402
 from equal_memory import tokens_at as content  # noqa: E402
 from prefill_layers import by_layer  # noqa: E402
@@ -87,8 +88,6 @@ _LIBRARY["positions"] = pools._positions
 def _positions(on: bool) -> None:
     pools._positions = _LIBRARY["positions"] if on else _host_positions
 
-
-from gaac.cache.update import UpdateTransaction  # noqa: E402
 
 _LIBRARY["known"] = UpdateTransaction._counts_known
 
