@@ -796,15 +796,14 @@ class RawArena:
         if not needs:
             return True
         lack = [(s, n - max(s.free_lower(), 0)) for s, n in needs]
-        if (sum(d for _, d in lack) <= self._top
-                and all(s.lends_in_place(k) for s, k in self._asks(lack, in_place=True))):
+        from_reserve = sum(d for _, d in lack) <= self._top
+        if from_reserve and all(s.lends_in_place(k) for s, k in self._asks(lack, in_place=True)):
             return True
         if not known or not all(s.settled() for s in self.shares if isinstance(s, DevicePool)):
             return False
         # the counts are the host's: cover lends from the reserve, or spreads it where even every share's free
         # records would not cover every ask; only taking those records back reads the device
-        return (sum(d for _, d in lack) <= self._top
-                or self._top + sum(max(s.free_lower(), 0) for s in self.shares) < sum(n for _, n in asked))
+        return from_reserve or self._top + sum(max(s.free_lower(), 0) for s in self.shares) < sum(n for _, n in asked)
 
     def _asks(self, lack: list, in_place: bool = False) -> list:
         """What each ``(share, records it lacks)`` of ``lack`` is lent: what it lacks, at least a chunk while the
