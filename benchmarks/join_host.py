@@ -26,7 +26,9 @@ decode steps of every row before each join, as a serving loop runs them between 
 encodes launched, their counts read where a list might run dry, and the layers whose epochs the rule changed
 encoded again), ``decisions`` (the rule's decisions taken up), ``commit`` (tables, tails, epochs appended),
 ``other`` (the lengths).  On the CPU the wall time is the
-simulator's kernels': the counts are the result there; with ``--device cuda`` the host time of the join (no
+simulator's kernels': the counts are the result there, and with ``--calls N`` (``--joins`` by default) N more joins'
+Python function calls by part (:class:`PartCalls`: every call but those inside a kernel launch), which make most
+of a GPU host's time for a join; with ``--device cuda`` the host time of the join (no
 synchronisation inside it) and the device time after it are measured in a second run without the counter, and
 each part's own host time in a third (:class:`PartClock`; ``--fine`` also takes the rule's set-up, scan and chain,
 the blocks it copies to the host, the early write and the decisions taken up apart).  The decode steps hold
@@ -213,6 +215,65 @@ class PartClock:
         self._hooked.close()
 
 
+class PartCalls:
+    """The Python function calls a join makes on the host, by part (:data:`HOOKS`, each part's own as in
+    :class:`PartClock`), counted with :func:`sys.setprofile`: every call of a Python function or a builtin (a
+    torch op among them), but none inside a kernel launch (:class:`gaac.cuda.launch.TileLauncher`'s, a rule
+    batch's ``_launch``), whose arguments the simulator converts where a GPU's host packs them.  On the CPU these
+    counts are the host's work as a GPU's host does it, independent of the simulator's speed: a join's host time
+    on a GPU is mostly its calls (tens of thousands at 32 layers, a fraction of a microsecond each, besides the
+    device operations :class:`~benchmarks.step_host.StepOps` counts)."""
+
+    def __init__(self, hooks=HOOKS):
+        self.hooks = hooks
+        self.calls = collections.Counter()
+        self._stack, self._off, self._skip, self._hooked = ["other"], 0, False, contextlib.ExitStack()
+
+    def _count(self, frame, event, arg) -> None:
+        if self._off or not (event == "call" or event == "c_call"):
+            return
+        if self._skip and event == "call":      # a hooked method's own call: counted as its wrapper's, once
+            self._skip = False
+            return
+        self.calls[self._stack[-1]] += 1
+
+    def __enter__(self) -> "PartCalls":
+        from gaac.cuda.epochs import Batch
+        from gaac.cuda.launch import TileLauncher
+
+        found = owners()
+        for owner_name, name, part in self.hooks:
+            # the wrapper's call counts as the method's, in the caller's part; its own work is not counted
+            def in_part(*a, _old=getattr(found[owner_name], name), _part=part, **kw):
+                self._off += 1
+                self._stack.append(_part)
+                self._off -= 1
+                self._skip = True
+                try:
+                    return _old(*a, **kw)
+                finally:
+                    self._off += 1
+                    self._stack.pop()
+                    self._off -= 1
+
+            patch(self._hooked, found[owner_name], name, in_part)
+        for owner, name in ((TileLauncher, "launch"), (Batch, "_launch")):
+            def launch(*a, _old=getattr(owner, name), **kw):     # counted as one call where it is made
+                self._off += 1
+                try:
+                    return _old(*a, **kw)
+                finally:
+                    self._off -= 1
+
+            patch(self._hooked, owner, name, launch)
+        sys.setprofile(self._count)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        sys.setprofile(None)
+        self._hooked.close()
+
+
 def measure(args, layers: int) -> dict:
     cache, rows, pk, pv, tokens = make_cache(args, layers)
     cuda = args.device.startswith("cuda")
@@ -234,6 +295,14 @@ def measure(args, layers: int) -> dict:
         appended = held_epochs(cache) - before
         joins.append(dict(counts={p: dict(c) for p, c in counts.items()}, by_op={p: dict(c) for p, c in by_op.items()},
                           epochs=appended))
+        i += 1
+    calls = []
+    for j in range(0 if cuda else args.calls):      # the CPU: more joins, their Python calls counted
+        decode_steps(cache, rows, tokens, args.steps, (args.joins + j) * args.steps)
+        before = held_epochs(cache)
+        with PartCalls() as counted:
+            join(cache, rows, pk, pv, i)
+        calls.append(dict(calls=dict(counted.calls), epochs=held_epochs(cache) - before))
         i += 1
     sync()
     host_ms, device_ms, parts = [], [], collections.defaultdict(list)
@@ -257,7 +326,7 @@ def measure(args, layers: int) -> dict:
             parts[part].append(clock.ms.get(part, 0.0))
         i += 1
     epochs = held_epochs(cache) - epochs_before
-    return dict(layers=layers, joins=joins, epochs_appended=epochs,
+    return dict(layers=layers, joins=joins, calls=calls, epochs_appended=epochs,
                 host_ms=statistics.median(host_ms) if host_ms else None,
                 part_ms={part: statistics.median(v) for part, v in parts.items()},
                 done_ms=statistics.median(device_ms) if device_ms else None)
@@ -292,6 +361,26 @@ def render(rep: dict) -> str:
                             + [sum(c.get(k, 0) for k in DEVICE_OPS)])
     out += table(["layers", "join", "epochs appended", "part"] + list(KINDS) + ["device ops"], rows)
     out.append("")
+    counted = [r for r in rep["results"] if r.get("calls")]
+    if counted:
+        parts = [p for p in PARTS if any(p in c["calls"] for r in counted for c in r["calls"])] + ["other"]
+        parts = list(dict.fromkeys(parts))
+        out += ["Python function calls by part (benchmarks/join_host.py's `PartCalls`: the host's work but for the "
+                "kernel launches themselves), in more joins, each after the same number of decode steps:", ""]
+        rows = []
+        for r in counted:
+            for j, c in enumerate(r["calls"]):
+                rows.append([r["layers"], j, c["epochs"]] + [c["calls"].get(p, 0) for p in parts]
+                            + [sum(c["calls"].values())])
+        if len(counted) > 1:
+            a, b = counted[0], counted[-1]
+            per = b["layers"] - a["layers"]
+            for j, (ca, cb) in enumerate(zip(a["calls"], b["calls"])):
+                rows.append(["a layer more", j, ""] + [f"{(cb['calls'].get(p, 0) - ca['calls'].get(p, 0)) / per:.0f}"
+                                                        for p in parts]
+                            + [f"{(sum(cb['calls'].values()) - sum(ca['calls'].values())) / per:.0f}"])
+        out += table(["layers", "join", "epochs appended"] + parts + ["calls"], rows)
+        out.append("")
     for r in rep["results"]:
         jn = r["joins"][-1]
         waits = collections.Counter()
@@ -325,9 +414,13 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=0,
                     help="eager decode steps of every row before each join (uncounted), as a serving loop runs them")
     ap.add_argument("--runs", type=int, default=10, help="joins timed (GPU)")
+    ap.add_argument("--calls", type=int, default=None,
+                    help="CPU: joins whose Python calls are counted by part, after those counted (default --joins)")
     ap.add_argument("--fine", action="store_true", help="the clocked joins take the rule's parts apart too")
     ap.add_argument("--out", type=Path, help="markdown report (and JSON beside it)")
     args = ap.parse_args(argv)
+    if args.calls is None:
+        args.calls = 0 if args.device.startswith("cuda") else args.joins
     results = [measure(args, int(n)) for n in args.layers.split(",")]
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     rep = dict(device=device, machine=f"{platform.machine()} {os.cpu_count()} cores",

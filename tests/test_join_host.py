@@ -16,7 +16,7 @@ pytest.importorskip("numba")
 def test_a_join_waits_a_fixed_few_times():
     mod = benchmark_module("join_host")
     args = argparse.Namespace(device="cpu", layers="1", kv_heads=1, head_dim=64, batch=2, base=200, prompt=296,
-                              calib=64, joins=1, steps=0, runs=0, out=None, fine=False)
+                              calib=64, joins=1, steps=0, runs=0, out=None, fine=False, calls=0)
     r = mod.measure(args, 1)
     (join,) = r["joins"]
     counts = join["counts"]
@@ -50,6 +50,44 @@ def test_the_part_clock_gives_each_part_its_own_time(monkeypatch):
     assert 39 <= clock.ms["encode"] < 55, clock.ms
     assert 29 <= clock.ms["rule"] < 45, clock.ms
     assert 9 <= clock.ms["other"] < 25, clock.ms
+
+
+def test_part_calls_count_each_parts_own_calls_and_leave_launches_out(monkeypatch):
+    """Every Python call and builtin call goes to the innermost part it is made in (``other`` outside every
+    part), and nothing inside a kernel launch is counted; the methods are put back after."""
+    from gaac.cuda.epochs import Batch
+    from gaac.cuda.launch import TileLauncher
+
+    mod = benchmark_module("join_host")
+
+    def leaf():
+        return 1
+
+    class Owner:
+        def outer(self):
+            leaf()
+            self.inner()
+            leaf()
+
+        def inner(self):
+            for _ in range(3):
+                leaf()
+            TileLauncher.launch(None)
+
+    launched = []
+    monkeypatch.setattr(TileLauncher, "launch", lambda *a: launched.append([leaf() for _ in range(5)]))
+    monkeypatch.setattr(mod, "owners", lambda: {"Owner": Owner})
+    with mod.PartCalls((("Owner", "outer", "encode"), ("Owner", "inner", "rule"))) as counted:
+        leaf()
+        Owner().outer()
+    assert launched == [[1] * 5]                      # the launch ran, its calls uncounted
+    assert Owner.outer.__name__ == "outer" and TileLauncher.launch is not None
+    assert getattr(Batch._launch, "__name__", "") == "_launch"
+    # encode: the call of inner (counted where it is made, once) and two leaves; rule: three leaves and the launch
+    # (range is a type, whose call the profiler does not report)
+    assert counted.calls["encode"] == 3, counted.calls
+    assert counted.calls["rule"] == 4, counted.calls
+    assert counted.calls["other"] >= 2, counted.calls  # leaf and outer, and the counter's own set-up
 
 
 def test_decode_steps_take_the_plans_fast_path(monkeypatch):
