@@ -334,7 +334,7 @@ def measure(args, layers: int) -> dict:
 
 def render(rep: dict) -> str:
     a = rep["args"]
-    out = [f"# A join's host side: device operations and waits ({rep['device']})", "",
+    out = [f"# A join's host side: device operations, waits and Python calls ({rep['device']})", "",
            f"- {rep['machine']}, {rep['date']}, commit {rep['commit']}, torch {rep['torch']}",
            f"- command: `{rep['command']}`",
            f"- a batch of {a['batch']} sequences ({a['base']} + 97 i tokens), {a['kv_heads']} KV heads x {a['head_dim']}; "
