@@ -339,8 +339,10 @@ def render(rep: dict) -> str:
            f"- command: `{rep['command']}`",
            f"- a batch of {a['batch']} sequences ({a['base']} + 97 i tokens), {a['kv_heads']} KV heads x {a['head_dim']}; "
            f"a {a['prompt']}-token prompt replaces one, {a['joins']} times"
+           + (f" (then {a['calls']} more, their Python calls counted)" if a.get("calls") else "")
            + (f", each after {a['steps']} eager decode steps of every row" if a.get("steps") else "")
-           + "; adaptation on, the rule on the device, "
+           + "; adaptation on (the cache's default), pools as the cache sizes them for its table, with grow=True "
+           "(the sample's content overflows more tiles than the arena plans for), the rule on the device, "
            f"calibration from the text's first {a['calib']} tokens; content: the shipped sample (SmolLM2-135M, prose)",
            "- benchmarks/join_host.py says what each part counts; `device ops` sums "
            + ", ".join(DEVICE_OPS) + "; `sync` is the host waiting for the device", ""]
