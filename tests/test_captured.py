@@ -189,6 +189,25 @@ def test_a_plan_of_steps_refuses_what_would_break_its_launches():
         gaac.StepGraph(cache, 2, None)
 
 
+def test_a_refused_plan_of_steps_leaves_the_host_reading_its_own_counts():
+    """A plan of device-driven steps or a bucket's step refused for its arguments makes no steps, so the host
+    still takes its exact pool counts as the device's (a join then reserves without reading a count); the first
+    plan made marks the cache as one whose steps the device drives."""
+    rng = np.random.default_rng(3)
+    k, v = synthetic(rng, 1, 1, 40, 64), synthetic(rng, 1, 1, 40, 64)
+    cache = PagedKVCache(calibrate(k, v), max_seqs=2, max_blocks=8, codec="cuda", adapt=False)
+    with pytest.raises(InputError, match="at least one live sequence"):
+        cache.decode_plan(2, steps=2)
+    assert not cache.serving.device_steps
+    cache.add_sequence(k[:, :, :20], v[:, :, :20])
+    cache.add_sequence(k[:, :, :17], v[:, :, :17])
+    with pytest.raises(InputError, match="2 sequences for a bucket of 1"):
+        cache.decode_plan(2, bucket=1)
+    assert not cache.serving.device_steps
+    plan = cache.decode_plan(2, steps=1)
+    assert cache.serving.device_steps and plan.steps == 1
+
+
 def test_step_graph_keeps_a_bucket_through_joins_leaves_and_checks(monkeypatch):
     """gaac.StepGraph's loop (every step through the bucket's recording, as the simulator runs it): sequences of
     different lengths step together, one leaves and a new prompt takes its row, the batch shrinks into a

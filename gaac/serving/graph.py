@@ -106,9 +106,9 @@ class CapturedSteps:
     def __init__(self, plan, steps, rows: np.ndarray, before: np.ndarray):
         cache = plan.cache
         _check_device_driven(cache, steps, "steps", "a plan of steps", "decode steps")
-        cache.serving.device_steps = True       # its steps pop records the host accounts only when told
         if not len(rows):
             raise InputError("a plan of steps needs at least one live sequence")
+        cache.serving.device_steps = True       # its steps pop records the host accounts only when told
         self._plan, self.cache, self.rows = weakref.ref(plan), cache, rows
         self.steps = int(steps)
         self.end = before.copy()
@@ -292,9 +292,9 @@ class BucketSteps(CapturedSteps):
     def __init__(self, plan, size, rows: np.ndarray, before: np.ndarray):
         cache = plan.cache
         _check_device_driven(cache, size, "bucket", "a bucket's step", "sequences")
-        cache.serving.device_steps = True       # its steps pop records the host accounts only when told
         if not 1 <= len(rows) <= size:
             raise InputError(f"{len(rows)} sequences for a bucket of {size}: a bucket's step takes 1 to {size}")
+        cache.serving.device_steps = True       # its steps pop records the host accounts only when told
         self._plan, self.cache, self.size = weakref.ref(plan), cache, int(size)
         self.rows = np.asarray(rows, np.int64)
         plan.seqs = self._places(self.rows)
