@@ -44,6 +44,8 @@ a decoder never runs it -- it reads each block's epoch.
 """
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 
 from . import layout as L
@@ -63,18 +65,20 @@ def epoch_table_bytes(calibration: Calibration) -> int:
     return 2 * calibration.kv_heads * calibration.head_dim
 
 
-class DeviceBlock:
+class DeviceBlock(tuple):
     """One finalized block whose values stay on the device: row ``i`` of ``run``, a device tensor (int16
     ``[n, kv_heads, 16, head_dim]``) that holds a copy of its own, never written again.  An adapter whose rule
     runs on the GPU keeps such blocks among those since its last check (with ``run`` among its device runs,
     :meth:`Adapter.recent_on`) and nothing copies them to the host: only a check of the host rule reads the
-    values (``np.asarray``, a copy that waits for the device).  A copy of the adapter takes the values."""
+    values (``np.asarray``, a copy that waits for the device).  A copy of the adapter takes the values.
 
-    __slots__ = ("run", "i")
+    Made as ``DeviceBlock((run, i))``: a pair, so that making one runs no Python code (a join in a decode loop
+    makes one for every block the steps queued, in every layer and kind)."""
+
+    __slots__ = ()
     dtype = np.dtype(np.uint16)
-
-    def __init__(self, run, i: int):
-        self.run, self.i = run, i
+    run = property(operator.itemgetter(0))
+    i = property(operator.itemgetter(1))
 
     @property
     def shape(self) -> tuple:
@@ -108,7 +112,7 @@ def host_values(blocks) -> np.ndarray:
 def device_blocks(run) -> list:
     """The blocks of device tensor ``run`` (int16 ``[n, kv_heads, 16, head_dim]``, a copy of its own) as ``n``
     :class:`DeviceBlock`: what an adapter keeps without copying them to the host."""
-    return [DeviceBlock(run, i) for i in range(run.shape[0])]
+    return [DeviceBlock((run, i)) for i in range(run.shape[0])]
 
 
 class Adapter:
@@ -170,11 +174,14 @@ class Adapter:
         head_dim]``, in order), where the GPU rule or the cache left a copy of every one there; else None (the
         GPU rule's batch then copies the host's blocks over)."""
         runs = self._recent_device
-        if runs is None or sum(len(r) for r in runs) != len(self._recent):
+        if runs is None:
             return None
-        if any(r.device != device for r in runs):
-            return None
-        return runs
+        held = 0
+        for run in runs:
+            if run.device != device:
+                return None
+            held += run.shape[0]
+        return runs if held == len(self._recent) else None
 
     def keep_recent(self, blocks, runs=None) -> None:
         """Make ``blocks`` (host, each ``[kv_heads, 16, head_dim]``) the blocks since the last check, and ``runs``

@@ -33,7 +33,7 @@ import torch
 
 from .. import layout as L
 from ..arrays import stacked_view
-from ..epochs import Adapter, device_blocks
+from ..epochs import Adapter, DeviceBlock, device_blocks
 from ..errors import InputError, PoolExhaustedError
 from ..tiles import tile_bases
 from .codec import blocks_to_tiles
@@ -176,6 +176,12 @@ class _Observed:
 def _on_device(item) -> bool:
     """Whether a queued item is a decode step's blocks that the GPU rule reads on the device."""
     return isinstance(item, _Observed) and item.device is not None
+
+
+def _all_on_device(deferred: list) -> bool:
+    """Whether every item of ``deferred`` (a store's queue) is a decode step's blocks that the GPU rule reads on
+    the device (one comprehension: a join after N decode steps finds about N items in every layer and kind)."""
+    return all([isinstance(item, _Observed) and item.device is not None for item in deferred])
 
 
 def _waiting(deferred: list) -> int:
@@ -549,7 +555,7 @@ class UpdateTransaction:
             return None
         self._finish_rule_batches()                 # the rule's checks in flight come first
         self._flush(store, layer, kind, front=True)
-        if not all(_on_device(item) for item in store.deferred):
+        if not _all_on_device(store.deferred):
             return None
         if store.deferred:
             self._leading.add(id(store))
@@ -575,14 +581,14 @@ class UpdateTransaction:
             plan.first_new = plan.after.epoch + 1
             plan.epochs = np.full(len(plan.blocks), plan.after.epoch, np.int64)
             after = copy.copy(plan.after)
-            after.calibration, after._recent = calibration, list(after._recent)
+            after.calibration = calibration
+            # the decode blocks queued ahead: the job's first blocks (one comprehension for every step's, rather
+            # than a call a step: a join after N steps of a batch finds about N runs in every layer and kind)
+            runs = [item.device for item in plan.lead]
+            after._recent = after._recent + [DeviceBlock((run, i)) for run in runs for i in range(run.shape[0])]
             if after._recent_device is not None:
-                after._recent_device = list(after._recent_device)
-            for item in plan.lead:                  # the decode blocks queued ahead: the job's first blocks
-                after._recent.extend(device_blocks(item.device))
-                if after._recent_device is not None:
-                    after._recent_device.append(item.device)
-                after.finalized += item.n
+                after._recent_device = [*after._recent_device, *runs]
+            after.finalized += sum([item.n for item in plan.lead])
             plan.after = after
         by_shape = {}
         for item in waiting:

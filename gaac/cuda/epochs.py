@@ -719,9 +719,13 @@ class Batch:
             rec = part[3].view(torch.int16).view(rec_shape)
         if on_device:       # each job's runs, then zeros up to the longest: one copy on the device
             pad = part[5].view(torch.int16).view(pad_blocks, *rec_shape[2:])
-            torch.cat([piece for i, job_runs in enumerate(runs)
-                       for piece in [*(r.view(torch.int16) for r in job_runs), pad[:rec_shape[1] - int(r0[i])]]],
-                      out=rec.view(-1, *rec_shape[2:]))
+            pieces = []
+            for i, job_runs in enumerate(runs):
+                pieces += [r if r.dtype == torch.int16 else r.view(torch.int16) for r in job_runs]
+                short = rec_shape[1] - int(r0[i])
+                if short:
+                    pieces.append(pad[:short])
+            torch.cat(pieces, out=rec.view(-1, *rec_shape[2:]))
         if fresh:
             self.hist = part[4].view(n_jobs, channels, BINS)
         else:
