@@ -137,6 +137,13 @@ class Adapter:
         self._recent = []         # the blocks since the last check, each [kv_heads, 16, head_dim]
         self._recent_device = []  # the same blocks on a GPU, in runs [n, kv_heads, 16, head_dim] (None: not all there)
 
+    def __copy__(self) -> "Adapter":
+        """A shallow copy (the histogram and the lists of blocks shared until either replaces them), without the
+        copy module's reduction: the GPU rule copies every adapter of a batch."""
+        out = object.__new__(type(self))
+        out.__dict__.update(self.__dict__)
+        return out
+
     @property
     def hist(self) -> np.ndarray:
         """The running exponent histogram ``int64 [kv_heads, head_dim, 256]``."""

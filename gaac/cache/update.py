@@ -181,7 +181,7 @@ def _on_device(item) -> bool:
 def _all_on_device(deferred: list) -> bool:
     """Whether every item of ``deferred`` (a store's queue) is a decode step's blocks that the GPU rule reads on
     the device (one comprehension: a join after N decode steps finds about N items in every layer and kind)."""
-    return all([isinstance(item, _Observed) and item.device is not None for item in deferred])
+    return all([type(item) is _Observed and item.device is not None for item in deferred])
 
 
 def _waiting(deferred: list) -> int:

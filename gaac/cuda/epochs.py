@@ -662,14 +662,14 @@ class Batch:
         self.checks = checks = (r0 + n) // every
         rec_shape = (n_jobs, max(1, int(r0.max())), kv_heads, L.BLOCK_TOKENS, head_dim)
         fresh = all(a.finalized == 0 for a, _ in jobs)           # a new cache's prefill: empty histograms
-        cur_np = np.empty((n_jobs, 2, channels), dtype=np.int32)
-        for i, (a, _) in enumerate(jobs):
-            b3, b4 = a.calibration.bases(a.layer, a.kind, a.epoch)
-            cur_np[i, 0], cur_np[i, 1] = np.asarray(b3).reshape(-1), np.asarray(b4).reshape(-1)
         self.epoch0 = [a.epoch for a, _ in jobs]                  # each job's epoch when the batch starts
+        cur_np = np.empty((n_jobs, 2, channels), dtype=np.int32)
+        for i, ((a, _), epoch) in enumerate(zip(jobs, self.epoch0)):
+            b3, b4 = a.calibration.bases(a.layer, a.kind, epoch)
+            cur_np[i, 0], cur_np[i, 1] = np.asarray(b3).reshape(-1), np.asarray(b4).reshape(-1)
         self.rows_phases = None                                   # the phases encode_rows read (None: not made)
         finalized = np.array([a.finalized - len(a._recent) for a, _ in jobs], dtype=np.int32)
-        n_epochs = np.array([a.epoch + 1 for a, _ in jobs], dtype=np.int32)
+        n_epochs = np.array(self.epoch0, dtype=np.int32) + 1
         xa = _aligned(_stacked([b for _, b in jobs[:ja]]))
         xb = _aligned(_stacked([b for _, b in jobs[ja:]])) if ja < n_jobs else xa
 
