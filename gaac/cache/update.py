@@ -953,11 +953,11 @@ class UpdateTransaction:
         """
         need_blocks = self._blocks_needed(updates)
         # a removal's records: a join's prompt waits for the steps queued before it only where its pools fall short
-        self._take_returns_for((store, n) for store, n, _ in jobs)
+        self._take_returns_for((store, n) for store, n, _, _ in jobs)
         short = []               # (pool, records it lacks) or (None, blocks the table must hold)
         if need_blocks > self.max_blocks:
             short.append((None, need_blocks))
-        exact = [(store.raw, int((~fits).sum())) for store, _, fits in jobs if fits is not None]
+        exact = [(store.raw, int((~fits).sum())) for store, _, fits, _ in jobs if fits is not None]
         guess = self._raw_guesses(jobs)
         short += self._arena.cover(exact)
         # a guess lends what the arena holds and never grows it: where the tiles take more, the encode's
@@ -969,11 +969,11 @@ class UpdateTransaction:
         # bound is short, as a share of the arena's usually is, is read after the encodes, which check it), so
         # in a serving loop the reservation does not wait for the steps queued ahead.  (A count already exact
         # needs no wait: a new cache's, or one read since its last encode.)
-        stale = [pool for store, n, fits in jobs if fits is None and self._room_lower(store) < n
+        stale = [pool for store, n, fits, _ in jobs if fits is None and self._room_lower(store) < n
                  for pool in (store.slots, store.raw) if not pool.exact]
         if stale:
             sync_pools(stale)
-        for store, n, fits in jobs:
+        for store, n, fits, _ in jobs:
             if fits is None:
                 room = self._room_lower(store)
                 if room < n:
@@ -1001,7 +1001,7 @@ class UpdateTransaction:
         prompt reads them)."""
         if self._blocks_needed(updates) > self.max_blocks:
             return True
-        if any(fits is not None or store.slots.free_lower() < n for store, n, fits in jobs):
+        if any(fits is not None or store.slots.free_lower() < n for store, n, fits, _ in jobs):
             return True
         return not self._arena.covers_unread(self._raw_guesses(jobs), known=self._counts_known)
 
@@ -1021,13 +1021,20 @@ class UpdateTransaction:
         return max(int(self._lens[u.layer, s]) // L.BLOCK_TOKENS + q for u in updates for s, q in zip(u.seqs, u.blocks))
 
     def _reserve_jobs(self, updates: list) -> list:
-        """``(store, tiles, fits)`` of each layer and kind ``updates`` encode (``fits`` None: the CUDA encoder's)."""
-        return [(self._store[u.layer][kind], u.tiles[kind].shape[0], u.fits[kind])
-                for u in updates for kind in KINDS if u.tiles[kind] is not None]
+        """``(store, tiles, fits, guess)`` of each layer and kind ``updates`` encode (``fits`` None: the CUDA
+        encoder's; ``guess``: then the raw records to lend its share, :meth:`_raw_guess`, made once for both
+        :meth:`_reserve_waits` and :meth:`_reserve`)."""
+        jobs = []
+        for u in updates:
+            for kind in KINDS:
+                if u.tiles[kind] is not None:
+                    store, n, fits = self._store[u.layer][kind], u.tiles[kind].shape[0], u.fits[kind]
+                    jobs.append((store, n, fits, self._raw_guess(store.raw, n) if fits is None else None))
+        return jobs
 
     def _raw_guesses(self, jobs: list) -> list:
-        """``(raw share, records to lend it)`` for each CUDA-encoded job of ``jobs`` (:meth:`_raw_guess`)."""
-        return [(store.raw, self._raw_guess(store.raw, n)) for store, n, fits in jobs if fits is None]
+        """``(raw share, records to lend it)`` for each CUDA-encoded job of ``jobs`` (their guesses)."""
+        return [(store.raw, guess) for store, _, fits, guess in jobs if fits is None]
 
     def _room_lower(self, store: _Kind) -> int:
         """Records ``store``'s tiles can take at least, by the bounds (no wait): its free slots and raw records and
