@@ -1238,15 +1238,18 @@ class UpdateTransaction:
             from ..cuda.codec import EncodePlan, pack_bases
 
             # An epoch's bases outlive the pools' versions (growth, removals make new free lists).  Those of an
-            # epoch the GPU rule appends may come packed on the device; others are packed here and copied over.
+            # epoch the store holds are packed on the device from its per-tile tables (a few small kernels, where
+            # a copy from the host pins a buffer: a quarter of a millisecond behind queued steps, for each epoch a
+            # join appends and publishes); those of an epoch the GPU rule appends may come packed on the device;
+            # others are packed here and copied over.
             bases = store.packed.get(epoch)
             held = store.tb3.shape[0]
-            if bases is None and plan is not None and 0 <= epoch - held < len(plan.packed):
+            if bases is None and epoch < held:
+                bases = store.packed[epoch] = torch.stack([store.tb3[epoch], store.tb4[epoch]], dim=1).to(torch.int16)
+            elif bases is None and plan is not None and 0 <= epoch - held < len(plan.packed):
                 bases = plan.packed[epoch - held]
             elif bases is None:
                 bases = self._to_device(pack_bases(*self._tile_bases(store, plan, epoch, layer, kind)))
-                if epoch < held:
-                    store.packed[epoch] = bases
             # a plan of the same pools for another epoch differs only in its bases
             same = next((e for k, e in store.encoders.items() if k[1] == key[1]), None)
             enc = (same.with_bases(bases) if same is not None else
