@@ -210,7 +210,7 @@ def test_removing_a_sequence_waits_for_nothing_and_gives_back_with_one_wait_what
     serving loop that wait would drain the steps queued before the removal).  The records stay out of every free
     list until the next call that reads the pools gives them back, with at most one wait whatever the layers
     (the counts of the lists that cannot take them past their end, read together); the cache then holds and
-    takes back what it did before."""
+    takes back what it did before.  Where every layer is as long, the removal copies nothing to the device."""
     counts = {}
     for layers in (2, 4):
         cache, rows = _filled(layers)
@@ -220,6 +220,9 @@ def test_removing_a_sequence_waits_for_nothing_and_gives_back_with_one_wait_what
         with counting() as ops:
             cache.remove_sequence(rows[0])
         assert ops.counts["sync"] == 0, ops.by_op
+        # every layer as long: the entries read as one view of the tables, nothing copied from the host (a pinned
+        # copy of each store's count of entries before)
+        assert ops.counts["pinned"] == ops.counts["h2d"] == 0, ops.by_op
         assert len(cache._returning) == 1
         assert [store.slots.free_lower() for layer_store in cache._store for store in layer_store] == free
         with counting() as ops:

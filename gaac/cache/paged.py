@@ -121,8 +121,9 @@ def _locked_pools_later(method):
 
 # ----------------------------------------------------------------------------------------------
 
-def _give_back(stores: list, rows: list, wait: bool = True):
-    """Every record that each store's table entries ``rows`` (device int32) point at goes back to its pools.
+def _give_back(stores: list, rows, wait: bool = True):
+    """Every record that each store's table entries ``rows`` (device int32: a 1-D tensor a store, or one 2-D
+    tensor, a row a store, where every store gives as many) point at goes back to its pools.
     Where the slot pools' free lists live on the device the entries are sorted there (one sort for every
     store: a sequence of a long context holds tens of thousands of entries per layer and kind, which the host
     would sort pool by pool), each slot pool takes its sorted records as a view of that one array, and the
@@ -132,18 +133,26 @@ def _give_back(stores: list, rows: list, wait: bool = True):
     if not stores:
         return None
     if not all(isinstance(store.slots, DevicePool) for store in stores):
-        give_back_all(stores, _read_back(stores, rows))
+        give_back_all(stores, _read_back(stores, list(rows)))
         return None
-    device = rows[0].device
-    lengths = [row.numel() for row in rows]
-    total, n = sum(lengths), len(stores)
-    if not total:
-        return None
+    device, n = (rows if isinstance(rows, torch.Tensor) else rows[0]).device, len(stores)
+    if isinstance(rows, torch.Tensor):          # as many entries a store: each store's count is known on the device
+        total = rows.numel()
+        if not total:
+            return None
+        words = rows.reshape(-1).long() & 0xFFFFFFFF
+        store_of = torch.repeat_interleave(torch.arange(n, device=device), total // n, output_size=total)
+    else:
+        lengths = [row.numel() for row in rows]
+        total = sum(lengths)
+        if not total:
+            return None
+        words = torch.cat(rows).long() & 0xFFFFFFFF
+        store_of = torch.repeat_interleave(torch.arange(n, device=device),
+                                           arrays.upload(np.asarray(lengths, dtype=np.int64), device),
+                                           output_size=total)
     # a key per entry: the section (store i's slots: i, its raw tiles: n + i) above the record, so that one sort
     # groups every section's records, in order
-    words = torch.cat(rows).long() & 0xFFFFFFFF
-    store_of = torch.repeat_interleave(torch.arange(n, device=device),
-                                       arrays.upload(np.asarray(lengths, dtype=np.int64), device), output_size=total)
     section = store_of + n * (words >> 31)
     records = (torch.sort((section << 32) | (words & L.TABLE_INDEX_MASK)).values & L.TABLE_INDEX_MASK).int()
     # each section's size, without the wait for its largest key that torch.bincount makes on a GPU
@@ -472,8 +481,13 @@ class PagedKVCache(UpdateTransaction):
         """Drop a sequence: its slots and raw tiles go back to the free lists, its row is reusable."""
         self._check_seq(seq)
         stores = [store for layer_store in self._store for store in layer_store]
-        rows = [store.table[seq, :int(self._lens[layer, seq]) // L.BLOCK_TOKENS].reshape(-1)
-                for layer, layer_store in enumerate(self._store) for store in layer_store]
+        blocks = self._lens[:, seq] // L.BLOCK_TOKENS
+        tables = stacked_view([store.table for store in stores]) if (blocks == blocks[0]).all() else None
+        if tables is not None:      # every layer as long (between steps): one view of every store's entries
+            rows = tables[:, seq, :int(blocks[0])].reshape(len(stores), -1)
+        else:
+            rows = [store.table[seq, :int(blocks[layer])].reshape(-1)
+                    for layer, layer_store in enumerate(self._store) for store in layer_store]
         # the records come back once their copy to the host has arrived: the host queues on meanwhile (a serving
         # loop's removal would otherwise wait for the steps queued before it)
         back = _give_back(stores, rows, wait=False)
