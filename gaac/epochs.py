@@ -109,10 +109,10 @@ def host_values(blocks) -> np.ndarray:
     return np.stack(out)
 
 
-def device_blocks(run) -> list:
-    """The blocks of device tensor ``run`` (int16 ``[n, kv_heads, 16, head_dim]``, a copy of its own) as ``n``
-    :class:`DeviceBlock`: what an adapter keeps without copying them to the host."""
-    return [DeviceBlock((run, i)) for i in range(run.shape[0])]
+def device_blocks(*runs) -> list:
+    """The blocks of device tensors ``runs`` (each int16 ``[n, kv_heads, 16, head_dim]``, a copy of its own), in
+    order, as :class:`DeviceBlock`: what an adapter keeps without copying them to the host."""
+    return [DeviceBlock((run, i)) for run in runs for i in range(run.shape[0])]
 
 
 class Adapter:

@@ -135,15 +135,15 @@ def _give_back(stores: list, rows, wait: bool = True):
     if not all(isinstance(store.slots, DevicePool) for store in stores):
         give_back_all(stores, _read_back(stores, list(rows)))
         return None
-    device, n = (rows if isinstance(rows, torch.Tensor) else rows[0]).device, len(stores)
+    n = len(stores)
     if isinstance(rows, torch.Tensor):          # as many entries a store: each store's count is known on the device
-        total = rows.numel()
+        device, total = rows.device, rows.numel()
         if not total:
             return None
         words = rows.reshape(-1).long() & 0xFFFFFFFF
         store_of = torch.repeat_interleave(torch.arange(n, device=device), total // n, output_size=total)
     else:
-        lengths = [row.numel() for row in rows]
+        device, lengths = rows[0].device, [row.numel() for row in rows]
         total = sum(lengths)
         if not total:
             return None
@@ -481,28 +481,28 @@ class PagedKVCache(UpdateTransaction):
         """Drop a sequence: its slots and raw tiles go back to the free lists, its row is reusable."""
         self._check_seq(seq)
         stores = [store for layer_store in self._store for store in layer_store]
+        # every layer and kind's tables (and block epochs): one view where they lie at equal distances in one
+        # allocation, as a cache makes them
+        tables = [store.table for store in stores]
+        indices = [store.epoch for store in stores if store.epoch is not None]
+        views = [stacked_view(tables), stacked_view(indices) if indices else None]
         blocks = self._lens[:, seq] // L.BLOCK_TOKENS
-        tables = stacked_view([store.table for store in stores]) if (blocks == blocks[0]).all() else None
-        if tables is not None:      # every layer as long (between steps): one view of every store's entries
-            rows = tables[:, seq, :int(blocks[0])].reshape(len(stores), -1)
+        if views[0] is not None and (blocks == blocks[0]).all():     # every layer as long (between steps)
+            rows = views[0][:, seq, :int(blocks[0])].reshape(len(stores), -1)
         else:
-            rows = [store.table[seq, :int(blocks[layer])].reshape(-1)
-                    for layer, layer_store in enumerate(self._store) for store in layer_store]
+            rows = [table[seq, :int(n)].reshape(-1) for table, n in zip(tables, np.repeat(blocks, len(KINDS)))]
         # the records come back once their copy to the host has arrived: the host queues on meanwhile (a serving
         # loop's removal would otherwise wait for the steps queued before it)
         back = _give_back(stores, rows, wait=False)
         if back is not None:
             self._returning.append(back)
-        # the row's table entries and block epochs, zeroed in every layer and kind at once where they are views of
-        # one allocation (as a cache makes them)
-        for held in ([store.table for store in stores], [store.epoch for store in stores if store.epoch is not None]):
-            if held:
-                view = stacked_view(held)
-                if view is not None:
-                    view[:, seq] = 0
-                else:
-                    for t in held:
-                        t[seq] = 0
+        # the row's table entries and block epochs, zeroed in every layer and kind at once where there is a view
+        for held, view in zip((tables, indices), views):
+            if view is not None:
+                view[:, seq] = 0
+            else:
+                for t in held:
+                    t[seq] = 0
         for store in stores:
             store.epochs[seq] = 0
         self._lens[:, seq] = 0

@@ -33,7 +33,7 @@ import torch
 
 from .. import layout as L
 from ..arrays import stacked_view
-from ..epochs import Adapter, DeviceBlock, device_blocks
+from ..epochs import Adapter, device_blocks
 from ..errors import InputError, PoolExhaustedError
 from ..tiles import tile_bases
 from .codec import blocks_to_tiles
@@ -181,7 +181,7 @@ def _on_device(item) -> bool:
 def _all_on_device(deferred: list) -> bool:
     """Whether every item of ``deferred`` (a store's queue) is a decode step's blocks that the GPU rule reads on
     the device (one comprehension: a join after N decode steps finds about N items in every layer and kind)."""
-    return all([type(item) is _Observed and item.device is not None for item in deferred])
+    return all([isinstance(item, _Observed) and item.device is not None for item in deferred])
 
 
 def _waiting(deferred: list) -> int:
@@ -582,10 +582,10 @@ class UpdateTransaction:
             plan.epochs = np.full(len(plan.blocks), plan.after.epoch, np.int64)
             after = copy.copy(plan.after)
             after.calibration = calibration
-            # the decode blocks queued ahead: the job's first blocks (one comprehension for every step's, rather
-            # than a call a step: a join after N steps of a batch finds about N runs in every layer and kind)
+            # the decode blocks queued ahead: the job's first blocks (every step's run at once, rather than a few
+            # calls a run: a join after N steps of a batch finds about N runs in every layer and kind)
             runs = [item.device for item in plan.lead]
-            after._recent = after._recent + [DeviceBlock((run, i)) for run in runs for i in range(run.shape[0])]
+            after._recent = after._recent + device_blocks(*runs)
             if after._recent_device is not None:
                 after._recent_device = [*after._recent_device, *runs]
             after.finalized += sum([item.n for item in plan.lead])
