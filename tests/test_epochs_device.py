@@ -738,3 +738,45 @@ def test_the_scans_byte_wise_window_test_marks_what_the_exponent_wise_test_marks
                 for j in range(4):
                     assert np.array_equal((got >> (8 * j + 7)) & 1, want[words[:, j]]), (width, b, j)
 
+
+
+def test_a_batch_takes_the_queued_runs_of_blocks_without_python_work_for_each():
+    """A join after N decode steps finds about N runs of blocks queued on the device in every layer and kind; the
+    rule's batch counts, checks and gathers them without a Python call a run: its set-up makes as many calls for
+    adapters holding ten runs each as for adapters holding two (a few calls a run and job before)."""
+    import sys
+
+    from test_cache import synthetic
+
+    rng = np.random.default_rng(0)
+    heads, dim, layers = 1, 64, 2
+    cal = calibrate(synthetic(rng, layers, heads, 64, dim), synthetic(rng, layers, heads, 64, dim))
+    prompt = torch.from_numpy(synthetic(rng, 1, heads, 32 * L.BLOCK_TOKENS, dim)[0]
+                              .reshape(heads, 32, L.BLOCK_TOKENS, dim).transpose(1, 0, 2, 3).copy().view(np.int16))
+
+    def calls(n_runs: int) -> int:
+        jobs = []
+        for layer in range(layers):
+            for kind in (0, 1):
+                adapter = epochs.Adapter(cal, layer, kind)
+                adapter.finalized = 100
+                adapter.keep_hist_on_device(torch.zeros(heads, dim, 256, dtype=torch.int32))
+                runs = [torch.from_numpy(synthetic(rng, 1, heads, L.BLOCK_TOKENS, dim).view(np.int16))
+                        for _ in range(n_runs)]
+                adapter.keep_recent(epochs.device_blocks(*runs), runs)
+                jobs.append((adapter, prompt))
+        counted = [0]
+
+        def count(frame, event, arg):
+            if event in ("call", "c_call"):
+                counted[0] += 1
+
+        sys.setprofile(count)
+        try:
+            batch = device_epochs.Batch(jobs)
+        finally:
+            sys.setprofile(None)
+        assert batch.r0.tolist() == [n_runs] * len(jobs)
+        return counted[0]
+
+    assert calls(10) == calls(2)
