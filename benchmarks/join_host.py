@@ -297,7 +297,7 @@ def measure(args, layers: int) -> dict:
                           epochs=appended))
         i += 1
     calls = []
-    for j in range(0 if cuda else args.calls):      # the CPU: more joins, their Python calls counted
+    for j in range(args.calls):      # the CPU (main sets none on a GPU): more joins, their Python calls counted
         decode_steps(cache, rows, tokens, args.steps, (args.joins + j) * args.steps)
         before = held_epochs(cache)
         with PartCalls() as counted:
@@ -417,12 +417,15 @@ def main(argv=None) -> int:
                     help="eager decode steps of every row before each join (uncounted), as a serving loop runs them")
     ap.add_argument("--runs", type=int, default=10, help="joins timed (GPU)")
     ap.add_argument("--calls", type=int, default=None,
-                    help="CPU: joins whose Python calls are counted by part, after those counted (default --joins)")
+                    help="CPU: joins whose Python calls are counted by part, after those counted (default --joins; "
+                         "none on a GPU)")
     ap.add_argument("--fine", action="store_true", help="the clocked joins take the rule's parts apart too")
     ap.add_argument("--out", type=Path, help="markdown report (and JSON beside it)")
     args = ap.parse_args(argv)
-    if args.calls is None:
-        args.calls = 0 if args.device.startswith("cuda") else args.joins
+    if args.device.startswith("cuda"):
+        args.calls = 0          # counted on the CPU only (the simulator's launches are left out there)
+    elif args.calls is None:
+        args.calls = args.joins
     results = [measure(args, int(n)) for n in args.layers.split(",")]
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     rep = dict(device=device, machine=f"{platform.machine()} {os.cpu_count()} cores",

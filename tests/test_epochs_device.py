@@ -739,7 +739,6 @@ def test_the_scans_byte_wise_window_test_marks_what_the_exponent_wise_test_marks
                     assert np.array_equal((got >> (8 * j + 7)) & 1, want[words[:, j]]), (width, b, j)
 
 
-
 def test_a_batch_takes_the_queued_runs_of_blocks_without_python_work_for_each():
     """A join after N decode steps finds about N runs of blocks queued on the device in every layer and kind; the
     rule's batch counts, checks and gathers them without a Python call a run: its set-up makes as many calls for
