@@ -967,6 +967,12 @@ class PagedKVCache(UpdateTransaction):
         on = self._rule_on_device
         if not self._cuda_codec or not (self.device.type == "cuda" if on is None else on):
             return False
+        return self._rule_fits
+
+    @functools.cached_property
+    def _rule_fits(self) -> bool:
+        """Whether the GPU rule takes this cache's heads (:func:`gaac.cuda.epochs.supported`): asked once, as an
+        update asks :attr:`_device_rule` a few times a layer and kind."""
         from ..cuda.epochs import supported
 
         return supported(self.kv_heads, self.head_dim)

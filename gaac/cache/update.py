@@ -43,6 +43,7 @@ from .store import BASE_TABLES, KINDS, _Kind, add_epochs_all
 ADAPT_LAG = 2                # decode steps between a block's finish and the adaptation rule's look at it
 GUESS_MISSES = 0.5           # an update's encodes guess the rule's epochs while fewer of the jobs missed (_guess_pays)
 
+_UNKNOWN = object()      # an update's in_table before PagedKVCache._in_table has found it
 _RULE_STREAMS = {}       # CUDA device index -> the stream the adaptation rule runs on (PagedKVCache._rule_stream)
 
 
@@ -111,6 +112,7 @@ class _Update:
     entries: list = field(default_factory=lambda: [None, None])   # per kind: table entries int32 [n_tiles] (GPU)
     heads_before: list = field(default_factory=lambda: [None, None])   # per kind, where the rule may undo the
                                                                        # encode: its _Counts before it
+    in_table: object = _UNKNOWN  # where the encoder writes the table entries in place (PagedKVCache._in_table)
 
 
 @dataclass
@@ -1098,7 +1100,8 @@ class UpdateTransaction:
         kept = []               # (update, kind, counts before) of the jobs whose encodes stand after a list ran dry
         while True:
             unsure = [(u, kind) for u, kind in jobs
-                      if min(p.free_lower() for p in self._pools(u.layer, kind)) < u.tiles[kind].shape[0]]
+                      if min((store := self._store[u.layer][kind]).slots.free_lower(), store.raw.free_lower())
+                      < u.tiles[kind].shape[0]]
             # where a list may run dry or the rule may undo a guess, every job's counts, so that they can be put
             # back (one copy for all of them)
             saved = {}
@@ -1183,11 +1186,16 @@ class UpdateTransaction:
         """Where the encoder writes ``u``'s table entries straight into the table: the one sequence's rows of
         the blocks the update finishes (contiguous), past its length, which nothing reads until the update
         is committed, and which a later update overwrites if this one is undone.  None for an update of
-        several sequences (its entries go to a buffer the commit copies from)."""
-        if len(u.seqs) != 1 or not u.blocks[0]:
-            return None
-        seq, first = u.seqs[0], int(self._lens[u.layer, u.seqs[0]]) // L.BLOCK_TOKENS
-        return seq, slice(first, first + u.blocks[0])
+        several sequences (its entries go to a buffer the commit copies from).  Found once an update (the
+        encodes and the commit ask for each kind): the length it starts from is the same until it commits, and
+        again where a commit is undone."""
+        if u.in_table is _UNKNOWN:
+            if len(u.seqs) != 1 or not u.blocks[0]:
+                u.in_table = None
+            else:
+                seq, first = u.seqs[0], int(self._lens[u.layer, u.seqs[0]]) // L.BLOCK_TOKENS
+                u.in_table = seq, slice(first, first + u.blocks[0])
+        return u.in_table
 
     def _put_back(self, undo: list) -> None:
         """Undo encodes: for each ``(update, kind, counts)`` of ``undo`` the store's free lists go back to the
