@@ -1,6 +1,8 @@
 """What a join asks of the device: the host's device operations and waits when a serving loop replaces a sequence.
 
     python benchmarks/join_host.py [--out benchmarks/results/join-host-cpu.md]       # CPU + numba's simulator: counts
+    python benchmarks/join_host.py --layers 4,32 --batch 8 --base 64 --steps 16 --calib 512 --joins 0 --calls 0 \\
+        --host-ms 12                                                                  # the host's own time
     python benchmarks/join_host.py --device cuda --layers 32 --kv-heads 8 --head-dim 128 --prompt 4096 \\
         --out $OUT/join-host-h200.md                                                  # a GPU: counts and host time
 
@@ -28,7 +30,9 @@ encoded again), ``decisions`` (the rule's decisions taken up), ``commit`` (table
 ``other`` (the lengths).  On the CPU the wall time is the
 simulator's kernels': the counts are the result there, and with ``--calls N`` (``--joins`` by default) N more joins'
 Python function calls by part (:class:`PartCalls`: every call but those inside a kernel launch), which make most
-of a GPU host's time for a join; with ``--device cuda`` the host time of the join (no
+of a GPU host's time for a join, and with ``--host-ms N`` the median host time of N more joins whose kernels the
+simulator does not run (:func:`no_kernels`: the host's own work, a quick measure of a change to it; the memory
+operations a GPU queues are done at the CPU's speed, so it is no GPU host's time); with ``--device cuda`` the host time of the join (no
 synchronisation inside it) and the device time after it are measured in a second run without the counter, and
 each part's own host time in a third (:class:`PartClock`; ``--fine`` also takes the rule's set-up, scan and chain,
 the blocks it copies to the host, the early write and the decisions taken up apart).  The decode steps hold
@@ -40,6 +44,7 @@ import argparse
 import collections
 import contextlib
 import datetime
+import gc
 import os
 import platform
 import statistics
@@ -274,6 +279,25 @@ class PartCalls:
         self._hooked.close()
 
 
+@contextlib.contextmanager
+def no_kernels():
+    """The simulator's kernel launches do nothing (device functions called inside a kernel still run): what is
+    left of a join is the host's own work.  Its results are then not a cache's (nothing encoded, the rule's
+    decisions its inputs), so these joins come last, and only their time is read."""
+    from numba.cuda.simulator import kernel as simulated
+
+    real = simulated.FakeCUDAKernel.__call__
+
+    def launch(self, *args):
+        return real(self, *args) if self._device or simulated._kernel_context else None
+
+    simulated.FakeCUDAKernel.__call__ = launch
+    try:
+        yield
+    finally:
+        simulated.FakeCUDAKernel.__call__ = real
+
+
 def measure(args, layers: int) -> dict:
     cache, rows, pk, pv, tokens = make_cache(args, layers)
     cuda = args.device.startswith("cuda")
@@ -305,6 +329,19 @@ def measure(args, layers: int) -> dict:
         calls.append(dict(calls=dict(counted.calls), epochs=held_epochs(cache) - before))
         i += 1
     sync()
+    bare = []
+    for j in range(0 if cuda else args.host_ms):     # the CPU: the host's own work, the kernels not run
+        with no_kernels():
+            decode_steps(cache, rows, tokens, args.steps, (args.joins + args.calls + j) * args.steps)
+            gc.collect()
+            gc.disable()
+            try:
+                t0 = time.perf_counter()
+                join(cache, rows, pk, pv, i)
+                bare.append((time.perf_counter() - t0) * 1e3)
+            finally:
+                gc.enable()
+        i += 1
     host_ms, device_ms, parts = [], [], collections.defaultdict(list)
     for r in range(args.runs if cuda else 0):
         decode_steps(cache, rows, tokens, args.steps, (args.joins + r) * args.steps)
@@ -327,6 +364,7 @@ def measure(args, layers: int) -> dict:
         i += 1
     epochs = held_epochs(cache) - epochs_before
     return dict(layers=layers, joins=joins, calls=calls, epochs_appended=epochs,
+                bare_ms=statistics.median(bare) if bare else None,
                 host_ms=statistics.median(host_ms) if host_ms else None,
                 part_ms={part: statistics.median(v) for part, v in parts.items()},
                 done_ms=statistics.median(device_ms) if device_ms else None)
@@ -384,14 +422,18 @@ def render(rep: dict) -> str:
         out += table(["layers", "join", "epochs appended"] + parts + ["calls"], rows)
         out.append("")
     for r in rep["results"]:
-        jn = r["joins"][-1]
-        waits = collections.Counter()
-        for part, ops in jn["by_op"].items():
-            for op, n in ops.items():
-                if op.startswith("sync:"):
-                    waits[f"{part} {op[5:]}"] += n
-        listed = ", ".join(f"{k} {v}" for k, v in waits.most_common()) or "none"
-        out.append(f"- {r['layers']} layers, join {len(r['joins']) - 1}: waits by part and op: {listed}")
+        if r["joins"]:
+            waits = collections.Counter()
+            for part, ops in r["joins"][-1]["by_op"].items():
+                for op, n in ops.items():
+                    if op.startswith("sync:"):
+                        waits[f"{part} {op[5:]}"] += n
+            listed = ", ".join(f"{k} {v}" for k, v in waits.most_common()) or "none"
+            out.append(f"- {r['layers']} layers, join {len(r['joins']) - 1}: waits by part and op: {listed}")
+        if r.get("bare_ms") is not None:
+            out.append(f"- {r['layers']} layers: a join's host time with the kernels not run {r['bare_ms']:.2f} ms "
+                       f"(median of {a['host_ms']}; this CPU's own work for the join: no GPU time, and memory "
+                       "operations a GPU queues done here at the CPU's speed)")
         if r["host_ms"] is not None:
             out.append(f"- {r['layers']} layers: a join's host time {r['host_ms']:.2f} ms (median of {a['runs']}), "
                        f"done on the device {r['done_ms']:.2f} ms")
@@ -419,6 +461,9 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=None,
                     help="CPU: joins whose Python calls are counted by part, after those counted (default --joins; "
                          "none on a GPU)")
+    ap.add_argument("--host-ms", type=int, default=0,
+                    help="CPU: joins after those counted with the simulator's kernels not run, their host time's median "
+                         "reported (the host's own work; memory operations at CPU speed)")
     ap.add_argument("--fine", action="store_true", help="the clocked joins take the rule's parts apart too")
     ap.add_argument("--out", type=Path, help="markdown report (and JSON beside it)")
     args = ap.parse_args(argv)

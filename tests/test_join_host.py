@@ -10,14 +10,15 @@ import pytest
 from conftest import benchmark_module
 
 pytest.importorskip("torch")
-pytest.importorskip("numba")
+cuda = pytest.importorskip("numba.cuda")
 
 
 def test_a_join_waits_a_fixed_few_times():
     mod = benchmark_module("join_host")
     args = argparse.Namespace(device="cpu", layers="1", kv_heads=1, head_dim=64, batch=2, base=200, prompt=296,
-                              calib=64, joins=1, steps=0, runs=0, out=None, fine=False, calls=0)
+                              calib=64, joins=1, steps=0, runs=0, out=None, fine=False, calls=0, host_ms=2)
     r = mod.measure(args, 1)
+    assert r["bare_ms"] > 0                      # the host-only joins ran, after the counted one
     (join,) = r["joins"]
     counts = join["counts"]
     assert set(counts) >= {"remove", "reserve", "rule", "encode", "decisions", "commit"}, counts
@@ -25,6 +26,29 @@ def test_a_join_waits_a_fixed_few_times():
     assert counts["rule"].get("launch", 0) >= 1 and counts["rule"].get("sync", 0) == 0, counts["rule"]
     waits = sum(c.get("sync", 0) for c in counts.values())
     assert 1 <= waits <= 7, {p: c.get("sync", 0) for p, c in counts.items()}
+
+
+def _fill(out):
+    out[cuda.grid(1)] = 7
+
+
+def test_no_kernels_skips_the_simulators_launches_and_restores_them():
+    """``--host-ms``'s joins run no kernel; afterwards kernels run again."""
+    import os
+
+    import numpy as np
+
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
+        pytest.skip("no_kernels stubs the simulator's launches")
+
+    mod = benchmark_module("join_host")
+    fill = cuda.jit(_fill)
+    out = np.zeros(4, np.int32)
+    with mod.no_kernels():
+        fill[1, 4](out)
+    assert not out.any()
+    fill[1, 4](out)
+    assert (out == 7).all()
 
 
 def test_the_part_clock_gives_each_part_its_own_time(monkeypatch):
