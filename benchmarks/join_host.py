@@ -376,8 +376,9 @@ def render(rep: dict) -> str:
            f"- {rep['machine']}, {rep['date']}, commit {rep['commit']}, torch {rep['torch']}",
            f"- command: `{rep['command']}`",
            f"- a batch of {a['batch']} sequences ({a['base']} + 97 i tokens), {a['kv_heads']} KV heads x {a['head_dim']}; "
-           f"a {a['prompt']}-token prompt replaces one, {a['joins']} times"
+           f"a {a['prompt']}-token prompt replaces one, {a['joins']} times counted"
            + (f" (then {a['calls']} more, their Python calls counted)" if a.get("calls") else "")
+           + (f" (then {a['host_ms']} more, timed with the simulator's kernels not run)" if a.get("host_ms") else "")
            + (f", each after {a['steps']} eager decode steps of every row" if a.get("steps") else "")
            + "; adaptation on (the cache's default), pools as the cache sizes them for its table, with grow=True "
            "(the sample's content overflows more tiles than the arena plans for), the rule on the device, "
@@ -399,8 +400,9 @@ def render(rep: dict) -> str:
                 name = f"**{part}**" if part == "join" else part
                 rows.append([r["layers"], j, jn["epochs"], name] + [c.get(k, 0) for k in KINDS]
                             + [sum(c.get(k, 0) for k in DEVICE_OPS)])
-    out += table(["layers", "join", "epochs appended", "part"] + list(KINDS) + ["device ops"], rows)
-    out.append("")
+    if rows:
+        out += table(["layers", "join", "epochs appended", "part"] + list(KINDS) + ["device ops"], rows)
+        out.append("")
     counted = [r for r in rep["results"] if r.get("calls")]
     if counted:
         parts = [p for p in PARTS if any(p in c["calls"] for r in counted for c in r["calls"])] + ["other"]
