@@ -490,7 +490,7 @@ class UpdateTransaction:
             # [n, heads, 16, D] in finalized order; a single sequence's blocks stay a view of its input.
             finished = cut[kind][0] if len(cut[kind]) == 1 else torch.cat(cut[kind])
             plan = self._plan_epochs(store, layer, kind, finished, decide)
-            tiles.append(_InPlace((k, v)[kind][0], len(finished) * per) if in_place else blocks_to_tiles(finished))
+            tiles.append(_InPlace((k, v)[kind][0], finished.shape[0] * per) if in_place else blocks_to_tiles(finished))
             epochs.append(plan)
             if on_device:
                 slots.append(None)
@@ -523,7 +523,7 @@ class UpdateTransaction:
         the calibration, in runs of at most ``until_check`` blocks (:meth:`gaac.epochs.Adapter.assign`); on a
         GPU the decode steps' blocks queued ahead of them come first in its batch (:meth:`_lead`).
         """
-        n = len(finished)
+        n = finished.shape[0]
         adapter = store.adapter
         if adapter is None:
             return _Epochs(epochs=np.zeros(n, np.int64), tables=[], after=None, pending=None)
@@ -581,7 +581,7 @@ class UpdateTransaction:
         calibration = self._calibration.copy(share_tables=True)
         for _, _, plan in waiting:
             plan.first_new = plan.after.epoch + 1
-            plan.epochs = np.full(len(plan.blocks), plan.after.epoch, np.int64)
+            plan.epochs = np.full(plan.blocks.shape[0], plan.after.epoch, np.int64)
             after = copy.copy(plan.after)
             after.calibration = calibration
             # the decode blocks queued ahead: the job's first blocks (every step's run at once, rather than a few

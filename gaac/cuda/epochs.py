@@ -971,7 +971,7 @@ class Batch:
         for i, (_, blocks) in enumerate(self.jobs):
             left = n if self.checks[i] == 0 else int((self.r0[i] + n) % every)
             tails.append(blocks[n - left:] if left else blocks[:0])
-        sizes = [len(t) for t in tails]
+        sizes = [t.shape[0] for t in tails]
         if not sum(sizes):
             return [([], None) for _ in tails]
         joined = torch.cat(tails)           # every job's blocks have one shape (_setup): joined on their first axis
