@@ -580,8 +580,9 @@ class UpdateTransaction:
         # appends to its own layer and kind), so that the cache is unchanged until commit.
         calibration = self._calibration.copy(share_tables=True)
         for _, _, plan in waiting:
-            plan.first_new = plan.after.epoch + 1
-            plan.epochs = np.full(plan.blocks.shape[0], plan.after.epoch, np.int64)
+            epoch = plan.after.epoch
+            plan.first_new = epoch + 1
+            plan.epochs = np.full(plan.blocks.shape[0], epoch, np.int64)
             after = copy.copy(plan.after)
             after.calibration = calibration
             # the decode blocks queued ahead: the job's first blocks (every step's run at once, rather than a few
@@ -655,7 +656,8 @@ class UpdateTransaction:
                 plan.blocks = None
                 if batch.decide:        # a fitted prompt's jobs, which cannot append, say nothing of the next
                     jobs, missed = jobs + 1, missed + bool(plan.tables)
-                if u.entries[kind] is not None and not np.array_equal(guessed, epochs):
+                # (both [n] int64: one comparison, not np.array_equal's checks and conversions a job)
+                if u.entries[kind] is not None and not (guessed == epochs).all():
                     redo.append((u, kind))
         if jobs:
             self._guess_misses = (self._guess_misses + missed / jobs) / 2
