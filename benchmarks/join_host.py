@@ -383,6 +383,9 @@ def render(rep: dict) -> str:
            + "; adaptation on (the cache's default), pools as the cache sizes them for its table, with grow=True "
            "(the sample's content overflows more tiles than the arena plans for), the rule on the device, "
            f"calibration from the text's first {a['calib']} tokens; content: the shipped sample (SmolLM2-135M, prose)",
+           "- not a serving loop's figure (a few joins, each after a few eager steps of a small batch, on the shipped "
+           "sample's content): the user's figure for joins is benchmarks/serving.py's b8-16k-join rows "
+           "(results/serving-<device>.md), graph and eager",
            "- benchmarks/join_host.py says what each part counts; `device ops` sums "
            + ", ".join(DEVICE_OPS) + "; `sync` is the host waiting for the device", ""]
     rows = []
